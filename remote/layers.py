@@ -1,0 +1,81 @@
+"""EAGLE-3 layer ids and their two conventions (stdlib only).
+
+Mixing the conventions is silent, so every id list specops writes carries its
+convention name:
+
+``output``  the OUTPUT of 0-based decoder layer ``i`` (residual stream after layer ``i``).
+            speculators 0.3.0 captures ``[2, N//2, N-3, N-1]`` this way. SpecForge and
+            Model-Optimizer use output-of-layer ``[1, N//2-1, N-4]``.
+``input``   the INPUT of decoder layer ``i``; ``N`` names the final state.
+            vLLM / EAGLE / speculators >= 0.5 use ``[2, N//2, N-3]`` (+ ``N``).
+
+In HF ``output_hidden_states`` terms (``hs[0]`` = embeddings, ``hs[k]`` = output of
+layer ``k-1``), ``output:i`` is ``hs[i+1]`` and ``input:i`` is ``hs[i]``.
+
+.. note:: HF applies the final norm to ``hs[N]``; vLLM's last layer output (the
+   residual sum) is taken *before* that norm. Compare layer ``N-1`` (output) or ``N``
+   (input) against the pre-norm residual, not against ``hs[N]``.
+"""
+from __future__ import annotations
+
+OUTPUT, INPUT = "output", "input"
+CONVENTIONS = {
+    OUTPUT: "output of 0-based decoder layer i (HF hidden_states[i+1])",
+    INPUT: "input of 0-based decoder layer i; N = final state (HF hidden_states[i])",
+}
+
+#: engine name -> convention of its layer ids.
+ENGINE_CONVENTION = {
+    "speculators-0.3": OUTPUT,
+    "hf-reference": OUTPUT,
+    "vllm-server": INPUT,
+}
+
+
+def default_layer_ids(engine: str, num_layers: int) -> tuple[list[int], str]:
+    """The engine's own default ids for a model of ``num_layers`` decoder layers."""
+    n = int(num_layers)
+    convention = ENGINE_CONVENTION.get(engine)
+    if convention is None:
+        raise ValueError(f"unknown engine {engine!r}; known: {sorted(ENGINE_CONVENTION)}")
+    if convention == OUTPUT:
+        return [2, n // 2, n - 3, n - 1], OUTPUT
+    return [2, n // 2, n - 3, n], INPUT
+
+
+def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
+    """Every reason the ids cannot be captured as asked; empty when they are fine.
+
+    Duplicates are an error: speculators keeps a *set* of ids, so fewer layers than
+    asked come back, silently (FACTS.md: N=6 gives 2, 3, 3, 5).
+    """
+    problems = []
+    if convention not in CONVENTIONS:
+        return [f"unknown layer convention {convention!r}; use one of {sorted(CONVENTIONS)}"]
+    if not layer_ids:
+        problems.append("no layer ids given")
+    top = num_layers - 1 if convention == OUTPUT else num_layers
+    for lid in layer_ids:
+        if isinstance(lid, bool) or not isinstance(lid, int):
+            problems.append(f"layer id {lid!r} is not an integer")
+        elif lid < 0 or lid > top:
+            problems.append(f"layer id {lid} is out of range 0..{top} ({convention} convention, "
+                            f"{num_layers} layers)")
+    dupes = sorted({x for x in layer_ids if layer_ids.count(x) > 1}, key=str)
+    if dupes:
+        problems.append(f"duplicate layer ids {dupes}: the engine keeps a set and would silently "
+                        f"return fewer layers")
+    return problems
+
+
+def hf_hidden_state_index(layer_id: int, convention: str) -> int:
+    """Index into HF ``output_hidden_states`` for a layer id in ``convention``."""
+    return layer_id + 1 if convention == OUTPUT else layer_id
+
+
+def convert(layer_ids, src: str, dst: str) -> list[int]:
+    """Name the same tensors in the other convention (output:i == input:i+1)."""
+    if src == dst:
+        return list(layer_ids)
+    shift = 1 if (src, dst) == (OUTPUT, INPUT) else -1
+    return [i + shift for i in layer_ids]

@@ -1,0 +1,58 @@
+"""The one result contract between the host and the controller (stdlib only).
+
+Every check and step is a *record*::
+
+    {"name": "checkpoint.shards", "area": "checkpoint", "status": "fail",
+     "summary": "2 of 4 shards missing", "detail": {...}, "fix": "re-download ..."}
+
+``status`` is one of ok / changed / skipped / warn / fail. A remote task returns one
+*payload* (``{"records": [...], "data": {...}}``) which the entry script prints on
+stdout between two marker lines, so that whatever libraries print around it (vLLM
+is chatty) never breaks parsing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+OK, CHANGED, SKIPPED, WARN, FAIL = "ok", "changed", "skipped", "warn", "fail"
+STATUSES = (OK, CHANGED, SKIPPED, WARN, FAIL)
+
+RESULT_BEGIN = "@@SPECOPS-RESULT-BEGIN@@"
+RESULT_END = "@@SPECOPS-RESULT-END@@"
+
+
+def record(name, status, summary, detail=None, fix=None, area=None):
+    """Build one result record; ``area`` defaults to the part of ``name`` before the dot."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    if status == FAIL and not fix:
+        raise ValueError(f"record {name!r} fails without a fix hint")
+    return {
+        "name": name,
+        "area": area or name.split(".", 1)[0],
+        "status": status,
+        "summary": str(summary).splitlines()[0] if summary else "",
+        "detail": detail if detail is not None else {},
+        "fix": fix,
+    }
+
+
+def payload(records, **data):
+    return {"records": list(records), "data": data}
+
+
+def emit(result) -> None:
+    """Write the payload framed by marker lines to the real stdout and flush."""
+    text = json.dumps(result, default=str, ensure_ascii=True)
+    out = os.fdopen(os.dup(sys.__stdout__.fileno()), "w")
+    with out:
+        out.write(f"\n{RESULT_BEGIN}\n{text}\n{RESULT_END}\n")
+        out.flush()
+
+
+def worst(records):
+    """The worst status among records (fail > warn > changed > ok > skipped)."""
+    order = {SKIPPED: 0, OK: 1, CHANGED: 2, WARN: 3, FAIL: 4}
+    return max((r["status"] for r in records), key=order.__getitem__, default=OK)

@@ -1,0 +1,52 @@
+"""Every exit code specops returns, named once (like pip's ``status_codes``).
+
+Task exit codes (``specops preflight``, ``patch``, ``extract``, ...):
+
+====  ===============  ===========================================================
+code  name             meaning
+====  ===============  ===========================================================
+0     SUCCESS          every check/step ended ok, changed, skipped or warn
+1     FAILED           at least one check or step failed (see its ``fix``)
+2     UNREACHABLE      a host could not be reached, or its host key was refused
+3     USAGE            bad input: inventory, flags or arguments (nothing was run)
+4     INTERNAL         a bug in specops itself; please report it with ``--debug``
+====  ===============  ===========================================================
+
+Job exit codes (``specops status`` / following a run), borrowed from SkyPilot:
+
+====  ===============  ===========================================================
+100   JOB_FAILED       the run failed (the status file names the rank and cause)
+101   JOB_RUNNING      the run has not finished yet (still loading or extracting)
+102   JOB_NOT_FOUND    no run with that id on the host
+103   JOB_ABORTED      the run was aborted
+====  ===============  ===========================================================
+"""
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    SUCCESS = 0
+    FAILED = 1
+    UNREACHABLE = 2
+    USAGE = 3
+    INTERNAL = 4
+    JOB_FAILED = 100
+    JOB_RUNNING = 101
+    JOB_NOT_FOUND = 102
+    JOB_ABORTED = 103
+
+    @classmethod
+    def from_job_state(cls, state: str) -> "ExitCode":
+        return {
+            "done": cls.SUCCESS,
+            "failed": cls.JOB_FAILED,
+            "aborted": cls.JOB_ABORTED,
+            "missing": cls.JOB_NOT_FOUND,
+        }.get(state, cls.JOB_RUNNING)
+
+    @classmethod
+    def help_text(cls) -> str:
+        """One line per code, generated from the enum so help never drifts from it."""
+        return "; ".join(f"{c.value}={c.name.lower()}" for c in cls)

