@@ -1,0 +1,513 @@
+"""Tiny random "twins" of real checkpoints, and the test host's reference models.
+
+A tiny twin keeps everything that decides *how* a model is loaded and run
+(``model_type``, ``architectures``, the DeepSeek family keys such as
+``scoring_func`` / ``topk_method`` / ``llama_4_scaling``, MoE routing keys, a
+``text_config`` wrapping) and shrinks everything that decides *how big* it is
+(layers, hidden size, heads, experts, vocab). Weights are random bf16, written as
+several safetensors shards with an index json, like a real download. Nothing is
+ever fetched from a model hub.
+
+Used two ways:
+
+* ``python -m remote.tinymodel --out DIR`` builds the test host's reference set:
+  ``llama/``, ``deepseek_v3/``, ``kimi_k25/`` and ``chat.jsonl``, and prints a JSON
+  dict of their paths.
+* ``python -m remote.tinymodel --out DIR --twin-of /models/Kimi-K2.5`` builds the
+  tiny twin of a real checkpoint from its ``config.json`` (and copies its
+  tokenizer files), for ``fab smoke`` on a real host.
+
+Sizes that matter (checked on vLLM 0.16 CPU, see ../shared/FACTS.md): head_dim 64
+(the CPU attention backend refuses 16), at least 8 layers (speculators 0.3.0's
+default layer ids ``[2, N//2, N-3, N-1]`` collide below that). DeepSeek MLA dims
+are ``qk_nope 32 + qk_rope 32 = 64`` so that with ``VLLM_MLA_DISABLE=1`` the
+plain attention path runs with head size 64.
+
+What was found about Kimi-K2.5 (``model_type: kimi_k25``):
+
+* transformers 4.57 has no ``kimi_k25``: ``AutoConfig`` needs remote code
+  (``trust_remote_code`` and the checkpoint's own ``configuration_kimi_k25.py``),
+  which we never have offline. The text model is plain DeepSeek-V3, so it loads
+  with ``DeepseekV3Config(**config["text_config"])`` and the weights under the
+  ``language_model.`` prefix.
+* vLLM 0.16 ships its own ``KimiK25Config`` (``vllm/transformers_utils/configs/
+  kimi_k25.py``) and ``KimiK25ForConditionalGeneration`` (``models/kimi_k25.py``):
+  the language model is ``DeepseekV2ForCausalLM`` built from ``text_config`` under
+  the prefix ``language_model`` (weights ``language_model.model.layers.N...``,
+  ``language_model.lm_head.weight``; the legacy ``language_model.layers.`` is
+  mapped too). Its processing info calls ``cached_get_image_processor(model,
+  trust_remote_code=True)``, i.e. it needs the checkpoint's remote-code image
+  processor; see ``KIMI_K25_VLLM_NOTE`` for what that means for loading the tiny
+  twin.
+
+``llama_4_scaling``: vLLM 0.16 ``DeepseekV2Model.forward`` reads exactly
+``original_max_position_embeddings`` and ``beta`` and multiplies q by
+``1 + beta * log(1 + floor(pos / original_max_position_embeddings))``. With
+``original_max_position_embeddings = 16`` every position >= 16 is scaled, so any
+test sequence longer than 16 tokens sees it. transformers 4.57's DeepseekV3 does
+NOT implement ``llama_4_scaling``: its states equal vLLM's only before position 16.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+#: The smallest layer count whose speculators 0.3.0 default layer ids don't collide.
+MIN_LAYERS = 8
+HIDDEN = 256
+HEADS = 4
+HEAD_DIM = 64
+INTERMEDIATE = 512
+MOE_INTERMEDIATE = 64
+ROUTED_EXPERTS = 8
+MAX_EXPERTS_PER_TOKEN = 2
+#: MLA dims: nope + rope = 64 = the head size the CPU attention accepts.
+MLA_DIMS = {"q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 32, "v_head_dim": 64}
+TINY_VISION = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
+               "intermediate_size": 128}
+#: Keys whose presence (not value) would make a loader expect a different checkpoint.
+DROPPED_KEYS = ("quantization_config", "compression_config")
+#: Reference tokenizer size (special tokens + words); the models' vocab_size equals it.
+REFERENCE_VOCAB = 512
+
+SPECIAL_TOKENS = {"pad": "<|pad|>", "bos": "<|bos|>", "eos": "<|end|>", "unk": "<|unk|>"}
+ROLE_TOKENS = ("<|start|>", "<|message|>")
+#: Renders ``<|start|>ROLE<|message|>TEXT<|end|>`` per message. speculators 0.3.0
+#: finds the assistant spans by the ``<...assistant`` marker and the text after the
+#: last assistant message, which this layout gives it unambiguously.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
+)
+KIMI_K25_VLLM_NOTE = "set by make_reference_models() after checking; see module docstring"
+
+_WORDS = """
+the a an and or but if then so because of to in on at by for with from about into over
+under after before between through during without again is are was were be been being
+have has had do does did will would can could should may might must shall i you he she it
+we they me him her us them my your his its our their this that these those what which who
+whom whose when where why how all any both each few more most other some such no not only
+own same than too very just now here there up down out off once model layer state token
+head weight shard index host server data train test run load save read write check patch
+fix error value number word text chat user assistant system question answer hello please
+thanks yes good new old first last long short big small fast slow red blue green cat dog
+bird fish tree river stone cloud rain sun moon star light dark day night time year week
+world city house road book paper letter music song game story idea plan work help make
+take give find tell ask show try call keep start stop turn move live feel think know see
+look want need use like go come get put seem leave begin . , ? ! : ; ' -
+""".split()
+_SYLLABLES = "ka ko ru mi ta ne so lu pe di va zo".split()
+
+
+# --------------------------------------------------------------------------- configs
+
+def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | None = None) -> dict:
+    """Return the tiny twin's config.json dict for a real model's config.json dict.
+
+    :param config: the real ``config.json`` as a dict (not changed).
+    :param num_layers: decoder layers of the twin; at least 8 (see ``MIN_LAYERS``).
+    :param vocab_size: the twin's vocab; ``None`` keeps the real one (right when the
+        twin reuses the real tokenizer).
+    :returns: a new dict; a ``text_config`` wrapper stays a wrapper (the text model
+        inside is shrunk, a ``vision_config`` beside it is shrunk too).
+    :raises ValueError: for ``num_layers < 8``.
+
+    >>> tiny = shrink_config({"model_type": "llama", "hidden_size": 4096,
+    ...     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8})
+    >>> tiny["hidden_size"], tiny["num_hidden_layers"], tiny["num_key_value_heads"]
+    (256, 8, 2)
+    """
+    if num_layers < MIN_LAYERS:
+        raise ValueError(
+            f"num_layers={num_layers}: use at least {MIN_LAYERS}, or speculators 0.3.0's "
+            f"default EAGLE-3 layer ids [2, N//2, N-3, N-1] collide and layers go missing")
+    tiny = copy.deepcopy(config)
+    for key in DROPPED_KEYS:
+        tiny.pop(key, None)
+    if isinstance(tiny.get("text_config"), dict):
+        tiny["text_config"] = _shrink_text(tiny["text_config"], num_layers, vocab_size)
+        if isinstance(tiny.get("vision_config"), dict):
+            tiny["vision_config"] = _shrink_vision(tiny["vision_config"])
+        if "vocab_size" in tiny and vocab_size is not None:
+            tiny["vocab_size"] = vocab_size
+        return tiny
+    return _shrink_text(tiny, num_layers, vocab_size)
+
+
+def _shrink_text(cfg: dict, num_layers: int, vocab_size: int | None) -> dict:
+    cfg = copy.deepcopy(cfg)
+    for key in DROPPED_KEYS:
+        cfg.pop(key, None)
+    heads = cfg.get("num_attention_heads", HEADS)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    cfg.update(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=num_layers,
+               intermediate_size=INTERMEDIATE,
+               # Keep grouped-query attention grouped (and divisible by TP=2).
+               num_key_value_heads=HEADS if kv_heads >= heads else HEADS // 2)
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    if _is_mla(cfg):
+        # DeepSeek-V2-Lite style models have q_lora_rank null (a plain q_proj): keep that.
+        plain_q = "q_lora_rank" in cfg and cfg["q_lora_rank"] is None
+        cfg.update(MLA_DIMS)
+        if plain_q:
+            cfg["q_lora_rank"] = None
+        cfg["num_key_value_heads"] = HEADS
+        if "head_dim" in cfg:  # transformers' DeepseekV3Config sets head_dim = qk_rope_head_dim
+            cfg["head_dim"] = MLA_DIMS["qk_rope_head_dim"]
+    else:
+        cfg["head_dim"] = HEAD_DIM
+    _shrink_moe(cfg, num_layers)
+    return cfg
+
+
+def _is_mla(cfg: dict) -> bool:
+    return "kv_lora_rank" in cfg and "qk_rope_head_dim" in cfg
+
+
+def _shrink_moe(cfg: dict, num_layers: int) -> None:
+    """Few experts, routing keys kept consistent: top-k <= experts, groups divide experts."""
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if cfg.get(key):
+            cfg[key] = ROUTED_EXPERTS
+    if cfg.get("num_experts_per_tok"):
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], MAX_EXPERTS_PER_TOKEN)
+    if cfg.get("n_group"):
+        # 4 groups of 2 experts: the noaux_tc group score (sum of a group's top-2) still works.
+        cfg["n_group"] = 1 if cfg["n_group"] == 1 else 4
+        cfg["topk_group"] = min(cfg.get("topk_group") or 1, max(1, cfg["n_group"] // 2))
+    if cfg.get("n_shared_experts"):
+        cfg["n_shared_experts"] = 1
+    if cfg.get("first_k_dense_replace"):
+        cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], 1)
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if cfg.get(key):
+            cfg[key] = MOE_INTERMEDIATE
+    for key in ("num_nextn_predict_layers",):
+        if key in cfg:
+            cfg[key] = 0  # MTP layers are not part of the decoder stack we extract from
+
+
+def _shrink_vision(cfg: dict) -> dict:
+    cfg = copy.deepcopy(cfg)
+    for key, value in TINY_VISION.items():
+        if key in cfg or key == "hidden_size":
+            cfg[key] = value
+    if "mm_hidden_size" in cfg:
+        cfg["mm_hidden_size"] = TINY_VISION["hidden_size"]
+    return cfg
+
+
+# --------------------------------------------------------------------------- weights
+
+def _hf_config_class(cfg: dict):
+    """The transformers config class for a (text) config dict, without remote code."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    by_arch = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
+               "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+    for arch in cfg.get("architectures") or []:
+        if arch in by_arch:
+            return CONFIG_MAPPING[by_arch[arch]]
+    raise ValueError(
+        f"config model_type={model_type!r} (architectures={cfg.get('architectures')}) is "
+        f"unknown to transformers without remote code; add its architecture to "
+        f"remote.tinymodel._hf_config_class's by_arch table")
+
+
+def _natural_key(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _split_shards(tensors: dict, num_shards: int) -> list[dict]:
+    """Cut tensors (in layer order) into ``num_shards`` contiguous, byte-balanced groups."""
+    names = sorted(tensors, key=_natural_key)
+    if len(names) < num_shards:
+        raise ValueError(f"{len(names)} tensors cannot fill {num_shards} shards")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    shards, current, filled = [], {}, 0
+    for i, name in enumerate(names):
+        current[name] = tensors[name]
+        filled += tensors[name].numel() * tensors[name].element_size()
+        left_names, left_shards = len(names) - i - 1, num_shards - len(shards) - 1
+        if left_shards and (filled >= total * (len(shards) + 1) / num_shards
+                            or left_names == left_shards):
+            shards.append(current)
+            current = {}
+    shards.append(current)
+    return shards
+
+
+def write_shards(tensors: dict, out_dir: Path, num_shards: int) -> dict:
+    """Write bf16 safetensors shards plus ``model.safetensors.index.json``; return the index."""
+    from safetensors.torch import save_file
+
+    weight_map, total = {}, 0
+    for i, shard in enumerate(_split_shards(tensors, num_shards), start=1):
+        filename = f"model-{i:05d}-of-{num_shards:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(out_dir / filename),
+                  metadata={"format": "pt"})
+        for name, tensor in shard.items():
+            weight_map[name] = filename
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def _random_text_model(text_cfg: dict, seed: int):
+    """Random-weight causal LM for a text config; returns (model, full config dict)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config_cls = _hf_config_class(text_cfg)
+    known = {k: v for k, v in text_cfg.items() if k != "model_type"}
+    hf_config = config_cls(**known)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    # to_diff_dict drops transformers' generic defaults (id2label, top_k, ...), as
+    # save_pretrained does; then our keys win: original model_type, extra family keys.
+    full = hf_config.to_diff_dict()
+    full.update(text_cfg)
+    full["torch_dtype"] = "bfloat16"
+    return model, full
+
+
+def build_model(config: dict, out_dir, *, num_shards: int = 3, seed: int = 0,
+                tokenizer_dir=None) -> Path:
+    """Write a random-weight checkpoint for ``config`` (already tiny) into ``out_dir``.
+
+    :param config: a config.json dict, e.g. from :func:`shrink_config`. A
+        ``text_config`` wrapper builds the text model inside and stores its weights
+        under ``language_model.`` (the Kimi-K2.5 / vLLM naming).
+    :param num_shards: safetensors shards to write (>= 2 makes the index matter).
+    :param tokenizer_dir: copy this checkpoint's tokenizer files; ``None`` writes the
+        small reference tokenizer (its size must equal the config's vocab_size).
+    :returns: ``out_dir`` as a Path.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped = isinstance(config.get("text_config"), dict)
+    text_cfg = config["text_config"] if wrapped else config
+    model, full_text_cfg = _random_text_model(text_cfg, seed)
+    prefix = "language_model." if wrapped else ""
+    tensors = {prefix + name: tensor.detach().to("cpu").contiguous()
+               for name, tensor in model.state_dict().items()}
+    write_shards(tensors, out_dir, num_shards)
+    if wrapped:
+        written = copy.deepcopy(config)
+        written["text_config"] = full_text_cfg
+        written.setdefault("torch_dtype", "bfloat16")
+    else:
+        written = full_text_cfg
+    (out_dir / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    generation = {k: text_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                  if text_cfg.get(k) is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out_dir)
+    else:
+        reference_tokenizer().save_pretrained(str(out_dir), save_jinja_files=False)
+    return out_dir
+
+
+TOKENIZER_FILE_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                           "chat_template*", "*.tiktoken", "tiktoken*", "vocab*", "merges.txt",
+                           "tokenization_*.py")
+
+
+def copy_tokenizer(src, dst) -> list[str]:
+    """Copy a checkpoint's tokenizer files (incl. remote-code tokenizers); returns names."""
+    src, copied = Path(src), []
+    for pattern in TOKENIZER_FILE_PATTERNS:
+        for path in sorted(src.glob(pattern)):
+            if path.is_file():
+                shutil.copy2(path, Path(dst) / path.name)
+                copied.append(path.name)
+    if not copied:
+        raise FileNotFoundError(f"no tokenizer files in {src} (looked for {TOKENIZER_FILE_PATTERNS})")
+    return copied
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def reference_vocab(size: int = REFERENCE_VOCAB) -> list[str]:
+    """Special tokens, then common words, then made-up syllable words up to ``size``."""
+    vocab = list(SPECIAL_TOKENS.values()) + list(ROLE_TOKENS)
+    for word in _WORDS:
+        if word not in vocab:
+            vocab.append(word)
+    for a in _SYLLABLES:
+        for b in _SYLLABLES:
+            for c in ("", "n", "r"):
+                if len(vocab) >= size:
+                    return vocab
+                vocab.append(a + b + c)
+    return vocab
+
+
+def reference_tokenizer():
+    """A small WordLevel PreTrainedTokenizerFast with bos/eos/pad/unk and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = reference_vocab()
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)},
+                                     unk_token=SPECIAL_TOKENS["unk"]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS["bos"], eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"], unk_token=SPECIAL_TOKENS["unk"],
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=2048,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _token_ids() -> dict:
+    vocab = reference_vocab()
+    return {"pad_token_id": vocab.index(SPECIAL_TOKENS["pad"]),
+            "bos_token_id": vocab.index(SPECIAL_TOKENS["bos"]),
+            "eos_token_id": vocab.index(SPECIAL_TOKENS["eos"])}
+
+
+# --------------------------------------------------------------------------- dataset
+
+def write_chat_dataset(path, num_records: int = 24, seed: int = 0) -> Path:
+    """A chat JSONL in the ShareGPT-like shape speculators 0.3.0 reads.
+
+    ``speculators.data_generation.preprocessing`` takes the ``conversations`` column
+    and accepts ``role``/``content`` (or ``from``/``value``) per turn, with roles
+    user/assistant (or human/gpt). Every word is in the reference vocab, lengths
+    vary (about 20 to 150 tokens templated), and every 4th record has two rounds.
+    """
+    rng = random.Random(seed)
+    words = [w for w in reference_vocab() if not w.startswith("<|")]
+
+    def sentence(low, high):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    path = Path(path)
+    with path.open("w") as fh:
+        for i in range(num_records):
+            rounds = 2 if i % 4 == 3 else 1
+            turns = []
+            for _ in range(rounds):
+                turns.append({"role": "user", "content": sentence(4, 16)})
+                turns.append({"role": "assistant", "content": sentence(8, 48)})
+            fh.write(json.dumps({"id": f"chat-{i:03d}", "conversations": turns}) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- references
+
+#: Real-sized configs (public key layout, trimmed) that the reference twins are shrunk from.
+LLAMA_LIKE = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "vocab_size": 128256,
+}
+DEEPSEEK_V3_LIKE = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "vocab_size": 129280, "num_nextn_predict_layers": 1,
+    # vLLM 0.16 reads exactly these two keys; 16 makes every position >= 16 scaled.
+    "llama_4_scaling": {"original_max_position_embeddings": 16, "beta": 0.5},
+}
+KIMI_K25_LIKE = {
+    "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+    "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                 "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+    "media_placeholder_token_id": 0, "pad_token_id": 0,
+    "text_config": dict({k: v for k, v in DEEPSEEK_V3_LIKE.items() if k != "llama_4_scaling"},
+                        n_routed_experts=384, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, num_attention_heads=64),
+    "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14,
+                      "hidden_size": 1152, "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "intermediate_size": 4304,
+                      "merge_kernel_size": [2, 2], "mm_hidden_size": 1152},
+}
+
+
+def reference_configs() -> dict:
+    """The three reference twins' configs, each shrunk from a real-sized config."""
+    ids = _token_ids()
+    out = {}
+    for name, real in (("llama", LLAMA_LIKE), ("deepseek_v3", DEEPSEEK_V3_LIKE),
+                       ("kimi_k25", KIMI_K25_LIKE)):
+        tiny = shrink_config(real, num_layers=MIN_LAYERS, vocab_size=REFERENCE_VOCAB)
+        target = tiny["text_config"] if "text_config" in tiny else tiny
+        target.update(ids)
+        target["max_position_embeddings"] = 2048
+        out[name] = tiny
+    out["kimi_k25"]["pad_token_id"] = ids["pad_token_id"]
+    out["kimi_k25"]["media_placeholder_token_id"] = REFERENCE_VOCAB - 1
+    return out
+
+
+def make_reference_models(out_root) -> dict:
+    """Build the test host's tiny models and chat dataset under ``out_root``.
+
+    :returns: ``{"llama": Path, "deepseek_v3": Path, "kimi_k25": Path, "dataset": Path}``.
+    """
+    out_root = Path(out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for seed, (name, config) in enumerate(reference_configs().items()):
+        paths[name] = build_model(config, out_root / name, num_shards=3, seed=seed)
+    paths["dataset"] = write_chat_dataset(out_root / "chat.jsonl")
+    return paths
+
+
+def build_twin(model_dir, out_dir, *, num_layers: int = MIN_LAYERS, num_shards: int = 3) -> Path:
+    """Tiny twin of the checkpoint in ``model_dir`` (its config and tokenizer; no weights read)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return build_model(shrink_config(config, num_layers=num_layers), out_dir,
+                       num_shards=num_shards, tokenizer_dir=model_dir)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remote.tinymodel", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="directory to write into")
+    parser.add_argument("--twin-of", help="a real checkpoint dir: build its tiny twin instead")
+    parser.add_argument("--layers", type=int, default=MIN_LAYERS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.twin_of:
+        paths = {"twin": build_twin(args.twin_of, args.out, num_layers=args.layers)}
+    else:
+        paths = make_reference_models(args.out)
+    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
