@@ -1,0 +1,63 @@
+"""Preflight probes: one module per area, each a plain function over a :class:`Context`.
+
+A probe reads what it needs from ``ctx.params`` and from facts earlier probes left on
+the context (``ctx.host``, ``ctx.model``, ...), and returns a list of
+:func:`remote.protocol.record`. Probes never raise for a broken host or model: a
+missing file or a bad value is a ``fail`` record with a fix. They import only the
+standard library; the one probe that needs transformers runs it in a subprocess
+(:mod:`remote.probes.hf_load`).
+"""
+from __future__ import annotations
+
+import os
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+
+
+class Context:
+    """What the probes of one preflight run share.
+
+    :param params: the normalized params (see ``remote.preflight.normalize_params``).
+    """
+
+    def __init__(self, params: dict):
+        self.params = params
+        #: host facts: python, os, cpus, ram, gpus, disk (filled by ``host``).
+        self.host: dict = {}
+        #: model summary from config.json (filled by ``model``); empty when unreadable.
+        self.model: dict = {}
+        #: checkpoint facts: files, bytes (filled by ``checkpoint``).
+        self.checkpoint: dict = {}
+        #: the layer ids the run would capture and their convention (filled by ``layer_ids``).
+        self.layers: dict = {}
+
+    def env(self, name: str, default=None):
+        """A variable as the extraction job will see it: the inventory's ``env`` wins over ours."""
+        job_env = self.params.get("env") or {}
+        if name in job_env:
+            return str(job_env[name])
+        return os.environ.get(name, default)
+
+
+def human_bytes(n) -> str:
+    """``1536 -> '1.5 KiB'``; ``None -> '?'``."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def nearest_existing(path: str) -> str:
+    """The path itself or its closest existing parent (where a new dir would be made)."""
+    p = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p

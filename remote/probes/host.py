@@ -1,0 +1,385 @@
+"""Host probe: python, OS, CPUs, RAM, GPUs (nvidia-smi), CPU-engine needs, free disk.
+
+The nvidia-smi part is two pure parsers over the text nvidia-smi prints for our exact
+query flags (:data:`GPU_QUERY`, :data:`APPS_QUERY`), so the tests parse fixtures
+recorded on a real GPU host and the probe parses the live output the same way::
+
+    >>> parse_gpus("0, GPU-5c1e, 550.54.15, 143771, 0, 143176, 0, NVIDIA H200\\n")[0]["memory_free_mib"]
+    143176
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import GiB, MiB, Context, human_bytes, nearest_existing
+
+#: Fields asked of ``--query-gpu``; ``name`` last because it is free text.
+GPU_FIELDS = ("index", "uuid", "driver_version", "memory.total", "memory.used", "memory.free",
+              "utilization.gpu", "name")
+#: Fields asked of ``--query-compute-apps``; ``process_name`` last because it is a path.
+APP_FIELDS = ("gpu_uuid", "pid", "used_memory", "process_name")
+GPU_QUERY = ["nvidia-smi", "--query-gpu=" + ",".join(GPU_FIELDS), "--format=csv,noheader,nounits"]
+APPS_QUERY = ["nvidia-smi", "--query-compute-apps=" + ",".join(APP_FIELDS),
+              "--format=csv,noheader,nounits"]
+NVIDIA_SMI_TIMEOUT_S = 20
+
+#: memory.used above this on a GPU with no listed process means someone we cannot see
+#: (another container, a PID namespace) holds it.
+HIDDEN_USE_MIB = 1024
+
+#: vLLM 0.16's CPU engine needs AVX2 at least (FACTS.md: AVX2 is enough).
+CPU_ISA_FLAGS = ("avx512f", "avx2")
+
+
+def probe(ctx: Context) -> list:
+    """Run every host check; leaves the facts in ``ctx.host``."""
+    records = [_python(ctx), _os(ctx), _cpus(ctx), _ram(ctx)]
+    records += _gpus(ctx)
+    if ctx.params["device"] == "cpu":
+        records += _cpu_engine(ctx)
+    records += _disks(ctx)
+    return records
+
+
+# -- pure parsers ---------------------------------------------------------------------------
+
+def _value(text: str):
+    """One nvidia-smi CSV cell: ``[N/A]``/``[Not Supported]`` -> None, numbers -> int/float."""
+    text = text.strip()
+    if not text or text.strip("[]") in ("N/A", "Not Supported", "Unknown Error", "Insufficient Permissions"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def _rows(text: str, fields) -> list:
+    """Split CSV lines into dicts; the last field takes the rest of the line (it may hold ', ')."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = line.split(",", len(fields) - 1)
+        if len(cells) != len(fields):
+            raise ValueError(f"nvidia-smi line has {len(cells)} fields, expected {len(fields)}: {line!r}")
+        rows.append({f: _value(c) for f, c in zip(fields, cells)})
+    return rows
+
+
+def parse_gpus(text: str) -> list:
+    """GPUs from ``nvidia-smi`` run with :data:`GPU_QUERY` (MiB, percent).
+
+    :returns: one dict per GPU: index, uuid, name, driver, memory_total_mib,
+        memory_used_mib, memory_free_mib, utilization_pct.
+    :raises ValueError: on a line that does not have the fields asked for.
+    """
+    gpus = []
+    for row in _rows(text, GPU_FIELDS):
+        gpus.append({
+            "index": row["index"], "uuid": row["uuid"], "name": row["name"],
+            "driver": None if row["driver_version"] is None else str(row["driver_version"]),
+            "memory_total_mib": row["memory.total"], "memory_used_mib": row["memory.used"],
+            "memory_free_mib": row["memory.free"], "utilization_pct": row["utilization.gpu"],
+        })
+    return gpus
+
+
+def parse_apps(text: str) -> list:
+    """Processes holding GPU memory, from ``nvidia-smi`` run with :data:`APPS_QUERY`.
+
+    An idle host prints nothing (or "No running processes found" on old drivers).
+    """
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lower().startswith("no running")]
+    return [{"gpu_uuid": r["gpu_uuid"], "pid": r["pid"], "used_memory_mib": r["used_memory"],
+             "process_name": r["process_name"]} for r in _rows("\n".join(lines), APP_FIELDS)]
+
+
+def parse_meminfo(text: str) -> dict:
+    """``/proc/meminfo`` -> ``{"MemTotal": bytes, ...}`` (the file counts in kB)."""
+    info = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            info[key.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    return info
+
+
+def visible_gpus(gpus: list, cuda_visible_devices) -> list:
+    """The GPUs a job sees under ``CUDA_VISIBLE_DEVICES`` (indices or UUID prefixes), in its order."""
+    if cuda_visible_devices is None:
+        return list(gpus)
+    chosen = []
+    for token in (t.strip() for t in str(cuda_visible_devices).split(",")):
+        if not token:
+            continue
+        match = [g for g in gpus if str(g["index"]) == token
+                 or (g["uuid"] and str(g["uuid"]).startswith(token))]
+        if not match:
+            break  # CUDA stops at the first entry it cannot resolve
+        chosen.append(match[0])
+    return chosen
+
+
+def summarize_gpu_use(gpus: list, apps: list) -> list:
+    """Per GPU, who already holds memory: listed processes, or memory used by someone unseen."""
+    busy = []
+    for gpu in gpus:
+        procs = [a for a in apps if a["gpu_uuid"] == gpu["uuid"]]
+        used = gpu["memory_used_mib"] or 0
+        if procs or used > HIDDEN_USE_MIB:
+            busy.append({"index": gpu["index"], "memory_used_mib": used,
+                         "processes": [{k: p[k] for k in ("pid", "process_name", "used_memory_mib")}
+                                       for p in procs]})
+    return busy
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+def _python(ctx):
+    ver = sys.version_info
+    facts = {"version": platform.python_version(), "executable": sys.executable,
+             "implementation": platform.python_implementation()}
+    ctx.host["python"] = facts
+    if (ver.major, ver.minor) < (3, 10):
+        return record("host.python", FAIL, f"python {facts['version']} is too old for vLLM 0.16",
+                      detail=facts, fix="point the inventory's python at an env with python 3.10-3.13")
+    return record("host.python", OK, f"python {facts['version']} at {sys.executable}", detail=facts)
+
+
+def _os(ctx):
+    uname = platform.uname()
+    facts = {"system": uname.system, "release": uname.release, "machine": uname.machine,
+             "hostname": uname.node, "platform": platform.platform()}
+    try:
+        with open("/etc/os-release") as fh:
+            rel = dict(line.rstrip("\n").split("=", 1) for line in fh if "=" in line)
+        facts["distro"] = rel.get("PRETTY_NAME", "").strip('"')
+    except OSError:
+        pass
+    ctx.host["os"] = facts
+    if uname.system != "Linux":
+        return record("host.os", FAIL, f"{uname.system} host: vLLM runs on Linux only", detail=facts,
+                      fix="run extraction on a Linux host")
+    return record("host.os", OK, f"{facts.get('distro') or uname.system} {uname.release} {uname.machine}",
+                  detail=facts)
+
+
+def _cpus(ctx):
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    facts = {"count": os.cpu_count(), "usable": usable,
+             "isa": [f for f in CPU_ISA_FLAGS if f in flags]}
+    ctx.host["cpus"] = facts
+    return record("host.cpus", OK, f"{usable} usable of {facts['count']} CPUs"
+                  + (f" ({', '.join(facts['isa'])})" if facts["isa"] else ""), detail=facts)
+
+
+def _ram(ctx):
+    try:
+        with open("/proc/meminfo") as fh:
+            info = parse_meminfo(fh.read())
+    except OSError as exc:
+        ctx.host["ram"] = {}
+        return record("host.ram", WARN, f"cannot read /proc/meminfo: {exc}", detail={})
+    facts = {"total_bytes": info.get("MemTotal"),
+             "available_bytes": info.get("MemAvailable", info.get("MemFree"))}
+    ctx.host["ram"] = facts
+    return record("host.ram", OK, f"RAM {human_bytes(facts['available_bytes'])} available of "
+                  f"{human_bytes(facts['total_bytes'])}", detail=facts)
+
+
+def _run_smi(argv):
+    """(stdout, error text or None) of one nvidia-smi call; never raises."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return "", f"{argv[0]} did not answer in {NVIDIA_SMI_TIMEOUT_S} s (driver hung?)"
+    except OSError as exc:
+        return "", f"{argv[0]}: {exc}"
+    if proc.returncode != 0:
+        return proc.stdout, (proc.stdout + proc.stderr).strip() or f"exit code {proc.returncode}"
+    return proc.stdout, None
+
+
+def query_nvidia_smi(smi: str) -> dict:
+    """Run both queries with the nvidia-smi at ``smi``; raw text is kept for the record."""
+    gpu_text, gpu_err = _run_smi([smi] + GPU_QUERY[1:])
+    apps_text, apps_err = ("", None) if gpu_err else _run_smi([smi] + APPS_QUERY[1:])
+    result = {"gpu_text": gpu_text, "apps_text": apps_text, "error": gpu_err, "apps_error": apps_err,
+              "gpus": [], "apps": []}
+    if not gpu_err:
+        try:
+            result["gpus"] = parse_gpus(gpu_text)
+            result["apps"] = parse_apps(apps_text) if not apps_err else []
+        except ValueError as exc:
+            result["error"] = f"cannot parse nvidia-smi output: {exc}"
+    return result
+
+
+def _gpus(ctx) -> list:
+    device = ctx.params["device"]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        ctx.host["gpus"] = []
+        ctx.host["visible_gpus"] = []
+        if device == "cuda":
+            return [record("host.gpus", FAIL, "device=cuda but nvidia-smi is not on PATH",
+                           detail={"PATH": os.environ.get("PATH")},
+                           fix="install the NVIDIA driver (nvidia-smi) or set device: cpu for this host")]
+        return [record("host.gpus", OK, "device=cpu: no GPUs used (no nvidia-smi on this host)",
+                       detail={"device": "cpu"})]
+    smi_out = query_nvidia_smi(smi)
+    gpus = smi_out["gpus"]
+    cvd = ctx.env("CUDA_VISIBLE_DEVICES")
+    visible = visible_gpus(gpus, cvd)
+    ctx.host["gpus"] = gpus
+    ctx.host["visible_gpus"] = visible
+    detail = {"nvidia_smi": smi, "gpus": gpus, "CUDA_VISIBLE_DEVICES": cvd,
+              "visible": [g["index"] for g in visible]}
+    if smi_out["error"]:
+        detail["error"] = smi_out["error"]
+        if device == "cuda":
+            return [record("host.gpus", FAIL, f"nvidia-smi failed: {smi_out['error']}", detail=detail,
+                           fix="check the driver with `nvidia-smi` on the host (a reboot or driver "
+                               "reinstall is often needed), or set device: cpu")]
+        return [record("host.gpus", OK, "device=cpu: nvidia-smi present but not answering; GPUs unused",
+                       detail=detail)]
+    if device == "cpu":
+        return [record("host.gpus", OK, f"device=cpu: {len(gpus)} GPU(s) present but not used",
+                       detail=detail)]
+    if not visible:
+        why = f"CUDA_VISIBLE_DEVICES={cvd!r} hides them all" if gpus and cvd is not None else "none found"
+        return [record("host.gpus", FAIL, f"device=cuda but no usable GPU: {why}", detail=detail,
+                       fix="fix CUDA_VISIBLE_DEVICES in the inventory env" if gpus else
+                           "check the driver with `nvidia-smi`, or set device: cpu")]
+    names = sorted({g["name"] for g in visible})
+    total = min(g["memory_total_mib"] or 0 for g in visible)
+    free = min(g["memory_free_mib"] or 0 for g in visible)
+    records = [record("host.gpus", OK, f"{len(visible)} x {'/'.join(map(str, names))}, "
+                      f"{human_bytes(total * MiB)} each, min free {human_bytes(free * MiB)}, "
+                      f"driver {visible[0]['driver']}", detail=detail)]
+    busy = summarize_gpu_use(visible, smi_out["apps"])
+    if smi_out["apps_error"]:
+        records.append(record("host.gpu_processes", WARN,
+                              f"cannot list GPU processes: {smi_out['apps_error']}",
+                              detail={"error": smi_out["apps_error"]}))
+    elif busy:
+        pids = sorted({p["pid"] for b in busy for p in b["processes"]})
+        records.append(record(
+            "host.gpu_processes", WARN,
+            f"GPU(s) {', '.join(str(b['index']) for b in busy)} already hold memory"
+            + (f" (pids {', '.join(map(str, pids))})" if pids else " (processes not visible here)"),
+            detail={"busy": busy},
+            fix="stop those processes, or pick free GPUs with CUDA_VISIBLE_DEVICES"))
+    else:
+        records.append(record("host.gpu_processes", OK, "no process holds GPU memory",
+                              detail={"busy": []}))
+    return records
+
+
+def _cpu_engine(ctx) -> list:
+    """What vLLM's CPU build needs (FACTS.md): AVX2, a KV-cache size, thread binding at TP>1."""
+    records = []
+    isa = ctx.host["cpus"]["isa"]
+    if not isa:
+        records.append(record("host.cpu_isa", FAIL, "CPU has no AVX2: vLLM's CPU build cannot run",
+                              detail={"flags_checked": list(CPU_ISA_FLAGS)},
+                              fix="use a host whose CPU has AVX2 or AVX-512"))
+    else:
+        records.append(record("host.cpu_isa", OK, f"CPU engine ISA: {', '.join(isa)}", detail={"isa": isa}))
+
+    raw = ctx.env("VLLM_CPU_KVCACHE_SPACE")
+    ram = ctx.host.get("ram", {})
+    avail = ram.get("available_bytes")
+    tp = ctx.params["tp"]
+    if raw is None:
+        # vLLM then takes half of RAM (per NUMA node) for KV cache, per rank.
+        kv_bytes = (ram.get("total_bytes") or 0) // 2
+        ctx.host["cpu_kvcache_bytes"] = kv_bytes
+        records.append(record(
+            "host.cpu_kvcache", WARN,
+            f"VLLM_CPU_KVCACHE_SPACE is not set: vLLM takes half of RAM ({human_bytes(kv_bytes)}) per rank",
+            detail={"VLLM_CPU_KVCACHE_SPACE": None, "assumed_bytes_per_rank": kv_bytes},
+            fix="set VLLM_CPU_KVCACHE_SPACE (GiB, e.g. 1) in the host's env in the inventory"))
+    else:
+        try:
+            kv_bytes = int(raw) * GiB
+        except ValueError:
+            ctx.host["cpu_kvcache_bytes"] = 0
+            records.append(record("host.cpu_kvcache", FAIL, f"VLLM_CPU_KVCACHE_SPACE={raw!r} is not an integer",
+                                  detail={"VLLM_CPU_KVCACHE_SPACE": raw},
+                                  fix="set VLLM_CPU_KVCACHE_SPACE to a whole number of GiB, e.g. 1"))
+            kv_bytes = None
+        if kv_bytes is not None:
+            ctx.host["cpu_kvcache_bytes"] = kv_bytes
+            detail = {"VLLM_CPU_KVCACHE_SPACE": raw, "bytes_per_rank": kv_bytes, "tp": tp,
+                      "ram_available_bytes": avail}
+            if avail is not None and kv_bytes * tp > avail:
+                records.append(record(
+                    "host.cpu_kvcache", FAIL,
+                    f"KV cache {raw} GiB x TP {tp} exceeds available RAM {human_bytes(avail)}",
+                    detail=detail, fix="lower VLLM_CPU_KVCACHE_SPACE or TP, or free RAM on the host"))
+            else:
+                records.append(record("host.cpu_kvcache", OK, f"VLLM_CPU_KVCACHE_SPACE={raw} GiB per rank",
+                                      detail=detail))
+
+    if tp > 1:
+        bind = ctx.env("VLLM_CPU_OMP_THREADS_BIND")
+        if bind in (None, "", "auto"):
+            records.append(record(
+                "host.cpu_threads", WARN,
+                f"TP={tp} on CPU without VLLM_CPU_OMP_THREADS_BIND: vLLM may refuse ('Not enough allowed "
+                f"NUMA nodes')", detail={"VLLM_CPU_OMP_THREADS_BIND": bind, "tp": tp},
+                fix='bind one core range per rank, e.g. VLLM_CPU_OMP_THREADS_BIND="0|1" for TP=2'))
+        else:
+            ranks = bind.split("|")
+            status = OK if len(ranks) == tp else WARN
+            records.append(record(
+                "host.cpu_threads", status,
+                f"VLLM_CPU_OMP_THREADS_BIND={bind!r} ({len(ranks)} range(s) for TP={tp})",
+                detail={"VLLM_CPU_OMP_THREADS_BIND": bind, "tp": tp},
+                fix=None if status == OK else f"give exactly {tp} '|'-separated core ranges"))
+    return records
+
+
+def _disks(ctx) -> list:
+    records = []
+    ctx.host["disk"] = {}
+    for key in ("model_path", "output_dir"):
+        path = ctx.params.get(key)
+        name = "host.disk_model" if key == "model_path" else "host.disk_output"
+        if not path:
+            records.append(record(name, SKIPPED, f"no {key} given", detail={}))
+            continue
+        where = nearest_existing(path)
+        try:
+            usage = shutil.disk_usage(where)
+        except OSError as exc:
+            records.append(record(name, WARN, f"cannot stat {where}: {exc}", detail={"path": path}))
+            continue
+        facts = {"path": path, "measured_at": where, "free_bytes": usage.free, "total_bytes": usage.total}
+        ctx.host["disk"][key] = facts
+        records.append(record(name, OK, f"{human_bytes(usage.free)} free at {where}", detail=facts))
+    return records
