@@ -40,3 +40,41 @@ def tiny_models(hostenv_python) -> dict:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts the real vLLM CPU engine (slow)")
+
+
+@pytest.fixture(scope="session")
+def testhost(tmp_path_factory):
+    """A real OpenSSH server on a free loopback port, torn down after the session."""
+    from specops.testhost.sshd import TestHost
+
+    host = TestHost(name=f"pytest-{os.getpid()}", root=tmp_path_factory.mktemp("testhost"))
+    info = host.up()
+    yield info
+    host.destroy()
+
+
+@pytest.fixture
+def make_inventory(tmp_path, testhost, hostenv_python):
+    """Write an inventory for the test host; keyword arguments override host fields.
+
+    Returns the path. ``hosts=`` replaces the whole hosts mapping for multi-host cases.
+    """
+    import yaml
+
+    def make(hosts=None, groups=None, **fields):
+        base = {
+            "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"],
+            "key": testhost["key"], "known_hosts": testhost["known_hosts"],
+            "python": str(hostenv_python), "work_dir": str(tmp_path / "work"),
+            "model_path": str(tmp_path / "model"), "output_dir": str(tmp_path / "out"),
+            "device": "cpu",
+        }
+        base.update(fields)
+        doc = {"hosts": hosts if hosts is not None else {"th": base}}
+        if groups:
+            doc["groups"] = groups
+        path = tmp_path / f"inventory-{len(list(tmp_path.glob('inventory-*')))}.yaml"
+        path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+        return path
+
+    return make
