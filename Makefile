@@ -1,0 +1,18 @@
+# The two commands a newcomer needs (both install what they need first):
+#   make demo   -- the main job on the built-in test host and tiny model
+#   make test   -- the whole test suite
+.PHONY: demo test bootstrap bench
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+demo: bootstrap
+	.venv/bin/specops testhost.up
+	.venv/bin/specops demo
+
+test: bootstrap
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: bootstrap
+	.venv/bin/specops testhost.up
+	.venv/bin/python scripts/bench.py
