@@ -90,7 +90,36 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant<|message|>{% endif %}"
 )
-KIMI_K25_VLLM_NOTE = "set by make_reference_models() after checking; see module docstring"
+#: The Kimi-K2.5 checkpoint's image processor is remote code that vLLM 0.16 loads
+#: even for text-only use (``KimiK25ProcessingInfo.__init__``). The reference twin
+#: ships this text-only stand-in, written by us, beside its weights: it satisfies
+#: the attributes vLLM reads at start-up and refuses any real image or video.
+KIMI_K25_PROCESSOR_MODULE = "kimi_k25_text_only_processor"
+KIMI_K25_PROCESSOR_SOURCE = '''"""Text-only stand-in for Kimi-K2.5's remote-code media processor (tiny test twin).
+
+vLLM 0.16 builds the media processor whenever it starts a kimi_k25 model, even with
+limit_mm_per_prompt={"vision_chunk": 0}. This stand-in lets the text model load; it
+cannot process media. Written by specops' remote/tinymodel.py, not by Moonshot AI.
+"""
+from transformers.image_processing_utils import BaseImageProcessor
+
+
+class TextOnlyKimiK25ImageProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "grid_thws"]
+
+    def __init__(self, num_frames_per_chunk=4, **kwargs):
+        super().__init__(**kwargs)
+        self.num_frames_per_chunk = num_frames_per_chunk
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            "this tiny Kimi-K2.5 twin is text-only: start vLLM with "
+            "limit_mm_per_prompt={'vision_chunk': 0}")
+
+    media_tokens_calculator = _refuse
+    preprocess = _refuse
+    split_video_chunks = _refuse
+'''
 
 _WORDS = """
 the a an and or but if then so because of to in on at by for with from about into over
@@ -482,15 +511,43 @@ def make_reference_models(out_root) -> dict:
     paths = {}
     for seed, (name, config) in enumerate(reference_configs().items()):
         paths[name] = build_model(config, out_root / name, num_shards=3, seed=seed)
+    write_text_only_kimi_processor(paths["kimi_k25"])
     paths["dataset"] = write_chat_dataset(out_root / "chat.jsonl")
     return paths
 
 
+def write_text_only_kimi_processor(out_dir) -> Path:
+    """Put the text-only media processor stand-in (and its preprocessor_config.json) in a model dir."""
+    out_dir = Path(out_dir)
+    (out_dir / f"{KIMI_K25_PROCESSOR_MODULE}.py").write_text(KIMI_K25_PROCESSOR_SOURCE)
+    preprocessor = {
+        "auto_map": {"AutoImageProcessor":
+                     f"{KIMI_K25_PROCESSOR_MODULE}.TextOnlyKimiK25ImageProcessor"},
+        "image_processor_type": "TextOnlyKimiK25ImageProcessor",
+        "num_frames_per_chunk": 4,
+    }
+    path = out_dir / "preprocessor_config.json"
+    path.write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return path
+
+
+#: Files besides the tokenizer that a twin takes from the real checkpoint: remote code
+#: (config, modeling, processors) and processor configs, so it loads the way the real one does.
+TWIN_EXTRA_PATTERNS = ("*.py", "preprocessor_config.json", "processor_config.json")
+
+
 def build_twin(model_dir, out_dir, *, num_layers: int = MIN_LAYERS, num_shards: int = 3) -> Path:
-    """Tiny twin of the checkpoint in ``model_dir`` (its config and tokenizer; no weights read)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return build_model(shrink_config(config, num_layers=num_layers), out_dir,
-                       num_shards=num_shards, tokenizer_dir=model_dir)
+    """Tiny twin of the checkpoint in ``model_dir``: its config shrunk, random weights,
+    its own tokenizer, remote code and processor configs copied. No weights are read."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    out = build_model(shrink_config(config, num_layers=num_layers), out_dir,
+                      num_shards=num_shards, tokenizer_dir=model_dir)
+    for pattern in TWIN_EXTRA_PATTERNS:
+        for path in sorted(model_dir.glob(pattern)):
+            if path.is_file() and not (out / path.name).exists():
+                shutil.copy2(path, out / path.name)
+    return out
 
 
 def main(argv=None) -> int:
