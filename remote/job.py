@@ -1,0 +1,377 @@
+"""Detached extraction jobs on the host: start, status, logs, abort (stdlib only).
+
+A task module (``main(params) -> payload``); ``params["action"]`` picks the verb. A run
+lives in ``<work_dir>/runs/<run_id>/``::
+
+    params.json          the run's parameters (a restart must bring the same ones)
+    pid                  the supervisor's pid (also its process group: it leads a new session)
+    status.json          rewritten atomically by the supervisor: state, phase, progress, error
+    logs/supervisor.log  the supervisor's stdout+stderr (vLLM's driver logs land here)
+    logs/rank<k>.log     one per TP rank (vLLM workers; see remote.engines.vllm_worker_hook)
+    errors/rank<k>.json  a worker's own exception, the root cause the supervisor reports
+    manifest.json, summary.json   copies of the final files in the output dir
+
+Verbs:
+
+``start``   launches ``python -m remote.supervisor RUN_DIR`` detached from the SSH
+            session (new session, stdin closed, output to the supervisor log) and returns
+            at once. Idempotent per run id: alive -> "already running"; done -> "already
+            done"; failed, aborted or killed -> started again, resuming after the last
+            complete sample. Refuses while another run on this host is alive, unless
+            ``force``. Same run id with different parameters is refused.
+``status``  ``status.json`` plus liveness: a dead supervisor whose state is not final was
+            killed (SIGKILL, OOM killer, reboot): reported, and written back, as failed.
+``logs``    new bytes of every log since ``offsets`` ({file: byte_offset}); without an
+            offset, the last ``tail_bytes`` of the file. Returns the next offsets, so a
+            controller follows by calling again.
+``abort``   SIGTERM to the run's process group, SIGKILL after ``grace_s``; state aborted.
+
+Start parameters: ``run_id``, ``work_dir``, ``model_path``, ``dataset`` (required);
+``output_dir`` (default ``RUN_DIR/samples``), ``engine`` (``speculators-0.3`` |
+``hf-reference``), ``tp``, ``layer_ids`` (+ ``layer_convention``), ``max_samples``,
+``seq_len``, ``batch_size``, ``env`` (exported to the job), ``python`` (default: this
+interpreter), ``force``, ``inject_failure`` ({"rank", "at": load|extract, "message"}, tests).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from remote import protocol, samples
+
+FINAL_STATES = ("done", "failed", "aborted")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: keys that steer one call, not the run; they may differ between calls for one run id.
+CALL_KEYS = {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python"}
+REQUIRED = ("run_id", "work_dir", "model_path", "dataset")
+STARTING_GRACE_S = 15.0
+
+
+class JobError(Exception):
+    """A refusal with a fix hint; becomes one failed record."""
+
+    def __init__(self, name, summary, fix, detail=None):
+        super().__init__(summary)
+        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+
+
+def main(params: dict) -> dict:
+    action = params.get("action", "status")
+    verbs = {"start": start, "status": status, "logs": logs, "abort": abort}
+    if action not in verbs:
+        rec = protocol.record("job.action", protocol.FAIL, f"unknown action {action!r}",
+                              fix=f"use one of {sorted(verbs)}")
+        return protocol.payload([rec])
+    try:
+        return verbs[action](params)
+    except JobError as exc:
+        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
+                                                 detail=exc.detail, fix=exc.fix)])
+
+
+# --------------------------------------------------------------------------- run dirs
+
+def runs_root(params: dict) -> Path:
+    if not params.get("work_dir"):
+        raise JobError("job.params", "work_dir is missing", "set work_dir for the host in the inventory")
+    return Path(params["work_dir"]).expanduser() / "runs"
+
+
+def run_dir_of(params: dict) -> Path:
+    run_id = str(params.get("run_id") or "")
+    if not RUN_ID_RE.match(run_id):
+        raise JobError("job.params", f"run_id {run_id!r} is not a valid run id",
+                       "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    return runs_root(params) / run_id
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_pid(run_dir: Path):
+    try:
+        return int((run_dir / "pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def pid_alive(pid, run_dir: Path | None = None) -> bool:
+    """True when ``pid`` runs and (where /proc tells) is this run's supervisor, not a zombie
+    and not a recycled pid of some other program."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return True  # no /proc (macOS): trust kill(0)
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("Z", "X"):
+            return False
+        cmdline = (proc / "cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    if b"remote.supervisor" not in cmdline:
+        return False
+    return run_dir is None or str(run_dir).encode() in cmdline
+
+
+def run_alive(run_dir: Path) -> bool:
+    return pid_alive(read_pid(run_dir), run_dir)
+
+
+class _RunsLock:
+    """One start at a time per host (check-then-spawn must not interleave)."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.fh = open(root / ".lock", "w")
+
+    def __enter__(self):
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
+def job_params(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in CALL_KEYS and not k.startswith("_")}
+
+
+# --------------------------------------------------------------------------- start
+
+def start(params: dict) -> dict:
+    missing = [k for k in REQUIRED if params.get(k) in (None, "")]
+    if missing:
+        raise JobError("job.params", f"missing parameter(s): {', '.join(missing)}",
+                       "set them in the inventory or pass them as flags")
+    run_dir = run_dir_of(params)
+    wanted = job_params(params)
+    with _RunsLock(run_dir.parent):
+        old = read_json(run_dir / "params.json")
+        if old is not None and old != wanted:
+            changed = sorted(k for k in set(old) | set(wanted) if old.get(k) != wanted.get(k))
+            raise JobError("job.start", f"run {params['run_id']} exists with different parameters "
+                           f"({', '.join(changed)})",
+                           "use a new run id, or repeat the original parameters to resume",
+                           detail={"changed": changed})
+        if old is not None:
+            st = current_status(run_dir)
+            if run_alive(run_dir):
+                return _payload("job.start", protocol.OK, f"run {params['run_id']} is already running (pid "
+                                f"{read_pid(run_dir)}); re-attached", run_dir, st, already="running")
+            if st and st.get("state") == "done":
+                return _payload("job.start", protocol.OK, f"run {params['run_id']} is already done", run_dir, st,
+                                already="done")
+        others = [d.name for d in sorted(run_dir.parent.iterdir())
+                  if d.is_dir() and d != run_dir and run_alive(d)]
+        if others and not params.get("force"):
+            raise JobError("job.start", f"this host is already running extraction {', '.join(others)}",
+                           f"wait for it, abort it (abort --run-id {others[0]}), or force a second run",
+                           detail={"running": others})
+        resumed = old is not None
+        _prepare_run_dir(run_dir, wanted, resumed)
+        pid = _spawn(run_dir, params)
+        st = current_status(run_dir)
+    what = "restarted (resumes after the last complete sample)" if resumed else "started"
+    return _payload("job.start", protocol.CHANGED, f"run {params['run_id']} {what}, pid {pid}", run_dir, st,
+                    pid=pid, resumed=resumed)
+
+
+def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "errors").mkdir(exist_ok=True)
+    if not resumed:
+        samples.write_json_atomic(run_dir / "params.json", wanted)
+    previous = read_json(run_dir / "status.json") or {}
+    samples.write_json_atomic(run_dir / "status.json", {
+        **previous,
+        "run_id": wanted["run_id"], "state": "pending", "phase": "starting",
+        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "heartbeat_unix": time.time(), "error": None,
+        "previous_error": previous.get("error"),
+    })
+    try:
+        (run_dir / "pid").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _spawn(run_dir: Path, params: dict) -> int:
+    bundle = str(Path(params.get("_bundle_dir") or Path(__file__).resolve().parents[1]))
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (params.get("env") or {}).items()})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (bundle, env.get("PYTHONPATH", "")) if p)
+    env["SPECOPS_RUN_DIR"] = str(run_dir)
+    env["PYTHONUNBUFFERED"] = "1"
+    if params.get("inject_failure"):
+        env["SPECOPS_INJECT_FAILURE"] = json.dumps(params["inject_failure"])
+    else:
+        env.pop("SPECOPS_INJECT_FAILURE", None)
+    python = params.get("python") or sys.executable
+    with open(run_dir / "logs" / "supervisor.log", "ab") as log:
+        proc = subprocess.Popen(
+            [python, "-m", "remote.supervisor", str(run_dir)],
+            cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
+    (run_dir / "pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+# --------------------------------------------------------------------------- status
+
+def current_status(run_dir: Path) -> dict | None:
+    """status.json with liveness folded in; a dead supervisor of a live state -> failed (persisted)."""
+    st = read_json(run_dir / "status.json")
+    if st is None:
+        return None
+    pid = read_pid(run_dir)
+    alive = pid_alive(pid, run_dir)
+    st["alive"] = alive
+    if st.get("state") in FINAL_STATES or alive:
+        return st
+    age = time.time() - float(st.get("heartbeat_unix") or 0)
+    if pid is None and st.get("state") == "pending" and age < STARTING_GRACE_S:
+        return st  # between status write and pid write of a start
+    tail = _tail_text(run_dir / "logs" / "supervisor.log", 4000)
+    st.update(state="failed", phase="failed", error={
+        "rank": None, "type": "SupervisorDied", "where": "supervisor",
+        "message": (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
+                    f"{st.get('state')!r} at {st.get('samples_done')}/{st.get('samples_total')} samples "
+                    f"(killed by SIGKILL, the OOM killer, or a reboot); starting the same run id "
+                    f"again resumes after the last complete sample"),
+        "traceback": "", "log_tail": tail,
+    })
+    samples.write_json_atomic(run_dir / "status.json", {k: v for k, v in st.items() if k != "alive"})
+    return st
+
+
+def status(params: dict) -> dict:
+    run_dir = run_dir_of(params)
+    st = current_status(run_dir)
+    if st is None:
+        raise JobError("job.status", f"no run {params.get('run_id')} on this host ({run_dir})",
+                       "check the run id (list runs under work_dir/runs) or start it")
+    state = st.get("state")
+    progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
+    if state == "failed":
+        err = st.get("error") or {}
+        return _payload("job.status", protocol.FAIL, f"run {params['run_id']} failed: {err.get('type')}: "
+                        f"{err.get('message')}", run_dir, st,
+                        fix="read error.traceback and the logs; fix the cause, then start the same "
+                            "run id again to resume")
+    if state == "aborted":
+        return _payload("job.status", protocol.WARN, f"run {params['run_id']} was aborted at {progress}", run_dir, st)
+    return _payload("job.status", protocol.OK, f"run {params['run_id']} {state}: {progress}", run_dir, st)
+
+
+# --------------------------------------------------------------------------- logs
+
+def logs(params: dict) -> dict:
+    run_dir = run_dir_of(params)
+    log_dir = run_dir / "logs"
+    if not log_dir.is_dir():
+        raise JobError("job.logs", f"no run {params.get('run_id')} on this host ({run_dir})",
+                       "check the run id")
+    offsets = params.get("offsets") or {}
+    tail_bytes = int(params.get("tail_bytes", 16384))
+    max_bytes = int(params.get("max_bytes", 262144))
+    out = {}
+    for path in sorted(log_dir.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name)):
+        size = path.stat().st_size
+        off = offsets.get(path.name)
+        off = max(0, size - tail_bytes) if off is None else int(off)
+        if off > size:  # the file was replaced: start over
+            off = 0
+        with open(path, "rb") as fh:
+            fh.seek(off)
+            data = fh.read(max_bytes)
+        out[path.name] = {"offset": off, "next_offset": off + len(data), "size": size,
+                          "text": data.decode("utf-8", errors="replace")}
+    st = current_status(run_dir) or {}
+    rec = protocol.record("job.logs", protocol.OK, f"{len(out)} log file(s) of run {params['run_id']}",
+                          detail={"files": sorted(out)})
+    return protocol.payload([rec], logs=out, offsets={k: v["next_offset"] for k, v in out.items()},
+                            state=st.get("state"), alive=st.get("alive"))
+
+
+# --------------------------------------------------------------------------- abort
+
+def abort(params: dict) -> dict:
+    run_dir = run_dir_of(params)
+    st = read_json(run_dir / "status.json")
+    if st is None:
+        raise JobError("job.abort", f"no run {params.get('run_id')} on this host ({run_dir})",
+                       "check the run id")
+    pid = read_pid(run_dir)
+    if not pid_alive(pid, run_dir):
+        st = current_status(run_dir)
+        return _payload("job.abort", protocol.SKIPPED, f"run {params['run_id']} is not running ({st.get('state')})",
+                        run_dir, st)
+    grace = float(params.get("grace_s", 10))
+    signalled = _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and pid_alive(pid, run_dir):
+        time.sleep(0.2)
+    killed = False
+    if pid_alive(pid, run_dir):
+        killed = _signal_group(pid, signal.SIGKILL)
+    else:
+        _signal_group(pid, signal.SIGKILL)  # workers that outlived their supervisor
+    st = read_json(run_dir / "status.json") or {}
+    if st.get("state") not in FINAL_STATES or st.get("state") == "failed":
+        st.update(state="aborted", phase="aborted",
+                  error={"rank": None, "type": "Aborted", "where": "job.abort", "traceback": "",
+                         "message": "aborted by request" + (" (SIGKILL after grace)" if killed else "")})
+        samples.write_json_atomic(run_dir / "status.json", st)
+    st["alive"] = pid_alive(pid, run_dir)
+    return _payload("job.abort", protocol.CHANGED, f"run {params['run_id']} aborted"
+                    + (f" (SIGKILL after {grace:.0f}s)" if killed else ""), run_dir, st,
+                    signalled=signalled, killed=killed)
+
+
+def _signal_group(pid: int, sig) -> bool:
+    """Signal the run's process group, only if the pid really leads its own group."""
+    try:
+        if os.getpgid(pid) != pid:
+            os.kill(pid, sig)
+        else:
+            os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _payload(name, status_, summary, run_dir: Path, st, fix=None, **extra) -> dict:
+    rec = protocol.record(name, status_, summary, detail={"run_dir": str(run_dir)}, fix=fix)
+    return protocol.payload([rec], run_dir=str(run_dir), status=st, **extra)
+
+
+def _tail_text(path: Path, nbytes: int) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - nbytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -1,0 +1,624 @@
+"""The supervisor around an extraction engine: ``python -m remote.supervisor RUN_DIR``.
+
+Started detached by :mod:`remote.job` (new session, stdin closed, output to
+``RUN_DIR/logs/supervisor.log``). It reads ``RUN_DIR/params.json`` and:
+
+1. turns the dataset into token ids (chat JSONL through the model's chat template,
+   with a loss mask of 1 on assistant tokens; or pre-tokenized JSONL with
+   ``input_ids``), honouring ``max_samples`` and ``seq_len``;
+2. resumes after the last complete sample already in the output dir;
+3. runs the engine in batches and writes every sample atomically (``remote.samples``);
+4. keeps ``RUN_DIR/status.json`` current (state, phase, samples, tokens/s, ETA,
+   seconds per phase; a heartbeat every few seconds even while a model loads);
+5. at the end writes ``manifest.json`` and ``summary.json`` (output dir and run dir).
+
+Whatever goes wrong ends in ``state: failed`` with ``error`` = rank, exception type,
+message and full traceback. For multi-process engines the root cause is the failing
+rank's own exception (``RUN_DIR/errors/rank<k>.json`` written inside the worker, or
+the last traceback in ``logs/rank<k>.log``), not the driver's generic "worker died".
+NaN or Inf in any captured layer is a failure too.
+
+Only the standard library is imported at module import; vLLM spawns workers that
+re-import this module as ``__mp_main__``, hence the ``__main__`` guard.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from remote import layers, samples
+from remote.engines import canonical_name, engine_class
+
+STATES = ("pending", "loading", "extracting", "writing", "done", "failed", "aborted")
+FINAL_STATES = ("done", "failed", "aborted")
+HEARTBEAT_S = 5.0
+#: how long a worker's recorded error may go unanswered by the driver before the
+#: supervisor stops waiting (a peer of a dead rank can hang in a collective forever).
+WORKER_ERROR_GRACE_S = 20.0
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class Aborted(BaseException):
+    """SIGTERM/SIGINT reached the supervisor (``job abort``)."""
+
+
+class NonFiniteStates(RuntimeError):
+    """A captured layer holds NaN or Inf."""
+
+
+class RunPaths:
+    """Where everything of one run lives."""
+
+    def __init__(self, run_dir):
+        self.run_dir = Path(run_dir).resolve()
+        self.params = self.run_dir / "params.json"
+        self.status = self.run_dir / "status.json"
+        self.pid = self.run_dir / "pid"
+        self.logs = self.run_dir / "logs"
+        self.errors = self.run_dir / "errors"
+        self.supervisor_log = self.logs / "supervisor.log"
+        #: rank log sizes when this attempt began (older tracebacks are not this attempt's).
+        self.log_offsets: dict[str, int] = {}
+
+
+class StatusFile:
+    """``status.json``, rewritten atomically on every change and on a heartbeat."""
+
+    def __init__(self, path: Path, initial: dict):
+        self.path = path
+        self.data = dict(initial)
+        self.lock = threading.Lock()
+
+    def update(self, **fields) -> dict:
+        with self.lock:
+            self.data.update(fields)
+            self.data["updated_at"] = utc_now()
+            self.data["heartbeat_unix"] = time.time()
+            samples.write_json_atomic(self.path, self.data)
+            return dict(self.data)
+
+
+# --------------------------------------------------------------------------- dataset
+
+def load_token_samples(params: dict, model_path: str) -> list[tuple[list[int], list[int]]]:
+    """``[(input_ids, loss_mask), ...]`` for the run, in dataset order.
+
+    Rows are JSON objects, one a line: ``{"input_ids": [...], "loss_mask": [...]?}``
+    (pre-tokenized) or ``{"messages"|"conversations": [{"role"|"from", "content"|"value"}]}``
+    (chat, rendered with the model tokenizer's chat template). ``max_samples`` keeps the
+    first rows; ``seq_len`` truncates each sample.
+
+    :raises ValueError: naming the file and line of a row that cannot be used.
+    """
+    path = Path(params["dataset"])
+    max_samples = params.get("max_samples")
+    seq_len = int(params.get("seq_len") or 2048)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
+    rows = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if max_samples is not None and len(rows) >= int(max_samples):
+                break
+            try:
+                rows.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
+    if not rows:
+        raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
+    tokenizer = None
+    out = []
+    for lineno, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        if "input_ids" in row:
+            ids = [int(x) for x in row["input_ids"]]
+            mask = [int(x) for x in row.get("loss_mask") or [1] * len(ids)]
+            if len(mask) != len(ids):
+                raise ValueError(f"{path}:{lineno}: loss_mask has {len(mask)} entries for "
+                                 f"{len(ids)} input_ids")
+        else:
+            if tokenizer is None:
+                tokenizer = _load_tokenizer(model_path, params)
+            ids, mask = tokenize_chat(tokenizer, _messages(row, path, lineno), where=f"{path}:{lineno}")
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if not ids:
+            raise ValueError(f"{path}:{lineno}: the sample has no tokens")
+        out.append((ids, mask))
+    return out
+
+
+def _load_tokenizer(model_path: str, params: dict):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(params.get("trust_remote_code", True)))
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer in {model_path} has no chat template; add one to "
+                         f"tokenizer_config.json or pass a pre-tokenized dataset (rows with input_ids)")
+    return tok
+
+
+def _messages(row: dict, path, lineno) -> list[dict]:
+    turns = row.get("messages", row.get("conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{path}:{lineno}: a row needs 'input_ids', or 'messages'/'conversations' "
+                         f"as a non-empty list of turns")
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "system": "system"}
+    norm = []
+    for t in turns:
+        role = roles.get(t.get("role", t.get("from")))
+        if role is None:
+            raise ValueError(f"{path}:{lineno}: unknown role {t.get('role', t.get('from'))!r}; "
+                             f"use user/assistant/system")
+        norm.append({"role": role, "content": t.get("content", t.get("value", ""))})
+    return norm
+
+
+def tokenize_chat(tokenizer, messages: list[dict], where: str = "") -> tuple[list[int], list[int]]:
+    """Token ids of the chat-templated conversation and a mask of 1 on assistant content.
+
+    Each assistant message's text is located in the rendered conversation (in order) and
+    every token whose character span overlaps it is marked, the same rule as speculators
+    0.3.0's ``_create_loss_mask_from_offsets``, without guessing role markers by regex.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    spans, cursor = [], 0
+    for m in messages:
+        content = m["content"]
+        if not content:
+            continue
+        pos = text.find(content, cursor)
+        if pos < 0:
+            if m["role"] == "assistant":
+                raise ValueError(f"{where}: the chat template does not render assistant content "
+                                 f"verbatim; cannot build the loss mask")
+            continue
+        cursor = pos + len(content)
+        if m["role"] == "assistant":
+            spans.append((pos, cursor))
+    mask = [int(any(s < span_end and e > span_start for span_start, span_end in spans))
+            for s, e in offsets]
+    return ids, mask
+
+
+# --------------------------------------------------------------------------- model facts
+
+def model_config(model_path: str) -> dict:
+    path = Path(model_path) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: model_path must be a local model directory") from None
+
+
+def num_layers_of(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}, config.get("language_config") or {}):
+        if "num_hidden_layers" in cfg:
+            return int(cfg["num_hidden_layers"])
+    raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
+
+
+def config_summary(config: dict) -> dict:
+    keys = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size",
+            "torch_dtype", "dtype", "num_attention_heads", "num_key_value_heads")
+    out = {k: config[k] for k in keys if k in config}
+    if isinstance(config.get("text_config"), dict):
+        out["text_config"] = {k: config["text_config"][k] for k in keys if k in config["text_config"]}
+    if isinstance(config.get("quantization_config"), dict):
+        out["quant_method"] = config["quantization_config"].get("quant_method")
+    return out
+
+
+def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[int], str]:
+    """The run's layer ids and their convention; the engine's defaults when none are given."""
+    convention = layers.ENGINE_CONVENTION[engine]
+    ids = params.get("layer_ids")
+    if ids is None:
+        ids, convention = layers.default_layer_ids(engine, num_layers)
+    else:
+        ids = list(ids)
+        asked = params.get("layer_convention")
+        if asked and asked != convention:
+            ids = layers.convert(ids, asked, convention)
+    problems = layers.layer_id_problems(ids, num_layers, convention)
+    if problems:
+        raise ValueError(f"layer ids {ids} ({convention} convention): " + "; ".join(problems))
+    return ids, convention
+
+
+# --------------------------------------------------------------------------- root cause
+
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+_PREFIX_RE = re.compile(r"^\((?:\w|[-.])+ pid=\d+\) ")
+_FATAL_RE = re.compile(r"^Fatal Python error: (.*)$")
+
+
+def error_record(exc: BaseException, rank=None, where: str = "supervisor") -> dict:
+    return {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc) or repr(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "where": where,
+    }
+
+
+def worker_errors(errors_dir: Path) -> list[dict]:
+    """Errors recorded inside worker processes, earliest first."""
+    found = []
+    for path in sorted(Path(errors_dir).glob("rank*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=lambda r: r.get("time", 0.0))
+
+
+def last_traceback(text: str):
+    """The last Python traceback (or faulthandler fatal error) in a log, as an error dict.
+
+    vLLM prefixes worker lines with ``(Worker_TP1 pid=123)``; the prefix is dropped.
+    Returns None when the text holds neither.
+    """
+    lines = [_PREFIX_RE.sub("", ln) for ln in text.splitlines()]
+    start = max((i for i, ln in enumerate(lines) if ln.strip().endswith(TRACEBACK_HEAD)), default=None)
+    fatal = max((i for i, ln in enumerate(lines) if _FATAL_RE.match(ln.strip())), default=None)
+    if fatal is not None and (start is None or fatal > start):
+        block = lines[fatal:fatal + 40]
+        return {"type": "FatalError", "message": _FATAL_RE.match(lines[fatal].strip()).group(1),
+                "traceback": "\n".join(block)}
+    if start is None:
+        return None
+    block = [lines[start].strip()]
+    # Frames are indented; the exception line is the first unindented one after them.
+    exc_line = None
+    for ln in lines[start + 1:]:
+        block.append(ln)
+        if ln and not ln[0].isspace() and not ln.startswith("Traceback"):
+            exc_line = ln
+            break
+    if exc_line is None:
+        return None
+    etype, _, msg = exc_line.partition(":")
+    return {"type": etype.strip().rsplit(".", 1)[-1], "message": msg.strip() or etype.strip(),
+            "traceback": "\n".join(block)}
+
+
+def root_cause(paths: RunPaths, exc: BaseException | None) -> dict:
+    """The error to report: a worker's own exception first, then a rank log's last
+    traceback, then the supervisor's exception (which is kept as ``reported_as``)."""
+    seen = error_record(exc) if exc is not None else None
+    recorded = worker_errors(paths.errors)
+    if recorded:
+        first = dict(recorded[0])
+        first["source"] = f"errors/rank{first['rank']}.json"
+        if seen:
+            first["reported_as"] = {k: seen[k] for k in ("type", "message")}
+        return first
+    offsets = paths.log_offsets
+    for log in sorted(paths.logs.glob("rank*.log")):
+        with open(log, "rb") as fh:
+            fh.seek(offsets.get(log.name, 0))
+            found = last_traceback(fh.read().decode(errors="replace"))
+        if found:
+            rank = int(re.search(r"rank(\d+)", log.name).group(1))
+            found.update(rank=rank, where=f"logs/{log.name}", source=f"logs/{log.name}")
+            if seen:
+                found["reported_as"] = {k: seen[k] for k in ("type", "message")}
+            return found
+    if seen is None:
+        seen = {"rank": None, "type": "UnknownError", "message": "the run failed without an exception",
+                "traceback": "", "where": "supervisor"}
+    seen.setdefault("source", "supervisor")
+    return seen
+
+
+# --------------------------------------------------------------------------- the run
+
+class Supervisor:
+    """One attempt at a run: resume point, engine life cycle, progress, final files."""
+
+    def __init__(self, run_dir):
+        self.paths = RunPaths(run_dir)
+        self.params = json.loads(self.paths.params.read_text())
+        self.run_id = self.params.get("run_id") or self.paths.run_dir.name
+        self.output_dir = Path(self.params.get("output_dir") or self.paths.run_dir / "samples")
+        previous = {}
+        if self.paths.status.exists():
+            try:
+                previous = json.loads(self.paths.status.read_text())
+            except ValueError:
+                previous = {}
+        self.status = StatusFile(self.paths.status, {
+            "run_id": self.run_id, "state": "pending", "phase": "starting",
+            "samples_done": 0, "samples_total": None, "tokens_done": 0, "tokens_per_s": None,
+            "eta_s": None, "started_at": utc_now(), "error": None, "phase_seconds": {},
+            "attempt": int(previous.get("attempt", 0)) + 1, "pid": os.getpid(),
+            "output_dir": str(self.output_dir),
+            "previous_error": previous.get("error"),
+        })
+        # This attempt's root cause only: older worker errors go, rank logs are read from here on.
+        for stale in self.paths.errors.glob("rank*.json"):
+            stale.unlink()
+        self.paths.log_offsets = {p.name: p.stat().st_size for p in self.paths.logs.glob("rank*.log")}
+        self.phase_seconds: dict[str, float] = {}
+        self.engine = None
+        self._busy_since = None  # set while the engine is inside load()/extract()
+        self._stop = threading.Event()
+
+    # -- helpers
+    def _timed(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] = round(self.phase_seconds.get(phase, 0.0) + seconds, 3)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.status.update(phase_seconds=dict(self.phase_seconds))
+
+    def _watchdog(self) -> None:
+        """Fail the run when a worker recorded an error the driver never answers."""
+        first_seen = None
+        while not self._stop.wait(1.0):
+            if self._busy_since is None or not self.paths.errors.exists():
+                first_seen = None
+                continue
+            if not worker_errors(self.paths.errors):
+                continue
+            first_seen = first_seen or time.monotonic()
+            grace = float(self.params.get("worker_error_grace_s", WORKER_ERROR_GRACE_S))
+            if time.monotonic() - first_seen < grace:
+                continue
+            error = root_cause(self.paths, None)
+            error["note"] = (f"the driver was still waiting {grace:.0f}s after rank {error.get('rank')} "
+                             f"failed (peers hang in collectives); the supervisor stopped the run")
+            self.status.update(state="failed", phase="failed", error=error,
+                               phase_seconds=dict(self.phase_seconds))
+            print(f"[specops] watchdog: {error['type']}: {error['message']}", flush=True)
+            _kill_own_group_and_exit(1)
+
+    # -- the run
+    def run(self) -> int:
+        threading.Thread(target=self._heartbeat, daemon=True, name="specops-heartbeat").start()
+        threading.Thread(target=self._watchdog, daemon=True, name="specops-watchdog").start()
+        try:
+            self._run()
+            return 0
+        except Aborted:
+            self.status.update(state="aborted", phase="aborted", phase_seconds=dict(self.phase_seconds),
+                               error={"rank": None, "type": "Aborted", "where": "supervisor",
+                                      "message": "aborted by request (SIGTERM)", "traceback": ""})
+            return 143
+        except BaseException as exc:  # every failure ends in status.json, with its root cause
+            traceback.print_exc()
+            error = root_cause(self.paths, exc)
+            if isinstance(exc, NonFiniteStates):
+                error = error_record(exc)
+                error["detail"] = getattr(exc, "detail", None)
+            self.status.update(state="failed", phase="failed", error=error,
+                               phase_seconds=dict(self.phase_seconds))
+            return 1
+        finally:
+            self._stop.set()
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except BaseException:
+                traceback.print_exc()
+            self.engine = None
+
+    def _run(self) -> None:
+        p = self.params
+        t0 = time.monotonic()
+        engine_name = canonical_name(p.get("engine") or "speculators-0.3")
+        model_path = p["model_path"]
+        config = model_config(model_path)
+        layer_ids, convention = resolve_layer_ids(p, engine_name, num_layers_of(config))
+        self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
+                           engine=engine_name)
+
+        t = time.monotonic()
+        dataset = load_token_samples(p, model_path)
+        self._timed("tokenize", time.monotonic() - t)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        removed = samples.remove_partials(self.output_dir)
+        if removed:
+            print(f"[specops] removed {len(removed)} partial file(s) of an earlier attempt: {removed}", flush=True)
+        start = min(samples.complete_prefix(self.output_dir), len(dataset))
+        total_tokens = sum(len(ids) for ids, _ in dataset)
+        tokens_before = sum(len(ids) for ids, _ in dataset[:start])
+        self.status.update(samples_total=len(dataset), samples_done=start, tokens_done=tokens_before,
+                           tokens_total=total_tokens, resumed_from=start,
+                           phase_seconds=dict(self.phase_seconds))
+        print(f"[specops] run {self.run_id}: {len(dataset)} samples, {total_tokens} tokens; "
+              f"resuming at sample {start}; engine {engine_name}; layers {layer_ids} ({convention})",
+              flush=True)
+
+        if start < len(dataset):
+            self._extract_all(engine_name, model_path, layer_ids, dataset, start, tokens_before, total_tokens)
+        self._close_engine()
+        self._finalize(engine_name, model_path, config, layer_ids, convention, len(dataset), t0)
+
+    def _extract_all(self, engine_name, model_path, layer_ids, dataset, start, tokens_before, total_tokens):
+        p = self.params
+        self.status.update(state="loading", phase=f"loading model ({engine_name}, tp={p.get('tp', 1)})")
+        cls = engine_class(engine_name)
+        self.engine = cls(model_path, int(p.get("tp") or 1), layer_ids, p)
+        t = time.monotonic()
+        self._busy_since = t
+        self.engine.load()
+        self._busy_since = None
+        self._timed("load", time.monotonic() - t)
+        self.engine_info = self.engine.describe()
+
+        batch_size = max(1, int(p.get("batch_size") or 8))
+        done, tokens_done = start, tokens_before
+        run_tokens, loop_t0 = 0, time.monotonic()
+        self.status.update(state="extracting", phase="extracting", phase_seconds=dict(self.phase_seconds))
+        for b0 in range(start, len(dataset), batch_size):
+            batch = dataset[b0:b0 + batch_size]
+            t = time.monotonic()
+            self._busy_since = t
+            states = self.engine.extract([ids for ids, _ in batch])
+            self._busy_since = None
+            self._timed("extract", time.monotonic() - t)
+            self._check_batch(states, batch, layer_ids, b0)
+
+            t = time.monotonic()
+            for j, ((ids, mask), layer_states) in enumerate(zip(batch, states)):
+                self._save(b0 + j, ids, mask, layer_states)
+            self._timed("write", time.monotonic() - t)
+
+            done += len(batch)
+            n_tok = sum(len(ids) for ids, _ in batch)
+            tokens_done += n_tok
+            run_tokens += n_tok
+            rate = run_tokens / max(time.monotonic() - loop_t0, 1e-9)
+            self.status.update(samples_done=done, tokens_done=tokens_done, tokens_per_s=round(rate, 1),
+                               eta_s=round((total_tokens - tokens_done) / rate, 1) if rate else None,
+                               phase=f"extracting ({done}/{len(dataset)})",
+                               phase_seconds=dict(self.phase_seconds))
+            delay = float(p.get("batch_delay_s") or 0)  # test knob: widen the mid-run window
+            if delay:
+                time.sleep(delay)
+        self.run_tokens = run_tokens
+
+    def _check_batch(self, states, batch, layer_ids, b0) -> None:
+        if len(states) != len(batch):
+            raise RuntimeError(f"engine returned {len(states)} samples for a batch of {len(batch)} "
+                               f"(samples {b0}..{b0 + len(batch) - 1})")
+        for j, ((ids, _), layer_states) in enumerate(zip(batch, states)):
+            if len(layer_states) != len(layer_ids):
+                raise RuntimeError(f"sample {b0 + j}: engine returned {len(layer_states)} layers, "
+                                   f"expected {len(layer_ids)} ({layer_ids})")
+            for lid, h in zip(layer_ids, layer_states):
+                if h.dim() != 2 or h.shape[0] != len(ids):
+                    raise RuntimeError(f"sample {b0 + j}, layer {lid}: shape {list(h.shape)}, expected "
+                                       f"[{len(ids)}, hidden]")
+            bad = samples.non_finite(layer_states, layer_ids)
+            if bad:
+                exc = NonFiniteStates(f"sample {b0 + j}: non-finite hidden states: " + ", ".join(
+                    f"layer {b['layer_id']}: {b['nan']} NaN, {b['inf']} Inf" for b in bad))
+                exc.detail = {"sample": b0 + j, "layers": bad}
+                raise exc
+
+    def _save(self, idx, ids, mask, layer_states) -> None:
+        import torch
+
+        samples.save_sample(self.output_dir, idx,
+                            torch.tensor(ids, dtype=torch.long),
+                            [h.cpu() for h in layer_states],
+                            torch.tensor(mask, dtype=torch.long))
+
+    def _finalize(self, engine_name, model_path, config, layer_ids, convention, count, t0) -> None:
+        self.status.update(state="writing", phase="writing manifest and summary")
+        t = time.monotonic()
+        files, stats, tokens = samples.scan_samples(self.output_dir, count, layer_ids)
+        self._timed("finalize", time.monotonic() - t)
+        wall = time.monotonic() - t0
+        run_tokens = getattr(self, "run_tokens", 0)
+        extract_s = self.phase_seconds.get("extract", 0.0)
+        layer_summaries = [s.as_dict() for s in stats]
+        non_finite = [s for s in layer_summaries if s["nan"] or s["inf"]]
+        engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": self.params.get("tp", 1)})
+        manifest = {
+            "run_id": self.run_id,
+            "created_at": utc_now(),
+            "format": "speculators-0.3 data_{idx}.pt: {input_ids: long[T], hidden_states: "
+                      "[dtype[T, hidden] per layer id], loss_mask: long[T]}",
+            "engine": engine_info,
+            "model": {"path": str(model_path), "config": config_summary(config)},
+            "layer_ids": layer_ids,
+            "layer_convention": convention,
+            "layer_convention_text": layers.CONVENTIONS[convention],
+            "samples": count,
+            "tokens": tokens,
+            "files": files,
+            "versions": dict(samples.package_versions(), python=sys.version.split()[0]),
+            "params": {k: v for k, v in self.params.items() if not k.startswith("_")},
+        }
+        summary = {
+            "run_id": self.run_id,
+            "ok": not non_finite,
+            "samples": count,
+            "tokens": tokens,
+            "layers": layer_summaries,
+            "layer_convention": convention,
+            "tokens_this_attempt": run_tokens,
+            "extract_tokens_per_s": round(run_tokens / extract_s, 1) if extract_s else None,
+            "tokens_per_s": round(run_tokens / wall, 1) if run_tokens else None,
+            "phase_seconds": dict(self.phase_seconds),
+            "wall_s": round(wall, 3),
+            "attempt": self.status.data.get("attempt"),
+        }
+        for target in (self.output_dir, self.paths.run_dir):
+            samples.write_json_atomic(target / samples.MANIFEST, manifest)
+            samples.write_json_atomic(target / samples.SUMMARY, summary)
+        if non_finite:
+            exc = NonFiniteStates("non-finite hidden states in the written samples: " + ", ".join(
+                f"layer {s['layer_id']}: {s['nan']} NaN, {s['inf']} Inf" for s in non_finite))
+            exc.detail = {"layers": non_finite}
+            raise exc
+        self.status.update(state="done", phase="done", samples_done=count, eta_s=0,
+                           tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds))
+
+
+def _kill_own_group_and_exit(code: int) -> None:
+    """Stop every process of this run (workers included) and exit, without touching others.
+
+    Only when this supervisor leads its own process group (``job start`` makes it a
+    session leader); otherwise just its child processes are killed.
+    """
+    try:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(code)
+
+
+def _on_signal(signum, _frame):
+    raise Aborted(signal.Signals(signum).name)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m remote.supervisor RUN_DIR", file=sys.stderr)
+        return 2
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    sup = Supervisor(argv[0])
+    os.environ["SPECOPS_RUN_DIR"] = str(sup.paths.run_dir)  # read by the vLLM worker hook
+    code = sup.run()
+    print(f"[specops] supervisor exits {code} (state {sup.status.data.get('state')})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
