@@ -1137,24 +1137,28 @@ class Checker:
 
 
 def site_packages(params: dict) -> tuple[Path | None, Path | None]:
-    """Directories holding the ``speculators`` and ``vllm`` packages (without importing them)."""
+    """Directories holding the ``speculators`` and ``vllm`` packages (without importing them).
+
+    ``params["site_packages"]`` (one path or a list) restricts the search to those
+    directories, first match wins; otherwise the running python's import path is used.
+    """
     override = params.get("site_packages")
     if override:
-        root = Path(override)
-        spec = root if (root / "speculators").is_dir() else None
-        vllm = root if (root / "vllm").is_dir() else None
-        vroot = params.get("vllm_site_packages")
-        return spec, Path(vroot) if vroot else vllm
-    import importlib.util
+        roots = [Path(p) for p in ([override] if isinstance(override, (str, Path)) else override)]
 
-    def root_of(name):
-        try:
-            found = importlib.util.find_spec(name)  # top-level: finds, does not execute
-        except (ImportError, ValueError):
-            return None
-        if found is None or not found.submodule_search_locations:
-            return None
-        return Path(list(found.submodule_search_locations)[0]).parent
+        def root_of(name):
+            return next((r for r in roots if (r / name / "__init__.py").is_file()), None)
+    else:
+        import importlib.util
+
+        def root_of(name):
+            try:
+                found = importlib.util.find_spec(name)  # top-level: finds, does not execute
+            except (ImportError, ValueError):
+                return None
+            if found is None or not found.submodule_search_locations:
+                return None
+            return Path(list(found.submodule_search_locations)[0]).parent
 
     return root_of("speculators"), root_of("vllm")
 

@@ -1,0 +1,332 @@
+"""remote/drift.py against the real speculators 0.3.0 and the real vLLM 0.16 CPU build.
+
+The checker runs in the host env's python ($HOSTPY) in a subprocess, as it does on a
+host. Copies of speculators are edited in tmp dirs (never the installed package) to
+show that each finding follows the code: fix one call and only that finding goes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PATCH_SET = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
+
+KNOWN_IDS = (
+    "scheduler-config-is-encoder-decoder",
+    "kv-cache-config-from-groups",
+    "scheduler-block-size",
+    "request-block-hasher",
+    "two-phase-execute-model",
+    "embed-input-ids",
+    "eagle3-support-check",
+    "cuda-mem-get-info",
+    "collective-rpc-unique-reply",
+    "deepseek-llama4-scaling",
+)
+
+#: id -> text the reported speculators line must contain (read from the real file).
+LINE_MUST_SHOW = {
+    "scheduler-config-is-encoder-decoder": "SchedulerConfig(",
+    "kv-cache-config-from-groups": "get_kv_cache_config_from_groups(",
+    "scheduler-block-size": "Scheduler(",
+    "request-block-hasher": "Request(",
+    "two-phase-execute-model": "execute_model(",
+    "embed-input-ids": "get_input_embeddings",
+    "eagle3-support-check": "supports_eagle3(",
+    "cuda-mem-get-info": "mem_get_info",
+    "collective-rpc-unique-reply": "[0]",
+    "deepseek-llama4-scaling": "layer(",
+}
+
+GEN = "speculators/data_generation/vllm_hidden_states_generator.py"
+WORKER = "speculators/data_generation/custom_worker.py"
+
+#: id -> (file, old text, new text): the smallest hand fix of that one item.
+HAND_FIXES = {
+    "scheduler-config-is-encoder-decoder": (
+        GEN, "scheduler_config=SchedulerConfig(\n",
+        "scheduler_config=SchedulerConfig(\n                is_encoder_decoder=False,\n"),
+    "kv-cache-config-from-groups": (GEN, "            kv_cache_specs=kv_cache_spec,\n", ""),
+    "scheduler-block-size": (
+        GEN, "            structured_output_manager=structured_output_manager,\n",
+        "            structured_output_manager=structured_output_manager,\n"
+        "            block_size=VLLM_BLOCK_SIZE,\n"),
+    # Turning prefix caching off is the other way out: the check reads CacheConfig too.
+    "request-block-hasher": (
+        GEN, "            block_size=VLLM_BLOCK_SIZE,\n            gpu_memory_utilization",
+        "            block_size=VLLM_BLOCK_SIZE,\n            enable_prefix_caching=False,\n"
+        "            gpu_memory_utilization"),
+    "two-phase-execute-model": (
+        GEN, "self.executor.execute_model(scheduler_output)\n",
+        "self.executor.execute_model(scheduler_output)\n"
+        "            self.executor.sample_tokens(None)\n"),
+    "embed-input-ids": (WORKER, "self.get_input_embeddings(input_ids)", "self.embed_input_ids(input_ids)"),
+    # The gate is evaluated, not pattern-matched: "supports_eagle3 or supports_eagle" passes.
+    "eagle3-support-check": (
+        WORKER, "        if not supports_eagle3(model):\n",
+        "        from vllm.model_executor.models.interfaces import supports_eagle\n\n"
+        "        if not (supports_eagle3(model) or supports_eagle(model)):\n"),
+    "cuda-mem-get-info": (
+        GEN, "free_memory, _ = torch.cuda.mem_get_info()",
+        "free_memory = min(self.executor.determine_available_memory())"),
+    "collective-rpc-unique-reply": (
+        GEN, "aux_hidden_states = captured_states_list[0]", "aux_hidden_states = captured_states_list"),
+    "deepseek-llama4-scaling": (
+        WORKER, "hidden_states=hidden_states, positions=positions, residual=residual\n",
+        "hidden_states=hidden_states, positions=positions, residual=residual,\n"
+        "            llama_4_scaling=None,\n"),
+}
+
+DEEPSEEK_CPU = {"model_family": "deepseek_v3", "device": "cpu", "model_has_llama_4_scaling": True}
+
+
+def run_drift(hostpy: Path, params: dict) -> dict:
+    """Run ``remote.drift.main(params)`` in the host env's python; return its payload."""
+    proc = subprocess.run(
+        [str(hostpy), "-m", "remote.drift", json.dumps(params, default=str)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def by_id(payload: dict) -> dict:
+    return {r["name"].split(".", 1)[1]: r for r in payload["records"]}
+
+
+def drift_ids(payload: dict) -> set:
+    return {k for k, r in by_id(payload).items() if r["status"] in ("warn", "fail")}
+
+
+@pytest.fixture(scope="session")
+def site_packages(hostenv_python) -> Path:
+    out = subprocess.run(
+        [str(hostenv_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    return Path(out)
+
+
+@pytest.fixture
+def spec_copy(tmp_path, site_packages):
+    """A writable copy of the installed speculators package; params that point at it."""
+    root = tmp_path / "site"
+    shutil.copytree(site_packages / "speculators", root / "speculators",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    def params(**extra):
+        return {"site_packages": [str(root), str(site_packages)], **DEEPSEEK_CPU, **extra}
+
+    return root, params
+
+
+def edit(root: Path, rel: str, old: str, new: str) -> None:
+    path = root / rel
+    text = path.read_text()
+    assert text.count(old) == 1, f"{rel} no longer holds the text to edit: {old!r}"
+    path.write_text(text.replace(old, new))
+
+
+def apply_patch_set(root: Path) -> None:
+    """Apply the patch set's diffs to a copy (GNU patch; paths relative to site-packages)."""
+    manifest = json.loads((PATCH_SET / "manifest.json").read_text())
+    diffs = sorted(PATCH_SET.glob("*.diff")) + sorted(PATCH_SET.glob("*.patch"))
+    assert diffs, f"{PATCH_SET} has a manifest but no diffs"
+    for diff in diffs:
+        text = diff.read_text()
+        strip = 1 if ("--- a/" in text or "+++ b/" in text) else 0
+        subprocess.run(["patch", f"-p{strip}", "-d", str(root), "-i", str(diff), "--forward", "-s"],
+                       check=True)
+    assert manifest.get("fixes"), "the manifest lists no fixed drift ids"
+
+
+# ---------------------------------------------------------------- unpatched
+
+
+def test_unpatched_reports_every_known_drift_with_file_and_line(hostenv_python, site_packages):
+    payload = run_drift(hostenv_python, DEEPSEEK_CPU)
+    records = by_id(payload)
+    for drift_id in KNOWN_IDS:
+        assert drift_id in records, f"drift.{drift_id} not reported; got {sorted(records)}"
+        rec = records[drift_id]
+        assert rec["status"] == "fail", rec
+        assert rec["fix"], rec
+        loc = rec["detail"]["locations"][0]
+        assert Path(loc["file"]).is_relative_to(site_packages / "speculators")
+        line = Path(loc["file"]).read_text().splitlines()[loc["line"] - 1]
+        assert LINE_MUST_SHOW[drift_id] in line, (drift_id, loc, line)
+        assert f"{Path(loc['file']).name}:{loc['line']}" in rec["summary"]
+    assert "none" not in records
+    assert payload["data"]["elapsed_s"] < 1.0
+
+
+def test_llama_target_has_no_deepseek_items_and_cuda_host_only_warns(hostenv_python):
+    payload = run_drift(hostenv_python, {"model_family": "llama", "device": "cuda"})
+    ids = drift_ids(payload)
+    records = by_id(payload)
+    assert "eagle3-support-check" not in ids  # LlamaForCausalLM implements SupportsEagle3
+    assert "deepseek-llama4-scaling" not in ids  # LlamaModel passes no extra layer argument
+    assert "embed-input-ids" in ids
+    assert records["cuda-mem-get-info"]["status"] == "warn"
+    assert records["scheduler-block-size"]["status"] == "fail"
+
+
+def test_dropped_llama4_scaling_warns_when_the_model_does_not_use_it(hostenv_python):
+    payload = run_drift(hostenv_python, {**DEEPSEEK_CPU, "model_has_llama_4_scaling": False})
+    rec = by_id(payload)["deepseek-llama4-scaling"]
+    assert rec["status"] == "warn"
+    assert "llama_4_scaling" in rec["summary"]
+
+
+def test_checker_imports_no_heavy_package(hostenv_python):
+    code = (
+        "import sys, json; from remote import drift; "
+        f"drift.main({DEEPSEEK_CPU!r}); "
+        "print(json.dumps(sorted(m for m in ('torch','vllm','speculators','transformers') if m in sys.modules)))"
+    )
+    out = subprocess.run([str(hostenv_python), "-c", code], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out) == []
+
+
+# ------------------------------------------------------------------ edited copies
+
+
+@pytest.mark.parametrize("drift_id", KNOWN_IDS)
+def test_hand_fix_removes_exactly_that_finding(hostenv_python, spec_copy, drift_id):
+    root, params = spec_copy
+    before = drift_ids(run_drift(hostenv_python, params()))
+    assert drift_id in before
+    edit(root, *HAND_FIXES[drift_id])
+    after = drift_ids(run_drift(hostenv_python, params()))
+    assert after == before - {drift_id}
+
+
+def test_all_hand_fixes_together_leave_nothing(hostenv_python, spec_copy):
+    root, params = spec_copy
+    for fix in HAND_FIXES.values():
+        edit(root, *fix)
+    payload = run_drift(hostenv_python, params())
+    assert [r["name"] for r in payload["records"]] == ["drift.none"], payload["records"]
+    rec = payload["records"][0]
+    assert rec["status"] == "ok"
+    assert rec["detail"]["call_sites"] >= 20
+    assert len(rec["detail"]["files"]) == 2
+
+
+def test_names_gone_from_vllm_are_reported(hostenv_python, spec_copy):
+    root, params = spec_copy
+    edit(root, GEN, "from vllm.v1.request import Request, RequestStatus\n",
+         "from vllm.v1.request import Request, RequestStatus, RequestGone\n"
+         "from vllm.v1.no_such_module import Anything\n")
+    records = by_id(run_drift(hostenv_python, params()))
+    gone = records["import-request-gone"]
+    assert gone["status"] == "fail" and "RequestGone" in gone["summary"]
+    assert "vllm.v1.no_such_module" in records["import-vllm-v1-no-such-module"]["summary"]
+    # A compat import guarded by try/except ImportError is not drift.
+    edit(root, GEN, "from vllm.v1.no_such_module import Anything\n",
+         "try:\n    from vllm.v1.no_such_module import Anything\nexcept ImportError:\n    Anything = None\n")
+    assert "import-vllm-v1-no-such-module" not in drift_ids(run_drift(hostenv_python, params()))
+
+
+def test_generic_signature_and_method_checks(hostenv_python, spec_copy):
+    """Any call to a vLLM callable is bound, not just the known list."""
+    root, params = spec_copy
+    edit(root, GEN, "self.scheduler.add_request(req)\n",
+         "self.scheduler.add_request(req, urgent=True)\n"
+         "            self.scheduler.schedule_everything()\n")
+    edit(root, GEN, "cache_config = CacheConfig(\n", "cache_config = CacheConfig(\n            block_sz=1,\n")
+    records = by_id(run_drift(hostenv_python, params()))
+    assert "'urgent'" in records["call-scheduler-add-request-urgent"]["summary"]
+    assert "schedule_everything" in records["method-scheduler-schedule-everything"]["summary"]
+    assert "'block_sz'" in records["call-cache-config-block-sz"]["summary"]
+
+
+def test_cuda_call_behind_an_availability_guard_is_fine(hostenv_python, spec_copy):
+    root, params = spec_copy
+    edit(root, GEN, "        free_memory, _ = torch.cuda.mem_get_info()\n",
+         "        if torch.cuda.is_available():\n"
+         "            free_memory, _ = torch.cuda.mem_get_info()\n"
+         "        else:\n"
+         "            free_memory = min(self.executor.determine_available_memory())\n")
+    assert "cuda-mem-get-info" not in drift_ids(run_drift(hostenv_python, params()))
+
+
+def test_not_installed_is_a_clear_record(hostenv_python, tmp_path, site_packages):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rec = run_drift(hostenv_python, {"site_packages": str(empty)})["records"]
+    assert [(r["name"], r["status"]) for r in rec] == [("drift.speculators", "skipped")]
+    only_spec = tmp_path / "only_spec"
+    shutil.copytree(site_packages / "speculators", only_spec / "speculators")
+    rec = run_drift(hostenv_python, {"site_packages": str(only_spec)})["records"]
+    assert [(r["name"], r["status"]) for r in rec] == [("drift.vllm", "fail")]
+    assert "install vllm" in rec[0]["fix"]
+
+
+def test_fix_names_the_matching_patch_set(hostenv_python, tmp_path):
+    patches = tmp_path / "patches"
+    for name, versions, fixes in (
+        ("other-versions", {"speculators": "0.4.0", "vllm": ">=0.12,<0.17"}, list(KNOWN_IDS)),
+        ("good-set", {"speculators": "0.3.0", "vllm": ">=0.12,<=0.16"}, ["scheduler-block-size"]),
+    ):
+        (patches / name).mkdir(parents=True)
+        (patches / name / "manifest.json").write_text(json.dumps({"versions": versions, "fixes": fixes}))
+    records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(patches)}))
+    assert records["scheduler-block-size"]["detail"]["patch_set"] == "good-set"
+    assert "good-set" in records["scheduler-block-size"]["fix"]
+    assert records["two-phase-execute-model"]["detail"]["patch_set"] is None  # 0.4.0 set does not match
+    # The bundle layout: <_bundle_dir>/patches
+    records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "_bundle_dir": str(tmp_path)}))
+    assert records["scheduler-block-size"]["detail"]["patch_set"] == "good-set"
+
+
+# ------------------------------------------------------------------ the patch set
+
+
+needs_patch_set = pytest.mark.skipif(
+    not (PATCH_SET / "manifest.json").is_file(),
+    reason=f"patch set {PATCH_SET.relative_to(REPO)} not written yet (issue #4)",
+)
+
+
+@needs_patch_set
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama"])
+def test_patched_copy_has_no_drift(hostenv_python, spec_copy, family):
+    root, params = spec_copy
+    apply_patch_set(root)
+    payload = run_drift(hostenv_python, params(model_family=family))
+    assert [r["name"] for r in payload["records"]] == ["drift.none"], payload["records"]
+
+
+@needs_patch_set
+def test_patch_set_claims_every_known_id(hostenv_python):
+    manifest = json.loads((PATCH_SET / "manifest.json").read_text())
+    records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(PATCH_SET.parent)}))
+    assert set(KNOWN_IDS) <= set(manifest["fixes"])
+    for drift_id in KNOWN_IDS:
+        assert records[drift_id]["detail"]["patch_set"] == PATCH_SET.name
+
+
+@needs_patch_set
+def test_planted_defect_patched_worker_dropping_llama4_scaling_is_caught(hostenv_python, spec_copy):
+    root, params = spec_copy
+    apply_patch_set(root)
+    worker = root / WORKER
+    text = worker.read_text()
+    import re
+
+    # Drop llama_4_scaling from every layer call the patched worker makes (keyword or 4th positional).
+    planted, n = re.subn(r",\s*llama_4_scaling(\s*=\s*[\w.]+)?(?=\s*[,)])", "", text)
+    layer_calls = [m for m in re.finditer(r"layer\((?:[^()]|\([^()]*\))*\)", text, re.S) if "llama_4_scaling" in m.group(0)]
+    assert layer_calls and n, "patched worker does not pass llama_4_scaling to its layers"
+    worker.write_text(planted)
+    payload = run_drift(hostenv_python, params())
+    rec = by_id(payload).get("deepseek-llama4-scaling")
+    assert rec is not None and rec["status"] == "fail", payload["records"]
