@@ -5,6 +5,7 @@ import json
 import sys
 
 from rich.console import Console
+from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -57,6 +58,11 @@ def print_reports(reports: list[HostReport], as_json: bool = False, stream=None)
                           + Text(report.error, style="bold red"))
         elif report.records:
             console.print(host_table(report))
+            for rec in report.records:  # like Ansible's --diff: show what changed or would change
+                diff = rec.detail.get("diff") if isinstance(rec.detail, dict) else None
+                if isinstance(diff, str) and diff.strip():
+                    console.print(Text(f"--- diff of {rec.name}", style="bold"))
+                    console.print(Syntax(diff, "diff", theme="ansi_dark", word_wrap=True))
     console.rule("RECAP", style="dim")
     for report in reports:
         console.print(recap_line(report))

@@ -62,6 +62,59 @@ def facts(c, on=None, inventory=None, json=False, accept_new_host_key=False):
     go()
 
 
+RUN_HELP = {
+    "model": "model dir on the host (default: the inventory's model_path)",
+    "dataset": "chat JSONL on the host (default: the inventory's dataset)",
+    "tp": "tensor parallel size (default: the inventory's tp)",
+    "layer-ids": "comma-separated layer ids (default: the engine's own, convention recorded)",
+    "engine": "extraction engine: speculators-0.3 or hf-reference",
+    "seq-len": "max tokens per sample",
+    "max-samples": "number of samples to extract",
+}
+
+
+def _overrides(**flags):
+    return {k: v for k, v in flags.items() if v not in (None, "")}
+
+
+@task(help={**COMMON_HELP, **RUN_HELP,
+            "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
+def preflight(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None,
+              dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None, max_samples=None,
+              skip_autoconfig=False):
+    """Find every failure that would waste a model load, in seconds, without loading weights."""
+    from specops.preflight import preflight as run
+
+    @_guard
+    def go():
+        overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+                               seq_len=seq_len, max_samples=max_samples)
+        _finish(run(load_inventory(inventory), _selector(c, on), overrides, accept_new_host_key,
+                    skip_autoconfig=skip_autoconfig), json)
+    go()
+
+
+@task(help={**COMMON_HELP,
+            "check": "change nothing; show the unified diff of what would change",
+            "revert": "restore the pristine files (verified by sha256)",
+            "status": "say which patch set fits and whether it is applied",
+            "sudo": "write through `sudo -n` (root-owned site-packages)"})
+def patch(c, on=None, inventory=None, json=False, accept_new_host_key=False, check=False, revert=False,
+          status=False, sudo=False):
+    """Apply the versioned patch set that makes the host's speculators fit its vLLM."""
+    from specops.errors import UsageError
+    from specops.patch import patch as run
+
+    @_guard
+    def go():
+        chosen = [name for name, on_ in (("check", check), ("revert", revert), ("status", status)) if on_]
+        if len(chosen) > 1:
+            raise UsageError(f"--{chosen[0]} and --{chosen[1]} were both given", "pick one of them")
+        action = chosen[0] if chosen else "apply"
+        _finish(run(load_inventory(inventory), _selector(c, on), action, sudo, accept_new_host_key), json)
+    go()
+
+
 @task(help={"name": "test host name (several can run side by side)",
             "json": "print the connection details as JSON"})
 def testhost_up(c, name="default", json=False):
@@ -100,7 +153,7 @@ testhost.add_task(testhost_up, "up")
 testhost.add_task(testhost_down, "down")
 testhost.add_task(testhost_status, "status")
 
-ns = Collection(facts, demo, testhost)
+ns = Collection(facts, preflight, patch, demo, testhost)
 ns.configure({"run": {"pty": False}})
 
 __doc__ += "\n\nExit codes: " + exit_codes.ExitCode.help_text()

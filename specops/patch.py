@@ -1,0 +1,44 @@
+"""``specops patch``: apply the versioned patch set that fits the host's speculators/vLLM.
+
+The work happens on the host (``remote/patcher.py``: pick set by versions, verify
+sha256, back up, write atomically, byte-compile, restore everything on any failure,
+host lock). Afterwards the static drift check runs again in the same connection; it
+must be clean for the patch to count as done.
+"""
+from __future__ import annotations
+
+from specops.fleet import report_from_payload, run_on_hosts
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.params import run_params
+from specops.result import HostReport, Record
+
+ACTIONS = ("apply", "check", "revert", "status")
+
+
+def patch_step(host: Host, action: str, sudo: bool | None = None, overrides: dict | None = None) -> HostReport:
+    use_sudo = bool(host.spec.sudo or sudo)
+    params = {"action": action, **run_params(host.spec, **(overrides or {}))}
+    payload = host.run_task("patcher", params, sudo=use_sudo)
+    report = report_from_payload(host.name, "patch", payload)
+    if action == "apply" and not report.failed:
+        drift = report_from_payload(host.name, "patch", host.run_task("drift", params))
+        left = [r for r in drift.records if r.status in ("fail", "warn")]
+        if left:
+            report.records.append(Record(
+                name="patch.drift-after", status="fail",
+                summary=f"{len(left)} drift finding(s) remain after patching: "
+                        + ", ".join(r.name.split(".", 1)[-1] for r in left),
+                detail={"findings": [r.model_dump() for r in left]},
+                fix="the patch set does not cover this host's vLLM; see detail.findings and "
+                    "`specops preflight`"))
+        else:
+            report.records.append(Record(name="patch.drift-after", status="ok",
+                                         summary="static drift check is clean after patching"))
+    return report
+
+
+def patch(inventory: Inventory, selector: str | None, action: str = "apply", sudo: bool | None = None,
+          accept_new_host_key: bool = False, overrides: dict | None = None) -> list[HostReport]:
+    return run_on_hosts(inventory, selector, "patch", lambda h: patch_step(h, action, sudo, overrides),
+                        accept_new_host_key=accept_new_host_key)
