@@ -115,6 +115,128 @@ def patch(c, on=None, inventory=None, json=False, accept_new_host_key=False, che
     go()
 
 
+JOB_HELP = {**COMMON_HELP, "run-id": "the run's id (letters, digits, . _ -)"}
+
+
+@task(help={**COMMON_HELP, **RUN_HELP,
+            "run-id": "name the run (default: <model>-<time>); the same id re-attaches or resumes",
+            "detach": "start and return at once",
+            "force": "start even if the host already runs another extraction",
+            "skip-preflight": "do not run preflight first",
+            "batch-size": "samples per engine call",
+            "tensors": "also fetch every sample file at the end (checked by sha256)"})
+def extract(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, dataset=None,
+            tp=None, layer_ids=None, engine=None, seq_len=None, max_samples=None, batch_size=None,
+            run_id=None, detach=False, force=False, skip_preflight=False, tensors=False):
+    """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary."""
+    from specops.extract import extract as run
+
+    @_guard
+    def go():
+        overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+                               seq_len=seq_len, max_samples=max_samples, batch_size=batch_size)
+        code = run(load_inventory(inventory), _selector(c, on), overrides, run_id=run_id, detach=detach,
+                   force=force, skip_preflight=skip_preflight, as_json=json, tensors=tensors,
+                   accept_new_host_key=accept_new_host_key)
+        if code:
+            raise Exit(code=int(code))
+    go()
+
+
+def _job_hosts(c, on, inventory, accept_new_host_key):
+    from specops.host import Host
+
+    inv = load_inventory(inventory)
+    return [Host(spec, inv, accept_new_host_key) for spec in inv.select(_selector(c, on))]
+
+
+def _require_run_id(run_id):
+    from specops.errors import UsageError
+    from specops.extract import check_run_id
+
+    if not run_id:
+        raise UsageError("--run-id is required", "pass the id printed when the run started")
+    return check_run_id(run_id)
+
+
+@task(help=JOB_HELP)
+def status(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False):
+    """Show a run's state; exits 0 done, 100 failed, 101 running, 102 not found, 103 aborted."""
+    from specops import jobs
+    from specops.fleet import run_on_hosts
+
+    @_guard
+    def go():
+        rid = _require_run_id(run_id)
+        inv = load_inventory(inventory)
+        reports = run_on_hosts(inv, _selector(c, on), "status", lambda h: jobs.status_report(h, rid),
+                               accept_new_host_key)
+        print_reports(reports, as_json=json)
+        unreachable = [r for r in reports if r.error is not None]
+        if unreachable:
+            raise Exit(code=int(overall_exit(unreachable)))
+        code = max(jobs.job_exit_code(r.data.get("state", "missing")) for r in reports)
+        if code:
+            raise Exit(code=int(code))
+    go()
+
+
+@task(help={**JOB_HELP, "follow": "keep printing new log lines until the run ends (Ctrl-C stops)",
+            "rank": "only this log file, e.g. rank1 or supervisor"})
+def logs(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, follow=False,
+         rank=None):
+    """Print a run's logs (supervisor and one per TP rank), optionally following them."""
+    from specops.logs import show_logs
+
+    @_guard
+    def go():
+        code = show_logs(_job_hosts(c, on, inventory, accept_new_host_key), _require_run_id(run_id),
+                         follow=follow, only=rank, as_json=json)
+        if code:
+            raise Exit(code=int(code))
+    go()
+
+
+@task(help=JOB_HELP)
+def abort(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False):
+    """Stop a run: SIGTERM to its process group, SIGKILL after a grace period."""
+    from specops import jobs
+    from specops.fleet import report_from_payload, run_on_hosts
+
+    @_guard
+    def go():
+        rid = _require_run_id(run_id)
+        reports = run_on_hosts(load_inventory(inventory), _selector(c, on), "abort",
+                               lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
+                               accept_new_host_key)
+        _finish(reports, json)
+    go()
+
+
+@task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by sha256"})
+def fetch(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, tensors=False):
+    """Bring a run's logs, status, manifest and summary (and --tensors) into runs/<host>/<run-id>/."""
+    from pathlib import Path
+
+    from specops import jobs
+    from specops.fleet import run_on_hosts
+
+    @_guard
+    def go():
+        rid = _require_run_id(run_id)
+        reports = run_on_hosts(load_inventory(inventory), _selector(c, on), "fetch",
+                               lambda h: jobs.fetch_run(h, rid, tensors=tensors), accept_new_host_key)
+        print_reports(reports, as_json=json)
+        if not json:
+            for report in reports:
+                if report.data.get("dest"):
+                    jobs.show_summary(Path(report.data["dest"]))
+        code = overall_exit(reports)
+        if code:
+            raise Exit(code=int(code))
+    go()
+
+
 @task(help={"name": "test host name (several can run side by side)",
             "json": "print the connection details as JSON"})
 def testhost_up(c, name="default", json=False):
@@ -153,7 +275,7 @@ testhost.add_task(testhost_up, "up")
 testhost.add_task(testhost_down, "down")
 testhost.add_task(testhost_status, "status")
 
-ns = Collection(facts, preflight, patch, demo, testhost)
+ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, demo, testhost)
 ns.configure({"run": {"pty": False}})
 
 __doc__ += "\n\nExit codes: " + exit_codes.ExitCode.help_text()

@@ -1,0 +1,156 @@
+"""``specops extract``: start the TP extraction detached, follow it, bring the proof back.
+
+Steps per host: preflight (stops on a fail unless skipped) -> start the job detached
+(``remote/job.py``; the same run id re-attaches, never starts twice) -> follow the
+status file with a progress bar over the same connection -> fetch logs, manifest and
+summary into ``runs/<host>/<run-id>/``. Ctrl-C while following detaches; the job
+goes on.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specops import jobs
+from specops.errors import UsageError
+from specops.exit_codes import ExitCode
+from specops.fleet import report_from_payload, run_on_hosts
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.params import run_params
+from specops.preflight import preflight_step
+from specops.report import console, err_console, print_reports
+from specops.result import HostReport, Record
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def default_run_id(model_path: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_path.rstrip("/")).name).strip("-.") or "run"
+    return f"{name[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise UsageError(f"--run-id {run_id!r} is not a valid run id",
+                         "use letters, digits, '.', '_' and '-' (at most 128, not starting with . or -)")
+    return run_id
+
+
+def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
+               inject_failure: dict | None = None) -> HostReport:
+    """Preflight, then start (or re-attach to) the run on one host."""
+    report = HostReport(host=host.name, task="extract")
+    if not skip_preflight:
+        pre = preflight_step(host, overrides, skip_autoconfig=True)
+        failed = [r for r in pre.records if r.status == "fail"]
+        report.records.extend(failed)
+        if failed:
+            report.records.append(Record(
+                name="extract.preflight", status="fail",
+                summary=f"preflight found {len(failed)} failure(s); not starting the run",
+                fix="fix the failures above (specops preflight shows all checks), or pass "
+                    "--skip-preflight if you know better"))
+            return report
+        report.records.append(Record(name="extract.preflight", status="ok",
+                                     summary=f"preflight passed ({len(pre.records)} checks)"))
+    params = run_params(host.spec, **overrides)
+    params.update(force=force)
+    if inject_failure:
+        params["inject_failure"] = inject_failure
+    payload = jobs.job_call(host, "start", run_id, **params)
+    started = report_from_payload(host.name, "extract", payload)
+    report.records.extend(started.records)
+    report.data.update(payload.get("data") or {})
+    return report
+
+
+def follow(hosts: list[Host], run_id: str, poll: float = 1.0) -> dict[str, dict]:
+    """Show progress until every run is final; returns each host's last status.
+
+    :raises KeyboardInterrupt: passed through to the caller, who detaches.
+    """
+    last: dict[str, dict] = {}
+    with Progress(TextColumn("[bold]{task.fields[host]}"), TextColumn("{task.fields[phase]:<12}"),
+                  BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=err_console,
+                  transient=False) as progress:
+        bars = {h.name: progress.add_task("", host=h.name, phase="starting", rate="", eta="?", total=None)
+                for h in hosts}
+        pending = list(hosts)
+        while pending:
+            for host in list(pending):
+                status = (jobs.job_call(host, "status", run_id).get("data") or {}).get("status") or {}
+                last[host.name] = status
+                state = status.get("state") or "missing"
+                rate = status.get("tokens_per_s")
+                eta = status.get("eta_s")
+                progress.update(bars[host.name], completed=status.get("samples_done") or 0,
+                                total=status.get("samples_total"),
+                                phase=state if state in jobs.FINAL else (status.get("state") or "pending"),
+                                rate=f"{rate:.0f} tok/s" if rate else "",
+                                eta=f"{eta:.0f}s" if isinstance(eta, (int, float)) else "?")
+                if state in jobs.FINAL or state == "missing":
+                    pending.remove(host)
+            if pending:
+                time.sleep(poll)
+    return last
+
+
+def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
+            detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
+            accept_new_host_key: bool = False, inject_failure: dict | None = None) -> ExitCode:
+    """Run the whole extraction flow; returns the exit code."""
+    specs = inventory.select(selector)
+    run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
+    reports = run_on_hosts(inventory, selector, "extract",
+                           lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight,
+                                                force=force, inject_failure=inject_failure),
+                           accept_new_host_key=accept_new_host_key)
+    started = [r.host for r in reports if not r.failed]
+    if detach or not started:
+        print_reports(reports, as_json=as_json)
+        if started and not as_json:
+            console.print(f"run [bold]{run_id}[/] started detached. Follow: specops extract --run-id {run_id}"
+                          f" --on {','.join(started)};  status: specops status --run-id {run_id}")
+        return max((r.exit_code for r in reports), default=ExitCode.SUCCESS)
+    if not as_json:
+        print_reports(reports)
+        console.print(f"Following run [bold]{run_id}[/] on {', '.join(started)} (Ctrl-C detaches; the run goes on)")
+    hosts = [Host(inventory.hosts[name], inventory, accept_new_host_key) for name in started]
+    try:
+        final = follow(hosts, run_id)
+    except KeyboardInterrupt:
+        err_console.print(f"\n[yellow]detached[/]: run {run_id} goes on. Re-attach: specops extract --run-id "
+                          f"{run_id} --on {','.join(started)}; logs: specops logs --run-id {run_id} --follow")
+        return ExitCode.JOB_RUNNING
+    finally:
+        for host in hosts:
+            host.close()
+    fetched = run_on_hosts(inventory, ",".join(started), "fetch",
+                           lambda h: jobs.fetch_run(h, run_id, tensors=tensors))
+    for report in fetched:
+        state = final.get(report.host, {}).get("state", "missing")
+        err = final.get(report.host, {}).get("error")
+        if state == "done":
+            report.records.append(Record(name="extract.run", status="ok", summary=f"run {run_id} done"))
+        else:
+            tb = (err or {}).get("traceback") or ""
+            report.records.append(Record(
+                name="extract.run", status="fail",
+                summary=f"run {run_id} {state}: rank {(err or {}).get('rank')}: {(err or {}).get('type')}: "
+                        f"{(err or {}).get('message')}",
+                detail={"error": err}, fix="read the traceback below and runs/<host>/<run-id>/logs; fix the "
+                                           "cause, then start the same run id again to resume"))
+            if tb and not as_json:
+                console.print(f"[bold red]{report.host} traceback (rank {(err or {}).get('rank')}):[/]\n{tb}")
+        report.data["final_status"] = final.get(report.host)
+    print_reports(fetched, as_json=as_json)
+    if not as_json:
+        for report in fetched:
+            jobs.show_summary(Path(report.data.get("dest", "")))
+    states = [final.get(r.host, {}).get("state", "missing") for r in fetched]
+    return max((jobs.job_exit_code(s) for s in states), default=ExitCode.SUCCESS)
