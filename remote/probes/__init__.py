@@ -31,6 +31,8 @@ class Context:
         self.checkpoint: dict = {}
         #: the layer ids the run would capture and their convention (filled by ``layer_ids``).
         self.layers: dict = {}
+        #: dataset facts: record count when cheap to count (filled by ``tokenizer_data``).
+        self.data: dict = {}
 
     def env(self, name: str, default=None):
         """A variable as the extraction job will see it: the inventory's ``env`` wins over ours."""

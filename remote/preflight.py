@@ -1,0 +1,152 @@
+"""Preflight: every failure that would waste a model load, found without loading weights.
+
+One process per host runs every probe (``remote/probes/``) and returns one payload::
+
+    >>> payload = main({"model_path": "/models/llama", "output_dir": "/data/out", "device": "cuda", "tp": 8})
+    >>> [r["name"] for r in payload["records"]][:3]
+    ['host.python', 'host.os', 'host.cpus']
+    >>> payload["data"]["seconds"]
+    {'static': 0.21, 'autoconfig': 1.9, 'hf_child_wall': 4.2, 'drift': 0.4, 'patch': 0.01, 'total': 4.7}
+
+The static checks read files and metadata only (stdlib). The one check that imports
+transformers (AutoConfig + AutoTokenizer) runs in a child python started first, so it
+loads while the static checks run, and is timed on its own. API drift and patch status
+come from ``remote.drift`` and ``remote.patcher`` when the bundle has them.
+
+Params (missing keys get :data:`DEFAULTS`; a wrong type or value is a ``params.values``
+fail, and the checks go on with the default):
+``model_path`` (required), ``output_dir``, ``work_dir``, ``device`` (cuda|cpu), ``tp``,
+``engine``, ``layer_ids`` (null = engine default), ``dataset``, ``max_samples``,
+``seq_len``, ``gpu_memory_utilization``, ``trust_remote_code``, ``autoconfig_timeout``,
+``skip_autoconfig``, ``hidden_dtype_bytes``, ``env`` (the job's extra environment),
+``skip_drift``, ``skip_patch``, ``patches_root``.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+
+from remote import protocol
+from remote.protocol import FAIL, record
+from remote.probes import (Context, capacity, checkpoint, external, hf_load, host, layer_ids, model, packages,
+                           parallel, tokenizer_data)
+
+DEFAULTS = {
+    "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
+    "engine": "speculators-0.3", "layer_ids": None, "dataset": None, "max_samples": 1000, "seq_len": 2048,
+    "gpu_memory_utilization": 0.9, "trust_remote_code": False, "autoconfig_timeout": 60.0,
+    "skip_autoconfig": False, "hidden_dtype_bytes": 2, "env": {}, "skip_drift": False, "skip_patch": False,
+    "patches_root": None,
+}
+#: Order in which areas are reported (the controller groups by area in this order).
+AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "tokenizer", "data",
+         "capacity", "drift", "patch")
+
+#: The static probes, in the order they run; later ones read facts earlier ones left on the context.
+STATIC_PROBES = (host.probe, packages.probe, model.probe, layer_ids.probe, parallel.probe, checkpoint.probe,
+                 tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
+
+
+def _check(key, value, problems):
+    """The value coerced to the default's kind, or the default with a problem noted."""
+    default = DEFAULTS[key]
+    try:
+        if key == "device":
+            if value not in ("cuda", "cpu"):
+                raise ValueError("must be 'cuda' or 'cpu'")
+            return value
+        if key in ("tp", "seq_len", "hidden_dtype_bytes", "max_samples"):
+            if isinstance(value, bool) or int(value) != float(value):
+                raise ValueError("must be a whole number")
+            if int(value) < (0 if key == "max_samples" else 1):
+                raise ValueError("must be positive")
+            return int(value)
+        if key in ("gpu_memory_utilization", "autoconfig_timeout"):
+            if isinstance(value, bool) or not 0 < float(value) <= (1 if key == "gpu_memory_utilization" else 3600):
+                raise ValueError("out of range")
+            return float(value)
+        if key in ("trust_remote_code", "skip_autoconfig", "skip_drift", "skip_patch"):
+            if not isinstance(value, bool):
+                raise ValueError("must be true or false")
+            return value
+        if key == "layer_ids":
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError("must be a list of integers or null")
+            return None if value is None else list(value)
+        if key == "env":
+            if not isinstance(value, dict):
+                raise ValueError("must be a mapping of names to values")
+            return {str(k): str(v) for k, v in value.items()}
+        if value is not None and not isinstance(value, str):
+            raise ValueError("must be a string")
+        return value
+    except (TypeError, ValueError) as exc:
+        problems.append(f"{key}={value!r}: {exc}")
+        return default
+
+
+def normalize_params(raw: dict) -> tuple:
+    """``(params, problems)``: every key of :data:`DEFAULTS` present and of the right kind."""
+    raw = dict(raw or {})
+    problems = []
+    params = dict(raw)  # unknown keys pass through (the drift/patch modules may read them)
+    for key, default in DEFAULTS.items():
+        params[key] = _check(key, raw[key], problems) if raw.get(key) is not None else default
+    if not params["model_path"]:
+        problems.append("model_path is missing")
+        params["model_path"] = ""
+    return params, problems
+
+
+def _guarded(probe, ctx):
+    """A probe's records; a bug in a probe becomes one fail record, not a lost preflight."""
+    try:
+        return probe(ctx)
+    except Exception:
+        area = probe.__module__.rsplit(".", 1)[-1]
+        tb = traceback.format_exc()
+        return [record(f"{area}.crash", FAIL, f"probe {probe.__module__}.{probe.__name__} crashed: "
+                       f"{tb.strip().splitlines()[-1]}", detail={"traceback": tb},
+                       fix="a specops bug: report detail.traceback")]
+
+
+def main(params: dict) -> dict:
+    """Run every preflight check once; see the module docstring for params and payload."""
+    t_start = time.perf_counter()
+    params, problems = normalize_params(params)
+    ctx = Context(params)
+    records = []
+    if problems:
+        records.append(record("params.values", FAIL, f"bad params: {problems[0]}", detail={"problems": problems},
+                              fix="fix these values in the inventory or on the command line"))
+    try:
+        child = hf_load.start(ctx)  # loads transformers while the static checks run
+    except OSError as exc:
+        child = None
+        records.append(record("model.autoconfig", FAIL, f"cannot start the AutoConfig child: {exc}",
+                              detail={}, fix="check the host's python can start subprocesses"))
+    seconds = {}
+    t0 = time.perf_counter()
+    for probe in STATIC_PROBES:
+        records += _guarded(probe, ctx)
+    seconds["static"] = round(time.perf_counter() - t0, 3)
+
+    hf_records = hf_load.records(ctx, child) if child is not None or not any(
+        r["name"] == "model.autoconfig" for r in records) else []
+    records += hf_records
+    if child is not None:
+        answer = child.result()
+        seconds["autoconfig"] = round((answer.get("config") or {}).get("seconds") or 0.0, 3)
+        seconds["transformers_import"] = round(answer.get("import_seconds") or 0.0, 3)
+        seconds["hf_child_wall"] = round(answer["wall_seconds"], 3)
+
+    for area in ("drift", "patch"):
+        t0 = time.perf_counter()
+        records += external.run(ctx, area)
+        seconds[area] = round(time.perf_counter() - t0, 3)
+    seconds["total"] = round(time.perf_counter() - t_start, 3)
+
+    order = {area: i for i, area in enumerate(AREAS)}
+    records.sort(key=lambda r: order.get(r["area"], len(AREAS)))  # stable: probe order kept inside an area
+    return protocol.payload(records, host=ctx.host, model=ctx.model, layers=ctx.layers,
+                            checkpoint=ctx.checkpoint, seconds=seconds)

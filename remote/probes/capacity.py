@@ -1,0 +1,54 @@
+"""Capacity probe: the bytes an extraction run writes, against free disk at the output dir.
+
+speculators 0.3.0 writes one ``data_{idx}.pt`` per sample holding ``input_ids`` and
+``loss_mask`` (int64 per token) and one ``[tokens, hidden]`` tensor per captured layer.
+With every sample at ``seq_len`` tokens this is an upper bound::
+
+    samples x seq_len x (hidden x layers x dtype_bytes + 2 x 8) + samples x overhead
+"""
+from __future__ import annotations
+
+from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import Context, human_bytes
+
+TOKEN_ID_BYTES = 8  # int64 input_ids and int64 loss_mask, per token
+PER_SAMPLE_OVERHEAD = 4096  # torch.save's zip container and pickle, per file
+DEFAULT_LAYER_COUNT = 4  # EAGLE-3 captures four layers by default
+TIGHT_SHARE = 0.8
+
+
+def output_bytes(samples: int, seq_len: int, hidden: int, num_layers: int, dtype_bytes: int) -> int:
+    """Upper bound of the bytes written for ``samples`` samples of ``seq_len`` tokens."""
+    per_token = hidden * num_layers * dtype_bytes + 2 * TOKEN_ID_BYTES
+    return samples * (seq_len * per_token + PER_SAMPLE_OVERHEAD)
+
+
+def probe(ctx: Context) -> list:
+    hidden = ctx.model.get("hidden_size")
+    disk = (ctx.host.get("disk") or {}).get("output_dir")
+    if not hidden or not disk:
+        why = "no hidden size (model config unreadable)" if not hidden else "no free-disk figure for output_dir"
+        return [record("capacity.output", SKIPPED, why, detail={})]
+    params = ctx.params
+    samples = params["max_samples"]
+    if ctx.data.get("records") is not None:
+        samples = min(samples, ctx.data["records"])
+    n_layers = len(ctx.layers.get("ids") or []) or DEFAULT_LAYER_COUNT
+    need = output_bytes(samples, params["seq_len"], hidden, n_layers, params["hidden_dtype_bytes"])
+    free = disk["free_bytes"]
+    detail = {"samples": samples, "max_samples": params["max_samples"], "dataset_records": ctx.data.get("records"),
+              "seq_len": params["seq_len"], "hidden_size": hidden, "layers": n_layers,
+              "dtype_bytes": params["hidden_dtype_bytes"], "bytes": need, "free_bytes": free,
+              "measured_at": disk["measured_at"], "upper_bound": True}
+    line = (f"up to {human_bytes(need)} for {samples} samples x {params['seq_len']} tokens x {n_layers} layers "
+            f"vs {human_bytes(free)} free at {disk['measured_at']}")
+    if need > free:
+        return record_list(FAIL, line, detail, fix="free disk at the output dir, point output_dir at a bigger "
+                                                    "disk, or lower max_samples / seq_len")
+    if need > TIGHT_SHARE * free:
+        return record_list(WARN, line, detail, fix="leave headroom: free disk or lower max_samples")
+    return record_list(OK, line, detail)
+
+
+def record_list(status, summary, detail, fix=None):
+    return [record("capacity.output", status, summary, detail=detail, fix=fix)]

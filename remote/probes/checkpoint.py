@@ -1,0 +1,228 @@
+"""Checkpoint probe: safetensors shards against their index, headers, sizes, and fit.
+
+A safetensors file is ``<8-byte little-endian header length N><N bytes of JSON header>
+<data>``, the header mapping each tensor to ``{"dtype", "shape", "data_offsets": [begin,
+end]}`` relative to the start of the data. So a complete file is exactly
+``8 + N + max(end)`` bytes: a shorter one is a truncated download, caught here by
+reading a few KB per shard instead of loading hundreds of GB.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import Context, MiB, human_bytes
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: The format caps the header at 100 MB; a bigger length means a corrupt or foreign file.
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: Weights above this share of the per-GPU budget leave too little room for the KV cache.
+TIGHT_SHARE = 0.9
+
+
+class ShardError(Exception):
+    """A shard that cannot be used, with the reason in one line."""
+
+
+def read_header(path: str) -> dict:
+    """Parse one shard's header by hand (stdlib only) and check its size against it.
+
+    :returns: ``{"header_bytes", "data_bytes", "file_bytes", "expected_bytes", "tensors":
+        {name: {"dtype", "shape", "data_offsets"}}, "metadata"}``.
+    :raises ShardError: unreadable, corrupt header, or file shorter than the header says.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ShardError(f"{size} bytes: too short to hold a header (truncated)")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise ShardError(f"header length {n} does not fit in a {size}-byte file (truncated or not safetensors)")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ShardError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ShardError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    data_end = 0
+    for name, info in header.items():
+        try:
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], info["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise ShardError(f"tensor {name!r} has no valid dtype/shape/data_offsets") from None
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if dtype in DTYPE_BYTES and end - begin != numel * DTYPE_BYTES[dtype]:
+            raise ShardError(f"tensor {name!r}: {end - begin} bytes for {dtype}{shape} (corrupt header)")
+        data_end = max(data_end, end)
+    expected = 8 + n + data_end
+    facts = {"header_bytes": n, "data_bytes": data_end, "file_bytes": size, "expected_bytes": expected,
+             "tensors": header, "metadata": metadata}
+    if size < expected:
+        raise ShardError(f"truncated: {size} of {expected} bytes ({human_bytes(expected - size)} missing)")
+    return facts
+
+
+def find_weights(model_path: str) -> tuple:
+    """``(index or None, expected shard names, safetensors files on disk, other weight files)``."""
+    try:
+        names = sorted(os.listdir(model_path))
+    except OSError:
+        return None, [], [], []
+    on_disk = [n for n in names if n.endswith(".safetensors")]
+    others = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".gguf"))]
+    index = None
+    if INDEX_NAME in names:
+        with open(os.path.join(model_path, INDEX_NAME), encoding="utf-8") as fh:
+            index = json.load(fh)
+        expected = sorted(set((index.get("weight_map") or {}).values()))
+    elif SINGLE_NAME in names:
+        expected = [SINGLE_NAME]
+    else:
+        expected = list(on_disk)
+    return index, expected, on_disk, others
+
+
+def probe(ctx: Context) -> list:
+    """Index vs disk, every shard's header and size, totals, and fit per TP rank."""
+    model_path = ctx.params["model_path"]
+    if not os.path.isdir(model_path):
+        return [record("checkpoint.files", SKIPPED, f"model dir {model_path} does not exist", detail={})]
+    try:
+        index, expected, on_disk, others = find_weights(model_path)
+    except (OSError, ValueError) as exc:
+        return [record("checkpoint.files", FAIL, f"{INDEX_NAME} is unreadable: {exc}", detail={},
+                       fix=f"re-download {INDEX_NAME}")]
+    if not expected:
+        if others:
+            return [record("checkpoint.files", WARN, f"no safetensors, only {', '.join(others[:3])}: shards "
+                           "not checked", detail={"files": others})]
+        return [record("checkpoint.files", FAIL, f"no weights in {model_path}", detail={},
+                       fix="download the model's *.safetensors (and their index) into the model dir")]
+    records = [_files_record(index, expected, on_disk)]
+    records += _shards_records(ctx, model_path, index, expected, on_disk)
+    records.append(_fit_record(ctx))
+    return records
+
+
+def _files_record(index, expected, on_disk):
+    missing = sorted(set(expected) - set(on_disk))
+    extra = sorted(set(on_disk) - set(expected))
+    detail = {"index": INDEX_NAME if index else None, "expected": len(expected), "missing": missing,
+              "extra": extra}
+    if missing:
+        return record("checkpoint.files", FAIL, f"{len(missing)} of {len(expected)} shards missing: "
+                      f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}", detail=detail,
+                      fix="download the missing shards into the model dir (huggingface-cli download resumes)")
+    if extra:
+        return record("checkpoint.files", WARN, f"{len(expected)} shards present; {len(extra)} not in the index: "
+                      f"{', '.join(extra[:3])}", detail=detail,
+                      fix="remove stray *.safetensors the index does not name (a loader may pick them up)")
+    return record("checkpoint.files", OK, f"{len(expected)} shard(s) present"
+                  + (f", as named by {INDEX_NAME}" if index else ""), detail=detail)
+
+
+def _shards_records(ctx, model_path, index, expected, on_disk):
+    bad, tensors_by_shard, total_data, total_files = {}, {}, 0, 0
+    for name in expected:
+        if name not in on_disk:
+            continue
+        try:
+            facts = read_header(os.path.join(model_path, name))
+        except (OSError, ShardError) as exc:
+            bad[name] = str(exc)
+            continue
+        tensors_by_shard[name] = set(facts["tensors"])
+        total_data += facts["data_bytes"]
+        total_files += facts["file_bytes"]
+    # The index must point each tensor at a shard that really holds it.
+    misplaced = []
+    for tensor, shard in ((index or {}).get("weight_map") or {}).items():
+        if shard in tensors_by_shard and tensor not in tensors_by_shard[shard]:
+            misplaced.append(f"{tensor} -> {shard}")
+    ctx.checkpoint.update({"shards": len(expected), "data_bytes": total_data, "file_bytes": total_files,
+                           "readable": len(tensors_by_shard), "tensors": sum(map(len, tensors_by_shard.values()))})
+    detail = dict(ctx.checkpoint, bad=bad, misplaced=misplaced[:20])
+    records = []
+    if bad:
+        first = sorted(bad)[0]
+        records.append(record("checkpoint.headers", FAIL, f"{len(bad)} shard(s) broken; {first}: {bad[first]}",
+                              detail=detail, fix=f"re-download {', '.join(sorted(bad)[:3])}"
+                              + (" ..." if len(bad) > 3 else "")))
+    elif misplaced:
+        records.append(record("checkpoint.headers", FAIL, f"{len(misplaced)} tensor(s) not in the shard the index "
+                              f"names, e.g. {misplaced[0]}", detail=detail,
+                              fix=f"re-download {INDEX_NAME} together with the shards (they are from different "
+                                  f"revisions)"))
+    else:
+        records.append(record("checkpoint.headers", OK, f"{len(tensors_by_shard)} header(s) readable, sizes "
+                              f"consistent, {ctx.checkpoint['tensors']} tensors", detail=detail))
+    declared = ((index or {}).get("metadata") or {}).get("total_size")
+    records.append(record("checkpoint.size", OK, f"{human_bytes(total_data)} of weights in {len(expected)} "
+                          f"shard(s)", detail={"data_bytes": total_data, "file_bytes": total_files,
+                                               "index_total_size": declared}))
+    return records
+
+
+def _fit_record(ctx):
+    """Weights per TP rank against what each rank may use: GPU memory x utilization, or RAM."""
+    total = ctx.checkpoint.get("data_bytes") or 0
+    tp = ctx.params["tp"]
+    per_rank = total // max(tp, 1)
+    detail = {"weight_bytes": total, "tp": tp, "bytes_per_rank": per_rank,
+              "note": "weights split evenly over TP ranks (replicated norms/embeddings make it slightly more)"}
+    if ctx.params["device"] == "cuda":
+        gpus = (ctx.host.get("visible_gpus") or [])[:tp]
+        if not gpus:
+            return record("checkpoint.fit", SKIPPED, "no GPU facts to compare with", detail=detail)
+        util = ctx.params["gpu_memory_utilization"]
+        rows, short, tight = [], [], []
+        for g in gpus:
+            total_b, free_b = (g["memory_total_mib"] or 0) * MiB, (g["memory_free_mib"] or 0) * MiB
+            budget = int(util * total_b)
+            rows.append({"index": g["index"], "total_bytes": total_b, "free_bytes": free_b, "budget_bytes": budget})
+            if free_b < budget or per_rank > budget:
+                short.append(g)
+            elif per_rank > TIGHT_SHARE * budget:
+                tight.append(g)
+        detail.update(gpus=rows, gpu_memory_utilization=util)
+        if short:
+            g = rows[gpus.index(short[0])]
+            if g["free_bytes"] < g["budget_bytes"]:
+                why = (f"GPU {g['index']} has {human_bytes(g['free_bytes'])} free but gpu_memory_utilization "
+                       f"{util} asks {human_bytes(g['budget_bytes'])}: vLLM refuses to start")
+                fix = (f"free GPU {g['index']} or lower gpu_memory_utilization to at most "
+                       f"{g['free_bytes'] / max(g['total_bytes'], 1):.2f}")
+            else:
+                why = (f"{human_bytes(per_rank)} of weights per rank exceed GPU {g['index']}'s budget "
+                       f"{human_bytes(g['budget_bytes'])} ({util} x {human_bytes(g['total_bytes'])})")
+                fix = "raise TP (more GPUs per host) or gpu_memory_utilization, or use a quantized checkpoint"
+            return record("checkpoint.fit", FAIL, why, detail=detail, fix=fix)
+        status = WARN if tight else OK
+        return record("checkpoint.fit", status, f"{human_bytes(per_rank)} per rank vs budget "
+                      f"{human_bytes(min(r['budget_bytes'] for r in rows))} per GPU"
+                      + (": little room left for the KV cache" if tight else ""), detail=detail,
+                      fix="raise TP or gpu_memory_utilization" if tight else None)
+    avail = (ctx.host.get("ram") or {}).get("available_bytes")
+    kv = ctx.host.get("cpu_kvcache_bytes") or 0
+    need = total + kv * tp
+    detail.update(ram_available_bytes=avail, kvcache_bytes_per_rank=kv, need_bytes=need)
+    if not avail:
+        return record("checkpoint.fit", SKIPPED, "no RAM facts to compare with", detail=detail)
+    if need > avail:
+        return record("checkpoint.fit", FAIL, f"weights {human_bytes(total)} + KV cache {human_bytes(kv)} x TP {tp} "
+                      f"exceed available RAM {human_bytes(avail)}", detail=detail,
+                      fix="lower VLLM_CPU_KVCACHE_SPACE, free RAM, or use a bigger host")
+    status = WARN if need > TIGHT_SHARE * avail else OK
+    return record("checkpoint.fit", status, f"weights {human_bytes(total)} + KV cache {human_bytes(kv * tp)} "
+                  f"vs RAM {human_bytes(avail)} available", detail=detail,
+                  fix="free RAM or lower VLLM_CPU_KVCACHE_SPACE" if status == WARN else None)

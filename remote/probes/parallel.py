@@ -1,0 +1,63 @@
+"""Parallelism probe: TP size against devices and against the attention heads.
+
+vLLM splits attention heads over TP ranks: ``num_attention_heads`` must divide by TP;
+KV heads either divide by TP or, when there are fewer KV heads than ranks, are
+replicated, which needs TP to be a multiple of them.
+"""
+from __future__ import annotations
+
+from remote.protocol import FAIL, OK, SKIPPED, record
+from remote.probes import Context
+
+
+def kv_heads_problem(kv_heads: int, tp: int) -> str | None:
+    if kv_heads >= tp and kv_heads % tp:
+        return f"{kv_heads} kv heads do not divide by TP {tp}"
+    if kv_heads < tp and tp % kv_heads:
+        return f"TP {tp} is not a multiple of {kv_heads} kv heads (needed to replicate them)"
+    return None
+
+
+def probe(ctx: Context) -> list:
+    tp = ctx.params["tp"]
+    return [_devices(ctx, tp), _heads(ctx, tp)]
+
+
+def _devices(ctx, tp):
+    if ctx.params["device"] == "cuda":
+        n = len(ctx.host.get("visible_gpus") or [])
+        detail = {"tp": tp, "gpus": n}
+        if tp > n:
+            return record("parallel.devices", FAIL, f"TP {tp} needs {tp} GPUs, {n} usable", detail=detail,
+                          fix=f"set tp to at most {n} (or make more GPUs visible)" if n else
+                              "this host has no usable GPU: fix the driver or set device: cpu")
+        return record("parallel.devices", OK, f"TP {tp} on {n} GPU(s)", detail=detail)
+    cores = (ctx.host.get("cpus") or {}).get("usable") or 0
+    detail = {"tp": tp, "cpu_cores": cores}
+    if tp > cores:
+        return record("parallel.devices", FAIL, f"TP {tp} on the CPU engine needs a core per rank, {cores} usable",
+                      detail=detail, fix=f"set tp to at most {cores}")
+    return record("parallel.devices", OK, f"device=cpu: TP {tp} over {cores} CPU core(s)", detail=detail)
+
+
+def _heads(ctx, tp):
+    heads, kv = ctx.model.get("num_attention_heads"), ctx.model.get("num_key_value_heads")
+    if not heads:
+        return record("parallel.heads", SKIPPED, "no head counts (model config unreadable)", detail={})
+    kv = kv or heads
+    detail = {"tp": tp, "num_attention_heads": heads, "num_key_value_heads": kv}
+    problems = []
+    if heads % tp:
+        problems.append(f"{heads} attention heads do not divide by TP {tp}")
+    kv_problem = kv_heads_problem(kv, tp)
+    if kv_problem:
+        problems.append(kv_problem)
+    if problems:
+        good = [t for t in range(1, heads + 1) if heads % t == 0 and kv_heads_problem(kv, t) is None]
+        detail.update(problems=problems, valid_tp=good)
+        return record("parallel.heads", FAIL, "; ".join(problems), detail=detail,
+                      fix=f"pick tp from {good}")
+    if kv < tp:
+        return record("parallel.heads", OK, f"{heads} heads split over TP {tp}; {kv} kv heads replicated",
+                      detail=detail)
+    return record("parallel.heads", OK, f"{heads} heads / {kv} kv heads divide by TP {tp}", detail=detail)
