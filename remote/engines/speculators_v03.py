@@ -1,0 +1,114 @@
+"""The speculators 0.3.0 in-process generator as an engine (``speculators-0.3``).
+
+Wraps the real ``speculators.data_generation.VllmHiddenStatesGenerator``: it builds a
+vLLM ``MultiprocExecutor`` with one worker process per TP rank, patches the model's
+forward in the workers, and captures the OUTPUT of the 0-based layer ids (``output``
+convention, ``remote/layers.py``) during prefill. On vLLM >= 0.12 the package must be
+patched first (``fab patch``; patches/speculators-0.3.0_vllm-0.12-0.16/); the engine
+says so when the constructor fails on an unpatched copy.
+
+Before the executor starts, :func:`remote.engines.vllm_worker_hook.install` routes
+every worker through our hook, so each rank writes ``logs/rank<k>.log`` and records
+its own exception in ``errors/rank<k>.json`` (the supervisor reports that, not the
+driver's generic "Worker failed with error ..."), and ``inject_failure`` can make one
+rank fail inside vLLM's own code path.
+
+The generator returns layers in ascending id order (the worker walks the layers in
+order); this engine hands them back in the order of ``layer_ids``. Every sample is
+checked to come back whole (same token ids, one row per token).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from . import Engine
+
+
+class SpeculatorsV03Engine(Engine):
+    name = "speculators-0.3"
+
+    def load(self) -> None:
+        from remote.engines import vllm_worker_hook
+
+        spec = self.params.get("inject_failure")
+        if spec:
+            os.environ[vllm_worker_hook.ENV_INJECT] = json.dumps(spec)
+        vllm_worker_hook.install()
+
+        import speculators.data_generation.vllm_hidden_states_generator as gen_module
+
+        self.generator_file = gen_module.__file__
+        self.patched = _is_patched(self.generator_file)
+        self.max_model_len = self._max_model_len()
+        try:
+            self.generator = gen_module.VllmHiddenStatesGenerator(
+                model_path=self.model_path,
+                layer_ids=sorted(self.layer_ids),
+                max_model_len=self.max_model_len,
+                gpu_memory_utilization=float(self.params.get("gpu_memory_utilization") or 0.8),
+                tensor_parallel_size=self.tp,
+            )
+        except Exception as exc:
+            if not self.patched:
+                raise RuntimeError(
+                    f"speculators 0.3.0 at {self.generator_file} is not patched for this vLLM "
+                    f"({type(exc).__name__}: {exc}); run `fab patch` on this host first"
+                ) from exc
+            raise
+        # ascending capture order -> position of each requested id
+        order = sorted(self.layer_ids)
+        self._pick = [order.index(lid) for lid in self.layer_ids]
+
+    def _max_model_len(self) -> int:
+        """Room for the longest sample plus the one decode token the generator asks for."""
+        seq_len = int(self.params.get("seq_len") or 2048)
+        try:
+            with open(os.path.join(self.model_path, "config.json")) as fh:
+                cfg = json.load(fh)
+        except OSError:
+            cfg = {}
+        text = cfg.get("text_config") or {}
+        limit = cfg.get("max_position_embeddings") or text.get("max_position_embeddings")
+        return min(seq_len + 1, int(limit)) if limit else seq_len + 1
+
+    def extract(self, batch):
+        results = self.generator.generate([list(ids) for ids in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"generator returned {len(results)} results for {len(batch)} prompts")
+        out = []
+        for j, (ids, result) in enumerate(zip(batch, results)):
+            got = result["input_ids"].tolist()
+            if got != list(ids):
+                raise RuntimeError(
+                    f"batch item {j}: the generator ran {len(got)} tokens for a {len(ids)}-token "
+                    f"sample (max_model_len {self.max_model_len}); lower seq_len below the model's "
+                    f"max_position_embeddings")
+            layer_states = result["hidden_states"]
+            if len(layer_states) != len(self.layer_ids):
+                raise RuntimeError(f"batch item {j}: {len(layer_states)} layers captured, asked for "
+                                   f"{len(self.layer_ids)} ({sorted(self.layer_ids)})")
+            out.append([layer_states[k] for k in self._pick])
+        return out
+
+    def close(self) -> None:
+        generator = getattr(self, "generator", None)
+        self.generator = None
+        if generator is not None and hasattr(generator, "executor"):
+            executor = generator.executor
+            del generator.executor  # its __del__ would shut down a second time
+            executor.shutdown()
+
+    def describe(self) -> dict:
+        return {"name": self.name, "tp": self.tp, "generator_file": getattr(self, "generator_file", None),
+                "patched": getattr(self, "patched", None),
+                "max_model_len": getattr(self, "max_model_len", None)}
+
+
+def _is_patched(path: str) -> bool:
+    """The patch set marks every hunk with ``specops``; a pristine 0.3.0 file has none."""
+    try:
+        with open(path) as fh:
+            return "specops" in fh.read()
+    except OSError:
+        return False
