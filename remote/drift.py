@@ -94,6 +94,9 @@ FAMILY_ARCHITECTURE = {
     "kimi_k2": "DeepseekV3ForCausalLM",
 }
 
+#: what to check when neither the family nor the model's config says (one per family).
+DEFAULT_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")
+
 #: speculators files that drive vLLM in-process (0.3/0.4 era).
 SPECULATORS_DIR = ("speculators", "data_generation")
 
@@ -114,18 +117,24 @@ NEUTRAL_BASES = frozenset({"object", "ABC", "Protocol", "Generic", "ABCMeta"})
 _TREES: dict = {}
 
 
-def parse(path) -> ast.Module:
-    """Parse ``path`` once per process (keyed by path, size and mtime) and link parents."""
+def parse(path, parents: bool = False) -> ast.Module:
+    """Parse ``path`` once per process (keyed by path, size and mtime).
+
+    :param parents: also link every node to its parent (``parent()``/``ancestors()``);
+        only speculators' files need it, and skipping it for vLLM's halves the time.
+    """
     path = Path(path)
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime_ns)
     tree = _TREES.get(key)
     if tree is None:
         tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), filename=str(path))
+        _TREES[key] = tree
+    if parents and not getattr(tree, "_drift_linked", False):
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 child._drift_parent = node  # why: enclosing-if / enclosing-function lookups
-        _TREES[key] = tree
+        tree._drift_linked = True
     return tree
 
 
@@ -509,10 +518,10 @@ def field_line(index: PackageIndex, ref: Ref, name: str) -> str:
 def callable_signature(index: PackageIndex, ref: Ref, bound_method: bool = False):
     if ref.kind == "class":
         return class_signature(index, ref)
-    if ref.kind == "function":
+    if ref.kind in ("function", "classmethod", "staticmethod"):
         node = ref.node
         decos = {(dotted(d) or "") for d in node.decorator_list}
-        bound = bound_method and "staticmethod" not in decos
+        bound = ref.kind == "classmethod" or (bound_method and "staticmethod" not in decos)
         return Signature.of_function(node, bound=bound, where=ref.where)
     return None
 
@@ -536,7 +545,7 @@ class SpecFile:
 
     def __init__(self, path: Path, index: PackageIndex):
         self.path = Path(path)
-        self.tree = parse(self.path)
+        self.tree = parse(self.path, parents=True)
         self.index = index
         #: local name -> (vllm module, imported name or None for a module import)
         self.imports: dict = {}
@@ -572,6 +581,16 @@ class SpecFile:
         module, imported = self.imports[head]
         ref = self.index.lookup(module, imported) if imported else self.index._submodule(module)
         for part in rest.split(".") if rest else ():
+            if ref is not None and ref.kind == "class":
+                # Cls.factory(...): a static or class method called on an imported class.
+                hit = self.index.class_member(ref, part)
+                if hit is None or not isinstance(hit[0], ast.FunctionDef):
+                    return None
+                decos = {(dotted(d) or "") for d in hit[0].decorator_list}
+                kind = "classmethod" if "classmethod" in decos else "staticmethod" if "staticmethod" in decos else None
+                if kind is None:
+                    return None
+                return Ref(kind, hit[1].module, f"{ref.name}.{part}", hit[0], hit[1].path)
             if ref is None or ref.kind != "module":
                 return None
             ref = self.index.lookup(ref.module, part)
@@ -626,11 +645,16 @@ class SpecFile:
         return out
 
     def bound_functions(self) -> list:
-        """Module functions the file binds onto another object with ``types.MethodType``."""
+        """Module functions the file binds onto another object (``types.MethodType`` & co)."""
         names = set()
         for call in self.calls():
-            if (dotted(call.func) or "").endswith("MethodType") and call.args and isinstance(call.args[0], ast.Name):
-                names.add(call.args[0].id)
+            func = dotted(call.func) or ""
+            if func.rsplit(".", 1)[-1] in ("MethodType", "partial") and len(call.args) >= 2 \
+                    and isinstance(call.args[0], ast.Name):
+                names.add(call.args[0].id)  # types.MethodType(fn, obj) / functools.partial(fn, obj)
+            elif func.endswith(".__get__") and isinstance(call.func, ast.Attribute) \
+                    and isinstance(call.func.value, ast.Name):
+                names.add(call.func.value.id)  # fn.__get__(obj)
         return [n for n in self.tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
 
     def externally_assigned_attrs(self) -> set:
@@ -671,8 +695,13 @@ def layer_calls(fn) -> list:
     return out
 
 
-def supplied_params(sig: Signature, call: ast.Call) -> tuple[set, bool]:
-    """Parameter names a call supplies, and whether it may supply more (``*a``/``**kw``)."""
+def supplied_params(sig: Signature, call: ast.Call, fn=None) -> tuple[set, bool]:
+    """Parameter names a call supplies, and whether it may supply more (``*a``/``**kw``).
+
+    ``**name`` of a dict the enclosing function fills with literal keys (``{"k": v}``,
+    ``dict(k=v)``, ``name["k"] = v``, ``name.update(k=v)``) supplies those keys, as a
+    model's own ``layer(..., **extra_layer_kwargs)`` does; anything else is open-ended.
+    """
     names, open_ended = set(), False
     for i, arg in enumerate(call.args):
         if isinstance(arg, ast.Starred):
@@ -681,11 +710,52 @@ def supplied_params(sig: Signature, call: ast.Call) -> tuple[set, bool]:
         if i < len(sig.positional):
             names.add(sig.positional[i])
     for kw in call.keywords:
-        if kw.arg is None:
+        if kw.arg is not None:
+            names.add(kw.arg)
+            continue
+        keys = dict_keys(kw.value, fn)
+        if keys is None:
             open_ended = True
         else:
-            names.add(kw.arg)
+            names |= keys
     return names, open_ended
+
+
+def dict_keys(expr, fn) -> set | None:
+    """Literal keys a local dict ``expr`` can hold in ``fn``; None when they are not knowable."""
+    if isinstance(expr, ast.Dict):
+        if any(k is None or not isinstance(k, ast.Constant) for k in expr.keys):
+            return None
+        return {k.value for k in expr.keys}
+    if isinstance(expr, ast.Call) and dotted(expr.func) == "dict" and not expr.args:
+        return None if any(k.arg is None for k in expr.keywords) else {k.arg for k in expr.keywords}
+    if not isinstance(expr, ast.Name) or fn is None:
+        return None
+    keys, bound = set(), False
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id == expr.id:
+                    got = dict_keys(node.value, fn) if node.value is not None else set()
+                    if got is None:
+                        return None
+                    keys |= got
+                    bound = True
+                elif isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == expr.id:
+                    if not isinstance(t.slice, ast.Constant):
+                        return None
+                    keys.add(t.slice.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == expr.id:
+            if node.func.attr in ("update", "setdefault"):
+                if node.func.attr == "setdefault" and node.args and isinstance(node.args[0], ast.Constant):
+                    keys.add(node.args[0].value)
+                elif node.func.attr == "update" and not node.args and all(k.arg for k in node.keywords):
+                    keys |= {k.arg for k in node.keywords}
+                else:
+                    return None
+    return keys if bound else None
 
 
 def slug(text: str) -> str:
@@ -703,6 +773,13 @@ class Target:
     causal: Ref  # e.g. DeepseekV3ForCausalLM
     inner: Ref | None  # e.g. DeepseekV2Model (what ``model.model`` is)
     layer: Ref | None  # e.g. DeepseekV2DecoderLayer
+    #: config keys the model sets: {"llama_4_scaling": True/False}; absent = unknown
+    uses: dict = field(default_factory=dict)
+    #: where the architecture came from (params, the model's config.json, or the default set)
+    source: str = ""
+
+    def has(self, key: str):
+        return self.uses.get(key)
 
 
 def registry_entry(index: PackageIndex, architecture: str):
@@ -761,12 +838,58 @@ def decoder_layer_class(index: PackageIndex, inner: Ref) -> Ref | None:
     return Ref("class", inner.module, preferred[0].name, preferred[0], index.rel(path))
 
 
-def resolve_target(index: PackageIndex, params: dict) -> tuple[Target | None, str]:
+def read_model_config(model_path) -> tuple[dict, dict] | None:
+    """(text config, top config) of ``model_path/config.json``; ``text_config`` unwrapped."""
+    try:
+        top = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    if not isinstance(top, dict):
+        return None
+    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    return text, top
+
+
+def target_specs(index: PackageIndex, params: dict) -> tuple[list, list]:
+    """[(architecture, uses, source)] to check, and problems found choosing them.
+
+    In order: ``params["architecture"]``, ``params["model_family"]``, the model's own
+    ``config.json`` (``params["model_path"]``; a ``text_config`` wrapper is looked
+    through, since the worker drives the language model), else every family in
+    :data:`DEFAULT_ARCHITECTURES` at once, so that a clean result holds for all of them.
+    """
+    uses, problems = {}, []
+    config = read_model_config(params["model_path"]) if params.get("model_path") else None
+    if params.get("model_path") and config is None:
+        problems.append(f"{params['model_path']}/config.json is missing or unreadable")
+    if config is not None:
+        uses["llama_4_scaling"] = config[0].get("llama_4_scaling") is not None
+    for key, value in params.items():
+        if key.startswith("model_has_") and value is not None:
+            uses[key[len("model_has_"):]] = bool(value)
+    if params.get("architecture"):
+        return [(params["architecture"], uses, "params.architecture")], problems
     family = (params.get("model_family") or "").lower()
-    architecture = params.get("architecture") or FAMILY_ARCHITECTURE.get(family)
-    if not architecture:
-        return None, (f"model_family {family!r} has no known vLLM architecture "
-                      f"(known: {sorted(FAMILY_ARCHITECTURE)}); pass params['architecture']")
+    if family:
+        if family in FAMILY_ARCHITECTURE:
+            return [(FAMILY_ARCHITECTURE[family], uses, f"model_family={family}")], problems
+        problems.append(f"model_family {family!r} is not one of {sorted(FAMILY_ARCHITECTURE)}")
+    if config is not None:
+        text, top = config
+        wrapped = text is not top
+        for arch in text.get("architectures") or []:
+            if registry_entry(index, arch):
+                return [(arch, uses, f"{params['model_path']}/config.json"
+                         + (" (text_config)" if wrapped else ""))], problems
+        model_type = str(text.get("model_type") or "")
+        if model_type in FAMILY_ARCHITECTURE:
+            return [(FAMILY_ARCHITECTURE[model_type], uses, f"model_type={model_type}")], problems
+        problems.append(f"model_type {model_type!r} maps to no family this check knows")
+    return [(arch, uses, "every known family") for arch in DEFAULT_ARCHITECTURES], problems
+
+
+def resolve_target(index: PackageIndex, architecture: str, uses: dict, source: str):
+    """(Target, "") or (None, why) for one architecture of vLLM's registry."""
     entry = registry_entry(index, architecture)
     if entry is None:
         return None, f"architecture {architecture} is not in vLLM's model registry"
@@ -776,7 +899,19 @@ def resolve_target(index: PackageIndex, params: dict) -> tuple[Target | None, st
         return None, f"class {cls_name} not found in vllm/model_executor/models/{module}.py"
     inner = inner_model_class(index, causal)
     layer = decoder_layer_class(index, inner) if inner else None
-    return Target(architecture, causal, inner, layer), ""
+    return Target(architecture, causal, inner, layer, uses, source), ""
+
+
+def resolve_targets(index: PackageIndex, params: dict) -> tuple[list, list]:
+    specs, problems = target_specs(index, params)
+    targets = []
+    for arch, uses, source in specs:
+        target, why = resolve_target(index, arch, uses, source)
+        if target is None:
+            problems.append(why)
+        else:
+            targets.append(target)
+    return targets, problems
 
 
 # ------------------------------------------------------------------ the checks
@@ -785,29 +920,46 @@ def resolve_target(index: PackageIndex, params: dict) -> tuple[Target | None, st
 class Checker:
     """Runs every check over the speculators files; collects :class:`Finding` s."""
 
-    def __init__(self, files: list, index: PackageIndex, target: Target | None, params: dict):
+    def __init__(self, files: list, index: PackageIndex, targets: list, params: dict):
         self.files = files
         self.index = index
-        self.target = target
+        self.targets = targets
+        self.target: Target | None = None  # the one the model checks are looking at
         self.params = params
         self.findings: list = []
+        self._seen: dict = {}
         self.call_sites = 0
 
     def add(self, spec: SpecFile, node, drift_id, cause, status=protocol.FAIL, hint="", **detail):
+        """Record a finding; the same place found again for another target merges into it."""
         path, line = spec.loc(node)
-        self.findings.append(Finding(drift_id, path, line, cause, status, hint, detail))
+        if self.target is not None:
+            detail["architectures"] = [self.target.architecture]
+        key = (drift_id, path, line)
+        if key in self._seen:
+            old = self._seen[key]
+            old.detail.setdefault("architectures", []).extend(detail.get("architectures", []))
+            if status == protocol.FAIL:
+                old.status, old.cause = status, cause
+            return
+        finding = Finding(drift_id, path, line, cause, status, hint, detail)
+        self._seen[key] = finding
+        self.findings.append(finding)
 
     def run(self) -> list:
         for spec in self.files:
+            self.target = None
             self.check_imports(spec)
             self.check_calls(spec)
             self.check_two_phase(spec)
             self.check_block_hasher(spec)
             self.check_cuda_only(spec)
             self.check_unique_reply(spec)
-            if self.target is not None:
+            for target in self.targets:
+                self.target = target
                 self.check_support_gates(spec)
                 self.check_bound_model_functions(spec)
+            self.target = None
         return self.findings
 
     # -- names imported from vLLM must still exist
@@ -830,7 +982,7 @@ class Checker:
     def check_calls(self, spec: SpecFile):
         for call in spec.calls():
             ref = spec.resolve(call.func)
-            if ref is not None and ref.kind in ("class", "function"):
+            if ref is not None and ref.kind in ("class", "function", "classmethod", "staticmethod"):
                 self.call_sites += 1
                 self._bind(spec, call, ref, ref.name, callable_signature(self.index, ref))
         for call, cls, method in spec.method_calls():
@@ -890,7 +1042,7 @@ class Checker:
             sig = class_signature(self.index, ref)
             if sig is None or "block_hasher" not in sig.keywords:
                 continue
-            names, open_ended = supplied_params(sig, call)
+            names, open_ended = supplied_params(sig, call, enclosing_function(call))
             if "block_hasher" in names or open_ended or caching is False:
                 continue
             self.add(spec, call, "request-block-hasher",
@@ -972,23 +1124,15 @@ class Checker:
             var = holder.targets[0].id
             fn = enclosing_function(call) or spec.tree
             for node in ast.walk(fn):
+                # Strict on purpose: a guard such as isinstance(reply, list) is True for a
+                # reply that is itself a list (captured states are), so it does not help.
                 if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-                        and node.value.id == var and node.lineno > call.lineno
-                        and not self._isinstance_guarded(node, var)):
+                        and node.value.id == var and node.lineno > call.lineno):
                     self.add(spec, node, "collective-rpc-unique-reply",
                              f"{var} = collective_rpc(..., unique_reply_rank=...) is the reply itself, "
                              f"but is indexed as a list of replies ({var}[...])",
                              hint=f"use {var} directly, without [0]", rpc_line=call.lineno)
                     break
-
-    @staticmethod
-    def _isinstance_guarded(node, var) -> bool:
-        for anc in ancestors(node):
-            if isinstance(anc, (ast.If, ast.IfExp)):
-                text = ast.unparse(anc.test)
-                if "isinstance" in text and var in text:
-                    return True
-        return False
 
     # -- supports_*(model) gates that raise, evaluated against the target class
     def check_support_gates(self, spec: SpecFile):
@@ -1111,10 +1255,10 @@ class Checker:
             return
         expected = set()
         for call in layer_calls(own[0]):
-            expected |= supplied_params(sig, call)[0]
+            expected |= supplied_params(sig, call, own[0])[0]
         supplied, open_ended = set(), False
         for call in calls:
-            names, more = supplied_params(sig, call)
+            names, more = supplied_params(sig, call, fn)
             supplied |= names
             open_ended |= more
         if open_ended:
@@ -1122,12 +1266,14 @@ class Checker:
         for name in sorted(expected - supplied):
             if name in sig.required:
                 continue  # already reported as a missing required argument
-            has_it = bool(self.params.get(f"model_has_{name}"))
+            has_it = bool(self.target.has(name))
             drift_id = LAYER_ARG_IDS.get(name, f"layer-call-{slug(name)}")
             status = protocol.FAIL if has_it else protocol.WARN
             cause = (f"worker calls {layer.name} without {name}, which {inner.name}.forward passes "
                      f"({own[1].path}:{own[0].lineno}): runs, but states are silently wrong")
-            cause += " for this model (its config sets it)" if has_it else " when a model config sets it"
+            cause += (" for this model (its config sets it)" if has_it
+                      else " when a model config sets it (this one does not)" if self.target.has(name) is False
+                      else " when a model config sets it")
             self.add(spec, calls[0], drift_id, cause, status=status,
                      hint=f"compute {name} as {inner.name}.forward does and pass it to every layer",
                      layer_forward=sig.where)
@@ -1329,24 +1475,28 @@ def check(params: dict) -> list:
             f"speculators {versions['speculators']} has no in-process vLLM generator "
             f"({'/'.join(SPECULATORS_DIR)}); nothing to check",
             detail={"speculators": str(spec_root)})]
-    target, why = resolve_target(index, params)
-    checker = Checker(files, index, target, params)
+    targets, problems = resolve_targets(index, params)
+    checker = Checker(files, index, targets, params)
     findings = checker.run()
     records = to_records(findings, load_patch_sets(params), versions)
-    if target is None:
+    if problems:
         records.append(protocol.record(
-            "drift.target-model", protocol.WARN, f"model checks skipped: {why}",
-            detail={"model_family": params.get("model_family")}))
+            "drift.target-model", protocol.WARN,
+            f"{'; '.join(problems)}: model checks ran against "
+            f"{', '.join(t.architecture for t in targets) or 'nothing'}",
+            detail={"problems": problems, "model_family": params.get("model_family"),
+                    "model_path": params.get("model_path")}))
     summary = {
         "files": [str(s.path) for s in files],
         "call_sites": checker.call_sites,
         "versions": versions,
-        "target": target and {
-            "architecture": target.architecture, "causal": target.causal.where,
-            "inner": target.inner and target.inner.where, "layer": target.layer and target.layer.where},
+        "targets": [{
+            "architecture": t.architecture, "source": t.source, "uses": t.uses,
+            "causal": t.causal.where, "inner": t.inner and t.inner.where,
+            "layer": t.layer and t.layer.where} for t in targets],
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
-    if not findings:
+    if not findings and not problems:
         records.insert(0, protocol.record(
             "drift.none", protocol.OK,
             f"no API drift: {len(files)} speculators files, {checker.call_sites} vLLM call sites "
@@ -1359,9 +1509,12 @@ def check(params: dict) -> list:
 
 
 def main(params: dict) -> dict:
-    started = time.perf_counter()
+    """The task entry: :func:`check` plus wall and CPU seconds (CPU time is what a
+    loaded host cannot inflate; wall time is what the user waits)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     records = check(params)
-    return protocol.payload(records, elapsed_s=round(time.perf_counter() - started, 3))
+    return protocol.payload(records, elapsed_s=round(time.perf_counter() - wall, 3),
+                            cpu_s=round(time.process_time() - cpu, 3))
 
 
 if __name__ == "__main__":  # python -m remote.drift '{"model_family": "llama"}'
