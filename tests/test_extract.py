@@ -1,0 +1,135 @@
+"""``specops extract`` end to end over real SSH: detach, follow, re-attach, abort, fetch.
+
+The reference engine (transformers) keeps these fast; the vLLM/speculators engine at
+TP=2 is proven in the tests marked ``vllm``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specops import jobs
+from specops.exit_codes import ExitCode
+from specops.extract import extract
+from specops.host import Host
+from specops.inventory import load_inventory
+from specops.render import REPO_ROOT
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def llama_inventory(make_inventory, tiny_models, tmp_path):
+    return make_inventory(model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]),
+                          engine="hf-reference", max_samples=6, seq_len=64, batch_size=2, tp=1,
+                          output_dir=str(tmp_path / "out"))
+
+
+def one_host(path):
+    inv = load_inventory(path)
+    return Host(inv.hosts["th"], inv)
+
+
+def cli(*args, env=None, **kw):
+    return subprocess.Popen([str(BIN / "specops"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, cwd=kw.get("cwd", REPO_ROOT),
+                            env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+def sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOPS_RUNS", str(tmp_path / "runs"))
+    code = extract(load_inventory(llama_inventory), None, {}, run_id="r1", detach=False, force=False,
+                   skip_preflight=True, as_json=True, tensors=True)
+    assert code == ExitCode.SUCCESS
+    dest = tmp_path / "runs" / "th" / "r1"
+    manifest = json.loads((dest / "manifest.json").read_text())
+    summary = json.loads((dest / "summary.json").read_text())
+    assert manifest["layer_convention"] == "output" and manifest["layer_ids"] == [2, 4, 5, 7]
+    assert manifest["samples"] == 6 and len(manifest["files"]) == 6
+    for entry in manifest["files"]:
+        assert sha(tmp_path / "out" / entry["path"]) == entry["sha256"]
+        assert sha(dest / "samples" / entry["path"]) == entry["sha256"]
+        assert [h["shape"][1] for h in entry["tensors"]["hidden_states"]] == [256] * 4
+        assert {h["dtype"] for h in entry["tensors"]["hidden_states"]} == {"bfloat16"}
+    assert all(layer["nan"] == 0 and layer["inf"] == 0 for layer in summary["layers"])
+    assert (dest / "logs" / "supervisor.log").exists()
+
+    # a second fetch resumes a partial file and verifies it
+    victim = dest / "samples" / manifest["files"][0]["path"]
+    data = victim.read_bytes()
+    victim.unlink()
+    (victim.with_name(victim.name + ".part")).write_bytes(data[: len(data) // 2])
+    with one_host(llama_inventory) as host:
+        rec = jobs.fetch_run(host, "r1", tensors=True, dest_root=tmp_path / "runs").records[-1]
+    assert rec.status == "ok" and rec.detail["resumed"] == 1
+    assert sha(victim) == manifest["files"][0]["sha256"]
+
+
+def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
+    env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    follower = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight",
+                   "--max-samples", "12", env=env)
+    with one_host(llama_inventory) as host:
+        deadline = time.monotonic() + 120
+        while jobs.job_state(jobs.job_call(host, "status", "r2")) in ("missing", "pending"):
+            assert time.monotonic() < deadline, "run never started"
+            time.sleep(0.5)
+        follower.send_signal(signal.SIGKILL)  # the laptop vanishes: its SSH connection dies with it
+        follower.wait()
+        status = jobs.job_call(host, "status", "r2")["data"]["status"]
+        assert status["alive"] and status["state"] not in jobs.FINAL
+    # the same run id again re-attaches instead of starting a second copy
+    again = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight",
+                "--max-samples", "12", "--json", env=env)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    with one_host(llama_inventory) as host:
+        final = jobs.job_call(host, "status", "r2")["data"]["status"]
+    assert final["state"] == "done" and final["samples_done"] == 12
+    assert (final.get("attempt") or 1) == 1, "re-attaching must not restart the run"
+    proc = cli("status", "--inventory", str(llama_inventory), "--run-id", "r2")
+    proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.SUCCESS
+
+
+def test_detach_status_abort_codes(llama_inventory, tmp_path):
+    env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3", "--skip-preflight",
+               "--detach", "--max-samples", "24", env=env)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    st = cli("status", "--inventory", str(llama_inventory), "--run-id", "r3")
+    st.communicate(timeout=60)
+    assert st.returncode == ExitCode.JOB_RUNNING
+    # a second run on a busy host is refused unless forced
+    other = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3b", "--skip-preflight",
+                "--detach", env=env)
+    out, _ = other.communicate(timeout=120)
+    assert other.returncode == ExitCode.FAILED and "already running extraction r3" in out
+    ab = cli("abort", "--inventory", str(llama_inventory), "--run-id", "r3")
+    ab.communicate(timeout=120)
+    assert ab.returncode == 0
+    st = cli("status", "--inventory", str(llama_inventory), "--run-id", "r3")
+    st.communicate(timeout=60)
+    assert st.returncode == ExitCode.JOB_ABORTED
+    missing = cli("status", "--inventory", str(llama_inventory), "--run-id", "nope")
+    missing.communicate(timeout=60)
+    assert missing.returncode == ExitCode.JOB_NOT_FOUND
+
+
+def test_bad_run_id_is_a_usage_error(llama_inventory):
+    proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "../etc; rm -rf /", "--detach")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.USAGE and "--run-id" in err
