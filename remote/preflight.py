@@ -23,6 +23,7 @@ fail, and the checks go on with the default):
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -38,6 +39,7 @@ DEFAULTS = {
     "skip_autoconfig": False, "hidden_dtype_bytes": 2, "env": {}, "skip_drift": False, "skip_patch": False,
     "patches_root": None,
 }
+PATH_KEYS = ("model_path", "output_dir", "work_dir", "dataset", "patches_root")
 #: Order in which areas are reported (the controller groups by area in this order).
 AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "tokenizer", "data",
          "capacity", "drift", "patch")
@@ -92,6 +94,9 @@ def normalize_params(raw: dict) -> tuple:
     params = dict(raw)  # unknown keys pass through (the drift/patch modules may read them)
     for key, default in DEFAULTS.items():
         params[key] = _check(key, raw[key], problems) if raw.get(key) is not None else default
+    for key in PATH_KEYS:  # the inventory may say ~/...; it means this host's home
+        if isinstance(params[key], str) and params[key].startswith("~"):
+            params[key] = os.path.expanduser(params[key])
     if not params["model_path"]:
         problems.append("model_path is missing")
         params["model_path"] = ""

@@ -283,8 +283,8 @@ def remote_code_record(ctx: Context, summary: dict):
                                          "model's remote code files and auto_map")
     if missing:
         return record("model.remote_code", FAIL,
-                      f"model_type {model_type!r} needs remote code, but {', '.join(missing)} is not in the "
-                      f"model dir{note}", detail=detail,
+                      f"model_type {model_type!r} needs remote code, but {', '.join(missing)} "
+                      f"{'is' if len(missing) == 1 else 'are'} not in the model dir{note}", detail=detail,
                       fix=f"download the remote code files ({', '.join(missing)}) from the model's repo into "
                           f"{model_path}" + ("" if allowed else ", and set trust_remote_code: true for this "
                                                                 "host in the inventory"))
