@@ -1,0 +1,337 @@
+"""The test host's tiny models are real checkpoints: they load and run in transformers
+and in the host env's vLLM 0.16 CPU build, and keep the keys that decide how a model
+runs (scoring_func, llama_4_scaling, text_config).
+
+The controller's python has no torch, so everything heavy runs in the host env's
+python (``hostenv_python``) as a subprocess that prints one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import tinymodel  # noqa: E402  (stdlib-only at import, like all of remote/)
+
+MODELS = ("llama", "deepseek_v3", "kimi_k25")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def run_json(python: Path, script: str, *args, env=None, timeout=300) -> dict:
+    """Run ``script`` with the host env's python; return the JSON on its last 'RESULT ' line."""
+    proc = subprocess.run(
+        [str(python), "-c", script, *map(str, args)], cwd=REPO, capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True, timeout=timeout, env=dict(os.environ, **OFFLINE, **(env or {})),
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def text_config(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    with path.open("rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(length))
+
+
+# ------------------------------------------------------------------ shrink_config (no torch)
+
+def test_shrink_keeps_family_keys_and_wrapping():
+    tiny = tinymodel.shrink_config(tinymodel.KIMI_K25_LIKE)
+    assert tiny["model_type"] == "kimi_k25"
+    assert tiny["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert "num_hidden_layers" not in tiny, "the wrapper must stay a wrapper"
+    text = tiny["text_config"]
+    assert text["num_hidden_layers"] == 8 and text["hidden_size"] == 256
+    assert text["scoring_func"] == "sigmoid" and text["topk_method"] == "noaux_tc"
+    assert text["vocab_size"] == tinymodel.KIMI_K25_LIKE["text_config"]["vocab_size"]
+    assert tiny["vision_config"]["hidden_size"] == 64
+    # MLA with VLLM_MLA_DISABLE=1 runs plain attention of head size nope + rope.
+    assert text["qk_nope_head_dim"] + text["qk_rope_head_dim"] == 64
+
+
+def test_shrink_keeps_routing_consistent():
+    for real in (tinymodel.DEEPSEEK_V3_LIKE, tinymodel.KIMI_K25_LIKE["text_config"]):
+        tiny = tinymodel.shrink_config(real, num_layers=10)
+        experts, groups = tiny["n_routed_experts"], tiny["n_group"]
+        assert experts == 8 and experts % groups == 0
+        assert tiny["topk_group"] <= groups
+        assert tiny["num_experts_per_tok"] <= tiny["topk_group"] * experts // groups
+        assert tiny["first_k_dense_replace"] < tiny["num_hidden_layers"] == 10
+    assert tinymodel.shrink_config(tinymodel.DEEPSEEK_V3_LIKE)["llama_4_scaling"] == \
+        tinymodel.DEEPSEEK_V3_LIKE["llama_4_scaling"]
+
+
+def test_shrink_keeps_gqa_and_drops_quantization():
+    real = dict(tinymodel.LLAMA_LIKE, quantization_config={"quant_method": "fp8"})
+    tiny = tinymodel.shrink_config(real, vocab_size=1000)
+    assert "quantization_config" not in tiny  # random bf16 weights are not quantized
+    assert (tiny["num_attention_heads"], tiny["num_key_value_heads"], tiny["head_dim"]) == (4, 2, 64)
+    assert tiny["vocab_size"] == 1000
+    assert real["num_hidden_layers"] == 32, "the input dict must not change"
+
+
+def test_shrink_refuses_colliding_layer_count():
+    with pytest.raises(ValueError, match="at least 8"):
+        tinymodel.shrink_config(tinymodel.LLAMA_LIKE, num_layers=6)
+
+
+# ------------------------------------------------------------------ files on disk
+
+def test_ensure_models_is_cached(hostenv_python, tiny_models):
+    from specops.testhost.models import ensure_models
+
+    start = time.monotonic()
+    again = ensure_models(hostenv_python)
+    assert time.monotonic() - start < 2.0
+    assert again == tiny_models
+    assert all(path.exists() for path in again.values())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_index_lists_exactly_the_shards(tiny_models, name):
+    model_dir = tiny_models[name]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    assert len(shards) >= 2
+    assert sorted(set(index["weight_map"].values())) == shards
+    declared, total = {}, 0
+    for shard in shards:
+        header = safetensors_header(model_dir / shard)
+        header.pop("__metadata__", None)
+        for tensor, meta in header.items():
+            declared[tensor] = shard
+            assert meta["dtype"] == "BF16", (shard, tensor)
+            total += meta["data_offsets"][1] - meta["data_offsets"][0]
+    assert declared == index["weight_map"]
+    assert index["metadata"]["total_size"] == total
+
+
+def test_configs_keep_family_keys(tiny_models):
+    llama = json.loads((tiny_models["llama"] / "config.json").read_text())
+    assert (llama["model_type"], llama["num_hidden_layers"], llama["head_dim"]) == ("llama", 8, 64)
+
+    ds = json.loads((tiny_models["deepseek_v3"] / "config.json").read_text())
+    assert ds["model_type"] == "deepseek_v3" and ds["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (ds["scoring_func"], ds["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert (ds["n_routed_experts"], ds["first_k_dense_replace"]) == (8, 1)
+    assert ds["llama_4_scaling"] == {"original_max_position_embeddings": 16, "beta": 0.5}
+
+    kimi = json.loads((tiny_models["kimi_k25"] / "config.json").read_text())
+    assert kimi["model_type"] == "kimi_k25"
+    assert kimi["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert "num_hidden_layers" not in kimi
+    assert kimi["text_config"]["num_hidden_layers"] == 8
+    assert kimi["text_config"]["scoring_func"] == "sigmoid"
+    assert kimi["vision_config"]["model_type"] == "kimi_k25_vision"
+    index = json.loads((tiny_models["kimi_k25"] / "model.safetensors.index.json").read_text())
+    assert all(name.startswith("language_model.") for name in index["weight_map"])
+
+
+def test_dataset_records_have_speculators_fields(tiny_models):
+    records = [json.loads(line) for line in tiny_models["dataset"].read_text().splitlines()]
+    assert len(records) == 24
+    vocab = set(tinymodel.reference_vocab())
+    for record in records:
+        turns = record["conversations"]
+        assert [t["role"] for t in turns][:2] == ["user", "assistant"]
+        assert all(word in vocab for t in turns for word in t["content"].split())
+    assert len({r["id"] for r in records}) == 24
+
+
+# ------------------------------------------------------------------ transformers
+
+HF_FORWARD = textwrap.dedent('''
+    import json, sys, torch
+    from pathlib import Path
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    model_dir = Path(sys.argv[1])
+    config = json.loads((model_dir / "config.json").read_text())
+    result = {}
+    if "text_config" in config:
+        try:
+            # trust_remote_code=None would ask on stdin ("Do you wish to run the custom code?")
+            AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+            result["autoconfig"] = "loaded"
+        except Exception as exc:
+            result["autoconfig"] = f"{type(exc).__name__}: {exc}"
+        text = DeepseekV3Config(**config["text_config"])
+        model = DeepseekV3ForCausalLM(text).to(torch.bfloat16)
+        state = {}
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            state.update({k.removeprefix("language_model."): v for k, v in load_file(shard).items()})
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        result["missing"], result["unexpected"] = list(missing), list(unexpected)
+        layers, hidden = text.num_hidden_layers, text.hidden_size
+    else:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, output_loading_info=True)
+        result["missing"], result["unexpected"] = info["missing_keys"], info["unexpected_keys"]
+        layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+        result["extra_keys"] = {k: getattr(model.config, k, None)
+                                for k in ("scoring_func", "llama_4_scaling")}
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    result["layers"], result["hidden"] = layers, hidden
+    result["states"] = [list(h.shape) for h in out.hidden_states]
+    result["finite"] = all(bool(torch.isfinite(h).all()) for h in out.hidden_states)
+    print("RESULT " + json.dumps(result))
+''')
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_transformers_forward_gives_all_hidden_states(hostenv_python, tiny_models, name):
+    result = run_json(hostenv_python, HF_FORWARD, tiny_models[name])
+    assert result["missing"] == [] and result["unexpected"] == []
+    assert result["layers"] == 8
+    assert result["states"] == [[1, 37, result["hidden"]]] * (result["layers"] + 1)
+    assert result["hidden"] == 256 and result["finite"]
+    if name == "deepseek_v3":
+        assert result["extra_keys"]["scoring_func"] == "sigmoid"
+        assert result["extra_keys"]["llama_4_scaling"]["original_max_position_embeddings"] == 16
+    if name == "kimi_k25":
+        # transformers 4.57 has no kimi_k25: preflight must unwrap text_config itself.
+        assert "trust_remote_code" in result["autoconfig"], result["autoconfig"]
+
+
+SPECULATORS_DATA = textwrap.dedent('''
+    import json, sys
+    from transformers import AutoTokenizer
+    from speculators.data_generation.preprocessing import build_eagle3_dataset, load_raw_dataset
+    tok = AutoTokenizer.from_pretrained(sys.argv[1])
+    raw = load_raw_dataset(sys.argv[2], num_proc=1, cache_dir=sys.argv[3])
+    rendered = tok.apply_chat_template(raw[0]["conversations"], tokenize=False)
+    prompt = tok.apply_chat_template(raw[0]["conversations"][:1], tokenize=False,
+                                     add_generation_prompt=True)
+    built = build_eagle3_dataset(raw, tok, max_length=512, num_proc=1)
+    print("RESULT " + json.dumps({
+        "rendered": rendered, "prompt": prompt, "records": len(built),
+        "lengths": [len(r["input_ids"]) for r in built],
+        "trained": [int(sum(r["loss_mask"])) for r in built],
+        "unk": sum(int(t == tok.unk_token_id) for r in built for t in r["input_ids"]),
+    }))
+''')
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tokenizer_chat_template_feeds_speculators(hostenv_python, tiny_models, name, tmp_path):
+    """speculators 0.3.0's own preprocessing finds the assistant spans in our template."""
+    result = run_json(hostenv_python, SPECULATORS_DATA, tiny_models[name], tiny_models["dataset"],
+                      tmp_path / "hf-datasets")
+    assert result["rendered"].startswith("<|bos|><|start|>user<|message|>")
+    assert "<|start|>assistant<|message|>" in result["rendered"]
+    assert result["prompt"].endswith("<|start|>assistant<|message|>")
+    assert result["records"] == 24 and result["unk"] == 0
+    assert all(n > 0 for n in result["trained"])
+    assert all(t < n for t, n in zip(result["trained"], result["lengths"]))
+    assert min(result["lengths"]) > 16, "records must reach past llama_4_scaling's 16 positions"
+
+
+# ------------------------------------------------------------------ vLLM 0.16 CPU
+
+VLLM_GENERATE = textwrap.dedent('''
+    import json, sys, time
+
+    def main():
+        args = json.loads(sys.argv[1])
+        start = time.monotonic()
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=args["model"], tensor_parallel_size=args["tp"], dtype="bfloat16",
+                  max_model_len=512, enforce_eager=True, seed=0, **args.get("llm", {}))
+        loaded = time.monotonic()
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+        out = llm.generate([args["prompt"]], params)[0]
+        prompt_ids = list(out.prompt_token_ids)
+        logprobs = [None] + [out.prompt_logprobs[i][tok].logprob
+                             for i, tok in enumerate(prompt_ids) if i > 0]
+        print("RESULT " + json.dumps({
+            "load_s": round(loaded - start, 2), "generate_s": round(time.monotonic() - loaded, 2),
+            "tokens": list(out.outputs[0].token_ids), "prompt_ids": prompt_ids,
+            "prompt_logprobs": logprobs}))
+
+    if __name__ == "__main__":  # vLLM spawns workers: the guard is required
+        main()
+''')
+LOAD_TIMES: dict = {}
+
+
+def vllm_generate(python: Path, model_dir: Path, tp: int, prompt: str, tmp_path: Path, **llm) -> dict:
+    script = tmp_path / "vllm_generate.py"
+    script.write_text(VLLM_GENERATE)
+    env = dict(os.environ, **OFFLINE, VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # else "Not enough allowed NUMA nodes"
+    args = json.dumps({"model": str(model_dir), "tp": tp, "prompt": prompt, "llm": llm})
+    start = time.monotonic()
+    proc = subprocess.run([str(python), str(script), args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-8000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["process_s"] = round(time.monotonic() - start, 2)
+    print(f"vLLM {model_dir.name} TP={tp}: load {result['load_s']} s, "
+          f"whole process {result['process_s']} s")
+    return result
+
+
+def chat_prompt(dataset: Path) -> str:
+    """The first dataset record rendered like the chat template does (30+ tokens)."""
+    turns = json.loads(dataset.read_text().splitlines()[0])["conversations"]
+    return "<|bos|>" + "".join(
+        f"<|start|>{t['role']}<|message|>{t['content']}<|end|>\n" for t in turns)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_path):
+    result = vllm_generate(hostenv_python, tiny_models[name], tp,
+                           chat_prompt(tiny_models["dataset"]), tmp_path)
+    assert len(result["tokens"]) == 4
+    assert all(0 <= t < tinymodel.REFERENCE_VOCAB for t in result["tokens"])
+    assert result["prompt_ids"][0] == tinymodel._token_ids()["bos_token_id"]
+
+
+@pytest.mark.vllm
+def test_vllm_loads_kimi_k25_text_only(hostenv_python, tiny_models, tmp_path):
+    """vLLM 0.16's KimiK25ForConditionalGeneration loads the wrapped checkpoint as text-only."""
+    result = vllm_generate(hostenv_python, tiny_models["kimi_k25"], 1,
+                           chat_prompt(tiny_models["dataset"]), tmp_path,
+                           limit_mm_per_prompt={"vision_chunk": 0})
+    assert len(result["tokens"]) == 4
+
+
+@pytest.mark.vllm
+def test_llama_4_scaling_changes_states_past_position_16(hostenv_python, tiny_models, tmp_path):
+    """Same weights with and without llama_4_scaling: identical before position 16, not after.
+
+    This is what makes a worker that drops ``llama_4_scaling`` detectable on the tiny model.
+    """
+    prompt = chat_prompt(tiny_models["dataset"])
+    scaled = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1, prompt, tmp_path)
+    plain = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1, prompt, tmp_path,
+                          hf_overrides={"llama_4_scaling": None})
+    assert scaled["prompt_ids"] == plain["prompt_ids"] and len(scaled["prompt_ids"]) > 20
+    # Position p's logprob is computed from the state at p-1: index <= 16 means positions < 16.
+    assert scaled["prompt_logprobs"][1:17] == plain["prompt_logprobs"][1:17]
+    assert scaled["prompt_logprobs"][17:] != plain["prompt_logprobs"][17:]
