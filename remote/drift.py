@@ -428,8 +428,13 @@ class Signature:
             where=where,
         )
 
-    def bind(self, call: ast.Call, skip_first_positional: bool = False):
-        """(missing required, unknown keywords, surplus positional count) for ``call``."""
+    def bind(self, call: ast.Call, fn=None):
+        """(missing required, unknown keywords, surplus positional count) for ``call``.
+
+        ``**local_dict`` counts with the keys :func:`dict_keys` finds in ``fn``: a key
+        that *may* be set satisfies a required parameter; only keys that are *always*
+        set can be unknown. Any other ``*args``/``**kwargs`` disables the missing check.
+        """
         args = list(call.args)
         if any(isinstance(a, ast.Starred) for a in args):
             given_pos, open_pos = self.positional, True
@@ -437,9 +442,17 @@ class Signature:
             given_pos, open_pos = self.positional[: len(args)], False
         surplus = 0 if (open_pos or self.var_positional) else max(0, len(args) - len(self.positional))
         kw_names = [k.arg for k in call.keywords if k.arg is not None]
-        open_kw = any(k.arg is None for k in call.keywords)
+        may, open_kw = set(kw_names), False
+        for kw in call.keywords:
+            if kw.arg is None:
+                keys = dict_keys(kw.value, fn)
+                if keys is None:
+                    open_kw = True
+                else:
+                    may |= keys[0]
+                    kw_names += sorted(keys[1] - set(kw_names))
         unknown = [] if self.var_keyword else [k for k in kw_names if k not in self.keywords]
-        supplied = set(given_pos) | set(kw_names)
+        supplied = set(given_pos) | may
         missing = [] if (open_kw or open_pos) else [r for r in self.required if r not in supplied]
         return missing, unknown, surplus
 
@@ -717,45 +730,79 @@ def supplied_params(sig: Signature, call: ast.Call, fn=None) -> tuple[set, bool]
         if keys is None:
             open_ended = True
         else:
-            names |= keys
+            names |= keys[0]
     return names, open_ended
 
 
-def dict_keys(expr, fn) -> set | None:
-    """Literal keys a local dict ``expr`` can hold in ``fn``; None when they are not knowable."""
+def dict_keys(expr, fn) -> tuple[set, set] | None:
+    """Literal keys a local dict ``expr`` can hold in ``fn``: ``(may, must)``.
+
+    ``must`` holds the keys set unconditionally (not under an ``if``/``try``/loop), so a
+    version shim such as ``if "p" in inspect.signature(f).parameters: kw["p"] = v`` is
+    a key that *may* be passed, never one that *is*. None when the keys are not knowable.
+    """
     if isinstance(expr, ast.Dict):
         if any(k is None or not isinstance(k, ast.Constant) for k in expr.keys):
             return None
-        return {k.value for k in expr.keys}
+        keys = {k.value for k in expr.keys}
+        return keys, set(keys)
     if isinstance(expr, ast.Call) and dotted(expr.func) == "dict" and not expr.args:
-        return None if any(k.arg is None for k in expr.keywords) else {k.arg for k in expr.keywords}
+        if any(k.arg is None for k in expr.keywords):
+            return None
+        keys = {k.arg for k in expr.keywords}
+        return keys, set(keys)
     if not isinstance(expr, ast.Name) or fn is None:
         return None
-    keys, bound = set(), False
+    may, must, bound = set(), set(), False
+
+    def conditional(node) -> bool:
+        for anc in ancestors(node):
+            if anc is fn:
+                return False
+            if isinstance(anc, (ast.If, ast.Try, ast.For, ast.While, ast.With, ast.IfExp)):
+                return True
+        return True
+
     for node in ast.walk(fn):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 if isinstance(t, ast.Name) and t.id == expr.id:
-                    got = dict_keys(node.value, fn) if node.value is not None else set()
+                    got = dict_keys(node.value, fn) if node.value is not None else (set(), set())
                     if got is None:
                         return None
-                    keys |= got
+                    may |= got[0]
+                    if not conditional(node):
+                        must |= got[1]
                     bound = True
                 elif isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == expr.id:
                     if not isinstance(t.slice, ast.Constant):
                         return None
-                    keys.add(t.slice.value)
+                    may.add(t.slice.value)
+                    if not conditional(node):
+                        must.add(t.slice.value)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == expr.id:
-            if node.func.attr in ("update", "setdefault"):
-                if node.func.attr == "setdefault" and node.args and isinstance(node.args[0], ast.Constant):
-                    keys.add(node.args[0].value)
-                elif node.func.attr == "update" and not node.args and all(k.arg for k in node.keywords):
-                    keys |= {k.arg for k in node.keywords}
-                else:
-                    return None
-    return keys if bound else None
+            if node.func.attr == "setdefault" and node.args and isinstance(node.args[0], ast.Constant):
+                keys = {node.args[0].value}
+            elif node.func.attr == "update" and not node.args and all(k.arg for k in node.keywords):
+                keys = {k.arg for k in node.keywords}
+            elif node.func.attr in ("get", "items", "keys", "values", "copy"):
+                continue
+            else:
+                return None
+            may |= keys
+            if not conditional(node):
+                must |= keys
+    return (may, must) if bound else None
+
+
+def int_index(sub: ast.Subscript) -> bool:
+    """``x[0]`` / ``x[-1]``: indexing a list by position (``x[key]`` is some other use)."""
+    index = sub.slice
+    if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
+        index = index.operand
+    return isinstance(index, ast.Constant) and type(index.value) is int
 
 
 def slug(text: str) -> str:
@@ -1004,7 +1051,7 @@ class Checker:
     def _bind(self, spec, call, ref, callee, sig):
         if sig is None:
             return
-        missing, unknown, surplus = sig.bind(call)
+        missing, unknown, surplus = sig.bind(call, enclosing_function(call))
         short = callee.rsplit(".", 1)[-1] if "." in callee else callee
         for name in missing:
             where = field_line(self.index, ref, name) if ref.kind == "class" else sig.where
@@ -1112,7 +1159,7 @@ class Checker:
                 if hit is None or "unique_reply_rank" not in ast.unparse(hit[0].args):
                     continue  # the signature check reports an unknown keyword instead
             holder = parent(call)
-            if isinstance(holder, ast.Subscript) and holder.value is call:
+            if isinstance(holder, ast.Subscript) and holder.value is call and int_index(holder):
                 self.add(spec, holder, "collective-rpc-unique-reply",
                          "collective_rpc(..., unique_reply_rank=...) returns the reply itself; "
                          "indexing it takes element 0 of that reply",
@@ -1124,15 +1171,25 @@ class Checker:
             var = holder.targets[0].id
             fn = enclosing_function(call) or spec.tree
             for node in ast.walk(fn):
-                # Strict on purpose: a guard such as isinstance(reply, list) is True for a
-                # reply that is itself a list (captured states are), so it does not help.
+                # A version shim (``if isinstance(reply, list): reply = reply[0]``) is
+                # left alone: whether it is right depends on what the reply is.
                 if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-                        and node.value.id == var and node.lineno > call.lineno):
+                        and node.value.id == var and node.lineno > call.lineno
+                        and int_index(node) and not self._isinstance_guarded(node, var)):
                     self.add(spec, node, "collective-rpc-unique-reply",
                              f"{var} = collective_rpc(..., unique_reply_rank=...) is the reply itself, "
                              f"but is indexed as a list of replies ({var}[...])",
                              hint=f"use {var} directly, without [0]", rpc_line=call.lineno)
                     break
+
+    @staticmethod
+    def _isinstance_guarded(node, var) -> bool:
+        for anc in ancestors(node):
+            if isinstance(anc, (ast.If, ast.IfExp)):
+                text = ast.unparse(anc.test)
+                if "isinstance" in text and var in text:
+                    return True
+        return False
 
     # -- supports_*(model) gates that raise, evaluated against the target class
     def check_support_gates(self, spec: SpecFile):
@@ -1140,20 +1197,17 @@ class Checker:
         for node in ast.walk(spec.tree):
             if not isinstance(node, ast.If) or not any(isinstance(s, ast.Raise) for s in node.body):
                 continue
-            verdict = self._evaluate(spec, node.test, causal)
-            if verdict is not True:
+            failed = []  # gate calls that are False for the target
+            if self._evaluate(spec, node.test, causal, failed) is not True or not failed:
                 continue
-            gates = [c for c in ast.walk(node.test) if isinstance(c, ast.Call) and self._gate(spec, c)]
-            for call in gates:
-                fn_name = spec.resolve(call.func).name
-                proto = self._gate(spec, call)
-                drift_id = GATE_IDS.get(fn_name, f"support-check-{slug(fn_name)}")
-                self.add(spec, call, drift_id,
-                         f"{fn_name}(model) is False for {self.target.architecture} "
-                         f"(it does not implement {proto.name}), so the worker raises",
-                         hint="accept the interfaces the target family implements",
-                         architecture=self.target.architecture, protocol=proto.name)
-                break
+            call, proto = failed[0]
+            fn_name = spec.resolve(call.func).name
+            drift_id = GATE_IDS.get(fn_name, f"support-check-{slug(fn_name)}")
+            self.add(spec, call, drift_id,
+                     f"{fn_name}(model) is False for {self.target.architecture} "
+                     f"(it does not implement {proto.name}), so the worker raises",
+                     hint="accept the interfaces the target family implements",
+                     protocol=proto.name)
 
     def _gate(self, spec: SpecFile, call) -> Ref | None:
         """The protocol class a ``supports_x(model)`` function tests with isinstance."""
@@ -1182,20 +1236,44 @@ class Checker:
                 return True
         return False
 
-    def _evaluate(self, spec, expr, causal):
-        """Three-valued truth of a gate expression for the target: True, False or None."""
+    def _evaluate(self, spec, expr, causal, failed, depth=0):
+        """Three-valued truth of a gate expression for the target: True, False or None.
+
+        Understands ``not``/``and``/``or``, ``supports_x(model)`` calls (evaluated
+        against the target class), ``name is (not) None`` for a name imported from
+        vLLM (it exists), and a local name assigned once from such an expression.
+        Gate calls that come out False are appended to ``failed``.
+        """
+        if depth > 8:
+            return None
+        again = lambda e: self._evaluate(spec, e, causal, failed, depth + 1)  # noqa: E731
         if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
-            inner = self._evaluate(spec, expr.operand, causal)
+            inner = again(expr.operand)
             return None if inner is None else not inner
         if isinstance(expr, ast.BoolOp):
-            values = [self._evaluate(spec, v, causal) for v in expr.values]
+            values = [again(v) for v in expr.values]
             if isinstance(expr.op, ast.And):
                 return False if False in values else (None if None in values else True)
             return True if True in values else (None if None in values else False)
         if isinstance(expr, ast.Call):
             proto = self._gate(spec, expr)
             if proto is not None:
-                return self._implements(causal, proto)
+                ok = self._implements(causal, proto)
+                if not ok:
+                    failed.append((expr, proto))
+                return ok
+            return None
+        if (isinstance(expr, ast.Compare) and len(expr.ops) == 1 and isinstance(expr.ops[0], (ast.Is, ast.IsNot))
+                and isinstance(expr.comparators[0], ast.Constant) and expr.comparators[0].value is None):
+            ref = spec.resolve(expr.left) if isinstance(expr.left, ast.Name) else None
+            if ref is None:
+                return None
+            return isinstance(expr.ops[0], ast.IsNot)
+        if isinstance(expr, ast.Name):
+            fn = enclosing_function(expr)
+            values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == expr.id for t in n.targets)] if fn else []
+            return again(values[0]) if len(values) == 1 else None
         return None
 
     # -- functions bound onto the inner model: attributes they use and layer calls
@@ -1215,6 +1293,8 @@ class Checker:
                 name = node.attr
                 if name in known or name in external or name in NN_MODULE_API or name in reported:
                     continue
+                if self._fallback_only(node, self_name, known | external):
+                    continue
                 reported.add(name)
                 similar = self._similar(name, known)
                 drift_id = MODEL_ATTR_IDS.get(name, f"model-attr-{slug(name)}")
@@ -1224,6 +1304,33 @@ class Checker:
                          hint=f"use {similar}" if similar else f"use {inner.name}'s current API",
                          model_class=inner.name, attribute=name)
             self.check_layer_calls(spec, fn)
+
+    @staticmethod
+    def _fallback_only(node, self_name: str, known: set) -> bool:
+        """True for ``getattr(self, "new", None) or self.old`` / ``self.new if hasattr(self,
+        "new") else self.old`` when ``new`` exists: ``self.old`` is then never evaluated."""
+
+        def names_known_attr(expr) -> bool:
+            if isinstance(expr, ast.Call) and dotted(expr.func) in ("getattr", "hasattr") \
+                    and len(expr.args) >= 2 and isinstance(expr.args[0], ast.Name) \
+                    and expr.args[0].id == self_name and isinstance(expr.args[1], ast.Constant):
+                return expr.args[1].value in known
+            return (isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
+                    and expr.value.id == self_name and expr.attr in known)
+
+        child = node
+        for anc in ancestors(node):
+            if isinstance(anc, ast.BoolOp) and isinstance(anc.op, ast.Or) and child in anc.values:
+                if any(names_known_attr(v) for v in anc.values[: anc.values.index(child)]):
+                    return True
+            if isinstance(anc, (ast.IfExp, ast.If)) and child is not anc.test:
+                in_else = child in (anc.orelse if isinstance(anc.orelse, list) else [anc.orelse])
+                if in_else and names_known_attr(anc.test):
+                    return True
+            if isinstance(anc, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                break
+            child = anc
+        return False
 
     @staticmethod
     def _similar(name: str, known: set) -> str:
