@@ -470,3 +470,38 @@ esac
     assert res["checkpoint.fit"]["status"] == "fail" and "gpu_memory_utilization" in res["checkpoint.fit"]["fix"]
     assert res["parallel.devices"]["status"] == "fail" and "TP 2 needs 2 GPUs, 1 usable" in \
         res["parallel.devices"]["summary"]
+
+
+def test_preflight_imports_only_the_standard_library():
+    """remote/ runs in whatever python the host has: importing it needs no site-packages at all."""
+    code = ("import sys; sys.path.insert(0, '.'); import remote.preflight; "
+            "heavy = {'torch', 'transformers', 'vllm', 'speculators', 'safetensors', 'numpy'}; "
+            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_autoconfig_that_hangs_times_out_as_a_fail(hostenv_python, llama_copy, tmp_path):
+    """Remote code that blocks (a network call, a huge import) costs the timeout, not the preflight."""
+    _make_remote_code_model(llama_copy, with_code=True)
+    with open(llama_copy / "configuration_specops_tiny.py", "a") as fh:
+        fh.write("\nimport time\ntime.sleep(3600)\n")
+    params = base_params(llama_copy, tmp_path, skip_autoconfig=False, trust_remote_code=True,
+                         autoconfig_timeout=30, env=dict(CPU_ENV, HF_MODULES_CACHE=str(tmp_path / "hf_modules")))
+    res = run_preflight(hostenv_python, params)
+    rec = res["model.autoconfig"]
+    assert rec["status"] == "fail" and "did not finish in 30 s" in rec["summary"]
+    assert "autoconfig_timeout" in rec["fix"]
+    assert 30 <= res.data["seconds"]["hf_child_wall"] < 60
+    assert res["tokenizer.load"]["status"] == "skipped"
+    assert res["checkpoint.headers"]["status"] == "ok"  # the static checks still ran and reported
+
+
+def test_json_array_dataset_reports_record_numbers(hostenv_python, llama_copy, tmp_path):
+    good = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    dataset = tmp_path / "chat.json"
+    dataset.write_text(json.dumps([good, {"text": "no conversations"}, good]))
+    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
+    rec = res["data.records"]
+    assert rec["status"] == "fail" and [b["line"] for b in rec["detail"]["bad"]] == [2]

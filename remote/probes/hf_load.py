@@ -81,10 +81,13 @@ sys.stdout.flush()
 class HfLoad:
     """A running AutoConfig/AutoTokenizer child; :meth:`result` waits for it (once)."""
 
-    def __init__(self, model_path: str, trust_remote_code: bool, timeout_s: float, tokenizer: bool = True):
+    def __init__(self, model_path: str, trust_remote_code: bool, timeout_s: float, tokenizer: bool = True,
+                 job_env: dict | None = None):
         self.timeout_s = timeout_s
         self.started = time.perf_counter()
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        # the job's own env (HF_HOME, HF_MODULES_CACHE, ...), but never a download
+        env = dict(os.environ, **(job_env or {}))
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONUNBUFFERED="1")
         args = {"path": model_path, "trust": bool(trust_remote_code), "tokenizer": tokenizer}
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], env=env,
@@ -123,7 +126,8 @@ def start(ctx: Context) -> HfLoad | None:
     params = ctx.params
     if params["skip_autoconfig"] or not os.path.isfile(os.path.join(params["model_path"], "config.json")):
         return None
-    return HfLoad(params["model_path"], params["trust_remote_code"], params["autoconfig_timeout"])
+    return HfLoad(params["model_path"], params["trust_remote_code"], params["autoconfig_timeout"],
+                  job_env=params["env"])
 
 
 def records(ctx: Context, load: HfLoad | None) -> list:

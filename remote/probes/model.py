@@ -21,7 +21,7 @@ import json
 import os
 import re
 
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.protocol import FAIL, OK, WARN, record
 from remote.probes import Context
 
 DEEPSEEK_V2 = "deepseek_v2"
