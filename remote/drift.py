@@ -41,7 +41,6 @@ from __future__ import annotations
 import ast
 import difflib
 import json
-import os
 import re
 import sys
 import time
@@ -509,15 +508,15 @@ def class_signature(index: PackageIndex, ref: Ref) -> Signature | None:
             fields.pop(stmt.target.id, None)
             if init:
                 fields[stmt.target.id] = (required, f"{cls.path}:{stmt.lineno}")
-    kw_only = is_dataclass_like(index, ref).get("kw_only")
+    # kw_only comes from the class's own decorator; an undecorated subclass has none.
+    kw_only = (is_dataclass_like(index, ref) or {}).get("kw_only")
     names = list(fields)
     return Signature(
         positional=[] if isinstance(kw_only, ast.Constant) and kw_only.value else names,
         required=[n for n in names if fields[n][0]],
         keywords=set(names),
         where=ref.where,
-        # field lines let a finding point at the exact field
-    ) if names else Signature([], [], set(), where=ref.where)
+    )
 
 
 def field_line(index: PackageIndex, ref: Ref, name: str) -> str:
@@ -923,15 +922,24 @@ def target_specs(index: PackageIndex, params: dict) -> tuple[list, list]:
         problems.append(f"model_family {family!r} is not one of {sorted(FAMILY_ARCHITECTURE)}")
     if config is not None:
         text, top = config
-        wrapped = text is not top
-        for arch in text.get("architectures") or []:
-            if registry_entry(index, arch):
-                return [(arch, uses, f"{params['model_path']}/config.json"
-                         + (" (text_config)" if wrapped else ""))], problems
+        where = f"{params['model_path']}/config.json"
+        specs = []
+        if text is not top:
+            # vLLM builds the wrapper (KimiK25ForConditionalGeneration): the worker's
+            # support gate and its model.model meet that class, not the text model.
+            wrapper = next((a for a in top.get("architectures") or [] if registry_entry(index, a)), None)
+            if wrapper:
+                specs.append((wrapper, uses, f"{where} (wrapper)"))
+        arch = next((a for a in text.get("architectures") or [] if registry_entry(index, a)), None)
         model_type = str(text.get("model_type") or "")
-        if model_type in FAMILY_ARCHITECTURE:
-            return [(FAMILY_ARCHITECTURE[model_type], uses, f"model_type={model_type}")], problems
-        problems.append(f"model_type {model_type!r} maps to no family this check knows")
+        if arch:
+            specs.append((arch, uses, where + (" (text_config)" if text is not top else "")))
+        elif model_type in FAMILY_ARCHITECTURE:
+            specs.append((FAMILY_ARCHITECTURE[model_type], uses, f"{where} model_type={model_type}"))
+        else:
+            problems.append(f"model_type {model_type!r} maps to no family this check knows")
+        if specs:
+            return specs, problems
     return [(arch, uses, "every known family") for arch in DEFAULT_ARCHITECTURES], problems
 
 
@@ -1005,6 +1013,7 @@ class Checker:
             for target in self.targets:
                 self.target = target
                 self.check_support_gates(spec)
+                self.check_model_object(spec)
                 self.check_bound_model_functions(spec)
             self.target = None
         return self.findings
@@ -1200,14 +1209,16 @@ class Checker:
             failed = []  # gate calls that are False for the target
             if self._evaluate(spec, node.test, causal, failed) is not True or not failed:
                 continue
-            call, proto = failed[0]
+            call, _proto = failed[0]
             fn_name = spec.resolve(call.func).name
+            gates = " and ".join(sorted({f"{spec.resolve(c.func).name}(model)" for c, _ in failed}))
+            protocols = " nor ".join(sorted({p.name for _, p in failed}))
             drift_id = GATE_IDS.get(fn_name, f"support-check-{slug(fn_name)}")
             self.add(spec, call, drift_id,
-                     f"{fn_name}(model) is False for {self.target.architecture} "
-                     f"(it does not implement {proto.name}), so the worker raises",
+                     f"{gates} False for {self.target.causal.name} (it implements {'neither ' if len(failed) > 1 else 'no '}"
+                     f"{protocols}), so the worker raises",
                      hint="accept the interfaces the target family implements",
-                     protocol=proto.name)
+                     protocols=sorted({p.name for _, p in failed}))
 
     def _gate(self, spec: SpecFile, call) -> Ref | None:
         """The protocol class a ``supports_x(model)`` function tests with isinstance."""
@@ -1275,6 +1286,34 @@ class Checker:
                       and any(isinstance(t, ast.Name) and t.id == expr.id for t in n.targets)] if fn else []
             return again(values[0]) if len(values) == 1 else None
         return None
+
+    # -- the model object the worker gets: attributes it reads must exist
+    def check_model_object(self, spec: SpecFile):
+        """``model.<attr>`` in a function that gates ``model`` with ``supports_*``.
+
+        The gate argument is the causal-LM object vLLM built (``model_runner.model``);
+        a wrapper such as Kimi-K2.5's keeps its text model in ``language_model`` and
+        has no ``model`` attribute at all.
+        """
+        causal = self.target.causal
+        known = self.index.instance_attributes(causal) | NN_MODULE_API
+        for fn in ast.walk(spec.tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            gated = {c.args[0].id for c in ast.walk(fn) if isinstance(c, ast.Call) and c.args
+                     and isinstance(c.args[0], ast.Name) and self._gate(spec, c) is not None}
+            reported = set()
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                        and node.value.id in gated and isinstance(node.ctx, ast.Load)):
+                    continue
+                if node.attr in known or node.attr in reported or self._fallback_only(node, node.value.id, known):
+                    continue
+                reported.add(node.attr)
+                self.add(spec, node, f"model-attr-{slug(node.attr)}",
+                         f"{causal.name} has no attribute {node.attr!r} ({causal.where})",
+                         hint=f"reach the text model the way {causal.name} holds it",
+                         model_class=causal.name, attribute=node.attr)
 
     # -- functions bound onto the inner model: attributes they use and layer calls
     def check_bound_model_functions(self, spec: SpecFile):
@@ -1417,13 +1456,11 @@ def site_packages(params: dict) -> tuple[Path | None, Path | None]:
 
 
 def package_version(root: Path, names: tuple) -> str | None:
-    """Version from ``<pkg>/_version.py`` or a ``*.dist-info/METADATA`` beside it."""
-    vfile = root / names[0] / "_version.py"
-    if vfile.is_file():
-        for stmt in parse(vfile).body:
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and any(
-                    "__version__" in assigned_names(t) for t in stmt.targets):
-                return str(stmt.value.value)
+    """Version from a ``*.dist-info/METADATA`` beside the package, else ``<pkg>/_version.py``.
+
+    .. note:: Package metadata comes first: speculators 0.3.0 ships a stale
+       ``speculators/version.py`` that says 0.2.0.
+    """
     for name in names:
         for meta in sorted(root.glob(f"{name.replace('-', '_')}-*.dist-info/METADATA")):
             for line in meta.read_text(errors="replace").splitlines():
@@ -1431,6 +1468,13 @@ def package_version(root: Path, names: tuple) -> str | None:
                     version = line.split(":", 1)[1].strip().split("+")[0]
                     if version != "0.0.0":
                         return version
+                    break
+    vfile = root / names[0] / "_version.py"
+    if vfile.is_file():
+        for stmt in parse(vfile).body:
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and any(
+                    "__version__" in assigned_names(t) for t in stmt.targets):
+                return str(stmt.value.value)
     return None
 
 
@@ -1516,6 +1560,7 @@ def manifest_versions(manifest: dict, package: str):
 
 
 def fixing_patch_set(drift_id: str, sets: list, versions: dict) -> str | None:
+    """Name of the first patch set whose versions match and whose ``fixes`` lists the id."""
     for name, manifest in sets:
         if drift_id not in (manifest.get("fixes") or []):
             continue
@@ -1528,10 +1573,28 @@ def fixing_patch_set(drift_id: str, sets: list, versions: dict) -> str | None:
     return None
 
 
+def applied_patch_sets(files: list, sets: list) -> set:
+    """Names of patch sets some checked file already carries (its sha256 is the patched one)."""
+    import hashlib
+
+    digests = {str(f.path): hashlib.sha256(f.path.read_bytes()).hexdigest() for f in files}
+    applied = set()
+    for name, manifest in sets:
+        for entry in manifest.get("files") or []:
+            if not isinstance(entry, dict):
+                continue
+            patched = entry.get("sha256_patched")
+            rel = str(entry.get("path") or "")
+            if patched and any(path.endswith(rel) and digest == patched for path, digest in digests.items()):
+                applied.add(name)
+    return applied
+
+
 # ------------------------------------------------------------------ entry points
 
 
-def to_records(findings: list, patch_sets: list, versions: dict) -> list:
+def to_records(findings: list, patch_sets: list, versions: dict, applied: set = frozenset()) -> list:
+    """One record per drift id; its fix names the patch set, or says that set is not enough."""
     by_id: dict = {}
     for f in findings:
         by_id.setdefault(f.id, []).append(f)
@@ -1542,8 +1605,12 @@ def to_records(findings: list, patch_sets: list, versions: dict) -> list:
         patch = fixing_patch_set(drift_id, patch_sets, versions)
         where = f"{Path(first.file).name}:{first.line}"
         more = f" (+{len(group) - 1} more)" if len(group) > 1 else ""
-        fix = (f"apply patch set {patch}: specops patch" if patch
-               else f"edit {first.file}:{first.line}: {first.hint}" if first.hint else None)
+        edit = f"edit {first.file}:{first.line}: {first.hint}" if first.hint else None
+        if patch in applied:
+            # Applied, yet the finding is here: this host needs more than the set gives.
+            fix = f"patch set {patch} is applied but does not fix this case" + (f"; {edit}" if edit else "")
+        else:
+            fix = f"apply patch set {patch}: specops patch" if patch else edit
         if status == protocol.FAIL and not fix:
             fix = f"edit {first.file}:{first.line} to match the installed vLLM"
         records.append(protocol.record(
@@ -1551,6 +1618,7 @@ def to_records(findings: list, patch_sets: list, versions: dict) -> list:
             detail={
                 "id": drift_id,
                 "patch_set": patch,
+                "patch_set_applied": bool(patch and patch in applied),
                 "locations": [{"file": f.file, "line": f.line, "cause": f.cause, **f.detail} for f in group],
             },
             fix=fix,
@@ -1585,7 +1653,8 @@ def check(params: dict) -> list:
     targets, problems = resolve_targets(index, params)
     checker = Checker(files, index, targets, params)
     findings = checker.run()
-    records = to_records(findings, load_patch_sets(params), versions)
+    patch_sets = load_patch_sets(params)
+    records = to_records(findings, patch_sets, versions, applied_patch_sets(files, patch_sets))
     if problems:
         records.append(protocol.record(
             "drift.target-model", protocol.WARN,

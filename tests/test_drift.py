@@ -120,6 +120,8 @@ def spec_copy(tmp_path, site_packages):
     root = tmp_path / "site"
     shutil.copytree(site_packages / "speculators", root / "speculators",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    for meta in site_packages.glob("speculators-*.dist-info"):  # the version patch sets match on
+        shutil.copytree(meta, root / meta.name)
 
     def params(**extra):
         return {"site_packages": [str(root), str(site_packages)], **DEEPSEEK_CPU, **extra}
@@ -188,18 +190,36 @@ def test_dropped_llama4_scaling_warns_when_the_model_does_not_use_it(hostenv_pyt
 
 def test_target_comes_from_the_models_own_config(hostenv_python, tiny_models):
     """Preflight and patch pass model_path, not a family: the config decides."""
-    for name, arch, scaling_status in (
-        ("deepseek_v3", "DeepseekV3ForCausalLM", "fail"),  # config sets llama_4_scaling
-        ("kimi_k25", "DeepseekV3ForCausalLM", "warn"),  # text_config-wrapped, no scaling
-        ("llama", "LlamaForCausalLM", None),
+    for name, archs, scaling_status in (
+        ("deepseek_v3", ["DeepseekV3ForCausalLM"], "fail"),  # config sets llama_4_scaling
+        # text_config-wrapped: the wrapper meets the gate, the text model runs the layers
+        ("kimi_k25", ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"], "warn"),
+        ("llama", ["LlamaForCausalLM"], None),
     ):
         payload = run_drift(hostenv_python, {"model_path": str(tiny_models[name]), "device": "cpu"})
         records = by_id(payload)
         target = records["scheduler-block-size"]["detail"]["checked"]["targets"]
-        assert [t["architecture"] for t in target] == [arch], (name, target)
+        assert [t["architecture"] for t in target] == archs, (name, target)
         got = records.get("deepseek-llama4-scaling", {}).get("status")
         assert got == scaling_status, (name, got)
-        assert ("eagle3-support-check" in records) == arch.startswith("Deepseek")
+        assert ("eagle3-support-check" in records) == (name != "llama")
+
+
+def test_wrapper_model_without_model_attribute(hostenv_python, tiny_models, spec_copy):
+    """Kimi-K2.5's vLLM class keeps its text model in .language_model: model.model is gone."""
+    root, params = spec_copy
+    kimi = {"model_path": str(tiny_models["kimi_k25"]), "model_family": None}
+    records = by_id(run_drift(hostenv_python, params(**kimi)))
+    rec = records["model-attr-model"]
+    assert rec["status"] == "fail" and "KimiK25ForConditionalGeneration" in rec["summary"]
+    loc = rec["detail"]["locations"][0]
+    assert "model.model" in Path(loc["file"]).read_text().splitlines()[loc["line"] - 1]
+    gate = records["eagle3-support-check"]["detail"]["locations"][0]["architectures"]
+    assert "KimiK25ForConditionalGeneration" in gate
+    # Reaching the text model through language_model (when there is one) clears it.
+    edit(root, WORKER, "base_model = model.model",
+         'base_model = getattr(model, "language_model", model).model')
+    assert "model-attr-model" not in drift_ids(run_drift(hostenv_python, params(**kimi)))
 
 
 def test_without_a_model_every_family_is_checked(hostenv_python):
@@ -313,6 +333,24 @@ def test_fix_names_the_matching_patch_set(hostenv_python, tmp_path):
     # The bundle layout: <_bundle_dir>/patches
     records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "_bundle_dir": str(tmp_path)}))
     assert records["scheduler-block-size"]["detail"]["patch_set"] == "good-set"
+
+
+def test_fix_says_when_the_matching_patch_set_is_already_applied(hostenv_python, spec_copy, tmp_path):
+    """A set whose patched sha256 is the file on disk is applied: "apply it" would be wrong."""
+    import hashlib
+
+    root, params = spec_copy
+    worker = root / WORKER
+    manifest = {
+        "speculators": "==0.3.0", "vllm": ">=0.12,<0.17", "fixes": list(KNOWN_IDS),
+        "files": [{"path": WORKER, "sha256_patched": hashlib.sha256(worker.read_bytes()).hexdigest()}],
+    }
+    (tmp_path / "patches" / "claims-applied").mkdir(parents=True)
+    (tmp_path / "patches" / "claims-applied" / "manifest.json").write_text(json.dumps(manifest))
+    records = by_id(run_drift(hostenv_python, params(patches_root=str(tmp_path / "patches"))))
+    rec = records["embed-input-ids"]
+    assert rec["detail"]["patch_set_applied"] is True
+    assert "is applied but does not fix this case" in rec["fix"]
 
 
 # ------------------------------------------------------------------ the patch set
