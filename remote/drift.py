@@ -22,6 +22,9 @@ What it compares, all derived from the code on disk (no version strings):
 * **layers**   the worker's ``layer(...)`` calls are compared with the inner model's own
   ``forward``: an argument the model passes that the worker drops (``llama_4_scaling``)
   runs fine and silently computes wrong states.
+* **wrapper**  a multimodal wrapper (Kimi-K2.5: ``KimiK25ForConditionalGeneration``)
+  is what vLLM builds and hands the worker: the gate and ``model.<attr>`` are checked
+  against it, the layer and embedding checks against the text model inside.
 * **runtime**  two-phase execution (``execute_model`` then ``sample_tokens``), requests
   without a block hasher while prefix caching is on, CUDA-only calls on a CPU host, and
   ``collective_rpc(..., unique_reply_rank=...)`` results indexed like a list.
@@ -30,6 +33,15 @@ Each finding becomes a record ``drift.<id>`` with ``file:line`` in the speculato
 a one-line cause, and the patch set (``patches/*/manifest.json``) whose ``fixes`` list
 names the id. Ids of the known speculators 0.3.0 / vLLM 0.16 items are stable (see
 :data:`KNOWN_IDS`); anything else gets a generic id such as ``call-<callee>-<param>``.
+
+Params (all optional): ``model_path`` (its ``config.json`` picks the architecture and
+says whether ``llama_4_scaling`` is set), ``model_family`` (``llama`` | ``deepseek_v2``
+| ..., overrides the config), ``architecture`` (a vLLM registry name, overrides both),
+``model_has_llama_4_scaling`` (overrides the config), ``device`` (``cuda`` | ``cpu``:
+CUDA-only calls fail on cpu and warn on cuda), ``site_packages`` (a dir or a list of
+dirs holding speculators and vllm, instead of this python's import path),
+``patches_root`` (default ``<_bundle_dir>/patches``). With no model at all, every
+family in :data:`DEFAULT_ARCHITECTURES` is checked, so a clean result holds for all.
 
 Run it directly::
 
@@ -1688,7 +1700,15 @@ def main(params: dict) -> dict:
     """The task entry: :func:`check` plus wall and CPU seconds (CPU time is what a
     loaded host cannot inflate; wall time is what the user waits)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    records = check(params)
+    try:
+        records = check(params)
+    except Exception as exc:  # a bug here must not sink the rest of preflight
+        import traceback
+
+        records = [protocol.record(
+            "drift.internal", protocol.WARN,
+            f"static drift check crashed ({type(exc).__name__}: {exc}); drift not checked",
+            detail={"traceback": traceback.format_exc()})]
     return protocol.payload(records, elapsed_s=round(time.perf_counter() - wall, 3),
                             cpu_s=round(time.process_time() - cpu, 3))
 
