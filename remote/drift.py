@@ -531,10 +531,11 @@ def class_signature(index: PackageIndex, ref: Ref) -> Signature | None:
     )
 
 
-def field_line(index: PackageIndex, ref: Ref, name: str) -> str:
+def field_line(index: PackageIndex, ref: Ref, name: str) -> str | None:
+    """``path:line`` of a class's field ``name`` (a dataclass parameter), None if none."""
     hit = index.class_member(ref, name)
     if hit is None:
-        return ref.where
+        return None
     node, owner = hit
     return f"{owner.path}:{node.lineno}"
 
@@ -995,7 +996,7 @@ class Checker:
         self.params = params
         self.findings: list = []
         self._seen: dict = {}
-        self.call_sites = 0
+        self._sites: set = set()
 
     def add(self, spec: SpecFile, node, drift_id, cause, status=protocol.FAIL, hint="", **detail):
         """Record a finding; the same place found again for another target merges into it."""
@@ -1012,6 +1013,14 @@ class Checker:
         finding = Finding(drift_id, path, line, cause, status, hint, detail)
         self._seen[key] = finding
         self.findings.append(finding)
+
+    @property
+    def call_sites(self) -> int:
+        """Distinct vLLM call sites bound against a signature (any target)."""
+        return len(self._sites)
+
+    def site(self, spec: SpecFile, call) -> None:
+        self._sites.add((str(spec.path), call.lineno, call.col_offset))
 
     def run(self) -> list:
         for spec in self.files:
@@ -1038,7 +1047,7 @@ class Checker:
             if self.index.module_file(node.module) is None:
                 self.add(spec, node, f"import-{slug(node.module)}",
                          f"module {node.module} no longer exists in the installed vLLM",
-                         hint=f"import from the module that now holds these names")
+                         hint="import from the module that now holds these names")
                 continue
             for alias in node.names:
                 if alias.name != "*" and self.index.lookup(node.module, alias.name) is None:
@@ -1051,10 +1060,10 @@ class Checker:
         for call in spec.calls():
             ref = spec.resolve(call.func)
             if ref is not None and ref.kind in ("class", "function", "classmethod", "staticmethod"):
-                self.call_sites += 1
+                self.site(spec, call)
                 self._bind(spec, call, ref, ref.name, callable_signature(self.index, ref))
         for call, cls, method in spec.method_calls():
-            self.call_sites += 1
+            self.site(spec, call)
             hit = self.index.class_member(cls, method)
             if hit is None:
                 _order, external = self.index.mro(cls)
@@ -1075,7 +1084,7 @@ class Checker:
         missing, unknown, surplus = sig.bind(call, enclosing_function(call))
         short = callee.rsplit(".", 1)[-1] if "." in callee else callee
         for name in missing:
-            where = field_line(self.index, ref, name) if ref.kind == "class" else sig.where
+            where = (field_line(self.index, ref, name) if ref.kind == "class" else None) or sig.where
             drift_id = CALL_IDS.get((short, name)) or CALL_IDS.get((short, "*")) or f"call-{slug(callee)}-{slug(name)}"
             self.add(spec, call, drift_id, f"{callee}(...) misses required argument {name!r} ({where})",
                      hint=f"pass {name}=... to {callee}", callee=callee, missing=name, vllm=where)
@@ -1226,9 +1235,11 @@ class Checker:
             gates = " and ".join(sorted({f"{spec.resolve(c.func).name}(model)" for c, _ in failed}))
             protocols = " nor ".join(sorted({p.name for _, p in failed}))
             drift_id = GATE_IDS.get(fn_name, f"support-check-{slug(fn_name)}")
+            implements = (f"implements neither {protocols}" if " nor " in protocols
+                          else f"does not implement {protocols}")
             self.add(spec, call, drift_id,
-                     f"{gates} False for {self.target.causal.name} (it implements {'neither ' if len(failed) > 1 else 'no '}"
-                     f"{protocols}), so the worker raises",
+                     f"{gates} {'are' if ' and ' in gates else 'is'} False for {self.target.causal.name} "
+                     f"(it {implements}), so the worker raises",
                      hint="accept the interfaces the target family implements",
                      protocols=sorted({p.name for _, p in failed}))
 
@@ -1404,7 +1415,7 @@ class Checker:
             return
         sig = Signature.of_function(hit[0], bound=True, where=f"{hit[1].path}:{hit[0].lineno}")
         for call in calls:
-            self.call_sites += 1
+            self.site(spec, call)
             self._bind(spec, call, Ref("function", layer.module, f"{layer.name}.forward", hit[0], hit[1].path),
                        f"{layer.name}.forward", sig)
         # What the model's own forward passes each layer is the convention to follow.
