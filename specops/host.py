@@ -235,7 +235,7 @@ class Host:
     def python_command(self, *args: str, sudo: bool = False) -> str:
         words = [self.spec.python, *args]
         prefix = "sudo -n -- " if sudo else ""
-        return prefix + " ".join(shlex.quote(w) for w in words)
+        return prefix + " ".join(shell_word(w) for w in words)
 
     def exec_script(self, script: str, *, sudo: bool = False, timeout: float | None = None):
         """Run a python script on the host by the inventory's delivery, return the invoke Result."""
@@ -291,6 +291,13 @@ class Host:
             hint = "sudo needs a password on the host: allow passwordless sudo, or turn 'sudo' off"
         raise RemoteError(f"remote.{module} returned no result (exit code {result.exited})", hint,
                           host=self.name, exited=result.exited, output_tail=tail[-3000:])
+
+
+def shell_word(word: str) -> str:
+    """Quote ``word`` for sh; a leading ``~/`` becomes ``"$HOME"/`` so it still expands."""
+    if word.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(word[2:])
+    return shlex.quote(word)
 
 
 def _ssh_config_path(inventory: Inventory | None) -> Path | None:

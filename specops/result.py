@@ -62,7 +62,8 @@ class HostReport(BaseModel):
     def recap(self) -> str:
         """An Ansible PLAY RECAP style line: ``host : ok=12 changed=0 warn=1 fail=0``."""
         if self.error is not None:
-            return f"{self.host} : unreachable=1 ({self.error.splitlines()[0]})"
+            kind = "unreachable" if self.error_code == ExitCode.UNREACHABLE else "error"
+            return f"{self.host} : {kind}=1 ({self.error.splitlines()[0]})"
         c = self.counts
         return (f"{self.host} : ok={c['ok']} changed={c['changed']} warn={c['warn']} "
                 f"fail={c['fail']} skipped={c['skipped']}")

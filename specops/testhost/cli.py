@@ -8,7 +8,7 @@ from specops.report import console, err_console
 
 
 def up(name: str = "default", as_json: bool = False) -> dict:
-    from specops.testhost.hostenv import ensure_hostenv, env_dir
+    from specops.testhost.hostenv import ensure_hostenv, env_dir, make_overlay_env
     from specops.testhost.models import ensure_models
     from specops.testhost.sshd import TestHost
 
@@ -19,7 +19,9 @@ def up(name: str = "default", as_json: bool = False) -> dict:
     models = ensure_models(python)
     host = TestHost(name)
     info = host.up()
-    host.link_env(python, models)
+    # the host's own env: sees the cached packages, owns the speculators that `patch` edits
+    python = make_overlay_env(python, host.root / "env")
+    host.link_models(models)
     info["python"], info["models"] = str(python), {k: str(v) for k, v in models.items()}
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")

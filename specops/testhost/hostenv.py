@@ -80,5 +80,40 @@ def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
     return target / "bin" / "python"
 
 
+#: packages an overlay env holds its own copy of (the ones ``specops patch`` edits).
+OVERLAY_OWN = ("speculators",)
+
+
+def site_packages(python: Path | str) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    return Path(out)
+
+
+def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN) -> Path:
+    """A light venv that sees the cached env's packages but owns a copy of ``own``.
+
+    ``specops patch`` edits speculators where it is installed; giving each test host
+    (and each test) its own copy keeps the shared, content-addressed env pristine. The
+    base env enters through a ``.pth`` that calls ``site.addsitedir`` (so its own
+    ``.pth`` files run too); the owned copies sit in the overlay's site-packages,
+    which comes first on ``sys.path``.
+
+    :returns: the overlay's python.
+    """
+    dest = Path(dest)
+    python = dest / "bin" / "python"
+    base_site = site_packages(base_python)
+    if not python.exists():
+        subprocess.run([str(base_python), "-m", "venv", "--without-pip", str(dest)], check=True)
+    site = site_packages(python)
+    (site / "_specops_base_env.pth").write_text(f"import site; site.addsitedir({str(base_site)!r})\n")
+    for name in own:
+        for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
+            if src.exists() and not (site / src.name).exists():
+                shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+    return python
+
+
 if __name__ == "__main__":
     print(ensure_hostenv(quiet="--quiet" in sys.argv))

@@ -9,7 +9,7 @@ Layout of ``<cache>/testhost/<name>/``::
 
     sshd_config  host_ed25519(.pub)  client_ed25519(.pub)  authorized_keys
     known_hosts  ssh_config  sshd.pid  sshd.log  port
-    python -> <hostenv>/bin/python      models/{llama,deepseek_v3,kimi_k25,chat.jsonl}
+    env/ (overlay venv over the cached env)   models/{llama,deepseek_v3,kimi_k25,chat.jsonl}
     work/  out/
 """
 from __future__ import annotations
@@ -125,9 +125,12 @@ class TestHost:
             f"  IdentitiesOnly yes\n")
         return self.info()
 
-    def link_env(self, python: Path, models: dict[str, Path]) -> None:
-        """Stable names for the env and the models, for the example inventory."""
-        _relink(self.root / "python", python)
+    def link_models(self, models: dict[str, Path]) -> None:
+        """Stable names for the models, for the example inventory.
+
+        (The env needs no link: it lives at ``<root>/env``. A symlinked venv python
+        would lose its venv, since python looks for pyvenv.cfg beside argv[0].)
+        """
         (self.root / "models").mkdir(exist_ok=True)
         for name, path in models.items():
             _relink(self.root / "models" / Path(path).name if name == "dataset" else
