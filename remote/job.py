@@ -175,12 +175,13 @@ def start(params: dict) -> dict:
                            detail={"changed": changed})
         if old is not None:
             st = current_status(run_dir)
-            if run_alive(run_dir):
-                return _payload("job.start", protocol.OK, f"run {params['run_id']} is already running (pid "
-                                f"{read_pid(run_dir)}); re-attached", run_dir, st, already="running")
+            # done first: a finished supervisor may still be exiting (closing the engine)
             if st and st.get("state") == "done":
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already done", run_dir, st,
                                 already="done")
+            if run_alive(run_dir):
+                return _payload("job.start", protocol.OK, f"run {params['run_id']} is already running (pid "
+                                f"{read_pid(run_dir)}); re-attached", run_dir, st, already="running")
         others = [d.name for d in sorted(run_dir.parent.iterdir())
                   if d.is_dir() and d != run_dir and run_alive(d)]
         if others and not params.get("force"):

@@ -300,10 +300,15 @@ def last_traceback(text: str):
             "traceback": "\n".join(block)}
 
 
-def root_cause(paths: RunPaths, exc: BaseException | None) -> dict:
+def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dict:
     """The error to report: a worker's own exception first, then a rank log's last
-    traceback, then the supervisor's exception (which is kept as ``reported_as``)."""
-    seen = error_record(exc) if exc is not None else None
+    traceback, then the supervisor's exception (which is kept as ``reported_as``).
+
+    :param exc_rank: the rank ``exc`` belongs to when it was raised by an in-process
+        engine (rank 0); None for the supervisor's own errors.
+    """
+    seen = error_record(exc, rank=exc_rank, where="supervisor" if exc_rank is None else "engine") \
+        if exc is not None else None
     recorded = worker_errors(paths.errors)
     if recorded:
         first = dict(recorded[0])
@@ -351,7 +356,8 @@ class Supervisor:
             "eta_s": None, "started_at": utc_now(), "error": None, "phase_seconds": {},
             "attempt": int(previous.get("attempt", 0)) + 1, "pid": os.getpid(),
             "output_dir": str(self.output_dir),
-            "previous_error": previous.get("error"),
+            # job.start moves the last attempt's error to previous_error before launching us
+            "previous_error": previous.get("error") or previous.get("previous_error"),
         })
         # This attempt's root cause only: older worker errors go, rank logs are read from here on.
         for stale in self.paths.errors.glob("rank*.json"):
@@ -405,7 +411,8 @@ class Supervisor:
             return 143
         except BaseException as exc:  # every failure ends in status.json, with its root cause
             traceback.print_exc()
-            error = root_cause(self.paths, exc)
+            in_engine = self._busy_since is not None and getattr(self.engine, "in_process", False)
+            error = root_cause(self.paths, exc, exc_rank=0 if in_engine else None)
             if isinstance(exc, NonFiniteStates):
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)

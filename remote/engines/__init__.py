@@ -59,6 +59,8 @@ class Engine:
 
     #: registry name; also the key of ``remote.layers.ENGINE_CONVENTION``.
     name = ""
+    #: True when the engine computes in the supervisor's own process (its errors are rank 0's).
+    in_process = False
 
     def __init__(self, model_path, tp: int, layer_ids, params: dict):
         self.model_path = str(model_path)

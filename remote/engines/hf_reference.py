@@ -17,6 +17,7 @@ from . import Engine
 
 class HFReferenceEngine(Engine):
     name = "hf-reference"
+    in_process = True
 
     def load(self) -> None:
         import torch

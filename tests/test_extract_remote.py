@@ -1,0 +1,385 @@
+"""The host side of ``extract``: job verbs, the supervisor and the engines, for real.
+
+Every call goes through the host env's python in a subprocess (``remote.job.main``),
+exactly as the controller's entry script would make it; the supervisor is a real
+detached process, the models are the tiny test models, vLLM is the real CPU build.
+Tensors are checked by a small script in the same python (the controller has no torch).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FINAL = ("done", "failed", "aborted")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: vLLM on this 2-core CPU box (FACTS.md).
+VLLM_ENV = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+#: vLLM bf16 vs transformers bf16: rounding differs by ~1-2 % of a layer's abs max; a
+#: wrong layer or a misattributed token differs by O(100 %).
+BF16_REL_TOL = 0.05
+
+
+# --------------------------------------------------------------------------- helpers
+
+def host_env():
+    return {**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}
+
+
+def job(python, **params) -> dict:
+    """``remote.job.main(params)`` in the host env's python; returns the payload."""
+    code = "import json,sys; from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))"
+    out = subprocess.run([str(python), "-c", code, json.dumps(params)], cwd=REPO, env=host_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def wait_final(python, params, timeout=300, until=None) -> dict:
+    """Poll ``status`` until a final state (or ``until(status)``); returns the status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = job(python, **dict(params, action="status"))["data"]["status"]
+        if st["state"] in FINAL or (until and until(st)):
+            return st
+        time.sleep(0.5)
+    logs = job(python, **dict(params, action="logs"))["data"]["logs"]
+    raise AssertionError(f"run did not finish in {timeout}s: {st}\n" +
+                         "\n".join(f"== {k}\n{v['text'][-3000:]}" for k, v in logs.items()))
+
+
+INSPECT = r"""
+import json, sys, torch
+out = []
+for path in sys.argv[1:]:
+    d = torch.load(path, map_location="cpu", weights_only=True)
+    out.append({"keys": sorted(d), "input_ids": [str(d["input_ids"].dtype), list(d["input_ids"].shape)],
+                "loss_mask": [str(d["loss_mask"].dtype), list(d["loss_mask"].shape), int(d["loss_mask"].sum())],
+                "layers": [[str(h.dtype), list(h.shape)] for h in d["hidden_states"]]})
+print(json.dumps(out))
+"""
+
+
+def inspect_samples(python, paths) -> list[dict]:
+    out = subprocess.run([str(python), "-c", INSPECT, *map(str, paths)], env=host_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+COMPARE = r"""
+import json, sys, torch
+a_dir, b_dir, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+worst, wrong_layer = 0.0, float("inf")
+for i in range(n):
+    a = torch.load(f"{a_dir}/data_{i}.pt", weights_only=True)
+    b = torch.load(f"{b_dir}/data_{i}.pt", weights_only=True)
+    assert a["input_ids"].tolist() == b["input_ids"].tolist(), i
+    assert a["loss_mask"].tolist() == b["loss_mask"].tolist(), i
+    rel = lambda x, y: float((x.float() - y.float()).abs().max() / y.float().abs().max())
+    for x, y in zip(a["hidden_states"], b["hidden_states"]):
+        worst = max(worst, rel(x, y))
+    # the same check against the neighbouring layer must fail: the comparison can tell
+    wrong_layer = min(wrong_layer, rel(a["hidden_states"][0], b["hidden_states"][1]))
+print(json.dumps({"worst": worst, "wrong_layer": wrong_layer}))
+"""
+
+
+def compare_runs(python, a_dir, b_dir, n) -> dict:
+    out = subprocess.run([str(python), "-c", COMPARE, str(a_dir), str(b_dir), str(n)], env=host_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def assert_proof(python, out_dir: Path, run_dir: Path, samples: int, layer_ids, hidden: int):
+    """Every sample: 4 layers of [tokens, hidden] bf16; manifest sha256 match; no NaN/Inf."""
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert (run_dir / "manifest.json").read_text() == (out_dir / "manifest.json").read_text()
+    assert manifest["samples"] == samples and len(manifest["files"]) == samples
+    assert manifest["layer_ids"] == layer_ids and manifest["layer_convention"] == "output"
+    assert "output of 0-based decoder layer" in manifest["layer_convention_text"]
+    assert manifest["versions"]["torch"] and manifest["versions"]["transformers"]
+    names = sorted(p.name for p in out_dir.glob("data_*.pt"))
+    assert names == sorted(f"data_{i}.pt" for i in range(samples))
+    for entry in manifest["files"]:
+        assert sha256(out_dir / entry["path"]) == entry["sha256"], entry["path"]
+    facts = inspect_samples(python, [out_dir / f"data_{i}.pt" for i in range(samples)])
+    for entry, fact in zip(manifest["files"], facts):
+        tokens = entry["tokens"]
+        assert fact["keys"] == ["hidden_states", "input_ids", "loss_mask"]
+        assert fact["input_ids"] == ["torch.int64", [tokens]]
+        assert fact["loss_mask"][:2] == ["torch.int64", [tokens]]
+        assert fact["layers"] == [["torch.bfloat16", [tokens, hidden]]] * len(layer_ids)
+    assert summary["ok"] is True and summary["samples"] == samples
+    assert [layer["layer_id"] for layer in summary["layers"]] == layer_ids
+    for layer in summary["layers"]:
+        assert layer["nan"] == 0 and layer["inf"] == 0 and layer["dtype"] == "bfloat16"
+        assert layer["std"] > 0 and layer["abs_max"] > 0
+        assert layer["shape"] == [manifest["tokens"], hidden]
+    assert set(summary["phase_seconds"]) >= {"tokenize", "finalize"}
+    return manifest, summary
+
+
+def pid_gone(pid, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture
+def hf_params(tmp_path, tiny_models):
+    return dict(run_id="r1", work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
+                dataset=str(tiny_models["dataset"]), output_dir=str(tmp_path / "out"),
+                engine="hf-reference", max_samples=6, seq_len=64, batch_size=2, env=OFFLINE)
+
+
+# --------------------------------------------------------------------------- hf-reference
+
+def test_hf_reference_end_to_end(hostenv_python, hf_params, tmp_path):
+    started = job(hostenv_python, action="start", **hf_params)
+    assert started["records"][0]["status"] == "changed", started
+    st = wait_final(hostenv_python, hf_params)
+    assert st["state"] == "done", st
+    assert st["samples_done"] == st["samples_total"] == 6 and st["error"] is None
+    assert st["tokens_done"] == st["tokens_total"] > 0 and st["tokens_per_s"] > 0
+    run_dir = tmp_path / "work" / "runs" / "r1"
+    manifest, _ = assert_proof(hostenv_python, tmp_path / "out", run_dir, 6, [2, 4, 5, 7], 256)
+    assert manifest["engine"]["name"] == "hf-reference"
+    assert manifest["model"]["config"]["model_type"] == "llama"
+    assert all(e["tokens"] <= 64 for e in manifest["files"])
+    masks = [f["loss_mask"][2] for f in inspect_samples(hostenv_python, sorted((tmp_path / "out").glob("data_*.pt")))]
+    assert all(0 < m for m in masks), "assistant tokens must be in the loss mask"
+    assert not list((tmp_path / "out").glob(".partial-*"))
+
+    # logs: a first call tails, a second call with the returned offsets brings only new bytes
+    first = job(hostenv_python, action="logs", **hf_params)["data"]
+    assert "supervisor.log" in first["logs"] and "run r1" in first["logs"]["supervisor.log"]["text"]
+    again = job(hostenv_python, action="logs", offsets=first["offsets"], **hf_params)["data"]
+    assert all(v["text"] == "" for v in again["logs"].values())
+
+
+def test_same_run_id_never_starts_twice(hostenv_python, hf_params, tmp_path):
+    params = dict(hf_params, batch_size=1, batch_delay_s=0.7)
+    first = job(hostenv_python, action="start", **params)
+    pid = first["data"]["pid"]
+    second = job(hostenv_python, action="start", **params)
+    assert second["records"][0]["status"] == "ok" and second["data"]["already"] == "running"
+    assert second["data"]["status"]["state"] in ("pending", "loading", "extracting")
+    assert int((tmp_path / "work" / "runs" / "r1" / "pid").read_text()) == pid
+    # another run on the same host is refused while this one lives, unless forced
+    other = dict(params, run_id="r2", output_dir=str(tmp_path / "out2"))
+    refused = job(hostenv_python, action="start", **other)["records"][0]
+    assert refused["status"] == "fail" and "already running extraction r1" in refused["summary"]
+    assert refused["fix"]
+    # the same run id with other parameters is refused (it would mix two runs' samples)
+    changed = job(hostenv_python, action="start", **dict(params, seq_len=32))["records"][0]
+    assert changed["status"] == "fail" and "seq_len" in changed["summary"]
+    assert wait_final(hostenv_python, params)["state"] == "done"
+    done = job(hostenv_python, action="start", **params)
+    assert done["records"][0]["status"] == "ok" and done["data"]["already"] == "done"
+    assert len(list((tmp_path / "work" / "runs").iterdir())) == 2  # r1 + the lock file
+
+
+def test_resume_after_sigkill(hostenv_python, hf_params, tmp_path):
+    params = dict(hf_params, max_samples=8, batch_size=1, batch_delay_s=0.8)
+    pid = job(hostenv_python, action="start", **params)["data"]["pid"]
+    st = wait_final(hostenv_python, params, until=lambda s: (s.get("samples_done") or 0) >= 3)
+    assert st["state"] == "extracting", st
+    os.killpg(pid, signal.SIGKILL)  # the supervisor leads its own group: nothing else is hit
+    assert pid_gone(pid)
+    died = job(hostenv_python, action="status", **params)
+    st = died["data"]["status"]
+    assert died["records"][0]["status"] == "fail" and st["state"] == "failed"
+    assert st["error"]["type"] == "SupervisorDied" and "SIGKILL" in st["error"]["message"]
+    out = tmp_path / "out"
+    kept = sorted(out.glob("data_*.pt"))
+    assert 3 <= len(kept) < 8
+    inspect_samples(hostenv_python, kept)  # every file that counts loads: nothing torn
+    (out / ".partial-torn.pt").write_bytes(b"half a pickle")  # what a kill mid-write leaves
+
+    again = job(hostenv_python, action="start", **params)
+    assert again["records"][0]["status"] == "changed" and again["data"]["resumed"] is True
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "done", st
+    assert st["attempt"] == 2 and st["resumed_from"] == len(kept)
+    assert st["previous_error"]["type"] == "SupervisorDied"
+    assert not (out / ".partial-torn.pt").exists()
+    manifest, _ = assert_proof(hostenv_python, out, tmp_path / "work" / "runs" / "r1", 8, [2, 4, 5, 7], 256)
+    # the samples written before the kill were kept, not redone
+    assert all(sha256(p) == e["sha256"] for p, e in zip(kept, manifest["files"]))
+
+
+def test_abort_stops_the_group(hostenv_python, hf_params):
+    params = dict(hf_params, max_samples=20, batch_size=1, batch_delay_s=1.0)
+    pid = job(hostenv_python, action="start", **params)["data"]["pid"]
+    wait_final(hostenv_python, params, until=lambda s: s["state"] == "extracting")
+    res = job(hostenv_python, action="abort", grace_s=10, **params)
+    assert res["records"][0]["status"] == "changed", res
+    assert pid_gone(pid)
+    st = job(hostenv_python, action="status", **params)["data"]["status"]
+    assert st["state"] == "aborted" and not st["alive"]
+    assert job(hostenv_python, action="abort", **params)["records"][0]["status"] == "skipped"
+
+
+def test_injected_failure_in_process_engine(hostenv_python, hf_params):
+    params = dict(hf_params, inject_failure={"rank": 0, "at": "extract", "message": "reference blew up"})
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params)
+    err = st["state"] == "failed" and st["error"]
+    assert err, st
+    assert (err["rank"], err["type"], err["message"]) == (0, "InjectedFailure", "reference blew up")
+    assert "Traceback (most recent call last)" in err["traceback"] and "hf_reference.py" in err["traceback"]
+    res = job(hostenv_python, action="status", **params)["records"][0]
+    assert res["status"] == "fail" and "reference blew up" in res["summary"] and res["fix"]
+
+
+def test_nan_in_a_layer_fails_the_run(hostenv_python, hf_params, tiny_models, tmp_path):
+    """A checkpoint whose layer 3 weights are NaN: the run fails and names the layers."""
+    broken = tmp_path / "llama-nan"
+    shutil.copytree(tiny_models["llama"], broken)
+    poison = r"""
+import sys, glob
+from safetensors.torch import load_file, save_file
+for f in glob.glob(sys.argv[1] + "/*.safetensors"):
+    t = load_file(f)
+    hit = [k for k in t if "layers.3.mlp.down_proj" in k]
+    for k in hit:
+        t[k].fill_(float("nan"))
+    if hit:
+        save_file(t, f, metadata={"format": "pt"})
+"""
+    subprocess.run([str(hostenv_python), "-c", poison, str(broken)], check=True, env=host_env())
+    params = dict(hf_params, model_path=str(broken))
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "failed" and st["error"]["type"] == "NonFiniteStates", st
+    assert "sample 0" in st["error"]["message"] and "layer 4" in st["error"]["message"]
+    assert "layer 2:" not in st["error"]["message"]  # layer 2 runs before the poison
+    assert {b["layer_id"] for b in st["error"]["detail"]["layers"]} == {4, 5, 7}
+    assert not list((tmp_path / "out").glob("data_*.pt"))  # a bad sample never counts as done
+
+
+def test_bad_layer_ids_fail_before_loading(hostenv_python, hf_params):
+    params = dict(hf_params, layer_ids=[2, 4, 4, 7])
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "failed" and "duplicate layer ids [4]" in st["error"]["message"]
+    assert "load" not in st["phase_seconds"]
+
+
+# --------------------------------------------------------------------------- vLLM engine
+
+@pytest.fixture(scope="session")
+def patched_speculators(tmp_path_factory, hostenv_python):
+    """A patched COPY of speculators 0.3.0 (the shared host env is never modified).
+
+    Put first on PYTHONPATH of the job (and so of every vLLM worker it spawns).
+    """
+    if not list((REPO / "patches").glob("*/manifest.json")):
+        pytest.skip("no patch set with a manifest.json under patches/ yet")
+    site = Path(subprocess.run(
+        [str(hostenv_python), "-c", "import speculators, os; print(os.path.dirname(os.path.dirname(speculators.__file__)))"],
+        capture_output=True, text=True, check=True, env=host_env()).stdout.strip())
+    copy = tmp_path_factory.mktemp("patched-site")
+    shutil.copytree(site / "speculators", copy / "speculators")
+    for dist in site.glob("speculators-*.dist-info"):
+        shutil.copytree(dist, copy / dist.name)
+    code = ("import json,sys; from remote import patcher; "
+            "print(json.dumps(patcher.main({'action': 'apply', 'site_packages': sys.argv[1]})))")
+    out = subprocess.run([str(hostenv_python), "-c", code, str(copy)], cwd=REPO, env=host_env(),
+                         capture_output=True, text=True, check=True)
+    records = json.loads(out.stdout.strip().splitlines()[-1])["records"]
+    assert all(r["status"] != "fail" for r in records), records
+    return copy
+
+
+def vllm_params(tmp_path, model, dataset, patched, run_id="v1", **extra):
+    return dict(run_id=run_id, work_dir=str(tmp_path / "work"), model_path=str(model), dataset=str(dataset),
+                output_dir=str(tmp_path / f"out-{run_id}"), engine="speculators-0.3", tp=2, max_samples=6,
+                seq_len=96, batch_size=3, env={**VLLM_ENV, "PYTHONPATH": str(patched)}, **extra)
+
+
+@pytest.mark.vllm
+def test_speculators_tp2_llama_agrees_with_hf_reference(hostenv_python, tiny_models, patched_speculators, tmp_path):
+    params = vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators)
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params, timeout=420)
+    assert st["state"] == "done", st
+    run_dir = tmp_path / "work" / "runs" / "v1"
+    manifest, summary = assert_proof(hostenv_python, tmp_path / "out-v1", run_dir, 6, [2, 4, 5, 7], 256)
+    assert manifest["engine"]["name"] == "speculators-0.3" and manifest["engine"]["tp"] == 2
+    assert manifest["engine"]["patched"] is True
+    assert str(patched_speculators) in manifest["engine"]["generator_file"]
+    logs = sorted(p.name for p in (run_dir / "logs").glob("*.log"))
+    assert logs == ["rank0.log", "rank1.log", "supervisor.log"]
+    for rank in (0, 1):  # each worker's output went to its own file
+        text = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"Worker_TP{rank}" in text and f"Worker_TP{1 - rank}" not in text
+
+    ref = dict(params, run_id="h1", engine="hf-reference", tp=1, output_dir=str(tmp_path / "out-h1"), env=OFFLINE)
+    job(hostenv_python, action="start", force=True, **ref)
+    assert wait_final(hostenv_python, ref)["state"] == "done"
+    cmp = compare_runs(hostenv_python, tmp_path / "out-v1", tmp_path / "out-h1", 6)
+    assert cmp["worst"] < BF16_REL_TOL, cmp
+    assert cmp["wrong_layer"] > 4 * BF16_REL_TOL, cmp
+
+
+@pytest.mark.vllm
+def test_speculators_tp2_deepseek_v3(hostenv_python, tiny_models, patched_speculators, tmp_path):
+    params = vllm_params(tmp_path, tiny_models["deepseek_v3"], tiny_models["dataset"], patched_speculators,
+                         run_id="d1")
+    params["env"]["VLLM_MLA_DISABLE"] = "1"
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params, timeout=420)
+    assert st["state"] == "done", st
+    cfg = json.loads((Path(tiny_models["deepseek_v3"]) / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    manifest, _ = assert_proof(hostenv_python, tmp_path / "out-d1", tmp_path / "work" / "runs" / "d1", 6,
+                               [2, n // 2, n - 3, n - 1], cfg["hidden_size"])
+    assert manifest["model"]["config"]["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("at", ["load", "extract"])
+def test_failure_in_tp_rank_1_comes_back_with_root_cause(at, hostenv_python, tiny_models, patched_speculators,
+                                                         tmp_path):
+    message = f"rank one broke during {at}"
+    params = vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
+                         run_id=f"x-{at}", worker_error_grace_s=5,
+                         inject_failure={"rank": 1, "at": at, "message": message})
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params, timeout=420)
+    err = st["error"]
+    assert st["state"] == "failed", st
+    assert (err["rank"], err["type"], err["message"]) == (1, "InjectedFailure", message)
+    assert "Traceback (most recent call last)" in err["traceback"] and message in err["traceback"]
+    assert "vllm" in err["traceback"]  # raised inside vLLM's own worker code path
+    run_dir = tmp_path / "work" / "runs" / f"x-{at}"
+    assert message in (run_dir / "logs" / "rank1.log").read_text()
+    assert message not in (run_dir / "logs" / "rank0.log").read_text()
+    if at == "load":  # the driver only saw vLLM's generic message; the report names the cause
+        assert "background process" in err["reported_as"]["message"]
+    assert pid_gone(st["pid"])
+    leftovers = subprocess.run(["pgrep", "-g", str(st["pid"])], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "workers of a failed run must not linger"
