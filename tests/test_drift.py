@@ -136,19 +136,6 @@ def edit(root: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def apply_patch_set(root: Path) -> None:
-    """Apply the patch set's diffs to a copy (GNU patch; paths relative to site-packages)."""
-    manifest = json.loads((PATCH_SET / "manifest.json").read_text())
-    diffs = sorted(PATCH_SET.glob("*.diff")) + sorted(PATCH_SET.glob("*.patch"))
-    assert diffs, f"{PATCH_SET} has a manifest but no diffs"
-    for diff in diffs:
-        text = diff.read_text()
-        strip = 1 if ("--- a/" in text or "+++ b/" in text) else 0
-        subprocess.run(["patch", f"-p{strip}", "-d", str(root), "-i", str(diff), "--forward", "-s"],
-                       check=True)
-    assert manifest.get("fixes"), "the manifest lists no fixed drift ids"
-
-
 # ---------------------------------------------------------------- unpatched
 
 
