@@ -15,7 +15,8 @@ installed package and a ``manifest.json``::
     {"action": "check" | "apply" | "revert" | "status",
      "patches_root": "<dir>",        # default: <_bundle_dir>/patches
      "site_packages": "<dir>",       # default: where speculators is installed
-     "inject_failure_after": 1}      # tests: fail after writing this many files
+     "inject_failure_after": 1,      # tests: fail after writing this many files
+     "hold_lock_s": 5}               # tests: keep the lock this long after the action
 
 Guarantees, in the spirit of Ansible's file modules:
 
@@ -46,6 +47,7 @@ import py_compile
 import re
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -689,6 +691,7 @@ def main(params: dict) -> dict:
                 patcher.targets = [Target(patcher.patch_set, e, patcher.site_packages)
                                    for e in patcher.patch_set["files"]]
                 records = getattr(patcher, action)()
+                time.sleep(float(params.get("hold_lock_s") or 0))
     except PatchError as exc:
         records = [exc.record()]
     return protocol.payload([patcher.set_record()] + records, **data)

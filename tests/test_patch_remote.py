@@ -1,0 +1,390 @@
+"""The patch set and the remote patcher, on a copy of the test host's real speculators 0.3.0.
+
+Every test copies the installed ``speculators`` package (and its dist-info, so
+``importlib.metadata`` finds it there) into a temporary site-packages and points the
+patcher at it with ``site_packages``: the shared host env is never modified. The
+patcher runs in the host env's python, as it does on a real host (vLLM's version is
+read from that env's metadata).
+
+The ``vllm`` tests then run the real ``VllmHiddenStatesGenerator`` from the patched
+copy (``PYTHONPATH`` puts it first) on the tiny Llama and DeepSeek-V3 at TP=1 and TP=2,
+and check its states against HF transformers and vLLM's own model forward.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import patcher  # noqa: E402  (stdlib only: safe in the controller's python)
+
+SET_DIR = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
+MANIFEST = json.loads((SET_DIR / "manifest.json").read_text())
+GENERATOR = "speculators/data_generation/vllm_hidden_states_generator.py"
+WORKER = "speculators/data_generation/custom_worker.py"
+DRIFT_IDS = {
+    "scheduler-config-is-encoder-decoder", "kv-cache-config-from-groups",
+    "scheduler-block-size", "request-block-hasher", "two-phase-execute-model",
+    "embed-input-ids", "eagle3-support-check", "cuda-mem-get-info",
+    "collective-rpc-unique-reply", "deepseek-llama4-scaling",
+}
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def expected(rel: str, state: str) -> str:
+    entry = next(f for f in MANIFEST["files"] if f["path"] == rel)
+    return entry[f"sha256_{state}"]
+
+
+def run_patcher(python: Path, **params) -> dict:
+    """``remote.patcher.main(params)`` in the host env's python; returns the payload."""
+    params.setdefault("patches_root", str(REPO / "patches"))
+    code = "import json, sys; from remote import patcher; " \
+           "print(json.dumps(patcher.main(json.loads(sys.argv[1]))))"
+    proc = subprocess.run([str(python), "-c", code, json.dumps(params)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def by_name(payload: dict) -> dict:
+    return {r["name"]: r for r in payload["records"]}
+
+
+@pytest.fixture(scope="session")
+def host_site_packages(hostenv_python) -> Path:
+    out = subprocess.run([str(hostenv_python), "-c",
+                          "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture
+def site(tmp_path, hostenv_python, host_site_packages) -> Path:
+    """A pristine copy of speculators 0.3.0 in its own site-packages dir."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    shutil.copytree(host_site_packages / "speculators", site / "speculators",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for dist_info in host_site_packages.glob("speculators-*.dist-info"):
+        shutil.copytree(dist_info, site / dist_info.name)
+    # The shared env may have been patched by a demo run: start from pristine anyway.
+    if any(sha(site / f["path"]) == f["sha256_patched"] for f in MANIFEST["files"]):
+        reverted = run_patcher(hostenv_python, action="revert", site_packages=str(site))
+        assert protocol_worst(reverted) != "fail", reverted
+    for f in MANIFEST["files"]:
+        assert sha(site / f["path"]) == f["sha256_pristine"], f"{f['path']} is not pristine"
+    return site
+
+
+def protocol_worst(payload) -> str:
+    from remote import protocol
+
+    return protocol.worst(payload["records"])
+
+
+def snapshot(site: Path) -> dict:
+    return {f["path"]: (site / f["path"]).read_bytes() for f in MANIFEST["files"]}
+
+
+# --------------------------------------------------------------------------- the set
+def test_manifest_names_every_drift_item_and_valid_specifiers():
+    assert set(MANIFEST["fixes"]) >= DRIFT_IDS
+    assert patcher.version_matches("0.3.0", MANIFEST["speculators"])
+    assert patcher.version_matches("0.16.0", MANIFEST["vllm"])
+    assert patcher.version_matches("0.12.0", MANIFEST["vllm"])
+    assert not patcher.version_matches("0.17.0", MANIFEST["vllm"])
+    assert not patcher.version_matches("0.11.2", MANIFEST["vllm"])
+
+
+def test_every_drift_id_is_marked_in_the_patched_code(site):
+    """Each fix is a commented change (``# specops[<id>]``) in the patched files."""
+    text = "".join(patcher.apply_hunks((site / f["path"]).read_text(),
+                                       patcher.parse_unified_diff((SET_DIR / f["diff"]).read_text()))
+                   for f in MANIFEST["files"])
+    for drift_id in DRIFT_IDS:
+        assert f"# specops[{drift_id}]" in text, drift_id
+
+
+def test_diffs_turn_pristine_into_the_manifest_sha(site):
+    for f in MANIFEST["files"]:
+        hunks = patcher.parse_unified_diff((SET_DIR / f["diff"]).read_text())
+        pristine = (site / f["path"]).read_text()
+        patched = patcher.apply_hunks(pristine, hunks)
+        assert hashlib.sha256(patched.encode()).hexdigest() == f["sha256_patched"]
+        assert patcher.apply_hunks(patched, hunks, reverse=True) == pristine
+
+
+# --------------------------------------------------------------------------- hunk applier
+ORIGINAL = "a\nb\nc\nd\ne\nf\n"
+DIFF = textwrap.dedent("""\
+    --- a/x.py
+    +++ b/x.py
+    @@ -2,3 +2,3 @@
+     b
+    -c
+    +C
+     d
+    @@ -6,1 +6,2 @@
+     f
+    +g
+    """)
+
+
+def test_hunk_applier_applies_and_reverses():
+    hunks = patcher.parse_unified_diff(DIFF)
+    assert patcher.apply_hunks(ORIGINAL, hunks) == "a\nb\nC\nd\ne\nf\ng\n"
+    assert patcher.apply_hunks("a\nb\nC\nd\ne\nf\ng\n", hunks, reverse=True) == ORIGINAL
+
+
+def test_hunk_applier_refuses_shifted_or_changed_context():
+    hunks = patcher.parse_unified_diff(DIFF)
+    with pytest.raises(patcher.HunkMismatch):  # same lines one further down: no offset search
+        patcher.apply_hunks("z\n" + ORIGINAL, hunks)
+    with pytest.raises(patcher.HunkMismatch) as info:  # one context line differs
+        patcher.apply_hunks(ORIGINAL.replace("d\n", "d \n"), hunks)
+    assert info.value.hunk_index == 0 and info.value.found == ["b\n", "c\n", "d \n"]
+
+
+def test_hunk_parser_checks_counts_and_no_newline_marker():
+    with pytest.raises(ValueError, match="header says"):
+        patcher.parse_unified_diff("@@ -1,2 +1,2 @@\n a\n-b\n+B\n+extra\n")
+    hunks = patcher.parse_unified_diff("@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+b\n")
+    assert patcher.apply_hunks("a", hunks) == "b\n"
+
+
+def test_version_specifiers():
+    assert patcher.version_matches("0.16.0+cpu", ">=0.12,<0.17")
+    assert not patcher.version_matches("0.17.0rc1", ">=0.12,<0.17")
+    assert patcher.version_matches("0.3.0", "==0.3.0")
+    assert not patcher.version_matches("0.3.0.post1", "==0.3.0")
+    assert patcher.version_matches("0.3.4", "~=0.3.0")
+    assert not patcher.version_matches("0.4.0", "~=0.3.0")
+    with pytest.raises(ValueError):
+        patcher.version_matches("0.3.0", "=0.3")
+
+
+# --------------------------------------------------------------------------- actions
+def test_apply_apply_revert_apply(site, hostenv_python):
+    status = by_name(run_patcher(hostenv_python, action="status", site_packages=str(site)))
+    assert status["patch.set"]["status"] == "ok"
+    assert status["patch.state"]["status"] == "warn"  # not applied yet
+
+    first = run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    records = by_name(first)
+    for rel in (GENERATOR, WORKER):
+        assert records[f"patch.{rel}"]["status"] == "changed", first
+        assert re.search(r"^\+\s*# specops", records[f"patch.{rel}"]["detail"]["diff"], re.M)
+        assert sha(site / rel) == expected(rel, "patched")
+        backup = site / ".specops-backup" / MANIFEST["name"] / rel
+        assert sha(backup) == expected(rel, "pristine")
+        # byte-compiled: a fresh .pyc of the patched source sits in __pycache__
+        assert list((site / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"))
+
+    again = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert {again[f"patch.{r}"]["status"] for r in (GENERATOR, WORKER)} == {"ok"}
+    assert by_name(run_patcher(hostenv_python, action="status",
+                               site_packages=str(site)))["patch.state"]["status"] == "ok"
+
+    reverted = by_name(run_patcher(hostenv_python, action="revert", site_packages=str(site)))
+    for rel in (GENERATOR, WORKER):
+        assert reverted[f"patch.{rel}"]["status"] == "changed"
+        assert sha(site / rel) == expected(rel, "pristine")
+
+    third = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert {third[f"patch.{r}"]["status"] for r in (GENERATOR, WORKER)} == {"changed"}
+    assert all(sha(site / r) == expected(r, "patched") for r in (GENERATOR, WORKER))
+
+
+def test_revert_without_backup_reverses_the_diff(site, hostenv_python):
+    run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    shutil.rmtree(site / ".specops-backup")
+    reverted = by_name(run_patcher(hostenv_python, action="revert", site_packages=str(site)))
+    assert reverted[f"patch.{WORKER}"]["status"] == "changed"
+    assert all(sha(site / r) == expected(r, "pristine") for r in (GENERATOR, WORKER))
+
+
+def test_check_mode_changes_nothing_and_shows_the_diff(site, hostenv_python):
+    before = snapshot(site)
+    mtimes = {r: (site / r).stat().st_mtime_ns for r in before}
+    result = by_name(run_patcher(hostenv_python, action="check", site_packages=str(site)))
+    assert snapshot(site) == before
+    assert {r: (site / r).stat().st_mtime_ns for r in before} == mtimes
+    assert not (site / ".specops-backup").exists()
+    diff = result[f"patch.{WORKER}"]["detail"]["diff"]
+    assert result[f"patch.{WORKER}"]["status"] == "changed"
+    assert diff.startswith(f"--- a/{WORKER}\n+++ b/{WORKER}\n")
+    assert "-            else self.get_input_embeddings(input_ids)" in diff
+    # the shown diff is exactly what apply then does
+    run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    applied = patcher.apply_hunks(before[WORKER].decode(), patcher.parse_unified_diff(diff))
+    assert applied == (site / WORKER).read_text()
+    again = by_name(run_patcher(hostenv_python, action="check", site_packages=str(site)))
+    assert again[f"patch.{WORKER}"]["status"] == "ok"
+    assert again[f"patch.{WORKER}"]["detail"]["diff"] == ""
+
+
+def test_hand_edited_file_is_refused_and_untouched(site, hostenv_python):
+    worker = site / WORKER
+    text = worker.read_text()
+    edited = text.replace("else self.get_input_embeddings(input_ids)",
+                          "else self.embed_input_ids(input_ids)  # fixed by hand")
+    assert edited != text
+    worker.write_text(edited)
+    before = snapshot(site)
+    result = run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    records = by_name(result)
+    refused = records[f"patch.{WORKER}"]
+    assert refused["status"] == "fail" and WORKER in refused["summary"]
+    assert "+            else self.embed_input_ids(input_ids)  # fixed by hand" in refused["detail"]["diff"]
+    assert refused["detail"]["against"].startswith("pristine")
+    assert refused["fix"]
+    assert snapshot(site) == before  # neither file touched, the pristine one neither
+    assert sha(site / GENERATOR) == expected(GENERATOR, "pristine")
+    assert not (site / ".specops-backup").exists()
+
+
+def test_edit_outside_patched_regions_is_refused_with_a_note(site, hostenv_python):
+    worker = site / WORKER
+    worker.write_text(worker.read_text() + "\n# local tweak\n")
+    before = snapshot(site)
+    refused = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert refused[f"patch.{WORKER}"]["status"] == "fail"
+    assert "elsewhere" in refused[f"patch.{WORKER}"]["detail"]["note"]
+    assert snapshot(site) == before
+
+
+def test_failure_between_two_files_restores_everything(site, hostenv_python):
+    before = snapshot(site)
+    result = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
+                                 inject_failure_after=1))
+    rollback = result["patch.rollback"]
+    assert rollback["status"] == "fail" and "InjectedFailure" in rollback["detail"]["error"]
+    assert rollback["detail"]["restored"] == [GENERATOR]  # it had written the first file
+    assert snapshot(site) == before
+
+    run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    patched = snapshot(site)
+    result = by_name(run_patcher(hostenv_python, action="revert", site_packages=str(site),
+                                 inject_failure_after=1))
+    assert result["patch.rollback"]["status"] == "fail"
+    assert snapshot(site) == patched
+
+
+def test_two_concurrent_runs_one_applies_one_is_refused(site, hostenv_python):
+    holder_code = ("import json, sys; from remote import patcher; "
+                   "print(json.dumps(patcher.main(json.loads(sys.argv[1]))))")
+    params = {"action": "apply", "site_packages": str(site),
+              "patches_root": str(REPO / "patches"), "hold_lock_s": 6}
+    first = subprocess.Popen([str(hostenv_python), "-c", holder_code, json.dumps(params)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = site / patcher.LOCK_FILE
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the first run holds the lock
+        if lock.exists() and f"pid {first.pid}" in lock.read_text():
+            break
+        time.sleep(0.05)
+    else:
+        first.kill()
+        pytest.fail("the first run never took the lock")
+    second = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    out, err = first.communicate(timeout=120)
+    first_records = by_name(json.loads(out.strip().splitlines()[-1]))
+    assert second["patch.lock"]["status"] == "fail"
+    assert "another patch run holds" in second["patch.lock"]["summary"]
+    assert f"pid {first.pid}" in second["patch.lock"]["detail"]["holder"]
+    assert first_records[f"patch.{WORKER}"]["status"] == "changed"
+    assert all(sha(site / r) == expected(r, "patched") for r in (GENERATOR, WORKER))
+
+
+def test_lock_held_by_another_process_refuses_without_touching(site, hostenv_python):
+    lock_path = site / patcher.LOCK_FILE
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(site)
+        refused = by_name(run_patcher(hostenv_python, action="revert", site_packages=str(site)))
+        assert refused["patch.lock"]["status"] == "fail"
+        assert snapshot(site) == before
+    applied = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert applied[f"patch.{GENERATOR}"]["status"] == "changed"
+
+
+def test_no_matching_patch_set_is_refused_clearly(site, hostenv_python, tmp_path):
+    root = tmp_path / "patches"
+    shutil.copytree(SET_DIR, root / SET_DIR.name)
+    manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
+    manifest["vllm"] = ">=0.17,<0.18"
+    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(site)
+    result = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
+                                 patches_root=str(root)))
+    assert result["patch.set"]["status"] == "fail"
+    assert "no patch set for speculators 0.3.0" in result["patch.set"]["summary"]
+    assert "vllm>=0.17,<0.18" in result["patch.set"]["fix"]
+    assert snapshot(site) == before
+
+
+def test_status_records_for_preflight(site, hostenv_python):
+    code = ("import json, sys; from remote import patcher; "
+            "print(json.dumps(patcher.status_records(sys.argv[1], sys.argv[2])))")
+    proc = subprocess.run([str(hostenv_python), "-c", code, str(REPO / "patches"), str(site)],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    records = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert records["patch.set"]["detail"]["set"] == MANIFEST["name"]
+    assert records["patch.state"]["detail"]["applied"] is False
+
+
+# --------------------------------------------------------------------------- the real run
+SMOKE_CASES = [("llama", 1, "auto"), ("deepseek_v3", 1, "auto"),
+               ("llama", 2, "auto"), ("deepseek_v3", 2, "vllm")]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model,tp,reference", SMOKE_CASES,
+                         ids=[f"{m}-tp{tp}" for m, tp, _ in SMOKE_CASES])
+def test_patched_generator_extracts_correct_states(model, tp, reference, site, hostenv_python,
+                                                   tiny_models):
+    applied = run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    assert protocol_worst(applied) == "changed", applied
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_MLA_DISABLE="1")
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    proc = subprocess.run(
+        [str(hostenv_python), "-m", "remote.smoke_generator", "--model", str(tiny_models[model]),
+         "--tp", str(tp), "--reference", reference],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("SMOKE-JSON ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(lines[-1][len("SMOKE-JSON "):])
+    assert report["speculators_file"].startswith(str(site))  # the patched copy ran
+    assert report["checks"] and report["ok"], json.dumps(report["checks"])
+    assert proc.returncode == 0
+    n = report["num_layers"]
+    assert report["layer_ids"] == [2, n // 2, n - 3, n - 1]
+    assert len(report["samples"]) == len(report["prompt_tokens"]) > 10  # text-sorted ids would bite
+    assert report["chunked_requests"], "the batch must span a chunked prefill"
+    for sample, tokens in zip(report["samples"], report["prompt_tokens"]):
+        assert sample["shapes"] == [[tokens, 256]] * 4 and set(sample["dtypes"]) == {"bfloat16"}
+        assert not any(sample["nan"])
+    assert report["vllm_reference_max_rel_err"] <= 1e-3
+    if report["llama_4_scaling"]:
+        assert report["checks"]["control_detects_missing_scaling"]
+    if reference == "auto":
+        assert "hf_reference" in report["checks"]
