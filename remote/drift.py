@@ -1698,8 +1698,9 @@ def check(params: dict) -> list:
     if not findings and not problems:
         records.insert(0, protocol.record(
             "drift.none", protocol.OK,
-            f"no API drift: {len(files)} speculators files, {checker.call_sites} vLLM call sites "
-            f"checked against vLLM {versions['vllm']}",
+            f"no API drift: {len(files)} speculators {versions['speculators']} files, "
+            f"{checker.call_sites} vLLM call sites checked against vLLM {versions['vllm']} "
+            f"({', '.join(t.architecture for t in targets)})",
             detail=summary))
     else:
         for r in records:
