@@ -237,6 +237,34 @@ def fetch(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_k
     go()
 
 
+@task(help={**COMMON_HELP, **RUN_HELP, "samples": "how many samples the rehearsal extracts"})
+def smoke(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, tp=None,
+          layer_ids=None, engine=None, samples=4):
+    """Rehearse the exact extraction path on a tiny random twin of the target model."""
+    from specops.smoke import smoke as run
+
+    @_guard
+    def go():
+        overrides = _overrides(model=model, tp=tp, layer_ids=layer_ids, engine=engine)
+        _finish(run(load_inventory(inventory), _selector(c, on), overrides, samples=int(samples),
+                    accept_new_host_key=accept_new_host_key), json)
+    go()
+
+
+@task(help={**JOB_HELP, "samples": "how many samples to recompute with the reference",
+            "reference": "reference: hf (transformers forward)"})
+def verify(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, samples=3,
+           reference="hf"):
+    """Recompute a few samples of a finished run with an independent reference; compare each layer."""
+    from specops.verify import verify as run
+
+    @_guard
+    def go():
+        _finish(run(load_inventory(inventory), _selector(c, on), _require_run_id(run_id),
+                    samples=int(samples), reference=reference, accept_new_host_key=accept_new_host_key), json)
+    go()
+
+
 @task(help={"name": "test host name (several can run side by side)",
             "json": "print the connection details as JSON"})
 def testhost_up(c, name="default", json=False):
@@ -275,7 +303,8 @@ testhost.add_task(testhost_up, "up")
 testhost.add_task(testhost_down, "down")
 testhost.add_task(testhost_status, "status")
 
-ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, demo, testhost)
+ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, smoke, verify, demo,
+                testhost)
 ns.configure({"run": {"pty": False}})
 
 __doc__ += "\n\nExit codes: " + exit_codes.ExitCode.help_text()
