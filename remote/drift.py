@@ -39,7 +39,7 @@ says whether ``llama_4_scaling`` is set), ``model_family`` (``llama`` | ``deepse
 | ..., overrides the config), ``architecture`` (a vLLM registry name, overrides both),
 ``model_has_llama_4_scaling`` (overrides the config), ``device`` (``cuda`` | ``cpu``:
 CUDA-only calls fail on cpu and warn on cuda), ``site_packages`` (a dir or a list of
-dirs holding speculators and vllm, instead of this python's import path),
+dirs searched for speculators and vllm before this python's import path),
 ``patches_root`` (default ``<_bundle_dir>/patches``). With no model at all, every
 family in :data:`DEFAULT_ARCHITECTURES` is checked, so a clean result holds for all.
 
@@ -1454,26 +1454,26 @@ class Checker:
 def site_packages(params: dict) -> tuple[Path | None, Path | None]:
     """Directories holding the ``speculators`` and ``vllm`` packages (without importing them).
 
-    ``params["site_packages"]`` (one path or a list) restricts the search to those
-    directories, first match wins; otherwise the running python's import path is used.
+    ``params["site_packages"]`` (one dir or a list) is searched first, then this python's
+    import path: a patched copy of speculators in a test dir wins over the installed one,
+    and vLLM is still found where it is installed (the same rule as ``remote.patcher``).
     """
-    override = params.get("site_packages")
-    if override:
-        roots = [Path(p) for p in ([override] if isinstance(override, (str, Path)) else override)]
+    import importlib.util
 
-        def root_of(name):
-            return next((r for r in roots if (r / name / "__init__.py").is_file()), None)
-    else:
-        import importlib.util
+    override = params.get("site_packages") or []
+    roots = [Path(p) for p in ([override] if isinstance(override, (str, Path)) else override)]
 
-        def root_of(name):
-            try:
-                found = importlib.util.find_spec(name)  # top-level: finds, does not execute
-            except (ImportError, ValueError):
-                return None
-            if found is None or not found.submodule_search_locations:
-                return None
-            return Path(list(found.submodule_search_locations)[0]).parent
+    def root_of(name):
+        for root in roots:
+            if (root / name / "__init__.py").is_file():
+                return root
+        try:
+            found = importlib.util.find_spec(name)  # top-level: finds, does not execute
+        except (ImportError, ValueError):
+            return None
+        if found is None or not found.submodule_search_locations:
+            return None
+        return Path(list(found.submodule_search_locations)[0]).parent
 
     return root_of("speculators"), root_of("vllm")
 
