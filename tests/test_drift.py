@@ -427,6 +427,34 @@ def test_patched_copy_has_no_drift(hostenv_python, spec_copy, family):
     assert payload["records"][0]["detail"]["call_sites"] >= 20
 
 
+@needs_manifest
+def test_patcher_apply_then_revert_in_one_process(hostenv_python, spec_copy, tiny_models):
+    """What `specops patch` does: apply, re-check in the same python (the AST cache must
+    see the new files), revert, re-check."""
+    root, _params = spec_copy
+    base = {"site_packages": str(root), "patches_root": str(PATCH_SET.parent),
+            "model_path": str(tiny_models["deepseek_v3"]), "device": "cpu"}
+    script = (
+        "import json, sys; from remote import drift, patcher\n"
+        "p = json.loads(sys.argv[1]); ids = lambda: sorted(r['name'] for r in drift.main(p)['records'])\n"
+        "out = {'before': ids()}\n"
+        "out['apply'] = [r['status'] for r in patcher.main({**p, 'action': 'apply'})['records']]\n"
+        "out['after'] = ids()\n"
+        "out['revert'] = [r['status'] for r in patcher.main({**p, 'action': 'revert'})['records']]\n"
+        "out['reverted'] = ids()\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([str(hostenv_python), "-c", script, json.dumps(base)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["before"] == sorted(f"drift.{i}" for i in KNOWN_IDS)
+    assert "fail" not in out["apply"] and "changed" in out["apply"]
+    assert out["after"] == ["drift.none"]
+    assert "fail" not in out["revert"]
+    assert out["reverted"] == out["before"]
+
+
 @needs_patch_diffs
 @pytest.mark.parametrize("rel, plant, drift_id", [
     (WORKER, plant_layer_call_without_scaling, "deepseek-llama4-scaling"),
