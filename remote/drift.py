@@ -40,8 +40,20 @@ says whether ``llama_4_scaling`` is set), ``model_family`` (``llama`` | ``deepse
 ``model_has_llama_4_scaling`` (overrides the config), ``device`` (``cuda`` | ``cpu``:
 CUDA-only calls fail on cpu and warn on cuda), ``site_packages`` (a dir or a list of
 dirs searched for speculators and vllm before this python's import path),
-``patches_root`` (default ``<_bundle_dir>/patches``). With no model at all, every
-family in :data:`DEFAULT_ARCHITECTURES` is checked, so a clean result holds for all.
+``patches_root`` (default ``<_bundle_dir>/patches``, else ``patches/`` beside
+``remote/``). With no model at all, every family in :data:`DEFAULT_ARCHITECTURES` is
+checked, so that a clean result holds for all of them.
+
+On the test host (speculators 0.3.0, vLLM 0.16 CPU), before and after ``specops patch``::
+
+    >>> [r["summary"] for r in check({"model_path": "/models/tiny-deepseek-v3", "device": "cpu"})][:2]
+    ['custom_worker.py:102 supports_eagle3(model) is False for DeepseekV3ForCausalLM (it does
+      not implement SupportsEagle3), so the worker raises',
+     'custom_worker.py:30 DeepseekV2Model has no get_input_embeddings (it has embed_input_ids)
+      (vllm/model_executor/models/deepseek_v2.py:1034)']
+    >>> check({"model_path": "/models/tiny-deepseek-v3", "device": "cpu"})[0]["summary"]
+    'no API drift: 2 speculators 0.3.0 files, 35 vLLM call sites checked against vLLM 0.16.0
+     (DeepseekV3ForCausalLM)'
 
 Run it directly::
 
@@ -1561,7 +1573,10 @@ def load_patch_sets(params: dict) -> list:
     root = params.get("patches_root")
     if not root and params.get("_bundle_dir"):
         root = Path(params["_bundle_dir"]) / "patches"
-    if not root or not Path(root).is_dir():
+    if not root:
+        # patches/ sits beside remote/ both in the bundle and in a checkout of the repo.
+        root = Path(__file__).resolve().parent.parent / "patches"
+    if not Path(root).is_dir():
         return []
     sets = []
     for manifest in sorted(Path(root).glob("*/manifest.json")):
