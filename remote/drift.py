@@ -1648,7 +1648,7 @@ def to_records(findings: list, patch_sets: list, versions: dict, applied: set = 
             # Applied, yet the finding is here: this host needs more than the set gives.
             fix = f"patch set {patch} is applied but does not fix this case" + (f"; {edit}" if edit else "")
         else:
-            fix = f"apply patch set {patch}: specops patch" if patch else edit
+            fix = f"run `specops patch` (patch set {patch} fixes this)" if patch else edit
         if status == protocol.FAIL and not fix:
             fix = f"edit {first.file}:{first.line} to match the installed vLLM"
         records.append(protocol.record(
