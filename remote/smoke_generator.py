@@ -207,21 +207,22 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
     """Construct the real generator, extract, check. Returns a JSON-able report."""
     import time
 
-    import torch
-    from transformers import AutoConfig
+    import types
 
     import speculators
     from speculators.data_generation.vllm_hidden_states_generator import (
         VllmHiddenStatesGenerator,
     )
 
-    config = AutoConfig.from_pretrained(model_dir)
-    text_config = getattr(config, "text_config", None) or config
+    # config.json as data: a wrapper (Kimi-K2.5) may need remote code for AutoConfig.
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    text_config = types.SimpleNamespace(**config.get("text_config", config))
     num_layers = text_config.num_hidden_layers
     scaling = getattr(text_config, "llama_4_scaling", None)
     prompts = make_prompts(text_config.vocab_size, lengths)
     report = {
-        "model": str(model_dir), "model_type": text_config.model_type, "tp": tp,
+        "model": str(model_dir), "model_type": config.get("model_type"), "tp": tp,
         "speculators_file": speculators.__file__, "num_layers": num_layers,
         "prompt_tokens": [len(p) for p in prompts], "llama_4_scaling": scaling,
         "checks": {},
@@ -233,8 +234,7 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
         tensor_parallel_size=tp,
     )
     report["load_s"] = round(time.monotonic() - started, 1)
-    # The worker returns layers in model order (it keeps a set): report what it used.
-    layer_ids = sorted(set(generator.layer_ids))
+    layer_ids = list(generator.layer_ids)  # the patched generator keeps this order
     report["layer_ids"] = layer_ids
     steps = _record_steps(generator.scheduler)
     started = time.monotonic()
@@ -279,7 +279,11 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
             # in every request that reaches past it: the reference check can fail.
             checks["control_detects_missing_scaling"] = (
                 max(before) <= VLLM_MAX_REL_ERR and min(past) > VLLM_MAX_REL_ERR)
-    if reference in ("auto", "hf"):
+    if reference == "auto" and "text_config" in config:
+        # A wrapper (Kimi-K2.5) loads in HF only with its remote code: vLLM's forward
+        # is the reference there.
+        report["hf_reference_skipped"] = "wrapper model: HF needs its remote code"
+    elif reference in ("auto", "hf"):
         hf = _hf_states(model_dir, prompts, layer_ids)
         # HF transformers knows no llama_4_scaling: compare only where it is 1.
         rows = (lambda i: slice(0, boundary)) if scaling else None

@@ -351,24 +351,30 @@ def test_status_records_for_preflight(site, hostenv_python):
 
 
 # --------------------------------------------------------------------------- the real run
-SMOKE_CASES = [("llama", 1, "auto"), ("deepseek_v3", 1, "auto"),
-               ("llama", 2, "auto"), ("deepseek_v3", 2, "vllm")]
+#: (model, TP, reference, layer order). "reversed" passes the default ids last-first:
+#: the patched generator returns them in the order asked (upstream: model order).
+SMOKE_CASES = [("llama", 1, "auto", "reversed"), ("deepseek_v3", 1, "auto", "default"),
+               ("llama", 2, "auto", "default"), ("deepseek_v3", 2, "vllm", "reversed")]
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("model,tp,reference", SMOKE_CASES,
-                         ids=[f"{m}-tp{tp}" for m, tp, _ in SMOKE_CASES])
-def test_patched_generator_extracts_correct_states(model, tp, reference, site, hostenv_python,
-                                                   tiny_models):
+@pytest.mark.parametrize("model,tp,reference,order", SMOKE_CASES,
+                         ids=[f"{m}-tp{tp}" for m, tp, _, _ in SMOKE_CASES])
+def test_patched_generator_extracts_correct_states(model, tp, reference, order, site,
+                                                   hostenv_python, tiny_models):
     applied = run_patcher(hostenv_python, action="apply", site_packages=str(site))
     assert protocol_worst(applied) == "changed", applied
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_MLA_DISABLE="1")
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    n = json.loads((Path(tiny_models[model]) / "config.json").read_text())["num_hidden_layers"]
+    layer_ids = [2, n // 2, n - 3, n - 1]  # speculators 0.3.0's default, output convention
+    if order == "reversed":
+        layer_ids.reverse()
     proc = subprocess.run(
         [str(hostenv_python), "-m", "remote.smoke_generator", "--model", str(tiny_models[model]),
-         "--tp", str(tp), "--reference", reference],
+         "--tp", str(tp), "--reference", reference, "--layers", ",".join(map(str, layer_ids))],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("SMOKE-JSON ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -376,8 +382,7 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, site, h
     assert report["speculators_file"].startswith(str(site))  # the patched copy ran
     assert report["checks"] and report["ok"], json.dumps(report["checks"])
     assert proc.returncode == 0
-    n = report["num_layers"]
-    assert report["layer_ids"] == [2, n // 2, n - 3, n - 1]
+    assert report["layer_ids"] == layer_ids
     assert len(report["samples"]) == len(report["prompt_tokens"]) > 10  # text-sorted ids would bite
     assert report["chunked_requests"], "the batch must span a chunked prefill"
     for sample, tokens in zip(report["samples"], report["prompt_tokens"]):
@@ -388,3 +393,22 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, site, h
         assert report["checks"]["control_detects_missing_scaling"]
     if reference == "auto":
         assert "hf_reference" in report["checks"]
+
+
+def test_patched_generator_refuses_duplicate_layer_ids(site, hostenv_python, tiny_models):
+    """Upstream keeps a set of ids and silently returns fewer layers; patched, it refuses."""
+    run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    code = textwrap.dedent("""
+        import sys
+        from speculators.data_generation.vllm_hidden_states_generator import (
+            VllmHiddenStatesGenerator)
+        try:
+            VllmHiddenStatesGenerator(sys.argv[1], layer_ids=[2, 2, 5, 7])
+        except ValueError as exc:
+            print("REFUSED", exc)
+        """)
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([str(hostenv_python), "-c", code, str(tiny_models["llama"])],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "REFUSED Duplicate layer ids [2, 2, 5, 7]" in proc.stdout, proc.stderr[-3000:]
