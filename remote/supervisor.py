@@ -611,6 +611,54 @@ def _kill_own_group_and_exit(code: int) -> None:
     os._exit(code)
 
 
+def _group_members() -> list[int]:
+    """Other live processes of this supervisor's process group (workers, resource tracker)."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == me:  # fields[2] is the pgrp
+            found.append(int(entry))
+    return found
+
+
+def stop_leftovers(grace_s: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL, whatever of this run is still running besides us.
+
+    A worker that is still loading when its peer failed does not notice that the driver
+    is gone until it finishes; it must not outlive the run. Only this supervisor's own
+    process group is touched (it leads one when started by ``job start``); otherwise
+    only its multiprocessing children.
+    """
+    if os.getpgid(0) != os.getpid():
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+        return []
+    left = _group_members()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _group_members():
+        time.sleep(0.1)
+    for pid in _group_members():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
 def _on_signal(signum, _frame):
     raise Aborted(signal.Signals(signum).name)
 
@@ -627,6 +675,10 @@ def main(argv=None) -> int:
     sup = Supervisor(argv[0])
     os.environ["SPECOPS_RUN_DIR"] = str(sup.paths.run_dir)  # read by the vLLM worker hook
     code = sup.run()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from here on nothing may interrupt the cleanup
+    left = stop_leftovers()
+    if left:
+        print(f"[specops] stopped {len(left)} leftover process(es) of this run: {left}", flush=True)
     print(f"[specops] supervisor exits {code} (state {sup.status.data.get('state')})", flush=True)
     return code
 

@@ -147,6 +147,24 @@ def pid_gone(pid, timeout=30.0) -> bool:
     return False
 
 
+def group_members(pgid, settle_s=15.0) -> list[int]:
+    """Live (not zombie) processes of a process group, after up to ``settle_s`` for
+    signalled ones to go (zombies wait on a non-reaping init and are not counted)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        live = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                live.append(int(stat.parent.name))
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def hf_params(tmp_path, tiny_models):
     return dict(run_id="r1", work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
@@ -236,7 +254,7 @@ def test_abort_stops_the_group(hostenv_python, hf_params):
     wait_final(hostenv_python, params, until=lambda s: s["state"] == "extracting")
     res = job(hostenv_python, action="abort", grace_s=10, **params)
     assert res["records"][0]["status"] == "changed", res
-    assert pid_gone(pid)
+    assert pid_gone(pid) and group_members(pid) == []
     st = job(hostenv_python, action="status", **params)["data"]["status"]
     assert st["state"] == "aborted" and not st["alive"]
     assert job(hostenv_python, action="abort", **params)["records"][0]["status"] == "skipped"
@@ -378,8 +396,14 @@ def test_failure_in_tp_rank_1_comes_back_with_root_cause(at, hostenv_python, tin
     run_dir = tmp_path / "work" / "runs" / f"x-{at}"
     assert message in (run_dir / "logs" / "rank1.log").read_text()
     assert message not in (run_dir / "logs" / "rank0.log").read_text()
-    if at == "load":  # the driver only saw vLLM's generic message; the report names the cause
-        assert "background process" in err["reported_as"]["message"]
+    # Either the driver raised vLLM's generic error (kept as reported_as; at load it is
+    # "... an exception in a background process") or it was still blocked on the failed
+    # rank and the supervisor's watchdog stopped the run; the cause is rank 1's either way.
+    if "reported_as" in err:
+        assert err["reported_as"]["message"] != message
+        if at == "load":
+            assert "background process" in err["reported_as"]["message"]
+    else:
+        assert "still waiting" in err["note"]
     assert pid_gone(st["pid"])
-    leftovers = subprocess.run(["pgrep", "-g", str(st["pid"])], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], "workers of a failed run must not linger"
+    assert group_members(st["pid"]) == [], "workers of a failed run must not linger"
