@@ -280,7 +280,13 @@ def last_traceback(text: str):
     start = max((i for i, ln in enumerate(lines) if ln.strip().endswith(TRACEBACK_HEAD)), default=None)
     fatal = max((i for i, ln in enumerate(lines) if _FATAL_RE.match(ln.strip())), default=None)
     if fatal is not None and (start is None or fatal > start):
-        block = lines[fatal:fatal + 40]
+        # faulthandler dumps every thread, the crashing one ("Current thread") last,
+        # then "Extension modules: ..."; keep the whole dump (bounded).
+        block = []
+        for ln in lines[fatal:fatal + 600]:
+            block.append(ln)
+            if ln.startswith("Extension modules:"):
+                break
         return {"type": "FatalError", "message": _FATAL_RE.match(lines[fatal].strip()).group(1),
                 "traceback": "\n".join(block)}
     if start is None:
@@ -300,38 +306,59 @@ def last_traceback(text: str):
             "traceback": "\n".join(block)}
 
 
+#: Messages of a rank that lost a *peer* (the consequence, not the cause).
+PEER_LOSS_RE = re.compile(r"connection reset|connection closed|broken pipe|peer|"
+                          r"remote process (has )?exited|gloo|nccl.*(abort|timeout)", re.I)
+
+
 def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dict:
-    """The error to report: a worker's own exception first, then a rank log's last
-    traceback, then the supervisor's exception (which is kept as ``reported_as``).
+    """The one error to report for a failed attempt, with the rest kept as context.
+
+    Candidates, best first: a rank that died hard (faulthandler's "Fatal Python error"
+    in its log: no exception was raised anywhere); a rank's own recorded exception
+    (``errors/rank<k>.json``, earliest first) unless it only says a peer went away
+    (connection reset, gloo/NCCL errors); the last traceback in the log of a rank that
+    recorded nothing; the peer-loss errors; finally the supervisor's exception. The
+    driver's view (often vLLM's generic "Worker failed with error ...") is kept as
+    ``reported_as``; the other candidates as ``other_errors``.
 
     :param exc_rank: the rank ``exc`` belongs to when it was raised by an in-process
         engine (rank 0); None for the supervisor's own errors.
     """
     seen = error_record(exc, rank=exc_rank, where="supervisor" if exc_rank is None else "engine") \
         if exc is not None else None
+    fatal, own, from_logs, peer_loss = [], [], [], []
     recorded = worker_errors(paths.errors)
-    if recorded:
-        first = dict(recorded[0])
-        first["source"] = f"errors/rank{first['rank']}.json"
-        if seen:
-            first["reported_as"] = {k: seen[k] for k in ("type", "message")}
-        return first
-    offsets = paths.log_offsets
+    for rec in recorded:
+        rec = dict(rec, source=f"errors/rank{rec['rank']}.json")
+        (peer_loss if PEER_LOSS_RE.search(rec.get("message", "")) else own).append(rec)
+    recorded_ranks = {rec["rank"] for rec in recorded}
     for log in sorted(paths.logs.glob("rank*.log")):
         with open(log, "rb") as fh:
-            fh.seek(offsets.get(log.name, 0))
+            fh.seek(paths.log_offsets.get(log.name, 0))
             found = last_traceback(fh.read().decode(errors="replace"))
-        if found:
-            rank = int(re.search(r"rank(\d+)", log.name).group(1))
-            found.update(rank=rank, where=f"logs/{log.name}", source=f"logs/{log.name}")
-            if seen:
-                found["reported_as"] = {k: seen[k] for k in ("type", "message")}
-            return found
-    if seen is None:
-        seen = {"rank": None, "type": "UnknownError", "message": "the run failed without an exception",
-                "traceback": "", "where": "supervisor"}
-    seen.setdefault("source", "supervisor")
-    return seen
+        if not found:
+            continue
+        rank = int(re.search(r"rank(\d+)", log.name).group(1))
+        found.update(rank=rank, where=f"logs/{log.name}", source=f"logs/{log.name}")
+        if found["type"] == "FatalError":
+            fatal.append(found)
+        elif rank not in recorded_ranks:
+            from_logs.append(found)
+    ranked = fatal + own + from_logs + peer_loss
+    if not ranked:
+        if seen is None:
+            seen = {"rank": None, "type": "UnknownError", "message": "the run failed without an exception",
+                    "traceback": "", "where": "supervisor"}
+        seen.setdefault("source", "supervisor")
+        return seen
+    best = dict(ranked[0])
+    if seen:
+        best["reported_as"] = {k: seen[k] for k in ("type", "message")}
+    others = [{k: r.get(k) for k in ("rank", "type", "message", "source")} for r in ranked[1:]]
+    if others:
+        best["other_errors"] = others
+    return best
 
 
 # --------------------------------------------------------------------------- the run

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -407,3 +408,56 @@ def test_failure_in_tp_rank_1_comes_back_with_root_cause(at, hostenv_python, tin
         assert "still waiting" in err["note"]
     assert pid_gone(st["pid"])
     assert group_members(st["pid"]) == [], "workers of a failed run must not linger"
+
+
+@pytest.mark.vllm
+def test_hard_crash_of_a_rank_is_named_from_its_log(hostenv_python, tiny_models, patched_speculators, tmp_path):
+    """A rank killed by SIGSEGV raises nothing anywhere; the driver only learns "worker died".
+    The report must still name rank 1 and the fatal error, read from logs/rank1.log."""
+    params = vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
+                         run_id="crash", inject_failure={"rank": 1, "at": "crash", "message": "segv"})
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params, timeout=420)
+    err = st["error"]
+    assert st["state"] == "failed", st
+    assert err["rank"] == 1 and err["source"] == "logs/rank1.log", err
+    assert err["type"] == "FatalError" and "Segmentation fault" in err["message"]
+    assert "Fatal Python error" in err["traceback"] and "vllm_worker_hook.py" in err["traceback"]
+    assert err["reported_as"]["message"]  # what the driver saw instead, kept beside it
+    assert group_members(st["pid"]) == []
+
+
+def test_last_traceback_reads_prefixed_worker_logs():
+    """The log parser behind the root cause, on vLLM-prefixed lines (runs without torch)."""
+    from remote.supervisor import last_traceback
+
+    log = "\n".join([
+        "(Worker_TP1 pid=7) INFO loading",
+        "(Worker_TP1 pid=7) Traceback (most recent call last):",
+        '(Worker_TP1 pid=7)   File "a.py", line 1, in <module>',
+        "(Worker_TP1 pid=7)     old()",
+        "(Worker_TP1 pid=7) KeyError: 'stale'",
+        "(Worker_TP1 pid=7) ERROR 11-29 [multiproc_executor.py:783] WorkerProc failed.",
+        "(Worker_TP1 pid=7) Traceback (most recent call last):",
+        '(Worker_TP1 pid=7)   File "b.py", line 2, in load',
+        "(Worker_TP1 pid=7)     raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2 GiB')",
+        "(Worker_TP1 pid=7) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB",
+        "(Worker_TP1 pid=7) INFO shutting down",
+    ])
+    found = last_traceback(log)
+    assert found["type"] == "OutOfMemoryError"
+    assert found["message"] == "CUDA out of memory. Tried to allocate 2 GiB"
+    assert 'File "b.py"' in found["traceback"] and "stale" not in found["traceback"]
+    assert last_traceback("INFO all good\n") is None
+    fatal = last_traceback(log + "\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n")
+    assert (fatal["type"], fatal["message"]) == ("FatalError", "Segmentation fault")
+
+
+def test_remote_modules_import_with_the_standard_library_only():
+    """The bundle runs in whatever python the host has: no torch/vllm at import time."""
+    code = ("import sys; import remote.job, remote.supervisor, remote.samples, remote.engines, "
+            "remote.engines.hf_reference, remote.engines.speculators_v03, remote.engines.vllm_worker_hook; "
+            "bad = sorted(m for m in ('torch', 'transformers', 'vllm', 'speculators', 'safetensors') "
+            "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
