@@ -237,7 +237,8 @@ def fetch(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_k
     go()
 
 
-@task(help={**COMMON_HELP, **RUN_HELP, "samples": "how many samples the rehearsal extracts"})
+@task(help={**COMMON_HELP, **{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},
+            "samples": "how many samples the rehearsal extracts"})
 def smoke(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, tp=None,
           layer_ids=None, engine=None, samples=4):
     """Rehearse the exact extraction path on a tiny random twin of the target model."""
