@@ -1,0 +1,307 @@
+"""``fab smoke``, host side: build (or reuse) the tiny random twin of the target model.
+
+The controller (``specops/smoke.py``) then runs the *exact* extraction path on the
+twin -- same engine, same installed (patched) speculators, same TP size, same
+supervisor, through ``remote/job.py`` -- and verifies the result. This module only
+prepares what that run needs::
+
+    <work_dir>/smoke/<twin hash>/model/          the twin (config, shards, index, tokenizer,
+                                                 remote code and processor configs)
+    <work_dir>/smoke/<twin hash>/samples.jsonl   a handful of the target's dataset rows
+                                                 (synthetic chat records when it has none)
+
+The twin comes from :mod:`remote.tinymodel` (``shrink_config`` + ``build_model``):
+same ``model_type``, ``architectures``, family keys and ``text_config`` wrapping,
+8 layers, hidden 256, random bf16 weights, the target's own tokenizer. The hash
+covers the target's config.json, its tokenizer files, the builder's source and this
+recipe, so an unchanged target reuses its twin (``smoke.twin`` ok) and anything that
+matters rebuilds it (``changed``).
+
+The twin is also made *numerically sensitive*, so that ``fab verify`` on the smoke
+run can see a worker that computes the wrong thing (measured on the tiny DeepSeek-V3,
+transformers fp32 vs the same forward with the defect):
+
+* **sharp attention**: random init (std 0.02) leaves attention logits at std 0.06, so
+  softmax is almost uniform and anything that scales q (``llama_4_scaling``, a wrong
+  softmax scale) changes the states by < 1 %, below bf16 noise. The q projection is
+  multiplied by ``ATTENTION_SHARPNESS`` (16: logit std 1.0, as in trained models);
+  then dropping ``llama_4_scaling`` moves the states by 16-22 % (nrmse) against
+  ~1-2 % of bf16 noise.
+* **wide routing margins** (``noaux_tc`` routers, i.e. DeepSeek-V3 / Kimi): random
+  router scores sit within bf16 rounding of each other, and a reference in another
+  precision picks other experts for ~5 % of tokens (those tokens then differ by up to
+  56 %). The twin's ``e_score_correction_bias`` gives the first ``top_k`` experts
+  +``ROUTING_MARGIN``, so every implementation selects the same experts; the gating
+  weights (scores without the bias) still vary per token.
+* **llama_4_scaling reached**: ``original_max_position_embeddings`` of the block is cut
+  to ``LLAMA4_TWIN_ORIGINAL_MAX`` (16) so that short smoke samples cross it; ``beta``
+  is kept.
+
+Parameters: ``model_path``, ``work_dir`` (required); ``dataset``, ``samples`` (4),
+``seq_len`` (capped at ``SMOKE_SEQ_LEN``), ``layers`` (8), ``rebuild`` (false),
+``trust_remote_code``, ``env``.
+
+Stdlib only at import; torch and transformers are imported by the builder.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from remote import protocol
+
+#: Bump when the recipe below changes in a way the hashed inputs do not show.
+TWIN_RECIPE = "1"
+ATTENTION_SHARPNESS = 16.0
+ROUTING_MARGIN = 10.0
+LLAMA4_TWIN_ORIGINAL_MAX = 16
+#: Smoke samples are cut to this many tokens (enough to cross the twin's llama_4 limit).
+SMOKE_SEQ_LEN = 128
+DEFAULT_SAMPLES = 4
+#: Parameter name endings of the query projection (MLA q_b_proj, or a plain q_proj).
+Q_PROJ_SUFFIXES = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")
+ROUTER_BIAS_SUFFIX = "e_score_correction_bias"
+
+
+def main(params: dict) -> dict:
+    for key, value in (params.get("env") or {}).items():
+        os.environ[str(key)] = str(value)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        return prepare(params)
+    except SmokeError as exc:
+        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
+                                                 detail=exc.detail, fix=exc.fix)])
+
+
+class SmokeError(Exception):
+    def __init__(self, name, summary, fix, detail=None):
+        super().__init__(summary)
+        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+
+
+# --------------------------------------------------------------------------- the twin
+
+def target_config(model_path: Path) -> dict:
+    path = model_path / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SmokeError("smoke.twin", f"{path} does not exist on this host",
+                         "set model_path (inventory or --model) to the checkpoint directory") from None
+    except ValueError as exc:
+        raise SmokeError("smoke.twin", f"{path} is not valid JSON ({exc})",
+                         "repair or re-download config.json") from None
+
+
+def twin_hash(model_path: Path, config: dict, num_layers: int) -> str:
+    """Content hash of everything the twin is built from."""
+    from remote import tinymodel
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    digest.update(f"\0layers={num_layers}\0recipe={TWIN_RECIPE}\0".encode())
+    digest.update(Path(tinymodel.__file__).read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    for pattern in tinymodel.TOKENIZER_FILE_PATTERNS + tinymodel.TWIN_EXTRA_PATTERNS:
+        for path in sorted(model_path.glob(pattern)):
+            if path.is_file():
+                digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def twin_config(config: dict, num_layers: int) -> tuple[dict, list[str]]:
+    """The shrunk config plus the twin-only changes (listed in the returned notes)."""
+    from remote import tinymodel
+
+    tiny = tinymodel.shrink_config(config, num_layers=num_layers)
+    text = tiny["text_config"] if isinstance(tiny.get("text_config"), dict) else tiny
+    notes = []
+    scaling = text.get("llama_4_scaling")
+    if isinstance(scaling, dict) and int(scaling.get("original_max_position_embeddings") or 0) > \
+            LLAMA4_TWIN_ORIGINAL_MAX:
+        notes.append(f"llama_4_scaling.original_max_position_embeddings "
+                     f"{scaling['original_max_position_embeddings']} -> {LLAMA4_TWIN_ORIGINAL_MAX} "
+                     f"(short smoke samples reach it)")
+        text["llama_4_scaling"] = dict(scaling, original_max_position_embeddings=LLAMA4_TWIN_ORIGINAL_MAX)
+    return tiny, notes
+
+
+def condition_weights(model_dir: Path, text_config: dict) -> list[str]:
+    """Sharpen attention and widen routing margins in the written shards (see module doc)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    top_k = int(text_config.get("num_experts_per_tok") or 0)
+    sharpened = biased = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        changed = False
+        for name, tensor in tensors.items():
+            if name.endswith(Q_PROJ_SUFFIXES):
+                tensors[name] = (tensor.float() * ATTENTION_SHARPNESS).to(tensor.dtype)
+                sharpened += 1
+                changed = True
+            elif name.endswith(ROUTER_BIAS_SUFFIX) and top_k:
+                bias = torch.zeros_like(tensor)
+                bias[:top_k] = ROUTING_MARGIN
+                tensors[name] = bias
+                biased += 1
+                changed = True
+        if changed:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    notes = [f"q projection x{ATTENTION_SHARPNESS:g} in {sharpened} layer(s) (sharp attention)"]
+    if biased:
+        notes.append(f"router bias +{ROUTING_MARGIN:g} on experts 0..{top_k - 1} in {biased} layer(s) "
+                     f"(same expert choice in every precision)")
+    return notes
+
+
+def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -> list[str]:
+    """Build the twin into ``out_dir`` (which must not exist); returns the twin-only notes."""
+    from remote import tinymodel
+
+    tiny, notes = twin_config(config, num_layers)
+    tinymodel.build_model(tiny, out_dir, num_shards=2, tokenizer_dir=model_path)
+    # Remote code and processor configs travel as files: whether they run is decided by
+    # the loaders, exactly as for the target (trust_remote_code, vLLM's own processors).
+    for pattern in tinymodel.TWIN_EXTRA_PATTERNS:
+        for path in sorted(model_path.glob(pattern)):
+            if path.is_file() and not (out_dir / path.name).exists():
+                shutil.copy2(path, out_dir / path.name)
+    text = tiny["text_config"] if isinstance(tiny.get("text_config"), dict) else tiny
+    notes += condition_weights(out_dir, text)
+    return notes
+
+
+class _Lock:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(path, "w")
+
+    def __enter__(self):
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
+
+
+def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) -> dict:
+    """The twin dir, built once per hash (atomic rename, one builder at a time)."""
+    config = target_config(model_path)
+    digest = twin_hash(model_path, config, num_layers)
+    twin_dir = root / digest / "model"
+    info_path = root / digest / "twin.json"
+    t0 = time.monotonic()
+    with _Lock(root / f"{digest}.lock"):
+        if rebuild and twin_dir.exists():
+            shutil.rmtree(twin_dir)
+        built = not (twin_dir / "config.json").exists() or not info_path.exists()
+        if built:
+            staging = root / digest / f".model-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                notes = build_twin(model_path, staging, config, num_layers)
+                shutil.rmtree(twin_dir, ignore_errors=True)
+                os.rename(staging, twin_dir)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            info = {"hash": digest, "target": str(model_path), "notes": notes,
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "build_s": round(time.monotonic() - t0, 2)}
+            info_path.write_text(json.dumps(info, indent=1) + "\n")
+        info = json.loads(info_path.read_text())
+    twin_cfg = json.loads((twin_dir / "config.json").read_text())
+    text = twin_cfg.get("text_config") or twin_cfg
+    size = sum(p.stat().st_size for p in twin_dir.glob("*.safetensors"))
+    return dict(info, built=built, seconds=round(time.monotonic() - t0, 2), twin_dir=str(twin_dir),
+                root=str(root / digest), bytes=size,
+                layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
+                model_type=twin_cfg.get("model_type"), architectures=twin_cfg.get("architectures"),
+                wrapped=isinstance(twin_cfg.get("text_config"), dict),
+                llama_4_scaling=text.get("llama_4_scaling"),
+                remote_code=sorted(p.name for p in twin_dir.glob("*.py")))
+
+
+# --------------------------------------------------------------------------- samples
+
+def write_samples(dataset, dest: Path, count: int) -> dict:
+    """The first ``count`` rows of the target's dataset, or synthetic chat records."""
+    rows, source = [], "synthetic"
+    path = Path(dataset) if dataset else None
+    if path is not None and path.is_file():
+        with open(path) as fh:
+            for line in fh:
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except ValueError:
+                        continue
+                    rows.append(line.rstrip("\n"))
+                if len(rows) >= count:
+                    break
+        source = str(path) if rows else "synthetic"
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    if rows:
+        tmp.write_text("\n".join(rows) + "\n")
+    else:
+        from remote import tinymodel
+
+        tinymodel.write_chat_dataset(tmp, num_records=count)
+    os.replace(tmp, dest)
+    why = None
+    if source == "synthetic":
+        why = f"dataset {path} not found on the host" if path is not None and not path.is_file() \
+            else "no dataset given" if path is None else f"no JSON rows in {path}"
+    return {"path": str(dest), "rows": len(rows) or count, "source": source, "why_synthetic": why}
+
+
+# --------------------------------------------------------------------------- task
+
+def prepare(params: dict) -> dict:
+    if not params.get("model_path"):
+        raise SmokeError("smoke.twin", "model_path is missing", "set model_path in the inventory or pass --model")
+    if not params.get("work_dir"):
+        raise SmokeError("smoke.twin", "work_dir is missing", "set work_dir for the host in the inventory")
+    model_path = Path(params["model_path"]).expanduser()
+    root = Path(params["work_dir"]).expanduser() / "smoke"
+    count = max(1, int(params.get("samples") or DEFAULT_SAMPLES))
+    num_layers = int(params.get("layers") or 8)
+    try:
+        twin = ensure_twin(model_path, root, num_layers, bool(params.get("rebuild")))
+    except SmokeError:
+        raise
+    except Exception as exc:
+        import traceback
+
+        raise SmokeError("smoke.twin", f"building the tiny twin of {model_path} failed: "
+                         f"{type(exc).__name__}: {exc}",
+                         "the target's config.json has keys the twin builder cannot shrink; see "
+                         "detail.traceback (remote/tinymodel.py) and report it",
+                         detail={"traceback": traceback.format_exc()}) from None
+    data = write_samples(params.get("dataset"), Path(twin["root"]) / "samples.jsonl", count)
+    seq_len = min(int(params.get("seq_len") or SMOKE_SEQ_LEN), SMOKE_SEQ_LEN)
+    how = "built" if twin["built"] else "reused"
+    summary = (f"tiny twin {how} in {twin['seconds']:.1f}s: {twin['model_type']} "
+               f"{'/'.join(twin['architectures'] or [])}, {twin['layers']} layers, hidden "
+               f"{twin['hidden_size']}, {twin['bytes'] / 1e6:.1f} MB"
+               + (", text_config-wrapped" if twin["wrapped"] else ""))
+    records = [
+        protocol.record("smoke.twin", protocol.CHANGED if twin["built"] else protocol.OK, summary,
+                        detail=twin),
+        protocol.record("smoke.samples", protocol.OK if data["source"] != "synthetic" else protocol.WARN,
+                        f"{data['rows']} sample(s) from {data['source']}"
+                        + (f" ({data['why_synthetic']})" if data["why_synthetic"] else ""),
+                        detail=data),
+    ]
+    return protocol.payload(records, twin_dir=twin["twin_dir"], twin_hash=twin["hash"],
+                            dataset=data["path"], samples=count, seq_len=seq_len, twin=twin)

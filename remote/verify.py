@@ -1,0 +1,479 @@
+"""``fab verify``, host side: recompute samples of a finished run with an independent
+reference and compare every captured layer.
+
+The reference (``reference: hf``) is a plain transformers forward of the run's own
+model on the same ``input_ids``, one sample at a time, no padding, no KV cache, in
+float32 by default on CPU. The residual stream is taken with forward hooks on every
+decoder layer (``stream[0]`` = embeddings, ``stream[k]`` = output of layer ``k-1``):
+HF applies the final norm to ``hidden_states[N]``, while the engines capture the last
+layer *before* that norm, and a hook sees exactly what each layer returned. A
+recorded layer id maps to a stream index through its recorded convention
+(``remote.layers.hf_hidden_state_index``: ``output:i`` -> ``stream[i+1]``,
+``input:i`` -> ``stream[i]``).
+
+**llama_4_scaling.** vLLM 0.16 multiplies q (after RoPE) by
+``1 + beta * log(1 + floor(pos / original_max_position_embeddings))`` in DeepseekV2
+(``_get_llama_4_scaling``), Mistral, GLM-4-MoE-lite and LongCat attention. transformers
+4.57's DeepseekV3 does NOT implement it, so its plain forward is not a reference past
+that position. When the model's config has the block and the HF modeling module does
+not mention it, the reference runs through :func:`llama4_attention`, an attention
+function registered with transformers' ``AttentionInterface`` that applies exactly
+that formula to the query (float32 positions, the formula of ``_get_llama_4_scaling``)
+and then calls SDPA. The report says which reference computed the scaling.
+
+**Numbers per layer** (worst over the samples): ``max_abs_diff``; ``rel_max`` =
+max |captured - ref| / max |ref|; ``nrmse`` = ||captured - ref|| / ||ref||; per-token
+cosine (min and mean); and the share of tokens that agree. A token agrees when its
+``max |diff| / max |ref| <= REL_TOL`` and its cosine >= ``COS_TOL``. Thresholds are
+for bf16 captures against a float32 reference: measured bf16 noise (vLLM 0.16 CPU vs
+transformers fp32, tiny Llama and DeepSeek-V3 twins) is rel_max 1.5-2.5 %, nrmse
+~2 %, token cosine >= 0.999; a dropped ``llama_4_scaling`` on the smoke twin moves the
+states by 16-22 % nrmse, an off-by-one layer by far more. A layer is ``ok`` when every
+token agrees, ``warn`` when at least ``WARN_SHARE`` of them do (isolated tokens: on an
+MoE with random weights, a near-tied router score can pick another expert in another
+precision), ``fail`` otherwise.
+
+**Convention check.** Each captured layer is also compared with every stream index;
+the best match (lowest nrmse) is reported, and a recorded index that is not the best
+fails with the name of the match: "captured layer 4 (output convention) matches the
+output of layer 3". When layers fail on a model with ``llama_4_scaling``, a second
+reference forward *without* the scaling tells whether the capture matches that one:
+then the worker dropped ``llama_4_scaling``.
+
+Parameters: ``run_id`` + ``work_dir`` (or ``run_dir``); ``samples`` (3; the longest
+samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf),
+``model_path`` (default: the model the run recorded), ``trust_remote_code``,
+``env``. Stdlib only at import.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from remote import layers, protocol, samples
+
+REL_TOL = 0.05
+COS_TOL = 0.995
+WARN_SHARE = 0.9
+#: A recorded index is "wrong" only when another index matches clearly better.
+CONVENTION_MARGIN = 0.5
+DEFAULT_SAMPLES = 3
+LLAMA4_ATTENTION = "specops_llama4_sdpa"
+REFERENCES = ("hf",)
+
+
+class VerifyError(Exception):
+    def __init__(self, name, summary, fix, detail=None):
+        super().__init__(summary)
+        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+
+
+def main(params: dict) -> dict:
+    for key, value in (params.get("env") or {}).items():
+        os.environ[str(key)] = str(value)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        return verify(params)
+    except VerifyError as exc:
+        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
+                                                 detail=exc.detail, fix=exc.fix)])
+
+
+# --------------------------------------------------------------------------- the run
+
+def locate_run(params: dict) -> dict:
+    """The run's dir, status, manifest and output dir; refuses runs that are not done."""
+    if params.get("run_dir"):
+        run_dir = Path(params["run_dir"]).expanduser()
+    else:
+        if not params.get("work_dir") or not params.get("run_id"):
+            raise VerifyError("verify.run", "run_id and work_dir are required",
+                              "pass --run-id; work_dir comes from the inventory")
+        run_dir = Path(params["work_dir"]).expanduser() / "runs" / str(params["run_id"])
+    status = _read_json(run_dir / "status.json")
+    if status is None:
+        raise VerifyError("verify.run", f"no run at {run_dir}",
+                          "check the run id (specops status --run-id ...)")
+    if status.get("state") != "done":
+        raise VerifyError("verify.run", f"run {run_dir.name} is {status.get('state')!r}, not done",
+                          "verify needs a finished run: wait for it (specops status) or fix and resume it")
+    manifest = _read_json(run_dir / samples.MANIFEST)
+    if manifest is None:
+        raise VerifyError("verify.run", f"run {run_dir.name} has no manifest.json",
+                          "the run did not finish writing; start the same run id again to finalize it")
+    output_dir = Path(status.get("output_dir") or (manifest.get("params") or {}).get("output_dir")
+                      or run_dir / "samples")
+    return {"run_dir": run_dir, "status": status, "manifest": manifest, "output_dir": output_dir}
+
+
+def choose_samples(manifest: dict, count: int) -> list[dict]:
+    """The ``count`` longest samples (most positions past any scaling limit), in index order."""
+    files = list(manifest.get("files") or [])
+    chosen = sorted(files, key=lambda f: (-int(f.get("tokens") or 0), f["path"]))[:max(1, count)]
+    return sorted(chosen, key=lambda f: int(samples.SAMPLE_RE.match(f["path"]).group(1)))
+
+
+# --------------------------------------------------------------------------- reference
+
+def text_config_of(config: dict) -> dict:
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+_LLAMA4 = {"beta": None, "original": None}
+
+
+def llama4_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with vLLM's llama_4_scaling applied to the query.
+
+    ``query`` is ``[batch, heads, tokens, head_dim]`` after RoPE; the reference runs one
+    unpadded sample without cache, so position ``t`` is token ``t``.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _LLAMA4["beta"] is not None:
+        positions = torch.arange(query.shape[-2], device=query.device)
+        scale = 1 + _LLAMA4["beta"] * torch.log(1 + torch.floor(positions / _LLAMA4["original"]))
+        query = (query * scale[:, None]).to(query.dtype)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def hf_implements_llama4(model) -> bool:
+    """Whether the transformers modeling module of ``model`` handles llama_4_scaling itself."""
+    import inspect
+
+    seen = set()
+    for module in model.modules():
+        mod = sys.modules.get(type(module).__module__)
+        if mod is None or mod.__name__ in seen or not mod.__name__.startswith(("transformers", "transformers_modules")):
+            continue
+        seen.add(mod.__name__)
+        try:
+            if "llama_4_scaling" in inspect.getsource(mod):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def load_reference(model_path: str, dtype: str, trust_remote_code: bool):
+    """The HF causal LM of the run's model (a ``text_config`` wrapper loads its text model).
+
+    :returns: ``(model, text_config dict, how)``.
+    """
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = text_config_of(config)
+    torch_dtype = getattr(torch, dtype)
+    scaling = text.get("llama_4_scaling")
+    kwargs = {"dtype": torch_dtype}
+    if isinstance(scaling, dict):
+        AttentionInterface.register(LLAMA4_ATTENTION, llama4_attention)
+        kwargs["attn_implementation"] = LLAMA4_ATTENTION
+    if text is config:
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code, **kwargs)
+        how = "AutoModelForCausalLM"
+    else:
+        # The wrapper (e.g. kimi_k25) is remote code we may not have; its text model is a
+        # plain transformers model whose weights sit under ``language_model.``.
+        from remote.tinymodel import _hf_config_class
+
+        config_cls = _hf_config_class(text)
+        hf_config = config_cls(**{k: v for k, v in text.items() if k != "model_type"})
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=hf_config,
+                                                     key_mapping={r"^language_model\.": ""}, **kwargs)
+        how = f"{type(model).__name__} from text_config (weights under language_model.)"
+    model.eval()
+    return model, text, how
+
+
+def decoder_layers(model):
+    from remote.engines.hf_reference import decoder_layers as find
+
+    return find(model)
+
+
+class StreamRecorder:
+    """Forward hooks that keep the residual stream: embeddings + every layer's output."""
+
+    def __init__(self, model):
+        self.layers = decoder_layers(model)
+        self.outputs = {}
+        self.hooks = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
+        self.embed = model.get_input_embeddings()
+
+    def _hook(self, index):
+        def keep(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            self.outputs[index] = hidden.detach()
+        return keep
+
+    def streams(self, model, input_ids):
+        """``[N + 1, tokens, hidden]`` float32: index k is HF ``hidden_states[k]`` before any final norm."""
+        import torch
+
+        self.outputs.clear()
+        x = torch.tensor([list(input_ids)], dtype=torch.long)
+        with torch.inference_mode():
+            embeddings = self.embed(x)
+            model(input_ids=x, use_cache=False)
+        parts = [embeddings[0].float()] + [self.outputs[i][0].float() for i in range(len(self.layers))]
+        return torch.stack(parts)
+
+    def close(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+# --------------------------------------------------------------------------- comparison
+
+def compare(captured, reference) -> dict:
+    """Numbers for one layer of one sample (both ``[tokens, hidden]``)."""
+    import torch
+
+    h, r = captured.float(), reference.float()
+    diff = (h - r).abs()
+    scale = float(r.abs().max()) or 1.0
+    token_rel = diff.max(dim=-1).values / scale
+    token_cos = torch.nn.functional.cosine_similarity(h, r, dim=-1)
+    agree = (token_rel <= REL_TOL) & (token_cos >= COS_TOL)
+    bad = (~agree).nonzero().flatten().tolist()
+    return {
+        "tokens": int(h.shape[0]),
+        "max_abs_diff": float(diff.max()),
+        "ref_abs_max": scale,
+        "rel_max": float(diff.max()) / scale,
+        "nrmse": float((h - r).norm() / (r.norm() + 1e-12)),
+        "cos_min": float(token_cos.min()),
+        "cos_mean": float(token_cos.mean()),
+        "agree": int(agree.sum()),
+        "first_bad_tokens": bad[:8],
+        "first_bad_position": bad[0] if bad else None,
+    }
+
+
+def nrmse_by_index(captured, streams) -> list[float]:
+    h = captured.float()
+    return [float((h - s).norm() / (s.norm() + 1e-12)) for s in streams]
+
+
+def merge(per_sample: list[dict]) -> dict:
+    """Worst-case numbers of one layer over samples."""
+    tokens = sum(m["tokens"] for m in per_sample)
+    agree = sum(m["agree"] for m in per_sample)
+    return {
+        "samples": len(per_sample), "tokens": tokens, "agree": agree,
+        "agree_share": agree / tokens if tokens else 0.0,
+        "max_abs_diff": max(m["max_abs_diff"] for m in per_sample),
+        "rel_max": max(m["rel_max"] for m in per_sample),
+        "nrmse": max(m["nrmse"] for m in per_sample),
+        "cos_min": min(m["cos_min"] for m in per_sample),
+        "cos_mean": sum(m["cos_mean"] * m["tokens"] for m in per_sample) / tokens if tokens else 0.0,
+        "first_bad_position": min((m["first_bad_position"] for m in per_sample
+                                   if m["first_bad_position"] is not None), default=None),
+    }
+
+
+def layer_status(numbers: dict) -> str:
+    if numbers["agree"] == numbers["tokens"]:
+        return protocol.OK
+    return protocol.WARN if numbers["agree_share"] >= WARN_SHARE else protocol.FAIL
+
+
+def describe_index(index: int) -> str:
+    """What HF ``hidden_states[index]`` is, in both conventions."""
+    if index == 0:
+        return "the embeddings (input of layer 0)"
+    return f"the output of layer {index - 1} (input of layer {index})"
+
+
+# --------------------------------------------------------------------------- task
+
+def verify(params: dict) -> dict:
+    import torch
+
+    reference = params.get("reference") or "hf"
+    if reference not in REFERENCES:
+        raise VerifyError("verify.reference", f"unknown reference {reference!r}",
+                          f"use one of: {', '.join(REFERENCES)}")
+    run = locate_run(params)
+    manifest = run["manifest"]
+    layer_ids = [int(x) for x in manifest["layer_ids"]]
+    convention = manifest.get("layer_convention")
+    if convention not in layers.CONVENTIONS:
+        raise VerifyError("verify.convention", f"the manifest records no known layer convention ({convention!r})",
+                          "re-run the extraction with a specops version that records layer_convention")
+    chosen = choose_samples(manifest, int(params.get("samples") or DEFAULT_SAMPLES))
+    records = []
+
+    # 1. the files are the ones the manifest describes
+    mismatched = [f["path"] for f in chosen
+                  if samples.sha256_file(run["output_dir"] / f["path"]) != f["sha256"]]
+    if mismatched:
+        raise VerifyError("verify.files", f"{len(mismatched)} sample file(s) differ from the manifest sha256",
+                          "the files changed after the run; re-run the extraction",
+                          detail={"files": mismatched, "output_dir": str(run["output_dir"])})
+    records.append(protocol.record(
+        "verify.run", protocol.OK,
+        f"run {run['run_dir'].name}: {len(chosen)} of {len(manifest['files'])} sample(s) "
+        f"({sum(int(f['tokens']) for f in chosen)} tokens), sha256 match; layers {layer_ids} ({convention})",
+        detail={"run_dir": str(run["run_dir"]), "output_dir": str(run["output_dir"]),
+                "samples": [f["path"] for f in chosen], "engine": manifest.get("engine")}))
+
+    # 2. the reference
+    model_path = params.get("model_path") or manifest["model"]["path"]
+    dtype = params.get("dtype") or "float32"
+    trust = bool(params.get("trust_remote_code", (manifest.get("params") or {}).get("trust_remote_code", False)))
+    model, text, how = load_reference(model_path, dtype, trust)
+    scaling = text.get("llama_4_scaling") if isinstance(text.get("llama_4_scaling"), dict) else None
+    if scaling is not None and not hf_implements_llama4(model):
+        _LLAMA4.update(beta=float(scaling["beta"]), original=float(scaling["original_max_position_embeddings"]))
+        scaling_by = "specops attention hook (vLLM _get_llama_4_scaling formula; transformers lacks it)"
+    else:
+        _LLAMA4.update(beta=None, original=None)
+        scaling_by = "transformers itself" if scaling is not None else None
+    recorder = StreamRecorder(model)
+    num_layers = len(recorder.layers)
+    import transformers
+
+    records.append(protocol.record(
+        "verify.reference", protocol.OK,
+        f"transformers {transformers.__version__} {dtype} forward of {Path(model_path).name} on CPU ({how})"
+        + (f"; llama_4_scaling by {scaling_by}" if scaling else ""),
+        detail={"model_path": str(model_path), "dtype": dtype, "loader": how, "num_layers": num_layers,
+                "llama_4_scaling": scaling, "llama_4_scaling_by": scaling_by,
+                "thresholds": {"rel_tol": REL_TOL, "cos_tol": COS_TOL, "warn_share": WARN_SHARE}}))
+
+    # 3. compare every captured layer, and every layer against every stream index
+    expected = {lid: layers.hf_hidden_state_index(lid, convention) for lid in layer_ids}
+    out_of_range = [lid for lid, k in expected.items() if not 0 <= k <= num_layers]
+    if out_of_range:
+        raise VerifyError("verify.convention", f"recorded layer ids {out_of_range} ({convention}) do not exist in "
+                          f"a {num_layers}-layer model", "the manifest does not belong to this model")
+    per_layer = {lid: [] for lid in layer_ids}
+    by_index = {lid: [0.0] * (num_layers + 1) for lid in layer_ids}
+    per_sample, cached_inputs = [], []
+    for entry in chosen:
+        data = torch.load(run["output_dir"] / entry["path"], map_location="cpu", weights_only=True)
+        ids = data["input_ids"].tolist()
+        cached_inputs.append((entry, data))
+        streams = recorder.streams(model, ids)
+        row = {"sample": entry["path"], "tokens": len(ids), "layers": {}}
+        for lid, captured in zip(layer_ids, data["hidden_states"]):
+            numbers = compare(captured, streams[expected[lid]])
+            per_layer[lid].append(numbers)
+            row["layers"][str(lid)] = numbers
+            for k, value in enumerate(nrmse_by_index(captured, streams)):
+                by_index[lid][k] += value / len(chosen)
+        per_sample.append(row)
+
+    for lid in layer_ids:
+        numbers = merge(per_layer[lid])
+        status = layer_status(numbers)
+        text_numbers = (f"max abs diff {numbers['max_abs_diff']:.4g} (rel {numbers['rel_max']:.2%}), "
+                        f"nrmse {numbers['nrmse']:.2%}, cosine min {numbers['cos_min']:.5f} mean "
+                        f"{numbers['cos_mean']:.5f}, {numbers['agree']}/{numbers['tokens']} tokens agree")
+        where = f"layer {lid} ({convention} = HF hidden_states[{expected[lid]}])"
+        fix = None
+        if status == protocol.FAIL:
+            fix = ("the captured states are not what the model computes: see verify.convention and "
+                   "verify.llama_4_scaling, then the worker patch (specops patch --check) and the engine")
+        records.append(protocol.record(
+            f"verify.layer.{lid}", status,
+            f"{where}: {'agrees' if status == protocol.OK else 'DIFFERS' if status == protocol.FAIL else 'mostly agrees'}"
+            f" with the reference: {text_numbers}",
+            detail=dict(numbers, expected_index=expected[lid], rel_tol=REL_TOL, cos_tol=COS_TOL), fix=fix))
+
+    # 4. the convention: does each captured layer best match its recorded index?
+    findings = []
+    for lid in layer_ids:
+        scores = by_index[lid]
+        best = min(range(len(scores)), key=scores.__getitem__)
+        exp = expected[lid]
+        if best != exp and scores[best] < CONVENTION_MARGIN * scores[exp]:
+            findings.append(
+                f"captured layer {lid} ({convention} convention, should be HF hidden_states[{exp}] = "
+                f"{describe_index(exp)}) matches {describe_index(best)}: nrmse {scores[best]:.2%} there vs "
+                f"{scores[exp]:.2%} at the recorded index (off by {best - exp:+d})")
+    best_of = {str(lid): min(range(len(by_index[lid])), key=by_index[lid].__getitem__) for lid in layer_ids}
+    if findings:
+        records.append(protocol.record(
+            "verify.convention", protocol.FAIL, findings[0] + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""),
+            detail={"findings": findings, "best_index": best_of, "expected_index": {str(k): v for k, v in expected.items()},
+                    "nrmse_by_index": {str(k): v for k, v in by_index.items()}},
+            fix="the worker captures other layers than the manifest says: check the engine's layer ids and "
+                "convention (remote/layers.py) against the worker's capture loop"))
+    else:
+        records.append(protocol.record(
+            "verify.convention", protocol.OK,
+            f"every captured layer best matches its recorded index ({convention} convention: "
+            + ", ".join(f"{lid}->hs[{expected[lid]}]" for lid in layer_ids) + ")",
+            detail={"best_index": best_of, "expected_index": {str(k): v for k, v in expected.items()},
+                    "nrmse_by_index": {str(k): v for k, v in by_index.items()}}))
+
+    # 5. llama_4_scaling: exercised? and when layers fail, does the capture match a forward without it?
+    if scaling is not None:
+        records.append(llama4_record(scaling, scaling_by, records, cached_inputs, recorder, model, layer_ids,
+                                     expected))
+    recorder.close()
+    return protocol.payload(records, per_sample=per_sample, layer_ids=layer_ids, convention=convention,
+                            run_dir=str(run["run_dir"]))
+
+
+def llama4_record(scaling, scaling_by, records, cached_inputs, recorder, model, layer_ids, expected):
+    original = int(scaling["original_max_position_embeddings"])
+    longest = max(len(d["input_ids"]) for _, d in cached_inputs)
+    past = sum(max(0, len(d["input_ids"]) - original) for _, d in cached_inputs)
+    detail = {"original_max_position_embeddings": original, "beta": scaling["beta"],
+              "tokens_past": past, "longest_sample": longest, "applied_by": scaling_by}
+    if past == 0:
+        return protocol.record("verify.llama_4_scaling", protocol.WARN,
+                               f"no verified sample reaches position {original}: llama_4_scaling was not "
+                               f"exercised (longest sample {longest} tokens)", detail=detail)
+    layer_recs = [r for r in records if r["name"].startswith("verify.layer.")]
+    if all(r["status"] == protocol.OK for r in layer_recs):
+        return protocol.record("verify.llama_4_scaling", protocol.OK,
+                               f"{past} token(s) past position {original} agree with the scaled reference "
+                               f"(beta {scaling['beta']})", detail=detail)
+    if _LLAMA4["beta"] is None:
+        return protocol.record("verify.llama_4_scaling", protocol.SKIPPED,
+                               "transformers applies llama_4_scaling itself; no unscaled reference to compare",
+                               detail=detail)
+    # A second reference without the scaling: which one does the capture match?
+    saved = dict(_LLAMA4)
+    _LLAMA4.update(beta=None, original=None)
+    try:
+        with_s, without_s = [], []
+        for entry, data in cached_inputs:
+            streams = recorder.streams(model, data["input_ids"].tolist())
+            for lid, captured in zip(layer_ids, data["hidden_states"]):
+                without_s.append(compare(captured, streams[expected[lid]])["nrmse"])
+        for r in layer_recs:
+            with_s.append(r["detail"]["nrmse"])
+    finally:
+        _LLAMA4.update(saved)
+    worst_with, worst_without = max(with_s), max(without_s)
+    detail.update(nrmse_with_scaling=worst_with, nrmse_without_scaling=worst_without)
+    if worst_without <= 0.5 * worst_with and worst_without <= 2 * REL_TOL:
+        return protocol.record(
+            "verify.llama_4_scaling", protocol.FAIL,
+            f"the capture matches a forward WITHOUT llama_4_scaling (nrmse {worst_without:.2%}) and not the "
+            f"scaled one ({worst_with:.2%}): the worker drops llama_4_scaling past position {original}",
+            detail=detail,
+            fix="the worker must pass llama_4_scaling to every decoder layer, computed as the model's own "
+                "forward does (patch set fix deepseek-llama4-scaling: specops patch, then specops preflight)")
+    return protocol.record("verify.llama_4_scaling", protocol.WARN,
+                           f"layers differ, but not because of llama_4_scaling (nrmse {worst_with:.2%} with it, "
+                           f"{worst_without:.2%} without)", detail=detail)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None

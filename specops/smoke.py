@@ -1,0 +1,117 @@
+"""``specops smoke``: rehearse the exact extraction path on a tiny twin of the target model.
+
+Static checks catch signatures; they cannot catch a calling convention that runs but
+computes the wrong thing. Smoke closes that gap in about a minute, before paying for
+the real load:
+
+1. ``remote/smoke.py`` builds (or reuses, by content hash) a tiny random twin of the
+   target from its own config.json -- same model_type, architectures, family keys and
+   ``text_config`` wrapping, the target's own tokenizer -- under
+   ``<work_dir>/smoke/<hash>/``, plus a handful of the target's dataset rows;
+2. the run goes through ``remote/job.py`` exactly like ``specops extract``: same
+   engine, same installed (patched) speculators, same TP size, same env, same
+   supervisor; only ``model_path``/``dataset``/``max_samples``/``seq_len`` point at the
+   twin, and the samples land in the run dir, never in the real output dir;
+3. a failed run is reported with the supervisor's root cause (rank, exception type and
+   message; the traceback in the record's detail);
+4. a finished run is verified (``remote/verify.py``) against a transformers forward.
+
+``smoke_step`` is what ``specops extract`` calls before starting the real run.
+"""
+from __future__ import annotations
+
+import time
+
+from specops import jobs
+from specops.fleet import report_from_payload, run_on_hosts
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.params import run_params
+from specops.result import HostReport, Record
+from specops.verify import verify_step
+
+#: Keys of the run parameters the twin replaces.
+TWIN_KEYS = ("model_path", "dataset", "max_samples", "seq_len", "output_dir")
+DEFAULT_TIMEOUT_S = 900.0
+
+
+def smoke_run_id(twin_hash: str) -> str:
+    return f"smoke-{twin_hash[:12]}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, verify: bool = True,
+               verify_samples: int = 2, force: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+               poll: float = 1.0, run_id: str | None = None) -> HostReport:
+    """Build the twin, run the extraction path on it, wait, verify; one report.
+
+    :param overrides: the same flags ``specops extract`` takes (model, tp, engine, ...).
+    :param samples: rows of the target's dataset to extract.
+    :param verify: also recompute ``verify_samples`` of them with the transformers reference.
+    :param force: start even if the host runs another extraction (as ``extract --force``).
+    :param timeout: seconds to wait for the smoke run before aborting it.
+    :returns: records ``smoke.twin``, ``smoke.samples``, ``smoke.run`` (+ ``verify.*``);
+        ``report.failed`` means the real run would fail or compute wrong states.
+    """
+    report = HostReport(host=host.name, task="smoke")
+    params = run_params(host.spec, **(overrides or {}))
+    prepared = host.run_task("smoke", {**params, "samples": int(samples)})
+    report.records.extend(report_from_payload(host.name, "smoke", prepared).records)
+    data = prepared.get("data") or {}
+    if report.failed or not data.get("twin_dir"):
+        return report
+    run_id = run_id or smoke_run_id(data["twin_hash"])
+    job = {**params, "model_path": data["twin_dir"], "dataset": data["dataset"],
+           "max_samples": int(data["samples"]), "seq_len": int(data["seq_len"]), "output_dir": None,
+           "force": force}
+    report.data.update(run_id=run_id, twin=data.get("twin"))
+    t0 = time.monotonic()
+    started = jobs.job_call(host, "start", run_id, **job)
+    start_records = report_from_payload(host.name, "smoke", started).records
+    if any(r.status == "fail" for r in start_records):
+        report.records.extend(start_records)
+        return report
+    status = jobs.wait_final(host, run_id, timeout=timeout, poll=poll)
+    seconds = time.monotonic() - t0
+    report.data.update(seconds=round(seconds, 1), status=status)
+    report.records.append(run_record(run_id, status, seconds, params, timeout))
+    if status.get("state") not in jobs.FINAL:
+        jobs.job_call(host, "abort", run_id)
+    if status.get("state") == "done" and verify:
+        checked = verify_step(host, run_id, samples=verify_samples)
+        report.records.extend(checked.records)
+        report.data["verify"] = checked.data
+    return report
+
+
+def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout: float) -> Record:
+    state = status.get("state") or "missing"
+    engine, tp = params.get("engine"), params.get("tp")
+    if state == "done":
+        phases = status.get("phase_seconds") or {}
+        return Record(name="smoke.run", status="ok",
+                      summary=f"the extraction path ran on the twin in {seconds:.0f}s ({engine}, tp={tp}; "
+                              f"load {phases.get('load', 0):.0f}s, {status.get('samples_done')} samples, "
+                              f"{status.get('tokens_per_s') or 0:.0f} tok/s)",
+                      detail={"run_id": run_id, "seconds": round(seconds, 1), "phase_seconds": phases})
+    if state not in jobs.FINAL:
+        return Record(name="smoke.run", status="fail",
+                      summary=f"the smoke run {run_id} did not finish in {timeout:.0f}s (state {state}); aborted",
+                      detail={"run_id": run_id, "status": status},
+                      fix=f"read the logs (specops logs --run-id {run_id}); a twin loads in seconds, so a hang "
+                          f"here would hang the real run too")
+    err = status.get("error") or {}
+    return Record(name="smoke.run", status="fail",
+                  summary=f"the extraction path fails on the twin ({engine}, tp={tp}): rank {err.get('rank')}: "
+                          f"{err.get('type')}: {err.get('message')}",
+                  detail={"run_id": run_id, "error": err, "traceback": err.get("traceback"),
+                          "seconds": round(seconds, 1)},
+                  fix=f"the real run would fail the same way: fix the cause (specops logs --run-id {run_id}; "
+                      f"specops preflight; specops patch), then smoke again")
+
+
+def smoke(inventory: Inventory, selector: str | None, overrides: dict | None = None, samples: int = 4,
+          accept_new_host_key: bool = False, **options) -> list[HostReport]:
+    """Smoke on every selected host in parallel; one report per host."""
+    return run_on_hosts(inventory, selector, "smoke",
+                        lambda h: smoke_step(h, overrides or {}, samples, **options),
+                        accept_new_host_key=accept_new_host_key)

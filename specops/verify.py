@@ -1,0 +1,45 @@
+"""``specops verify``: recompute a few samples of a finished run with an independent
+reference and compare every captured layer.
+
+The work happens on the host (``remote/verify.py``): a transformers forward of the
+run's own model on the same token ids (float32, CPU; ``llama_4_scaling`` applied the
+way vLLM does when transformers lacks it), per layer max abs difference, relative
+error, nrmse and cosine, a best-match search that names an off-by-one layer, and a
+second, unscaled reference that names a worker dropping ``llama_4_scaling``.
+
+    >>> [r.status for r in verify_step(host, "smoke-cf2392d6-20261129-150102").records]
+    ['ok', 'ok', 'ok', 'ok', 'ok', 'ok', 'ok', 'ok']
+"""
+from __future__ import annotations
+
+from specops.fleet import report_from_payload, run_on_hosts
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.result import HostReport
+
+REFERENCES = ("hf",)
+
+
+def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> dict:
+    return {"run_id": run_id, "work_dir": host.spec.work_dir, "samples": int(samples),
+            "reference": reference, "env": dict(host.spec.env),
+            "trust_remote_code": host.spec.trust_remote_code}
+
+
+def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> HostReport:
+    """Verify one run on one host; one record per layer plus run, reference, convention and
+    (when the model has it) llama_4_scaling."""
+    payload = host.run_task("verify", verify_params(host, run_id, samples, reference))
+    return report_from_payload(host.name, "verify", payload)
+
+
+def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
+           accept_new_host_key: bool = False) -> list[HostReport]:
+    from specops.errors import UsageError
+
+    if reference not in REFERENCES:
+        raise UsageError(f"--reference {reference!r} is not known", f"use one of: {', '.join(REFERENCES)}")
+    if int(samples) < 1:
+        raise UsageError(f"--samples {samples!r} must be a positive integer", "example: --samples 3")
+    return run_on_hosts(inventory, selector, "verify", lambda h: verify_step(h, run_id, samples, reference),
+                        accept_new_host_key=accept_new_host_key)
