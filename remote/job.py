@@ -229,11 +229,16 @@ def _spawn(run_dir: Path, params: dict) -> int:
         env.pop("SPECOPS_INJECT_FAILURE", None)
     python = params.get("python") or sys.executable
     with open(run_dir / "logs" / "supervisor.log", "ab") as log:
-        proc = subprocess.Popen(
-            [python, "-m", "remote.supervisor", str(run_dir)],
-            cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [python, "-m", "remote.supervisor", str(run_dir)],
+                cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise JobError("job.start", f"cannot start the supervisor with {python}: {exc}",
+                           "set the host's python in the inventory to the env that has torch "
+                           "(and vLLM/speculators for the speculators engine)") from exc
     (run_dir / "pid").write_text(f"{proc.pid}\n")
     return proc.pid
 
@@ -253,15 +258,24 @@ def current_status(run_dir: Path) -> dict | None:
     age = time.time() - float(st.get("heartbeat_unix") or 0)
     if pid is None and st.get("state") == "pending" and age < STARTING_GRACE_S:
         return st  # between status write and pid write of a start
-    tail = _tail_text(run_dir / "logs" / "supervisor.log", 4000)
-    st.update(state="failed", phase="failed", error={
-        "rank": None, "type": "SupervisorDied", "where": "supervisor",
-        "message": (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
-                    f"{st.get('state')!r} at {st.get('samples_done')}/{st.get('samples_total')} samples "
-                    f"(killed by SIGKILL, the OOM killer, or a reboot); starting the same run id "
-                    f"again resumes after the last complete sample"),
-        "traceback": "", "log_tail": tail,
-    })
+    tail = _tail_text(run_dir / "logs" / "supervisor.log", 8000)
+    where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
+    from remote.supervisor import last_traceback  # stdlib only at import
+
+    crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
+    if crashed:  # it died of an exception it could not record (e.g. at import)
+        error = {"rank": None, "where": "supervisor", "type": crashed["type"],
+                 "message": (f"supervisor exited without recording a result: {crashed['message']} "
+                             f"(state was {st.get('state')!r} at {where})"),
+                 "traceback": crashed["traceback"], "log_tail": tail}
+    else:
+        error = {"rank": None, "type": "SupervisorDied", "where": "supervisor", "traceback": "",
+                 "log_tail": tail,
+                 "message": (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
+                             f"{st.get('state')!r} at {where} (killed by SIGKILL, the OOM killer, or "
+                             f"a reboot); starting the same run id again resumes after the last "
+                             f"complete sample")}
+    st.update(state="failed", phase="failed", error=error)
     samples.write_json_atomic(run_dir / "status.json", {k: v for k, v in st.items() if k != "alive"})
     return st
 

@@ -461,3 +461,30 @@ def test_remote_modules_import_with_the_standard_library_only():
             "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_status_of_a_supervisor_that_died_unrecorded(tmp_path):
+    """A dead pid with a live state is a failure; the log's traceback names why (stdlib only)."""
+    from remote import job as job_module
+
+    run_dir = tmp_path / "work" / "runs" / "gone"
+    (run_dir / "logs").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "pid").write_text(f"{dead.pid}\n")
+    (run_dir / "status.json").write_text(json.dumps({"run_id": "gone", "state": "loading", "heartbeat_unix": 0,
+                                                     "samples_done": 0, "samples_total": 6}))
+    (run_dir / "logs" / "supervisor.log").write_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\n")
+    res = job_module.main({"action": "status", "run_id": "gone", "work_dir": str(tmp_path / "work")})
+    st = res["data"]["status"]
+    assert res["records"][0]["status"] == "fail" and st["state"] == "failed"
+    assert st["error"]["type"] == "JSONDecodeError" and "without recording a result" in st["error"]["message"]
+    # the verdict is written back: every later reader agrees
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+
+    (run_dir / "logs" / "supervisor.log").write_text("loading weights\n")
+    (run_dir / "status.json").write_text(json.dumps({"run_id": "gone", "state": "extracting", "heartbeat_unix": 0}))
+    st = job_module.main({"action": "status", "run_id": "gone", "work_dir": str(tmp_path / "work")})["data"]["status"]
+    assert st["error"]["type"] == "SupervisorDied" and "SIGKILL" in st["error"]["message"]
