@@ -63,6 +63,13 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
     job = {**params, "model_path": data["twin_dir"], "dataset": data["dataset"],
            "max_samples": int(data["samples"]), "seq_len": int(data["seq_len"]), "output_dir": None,
            "force": force}
+    twin_layers = int((data.get("twin") or {}).get("layers") or 0)
+    if job.get("layer_ids") and max(job["layer_ids"]) >= twin_layers:
+        # ids chosen for the real depth do not exist in the 8-layer twin: the engine's
+        # defaults exercise the same capture code.
+        report.data["layer_ids_note"] = (f"layer ids {job['layer_ids']} exceed the twin's {twin_layers} "
+                                         f"layers; the twin uses the engine's default ids")
+        job["layer_ids"] = None
     report.data.update(run_id=run_id, twin=data.get("twin"))
     t0 = time.monotonic()
     started = jobs.job_call(host, "start", run_id, **job)

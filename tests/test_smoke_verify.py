@@ -1,0 +1,360 @@
+"""``smoke`` and ``verify`` for real: tiny twins through the real vLLM CPU build and the
+real (patched) speculators 0.3.0, over real SSH, checked against transformers.
+
+Every env the extraction runs in is a throwaway overlay (``make_overlay_env``): the
+shared cached host env is never patched. Kinds of overlay used here:
+
+* ``patched``   the real patch set applied (``remote.patcher``) -- the healthy host;
+* ``unpatched`` speculators 0.3.0 as released -- smoke must fail with the root cause;
+* ``no-llama4`` patched, then the PLANTED DEFECT: the worker's ``llama_4_scaling`` is
+  replaced by ``None`` in the overlay's own copy of custom_worker.py -- verify must fail.
+
+vLLM CPU rope: vLLM 0.16's CPU rotary op (``RotaryEmbedding.forward_cpu``) rotates a
+3-D ``[tokens, heads, dim]`` query wrongly (5-6 abs error vs forward_native on unit
+inputs; 2-D inputs are fine). Llama passes 2-D q/k; DeepSeek's non-MLA attention (the
+only one vLLM runs on CPU) passes a 3-D ``q_pe``, so every DeepSeek state past position
+0 is wrong on a CPU host -- fp32 transformers vs vLLM: 35-43 % nrmse from layer 0 on
+the sharp twin (found by verify itself). GPU hosts use the CUDA op and MLA. The
+overlays here therefore carry ``ROPE_FIX`` (forward_native for 3-D inputs), so that
+what is tested is speculators and the worker, not that CPU kernel;
+``test_verify_catches_the_vllm_cpu_rope_bug`` proves verify sees the bug without it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specops.host import Host
+from specops.inventory import load_inventory
+from specops.smoke import smoke_step
+from specops.verify import verify_step
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+ROPE_FIX_MODULE = "_specops_vllm_cpu_rope_fix"
+ROPE_FIX = '''"""Test host only: vLLM 0.16's CPU rotary op mis-rotates 3-D [tokens, heads, dim] inputs
+(DeepSeek's q_pe); use forward_native for those. Installed by tests/test_smoke_verify.py."""
+import importlib.abc
+import importlib.util
+import sys
+
+TARGET = "vllm.model_executor.layers.rotary_embedding.base"
+
+
+def _fix(module):
+    cls = module.RotaryEmbedding
+    original = cls.forward_cpu
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() > 2 or (key is not None and key.dim() > 2):
+            return self.forward_native(positions, query, key)
+        return original(self, positions, query, key)
+
+    cls.forward_cpu = forward_cpu
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_fix(module):
+            exec_module(module)
+            _fix(module)
+
+        spec.loader.exec_module = exec_and_fix
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
+'''
+WORKER = "speculators/data_generation/custom_worker.py"
+LLAMA4_LINE = 'layer_kwargs["llama_4_scaling"] = llama_4_scaling'
+
+
+def site_of(python) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
+def make_env(base_python, dest: Path, kind: str = "patched", rope_fix: bool = True) -> Path:
+    """An overlay env of ``kind`` (patched | unpatched | no-llama4); returns its python."""
+    from specops.testhost.hostenv import make_overlay_env
+
+    python = make_overlay_env(base_python, dest)
+    site = site_of(python)
+    if kind in ("patched", "no-llama4"):
+        code = ("import json,sys; from remote import patcher; "
+                "print(json.dumps(patcher.main({'action': 'apply', 'site_packages': sys.argv[1]})))")
+        out = subprocess.run([str(python), "-c", code, str(site)], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}, check=True)
+        records = json.loads(out.stdout.strip().splitlines()[-1])["records"]
+        assert all(r["status"] != "fail" for r in records), records
+    if kind == "no-llama4":
+        worker = site / WORKER
+        text = worker.read_text()
+        assert text.count(LLAMA4_LINE) == 1, "the patched worker changed; update the planted defect"
+        worker.write_text(text.replace(LLAMA4_LINE, 'layer_kwargs["llama_4_scaling"] = None  # PLANTED DEFECT'))
+    if rope_fix:
+        (site / f"{ROPE_FIX_MODULE}.py").write_text(ROPE_FIX)
+        (site / f"{ROPE_FIX_MODULE}.pth").write_text(f"import {ROPE_FIX_MODULE}\n")
+    return python
+
+
+def vllm_env(tp: int) -> dict:
+    env = {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    return env
+
+
+def write_inventory(path: Path, testhost: dict, **fields) -> Path:
+    host = {"address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"],
+            "key": testhost["key"], "known_hosts": testhost["known_hosts"], "device": "cpu",
+            "engine": "speculators-0.3", "seq_len": 96, "batch_size": 4}
+    host.update(fields)
+    path.write_text(yaml.safe_dump({"hosts": {"th": host}}))
+    return path
+
+
+def host_for(tmp: Path, testhost: dict, python, model, dataset, tp: int, **fields) -> Host:
+    inv = load_inventory(write_inventory(
+        tmp / f"inventory-{time.monotonic_ns()}.yaml", testhost, python=str(python), model_path=str(model),
+        dataset=str(dataset), tp=tp, env=vllm_env(tp), work_dir=str(tmp / "work"),
+        output_dir=str(tmp / "real-output"), **fields))
+    return Host(inv.hosts["th"], inv)
+
+
+def by_name(report) -> dict:
+    return {r.name: r for r in report.records}
+
+
+def assert_healthy_smoke(report, model_type: str, layers=(2, 4, 5, 7)):
+    recs = by_name(report)
+    assert not report.failed, [(r.name, r.status, r.summary) for r in report.records if r.status != "ok"]
+    twin = recs["smoke.twin"]
+    assert twin.status in ("ok", "changed") and twin.detail["layers"] == 8
+    assert twin.detail["model_type"] == model_type
+    assert recs["smoke.run"].status == "ok"
+    for lid in layers:
+        layer = recs[f"verify.layer.{lid}"]
+        assert layer.status == "ok", layer.summary
+        assert layer.detail["rel_max"] < layer.detail["rel_tol"] and layer.detail["cos_min"] > 0.999
+    assert recs["verify.convention"].status == "ok"
+    # the smoke samples never land in the real output dir
+    assert "real-output" not in json.dumps(report.data.get("status", {}).get("output_dir"))
+    return recs
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def envs(tmp_path_factory, hostenv_python):
+    root = tmp_path_factory.mktemp("smoke-envs")
+    return {"patched": make_env(hostenv_python, root / "patched")}
+
+
+@pytest.fixture(scope="module")
+def deepseek_smoke(tmp_path_factory, testhost, envs, tiny_models):
+    """One healthy smoke run on the tiny DeepSeek-V3 at TP=2 (shared by several tests)."""
+    tmp = tmp_path_factory.mktemp("smoke-ds")
+    with host_for(tmp, testhost, envs["patched"], tiny_models["deepseek_v3"], tiny_models["dataset"], 2) as host:
+        t0 = time.monotonic()
+        report = smoke_step(host, {}, samples=3, verify_samples=3)
+        report.data["wall_s"] = time.monotonic() - t0
+    return tmp, report
+
+
+# --------------------------------------------------------------------------- smoke, healthy
+
+@pytest.mark.vllm
+def test_smoke_deepseek_v3_tp2_passes_and_verifies_llama_4_scaling(deepseek_smoke):
+    _, report = deepseek_smoke
+    recs = assert_healthy_smoke(report, "deepseek_v3")
+    twin = recs["smoke.twin"].detail
+    assert twin["llama_4_scaling"] == {"original_max_position_embeddings": 16, "beta": 0.5}
+    assert any("router bias" in note for note in twin["notes"])
+    scaling = recs["verify.llama_4_scaling"]
+    assert scaling.status == "ok" and scaling.detail["tokens_past"] > 50, scaling.summary
+    assert "specops attention hook" in recs["verify.reference"].summary
+    assert report.data["status"]["phase_seconds"]["load"] > 0
+
+
+@pytest.mark.vllm
+def test_smoke_kimi_k25_text_config_tp2(tmp_path, testhost, envs, tiny_models):
+    with host_for(tmp_path, testhost, envs["patched"], tiny_models["kimi_k25"], tiny_models["dataset"], 2) as host:
+        report = smoke_step(host, {}, samples=2)
+    recs = assert_healthy_smoke(report, "kimi_k25")
+    assert recs["smoke.twin"].detail["wrapped"] is True
+    assert "text_config" in recs["verify.reference"].summary  # loaded the text model, no remote code
+    assert "kimi_k25_text_only_processor.py" in recs["smoke.twin"].detail["remote_code"]
+
+
+@pytest.mark.vllm
+def test_smoke_llama_tp2_through_the_cli(tmp_path, testhost, envs, tiny_models):
+    inv = write_inventory(tmp_path / "inventory.yaml", testhost, python=str(envs["patched"]),
+                          model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]), tp=2,
+                          env=vllm_env(2), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "real-output"))
+    proc = subprocess.run([str(BIN / "specops"), "smoke", "--inventory", str(inv), "--samples", "2", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    host = json.loads(proc.stdout)["hosts"][0]
+    recs = {r["name"]: r for r in host["records"]}
+    assert recs["smoke.run"]["status"] == "ok" and "tp=2" in recs["smoke.run"]["summary"]
+    assert all(recs[f"verify.layer.{i}"]["status"] == "ok" for i in (2, 4, 5, 7))
+    assert not (tmp_path / "real-output").exists()
+
+
+@pytest.mark.vllm
+def test_smoke_llama_tp1_and_the_twin_is_reused(tmp_path, testhost, envs, tiny_models):
+    with host_for(tmp_path, testhost, envs["patched"], tiny_models["llama"], tiny_models["dataset"], 1) as host:
+        first = smoke_step(host, {}, samples=2)
+        assert_healthy_smoke(first, "llama")
+        again = host.run_task("smoke", {"model_path": str(tiny_models["llama"]), "work_dir": str(tmp_path / "work"),
+                                        "dataset": str(tiny_models["dataset"]), "samples": 2})
+    assert by_name(first)["smoke.twin"].status == "changed"
+    twin = again["records"][0]
+    assert twin["status"] == "ok" and twin["detail"]["built"] is False
+    assert twin["detail"]["twin_dir"] == by_name(first)["smoke.twin"].detail["twin_dir"]
+
+
+# --------------------------------------------------------------------------- smoke, failing
+
+@pytest.mark.vllm
+def test_smoke_fails_with_root_cause_on_unpatched_speculators(tmp_path, testhost, hostenv_python, tiny_models):
+    python = make_env(hostenv_python, tmp_path / "unpatched", kind="unpatched")
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 2) as host:
+        report = smoke_step(host, {}, samples=2)
+    recs = by_name(report)
+    run = recs["smoke.run"]
+    assert run.status == "fail" and report.failed
+    err = run.detail["error"]
+    assert err["type"] and err["message"], err  # never an empty root cause
+    assert "is not patched for this vLLM" in err["message"] and "fab patch" in err["message"]
+    assert "is_encoder_decoder" in err["message"]  # the first drift item of FACTS.md, named
+    assert "Traceback (most recent call last)" in run.detail["traceback"]
+    assert f"{err['type']}: {err['message']}" in run.summary and run.fix
+    assert not any(name.startswith("verify.") for name in recs)  # nothing to verify
+
+
+# --------------------------------------------------------------------------- verify catches defects
+
+@pytest.mark.vllm
+def test_verify_catches_a_worker_that_drops_llama_4_scaling(tmp_path, testhost, hostenv_python, tiny_models):
+    python = make_env(hostenv_python, tmp_path / "no-llama4", kind="no-llama4")
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
+        report = smoke_step(host, {}, samples=3, verify_samples=3)
+    recs = by_name(report)
+    assert recs["smoke.run"].status == "ok"  # the defect runs without an error: the silent kind
+    assert report.failed
+    layers = [recs[f"verify.layer.{lid}"] for lid in (2, 4, 5, 7)]
+    assert all(r.status == "fail" for r in layers), [r.summary for r in layers]
+    for r in layers:
+        assert r.detail["nrmse"] > 0.10 and r.detail["rel_max"] > 0.10, r.summary
+        # the first 16 positions are untouched by the scaling: they still agree
+        assert r.detail["first_bad_position"] >= 16, r.detail
+    scaling = recs["verify.llama_4_scaling"]
+    assert scaling.status == "fail" and "drops llama_4_scaling" in scaling.summary
+    assert scaling.detail["nrmse_without_scaling"] < 0.05 < 0.10 < scaling.detail["nrmse_with_scaling"]
+    assert recs["verify.convention"].status == "ok"  # right layers, wrong numbers
+
+
+@pytest.mark.vllm
+def test_verify_names_an_off_by_one_layer(deepseek_smoke, testhost, envs, tiny_models):
+    """A copy of a real run whose manifest says layer i-1 where the worker captured layer i."""
+    tmp, report = deepseek_smoke
+    run_id = report.data["run_id"]
+    runs = tmp / "work" / "runs"
+    shifted = runs / "shifted"
+    shutil.copytree(runs / run_id, shifted)
+    status = json.loads((shifted / "status.json").read_text())
+    status["output_dir"] = str(shifted / "samples")
+    (shifted / "status.json").write_text(json.dumps(status))
+    manifest = json.loads((shifted / "manifest.json").read_text())
+    assert manifest["layer_ids"] == [2, 4, 5, 7]
+    manifest["layer_ids"] = [1, 3, 4, 6]
+    (shifted / "manifest.json").write_text(json.dumps(manifest))
+    with host_for(tmp, testhost, envs["patched"], tiny_models["deepseek_v3"], tiny_models["dataset"], 2) as host:
+        checked = verify_step(host, "shifted", samples=2)
+    recs = by_name(checked)
+    assert checked.failed
+    for lid in (1, 3, 4, 6):
+        layer = recs[f"verify.layer.{lid}"]
+        assert layer.status == "fail" and layer.detail["nrmse"] > 0.2, layer.summary
+    conv = recs["verify.convention"]
+    assert conv.status == "fail"
+    assert conv.summary.startswith("captured layer 1 (output convention")
+    assert "matches the output of layer 2" in conv.summary and "off by +1" in conv.summary
+    assert conv.detail["best_index"] == {"1": 3, "3": 5, "4": 6, "6": 8}
+
+
+@pytest.mark.vllm
+def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python, tiny_models):
+    """Without ROPE_FIX, vLLM 0.16 CPU computes DeepSeek's q rope wrongly: verify says so."""
+    python = make_env(hostenv_python, tmp_path / "no-rope-fix", rope_fix=False)
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
+        report = smoke_step(host, {"layer_ids": "0,1,2,7"}, samples=2)
+    recs = by_name(report)
+    assert recs["smoke.run"].status == "ok" and report.failed
+    layer0 = recs["verify.layer.0"]  # a dense layer: attention alone already differs
+    assert layer0.status == "fail" and layer0.detail["nrmse"] > 0.2, layer0.summary
+    assert layer0.detail["first_bad_position"] == 1  # position 0 has no rotation to get wrong
+    assert recs["verify.llama_4_scaling"].status == "warn"  # not blamed on the scaling
+
+
+# --------------------------------------------------------------------------- fast checks (no vLLM)
+
+def test_verify_refuses_a_run_that_is_not_done(tmp_path, hostenv_python):
+    run_dir = tmp_path / "work" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "extracting"}))
+    code = ("import json,sys; from remote import verify; "
+            "print(json.dumps(verify.main({'run_id': 'r1', 'work_dir': sys.argv[1]})))")
+    out = subprocess.run([str(hostenv_python), "-c", code, str(tmp_path / "work")], cwd=REPO, check=True,
+                         capture_output=True, text=True, env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)})
+    rec = json.loads(out.stdout.strip().splitlines()[-1])["records"][0]
+    assert rec["status"] == "fail" and "'extracting', not done" in rec["summary"] and rec["fix"]
+
+
+def test_smoke_and_verify_import_only_the_standard_library(hostenv_python):
+    code = ("import sys; import remote.smoke, remote.verify; "
+            "bad = [m for m in ('torch', 'transformers', 'vllm', 'safetensors', 'speculators') if m in sys.modules]; "
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_smoke_uses_synthetic_samples_without_a_dataset(tmp_path, hostenv_python, tiny_models):
+    code = ("import json,sys; from remote import smoke; "
+            "print(json.dumps(smoke.main(json.loads(sys.argv[1]))))")
+    params = {"model_path": str(tiny_models["llama"]), "work_dir": str(tmp_path / "work"),
+              "dataset": str(tmp_path / "missing.jsonl"), "samples": 3}
+    out = subprocess.run([str(hostenv_python), "-c", code, json.dumps(params)], cwd=REPO, check=True,
+                         capture_output=True, text=True, env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)})
+    payload = json.loads(out.stdout.strip().splitlines()[-1])
+    recs = {r["name"]: r for r in payload["records"]}
+    assert recs["smoke.twin"]["status"] == "changed"
+    assert recs["smoke.samples"]["status"] == "warn" and "not found" in recs["smoke.samples"]["summary"]
+    rows = Path(payload["data"]["dataset"]).read_text().splitlines()
+    assert len(rows) == 3 and all("conversations" in json.loads(r) for r in rows)
+    twin = Path(payload["data"]["twin_dir"])
+    # the twin keeps the target's tokenizer (same files) and is not the target
+    assert (twin / "tokenizer.json").read_bytes() == (Path(tiny_models["llama"]) / "tokenizer.json").read_bytes()
+    assert twin != Path(tiny_models["llama"])
