@@ -441,8 +441,11 @@ class Target:
                 region = unified_diff("".join(mismatch.expected), "".join(mismatch.found),
                                       f"{self.rel} (hunk {mismatch.hunk_index + 1}, line "
                                       f"{mismatch.line})", side, "found")
-                if best is None or len(region) < len(best["diff"]):
-                    best = {"against": f"{side} (hunk region)", "diff": region}
+                # the closer side is the one with fewer changed lines, not fewer bytes
+                changed = sum(1 for line in region.splitlines()[2:] if line[:1] in "+-")
+                if best is None or changed < best["changed"]:
+                    best = {"against": f"{side} (hunk region)", "diff": region, "changed": changed}
+        best.pop("changed")
         return best
 
 

@@ -16,14 +16,17 @@ from specops.result import HostReport, Record
 ACTIONS = ("apply", "check", "revert", "status")
 
 
-def patch_step(host: Host, action: str, sudo: bool | None = None, overrides: dict | None = None) -> HostReport:
+def patch_step(host: Host, action: str, sudo: bool | None = None, overrides: dict | None = None,
+               extra: dict | None = None) -> HostReport:
+    """Run one patch action on the host; ``extra`` passes test hooks (e.g. ``hold_lock_s``)."""
     use_sudo = bool(host.spec.sudo or sudo)
-    params = {"action": action, **run_params(host.spec, **(overrides or {}))}
+    params = {"action": action, **run_params(host.spec, **(overrides or {})), **(extra or {})}
     payload = host.run_task("patcher", params, sudo=use_sudo)
     report = report_from_payload(host.name, "patch", payload)
     if action == "apply" and not report.failed:
         drift = report_from_payload(host.name, "patch", host.run_task("drift", params))
-        left = [r for r in drift.records if r.status in ("fail", "warn")]
+        left = [r for r in drift.records if r.status == "fail"]
+        notes = [r.summary for r in drift.records if r.status == "warn"]
         if left:
             report.records.append(Record(
                 name="patch.drift-after", status="fail",
@@ -34,7 +37,8 @@ def patch_step(host: Host, action: str, sudo: bool | None = None, overrides: dic
                     "`specops preflight`"))
         else:
             report.records.append(Record(name="patch.drift-after", status="ok",
-                                         summary="static drift check is clean after patching"))
+                                         summary="static drift check is clean after patching",
+                                         detail={"notes": notes}))
     return report
 
 
