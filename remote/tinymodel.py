@@ -23,29 +23,39 @@ default layer ids ``[2, N//2, N-3, N-1]`` collide below that). DeepSeek MLA dims
 are ``qk_nope 32 + qk_rope 32 = 64`` so that with ``VLLM_MLA_DISABLE=1`` the
 plain attention path runs with head size 64.
 
-What was found about Kimi-K2.5 (``model_type: kimi_k25``):
+What was found about Kimi-K2.5 (``model_type: kimi_k25``), checked on the test host:
 
-* transformers 4.57 has no ``kimi_k25``: ``AutoConfig`` needs remote code
-  (``trust_remote_code`` and the checkpoint's own ``configuration_kimi_k25.py``),
-  which we never have offline. The text model is plain DeepSeek-V3, so it loads
-  with ``DeepseekV3Config(**config["text_config"])`` and the weights under the
-  ``language_model.`` prefix.
+* transformers 4.57 has no ``kimi_k25``: ``AutoConfig.from_pretrained(dir,
+  trust_remote_code=False)`` raises ``ValueError`` ("contains custom code ... pass
+  trust_remote_code=True"), and with ``trust_remote_code`` left at ``None`` it
+  *asks on stdin* first, so callers must pass False (and close stdin). The text
+  model is plain DeepSeek-V3: ``DeepseekV3Config(**config["text_config"])`` builds
+  it, and its weights are the checkpoint's tensors minus the ``language_model.``
+  prefix.
 * vLLM 0.16 ships its own ``KimiK25Config`` (``vllm/transformers_utils/configs/
-  kimi_k25.py``) and ``KimiK25ForConditionalGeneration`` (``models/kimi_k25.py``):
-  the language model is ``DeepseekV2ForCausalLM`` built from ``text_config`` under
-  the prefix ``language_model`` (weights ``language_model.model.layers.N...``,
+  kimi_k25.py``, no remote code needed for the config) and
+  ``KimiK25ForConditionalGeneration`` (``models/kimi_k25.py``): the language model
+  is ``DeepseekV2ForCausalLM`` built from ``text_config`` under the prefix
+  ``language_model`` (weights ``language_model.model.layers.N...``,
   ``language_model.lm_head.weight``; the legacy ``language_model.layers.`` is
-  mapped too). Its processing info calls ``cached_get_image_processor(model,
-  trust_remote_code=True)``, i.e. it needs the checkpoint's remote-code image
-  processor; see ``KIMI_K25_VLLM_NOTE`` for what that means for loading the tiny
-  twin.
+  mapped too). With ``limit_mm_per_prompt={"vision_chunk": 0}`` the vision tower
+  and projector are skipped (no vision weights needed), but start-up still builds
+  the media processor with ``AutoImageProcessor.from_pretrained(model,
+  trust_remote_code=True)``, i.e. the checkpoint's own remote code. A real
+  Kimi-K2.5 ships that code; our tiny twin ships a text-only stand-in
+  (``KIMI_K25_PROCESSOR_SOURCE``). So the tiny twin loads in vLLM 0.16 CPU (TP=1
+  checked) with ``VLLM_MLA_DISABLE=1`` and that limit.
 
 ``llama_4_scaling``: vLLM 0.16 ``DeepseekV2Model.forward`` reads exactly
 ``original_max_position_embeddings`` and ``beta`` and multiplies q by
 ``1 + beta * log(1 + floor(pos / original_max_position_embeddings))``. With
 ``original_max_position_embeddings = 16`` every position >= 16 is scaled, so any
-test sequence longer than 16 tokens sees it. transformers 4.57's DeepseekV3 does
-NOT implement ``llama_4_scaling``: its states equal vLLM's only before position 16.
+test sequence longer than 16 tokens sees it (tests/test_tinymodels.py proves it:
+same weights with and without the key give identical logprobs before position 16
+and different ones after). transformers 4.57's DeepseekV3 does NOT implement
+``llama_4_scaling``, so an HF reference of this model differs from vLLM's states at
+positions >= 16 by design; compare HF and vLLM only on the first 16 positions, or
+drop the key for such a comparison.
 """
 from __future__ import annotations
 

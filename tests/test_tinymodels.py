@@ -250,48 +250,57 @@ def test_tokenizer_chat_template_feeds_speculators(hostenv_python, tiny_models, 
 # ------------------------------------------------------------------ vLLM 0.16 CPU
 
 VLLM_GENERATE = textwrap.dedent('''
-    import json, sys, time
+    import gc, json, sys, time
 
-    def main():
-        args = json.loads(sys.argv[1])
-        start = time.monotonic()
+    def run(args, llm_kwargs):
         from vllm import LLM, SamplingParams
+        start = time.monotonic()
         llm = LLM(model=args["model"], tensor_parallel_size=args["tp"], dtype="bfloat16",
-                  max_model_len=512, enforce_eager=True, seed=0, **args.get("llm", {}))
+                  max_model_len=512, enforce_eager=True, seed=0, **llm_kwargs)
         loaded = time.monotonic()
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
         out = llm.generate([args["prompt"]], params)[0]
         prompt_ids = list(out.prompt_token_ids)
         logprobs = [None] + [out.prompt_logprobs[i][tok].logprob
                              for i, tok in enumerate(prompt_ids) if i > 0]
-        print("RESULT " + json.dumps({
-            "load_s": round(loaded - start, 2), "generate_s": round(time.monotonic() - loaded, 2),
-            "tokens": list(out.outputs[0].token_ids), "prompt_ids": prompt_ids,
-            "prompt_logprobs": logprobs}))
+        result = {"load_s": round(loaded - start, 2),
+                  "generate_s": round(time.monotonic() - loaded, 2),
+                  "tokens": list(out.outputs[0].token_ids), "prompt_ids": prompt_ids,
+                  "prompt_logprobs": logprobs}
+        del llm  # shuts the engine core down before the next variant starts
+        gc.collect()
+        return result
+
+    def main():
+        args = json.loads(sys.argv[1])
+        results = [run(args, kwargs) for kwargs in args["variants"]]
+        print("RESULT " + json.dumps(results))
 
     if __name__ == "__main__":  # vLLM spawns workers: the guard is required
         main()
 ''')
-LOAD_TIMES: dict = {}
 
 
-def vllm_generate(python: Path, model_dir: Path, tp: int, prompt: str, tmp_path: Path, **llm) -> dict:
+def vllm_generate(python: Path, model_dir: Path, tp: int, prompt: str, tmp_path: Path,
+                  variants=({},)) -> list[dict]:
+    """Start vLLM once per entry of ``variants`` (extra ``LLM(...)`` kwargs), in one process."""
     script = tmp_path / "vllm_generate.py"
     script.write_text(VLLM_GENERATE)
     env = dict(os.environ, **OFFLINE, VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # else "Not enough allowed NUMA nodes"
-    args = json.dumps({"model": str(model_dir), "tp": tp, "prompt": prompt, "llm": llm})
+    args = json.dumps({"model": str(model_dir), "tp": tp, "prompt": prompt,
+                       "variants": list(variants)})
     start = time.monotonic()
     proc = subprocess.run([str(python), str(script), args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-8000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["process_s"] = round(time.monotonic() - start, 2)
-    print(f"vLLM {model_dir.name} TP={tp}: load {result['load_s']} s, "
-          f"whole process {result['process_s']} s")
-    return result
+    results = json.loads(lines[-1][len("RESULT "):])
+    loads = ", ".join(f"{r['load_s']} s" for r in results)
+    print(f"\nvLLM {model_dir.name} TP={tp}: load {loads}; "
+          f"whole process {time.monotonic() - start:.1f} s")
+    return results
 
 
 def chat_prompt(dataset: Path) -> str:
@@ -305,8 +314,8 @@ def chat_prompt(dataset: Path) -> str:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
 def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_path):
-    result = vllm_generate(hostenv_python, tiny_models[name], tp,
-                           chat_prompt(tiny_models["dataset"]), tmp_path)
+    [result] = vllm_generate(hostenv_python, tiny_models[name], tp,
+                             chat_prompt(tiny_models["dataset"]), tmp_path)
     assert len(result["tokens"]) == 4
     assert all(0 <= t < tinymodel.REFERENCE_VOCAB for t in result["tokens"])
     assert result["prompt_ids"][0] == tinymodel._token_ids()["bos_token_id"]
@@ -315,9 +324,9 @@ def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_pat
 @pytest.mark.vllm
 def test_vllm_loads_kimi_k25_text_only(hostenv_python, tiny_models, tmp_path):
     """vLLM 0.16's KimiK25ForConditionalGeneration loads the wrapped checkpoint as text-only."""
-    result = vllm_generate(hostenv_python, tiny_models["kimi_k25"], 1,
-                           chat_prompt(tiny_models["dataset"]), tmp_path,
-                           limit_mm_per_prompt={"vision_chunk": 0})
+    [result] = vllm_generate(hostenv_python, tiny_models["kimi_k25"], 1,
+                             chat_prompt(tiny_models["dataset"]), tmp_path,
+                             variants=[{"limit_mm_per_prompt": {"vision_chunk": 0}}])
     assert len(result["tokens"]) == 4
 
 
@@ -327,10 +336,9 @@ def test_llama_4_scaling_changes_states_past_position_16(hostenv_python, tiny_mo
 
     This is what makes a worker that drops ``llama_4_scaling`` detectable on the tiny model.
     """
-    prompt = chat_prompt(tiny_models["dataset"])
-    scaled = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1, prompt, tmp_path)
-    plain = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1, prompt, tmp_path,
-                          hf_overrides={"llama_4_scaling": None})
+    scaled, plain = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1,
+                                  chat_prompt(tiny_models["dataset"]), tmp_path,
+                                  variants=[{}, {"hf_overrides": {"llama_4_scaling": None}}])
     assert scaled["prompt_ids"] == plain["prompt_ids"] and len(scaled["prompt_ids"]) > 20
     # Position p's logprob is computed from the state at p-1: index <= 16 means positions < 16.
     assert scaled["prompt_logprobs"][1:17] == plain["prompt_logprobs"][1:17]
