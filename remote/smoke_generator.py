@@ -12,9 +12,10 @@ batch of prompts, and compares every request, layer and token against a referenc
            run in the same workers. This is the reference for what HF cannot do, such as
            DeepSeek's ``llama_4_scaling`` past ``original_max_position_embeddings``.
 
-The default batch has 13 prompts (more than 10, so text-sorted request ids would
-reorder it) with 9,000+ tokens in all (more than ``max_num_batched_tokens``, so the
-last requests are prefilled in chunks across steps). When the model has
+The default batch has 43 prompts (more than 10, so text-sorted request ids would
+reorder it; more than the generator's ``max_num_seqs`` of 32, so it takes several
+scheduler steps) with 9,000+ tokens in all (more than ``max_num_batched_tokens``, so a
+long request is prefilled in chunks across steps). When the model has
 ``llama_4_scaling``, a negative control runs vLLM's forward with the scaling dropped
 and must *disagree* past the boundary and agree before it: the check can fail.
 
@@ -39,10 +40,12 @@ except ImportError:  # pragma: no cover - run as a plain file
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from remote import protocol
 
-#: Prompt lengths of the default batch: 13 requests, 9,3xx tokens (> 8192, the
-#: generator's smallest max_num_batched_tokens), some past any small
-#: original_max_position_embeddings.
-DEFAULT_LENGTHS = (5, 17, 33, 64, 100, 250, 400, 700, 900, 1200, 1500, 1990, 1200)
+#: Prompt lengths of the default batch: 30 short requests, then 13 long ones. Step 1
+#: holds 32 requests (max_num_seqs), step 2 hits 8192 tokens (the generator's smallest
+#: max_num_batched_tokens) inside the last request, step 3 finishes it. Most reach
+#: past any small original_max_position_embeddings.
+DEFAULT_LENGTHS = tuple(4 + (7 * i) % 37 for i in range(30)) + (
+    5, 17, 33, 64, 100, 250, 400, 700, 900, 1200, 1500, 1990, 1200)
 
 #: Agreement with HF, per token: bf16 vLLM vs float32 HF differ by rounding, ~1e-2
 #: relative; a misattributed token or a wrong layer differs by O(1). MoE models

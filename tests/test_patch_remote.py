@@ -385,6 +385,7 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, order, 
     assert report["layer_ids"] == layer_ids
     assert len(report["samples"]) == len(report["prompt_tokens"]) > 10  # text-sorted ids would bite
     assert report["chunked_requests"], "the batch must span a chunked prefill"
+    assert len(report["steps"]) >= 3 and max(report["steps"]) == 32  # max_num_seqs bites too
     for sample, tokens in zip(report["samples"], report["prompt_tokens"]):
         assert sample["shapes"] == [[tokens, 256]] * 4 and set(sample["dtypes"]) == {"bfloat16"}
         assert not any(sample["nan"])
