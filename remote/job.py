@@ -136,6 +136,12 @@ def run_alive(run_dir: Path) -> bool:
     return pid_alive(read_pid(run_dir), run_dir)
 
 
+def run_busy(run_dir: Path) -> bool:
+    """Alive and not yet final (a finished supervisor may take a moment to exit)."""
+    st = read_json(run_dir / "status.json") or {}
+    return st.get("state") not in FINAL_STATES and run_alive(run_dir)
+
+
 class _RunsLock:
     """One start at a time per host (check-then-spawn must not interleave)."""
 
@@ -179,11 +185,19 @@ def start(params: dict) -> dict:
             if st and st.get("state") == "done":
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already done", run_dir, st,
                                 already="done")
-            if run_alive(run_dir):
+            if run_busy(run_dir):
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already running (pid "
                                 f"{read_pid(run_dir)}); re-attached", run_dir, st, already="running")
+            # failed/aborted: its supervisor may still be stopping workers; never overlap it
+            deadline = time.monotonic() + 15
+            while run_alive(run_dir) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if run_alive(run_dir):
+                raise JobError("job.start", f"run {params['run_id']} ended ({st.get('state')}) but its "
+                               f"supervisor pid {read_pid(run_dir)} is still exiting",
+                               "try again in a minute, or abort the run to stop it")
         others = [d.name for d in sorted(run_dir.parent.iterdir())
-                  if d.is_dir() and d != run_dir and run_alive(d)]
+                  if d.is_dir() and d != run_dir and run_busy(d)]
         if others and not params.get("force"):
             raise JobError("job.start", f"this host is already running extraction {', '.join(others)}",
                            f"wait for it, abort it (abort --run-id {others[0]}), or force a second run",

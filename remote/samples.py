@@ -102,6 +102,48 @@ def remove_partials(output_dir) -> list[str]:
     return gone
 
 
+OWNER_FILE = ".specops-output.json"
+
+
+def dataset_fingerprint(token_samples, **facts) -> str:
+    """sha256 of the run's token ids, loss masks and the facts that shape every file."""
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    for ids, mask in token_samples:
+        digest.update(json.dumps([list(ids), list(mask)]).encode())
+    return digest.hexdigest()
+
+
+def claim_output_dir(output_dir, run_id: str, fingerprint: str) -> None:
+    """Make sure resuming in ``output_dir`` continues *this* run and nothing else.
+
+    The first attempt writes ``.specops-output.json`` (run id + fingerprint). A later
+    attempt must bring the same run id and the same fingerprint: otherwise the samples
+    already there belong to another run, or to another dataset/model/layers, and
+    "resuming" would silently mix them.
+
+    :raises ValueError: naming the dir, the owner and the fix.
+    """
+    output_dir = Path(output_dir)
+    owner_path = output_dir / OWNER_FILE
+    try:
+        owner = json.loads(owner_path.read_text())
+    except FileNotFoundError:
+        owner = None
+    if owner is None:
+        if any(SAMPLE_RE.match(n) for n in _names(output_dir)):
+            raise ValueError(f"output dir {output_dir} already holds data_*.pt files that no specops run "
+                             f"claims; use an empty output dir (or move those files away)")
+        write_json_atomic(owner_path, {"run_id": run_id, "fingerprint": fingerprint})
+        return
+    if owner.get("run_id") != run_id:
+        raise ValueError(f"output dir {output_dir} holds the samples of run {owner.get('run_id')!r}, not "
+                         f"{run_id!r}; give this run its own output dir (e.g. <output_dir>/{run_id})")
+    if owner.get("fingerprint") != fingerprint:
+        raise ValueError(f"run {run_id!r}: the dataset, model, engine or layer ids differ from the first "
+                         f"attempt that wrote {output_dir}; resuming would mix two datasets. Start a new "
+                         f"run id with its own output dir")
+
+
 def sha256_file(path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

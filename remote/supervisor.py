@@ -472,6 +472,8 @@ class Supervisor:
         dataset = load_token_samples(p, model_path)
         self._timed("tokenize", time.monotonic() - t)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        samples.claim_output_dir(self.output_dir, self.run_id, samples.dataset_fingerprint(
+            dataset, layer_ids=layer_ids, model_path=str(model_path), engine=engine_name))
         removed = samples.remove_partials(self.output_dir)
         if removed:
             print(f"[specops] removed {len(removed)} partial file(s) of an earlier attempt: {removed}", flush=True)

@@ -488,3 +488,14 @@ def test_status_of_a_supervisor_that_died_unrecorded(tmp_path):
     (run_dir / "status.json").write_text(json.dumps({"run_id": "gone", "state": "extracting", "heartbeat_unix": 0}))
     st = job_module.main({"action": "status", "run_id": "gone", "work_dir": str(tmp_path / "work")})["data"]["status"]
     assert st["error"]["type"] == "SupervisorDied" and "SIGKILL" in st["error"]["message"]
+
+
+def test_output_dir_of_another_run_is_refused(hostenv_python, hf_params, tmp_path):
+    job(hostenv_python, action="start", **hf_params)
+    assert wait_final(hostenv_python, hf_params)["state"] == "done"
+    before = {p.name: sha256(p) for p in (tmp_path / "out").glob("data_*.pt")}
+    other = dict(hf_params, run_id="r9")  # same output dir, another run: must not "resume" r1's samples
+    job(hostenv_python, action="start", **other)
+    st = wait_final(hostenv_python, other)
+    assert st["state"] == "failed" and "holds the samples of run 'r1'" in st["error"]["message"], st
+    assert {p.name: sha256(p) for p in (tmp_path / "out").glob("data_*.pt")} == before
