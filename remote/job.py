@@ -30,7 +30,16 @@ Start parameters: ``run_id``, ``work_dir``, ``model_path``, ``dataset`` (require
 ``output_dir`` (default ``RUN_DIR/samples``), ``engine`` (``speculators-0.3`` |
 ``hf-reference``), ``tp``, ``layer_ids`` (+ ``layer_convention``), ``max_samples``,
 ``seq_len``, ``batch_size``, ``env`` (exported to the job), ``python`` (default: this
-interpreter), ``force``, ``inject_failure`` ({"rank", "at": load|extract, "message"}, tests).
+interpreter), ``force``, ``worker_error_grace_s`` (how long a rank's recorded error may go
+unanswered by the driver, default 20), ``gpu_memory_utilization``, ``trust_remote_code``.
+Test hooks: ``inject_failure`` ({"rank", "at": load|extract|crash, "message"}) and
+``batch_delay_s`` (a pause after each batch, to act mid-run).
+
+An output dir belongs to one run: the supervisor refuses one that holds another run's
+samples, or samples of another dataset/model/layers under the same run id.
+
+A hung run can be inspected without stopping it: ``kill -USR1 <pid>`` makes the
+supervisor (and each vLLM rank, into its own log) dump every thread's stack.
 """
 from __future__ import annotations
 
