@@ -39,7 +39,8 @@ An output dir belongs to one run: the supervisor refuses one that holds another 
 samples, or samples of another dataset/model/layers under the same run id.
 
 A hung run can be inspected without stopping it: ``kill -USR1 <pid>`` makes the
-supervisor (and each vLLM rank, into its own log) dump every thread's stack.
+supervisor dump every thread's stack into its log; each vLLM rank does the same into
+``logs/rank<k>.log`` (its pid is on the first line of that log).
 """
 from __future__ import annotations
 
