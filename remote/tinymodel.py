@@ -43,8 +43,9 @@ What was found about Kimi-K2.5 (``model_type: kimi_k25``), checked on the test h
   the media processor with ``AutoImageProcessor.from_pretrained(model,
   trust_remote_code=True)``, i.e. the checkpoint's own remote code. A real
   Kimi-K2.5 ships that code; our tiny twin ships a text-only stand-in
-  (``KIMI_K25_PROCESSOR_SOURCE``). So the tiny twin loads in vLLM 0.16 CPU (TP=1
-  checked) with ``VLLM_MLA_DISABLE=1`` and that limit.
+  (``KIMI_K25_PROCESSOR_SOURCE``). So the tiny twin loads and generates in vLLM 0.16
+  CPU at TP=1 and TP=2 with ``VLLM_MLA_DISABLE=1`` and that limit. Without the
+  limit, start-up profiles with dummy media and the stand-in refuses (by design).
 
 ``llama_4_scaling``: vLLM 0.16 ``DeepseekV2Model.forward`` reads exactly
 ``original_max_position_embeddings`` and ``beta`` and multiplies q by

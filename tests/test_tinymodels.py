@@ -157,6 +157,31 @@ def test_dataset_records_have_speculators_fields(tiny_models):
     assert len({r["id"] for r in records}) == 24
 
 
+def test_twin_of_a_checkpoint_dir(hostenv_python, tiny_models, tmp_path):
+    """``--twin-of``: a real checkpoint's config shrunk, its tokenizer and remote code copied."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps(dict(tinymodel.LLAMA_LIKE, vocab_size=512,
+                                                      num_hidden_layers=40)))
+    for path in tiny_models["llama"].glob("tokenizer*"):
+        (real / path.name).write_bytes(path.read_bytes())
+    (real / "modeling_custom.py").write_text("# the checkpoint's remote code\n")
+    result = run_json(hostenv_python, textwrap.dedent('''
+        import json, sys
+        from remote import tinymodel
+        from transformers import AutoTokenizer
+        out = tinymodel.build_twin(sys.argv[1], sys.argv[2], num_layers=9)
+        tok = AutoTokenizer.from_pretrained(out)
+        print("RESULT " + json.dumps({"files": sorted(p.name for p in out.iterdir()),
+                                      "template": tok.chat_template is not None}))
+    '''), real, tmp_path / "twin")
+    config = json.loads((tmp_path / "twin" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["vocab_size"], config["hidden_size"]) == (9, 512, 256)
+    assert {"tokenizer.json", "tokenizer_config.json", "modeling_custom.py"} <= set(result["files"])
+    assert sum(f.endswith(".safetensors") for f in result["files"]) == 3
+    assert result["template"]
+
+
 # ------------------------------------------------------------------ transformers
 
 HF_FORWARD = textwrap.dedent('''
@@ -322,9 +347,10 @@ def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_pat
 
 
 @pytest.mark.vllm
-def test_vllm_loads_kimi_k25_text_only(hostenv_python, tiny_models, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_loads_kimi_k25_text_only(hostenv_python, tiny_models, tp, tmp_path):
     """vLLM 0.16's KimiK25ForConditionalGeneration loads the wrapped checkpoint as text-only."""
-    [result] = vllm_generate(hostenv_python, tiny_models["kimi_k25"], 1,
+    [result] = vllm_generate(hostenv_python, tiny_models["kimi_k25"], tp,
                              chat_prompt(tiny_models["dataset"]), tmp_path,
                              variants=[{"limit_mm_per_prompt": {"vision_chunk": 0}}])
     assert len(result["tokens"]) == 4
