@@ -659,12 +659,20 @@ def _patches_root(params) -> Path:
 
 
 def status_records(patches_root, site_packages=None) -> list[dict]:
-    """For preflight: which set matches these versions, and whether it is applied."""
+    """For preflight: which set matches these versions, and whether it is applied.
+
+    No matching set is a ``warn`` here, not a ``fail``: an engine that needs no patch
+    (speculators >= 0.5, the vLLM server path) is fine without one; ``fab patch``
+    itself refuses with ``fail``.
+    """
     try:
         patcher = Patcher(patches_root, site_packages)
         return [patcher.set_record()] + patcher.status()
     except PatchError as exc:
-        return [exc.record()]
+        rec = exc.record()
+        if exc.name == "patch.set":
+            rec["status"] = protocol.WARN
+        return [rec]
 
 
 def main(params: dict) -> dict:

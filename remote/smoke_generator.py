@@ -287,9 +287,11 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
         # is the reference there.
         report["hf_reference_skipped"] = "wrapper model: HF needs its remote code"
     elif reference in ("auto", "hf"):
-        hf = _hf_states(model_dir, prompts, layer_ids)
-        # HF transformers knows no llama_4_scaling: compare only where it is 1.
+        # HF transformers knows no llama_4_scaling: compare only where it is 1. The
+        # model is causal, so the prompts' heads up to the boundary are all HF needs.
         rows = (lambda i: slice(0, boundary)) if scaling else None
+        hf = _hf_states(model_dir, [p[:boundary] for p in prompts] if scaling else prompts,
+                        layer_ids)
         errs = _per_request_errors(samples, hf, rows)
         agreement = _per_request_agreement(samples, hf, rows)
         report["hf_reference_max_rel_err"] = max(errs)

@@ -340,7 +340,7 @@ def test_no_matching_patch_set_is_refused_clearly(site, hostenv_python, tmp_path
     assert snapshot(site) == before
 
 
-def test_status_records_for_preflight(site, hostenv_python):
+def test_status_records_for_preflight(site, hostenv_python, tmp_path):
     code = ("import json, sys; from remote import patcher; "
             "print(json.dumps(patcher.status_records(sys.argv[1], sys.argv[2])))")
     proc = subprocess.run([str(hostenv_python), "-c", code, str(REPO / "patches"), str(site)],
@@ -348,6 +348,18 @@ def test_status_records_for_preflight(site, hostenv_python):
     records = {r["name"]: r for r in json.loads(proc.stdout)}
     assert records["patch.set"]["detail"]["set"] == MANIFEST["name"]
     assert records["patch.state"]["detail"]["applied"] is False
+    assert records["patch.state"]["status"] == "warn" and records["patch.state"]["fix"]
+    # no set for these versions: a warning for preflight (the engine may need none)
+    root = tmp_path / "patches"
+    shutil.copytree(SET_DIR, root / SET_DIR.name)
+    manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
+    manifest["speculators"] = "==0.4.0"
+    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run([str(hostenv_python), "-c", code, str(root), str(site)],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    [only] = json.loads(proc.stdout)
+    assert only["name"] == "patch.set" and only["status"] == "warn"
+    assert "no patch set for speculators 0.3.0" in only["summary"]
 
 
 # --------------------------------------------------------------------------- the real run
@@ -375,7 +387,7 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, order, 
     proc = subprocess.run(
         [str(hostenv_python), "-m", "remote.smoke_generator", "--model", str(tiny_models[model]),
          "--tp", str(tp), "--reference", reference, "--layers", ",".join(map(str, layer_ids))],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("SMOKE-JSON ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(lines[-1][len("SMOKE-JSON "):])
