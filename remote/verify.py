@@ -185,11 +185,37 @@ def load_reference(model_path: str, dtype: str, trust_remote_code: bool):
 
         config_cls = _hf_config_class(text)
         hf_config = config_cls(**{k: v for k, v in text.items() if k != "model_type"})
-        model = AutoModelForCausalLM.from_pretrained(model_path, config=hf_config,
-                                                     key_mapping={r"^language_model\.": ""}, **kwargs)
-        how = f"{type(model).__name__} from text_config (weights under language_model.)"
+        model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        load_prefixed_weights(model, Path(model_path), WRAPPED_PREFIX, hf_config)
+        how = f"{type(model).__name__} from text_config (weights under {WRAPPED_PREFIX})"
     model.eval()
     return model, text, how
+
+
+#: where a text_config wrapper (Kimi-K2.5, vLLM's naming) keeps the text model's weights.
+WRAPPED_PREFIX = "language_model."
+
+
+def load_prefixed_weights(model, model_dir: Path, prefix: str, hf_config) -> None:
+    """Load the ``prefix``-ed tensors of every shard into ``model``; every weight must be found.
+
+    (transformers' ``key_mapping`` cannot do this: it decides base-vs-task prefixes
+    from the checkpoint keys before mapping them.)
+    """
+    from safetensors.torch import load_file
+
+    state = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(str(shard)).items():
+            if name.startswith(prefix):
+                state[name[len(prefix):]] = tensor
+    missing, _unexpected = model.load_state_dict(state, strict=False)
+    if getattr(hf_config, "tie_word_embeddings", False):
+        missing = [k for k in missing if k != "lm_head.weight"]
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise ValueError(f"{model_dir}: {len(missing)} weight(s) of the text model are not in the shards "
+                         f"under {prefix!r}, e.g. {missing[:3]}")
 
 
 def decoder_layers(model):
