@@ -4,11 +4,12 @@ Brings up a test host of its own (sshd on loopback, ``TestHost("bench-smoke")``)
 a patched overlay env for it (the shared cached env is never patched; the overlay also
 carries the test host's vLLM CPU rope fix, see tests/test_smoke_verify.py), and runs
 smoke -- twin build, the extraction path through the supervisor, verify -- on the tiny
-Llama, DeepSeek-V3 and Kimi-K2.5 twins. Each model runs twice: ``cold`` (the twin is
-built) and ``warm`` (the twin is reused), and the wall time of each is printed with
-its phases. Target: a smoke run in at most 90 s on the CPU test host.
+Llama, DeepSeek-V3 and Kimi-K2.5 twins: ``cold`` (the twin is built), and with
+``--warm`` once more with the twin reused; the wall time of each is printed with its
+phases. Target: a smoke run in at most 90 s on the CPU test host. (Kimi-K2.5 fails
+smoke today with a named root cause: see KIMI_GAPS in tests/test_smoke_verify.py.)
 
-    .venv/bin/python scripts/bench_smoke.py [--tp 2] [--samples 4] [--models llama,deepseek_v3,kimi_k25]
+    .venv/bin/python scripts/bench_smoke.py [--tp 2] [--samples 4] [--warm] [--models llama,deepseek_v3,kimi_k25]
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ TARGET_S = 90.0
 
 
 def main() -> int:
-    from test_smoke_verify import host_for, make_env
+    from test_smoke_verify import KIMI_CONFIG, host_for, make_env
 
     from specops.smoke import smoke_step
     from specops.testhost.hostenv import ensure_hostenv
@@ -36,7 +37,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--models", default="llama,deepseek_v3,kimi_k25")
-    parser.add_argument("--no-warm", action="store_true", help="only the cold run (twin built)")
+    parser.add_argument("--warm", action="store_true", help="run each model again with its twin reused")
     args = parser.parse_args()
 
     base = ensure_hostenv(quiet=True)
@@ -50,8 +51,13 @@ def main() -> int:
         python = make_env(base, scratch / "env")
         print(f"patched overlay env in {time.monotonic() - t0:.1f}s: {python}", flush=True)
         for name in args.models.split(","):
-            for kind in ("cold", "warm")[: 1 if args.no_warm else 2]:
-                with host_for(scratch, info, python, models[name], models["dataset"], args.tp) as host:
+            target = models[name]
+            if name == "kimi_k25":  # a real Kimi-K2.5 ships its remote-code config; the tiny one gets a stand-in
+                target = scratch / "kimi_k25"
+                shutil.copytree(models[name], target, dirs_exist_ok=True)
+                (target / "configuration_kimi_k25.py").write_text(KIMI_CONFIG)
+            for kind in ("cold", "warm")[: 2 if args.warm else 1]:
+                with host_for(scratch, info, python, target, models["dataset"], args.tp) as host:
                     t0 = time.monotonic()
                     report = smoke_step(host, {}, samples=args.samples)
                     wall = time.monotonic() - t0

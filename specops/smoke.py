@@ -79,6 +79,12 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
         return report
     status = jobs.wait_final(host, run_id, timeout=timeout, poll=poll)
     seconds = time.monotonic() - t0
+    # A done supervisor may still be closing the engine; the real run started right
+    # after smoke would be refused as "already running" while it lives.
+    deadline = time.monotonic() + 60
+    while status.get("state") in jobs.FINAL and status.get("alive") and time.monotonic() < deadline:
+        time.sleep(poll)
+        status = (jobs.job_call(host, "status", run_id).get("data") or {}).get("status") or status
     report.data.update(seconds=round(seconds, 1), status=status)
     report.records.append(run_record(run_id, status, seconds, params, timeout))
     if status.get("state") not in jobs.FINAL:
