@@ -415,7 +415,8 @@ def test_hard_crash_of_a_rank_is_named_from_its_log(hostenv_python, tiny_models,
     """A rank killed by SIGSEGV raises nothing anywhere; the driver only learns "worker died".
     The report must still name rank 1 and the fatal error, read from logs/rank1.log."""
     params = vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
-                         run_id="crash", inject_failure={"rank": 1, "at": "crash", "message": "segv"})
+                         run_id="crash", worker_error_grace_s=5,
+                         inject_failure={"rank": 1, "at": "crash", "message": "segv"})
     job(hostenv_python, action="start", **params)
     st = wait_final(hostenv_python, params, timeout=420)
     err = st["error"]
