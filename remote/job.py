@@ -137,6 +137,8 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
         cmdline = (proc / "cmdline").read_bytes()
     except (OSError, IndexError):
         return False
+    if not cmdline:
+        return True  # seen for a moment right after exec: cannot tell, so not dead
     if b"remote.supervisor" not in cmdline:
         return False
     return run_dir is None or str(run_dir).encode() in cmdline
@@ -280,8 +282,8 @@ def current_status(run_dir: Path) -> dict | None:
     if st.get("state") in FINAL_STATES or alive:
         return st
     age = time.time() - float(st.get("heartbeat_unix") or 0)
-    if pid is None and st.get("state") == "pending" and age < STARTING_GRACE_S:
-        return st  # between status write and pid write of a start
+    if st.get("state") == "pending" and age < STARTING_GRACE_S:
+        return st  # a start in progress: pid not written yet, or the process not yet readable
     tail = _tail_text(run_dir / "logs" / "supervisor.log", 8000)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     from remote.supervisor import last_traceback  # stdlib only at import
