@@ -500,3 +500,18 @@ def test_output_dir_of_another_run_is_refused(hostenv_python, hf_params, tmp_pat
     st = wait_final(hostenv_python, other)
     assert st["state"] == "failed" and "holds the samples of run 'r1'" in st["error"]["message"], st
     assert {p.name: sha256(p) for p in (tmp_path / "out").glob("data_*.pt")} == before
+
+
+def test_hf_reference_runs_the_text_model_of_a_kimi_k25_wrapper(hostenv_python, hf_params, tiny_models, tmp_path):
+    """Kimi-K2.5 keeps its text model under text_config and needs remote code HF cannot
+    find in the twin: the reference engine runs the text model with its own weights."""
+    params = dict(hf_params, model_path=str(tiny_models["kimi_k25"]), max_samples=3)
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "done", st
+    text = json.loads((Path(tiny_models["kimi_k25"]) / "config.json").read_text())["text_config"]
+    n = text["num_hidden_layers"]
+    manifest, _ = assert_proof(hostenv_python, tmp_path / "out", tmp_path / "work" / "runs" / "r1", 3,
+                               [2, n // 2, n - 3, n - 1], text["hidden_size"])
+    assert manifest["engine"]["loaded_as"].startswith("text_config model")
+    assert manifest["model"]["config"]["text_config"]["model_type"] == text["model_type"]

@@ -24,12 +24,18 @@ class HFReferenceEngine(Engine):
         from transformers import AutoModelForCausalLM
 
         self._maybe_inject("load")
-        dtype = self.params.get("dtype") or "bfloat16"
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path,
-            dtype=getattr(torch, dtype),
-            trust_remote_code=bool(self.params.get("trust_remote_code", True)),
-        ).eval()
+        dtype = getattr(torch, self.params.get("dtype") or "bfloat16")
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=dtype,
+                trust_remote_code=bool(self.params.get("trust_remote_code", True)),
+            ).eval()
+            self.loaded_as = "AutoModelForCausalLM"
+        except (OSError, ValueError, KeyError) as exc:
+            # Multimodal wrappers (Kimi-K2.5: text model under text_config, remote code
+            # that may not ship with the checkpoint): run the text model alone.
+            self.model = load_text_model(self.model_path, dtype, exc).eval()
+            self.loaded_as = "text_config model (language_model.* weights)"
         self.layers = decoder_layers(self.model)
         top = max(self.layer_ids)
         if top >= len(self.layers):
@@ -66,7 +72,48 @@ class HFReferenceEngine(Engine):
 
     def describe(self) -> dict:
         return {"name": self.name, "tp": 1, "tp_requested": self.tp,
+                "loaded_as": getattr(self, "loaded_as", None),
                 "note": "transformers forward on CPU, one sample at a time; TP ignored"}
+
+
+def load_text_model(model_path: str, dtype, original: Exception):
+    """The causal LM under ``text_config``, with the ``language_model.`` weights.
+
+    Only for checkpoints small enough to load in full on CPU (test twins); every
+    weight of the text model must be found, or it raises.
+    """
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(os.path.join(model_path, "config.json")) as fh:
+        config = json.load(fh)
+    text = config.get("text_config")
+    if not isinstance(text, dict) or "model_type" not in text:
+        raise original
+    text_config = AutoConfig.for_model(**text)
+    model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)
+    index_path = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    prefix = "language_model."
+    state = {}
+    for shard in shards:
+        for key, tensor in load_file(os.path.join(model_path, shard)).items():
+            if key.startswith(prefix):
+                state[key[len(prefix):]] = tensor
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if "rotary_emb" not in k]
+    if missing or not state:
+        raise ValueError(f"{model_path}: the text model's weights are not all under "
+                         f"'{prefix}*' (missing {missing[:5]}, {len(missing)} in all); "
+                         f"loading it as a causal LM failed first with: {original}") from original
+    return model.to(dtype)
 
 
 def decoder_layers(model):
