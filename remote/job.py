@@ -21,9 +21,10 @@ Verbs:
             ``force``. Same run id with different parameters is refused.
 ``status``  ``status.json`` plus liveness: a dead supervisor whose state is not final was
             killed (SIGKILL, OOM killer, reboot): reported, and written back, as failed.
-``logs``    new bytes of every log since ``offsets`` ({file: byte_offset}); without an
-            offset, the last ``tail_bytes`` of the file. Returns the next offsets, so a
-            controller follows by calling again.
+``logs``    new bytes of every log since ``offsets`` ({file: byte_offset}); without
+            ``offsets``, the last ``tail_bytes`` of each file; with ``offsets``, a file not
+            in them (a rank log that appeared since) from its start. Returns the next
+            offsets, so a controller follows by calling again.
 ``abort``   SIGTERM to the run's process group, SIGKILL after ``grace_s``; state aborted.
 
 Start parameters: ``run_id``, ``work_dir``, ``model_path``, ``dataset`` (required);
@@ -333,6 +334,9 @@ def logs(params: dict) -> dict:
     if not log_dir.is_dir():
         raise JobError("job.logs", f"no run {params.get('run_id')} on this host ({run_dir})",
                        "check the run id")
+    # No offsets: a first look, so tails. Offsets given: following, so a log that
+    # appeared since the last call (a rank starting) is read from its beginning.
+    following = params.get("offsets") is not None
     offsets = params.get("offsets") or {}
     tail_bytes = int(params.get("tail_bytes", 16384))
     max_bytes = int(params.get("max_bytes", 262144))
@@ -340,7 +344,9 @@ def logs(params: dict) -> dict:
     for path in sorted(log_dir.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name)):
         size = path.stat().st_size
         off = offsets.get(path.name)
-        off = max(0, size - tail_bytes) if off is None else int(off)
+        if off is None:
+            off = 0 if following else max(0, size - tail_bytes)
+        off = int(off)
         if off > size:  # the file was replaced: start over
             off = 0
         with open(path, "rb") as fh:

@@ -515,3 +515,21 @@ def test_hf_reference_runs_the_text_model_of_a_kimi_k25_wrapper(hostenv_python, 
                                [2, n // 2, n - 3, n - 1], text["hidden_size"])
     assert manifest["engine"]["loaded_as"].startswith("text_config model")
     assert manifest["model"]["config"]["text_config"]["model_type"] == text["model_type"]
+
+
+def test_logs_tail_first_then_follow_new_files_from_their_start(tmp_path):
+    from remote import job as job_module
+
+    run_dir = tmp_path / "work" / "runs" / "lg"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "supervisor.log").write_text("x" * 100 + "END\n")
+    base = {"action": "logs", "run_id": "lg", "work_dir": str(tmp_path / "work")}
+    first = job_module.main(dict(base, tail_bytes=10))["data"]
+    assert first["logs"]["supervisor.log"]["text"] == "xxxxxx" + "END\n"
+    (run_dir / "logs" / "rank1.log").write_text("rank one starts\n" + "y" * 50)
+    with open(run_dir / "logs" / "supervisor.log", "a") as fh:
+        fh.write("more\n")
+    nxt = job_module.main(dict(base, offsets=first["offsets"], tail_bytes=10))["data"]
+    assert nxt["logs"]["supervisor.log"]["text"] == "more\n"
+    assert nxt["logs"]["rank1.log"]["text"].startswith("rank one starts")
+    assert nxt["offsets"] == {"supervisor.log": 109, "rank1.log": 66}
