@@ -533,3 +533,16 @@ def test_logs_tail_first_then_follow_new_files_from_their_start(tmp_path):
     assert nxt["logs"]["supervisor.log"]["text"] == "more\n"
     assert nxt["logs"]["rank1.log"]["text"].startswith("rank one starts")
     assert nxt["offsets"] == {"supervisor.log": 109, "rank1.log": 66}
+
+
+def test_layer_ids_resolve_with_their_convention():
+    """Defaults are the engine's own; ids given in the other convention are converted, never mixed."""
+    from remote.supervisor import resolve_layer_ids
+
+    assert resolve_layer_ids({}, "speculators-0.3", 8) == ([2, 4, 5, 7], "output")
+    assert resolve_layer_ids({"layer_ids": [3, 5, 6, 8], "layer_convention": "input"},
+                             "hf-reference", 8) == ([2, 4, 5, 7], "output")
+    with pytest.raises(ValueError, match="out of range 0..7"):
+        resolve_layer_ids({"layer_ids": [2, 8]}, "speculators-0.3", 8)
+    with pytest.raises(ValueError, match="duplicate layer ids"):
+        resolve_layer_ids({}, "speculators-0.3", 6)  # 0.3.0's own default collides at N=6
