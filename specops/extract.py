@@ -58,7 +58,8 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
         report.records.append(Record(name="extract.preflight", status="ok",
                                      summary=f"preflight passed ({len(pre.records)} checks)"))
     params = run_params(host.spec, **overrides)
-    params.update(force=force)
+    # each run owns its own output dir: a new run never "resumes" from another's samples
+    params.update(force=force, output_dir=f"{params['output_dir'].rstrip('/')}/{run_id}")
     if inject_failure:
         params["inject_failure"] = inject_failure
     payload = jobs.job_call(host, "start", run_id, **params)

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 import shlex
 import socket
 import threading
@@ -56,6 +57,17 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 def known_hosts_name(address: str, port: int) -> str:
     return address if port == 22 else f"[{address}]:{port}"
+
+
+class StdinResult:
+    """The part of invoke's Result we use, for commands run with data on stdin."""
+
+    def __init__(self, stdout: str, stderr: str, exited: int):
+        self.stdout, self.stderr, self.exited = stdout, stderr, exited
+
+    @property
+    def ok(self) -> bool:
+        return self.exited == 0
 
 
 class _KnownHostsPolicy(paramiko.MissingHostKeyPolicy):
@@ -189,6 +201,42 @@ class Host:
             raise RemoteError(f"command timed out after {exc.timeout}s", "raise the timeout",
                               host=self.name) from None
 
+    def run_heredoc(self, command: str, script: str, timeout: float | None = None) -> "StdinResult":
+        """Run ``command <<'DELIM'`` + ``script`` by feeding that text to ``sh -s`` on stdin.
+
+        The heredoc travels on the channel's stdin, not in the exec request, so no
+        argument-length limit applies (a bundle of a few hundred KB fits), and the
+        quoted delimiter still turns off every expansion.
+        """
+        self.open()
+        text = heredoc_command(command, script).encode()
+        chan = self.cxn.transport.open_session(timeout=self.spec.connect_timeout)
+        chan.settimeout(timeout)
+        try:
+            chan.exec_command("sh -s")
+            chan.sendall(text)
+            chan.shutdown_write()
+            out, err = bytearray(), bytearray()
+            while True:  # drain both streams so neither fills its window and blocks the host
+                progressed = False
+                if chan.recv_ready():
+                    out += chan.recv(65536)
+                    progressed = True
+                if chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                    progressed = True
+                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if not progressed:
+                    chan.status_event.wait(0.01)
+            exited = chan.recv_exit_status()
+        except socket.timeout:
+            raise RemoteError(f"command timed out after {timeout}s", "raise the timeout",
+                              host=self.name) from None
+        finally:
+            chan.close()
+        return StdinResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), exited)
+
     def home(self) -> str:
         if self._home is None:
             self.open()
@@ -240,10 +288,11 @@ class Host:
     def exec_script(self, script: str, *, sudo: bool = False, timeout: float | None = None):
         """Run a python script on the host by the inventory's delivery, return the invoke Result."""
         if self.spec.delivery == "heredoc":
-            return self.run(heredoc_command(self.python_command("-", sudo=sudo), script), timeout)
+            return self.run_heredoc(self.python_command("-", sudo=sudo), script, timeout)
         self.open()
-        digest = hashlib.sha256(script.encode()).hexdigest()[:16]
-        path = self.remote_path(f"{self.spec.work_dir.rstrip('/')}/scripts/entry-{digest}.py")
+        # unique per call: two calls with the same script must not delete each other's file
+        name = f"entry-{hashlib.sha256(script.encode()).hexdigest()[:12]}-{secrets.token_hex(4)}.py"
+        path = self.remote_path(f"{self.spec.work_dir.rstrip('/')}/scripts/{name}")
         self.put_bytes(script.encode(), path)
         quoted = shlex.quote(path)
         return self.run(f"{self.python_command(path, sudo=sudo)}; rc=$?; rm -f -- {quoted}; exit $rc",

@@ -59,7 +59,7 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
     assert manifest["layer_convention"] == "output" and manifest["layer_ids"] == [2, 4, 5, 7]
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
     for entry in manifest["files"]:
-        assert sha(tmp_path / "out" / entry["path"]) == entry["sha256"]
+        assert sha(tmp_path / "out" / "r1" / entry["path"]) == entry["sha256"]
         assert sha(dest / "samples" / entry["path"]) == entry["sha256"]
         assert [h["shape"][1] for h in entry["tensors"]["hidden_states"]] == [256] * 4
         assert {h["dtype"] for h in entry["tensors"]["hidden_states"]} == {"bfloat16"}

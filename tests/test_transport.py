@@ -14,7 +14,7 @@ from specops.exit_codes import ExitCode
 from specops.facts import facts
 from specops.host import Host, current_bundle
 from specops.inventory import load_inventory
-from specops.render import REPO_ROOT, heredoc_command, render_entry
+from specops.render import REPO_ROOT, render_entry
 
 
 def host_for(path, name="th", **kw):
@@ -74,7 +74,7 @@ def test_heredoc_and_sftp_deliver_identical_bytes(make_inventory, tmp_path):
     local = hashlib.sha256(script.encode()).hexdigest()
     host = host_for(make_inventory())
     with host:
-        via_heredoc = host.run(heredoc_command("sha256sum", script)).stdout.split()[0]
+        via_heredoc = host.run_heredoc("sha256sum", script).stdout.split()[0]
         target = str(tmp_path / "uploaded.py")
         host.put_bytes(script.encode(), target)
         via_sftp = host.run(f"sha256sum {target}").stdout.split()[0]
