@@ -133,3 +133,54 @@ def test_bad_run_id_is_a_usage_error(llama_inventory):
     proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "../etc; rm -rf /", "--detach")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.USAGE and "--run-id" in err
+
+
+@pytest.fixture(scope="module")
+def patched_python(hostenv_python, tmp_path_factory):
+    """An overlay env whose own speculators copy has the patch set applied."""
+    from specops.testhost.hostenv import make_overlay_env
+
+    python = make_overlay_env(hostenv_python, tmp_path_factory.mktemp("patched") / "env")
+    proc = subprocess.run([str(python), "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
+                           "from remote import patcher; print(json.dumps(patcher.main({'action': 'apply', "
+                           "'patches_root': sys.argv[1] + '/patches'})))", str(REPO_ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and '"fail"' not in proc.stdout, proc.stdout + proc.stderr
+    return python
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model", ["deepseek_v3", "llama"])
+def test_extract_tp2_speculators_over_ssh(make_inventory, tiny_models, patched_python, tmp_path, monkeypatch,
+                                          model):
+    """The real patched speculators 0.3.0 generator at TP=2, launched and followed over SSH."""
+    monkeypatch.setenv("SPECOPS_RUNS", str(tmp_path / "runs"))
+    path = make_inventory(
+        python=str(patched_python), model_path=str(tiny_models[model]), dataset=str(tiny_models["dataset"]),
+        engine="speculators-0.3", tp=2, max_samples=6, seq_len=96, batch_size=3,
+        output_dir=str(tmp_path / "out"),
+        env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    code = extract(load_inventory(path), None, {}, run_id=f"tp2-{model}", detach=False, force=False,
+                   skip_preflight=False, as_json=True)
+    dest = tmp_path / "runs" / "th" / f"tp2-{model}"
+    if code != ExitCode.SUCCESS:
+        from specops.preflight import preflight
+
+        fails = [(r.name, r.summary) for r in preflight(load_inventory(path), None)[0].records
+                 if r.status == "fail"]
+        status = (dest / "status.json").read_text() if dest.exists() else "no run"
+        pytest.fail(f"extract exited {code}; preflight fails now: {fails}; status: {status}")
+    manifest = json.loads((dest / "manifest.json").read_text())
+    summary = json.loads((dest / "summary.json").read_text())
+    assert manifest["engine"]["name"] == "speculators-0.3" and manifest["engine"]["tp"] == 2
+    assert manifest["layer_ids"] == [2, 4, 5, 7] and manifest["layer_convention"] == "output"
+    assert manifest["samples"] == 6
+    for entry in manifest["files"]:
+        assert sha(tmp_path / "out" / f"tp2-{model}" / entry["path"]) == entry["sha256"]
+        layers = entry["tensors"]["hidden_states"]
+        assert len(layers) == 4
+        assert all(h["shape"] == [entry["tokens"], 256] and h["dtype"] == "bfloat16" for h in layers)
+    assert all(layer["nan"] == 0 and layer["inf"] == 0 for layer in summary["layers"])
+    assert summary["ok"] is True
