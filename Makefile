@@ -15,4 +15,6 @@ test: bootstrap
 
 bench: bootstrap
 	.venv/bin/specops testhost.up
-	.venv/bin/python scripts/bench.py
+	.venv/bin/python scripts/bench_preflight.py
+	.venv/bin/python scripts/bench_extract.py
+	.venv/bin/python scripts/bench_smoke.py
