@@ -24,7 +24,10 @@ What it compares, all derived from the code on disk (no version strings):
   runs fine and silently computes wrong states.
 * **wrapper**  a multimodal wrapper (Kimi-K2.5: ``KimiK25ForConditionalGeneration``)
   is what vLLM builds and hands the worker: the gate and ``model.<attr>`` are checked
-  against it, the layer and embedding checks against the text model inside.
+  against it, the layer and embedding checks against the text model inside. An unwrap
+  in the worker (``model = model if hasattr(model, "model") else model.language_model``,
+  its ``getattr``/``if not hasattr`` forms) is evaluated per target class, so the gate
+  and ``model.<attr>`` after it meet the class the variable then holds.
 * **runtime**  two-phase execution (``execute_model`` then ``sample_tokens``), requests
   without a block hasher while prefix caching is on, CUDA-only calls on a CPU host, and
   ``collective_rpc(..., unique_reply_rank=...)`` results indexed like a list.
@@ -898,6 +901,37 @@ def inner_model_class(index: PackageIndex, causal: Ref) -> Ref | None:
     return None
 
 
+def attribute_class(index: PackageIndex, cls: Ref, attr: str) -> Ref | None:
+    """The class of ``<cls instance>.<attr>``, read from the class's own assignments.
+
+    ``self.<attr> = X(...)`` with ``X`` a vLLM class, or a registry factory called with a
+    literal ``architectures=["Name"]`` (Kimi-K2.5: ``self.language_model =
+    init_vllm_registered_model(..., architectures=["DeepseekV2ForCausalLM"])``), looked up
+    in vLLM's model registry. None when the code does not say.
+    """
+    for owner in index.mro(cls)[0]:
+        for node in ast.walk(owner.node):
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                continue
+            if not any(isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                       and t.value.id == "self" for t in node.targets):
+                continue
+            ref = index.resolve_in(owner.module, node.value.func)
+            if ref is not None and ref.kind == "class":
+                return ref
+            for kw in node.value.keywords:
+                if kw.arg != "architectures" or not isinstance(kw.value, (ast.List, ast.Tuple)):
+                    continue
+                names = [e.value for e in kw.value.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                entry = registry_entry(index, names[0]) if names else None
+                if entry:
+                    ref = index.lookup(f"{index.package}.model_executor.models.{entry[0]}", entry[1])
+                    if ref is not None and ref.kind == "class":
+                        return ref
+    return None
+
+
 def decoder_layer_class(index: PackageIndex, inner: Ref) -> Ref | None:
     """``<Prefix>DecoderLayer`` beside ``<Prefix>Model`` (the only one when there is one)."""
     tree, path = index.tree(inner.module)
@@ -1242,18 +1276,18 @@ class Checker:
             failed = []  # gate calls that are False for the target
             if self._evaluate(spec, node.test, causal, failed) is not True or not failed:
                 continue
-            call, _proto = failed[0]
+            call, _proto, cls = failed[0]
             fn_name = spec.resolve(call.func).name
-            gates = " and ".join(sorted({f"{spec.resolve(c.func).name}(model)" for c, _ in failed}))
-            protocols = " nor ".join(sorted({p.name for _, p in failed}))
+            gates = " and ".join(sorted({f"{spec.resolve(c.func).name}(model)" for c, _, _ in failed}))
+            protocols = " nor ".join(sorted({p.name for _, p, _ in failed}))
             drift_id = GATE_IDS.get(fn_name, f"support-check-{slug(fn_name)}")
             implements = (f"implements neither {protocols}" if " nor " in protocols
                           else f"does not implement {protocols}")
             self.add(spec, call, drift_id,
-                     f"{gates} {'are' if ' and ' in gates else 'is'} False for {self.target.causal.name} "
+                     f"{gates} {'are' if ' and ' in gates else 'is'} False for {cls.name} "
                      f"(it {implements}), so the worker raises",
                      hint="accept the interfaces the target family implements",
-                     protocols=sorted({p.name for _, p in failed}))
+                     protocols=sorted({p.name for _, p, _ in failed}), model_class=cls.name)
 
     def _gate(self, spec: SpecFile, call) -> Ref | None:
         """The protocol class a ``supports_x(model)`` function tests with isinstance."""
@@ -1304,9 +1338,10 @@ class Checker:
         if isinstance(expr, ast.Call):
             proto = self._gate(spec, expr)
             if proto is not None:
-                ok = self._implements(causal, proto)
+                cls = self.argument_class(expr, causal)
+                ok = self._implements(cls, proto)
                 if not ok:
-                    failed.append((expr, proto))
+                    failed.append((expr, proto, cls))
                 return ok
             return None
         if (isinstance(expr, ast.Compare) and len(expr.ops) == 1 and isinstance(expr.ops[0], (ast.Is, ast.IsNot))
@@ -1331,7 +1366,6 @@ class Checker:
         has no ``model`` attribute at all.
         """
         causal = self.target.causal
-        known = self.index.instance_attributes(causal) | NN_MODULE_API
         for fn in ast.walk(spec.tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -1342,13 +1376,129 @@ class Checker:
                 if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                         and node.value.id in gated and isinstance(node.ctx, ast.Load)):
                     continue
+                cls = self.class_at(node, node.value.id, causal) or causal
+                known = self.attributes(cls)
+                if self._branch_runs(node, fn, node.value.id, cls) is False:
+                    continue  # under ``if not hasattr(model, ...)``: never runs for this class
                 if node.attr in known or node.attr in reported or self._fallback_only(node, node.value.id, known):
                     continue
                 reported.add(node.attr)
                 self.add(spec, node, f"model-attr-{slug(node.attr)}",
-                         f"{causal.name} has no attribute {node.attr!r} ({causal.where})",
-                         hint=f"reach the text model the way {causal.name} holds it",
-                         model_class=causal.name, attribute=node.attr)
+                         f"{cls.name} has no attribute {node.attr!r} ({cls.where})",
+                         hint=f"reach the text model the way {cls.name} holds it",
+                         model_class=cls.name, attribute=node.attr)
+
+    # -- what a variable holds after the worker unwraps it
+    def attributes(self, cls: Ref) -> set:
+        """What ``hasattr`` finds on an instance of ``cls`` (its own names and nn.Module's)."""
+        return self.index.instance_attributes(cls) | NN_MODULE_API
+
+    def argument_class(self, call: ast.Call, start: Ref) -> Ref:
+        """The class of a gate call's first argument at the call (``start`` when unknown)."""
+        if call.args and isinstance(call.args[0], ast.Name):
+            return self.class_at(call, call.args[0].id, start) or start
+        return start
+
+    def class_at(self, node, var: str, start: Ref) -> Ref | None:
+        """The class ``var`` holds at ``node``, given that it starts as the object vLLM built.
+
+        Follows the assignments to ``var`` before ``node`` in its function, in order. One
+        that does not read ``var`` (``model = self.model_runner.model``) starts over at
+        ``start``; one that reads it is an unwrap, evaluated for the class it has then:
+        ``var.attr``, ``getattr(var, "a", default)``, ``x if hasattr(var, "a") else y``,
+        ``getattr(var, "a", None) or y``, and an assignment under ``if [not] hasattr(var,
+        "a"):``. ``attr``'s class is read from the class (:func:`attribute_class`). So the
+        patched worker's ``model = model if hasattr(model, "model") else
+        model.language_model`` is the text model for Kimi-K2.5's wrapper and the model
+        itself for Llama. None when some step cannot be decided: the caller then checks
+        ``start`` as before, which may report too much but never hides drift.
+        """
+        fn = enclosing_function(node)
+        if fn is None:
+            return start
+        at = (node.lineno, node.col_offset)
+        assigns = sorted(
+            (n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+             and any(isinstance(t, ast.Name) and t.id == var
+                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+             and (n.end_lineno, n.end_col_offset) <= at),
+            key=lambda n: (n.lineno, n.col_offset))
+        cls = start
+        for stmt in assigns:
+            runs = self._branch_runs(stmt, fn, var, cls)
+            if runs is None:
+                return None
+            if not runs:
+                continue
+            reads_var = any(isinstance(n, ast.Name) and n.id == var for n in ast.walk(stmt.value))
+            cls = self._unwrap(stmt.value, var, cls) if reads_var else start
+            if cls is None:
+                return None
+        return cls
+
+    def _branch_runs(self, stmt, fn, var, cls):
+        """Whether the ``if`` branches around ``stmt`` run for ``cls``: True, False or None."""
+        child = stmt
+        for anc in ancestors(stmt):
+            if anc is fn:
+                return True
+            if isinstance(anc, ast.If) and child is not anc.test:
+                holds = self._holds(anc.test, var, cls)
+                if holds is None:
+                    return None
+                if holds != (child in anc.body):
+                    return False
+            elif isinstance(anc, (ast.For, ast.While, ast.Try, ast.With)) and anc is not fn:
+                return None  # a loop or handler: order and count unknown
+            child = anc
+        return True
+
+    def _has(self, expr, var, cls):
+        """``hasattr(var, "a")`` / ``getattr(var, "a", None)``: whether ``cls`` has ``a``; else None."""
+        if (isinstance(expr, ast.Call) and dotted(expr.func) in ("hasattr", "getattr")
+                and len(expr.args) >= 2 and isinstance(expr.args[0], ast.Name) and expr.args[0].id == var
+                and isinstance(expr.args[1], ast.Constant) and isinstance(expr.args[1].value, str)):
+            return expr.args[1].value in self.attributes(cls)
+        return None
+
+    def _holds(self, test, var, cls):
+        """Three-valued truth of an ``if`` test about ``var``'s attributes for ``cls``."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            inner = self._holds(test.operand, var, cls)
+            return None if inner is None else not inner
+        if isinstance(test, ast.BoolOp):
+            values = [self._holds(v, var, cls) for v in test.values]
+            if isinstance(test.op, ast.And):
+                return False if False in values else (None if None in values else True)
+            return True if True in values else (None if None in values else False)
+        if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+                and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None):
+            has = self._has(test.left, var, cls)
+            return None if has is None else has == isinstance(test.ops[0], ast.IsNot)
+        return self._has(test, var, cls)
+
+    def _unwrap(self, expr, var, cls):
+        """The class of ``expr`` (which reads ``var``, an instance of ``cls``), or None."""
+        if isinstance(expr, ast.Name) and expr.id == var:
+            return cls
+        if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == var:
+            return attribute_class(self.index, cls, expr.attr)
+        if isinstance(expr, ast.Call) and dotted(expr.func) == "getattr":
+            has = self._has(expr, var, cls)
+            if has:
+                return attribute_class(self.index, cls, expr.args[1].value)
+            if has is False and len(expr.args) == 3:
+                return self._unwrap(expr.args[2], var, cls)
+            return None
+        if isinstance(expr, ast.IfExp):
+            holds = self._holds(expr.test, var, cls)
+            return None if holds is None else self._unwrap(expr.body if holds else expr.orelse, var, cls)
+        if isinstance(expr, ast.BoolOp) and isinstance(expr.op, ast.Or):
+            for value in expr.values:  # the first operand that is there (an object is truthy)
+                if self._has(value, var, cls) is False:
+                    continue
+                return self._unwrap(value, var, cls)
+        return None
 
     # -- functions bound onto the inner model: attributes they use and layer calls
     def check_bound_model_functions(self, spec: SpecFile):

@@ -481,3 +481,52 @@ def test_patch_set_claims_every_known_id(hostenv_python):
     for drift_id in KNOWN_IDS:
         assert records[drift_id]["detail"]["patch_set"] == PATCH_SET.name, records[drift_id]
         assert PATCH_SET.name in records[drift_id]["fix"]
+
+
+# ------------------------------------------------------- unwrapping a wrapper model
+
+UNWRAP = '        model = model if hasattr(model, "model") else model.language_model\n'
+
+
+@needs_patch_diffs
+def test_patched_kimi_follows_the_workers_unwrap(hostenv_python, spec_copy, tiny_models):
+    """The patched worker reaches Kimi-K2.5's text model through ``language_model``: the
+    wrapper's gate and ``model.model`` findings go; unpatched, they are there."""
+    root, params = spec_copy
+    kimi = params(model_path=str(tiny_models["kimi_k25"]), model_family=None)
+    before = by_id(run_drift(hostenv_python, kimi))
+    assert before["model-attr-model"]["status"] == "fail"
+    assert "KimiK25ForConditionalGeneration" in before["model-attr-model"]["summary"]
+    assert before["eagle3-support-check"]["status"] == "fail"
+    apply_patch_set(root)
+    assert UNWRAP in (root / WORKER).read_text()
+    for model in ("kimi_k25", "deepseek_v3", "llama"):
+        payload = run_drift(hostenv_python, params(model_path=str(tiny_models[model]), model_family=None))
+        assert [r["name"] for r in payload["records"]] == ["drift.none"], (model, payload["records"])
+
+
+@needs_patch_diffs
+def test_unwrap_is_evaluated_per_class_not_matched_as_text(hostenv_python, spec_copy, tiny_models):
+    """The unwrap's condition decides which class each target ends up with."""
+    root, params = spec_copy
+    apply_patch_set(root)
+    kimi = params(model_path=str(tiny_models["kimi_k25"]), model_family=None)
+    llama = params(model_path=str(tiny_models["llama"]), model_family=None)
+    # Inverted: the wrapper (no .model) stays the wrapper, Llama is sent to a language_model it lacks.
+    edit(root, WORKER, UNWRAP,
+         '        model = model.language_model if hasattr(model, "model") else model\n')
+    records = by_id(run_drift(hostenv_python, kimi))
+    assert {"model-attr-model", "eagle3-support-check"} <= drift_ids(run_drift(hostenv_python, kimi))
+    assert "KimiK25ForConditionalGeneration" in records["model-attr-model"]["summary"]
+    records = by_id(run_drift(hostenv_python, llama))
+    assert "LlamaForCausalLM has no attribute 'language_model'" in \
+        records["model-attr-language-model"]["summary"]
+    # The same unwrap written as an if statement, or as getattr with a default, is understood.
+    previous = '        model = model.language_model if hasattr(model, "model") else model\n'
+    for form in ('        if not hasattr(model, "model"):\n            model = model.language_model\n',
+                 '        model = getattr(model, "language_model", model)\n'):
+        edit(root, WORKER, previous, form)
+        previous = form
+        for p in (kimi, llama):
+            payload = run_drift(hostenv_python, p)
+            assert [r["name"] for r in payload["records"]] == ["drift.none"], (form, payload["records"])
