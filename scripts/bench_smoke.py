@@ -6,8 +6,7 @@ carries the test host's vLLM CPU rope fix, see tests/test_smoke_verify.py), and 
 smoke -- twin build, the extraction path through the supervisor, verify -- on the tiny
 Llama, DeepSeek-V3 and Kimi-K2.5 twins: ``cold`` (the twin is built), and with
 ``--warm`` once more with the twin reused; the wall time of each is printed with its
-phases. Target: a smoke run in at most 90 s on the CPU test host. (Kimi-K2.5 fails
-smoke today with a named root cause: see KIMI_GAPS in tests/test_smoke_verify.py.)
+phases. Target: a smoke run in at most 90 s on the CPU test host.
 
     .venv/bin/python scripts/bench_smoke.py [--tp 2] [--samples 4] [--warm] [--models llama,deepseek_v3,kimi_k25]
 """

@@ -18,6 +18,14 @@ the sharp twin (found by verify itself). GPU hosts use the CUDA op and MLA. The
 overlays here therefore carry ``ROPE_FIX`` (forward_native for 3-D inputs), so that
 what is tested is speculators and the worker, not that CPU kernel;
 ``test_verify_catches_the_vllm_cpu_rope_bug`` proves verify sees the bug without it.
+
+Kimi-K2.5 (``text_config`` wrapper): the tiny reference model lacks the remote-code
+``configuration_kimi_k25.py`` its ``auto_map`` names; a real checkpoint ships it, so the
+Kimi target here gets a stand-in on disk (``KIMI_CONFIG``), and the twin must carry it.
+
+Wall time: 7.5 minutes for the whole file on the 2-core box (12 while other vLLM jobs
+ran: a vLLM TP=2 load takes 25-150 s depending on that load); see
+scripts/bench_smoke.py for per-model smoke times.
 """
 from __future__ import annotations
 
@@ -227,20 +235,6 @@ def kimi_with_remote_code(tmp_path, tiny_models) -> Path:
     return target
 
 
-KIMI_GAPS = (
-    "the extraction path cannot run Kimi-K2.5 yet (found by this smoke): (1) the patched generator starts "
-    "vLLM with multimodal profiling on, and the tiny model's text-only processor refuses the dummy media "
-    "(a real checkpoint would profile its vision tower); with limit_mm_per_prompt set to 0 for every "
-    "modality it loads, then (2) the worker's support check and model.model refuse the wrapper: "
-    "'Model KimiK25ForConditionalGeneration does not support hidden state extraction'. Both "
-    "belong to the patch set; remove this xfail when it handles text_config wrappers")
-
-
-#: the root causes smoke reports for Kimi-K2.5 until the patch set handles wrappers.
-KIMI_KNOWN_CAUSES = ("this tiny Kimi-K2.5 twin is text-only: start vLLM with limit_mm_per_prompt",
-                     "Model KimiK25ForConditionalGeneration does not support hidden state extraction")
-
-
 @pytest.mark.vllm
 def test_smoke_kimi_k25_text_config_tp2(tmp_path, testhost, envs, tiny_models, kimi_with_remote_code):
     with host_for(tmp_path, testhost, envs["patched"], kimi_with_remote_code, tiny_models["dataset"], 2) as host:
@@ -250,26 +244,8 @@ def test_smoke_kimi_k25_text_config_tp2(tmp_path, testhost, envs, tiny_models, k
     assert twin["wrapped"] is True and twin["model_type"] == "kimi_k25" and twin["layers"] == 8
     # the target's remote code is on disk, so the twin carries it (the generator loads it)
     assert twin["remote_code"] == ["configuration_kimi_k25.py", "kimi_k25_text_only_processor.py"]
-    run = recs["smoke.run"]
-    if run.status == "fail":  # only the known gaps may fail it, each named with its rank
-        err = run.detail["error"]
-        assert err["rank"] in (0, 1) and any(cause in err["message"] for cause in KIMI_KNOWN_CAUSES), err
-        assert "Traceback (most recent call last)" in run.detail["traceback"]
-        pytest.xfail(KIMI_GAPS)
     assert_healthy_smoke(report, "kimi_k25")
     assert "text_config" in recs["verify.reference"].summary  # the reference needs no remote code
-
-
-@pytest.mark.vllm
-def test_smoke_mirrors_missing_remote_code(tmp_path, testhost, envs, tiny_models):
-    """The tiny Kimi-K2.5 lacks the configuration_kimi_k25.py its auto_map names: speculators'
-    generator (AutoConfig, trust_remote_code=True) fails on the real model, and so does smoke."""
-    with host_for(tmp_path, testhost, envs["patched"], tiny_models["kimi_k25"], tiny_models["dataset"], 2) as host:
-        report = smoke_step(host, {}, samples=2)
-    run = by_name(report)["smoke.run"]
-    assert run.status == "fail"
-    assert "configuration_kimi_k25.py" in run.detail["error"]["message"], run.detail["error"]
-    assert "Traceback (most recent call last)" in run.detail["traceback"]
 
 
 @pytest.mark.vllm
