@@ -3,7 +3,7 @@
 1. ``facts``      -- the pipe works (render, bundle, upload once, one JSON result);
 2. ``preflight``  -- on the freshly built env it shows the speculators/vLLM drift;
 3. ``patch``      -- applies the matching patch set (idempotent: ok when already applied);
-4. ``extract``    -- preflight again (now clean), then the TP extraction, followed to
+4. ``extract``    -- preflight again (now clean), smoke on a tiny twin, then the TP extraction, followed to
                      the end, with manifest and per-layer summary fetched into ``runs/``.
 
 The demo stops at the first step that fails (other than the expected drift in step 2)
@@ -40,8 +40,8 @@ def run_demo(inventory_path: str | None, selector: str | None) -> None:
     step("2. preflight (before patching: drift findings expected)", preflight(inventory, selector),
          tolerate_drift=True)
     step("3. patch", patch(inventory, selector, "apply"))
-    console.rule("[bold]4. extract (preflight, start detached, follow, fetch)")
+    console.rule("[bold]4. extract (preflight, smoke, start detached, follow, fetch)")
     code = extract(inventory, selector, {}, run_id=None, detach=False, force=False,
-                   skip_preflight=False, as_json=False)
+                   skip_preflight=False, skip_smoke=False, as_json=False)
     if code != ExitCode.SUCCESS:
         raise Exit(code=int(code))

@@ -1,6 +1,7 @@
 """``specops extract``: start the TP extraction detached, follow it, bring the proof back.
 
-Steps per host: preflight (stops on a fail unless skipped) -> start the job detached
+Steps per host: preflight (stops on a fail unless skipped) -> smoke on a tiny twin of the
+model (the CLI runs it by default; stops on a fail) -> start the job detached
 (``remote/job.py``; the same run id re-attaches, never starts twice) -> follow the
 status file with a progress bar over the same connection -> fetch logs, manifest and
 summary into ``runs/<host>/<run-id>/``. Ctrl-C while following detaches; the job
@@ -41,9 +42,12 @@ def check_run_id(run_id: str) -> str:
 
 
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
-               inject_failure: dict | None = None) -> HostReport:
-    """Preflight, then start (or re-attach to) the run on one host."""
+               skip_smoke: bool = True, inject_failure: dict | None = None) -> HostReport:
+    """Preflight, smoke, then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
+    already = jobs.job_call(host, "status", run_id)
+    if jobs.job_state(already) not in ("missing",):
+        skip_preflight = skip_smoke = True  # re-attaching or resuming: the checks ran before
     if not skip_preflight:
         pre = preflight_step(host, overrides, skip_autoconfig=True)
         failed = [r for r in pre.records if r.status == "fail"]
@@ -57,6 +61,19 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
             return report
         report.records.append(Record(name="extract.preflight", status="ok",
                                      summary=f"preflight passed ({len(pre.records)} checks)"))
+    if not skip_smoke:
+        from specops.smoke import smoke_step
+
+        smoked = smoke_step(host, overrides, samples=4, force=force)
+        report.records.extend(r for r in smoked.records if r.status in ("fail", "warn"))
+        if smoked.failed:
+            report.records.append(Record(
+                name="extract.smoke", status="fail",
+                summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
+                fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
+            return report
+        report.records.append(Record(name="extract.smoke", status="ok",
+                                     summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
     params = run_params(host.spec, **overrides)
     # each run owns its own output dir: a new run never "resumes" from another's samples
     params.update(force=force, output_dir=f"{params['output_dir'].rstrip('/')}/{run_id}")
@@ -103,13 +120,15 @@ def follow(hosts: list[Host], run_id: str, poll: float = 1.0) -> dict[str, dict]
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
             detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
-            accept_new_host_key: bool = False, inject_failure: dict | None = None) -> ExitCode:
+            accept_new_host_key: bool = False, inject_failure: dict | None = None,
+            skip_smoke: bool = True) -> ExitCode:
     """Run the whole extraction flow; returns the exit code."""
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
     reports = run_on_hosts(inventory, selector, "extract",
                            lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight,
-                                                force=force, inject_failure=inject_failure),
+                                                force=force, skip_smoke=skip_smoke,
+                                                inject_failure=inject_failure),
                            accept_new_host_key=accept_new_host_key)
     started = [r.host for r in reports if not r.failed]
     if detach or not started:

@@ -123,11 +123,12 @@ JOB_HELP = {**COMMON_HELP, "run-id": "the run's id (letters, digits, . _ -)"}
             "detach": "start and return at once",
             "force": "start even if the host already runs another extraction",
             "skip-preflight": "do not run preflight first",
+            "skip-smoke": "do not rehearse on a tiny twin of the model first",
             "batch-size": "samples per engine call",
             "tensors": "also fetch every sample file at the end (checked by sha256)"})
 def extract(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, dataset=None,
             tp=None, layer_ids=None, engine=None, seq_len=None, max_samples=None, batch_size=None,
-            run_id=None, detach=False, force=False, skip_preflight=False, tensors=False):
+            run_id=None, detach=False, force=False, skip_preflight=False, skip_smoke=False, tensors=False):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary."""
     from specops.extract import extract as run
 
@@ -137,7 +138,7 @@ def extract(c, on=None, inventory=None, json=False, accept_new_host_key=False, m
                                seq_len=seq_len, max_samples=max_samples, batch_size=batch_size)
         code = run(load_inventory(inventory), _selector(c, on), overrides, run_id=run_id, detach=detach,
                    force=force, skip_preflight=skip_preflight, as_json=json, tensors=tensors,
-                   accept_new_host_key=accept_new_host_key)
+                   accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke)
         if code:
             raise Exit(code=int(code))
     go()

@@ -79,7 +79,7 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
 
 def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
     env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
-    follower = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight",
+    follower = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight", "--skip-smoke",
                    "--max-samples", "12", env=env)
     with one_host(llama_inventory) as host:
         deadline = time.monotonic() + 120
@@ -91,7 +91,7 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
         status = jobs.job_call(host, "status", "r2")["data"]["status"]
         assert status["alive"] and status["state"] not in jobs.FINAL
     # the same run id again re-attaches instead of starting a second copy
-    again = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight",
+    again = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight", "--skip-smoke",
                 "--max-samples", "12", "--json", env=env)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
@@ -106,7 +106,7 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
 
 def test_detach_status_abort_codes(llama_inventory, tmp_path):
     env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
-    proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3", "--skip-preflight",
+    proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3", "--skip-preflight", "--skip-smoke",
                "--detach", "--max-samples", "24", env=env)
     proc.communicate(timeout=120)
     assert proc.returncode == 0
@@ -114,7 +114,7 @@ def test_detach_status_abort_codes(llama_inventory, tmp_path):
     st.communicate(timeout=60)
     assert st.returncode == ExitCode.JOB_RUNNING
     # a second run on a busy host is refused unless forced
-    other = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3b", "--skip-preflight",
+    other = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3b", "--skip-preflight", "--skip-smoke",
                 "--detach", env=env)
     out, _ = other.communicate(timeout=120)
     assert other.returncode == ExitCode.FAILED and "already running extraction r3" in out
@@ -162,8 +162,9 @@ def test_extract_tp2_speculators_over_ssh(make_inventory, tiny_models, patched_p
         env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
+    # the DeepSeek case also proves extract rehearses on a tiny twin first (the CLI default)
     code = extract(load_inventory(path), None, {}, run_id=f"tp2-{model}", detach=False, force=False,
-                   skip_preflight=False, as_json=True)
+                   skip_preflight=False, as_json=True, skip_smoke=model != "deepseek_v3")
     dest = tmp_path / "runs" / "th" / f"tp2-{model}"
     if code != ExitCode.SUCCESS:
         from specops.preflight import preflight
@@ -184,3 +185,5 @@ def test_extract_tp2_speculators_over_ssh(make_inventory, tiny_models, patched_p
         assert all(h["shape"] == [entry["tokens"], 256] and h["dtype"] == "bfloat16" for h in layers)
     assert all(layer["nan"] == 0 and layer["inf"] == 0 for layer in summary["layers"])
     assert summary["ok"] is True
+    smoke_runs = [p.name for p in (tmp_path / "work" / "runs").iterdir() if p.name.startswith("smoke-")]
+    assert bool(smoke_runs) == (model == "deepseek_v3")

@@ -90,7 +90,11 @@ def site_packages(python: Path | str) -> Path:
     return Path(out)
 
 
-def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN) -> Path:
+ROPE_FIX = Path(__file__).with_name("vllm_cpu_rope_fix.py")
+ROPE_FIX_MODULE = "_specops_vllm_cpu_rope_fix"
+
+
+def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_fix: bool = True) -> Path:
     """A light venv that sees the cached env's packages but owns a copy of ``own``.
 
     ``specops patch`` edits speculators where it is installed; giving each test host
@@ -98,6 +102,10 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN) -> Pa
     base env enters through a ``.pth`` that calls ``site.addsitedir`` (so its own
     ``.pth`` files run too); the owned copies sit in the overlay's site-packages,
     which comes first on ``sys.path``.
+
+    With ``rope_fix`` the env also carries :mod:`vllm_cpu_rope_fix` (vLLM 0.16's CPU
+    rotary op mis-rotates DeepSeek's 3-D query; found by ``specops verify``), so the
+    test host's DeepSeek states are right. A GPU host never gets it.
 
     :returns: the overlay's python.
     """
@@ -108,6 +116,9 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN) -> Pa
         subprocess.run([str(base_python), "-m", "venv", "--without-pip", str(dest)], check=True)
     site = site_packages(python)
     (site / "_specops_base_env.pth").write_text(f"import site; site.addsitedir({str(base_site)!r})\n")
+    if rope_fix:
+        (site / f"{ROPE_FIX_MODULE}.py").write_text(ROPE_FIX.read_text())
+        (site / f"{ROPE_FIX_MODULE}.pth").write_text(f"import {ROPE_FIX_MODULE}\n")
     for name in own:
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():
