@@ -65,12 +65,8 @@ REQUIRED = ("run_id", "work_dir", "model_path", "dataset")
 STARTING_GRACE_S = 15.0
 
 
-class JobError(Exception):
+class JobError(protocol.TaskError):
     """A refusal with a fix hint; becomes one failed record."""
-
-    def __init__(self, name, summary, fix, detail=None):
-        super().__init__(summary)
-        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
 
 
 def main(params: dict) -> dict:
@@ -83,8 +79,7 @@ def main(params: dict) -> dict:
     try:
         return verbs[action](params)
     except JobError as exc:
-        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
-                                                 detail=exc.detail, fix=exc.fix)])
+        return exc.payload()
 
 
 # --------------------------------------------------------------------------- run dirs

@@ -39,6 +39,25 @@ def record(name, status, summary, detail=None, fix=None, area=None):
     }
 
 
+class TaskError(Exception):
+    """A refusal with a fix hint, raised anywhere in a task; ``main`` returns it as one failed record."""
+
+    def __init__(self, name, summary, fix, detail=None):
+        super().__init__(summary)
+        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+
+    def payload(self, **data):
+        return payload([record(self.name, FAIL, self.summary, detail=self.detail, fix=self.fix)], **data)
+
+
+def apply_job_env(params) -> None:
+    """Export the inventory's ``env`` for this process; never reach a model hub by default."""
+    for key, value in (params.get("env") or {}).items():
+        os.environ[str(key)] = str(value)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
 def payload(records, **data):
     return {"records": list(records), "data": data}
 

