@@ -15,7 +15,7 @@ inputs; 2-D inputs are fine). Llama passes 2-D q/k; DeepSeek's non-MLA attention
 only one vLLM runs on CPU) passes a 3-D ``q_pe``, so every DeepSeek state past position
 0 is wrong on a CPU host -- fp32 transformers vs vLLM: 35-43 % nrmse from layer 0 on
 the sharp twin (found by verify itself). GPU hosts use the CUDA op and MLA. The
-overlays here therefore carry ``ROPE_FIX`` (forward_native for 3-D inputs), so that
+overlays (make_overlay_env) carry specops/testhost/vllm_cpu_rope_fix.py (forward_native for 3-D inputs), so that
 what is tested is speculators and the worker, not that CPU kernel;
 ``test_verify_catches_the_vllm_cpu_rope_bug`` proves verify sees the bug without it.
 
@@ -52,8 +52,6 @@ def cli_env() -> dict:
     return {**os.environ, **OFFLINE, "COLUMNS": "250"}
 
 
-ROPE_FIX_MODULE = "_specops_vllm_cpu_rope_fix"
-ROPE_FIX = (REPO / "specops" / "testhost" / "vllm_cpu_rope_fix.py").read_text()
 WORKER = "speculators/data_generation/custom_worker.py"
 LLAMA4_LINE = 'layer_kwargs["llama_4_scaling"] = llama_4_scaling'
 
@@ -68,7 +66,7 @@ def make_env(base_python, dest: Path, kind: str = "patched", rope_fix: bool = Tr
     """An overlay env of ``kind`` (patched | unpatched | no-llama4); returns its python."""
     from specops.testhost.hostenv import make_overlay_env
 
-    python = make_overlay_env(base_python, dest)
+    python = make_overlay_env(base_python, dest, rope_fix=rope_fix)
     site = site_of(python)
     if kind in ("patched", "no-llama4"):
         code = ("import json,sys; from remote import patcher; "
@@ -82,9 +80,6 @@ def make_env(base_python, dest: Path, kind: str = "patched", rope_fix: bool = Tr
         text = worker.read_text()
         assert text.count(LLAMA4_LINE) == 1, "the patched worker changed; update the planted defect"
         worker.write_text(text.replace(LLAMA4_LINE, 'layer_kwargs["llama_4_scaling"] = None  # PLANTED DEFECT'))
-    if rope_fix:
-        (site / f"{ROPE_FIX_MODULE}.py").write_text(ROPE_FIX)
-        (site / f"{ROPE_FIX_MODULE}.pth").write_text(f"import {ROPE_FIX_MODULE}\n")
     return python
 
 
@@ -324,7 +319,7 @@ def test_verify_names_an_off_by_one_layer(deepseek_smoke, testhost, envs, tiny_m
 
 @pytest.mark.vllm
 def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python, tiny_models):
-    """Without ROPE_FIX, vLLM 0.16 CPU computes DeepSeek's q rope wrongly: verify says so."""
+    """Without the rope fix, vLLM 0.16 CPU computes DeepSeek's q rope wrongly: verify says so."""
     python = make_env(hostenv_python, tmp_path / "no-rope-fix", rope_fix=False)
     with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
         report = smoke_step(host, {"layer_ids": "0,1,2,7"}, samples=2)
