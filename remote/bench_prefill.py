@@ -37,13 +37,15 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(args.samples, "data_*.pt")),
                        key=lambda p: int(p.rsplit("_", 1)[1].split(".")[0])):
         ids = torch.load(path, map_location="cpu", weights_only=True)["input_ids"].tolist()
-        prompts.append(TokensPrompt(prompt_token_ids=ids[: args.max_model_len - 1]))
+        prompts.append(TokensPrompt(prompt_token_ids=ids))
+    # the same ids, whole: room for every prompt plus the one sampled token
+    max_model_len = max(args.max_model_len, max(len(p["prompt_token_ids"]) for p in prompts) + 1)
     max_num_seqs = args.max_num_seqs or getattr(gen, "MAX_NUM_SEQS", 32)
     min_batched = getattr(gen, "MIN_MAX_BATCHED_TOKENS", 2048)
     t0 = time.monotonic()
     llm = LLM(model=args.model, tensor_parallel_size=args.tp, enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=max(min_batched, args.max_model_len), trust_remote_code=False)
+              enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max(min_batched, max_model_len), trust_remote_code=False)
     load_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not timed

@@ -38,10 +38,13 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--tp", type=int)
     parser.add_argument("--samples", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="prompts per generator call (default: all samples in one call, as vLLM gets them)")
     args = parser.parse_args()
     inv = load_inventory(INVENTORY)
     host = Host(inv.hosts["testhost"], inv)
-    overrides = {k: v for k, v in {"model": args.model, "tp": args.tp, "max_samples": args.samples}.items() if v}
+    overrides = {k: v for k, v in {"model": args.model, "tp": args.tp, "max_samples": args.samples,
+                                   "batch_size": args.batch_size or args.samples}.items() if v}
     params = run_params(host.spec, **overrides)
     with host:
         patched = patch_step(host, "apply")
@@ -76,7 +79,8 @@ def main() -> None:
             print(f"round {i + 1}: {tokens} tokens; extraction {extract_engine[-1]:.0f} tok/s "
                   f"({extract_all[-1]:.0f} with writes); vLLM prefill {prefill[-1]:.0f} tok/s", flush=True)
     med = statistics.median
-    print(f"model {params['model_path']} TP={params['tp']} samples={args.samples} seq_len={params['seq_len']}")
+    print(f"model {params['model_path']} TP={params['tp']} samples={args.samples} seq_len={params['seq_len']} "
+          f"batch_size={params['batch_size']}")
     print(f"extraction (engine, load excluded):       {med(extract_engine):8.0f} tok/s")
     print(f"extraction incl. writing samples:         {med(extract_all):8.0f} tok/s")
     print(f"plain vLLM prefill (same ids/settings):   {med(prefill):8.0f} tok/s")
