@@ -190,8 +190,9 @@ def kimi_with_remote_code(tmp_path, tiny_models) -> Path:
 
 
 @pytest.mark.vllm
-def test_smoke_kimi_k25_text_config_tp2(tmp_path, testhost, envs, tiny_models, kimi_with_remote_code):
-    with host_for(tmp_path, testhost, envs["patched"], kimi_with_remote_code, tiny_models["dataset"], 2) as host:
+@pytest.mark.parametrize("tp", [2, 1])
+def test_smoke_kimi_k25_text_config(tmp_path, testhost, envs, tiny_models, kimi_with_remote_code, tp):
+    with host_for(tmp_path, testhost, envs["patched"], kimi_with_remote_code, tiny_models["dataset"], tp) as host:
         report = smoke_step(host, {}, samples=2)
     recs = by_name(report)
     twin = recs["smoke.twin"].detail
@@ -200,6 +201,13 @@ def test_smoke_kimi_k25_text_config_tp2(tmp_path, testhost, envs, tiny_models, k
     assert twin["remote_code"] == ["configuration_kimi_k25.py", "kimi_k25_text_only_processor.py"]
     assert_healthy_smoke(report, "kimi_k25")
     assert "text_config" in recs["verify.reference"].summary  # the reference needs no remote code
+
+
+@pytest.mark.vllm
+def test_smoke_deepseek_v3_tp1(tmp_path, testhost, envs, tiny_models):
+    with host_for(tmp_path, testhost, envs["patched"], tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
+        report = smoke_step(host, {}, samples=2)
+    assert_healthy_smoke(report, "deepseek_v3")
 
 
 @pytest.mark.vllm
