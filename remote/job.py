@@ -45,7 +45,6 @@ supervisor dump every thread's stack into its log; each vLLM rank does the same 
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -150,20 +149,9 @@ def run_busy(run_dir: Path) -> bool:
     return st.get("state") not in FINAL_STATES and run_alive(run_dir)
 
 
-class _RunsLock:
-    """One start at a time per host (check-then-spawn must not interleave)."""
-
-    def __init__(self, root: Path):
-        root.mkdir(parents=True, exist_ok=True)
-        self.fh = open(root / ".lock", "w")
-
-    def __enter__(self):
-        fcntl.flock(self.fh, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fh, fcntl.LOCK_UN)
-        self.fh.close()
+def _RunsLock(root: Path):
+    """One start at a time per host: the runs dir's own lock file."""
+    return protocol.FileLock(root / ".lock")
 
 
 def job_params(params: dict) -> dict:

@@ -58,6 +58,25 @@ def apply_job_env(params) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+class FileLock:
+    """An exclusive ``flock`` on ``path`` held for a ``with`` block (waits; creates the dir)."""
+
+    def __init__(self, path):
+        import fcntl
+
+        self._fcntl = fcntl
+        os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+        self.fh = open(path, "w")
+
+    def __enter__(self):
+        self._fcntl.flock(self.fh, self._fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self._fcntl.flock(self.fh, self._fcntl.LOCK_UN)
+        self.fh.close()
+
+
 def payload(records, **data):
     return {"records": list(records), "data": data}
 

@@ -45,7 +45,6 @@ Stdlib only at import; torch and transformers are imported by the builder.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -174,18 +173,6 @@ def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -
     return notes
 
 
-class _Lock:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "w")
-
-    def __enter__(self):
-        fcntl.flock(self.fh, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fh, fcntl.LOCK_UN)
-        self.fh.close()
 
 
 def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) -> dict:
@@ -195,7 +182,7 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) ->
     twin_dir = root / digest / "model"
     info_path = root / digest / "twin.json"
     t0 = time.monotonic()
-    with _Lock(root / f"{digest}.lock"):
+    with protocol.FileLock(root / f"{digest}.lock"):
         if rebuild and twin_dir.exists():
             shutil.rmtree(twin_dir)
         built = not (twin_dir / "config.json").exists() or not info_path.exists()
