@@ -11,7 +11,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specops.render import REPO_ROOT
+from specops.assets import asset_root
 
 #: folders of the repo that travel to the host.
 BUNDLE_DIRS = ("remote", "patches")
@@ -32,11 +32,12 @@ class Bundle:
         return len(self.data)
 
 
-def build_bundle(root: Path = REPO_ROOT, dirs: tuple[str, ...] = BUNDLE_DIRS) -> Bundle:
-    """Zip ``dirs`` under ``root`` in a fixed order with fixed timestamps.
+def build_bundle(root: Path | None = None, dirs: tuple[str, ...] = BUNDLE_DIRS) -> Bundle:
+    """Zip ``dirs`` under ``root`` (this install's asset root) in a fixed order with fixed timestamps.
 
     The digest covers paths and contents only, so it changes exactly when code does.
     """
+    root = Path(root) if root is not None else asset_root()
     paths = sorted(
         p for d in dirs if (root / d).is_dir() for p in (root / d).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(_SKIP_SUFFIXES)

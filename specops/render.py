@@ -14,22 +14,25 @@ import base64
 import json
 import re
 import secrets
-from pathlib import Path
+from functools import lru_cache
 
 import jinja2
 
 from specops import __version__
+from specops.assets import asset
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES_DIR = REPO_ROOT / "templates"
 _MODULE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")
 
-_env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
-    undefined=jinja2.StrictUndefined,
-    autoescape=False,
-    keep_trailing_newline=True,
-)
+
+@lru_cache(maxsize=None)
+def _env() -> jinja2.Environment:
+    """The jinja2 environment over this install's ``templates/`` (made on first use)."""
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(asset("templates"))),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
 
 
 def b64_json(value) -> str:
@@ -39,7 +42,7 @@ def b64_json(value) -> str:
 
 def render(template: str, **context) -> str:
     """Render ``templates/<template>`` with ``context``; the output always ends with a newline."""
-    text = _env.get_template(template).render(**context)
+    text = _env().get_template(template).render(**context)
     if not text.isascii():
         raise ValueError(f"template {template} rendered non-ASCII text; pass values via b64_json")
     return text if text.endswith("\n") else text + "\n"

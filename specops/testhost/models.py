@@ -19,10 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specops.assets import asset, asset_root
 from specops.testhost.hostenv import cache_root
 
-REPO = Path(__file__).resolve().parents[2]
-BUILDER = REPO / "remote" / "tinymodel.py"
 #: What the builder writes, relative to the cache dir; also what callers get back.
 LAYOUT = {"llama": "llama", "deepseek_v3": "deepseek_v3", "kimi_k25": "kimi_k25",
           "dataset": "chat.jsonl"}
@@ -34,7 +33,7 @@ def models_hash(python: Path) -> str:
         [str(python), "-c", "import sys;print(sys.version.split()[0])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    digest = hashlib.sha256(BUILDER.read_bytes())
+    digest = hashlib.sha256((asset("remote") / "tinymodel.py").read_bytes())
     digest.update(f"\0python={ver}".encode())
     return digest.hexdigest()[:16]
 
@@ -62,11 +61,11 @@ def ensure_models(python: Path, quiet: bool = True) -> dict[str, Path]:
             return _paths(target)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+            env = dict(os.environ, PYTHONPATH=str(asset_root()), HF_HUB_OFFLINE="1",
                        TRANSFORMERS_OFFLINE="1")
             subprocess.run(
                 [str(python), "-m", "remote.tinymodel", "--out", str(staging)],
-                cwd=REPO, env=env, check=True,
+                cwd=asset_root(), env=env, check=True,
                 stdout=subprocess.PIPE if quiet else None,
                 stderr=subprocess.STDOUT if quiet else None,
             )

@@ -1,0 +1,75 @@
+"""The program as users install it: a wheel in a fresh venv outside the repo.
+
+``pip install .``, pipx and ``uv tool install`` put specops in site-packages with no
+checkout beside it. The templates, the remote code and the patch sets must travel
+inside the wheel; this builds one, installs it in a new venv, and drives the real test
+host from a directory that is not the repo.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed_specops(tmp_path_factory) -> Path:
+    """``specops`` from a wheel of this checkout, in a venv that has never seen the repo."""
+    root = tmp_path_factory.mktemp("wheel")
+    wheels = root / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-input", "-q",
+                    "--disable-pip-version-check", "-w", str(wheels), str(REPO)], check=True, timeout=600)
+    wheel = next(wheels.glob("specops-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for shipped in ("specops/_assets/templates/entry.py.j2", "specops/_assets/remote/preflight.py",
+                    "specops/_assets/remote/probes/packages.py", "specops/_assets/patches/"):
+        assert any(n.startswith(shipped) for n in names), f"{shipped} is not in {wheel.name}"
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # the locked versions, like bootstrap; the wheel's own requirements decide what is needed
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-input", "--disable-pip-version-check",
+                    "-c", str(REPO / "requirements.lock"), str(wheel)], check=True, timeout=900)
+    return venv / "bin" / "specops"
+
+
+def run_installed(specops: Path, *args, cwd: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run([str(specops), *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL, timeout=600)
+
+
+def test_installed_wheel_drives_the_test_host_from_elsewhere(installed_specops, make_inventory, tiny_models,
+                                                             tmp_path):
+    inventory = make_inventory(model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]), tp=1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = run_installed(installed_specops.parent / "python", "-c",
+                          "import specops.assets as a; print(a.asset_root())", cwd=elsewhere)
+    assert where.returncode == 0, where.stderr
+    assert "site-packages" in where.stdout and str(REPO) not in where.stdout
+
+    facts = run_installed(installed_specops, "facts", "--inventory", str(inventory), "--json", cwd=elsewhere)
+    assert facts.returncode == 0, facts.stderr[-3000:]
+    assert json.loads(facts.stdout)["hosts"][0]["records"]
+
+    pre = run_installed(installed_specops, "preflight", "--inventory", str(inventory), "--json", cwd=elsewhere)
+    doc = json.loads(pre.stdout)
+    names = {r["name"]: r for r in doc["hosts"][0]["records"]}
+    assert names["packages.vllm"]["status"] == "ok", names["packages.vllm"]
+    assert names["checkpoint.headers"]["status"] == "ok"
+    # the unpatched test host env has speculators/vLLM drift: a plain failure (1), never internal (4)
+    assert pre.returncode == doc["exit_code"] == 1, pre.stderr[-3000:]
+    assert {r["area"] for r in doc["hosts"][0]["records"] if r["status"] == "fail"} <= {"drift", "patch"}
+
+    check = run_installed(installed_specops, "patch", "--check", "--inventory", str(inventory), "--json",
+                          cwd=elsewhere)
+    assert check.returncode == 0, check.stderr[-3000:]
+    records = json.loads(check.stdout)["hosts"][0]["records"]
+    assert any(isinstance(r["detail"], dict) and "+++" in str(r["detail"].get("diff", "")) for r in records), records
