@@ -110,7 +110,7 @@ def _judge_vllm(name, device, detail):
     if not detection["needs_alias"]:
         return record(name, WARN, f"{label}: no 'vllm' metadata; this vLLM detects the CPU without it, but its "
                       f"`vllm serve` CLI dies with PackageNotFoundError: vllm", detail=detail,
-                      fix="start the server as `python -m vllm.entrypoints.openai.api_server` (specops does)")
+                      fix="start the server as `python -m vllm.entrypoints.openai.api_server`, which needs no metadata")
     if detection["self_heal"] and detection["alias_dir_writable"]:
         return record(name, OK, f"{label} (never imported: its first import writes the 'vllm' +cpu alias "
                       f"that CPU detection reads)", detail=detail)
