@@ -39,6 +39,17 @@ def hostenv_python() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_python(hostenv_python, tmp_path_factory) -> Path:
+    """An overlay of the shared env for tests that start vLLM themselves.
+
+    vLLM's first import writes its alias into the overlay, so the shared env stays as built.
+    """
+    from specops.testhost.hostenv import make_overlay_env
+
+    return make_overlay_env(hostenv_python, tmp_path_factory.mktemp("vllm-env") / "env", rope_fix=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(hostenv_python) -> dict:
     """Paths of the tiny Llama / DeepSeek-V3 / Kimi-K2.5-style models and the chat dataset."""
     from specops.testhost.models import ensure_models

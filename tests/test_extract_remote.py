@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from specops.testhost.hostenv import own_vllm_metadata
+
 REPO = Path(__file__).resolve().parents[1]
 FINAL = ("done", "failed", "aborted")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -249,6 +251,35 @@ def test_resume_after_sigkill(hostenv_python, hf_params, tmp_path):
     assert all(sha256(p) == e["sha256"] for p, e in zip(kept, manifest["files"]))
 
 
+def test_a_failed_sample_write_fails_the_run_with_its_cause(hostenv_python, hf_params, tmp_path):
+    """Samples are written on a writer thread while the engine runs on: a write that fails
+    there still fails the run, naming the sample and the cause, and the samples written
+    before it stay for the resume."""
+    params = dict(hf_params, max_samples=8, batch_size=1, batch_delay_s=0.8)
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params, until=lambda s: (s.get("samples_done") or 0) >= 2)
+    assert st["state"] == "extracting", st
+    out = tmp_path / "out"
+    blocker = out / "data_6.pt"  # a directory where sample 6 must land: its rename fails
+    blocker.mkdir()
+    (blocker / "keep").write_text("x")
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "failed", st
+    err = st["error"]
+    assert err["type"] == "WriteFailed" and err["rank"] is None, err
+    assert err["message"].startswith(f"writing sample 6 (data_6.pt) in {out} failed: IsADirectoryError"), err
+    assert "IsADirectoryError" in err["traceback"]  # the original error's traceback is kept
+    assert sorted(p.name for p in out.glob("data_*.pt") if p.is_file()) == [f"data_{i}.pt" for i in range(6)]
+    assert not list(out.glob(".partial-*"))
+    assert st["samples_done"] == 6  # progress counts only what is on disk
+
+    shutil.rmtree(blocker)
+    job(hostenv_python, action="start", **params)
+    st = wait_final(hostenv_python, params)
+    assert st["state"] == "done" and st["resumed_from"] == 6, st
+    assert_proof(hostenv_python, out, tmp_path / "work" / "runs" / "r1", 8, [2, 4, 5, 7], 256)
+
+
 def test_abort_stops_the_group(hostenv_python, hf_params):
     params = dict(hf_params, max_samples=20, batch_size=1, batch_delay_s=1.0)
     pid = job(hostenv_python, action="start", **params)["data"]["pid"]
@@ -324,6 +355,7 @@ def patched_speculators(tmp_path_factory, hostenv_python):
     shutil.copytree(site / "speculators", copy / "speculators")
     for dist in site.glob("speculators-*.dist-info"):
         shutil.copytree(dist, copy / dist.name)
+    own_vllm_metadata(hostenv_python, copy)  # vLLM's first-import alias lands here, not in the shared env
     code = ("import json,sys; from remote import patcher; "
             "print(json.dumps(patcher.main({'action': 'apply', 'site_packages': sys.argv[1]})))")
     out = subprocess.run([str(hostenv_python), "-c", code, str(copy)], cwd=REPO, env=host_env(),
@@ -456,7 +488,7 @@ def test_last_traceback_reads_prefixed_worker_logs():
 
 def test_remote_modules_import_with_the_standard_library_only():
     """The bundle runs in whatever python the host has: no torch/vllm at import time."""
-    code = ("import sys; import remote.job, remote.supervisor, remote.samples, remote.engines, "
+    code = ("import sys; import remote.job, remote.rundir, remote.supervisor, remote.samples, remote.engines, "
             "remote.engines.hf_reference, remote.engines.speculators_v03, remote.engines.vllm_worker_hook; "
             "bad = sorted(m for m in ('torch', 'transformers', 'vllm', 'speculators', 'safetensors') "
             "if m in sys.modules); print(bad); sys.exit(1 if bad else 0)")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from specops.testhost.hostenv import own_vllm_metadata
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -84,6 +86,7 @@ def site(tmp_path, hostenv_python, host_site_packages) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     for dist_info in host_site_packages.glob("speculators-*.dist-info"):
         shutil.copytree(dist_info, site / dist_info.name)
+    own_vllm_metadata(hostenv_python, site)  # vLLM's first-import alias lands here, not in the shared env
     # The shared env may have been patched by a demo run: start from pristine anyway.
     if any(sha(site / f["path"]) == f["sha256_patched"] for f in MANIFEST["files"]):
         reverted = run_patcher(hostenv_python, action="revert", site_packages=str(site))

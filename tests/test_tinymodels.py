@@ -339,8 +339,8 @@ def chat_prompt(dataset: Path) -> str:
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
-def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_path):
-    [result] = vllm_generate(hostenv_python, tiny_models[name], tp,
+def test_vllm_loads_and_generates(vllm_python, tiny_models, name, tp, tmp_path):
+    [result] = vllm_generate(vllm_python, tiny_models[name], tp,
                              chat_prompt(tiny_models["dataset"]), tmp_path)
     assert len(result["tokens"]) == 4
     assert all(0 <= t < tinymodel.REFERENCE_VOCAB for t in result["tokens"])
@@ -349,21 +349,21 @@ def test_vllm_loads_and_generates(hostenv_python, tiny_models, name, tp, tmp_pat
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_loads_kimi_k25_text_only(hostenv_python, tiny_models, tp, tmp_path):
+def test_vllm_loads_kimi_k25_text_only(vllm_python, tiny_models, tp, tmp_path):
     """vLLM 0.16's KimiK25ForConditionalGeneration loads the wrapped checkpoint as text-only."""
-    [result] = vllm_generate(hostenv_python, tiny_models["kimi_k25"], tp,
+    [result] = vllm_generate(vllm_python, tiny_models["kimi_k25"], tp,
                              chat_prompt(tiny_models["dataset"]), tmp_path,
                              variants=[{"limit_mm_per_prompt": {"vision_chunk": 0}}])
     assert len(result["tokens"]) == 4
 
 
 @pytest.mark.vllm
-def test_llama_4_scaling_changes_states_past_position_16(hostenv_python, tiny_models, tmp_path):
+def test_llama_4_scaling_changes_states_past_position_16(vllm_python, tiny_models, tmp_path):
     """Same weights with and without llama_4_scaling: identical before position 16, not after.
 
     This is what makes a worker that drops ``llama_4_scaling`` detectable on the tiny model.
     """
-    scaled, plain = vllm_generate(hostenv_python, tiny_models["deepseek_v3"], 1,
+    scaled, plain = vllm_generate(vllm_python, tiny_models["deepseek_v3"], 1,
                                   chat_prompt(tiny_models["dataset"]), tmp_path,
                                   variants=[{}, {"hf_overrides": {"llama_4_scaling": None}}])
     assert scaled["prompt_ids"] == plain["prompt_ids"] and len(scaled["prompt_ids"]) > 20

