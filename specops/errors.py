@@ -59,6 +59,33 @@ class HostKeyError(UnreachableError):
         self.fingerprint = fingerprint
 
 
+class HostSetupError(SpecopsError):
+    """The host answers, but cannot run specops as the inventory sets it up (its python, its work_dir)."""
+
+    reference = "host-setup"
+
+
+class PythonTooOldError(HostSetupError):
+    """The inventory's ``python`` is older than the host code needs (found by the entry script)."""
+
+    reference = "remote-python-too-old"
+
+    def __init__(self, message: str, hint: str | None = None, *, host: str | None = None,
+                 found: str = "", needed: str = ""):
+        super().__init__(message, hint, host=host)
+        self.found, self.needed = found, needed
+
+
+class WorkDirError(HostSetupError):
+    """``work_dir`` (where scripts and bundles go) cannot be created or written on the host."""
+
+    reference = "work-dir-unusable"
+
+    def __init__(self, message: str, hint: str | None = None, *, host: str | None = None, path: str = ""):
+        super().__init__(message, hint, host=host)
+        self.path = path
+
+
 class RemoteError(SpecopsError):
     """The remote script ran but did not return a result we can read."""
 

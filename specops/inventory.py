@@ -29,17 +29,53 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from specops.errors import InventoryError, UsageError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+#: Linux limits a path can never pass: PATH_MAX (4096, with the final NUL) and NAME_MAX per component.
+PATH_MAX = 4096
+NAME_MAX = 255
+#: Linux MAX_ARG_STRLEN: one ``NAME=value`` environment string, with its NUL, must fit in 128 KiB,
+#: or every exec on the host fails with "Argument list too long".
+MAX_ARG_STRLEN = 128 * 1024
+#: a ``~user`` prefix is expanded on the host for data paths, but these two are used by the
+#: controller itself (SFTP and the command line), where only ``~`` and ``~/`` can be expanded.
+NO_TILDE_USER = ("python", "work_dir")
+
+
+class FieldProblem(ValueError):
+    """A validation failure inside a field (``env.NAME``): names the sub-field and its value."""
+
+    def __init__(self, message: str, subfield: str, value: object):
+        super().__init__(message)
+        self.subfield, self.value = subfield, value
+
+
+def check_path(field: str, value: str) -> None:
+    """Refuse what no host accepts as a path: a NUL byte, or more than PATH_MAX / NAME_MAX bytes."""
+    if "\0" in value:
+        raise ValueError("must not contain a NUL byte")
+    size = len(value.encode("utf-8", "surrogateescape"))
+    if size >= PATH_MAX:
+        raise ValueError(f"is {size:,} bytes long; a path on Linux is at most {PATH_MAX - 1} (PATH_MAX)")
+    for part in value.split("/"):
+        part_size = len(part.encode("utf-8", "surrogateescape"))
+        if part_size > NAME_MAX:
+            raise ValueError(f"has a {part_size}-byte component ({part[:20]!r}...); "
+                             f"a file name on Linux is at most {NAME_MAX} bytes (NAME_MAX)")
+    if field in NO_TILDE_USER and value.startswith("~") and not (value == "~" or value.startswith("~/")):
+        raise ValueError("'~user' paths are not supported here; use '~/...' (the ssh user's home) "
+                         "or an absolute path")
+
 
 class HostSpec(BaseModel):
     """One host of the inventory, after ``defaults`` were merged in."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML's `true` is never taken for 1, nor "8" for 8; each value must have its own type
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     #: inventory name of the host (the key under ``hosts``).
     name: str
@@ -80,18 +116,47 @@ class HostSpec(BaseModel):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for key in env:
+        for key, value in env.items():
             if not ENV_NAME.match(key):
                 raise ValueError(f"env key {key!r} is not a valid variable name (letters, digits, _)")
+            if "\0" in value:
+                raise FieldProblem("must not contain a NUL byte (a process environment cannot hold one)",
+                                   key, value)
+            size = len(f"{key}={value}".encode("utf-8", "surrogateescape")) + 1
+            if size > MAX_ARG_STRLEN:
+                raise FieldProblem(
+                    f"'{key}=...' is {size:,} bytes; Linux refuses any environment string over "
+                    f"{MAX_ARG_STRLEN:,} bytes (MAX_ARG_STRLEN: every program started with it fails "
+                    f"with 'Argument list too long')", key, value)
         return env
+
+    @field_validator("address", "user")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        if value is not None and "\0" in value:
+            raise ValueError("must not contain a NUL byte")
+        return value
 
     @field_validator("address", "python", "model_path", "output_dir", "work_dir")
     @classmethod
     def _not_blank(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if "\0" in value:
-            raise ValueError("must not contain a NUL byte")
+        return value
+
+    @field_validator("python", "model_path", "output_dir", "work_dir", "dataset", "key", "known_hosts")
+    @classmethod
+    def _path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            check_path(info.field_name, value)
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _not_an_option(cls, value: str) -> str:
+        # the host would read "-c" or "--version" as an option of its shell or of sudo, not a program
+        if value.lstrip().startswith("-"):
+            raise ValueError("must be a path or a command name, not an option (it starts with '-')")
         return value
 
 
@@ -209,6 +274,18 @@ def _describe(host: str, exc: ValidationError) -> list[str]:
         elif err["type"] == "missing":
             out.append(f"host {host!r}: missing required field {field!r}")
         else:
-            got = err.get("input")
-            out.append(f"host {host!r}: field {field!r}: {err['msg']} (got {got!r})")
+            got, message = err.get("input"), err["msg"].removeprefix("Value error, ")
+            problem = (err.get("ctx") or {}).get("error")
+            if isinstance(problem, FieldProblem):
+                field, got = f"{field}.{problem.subfield}", problem.value
+            out.append(f"host {host!r}: field {field!r}: {message} (got {shorten(got)})")
     return out
+
+
+def shorten(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a 200 KB value must not become a 200 KB message."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} characters" if isinstance(value, (str, bytes, list, dict)) else "long"
+    return f"{text[:limit]}... ({size})"

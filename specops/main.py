@@ -5,11 +5,14 @@ and ``fab --list`` show the same help.
 """
 from __future__ import annotations
 
+import contextlib
+
 from fabric import Config, Executor
 from fabric.main import Fab
-from invoke import Collection
+from invoke import Collection, Exit, ParseError
 
 from specops import __version__, tasks
+from specops.exit_codes import ExitCode
 
 
 class SpecopsConfig(Config):
@@ -18,9 +21,34 @@ class SpecopsConfig(Config):
     prefix = "specops"
 
 
+@contextlib.contextmanager
+def _usage_errors():
+    try:
+        yield
+    except ParseError as exc:
+        raise Exit(f"error: {exc}\n  hint: `specops --help TASK` lists a task's flags",
+                   code=int(ExitCode.USAGE)) from None
+
+
+class SpecopsProgram(Fab):
+    """Fab, except that a flag or task it cannot parse is a usage error (exit 3), not invoke's 1."""
+
+    def parse_core(self, *args, **kwargs):
+        with _usage_errors():
+            super().parse_core(*args, **kwargs)
+
+    def parse_tasks(self):
+        with _usage_errors():
+            super().parse_tasks()
+
+    def parse_cleanup(self):
+        with _usage_errors():
+            super().parse_cleanup()
+
+
 def make_program() -> Fab:
     """Build the program object (a function, as fabric does, for testing)."""
-    return Fab(name="Specops", binary="specops", version=__version__,
+    return SpecopsProgram(name="Specops", binary="specops", version=__version__,
                namespace=Collection.from_module(tasks), executor_class=Executor,
                config_class=SpecopsConfig)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from specops.errors import UsageError
-from specops.inventory import HostSpec
+from specops.inventory import HostSpec, check_path, shorten
 
 ENGINES = ("speculators-0.3", "hf-reference")
 
@@ -32,12 +32,26 @@ def _positive(name: str, value: Any) -> int | None:
     if value is None or value == "":
         return None
     try:
-        number = int(value)
+        # int(True) is 1 and int(8.7) is 8: neither is what the caller meant
+        number = int(value) if not isinstance(value, (bool, float)) else 0
     except (TypeError, ValueError):
         number = 0
     if number < 1:
         raise UsageError(f"--{name} {value!r} must be a positive integer", f"example: --{name} 8")
     return number
+
+
+def _path(name: str, value: Any) -> str | None:
+    """A path flag (``--model``, ``--dataset``), held to the same rules as the inventory's paths."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise UsageError(f"--{name} {value!r} must be a path", f"example: --{name} /data/x")
+    try:
+        check_path(name, value)
+    except ValueError as exc:
+        raise UsageError(f"--{name} {shorten(value)}: {exc}", f"pass a path on the host to --{name}") from None
+    return value
 
 
 def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=None, engine=None,
@@ -46,9 +60,9 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is not known", f"use one of: {', '.join(ENGINES)}")
     params = {
-        "model_path": model or spec.model_path,
-        "dataset": dataset or spec.dataset,
-        "output_dir": output_dir or spec.output_dir,
+        "model_path": _path("model", model) or spec.model_path,
+        "dataset": _path("dataset", dataset) or spec.dataset,
+        "output_dir": _path("output-dir", output_dir) or spec.output_dir,
         "work_dir": spec.work_dir,
         "device": spec.device,
         "tp": _positive("tp", tp) or spec.tp,

@@ -14,7 +14,9 @@ from specops.exit_codes import ExitCode
 from specops.facts import facts
 from specops.host import Host, current_bundle
 from specops.inventory import load_inventory
-from specops.render import REPO_ROOT, render_entry
+from specops.render import render_entry
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def host_for(path, name="th", **kw):
