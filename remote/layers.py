@@ -34,7 +34,9 @@ ENGINE_CONVENTION = {
 
 def default_layer_ids(engine: str, num_layers: int) -> tuple[list[int], str]:
     """The engine's own default ids for a model of ``num_layers`` decoder layers."""
-    n = int(num_layers)
+    if type(num_layers) is not int or num_layers < 1:
+        raise ValueError(f"layer count {num_layers!r} is not a positive integer")
+    n = num_layers
     convention = ENGINE_CONVENTION.get(engine)
     if convention is None:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(ENGINE_CONVENTION)}")
@@ -52,16 +54,23 @@ def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
     problems = []
     if convention not in CONVENTIONS:
         return [f"unknown layer convention {convention!r}; use one of {sorted(CONVENTIONS)}"]
+    if type(num_layers) is not int or num_layers < 1:
+        return [f"the model's layer count {num_layers!r} is not a positive integer"]
+    if not isinstance(layer_ids, (list, tuple)):
+        return [f"layer ids {layer_ids!r} are not a list of integers"]
     if not layer_ids:
         problems.append("no layer ids given")
     top = num_layers - 1 if convention == OUTPUT else num_layers
+    ints = []
     for lid in layer_ids:
-        if isinstance(lid, bool) or not isinstance(lid, int):
+        if type(lid) is not int:  # True is an int to python, never a layer
             problems.append(f"layer id {lid!r} is not an integer")
-        elif lid < 0 or lid > top:
+            continue
+        ints.append(lid)
+        if lid < 0 or lid > top:
             problems.append(f"layer id {lid} is out of range 0..{top} ({convention} convention, "
                             f"{num_layers} layers)")
-    dupes = sorted({x for x in layer_ids if layer_ids.count(x) > 1}, key=str)
+    dupes = sorted({x for x in ints if ints.count(x) > 1})
     if dupes:
         problems.append(f"duplicate layer ids {dupes}: the engine keeps a set and would silently "
                         f"return fewer layers")

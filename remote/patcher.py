@@ -451,23 +451,40 @@ class Target:
         return text
 
     def explain_modified(self) -> dict:
-        """How a file that is neither pristine nor patched differs, as diffs.
+        """How a file that is neither pristine nor patched differs, against the closest known image.
 
-        With a verified backup the diff is against the pristine file. Otherwise each
-        hunk's region is compared with what the patch set expects there, on the
-        pristine and on the patched side, and the closer side is shown.
+        With a verified backup there are two known images: the pristine file and the
+        patched file (the set's diff applied to it). The edit is shown against the one it
+        is closest to (fewest changed lines), so one line edited by hand in a patched file
+        is a one-line diff against the patched image, not the whole patch set plus the
+        edit against pristine. ``against`` names the image; ``changed_lines`` counts
+        the diff's lines against each image tried.
+
+        Without a backup each hunk's region is compared with what the patch set expects
+        there, on the pristine and on the patched side, and the closer side is shown.
         """
         if self.data is None:
             return {"diff": "", "against": None}
         if self.backup.is_file() and sha256_bytes(self.backup.read_bytes()) == self.sha_pristine:
-            return {"against": "pristine (backup)",
-                    "diff": unified_diff(self.backup.read_text(encoding="utf-8"), self.text,
-                                         self.rel, "pristine", "found")}
+            pristine = self.backup.read_text(encoding="utf-8")
+            images = [("pristine", "pristine (backup)", pristine)]
+            try:
+                patched = apply_hunks(pristine, self.hunks)
+            except (HunkMismatch, PatchError):
+                patched = None
+            if patched is not None and sha256_bytes(patched.encode("utf-8")) == self.sha_patched:
+                images.append(("patched", f"patched (backup + {self.set_name})", patched))
+            diffs = {side: (label, unified_diff(text, self.text, self.rel, side, "found"))
+                     for side, label, text in images}
+            changed = {side: _changed_lines(diff) for side, (_, diff) in diffs.items()}
+            # ties go to pristine: the file as the package shipped it is the plainer reference
+            side = min(changed, key=lambda name: (changed[name], name != "pristine"))
+            return {"against": diffs[side][0], "image": side, "diff": diffs[side][1], "changed_lines": changed}
         best = None
         for side, reverse in (("pristine", False), ("patched", True)):
             try:
                 apply_hunks(self.text, self.hunks, reverse=reverse)
-                return {"against": side, "diff": "",
+                return {"against": side, "image": side, "diff": "",
                         "note": f"every patched region matches the {side} side: the edits are "
                                 f"elsewhere in the file (no backup to diff against)"}
             except HunkMismatch as mismatch:
@@ -475,11 +492,16 @@ class Target:
                                       f"{self.rel} (hunk {mismatch.hunk_index + 1}, line "
                                       f"{mismatch.line})", side, "found")
                 # the closer side is the one with fewer changed lines, not fewer bytes
-                changed = sum(1 for line in region.splitlines()[2:] if line[:1] in "+-")
+                changed = _changed_lines(region)
                 if best is None or changed < best["changed"]:
-                    best = {"against": f"{side} (hunk region)", "diff": region, "changed": changed}
+                    best = {"against": f"{side} (hunk region)", "image": side, "diff": region, "changed": changed}
         best.pop("changed")
         return best
+
+
+def _changed_lines(diff: str) -> int:
+    """Added plus removed lines of a unified diff (its two header lines not counted)."""
+    return sum(1 for line in diff.splitlines()[2:] if line[:1] in "+-")
 
 
 # --------------------------------------------------------------------------- locking
@@ -576,10 +598,14 @@ class Patcher:
                 continue
             explained = target.explain_modified()
             earlier = " nor what an earlier revision wrote" if target.sha_written else ""
+            shown = ""
+            if explained.get("diff"):
+                lines = _changed_lines(explained["diff"])
+                shown = f"; {lines} changed line(s) against the {explained['image']} image (detail.diff)"
             records.append(protocol.record(
                 target.name, protocol.FAIL,
                 f"{target.rel} is neither pristine nor patched{earlier} (edited by hand or "
-                f"another version); nothing was changed",
+                f"another version); nothing was changed{shown}",
                 detail={"path": str(target.path), "sha256": sha256_bytes(target.data),
                         "expected": {"pristine": target.sha_pristine,
                                      "patched": target.sha_patched,

@@ -30,8 +30,8 @@ import traceback
 
 from remote import protocol
 from remote.protocol import FAIL, record
-from remote.probes import (Context, capacity, checkpoint, external, hf_load, host, layer_ids, model, packages,
-                           parallel, tokenizer_data)
+from remote.probes import (Context, Malformed, capacity, checkpoint, external, hf_load, host, layer_ids, model,
+                           packages, parallel, tokenizer_data)
 
 DEFAULTS = {
     "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
@@ -105,11 +105,17 @@ def normalize_params(raw: dict) -> tuple:
 
 
 def _guarded(probe, ctx):
-    """A probe's records; a bug in a probe becomes one fail record, not a lost preflight."""
+    """A probe's records; a bug in a probe becomes one fail record, not a lost preflight.
+
+    Malformed content a probe did not turn into its own record is still the user's file,
+    not a specops bug: it becomes ``<area>.input`` naming the file, key and expectation.
+    """
+    area = probe.__module__.rsplit(".", 1)[-1]
     try:
         return probe(ctx)
+    except Malformed as exc:
+        return [record(f"{area}.input", FAIL, exc.summary, detail=exc.detail(), fix=exc.fix)]
     except Exception:
-        area = probe.__module__.rsplit(".", 1)[-1]
         tb = traceback.format_exc()
         return [record(f"{area}.crash", FAIL, f"probe {probe.__module__}.{probe.__name__} crashed: "
                        f"{tb.strip().splitlines()[-1]}", detail={"traceback": tb},

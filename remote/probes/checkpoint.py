@@ -5,6 +5,11 @@ A safetensors file is ``<8-byte little-endian header length N><N bytes of JSON h
 end]}`` relative to the start of the data. So a complete file is exactly
 ``8 + N + max(end)`` bytes: a shorter one is a truncated download, caught here by
 reading a few KB per shard instead of loading hundreds of GB.
+
+The index and every header entry are checked for their shape before use: an index that
+is a list, a ``weight_map`` that is not an object, a header entry whose ``shape`` is not
+a list of integers -- each is a fail record naming the file, the key and what belongs
+there.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import json
 import os
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import Context, MiB, human_bytes
+from remote.probes import OBJECT, Context, Malformed, MiB, describe, expect, field, human_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -51,13 +56,14 @@ def read_header(path: str) -> dict:
     if not isinstance(header, dict):
         raise ShardError("header is not a JSON object")
     metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ShardError(f"header key '__metadata__' is {describe(metadata)}, expected an object")
+    for key, value in (metadata or {}).items():  # the format allows strings only (safetensors refuses others)
+        if not isinstance(value, str):
+            raise ShardError(f"header key '__metadata__'.{key} is {describe(value)}, expected a string")
     data_end = 0
     for name, info in header.items():
-        try:
-            begin, end = info["data_offsets"]
-            dtype, shape = info["dtype"], info["shape"]
-        except (KeyError, TypeError, ValueError):
-            raise ShardError(f"tensor {name!r} has no valid dtype/shape/data_offsets") from None
+        dtype, shape, (begin, end) = header_entry(name, info)
         numel = 1
         for dim in shape:
             numel *= dim
@@ -72,6 +78,48 @@ def read_header(path: str) -> dict:
     return facts
 
 
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def header_entry(name: str, info) -> tuple:
+    """``(dtype, shape, (begin, end))`` of one header entry, or :class:`ShardError` naming the bad key."""
+    what = f"header key {name!r}"
+    if not isinstance(info, dict):
+        raise ShardError(f"{what} is {describe(info)}, expected an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise ShardError(f"{what}: dtype is {_found(info, 'dtype')}, expected a string such as 'BF16'")
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        raise ShardError(f"{what}: shape is {_found(info, 'shape')}, expected a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            and offsets[0] <= offsets[1]):
+        raise ShardError(f"{what}: data_offsets is {_found(info, 'data_offsets')}, expected [begin, end], "
+                         f"two non-negative integers with begin <= end")
+    return dtype, shape, tuple(offsets)
+
+
+def _found(info: dict, key: str) -> str:
+    return describe(info[key]) if key in info else "missing"
+
+
+def read_index(path: str) -> dict:
+    """The parsed index, its shape checked: an object whose ``weight_map`` maps names to shard files.
+
+    :raises ValueError: not JSON. :raises Malformed: JSON of the wrong shape.
+    """
+    with open(path, encoding="utf-8") as fh:
+        index = json.load(fh)
+    fix = f"re-download {INDEX_NAME} (it must map every tensor name to its shard file)"
+    expect(index, OBJECT, INDEX_NAME, "", fix=fix)
+    weight_map = field(index, "weight_map", OBJECT, INDEX_NAME, required=True, fix=fix)
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise Malformed(INDEX_NAME, f"weight_map[{tensor!r}]", "a shard file name (a string)", shard, fix=fix)
+    field(index, "metadata", OBJECT, INDEX_NAME, fix=fix)
+    return index
+
+
 def find_weights(model_path: str) -> tuple:
     """``(index or None, expected shard names, safetensors files on disk, other weight files)``."""
     try:
@@ -82,9 +130,8 @@ def find_weights(model_path: str) -> tuple:
     others = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".gguf"))]
     index = None
     if INDEX_NAME in names:
-        with open(os.path.join(model_path, INDEX_NAME), encoding="utf-8") as fh:
-            index = json.load(fh)
-        expected = sorted(set((index.get("weight_map") or {}).values()))
+        index = read_index(os.path.join(model_path, INDEX_NAME))
+        expected = sorted(set(index["weight_map"].values()))
     elif SINGLE_NAME in names:
         expected = [SINGLE_NAME]
     else:
@@ -99,8 +146,10 @@ def probe(ctx: Context) -> list:
         return [record("checkpoint.files", SKIPPED, f"model dir {model_path} does not exist", detail={})]
     try:
         index, expected, on_disk, others = find_weights(model_path)
+    except Malformed as exc:
+        return [record("checkpoint.files", FAIL, exc.summary, detail=exc.detail(), fix=exc.fix)]
     except (OSError, ValueError) as exc:
-        return [record("checkpoint.files", FAIL, f"{INDEX_NAME} is unreadable: {exc}", detail={},
+        return [record("checkpoint.files", FAIL, f"{INDEX_NAME} is unreadable: {exc}", detail={"file": INDEX_NAME},
                        fix=f"re-download {INDEX_NAME}")]
     if not expected:
         if others:

@@ -21,6 +21,7 @@ import time
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
+from remote.probes.tokenizer_data import tokenizer_files
 
 MARKER = "@@SPECOPS-HF-LOAD@@"
 
@@ -84,6 +85,7 @@ class HfLoad:
     def __init__(self, model_path: str, trust_remote_code: bool, timeout_s: float, tokenizer: bool = True,
                  job_env: dict | None = None):
         self.timeout_s = timeout_s
+        self.tokenizer = tokenizer
         self.started = time.perf_counter()
         # the job's own env (HF_HOME, HF_MODULES_CACHE, ...), but never a download
         env = dict(os.environ, **(job_env or {}))
@@ -122,12 +124,17 @@ class HfLoad:
 
 
 def start(ctx: Context) -> HfLoad | None:
-    """Start the child unless the params skip it or there is no model dir to look at."""
+    """Start the child unless the params skip it or there is no model dir to look at.
+
+    A config-only model dir (no tokenizer files) loads no tokenizer: transformers would
+    answer with an unrelated ``TypeError`` from deep inside a tokenizer class, while
+    ``tokenizer.files`` already names what is missing.
+    """
     params = ctx.params
     if params["skip_autoconfig"] or not os.path.isfile(os.path.join(params["model_path"], "config.json")):
         return None
     return HfLoad(params["model_path"], params["trust_remote_code"], params["autoconfig_timeout"],
-                  job_env=params["env"])
+                  tokenizer=bool(tokenizer_files(params["model_path"])), job_env=params["env"])
 
 
 def records(ctx: Context, load: HfLoad | None) -> list:
@@ -152,7 +159,12 @@ def records(ctx: Context, load: HfLoad | None) -> list:
         detail = dict(base, seconds=round(ans["wall_seconds"], 3), output_tail=ans["output_tail"])
         return [record("model.autoconfig", FAIL, summary, detail=detail, fix=fix),
                 record("tokenizer.load", SKIPPED, "no answer from the transformers child", detail={})]
-    return [_config_record(ctx, ans["config"], base), _tokenizer_record(ctx, ans.get("tokenizer"), base)]
+    if not load.tokenizer:
+        tok = record("tokenizer.load", SKIPPED, f"no tokenizer files in {ctx.params['model_path']} "
+                     f"(tokenizer.files says what to add): AutoTokenizer not tried", detail={})
+    else:
+        tok = _tokenizer_record(ctx, ans.get("tokenizer"), base)
+    return [_config_record(ctx, ans["config"], base), tok]
 
 
 def _config_record(ctx, cfg, base):

@@ -1,4 +1,4 @@
-"""Host probe: python, OS, CPUs, RAM, GPUs (nvidia-smi), CPU-engine needs, free disk.
+"""Host probe: python, OS, CPUs, RAM, GPUs (nvidia-smi), CPU-engine needs, free disk, writable dirs.
 
 The nvidia-smi part is two pure parsers over the text nvidia-smi prints for our exact
 query flags (:data:`GPU_QUERY`, :data:`APPS_QUERY`), so the tests parse fixtures
@@ -9,11 +9,13 @@ recorded on a real GPU host and the probe parses the live output the same way::
 """
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import GiB, MiB, Context, human_bytes, nearest_existing
@@ -43,6 +45,7 @@ def probe(ctx: Context) -> list:
     if ctx.params["device"] == "cpu":
         records += _cpu_engine(ctx)
     records += _disks(ctx)
+    records += _writable(ctx)
     return records
 
 
@@ -382,4 +385,70 @@ def _disks(ctx) -> list:
         facts = {"path": path, "measured_at": where, "free_bytes": usage.free, "total_bytes": usage.total}
         ctx.host["disk"][key] = facts
         records.append(record(name, OK, f"{human_bytes(usage.free)} free at {where}", detail=facts))
+    return records
+
+
+#: Directories the run writes into -> record name. Free space says nothing about a
+#: read-only mount (EROFS) or a dir owned by someone else: only a real write does.
+WRITTEN_DIRS = {"output_dir": "host.output_writable", "work_dir": "host.work_dir_writable"}
+WRITE_TEST_PREFIX = ".specops-write-test-"
+_WHY = {errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
+        errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}
+
+
+def write_test(path: str) -> dict:
+    """Prove ``path`` (or, when it does not exist yet, its nearest existing parent, where
+    the run would create it) writable for this user, leaving nothing behind.
+
+    A temp file is created there, written, fsync'ed and removed. ``os.access`` is kept
+    only as a hint: it knows nothing of quotas, full disks or NFS root squashing, and
+    for root it ignores permission bits.
+
+    :returns: ``{"path", "tested_at", "access_hint", "writable", "error", "errno"}``.
+    """
+    where = nearest_existing(path)
+    facts = {"path": path, "tested_at": where, "access_hint": os.access(where, os.W_OK | os.X_OK),
+             "writable": False, "error": None, "errno": None}
+    if not os.path.isdir(where):
+        facts["error"] = f"{where} exists and is not a directory"
+        return facts
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=WRITE_TEST_PREFIX, dir=where)
+    except OSError as exc:
+        facts.update(error=f"cannot create a file in {where}: {_WHY.get(exc.errno, exc.strerror)}",
+                     errno=errno.errorcode.get(exc.errno))
+        return facts
+    try:
+        os.write(fd, b"specops write test\n")
+        os.fsync(fd)
+        facts["writable"] = True
+    except OSError as exc:  # ENOSPC / EDQUOT show up on write or fsync, not on create
+        facts.update(error=f"cannot write a file in {where}: {_WHY.get(exc.errno, exc.strerror)}",
+                     errno=errno.errorcode.get(exc.errno))
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError as exc:
+            facts["left_behind"] = f"{tmp}: {exc.strerror}"
+    return facts
+
+
+def _writable(ctx) -> list:
+    records = []
+    for key, name in WRITTEN_DIRS.items():
+        path = ctx.params.get(key)
+        if not path:
+            records.append(record(name, SKIPPED, f"no {key} given", detail={}))
+            continue
+        facts = write_test(path)
+        made = "" if facts["tested_at"] == os.path.abspath(os.path.expanduser(path)) else \
+            f" (does not exist yet; tested where it would be created, {facts['tested_at']})"
+        if not facts["writable"]:
+            records.append(record(
+                name, FAIL, f"{key} {path} is not writable: {facts['error']}", detail=facts,
+                fix=f"point {key} at a writable filesystem" + (" (this one is mounted read-only)"
+                    if facts["errno"] == "EROFS" else f", or let this user write to {facts['tested_at']}")))
+        else:
+            records.append(record(name, OK, f"{key} {path} is writable{made}", detail=facts))
     return records

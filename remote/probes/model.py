@@ -2,12 +2,20 @@
 
 A multimodal wrapper such as Kimi-K2.5 keeps the language model under ``text_config``;
 everything the engine needs (layers, hidden size, heads) is read from there, and the
-record says it was wrapped. The *family* decides how a patched worker must call each
-decoder layer:
+record says it was wrapped. Every value used is checked for its shape first (a layer
+count given as ``"8"``, a ``text_config`` that is a string): a fail record naming the
+key and what was expected, never a crash further down.
 
-``deepseek_v2``  vLLM's ``DeepseekV2DecoderLayer`` (DeepSeek-V2/V3, Kimi-K2):
-                 ``layer(positions, hidden_states, residual, llama_4_scaling)``
-``llama``        vLLM's Llama-style layers: ``layer(positions, hidden_states, residual)``
+The *family* decides how a patched worker must call each decoder layer. It is read
+from the installed vLLM itself, not from a list of names: the config's architectures
+are looked up in vLLM's model registry, and the decoder layer's ``forward`` (and what
+the model's own ``forward`` passes it) is read with :mod:`ast` from
+``vllm/model_executor/models/<module>.py`` (the same static index as
+:mod:`remote.drift`; vLLM is never imported):
+
+``deepseek_v2``  ``layer(positions, hidden_states, residual, llama_4_scaling)``
+                 (vLLM's ``DeepseekV2DecoderLayer``: DeepSeek-V2/V3, Kimi-K2)
+``llama``        ``layer(positions, hidden_states, residual)`` (Llama, Qwen3, Qwen3-MoE, ...)
 
 Whether transformers can build the config at all (a model_type it does not know needs
 remote code, from ``auto_map`` files beside config.json) is first decided statically
@@ -22,36 +30,50 @@ import os
 import re
 
 from remote.protocol import FAIL, OK, WARN, record
-from remote.probes import Context
+from remote.probes import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Context,
+                           Malformed, describe, expect, field)
 
+CONFIG = "config.json"
 DEEPSEEK_V2 = "deepseek_v2"
 LLAMA = "llama"
-FAMILY_TYPES = {
-    DEEPSEEK_V2: {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2"},
-    LLAMA: {"llama", "mistral", "qwen2", "qwen3"},
-}
-FAMILY_ARCHS = {
-    DEEPSEEK_V2: ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"),
-    LLAMA: ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
-}
-CALLING_CONVENTION = {
-    DEEPSEEK_V2: "layer(positions, hidden_states, residual, llama_4_scaling)",
-    LLAMA: "layer(positions, hidden_states, residual)",
-}
+#: What every layer call passes, in this order (vLLM's decoder layers since 0.6).
+BASE_LAYER_ARGS = ("positions", "hidden_states", "residual")
+#: The extra arguments each family's model passes its layers beyond :data:`BASE_LAYER_ARGS`.
+FAMILY_EXTRA_ARGS = {LLAMA: (), DEEPSEEK_V2: ("llama_4_scaling",)}
+CALLING_CONVENTION = {family: f"layer({', '.join(BASE_LAYER_ARGS + extra)})"
+                      for family, extra in FAMILY_EXTRA_ARGS.items()}
+FAMILY_NAMES = {DEEPSEEK_V2: "DeepseekV2 family", LLAMA: "Llama-like"}
 #: Head sizes vLLM 0.16's CPU attention backend accepts (cpu_attn.get_supported_head_sizes).
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
+#: summary field -> (config keys that may hold it, first non-null wins; what it must be).
+COUNTS = {
+    "num_layers": (("num_hidden_layers", "n_layers", "num_layers"), POSITIVE_INT),
+    "hidden_size": (("hidden_size", "d_model", "n_embd"), POSITIVE_INT),
+    "num_attention_heads": (("num_attention_heads", "n_head", "n_heads"), POSITIVE_INT),
+    "num_key_value_heads": (("num_key_value_heads", "num_kv_heads"), POSITIVE_INT),
+    "head_dim": (("head_dim",), POSITIVE_INT),
+    "num_experts": (("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"),
+                    NON_NEGATIVE_INT),
+    "experts_per_token": (("num_experts_per_tok", "moe_top_k"), NON_NEGATIVE_INT),
+    "max_position_embeddings": (("max_position_embeddings", "n_positions"), POSITIVE_INT),
+    "vocab_size": (("vocab_size",), POSITIVE_INT),
+}
+#: The keys vLLM's DeepseekV2Model reads from ``llama_4_scaling`` (FACTS.md).
+LLAMA_4_SCALING_KEYS = ("original_max_position_embeddings", "beta")
 
-def _first(cfg: dict, *keys):
+
+def _pick(cfg: dict, *keys):
+    """``(key, value)`` of the first key whose value is not null, or ``(None, None)``."""
     for key in keys:
         if cfg.get(key) is not None:
-            return cfg[key]
-    return None
+            return key, cfg[key]
+    return None, None
 
 
 def read_config(model_path: str):
     """``(config dict, None)`` or ``(None, (summary, fix))`` for a missing/unreadable config.json."""
-    path = os.path.join(model_path, "config.json")
+    path = os.path.join(model_path, CONFIG)
     if not os.path.isdir(model_path):
         return None, (f"model dir {model_path} does not exist",
                       "fix model_path in the inventory, or copy the model to the host")
@@ -63,66 +85,109 @@ def read_config(model_path: str):
     except (OSError, ValueError) as exc:
         return None, (f"{path} is unreadable: {exc}", "re-download config.json")
     if not isinstance(cfg, dict):
-        return None, (f"{path} is not a JSON object", "re-download config.json")
+        return None, (f"{path} is {describe(cfg)}, expected an object", "re-download config.json")
     return cfg, None
 
 
-def family_of(text_cfg: dict, top_cfg: dict) -> str | None:
-    """``deepseek_v2`` / ``llama`` / None, by model_type, then architectures, then routing keys."""
-    types = {text_cfg.get("model_type"), top_cfg.get("model_type")}
-    archs = set(text_cfg.get("architectures") or []) | set(top_cfg.get("architectures") or [])
-    for family in (DEEPSEEK_V2, LLAMA):
-        if types & FAMILY_TYPES[family] or archs & set(FAMILY_ARCHS[family]):
-            return family
-    if "scoring_func" in text_cfg and "kv_lora_rank" in text_cfg:
-        return DEEPSEEK_V2
-    return None
+def summarize(cfg: dict) -> tuple:
+    """``(summary, problems)``: the facts an extraction run depends on, from the (possibly
+    wrapped) config, and a :class:`~remote.probes.Malformed` for every value of the wrong shape.
 
+    A malformed value is left out of the summary (None), so later probes skip what
+    depends on it instead of computing with it.
 
-def summarize(cfg: dict) -> dict:
-    """The facts an extraction run depends on, from the (possibly wrapped) config."""
+    :raises Malformed: when ``text_config`` is there but not an object (nothing can be read).
+    """
+    problems = []
+
+    def checked(mapping, key, kind, where=""):
+        try:
+            return field(mapping, key, kind, CONFIG, where=where)
+        except Malformed as exc:
+            problems.append(exc)
+            return None
+
+    if cfg.get("text_config") is not None:
+        expect(cfg["text_config"], OBJECT, CONFIG, "text_config",
+               fix="text_config must be the language model's config object; re-download config.json")
     wrapped = isinstance(cfg.get("text_config"), dict)
     text = cfg["text_config"] if wrapped else cfg
-    heads = _first(text, "num_attention_heads", "n_head", "n_heads")
-    hidden = _first(text, "hidden_size", "d_model", "n_embd")
-    head_dim = _first(text, "head_dim")
-    if head_dim is None and heads and hidden:
-        head_dim = hidden // heads
-    quant = cfg.get("quantization_config") or text.get("quantization_config") or {}
-    family = family_of(text, cfg)
-    return {
-        "model_type": cfg.get("model_type"),
-        "text_model_type": text.get("model_type"),
+    where = "text_config" if wrapped else ""
+    summary = {
+        "model_type": checked(cfg, "model_type", STRING),
+        "text_model_type": checked(text, "model_type", STRING, where) if wrapped else None,
         "wrapped_in_text_config": wrapped,
-        "architectures": cfg.get("architectures") or text.get("architectures") or [],
-        "family": family,
-        "calling_convention": CALLING_CONVENTION.get(family),
-        "num_layers": _first(text, "num_hidden_layers", "n_layers", "num_layers"),
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": _first(text, "num_key_value_heads", "num_kv_heads") or heads,
-        "head_dim": head_dim,
-        "mla": "kv_lora_rank" in text and text.get("kv_lora_rank") is not None,
-        "num_experts": _first(text, "n_routed_experts", "num_local_experts", "num_experts",
-                              "moe_num_experts"),
-        "experts_per_token": _first(text, "num_experts_per_tok", "moe_top_k"),
-        "llama_4_scaling": _first(text, "llama_4_scaling") or cfg.get("llama_4_scaling"),
-        "max_position_embeddings": _first(text, "max_position_embeddings", "n_positions"),
-        "rope_scaling": text.get("rope_scaling"),
-        "vocab_size": _first(text, "vocab_size"),
-        "dtype": _first(text, "torch_dtype", "dtype") or cfg.get("torch_dtype"),
-        "quantization": quant.get("quant_method") if isinstance(quant, dict) else None,
-        "auto_map": cfg.get("auto_map") or {},
     }
+    if not wrapped:
+        summary["text_model_type"] = summary["model_type"]
+    top_archs = checked(cfg, "architectures", STRING_LIST) or []
+    text_archs = (checked(text, "architectures", STRING_LIST, where) or []) if wrapped else []
+    summary["architectures"] = top_archs or text_archs
+    #: tried in this order against vLLM's registry: the text model first (it runs the layers)
+    summary["vllm_architectures"] = list(dict.fromkeys(text_archs + top_archs))
+    sources = {}
+    for name, (keys, kind) in COUNTS.items():
+        key, _ = _pick(text, *keys)
+        summary[name] = checked(text, key, kind, where) if key else None
+        if key:
+            sources[name] = f"{where}.{key}" if where else key
+    heads, hidden = summary["num_attention_heads"], summary["hidden_size"]
+    if summary["head_dim"] is None and heads and hidden and "head_dim" not in sources:
+        summary["head_dim"] = hidden // heads
+    if summary["num_key_value_heads"] is None and "num_key_value_heads" not in sources:
+        summary["num_key_value_heads"] = heads
+    summary["config_keys"] = sources
+    summary["mla"] = text.get("kv_lora_rank") is not None
+
+    in_text = cfg.get("quantization_config") is None and text.get("quantization_config") is not None
+    quant = checked(text if in_text else cfg, "quantization_config", OBJECT, where if in_text else "")
+    summary["quantization"] = quant.get("quant_method") if quant else None
+    in_text = text.get("llama_4_scaling") is not None
+    scaling_where = where if in_text else ""
+    scaling = checked(text if in_text else cfg, "llama_4_scaling", OBJECT, scaling_where)
+    if scaling:
+        for key in LLAMA_4_SCALING_KEYS:
+            try:
+                field(scaling, key, NUMBER, CONFIG, where=f"{scaling_where}.llama_4_scaling".lstrip("."),
+                      required=True)
+            except Malformed as exc:
+                problems.append(exc)
+                scaling = None
+                break
+    summary["llama_4_scaling"] = scaling
+    summary["rope_scaling"] = text.get("rope_scaling")
+    summary["dtype"] = _pick(text, "torch_dtype", "dtype")[1] or cfg.get("torch_dtype")
+    auto_map = checked(cfg, "auto_map", OBJECT) or {}
+    for key, ref in auto_map.items():
+        try:
+            expect(ref if isinstance(ref, list) else [ref], STRING_LIST, CONFIG, f"auto_map.{key}")
+        except Malformed:
+            problems.append(Malformed(CONFIG, f"auto_map.{key}", "a string or a list of strings", ref))
+            auto_map = {}
+            break
+    summary["auto_map"] = auto_map
+    summary["family"] = summary["calling_convention"] = None  # filled from vLLM's code by the probe
+    return summary, problems
 
 
 def probe(ctx: Context) -> list:
     """Read and check config.json; leaves the summary in ``ctx.model`` (empty on failure)."""
-    cfg, problem = read_config(ctx.params["model_path"])
+    model_path = ctx.params["model_path"]
+    cfg, problem = read_config(model_path)
     if cfg is None:
-        return [record("model.config", FAIL, problem[0], detail={"model_path": ctx.params["model_path"]},
-                       fix=problem[1])]
-    ctx.model = summary = summarize(cfg)
+        return [record("model.config", FAIL, problem[0], detail={"model_path": model_path}, fix=problem[1])]
+    try:
+        summary, problems = summarize(cfg)
+    except Malformed as exc:
+        return [record("model.config", FAIL, exc.summary, detail=dict(exc.detail(), model_path=model_path),
+                       fix=exc.fix)]
+    ctx.model = summary
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        detail = dict(summary, model_path=model_path, problems=[p.detail() for p in problems],
+                      **{k: v for k, v in first.detail().items()})
+        return [record("model.config", FAIL, first.summary + more, detail=detail, fix=first.fix)]
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not summary[k]]
     where = "text_config" if summary["wrapped_in_text_config"] else "config.json"
     if missing:
@@ -136,7 +201,9 @@ def probe(ctx: Context) -> list:
         f"{wrap}: {summary['num_layers']} layers, hidden {summary['hidden_size']}, "
         f"{summary['num_attention_heads']} heads / {summary['num_key_value_heads']} kv heads{experts}",
         detail=summary)]
-    records.append(_family(summary))
+    layer_call = vllm_layer_call(summary["vllm_architectures"], ctx.params)
+    summary["family"], summary["calling_convention"] = layer_call.get("family"), layer_call.get("calling_convention")
+    records.append(_family(summary, layer_call))
     records.append(_llama_4_scaling(summary))
     records.append(_seq_len(ctx, summary))
     if ctx.params["device"] == "cpu":
@@ -145,17 +212,105 @@ def probe(ctx: Context) -> list:
     return records
 
 
-def _family(summary):
-    family = summary["family"]
-    detail = {"family": family, "calling_convention": summary["calling_convention"],
-              "model_type": summary["text_model_type"], "architectures": summary["architectures"]}
+# -- the family, from vLLM's own code ----------------------------------------------------------
+
+def vllm_layer_call(architectures: list, params: dict) -> dict:
+    """How the installed vLLM calls the decoder layers of the first of ``architectures`` it knows.
+
+    :returns: ``{"architecture", "layer_class", "layer_forward" (file:line), "parameters",
+        "passed" (what the model's own forward passes, None when it cannot be told),
+        "family" (``llama`` | ``deepseek_v2`` | None), "calling_convention"}``, or
+        ``{"error": why, "tried": [...]}`` when vLLM, its registry or the layer is not found.
+    """
+    try:
+        from remote import drift
+    except ImportError:
+        return {"error": "remote/drift.py (the static vLLM index) is not in this bundle", "tried": []}
+    _, vllm_root = drift.site_packages(params)
+    if vllm_root is None:
+        return {"error": "vLLM is not installed in this python", "tried": []}
+    index = drift.PackageIndex(vllm_root)
+    if index.module_file("vllm.model_executor.models.registry") is None:
+        return {"error": f"vLLM's model registry is not at {vllm_root}/vllm/model_executor/models/registry.py",
+                "tried": []}
+    tried = []
+    for arch in architectures:
+        if drift.registry_entry(index, arch) is None:
+            tried.append(f"{arch}: not in vLLM's model registry")
+            continue
+        target, why = drift.resolve_target(index, arch, {}, CONFIG)
+        if target is None or target.layer is None:
+            tried.append(f"{arch}: {why or 'no decoder layer class found beside its model class'}")
+            continue
+        hit = index.class_member(target.layer, "forward")
+        if hit is None or not hasattr(hit[0], "args"):
+            tried.append(f"{arch}: {target.layer.name} has no forward")
+            continue
+        return dict(_classify(drift, index, target, hit), architecture=arch, tried=tried)
+    if not architectures:
+        return {"error": "config.json names no architectures to look up in vLLM's registry", "tried": []}
+    return {"error": "; ".join(tried), "tried": tried}
+
+
+def _classify(drift, index, target, hit) -> dict:
+    """The family whose call the layer's forward takes, from its signature and its model's calls."""
+    fn, owner = hit
+    sig = drift.Signature.of_function(fn, bound=True, where=f"{owner.path}:{fn.lineno}")
+    accepted = list(sig.positional) + sorted(sig.keywords - set(sig.positional))
+    passed = None
+    own = index.class_member(target.inner, "forward") if target.inner is not None else None
+    if own is not None and hasattr(own[0], "args"):
+        names, open_ended = set(), False
+        calls = drift.layer_calls(own[0])
+        for call in calls:
+            got, more = drift.supplied_params(sig, call, own[0])
+            names |= got
+            open_ended |= more
+        if calls and not open_ended:  # in the layer's own parameter order
+            passed = [p for p in accepted if p in names] + sorted(names - set(accepted))
+    info = {"module": owner.module, "layer_class": target.layer.name, "layer_forward": sig.where,
+            "parameters": accepted, "required": list(sig.required),
+            "model_class": target.inner.name if target.inner is not None else None, "passed": passed,
+            "family": None, "calling_convention": None}
+    base_ok = tuple(sig.positional[:len(BASE_LAYER_ARGS)]) == BASE_LAYER_ARGS
+    extra_required = [r for r in sig.required if r not in BASE_LAYER_ARGS]
+    if not base_ok or extra_required:
+        return info
+    # What the model itself passes decides. When that cannot be read (it forwards
+    # **kwargs, or calls its parent's forward), a family's own extra argument counts as
+    # passed whenever the layer takes it, and other optional ones are taken as left at
+    # their defaults (Mistral's t_cond, set only by the Voxtral wrapper).
+    family_extras = {arg for extra in FAMILY_EXTRA_ARGS.values() for arg in extra}
+    if passed is not None:
+        extras = set(passed) - set(BASE_LAYER_ARGS)
+    elif sig.var_keyword:
+        return info
+    else:
+        extras = set(accepted) & family_extras
+        info["assumed_defaults"] = sorted(set(accepted) - set(BASE_LAYER_ARGS) - family_extras)
+    for family, extra in FAMILY_EXTRA_ARGS.items():
+        if extras == set(extra):
+            info.update(family=family, calling_convention=CALLING_CONVENTION[family])
+    return info
+
+
+def _family(summary, layer_call):
+    family = layer_call.get("family")
+    detail = dict({"family": None, "calling_convention": None}, **layer_call)
+    detail.update(model_type=summary["text_model_type"], architectures=summary["architectures"])
+    smoke = "run `specops smoke` on a tiny twin first to prove the extraction path"
+    if "error" in layer_call:
+        return record("model.family", WARN, f"calling convention unknown: {layer_call['error']}", detail=detail,
+                      fix=smoke)
+    where = f"vLLM's {layer_call['layer_class']}.forward ({layer_call['layer_forward']})"
     if family is None:
+        args = ", ".join(layer_call["passed"] or layer_call["parameters"])
         return record("model.family", WARN,
-                      f"{summary['text_model_type']} is neither DeepseekV2-family nor Llama-like: the "
-                      f"patched worker's layer calls are unproven for it", detail=detail,
-                      fix="run `fab smoke` on a tiny twin first to prove the extraction path")
-    name = "DeepseekV2 family" if family == DEEPSEEK_V2 else "Llama-like"
-    return record("model.family", OK, f"{name}: {summary['calling_convention']}", detail=detail)
+                      f"{layer_call['architecture']}: {where} is called as layer({args}), neither the Llama-like "
+                      f"nor the DeepseekV2 call the patched worker makes: its layer calls are unproven",
+                      detail=detail, fix=smoke)
+    return record("model.family", OK, f"{FAMILY_NAMES[family]} per {where}: {layer_call['calling_convention']}",
+                  detail=detail)
 
 
 def _llama_4_scaling(summary):

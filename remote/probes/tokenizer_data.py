@@ -15,7 +15,7 @@ import json
 import os
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import Context
+from remote.probes import OBJECT, Context, Malformed, describe, expect
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -34,8 +34,7 @@ def probe_tokenizer(ctx: Context) -> list:
     path = ctx.params["model_path"]
     if not os.path.isdir(path):
         return [record("tokenizer.files", SKIPPED, f"model dir {path} does not exist", detail={})]
-    found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
-    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.tiktoken")))
+    found = tokenizer_files(path)
     detail = {"found": found, "tokenizer_config": os.path.isfile(os.path.join(path, "tokenizer_config.json"))}
     if not found:
         records = [record("tokenizer.files", FAIL, f"no tokenizer files in {path}", detail=detail,
@@ -47,14 +46,42 @@ def probe_tokenizer(ctx: Context) -> list:
     return records
 
 
+def tokenizer_files(model_path: str) -> list:
+    """The tokenizer files in ``model_path`` (names), empty for a config-only model dir."""
+    found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, f))]
+    return found + sorted(os.path.basename(p) for p in glob.glob(os.path.join(model_path, "*.tiktoken")))
+
+
 def chat_template_source(model_path: str) -> str | None:
-    """Where the chat template lives (tokenizer_config.json key, or its own file), or None."""
+    """Where the chat template lives (tokenizer_config.json key, or its own file), or None.
+
+    :raises Malformed: tokenizer_config.json that is not a JSON object, or whose
+        ``chat_template`` is neither a string nor a list of ``{"name", "template"}`` objects
+        (the two forms transformers reads).
+    """
+    name = "tokenizer_config.json"
     try:
-        with open(os.path.join(model_path, "tokenizer_config.json"), encoding="utf-8") as fh:
-            if json.load(fh).get("chat_template"):
-                return "tokenizer_config.json"
-    except (OSError, ValueError, AttributeError):
-        pass
+        with open(os.path.join(model_path, name), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except FileNotFoundError:
+        config = {}
+    except OSError:
+        config = {}  # unreadable here; the tokenizer.load child reports what transformers says
+    except ValueError as exc:
+        raise Malformed(name, "", "valid JSON", found=f"not valid JSON ({exc})",
+                        fix=f"re-download {name}") from None
+    expect(config, OBJECT, name, "", fix=f"re-download {name}")
+    template = config.get("chat_template")
+    if template is not None:
+        named = isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template)
+        if not (isinstance(template, str) or named):
+            raise Malformed(name, "chat_template", "a string (a Jinja template) or a list of "
+                            "{\"name\", \"template\"} objects", template,
+                            fix=f"fix chat_template in {name}, or re-download it")
+        if template:
+            return name
     for name in CHAT_TEMPLATE_FILES:
         if os.path.isfile(os.path.join(model_path, name)):
             return name
@@ -64,8 +91,12 @@ def chat_template_source(model_path: str) -> str | None:
 
 
 def _chat_template(ctx, path):
-    source = chat_template_source(path)
     engine = ctx.params["engine"]
+    try:
+        source = chat_template_source(path)
+    except Malformed as exc:
+        return record("tokenizer.chat_template", FAIL, exc.summary, detail=dict(exc.detail(), engine=engine),
+                      fix=exc.fix)
     detail = {"source": source, "engine": engine, "engine_needs_template": engine in CHAT_ENGINES}
     if source:
         return record("tokenizer.chat_template", OK, f"chat template in {source}", detail=detail)
@@ -83,7 +114,7 @@ def _chat_template(ctx, path):
 def record_problems(rec) -> tuple:
     """``(fatal, degraded)`` reasons for one record, as speculators 0.3.0 would treat it."""
     if not isinstance(rec, dict):
-        return [f"record is a {type(rec).__name__}, not an object"], []
+        return [f"record is {describe(rec)}, not an object with 'conversations'"], []
     conv = rec.get("conversations")
     if conv is None:
         if "messages" in rec:
@@ -91,16 +122,19 @@ def record_problems(rec) -> tuple:
                     "rename the key)"], []
         return [f"no 'conversations' key (keys: {', '.join(sorted(map(str, rec))[:5])})"], []
     if not isinstance(conv, list) or not conv:
-        return ["'conversations' is not a non-empty list"], []
+        return [f"'conversations' is {describe(conv)}, expected a non-empty list of turns"], []
     fatal, degraded, roles = [], [], []
     for i, turn in enumerate(conv):
         if not isinstance(turn, dict):
-            fatal.append(f"turn {i} is not an object")
+            fatal.append(f"turn {i} is {describe(turn)}, not an object")
             continue
         role = turn.get("from", turn.get("role"))
         content = turn.get("value", turn.get("content"))
         if role is None:
             fatal.append(f"turn {i} has neither 'from' nor 'role'")
+        elif not isinstance(role, str):
+            fatal.append(f"turn {i} role is {describe(role)}, expected a string")
+            role = None
         elif role not in ROLES:
             degraded.append(f"turn {i} role {role!r} is dropped (known: {', '.join(ROLES)})")
         if not isinstance(content, str):
