@@ -200,6 +200,39 @@ def default_inventory_path() -> Path:
     return Path(os.environ.get("SPECOPS_INVENTORY", "inventory.yaml"))
 
 
+#: ``${NAME}`` or ``${NAME:-default}``; ``$${`` stays a literal ``${``.
+_LAPTOP_VARIABLE = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_laptop_variables(value, path: Path, where: str = ""):
+    """Replace ``${NAME}`` / ``${NAME:-default}`` in every string with the laptop's environment.
+
+    This runs where the inventory is read, so it is for values that belong to the
+    laptop (the built-in test host lives under ``${SPECOPS_CACHE:-~/.cache/specops}``);
+    a ``~`` in a path is still expanded on the host. An unset variable without a
+    default is an error naming the field.
+    """
+    if isinstance(value, dict):
+        return {k: expand_laptop_variables(v, path, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_laptop_variables(v, path, f"{where}.{i}") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def substitute(match: re.Match) -> str:
+        escaped, name, default = match.groups()
+        if escaped:
+            return match.group(0)[1:]
+        if name in os.environ and os.environ[name] != "":
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise InventoryError(f"{path}: field {where!r} uses ${{{name}}}, which is not set on this machine",
+                             f"set {name}, or write ${{{name}:-DEFAULT}} in {path}")
+
+    return _LAPTOP_VARIABLE.sub(substitute, value)
+
+
 def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     """Read and validate an inventory file.
 
@@ -217,6 +250,7 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
         raise InventoryError(f"{path}: not valid YAML: {exc}", hint) from None
     if not isinstance(raw, dict):
         raise InventoryError(f"{path}: the top level must be a mapping with 'hosts'", hint)
+    raw = expand_laptop_variables(raw, path)
     unknown = set(raw) - _TOP_KEYS
     if unknown:
         raise InventoryError(f"{path}: unknown top-level key(s) {sorted(unknown)}",

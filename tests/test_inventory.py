@@ -94,3 +94,24 @@ def test_missing_file_hint(tmp_path):
     with pytest.raises(InventoryError, match="does not exist") as err:
         load_inventory(tmp_path / "nope.yaml")
     assert "--inventory" in err.value.hint
+
+
+def test_laptop_variables_expand_with_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOPS_TEST_ROOT", "/srv/cache")
+    monkeypatch.delenv("SPECOPS_TEST_UNSET", raising=False)
+    path = write(tmp_path, "hosts:\n  gpu-a:\n" + textwrap.indent(
+        "address: gpu-a.example.org\npython: ${SPECOPS_TEST_ROOT}/env/bin/python\n"
+        "model_path: ${SPECOPS_TEST_UNSET:-~/.cache/specops}/m\noutput_dir: /data/$${literal}\n", "    "))
+    host = load_inventory(path).hosts["gpu-a"]
+    assert host.python == "/srv/cache/env/bin/python"
+    assert host.model_path == "~/.cache/specops/m"  # ~ stays for the host to expand
+    assert host.output_dir == "/data/${literal}"
+
+
+def test_unset_laptop_variable_names_the_field(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECOPS_TEST_UNSET", raising=False)
+    path = write(tmp_path, host_block().replace("/models/m", "${SPECOPS_TEST_UNSET}/m"))
+    with pytest.raises(InventoryError) as err:
+        load_inventory(path)
+    assert "hosts.gpu-a.model_path" in str(err.value) and "SPECOPS_TEST_UNSET" in str(err.value)
+    assert err.value.code == ExitCode.USAGE
