@@ -259,9 +259,12 @@ SPECULATORS_DATA = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_tokenizer_chat_template_feeds_speculators(hostenv_python, tiny_models, name, tmp_path):
-    """speculators 0.3.0's own preprocessing finds the assistant spans in our template."""
-    result = run_json(hostenv_python, SPECULATORS_DATA, tiny_models[name], tiny_models["dataset"],
+def test_tokenizer_chat_template_feeds_speculators(vllm_python, tiny_models, name, tmp_path):
+    """speculators 0.3.0's own preprocessing finds the assistant spans in our template.
+
+    ``speculators.data_generation`` imports vLLM, so this runs in an overlay env.
+    """
+    result = run_json(vllm_python, SPECULATORS_DATA, tiny_models[name], tiny_models["dataset"],
                       tmp_path / "hf-datasets")
     assert result["rendered"].startswith("<|bos|><|start|>user<|message|>")
     assert "<|start|>assistant<|message|>" in result["rendered"]
