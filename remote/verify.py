@@ -26,12 +26,32 @@ max |captured - ref| / max |ref|; ``nrmse`` = ||captured - ref|| / ||ref||; per-
 cosine (min and mean); and the share of tokens that agree. A token agrees when its
 ``max |diff| / max |ref| <= REL_TOL`` and its cosine >= ``COS_TOL``. Thresholds are
 for bf16 captures against a float32 reference: measured bf16 noise (vLLM 0.16 CPU vs
-transformers fp32, tiny Llama and DeepSeek-V3 twins) is rel_max 1.5-2.5 %, nrmse
-~2 %, token cosine >= 0.999; a dropped ``llama_4_scaling`` on the smoke twin moves the
+transformers fp32, tiny Llama and DeepSeek-V3) is rel_max 0.8-2.5 %, nrmse 0.8-2 %,
+token cosine >= 0.999; a dropped ``llama_4_scaling`` on the smoke twin moves the
 states by 16-22 % nrmse, an off-by-one layer by far more. A layer is ``ok`` when every
-token agrees, ``warn`` when at least ``WARN_SHARE`` of them do (isolated tokens: on an
-MoE with random weights, a near-tied router score can pick another expert in another
-precision), ``fail`` otherwise.
+token agrees, ``warn`` when at least ``WARN_SHARE`` of them do (a few tokens nothing
+explains), ``fail`` otherwise.
+
+**MoE routing** (``verify.routing``; DeepSeek-V3-style group-limited routers, which
+Kimi-K2/K2.5 use too). A router picks the best experts by score; when two candidates
+score within bf16 rounding of each other, a bf16 engine and the fp32 reference can
+pick different ones, and that token's state then differs by 10-40 % from that layer
+on -- with both sides right. On the test host's tiny DeepSeek-V3 (random router, no
+margins) this hits 20 of 232 tokens on a 2-core AMD EPYC (AVX2 kernels): before this
+check, layer 7 read "DIFFERS, nrmse 7.57 %, cosine min 0.949, 203/232 tokens agree",
+and which tokens flip depends on the machine's GEMM kernels (ISA, library), so the
+verdict did too. Now the reference records, per router and token, its choice, the
+runner-up choices, and each gap against what the engine's own measured error
+(``epsilon``, the median per-token error) and bf16 rounding of the logits can move
+it (``RouterDecisions.z``). Layer by layer, a token that disagrees at the next
+captured layer and sits within ``NEAR_TIE_SIGMAS`` of a tie is recomputed with the
+runner-up choice, kept when that brings it back to bf16 noise
+(:func:`match_routing`). Layer records then count agreement against the
+engine-matched reference (the raw numbers stay in ``detail.raw``), and
+``verify.routing`` lists every token that took another expert: layer, token, both
+choices, score gap, sigmas. On that run: 232/232 agree, nrmse 0.78-0.94 %, cosine
+>= 0.99995. Only near-ties are ever tried, so a wrong extraction (a dropped scaling,
+a shifted layer, a kernel that routes wrongly) still fails.
 
 **Convention check.** Each captured layer is also compared with every stream index;
 the best match (lowest nrmse) is reported, and a recorded index that is not the best
@@ -249,6 +269,285 @@ class StreamRecorder:
             hook.remove()
 
 
+# --------------------------------------------------------------------------- MoE routing
+
+#: bf16 keeps 8 significant bits: rounding a router logit to bf16 moves it by up to
+#: 2**-9 of itself; one ulp (2**-8) leaves room for the engine's GEMM rounding as well.
+BF16_REL = 2.0 ** -8
+#: A router decision is a near-tie when its score gap is within this many standard
+#: deviations of what the engine's own measured error can move it, plus bf16 rounding.
+#: Measured flips (vLLM 0.16 CPU and transformers bf16, tiny DeepSeek-V3, 2-core AMD EPYC,
+#: AVX2 kernels): z <= 2.4 at a measured engine error of 1.1-1.8 % per token.
+NEAR_TIE_SIGMAS = 4.0
+#: A tried choice is kept when it cuts the token's error at the next captured layer to
+#: at most this share (a right choice leaves bf16 noise; a wrong one adds a second error).
+ROUTE_KEEP_SHARE = 0.75
+#: Extra reference forwards per sample spent on matching the engine's expert choice.
+MAX_ROUTE_FORWARDS = 48
+
+
+def is_group_topk_router(module) -> bool:
+    """A DeepSeek-V3-style router: sigmoid scores + correction bias, best ``topk_group`` of
+    ``n_group`` groups, then ``top_k`` experts (transformers' ``DeepseekV3TopkRouter``; Kimi-K2
+    and K2.5 run through it too)."""
+    return (callable(getattr(module, "get_topk_indices", None))
+            and all(isinstance(getattr(module, name, None), int)
+                    for name in ("n_group", "topk_group", "top_k", "n_routed_experts"))
+            and getattr(module, "e_score_correction_bias", None) is not None
+            and getattr(module, "weight", None) is not None)
+
+
+class RouterDecisions:
+    """One router's choice for every token of one forward, how close it was, and the
+    choices that a slightly different input would have made.
+
+    The router keeps the best ``topk_group`` expert groups (a group scores the sum of
+    its best two experts), then the best ``top_k`` experts in them. Each *option* swaps
+    one kept group or expert for the best one left out (``"expert#j"``, ``"group#j"``;
+    ``"group#j+expert"`` also swaps the last expert inside the new groups). Its *gap*
+    is how much the kept one wins by, in the router's score units (sigmoid + bias).
+    ``spread`` is the standard deviation of that gap when the router input moves by a
+    relative error of 1 in a random direction -- the logit difference ``(w_a - w_b) . dx``
+    scaled by the sigmoid slopes -- so an engine whose states carry a relative error
+    ``epsilon`` moves it by about ``epsilon * spread``. ``rounding`` is what rounding
+    the logits to bf16 can add. :meth:`z` puts them together.
+    """
+
+    def __init__(self, router, scores, natural, router_input):
+        import torch
+
+        experts = int(router.n_routed_experts)
+        groups, k, k_groups = int(router.n_group), int(router.top_k), int(router.topk_group)
+        per_group = experts // groups
+        self.natural = natural.reshape(-1, k)
+        x = router_input.reshape(-1, router_input.shape[-1]).float()
+        weight = router.weight.float()
+        logits = x @ weight.t()
+        slope = torch.sigmoid(logits) * (1 - torch.sigmoid(logits))
+        s = scores.reshape(-1, experts).float() + router.e_score_correction_bias.float().unsqueeze(0)
+        tokens = s.shape[0]
+        rms = x.pow(2).mean(-1).sqrt()
+        grouped = s.view(tokens, groups, per_group).topk(min(2, per_group), dim=-1)
+        group_scores = grouped.values.sum(-1)
+        group_members = grouped.indices + torch.arange(groups).view(1, groups, 1) * per_group
+        group_order = group_scores.argsort(dim=-1, descending=True, stable=True)
+        infinite = torch.full((tokens,), float("inf"))
+
+        def within(chosen_groups):
+            mask = torch.zeros(tokens, groups, dtype=torch.bool).scatter_(1, chosen_groups, True)
+            mask = mask.unsqueeze(-1).expand(tokens, groups, per_group).reshape(tokens, experts)
+            masked = s.masked_fill(~mask, float("-inf"))
+            return masked.argsort(dim=-1, descending=True, stable=True), masked
+
+        def part(coef, gap):
+            """(gap, spread, rounding) of a decision ``sum(coef * score) > 0``."""
+            weighted = coef * slope
+            spread = (weighted @ weight).norm(dim=-1) * rms
+            rounding = BF16_REL * (weighted.abs() * logits.abs()).sum(-1)
+            gap = torch.where(torch.isfinite(gap), gap, infinite)
+            return gap, spread, rounding
+
+        def pair(kept, runner, values):
+            coef = torch.zeros(tokens, experts)
+            coef.scatter_(1, kept, 1.0)
+            coef.scatter_(1, runner, -1.0)
+            return coef, values
+
+        def expert_swap(order, masked, j):
+            """Swap the j-th kept expert for the best one left out: (alternative, part)."""
+            if order.shape[1] <= k:
+                return order[:, :k], (infinite, torch.ones(tokens), torch.zeros(tokens))
+            kept, runner = order[:, j:j + 1], order[:, k:k + 1]
+            gap = masked.gather(1, kept)[:, 0] - masked.gather(1, runner)[:, 0]
+            alternative = order[:, :k].clone()
+            alternative[:, j] = order[:, k]
+            return alternative, part(*pair(kept, runner, gap))
+
+        order, masked = within(group_order[:, :k_groups])
+        self.own = order[:, :k]
+        # where our reading of the rule picks what the model picked, the options are meaningful
+        self.readable = (self.own.sort(-1).values == self.natural.sort(-1).values).all(-1)
+        #: kind -> (alternative experts [tokens, k], [(gap, spread, rounding), ...])
+        self.options = {}
+        for j in reversed(range(k)):
+            alternative, one = expert_swap(order, masked, j)
+            self.options[f"expert#{j}"] = (alternative, [one])
+        if k_groups < groups:
+            runner_group = group_order[:, k_groups]
+            for j in reversed(range(k_groups)):
+                kept_group = group_order[:, j]
+                gap = group_scores.gather(1, kept_group[:, None])[:, 0] - group_scores.gather(1, runner_group[:, None])[:, 0]
+                members = lambda g: group_members.gather(
+                    1, g[:, None, None].expand(-1, 1, group_members.shape[-1]))[:, 0]
+                one = part(*pair(members(kept_group), members(runner_group), gap))
+                swapped = group_order[:, :k_groups].clone()
+                swapped[:, j] = runner_group
+                order2, masked2 = within(swapped)
+                self.options[f"group#{j}"] = (order2[:, :k], [one])
+                alternative, two = expert_swap(order2, masked2, k - 1)
+                self.options[f"group#{j}+expert"] = (alternative, [one, two])
+
+    def z(self, kind: str, token: int, epsilon: float) -> float:
+        """How many standard deviations of the engine's error (relative ``epsilon``) the
+        option ``kind`` is from a tie, after bf16 rounding; 0 = a tie within rounding."""
+        worst = 0.0
+        for gap, spread, rounding in self.options[kind][1]:
+            room = max(0.0, float(gap[token]) - float(rounding[token]))
+            worst = max(worst, room / max(epsilon * float(spread[token]), 1e-30))
+        return worst
+
+    def choice(self, kind: str, token: int):
+        """The experts of option ``kind`` for ``token``, or None when that is no other choice."""
+        alternative, parts = self.options[kind]
+        if not bool(self.readable[token]) or any(not bool(p[0][token] < float("inf")) for p in parts):
+            return None
+        if set(alternative[token].tolist()) == set(self.natural[token].tolist()):
+            return None
+        return alternative[token]
+
+    def near_ties(self, token: int, epsilon: float) -> dict:
+        """kind -> experts, for every option within ``NEAR_TIE_SIGMAS`` of a tie."""
+        found = {}
+        for kind in self.options:
+            experts = self.choice(kind, token)
+            if experts is not None and self.z(kind, token, epsilon) <= NEAR_TIE_SIGMAS:
+                found[kind] = experts
+        return found
+
+
+class RouterControl:
+    """Watches every DeepSeek-V3-style router of the reference and can overrule its choice.
+
+    ``decisions[layer]`` holds the :class:`RouterDecisions` of the last forward; setting
+    ``forced[layer][token] = experts`` makes the next forwards route that token there.
+    """
+
+    def __init__(self, layers):
+        self.routers, self.decisions, self.forced, self._inputs = {}, {}, {}, {}
+        self._hooks = []
+        for index, layer in enumerate(layers):
+            router = next((m for m in layer.modules() if is_group_topk_router(m)), None)
+            if router is None:
+                continue
+            self.routers[index] = router
+            self._hooks.append(router.register_forward_pre_hook(self._keep_input(index)))
+            router.get_topk_indices = self._wrap(index, router.get_topk_indices)
+
+    def _keep_input(self, index):
+        def keep(_module, args):
+            self._inputs[index] = args[0].detach() if args else None
+        return keep
+
+    def _wrap(self, index, original):
+        def get_topk_indices(scores):
+            natural = original(scores)
+            router_input = self._inputs.get(index)
+            if router_input is None:  # called without a positional input: nothing to judge
+                self.decisions.pop(index, None)
+            else:
+                self.decisions[index] = RouterDecisions(self.routers[index], scores, natural, router_input)
+            forced = self.forced.get(index)
+            if not forced:
+                return natural
+            chosen = natural.clone().reshape(-1, natural.shape[-1])
+            for token, experts in forced.items():
+                chosen[token] = experts.to(chosen.dtype)
+            return chosen.reshape(natural.shape)
+        return get_topk_indices
+
+    def close(self):
+        for hook in self._hooks:
+            hook.remove()
+        for router in self.routers.values():
+            router.__dict__.pop("get_topk_indices", None)
+
+
+def token_errors(captured, reference):
+    """Per token: relative error ``||h - r|| / ||r||``, and whether it agrees (see :func:`compare`)."""
+    import torch
+
+    h, r = captured.float(), reference.float()
+    scale = float(r.abs().max()) or 1.0
+    token_rel = (h - r).abs().max(dim=-1).values / scale
+    token_cos = torch.nn.functional.cosine_similarity(h, r, dim=-1)
+    error = (h - r).norm(dim=-1) / (r.norm(dim=-1) + 1e-12)
+    return error, (token_rel <= REL_TOL) & (token_cos >= COS_TOL)
+
+
+def match_routing(route: RouterControl, recorder, model, input_ids, captured_at: dict, sample: str):
+    """Recompute one sample with the engine's expert choice wherever a near-tie explains a
+    disagreement; returns ``(streams, raw streams, flips, info)``.
+
+    The fp32 reference and a bf16 engine compute the router from states that differ by
+    bf16 rounding, so a token whose best experts (or expert groups) score within that
+    rounding of each other can go either way -- and whichever way the engine went is as
+    right as the reference. Layer by layer (a choice changes every later layer), each
+    token that disagrees at the next captured layer and sits at a near-tie of this
+    layer's router is recomputed with the runner-up choice; the choice is kept when it
+    cuts that token's error to ``ROUTE_KEEP_SHARE`` or less. A wide-margin choice is
+    never tried, so an extraction error cannot hide here: its tokens still disagree.
+
+    :param captured_at: stream index -> captured ``[tokens, hidden]`` tensor.
+    """
+    import statistics
+
+    route.forced = {}
+    streams = raw = recorder.streams(model, input_ids)
+    forwards = 1
+    # the engine's own error, from every captured token (a median: flipped tokens are few)
+    errors = [float(e) for k, h in captured_at.items() for e in token_errors(h, streams[k])[0]]
+    # floored at bf16's own precision; capped at the tolerance (beyond it the run is broken anyway)
+    epsilon = min(max(statistics.median(errors), BF16_REL), REL_TOL) if errors else BF16_REL
+    flips, near_ties = [], 0
+    for layer in sorted(route.routers):
+        later = sorted(k for k in captured_at if k >= layer + 1)
+        if not later:
+            break
+        at = later[0]
+        base_error, agree = token_errors(captured_at[at], streams[at])
+        decisions = route.decisions.get(layer)
+        if decisions is None:
+            continue
+        options = {t: decisions.near_ties(t, epsilon) for t in range(len(input_ids))}
+        near_ties += sum(1 for found in options.values() if found)
+        # one trial forward per kind of option, for every disagreeing token that has it
+        trials = {}
+        for t in (~agree).nonzero().flatten().tolist():
+            seen = set()
+            for kind, experts in options[t].items():
+                if frozenset(experts.tolist()) not in seen:
+                    seen.add(frozenset(experts.tolist()))
+                    trials.setdefault(kind, {})[t] = experts
+        best = {}
+        saved_decisions, forced_before = dict(route.decisions), dict(route.forced.get(layer, {}))
+        for kind, trial in trials.items():
+            if forwards >= MAX_ROUTE_FORWARDS:
+                break
+            route.forced[layer] = {**forced_before, **trial}
+            tried = recorder.streams(model, input_ids)
+            forwards += 1
+            error, _ = token_errors(captured_at[at], tried[at])
+            for t, experts in trial.items():
+                if float(error[t]) <= ROUTE_KEEP_SHARE * float(base_error[t]) and \
+                        (t not in best or float(error[t]) < best[t][0]):
+                    best[t] = (float(error[t]), kind, experts)
+        # the trials' decisions and forcing are gone; the next layer starts from the kept ones
+        route.decisions, route.forced[layer] = saved_decisions, forced_before
+        if not best:
+            continue
+        for t, (error_after, kind, experts) in best.items():
+            route.forced.setdefault(layer, {})[t] = experts
+            flips.append({"sample": sample, "layer": layer, "token": t, "kind": kind,
+                          "reference_experts": sorted(decisions.natural[t].tolist()),
+                          "engine_experts": sorted(experts.tolist()),
+                          "score_gap": min(float(p[0][t]) for p in decisions.options[kind][1]),
+                          "sigmas": round(decisions.z(kind, t, epsilon), 3),
+                          "error_before": float(base_error[t]), "error_after": error_after})
+        streams = recorder.streams(model, input_ids)
+        forwards += 1
+    return streams, raw, flips, {"epsilon": epsilon, "forwards": forwards, "near_ties": near_ties}
+
+
 # --------------------------------------------------------------------------- comparison
 
 def compare(captured, reference) -> dict:
@@ -271,6 +570,7 @@ def compare(captured, reference) -> dict:
         "cos_min": float(token_cos.min()),
         "cos_mean": float(token_cos.mean()),
         "agree": int(agree.sum()),
+        "bad_tokens": bad,
         "first_bad_tokens": bad[:8],
         "first_bad_position": bad[0] if bad else None,
     }
@@ -285,7 +585,14 @@ def merge(per_sample: list[dict]) -> dict:
     """Worst-case numbers of one layer over samples."""
     tokens = sum(m["tokens"] for m in per_sample)
     agree = sum(m["agree"] for m in per_sample)
+    merged = {}
+    if all("raw" in m for m in per_sample):
+        # against the reference's own expert choice, before matching the engine's at near-ties
+        raw = merge([m["raw"] for m in per_sample])
+        merged = {"rerouted": sum(m["rerouted"] for m in per_sample),
+                  "raw": {key: raw[key] for key in ("agree", "nrmse", "rel_max", "cos_min")}}
     return {
+        **merged,
         "samples": len(per_sample), "tokens": tokens, "agree": agree,
         "agree_share": agree / tokens if tokens else 0.0,
         "max_abs_diff": max(m["max_abs_diff"] for m in per_sample),
@@ -376,19 +683,33 @@ def verify(params: dict) -> dict:
                           f"a {num_layers}-layer model", "the manifest does not belong to this model")
     per_layer = {lid: [] for lid in layer_ids}
     by_index = {lid: [0.0] * (num_layers + 1) for lid in layer_ids}
-    per_sample, cached_inputs = [], []
+    per_sample, cached_inputs, flips, routing = [], [], [], []
+    route = RouterControl(recorder.layers)
     for entry in chosen:
         data = torch.load(run["output_dir"] / entry["path"], map_location="cpu", weights_only=True)
         ids = data["input_ids"].tolist()
         cached_inputs.append((entry, data))
-        streams = recorder.streams(model, ids)
+        captured_at = {expected[lid]: captured for lid, captured in zip(layer_ids, data["hidden_states"])}
+        if route.routers:
+            streams, raw, sample_flips, info = match_routing(route, recorder, model, ids, captured_at, entry["path"])
+            flips += sample_flips
+            routing.append(dict(info, sample=entry["path"], tokens=len(ids)))
+        else:
+            streams = raw = recorder.streams(model, ids)
+            sample_flips = []
         row = {"sample": entry["path"], "tokens": len(ids), "layers": {}}
         for lid, captured in zip(layer_ids, data["hidden_states"]):
             numbers = compare(captured, streams[expected[lid]])
+            # tokens whose state here was computed with the engine's choice at an earlier router
+            numbers["rerouted"] = len({f["token"] for f in sample_flips if f["layer"] < expected[lid]})
+            if route.routers:
+                numbers["raw"] = compare(captured, raw[expected[lid]])
+                numbers["raw"].pop("bad_tokens")
             per_layer[lid].append(numbers)
             row["layers"][str(lid)] = numbers
             for k, value in enumerate(nrmse_by_index(captured, streams)):
                 by_index[lid][k] += value / len(chosen)
+        row["disagreeing_tokens"] = sorted({t for n in row["layers"].values() for t in n.pop("bad_tokens")})
         per_sample.append(row)
 
     for lid in layer_ids:
@@ -397,6 +718,11 @@ def verify(params: dict) -> dict:
         text_numbers = (f"max abs diff {numbers['max_abs_diff']:.4g} (rel {numbers['rel_max']:.2%}), "
                         f"nrmse {numbers['nrmse']:.2%}, cosine min {numbers['cos_min']:.5f} mean "
                         f"{numbers['cos_mean']:.5f}, {numbers['agree']}/{numbers['tokens']} tokens agree")
+        if numbers.get("rerouted"):
+            raw = numbers["raw"]
+            text_numbers += (f" ({numbers['rerouted']} recomputed with the engine's expert choice at a router "
+                             f"near-tie, see verify.routing; with the reference's own choice {raw['agree']} agree, "
+                             f"nrmse {raw['nrmse']:.2%})")
         where = f"layer {lid} ({convention} = HF hidden_states[{expected[lid]}])"
         fix = None
         if status == protocol.FAIL:
@@ -407,6 +733,9 @@ def verify(params: dict) -> dict:
             f"{where}: {'agrees' if status == protocol.OK else 'DIFFERS' if status == protocol.FAIL else 'mostly agrees'}"
             f" with the reference: {text_numbers}",
             detail=dict(numbers, expected_index=expected[lid], rel_tol=REL_TOL, cos_tol=COS_TOL), fix=fix))
+
+    if route.routers:
+        records.append(routing_record(route, flips, routing, per_sample))
 
     # 4. the convention: does each captured layer best match its recorded index?
     findings = []
@@ -436,12 +765,41 @@ def verify(params: dict) -> dict:
                     "nrmse_by_index": {str(k): v for k, v in by_index.items()}}))
 
     # 5. llama_4_scaling: exercised? and when layers fail, does the capture match a forward without it?
+    route.forced = {}  # the unscaled reference of llama4_record routes as the model does
     if scaling is not None:
         records.append(llama4_record(scaling, scaling_by, records, cached_inputs, recorder, model, layer_ids,
                                      expected))
+    route.close()
     recorder.close()
     return protocol.payload(records, per_sample=per_sample, layer_ids=layer_ids, convention=convention,
                             run_dir=str(run["run_dir"]))
+
+
+def routing_record(route, flips, routing, per_sample) -> dict:
+    """What matching the engine's expert choice found: which tokens took another expert at a
+    router near-tie, and whether they agree once recomputed that way."""
+    disagreeing = {(row["sample"], t) for row in per_sample for t in row["disagreeing_tokens"]}
+    explained = [f for f in flips if (f["sample"], f["token"]) not in disagreeing]
+    tokens = len({(f["sample"], f["token"]) for f in explained})
+    total = sum(r["tokens"] for r in routing)
+    epsilon = max(r["epsilon"] for r in routing)
+    detail = {"routers": sorted(route.routers), "router_class": type(next(iter(route.routers.values()))).__name__,
+              "flips": explained, "unexplained_flips": [f for f in flips if f not in explained],
+              "per_sample": routing, "near_tie_sigmas": NEAR_TIE_SIGMAS, "keep_share": ROUTE_KEEP_SHARE}
+    if not explained:
+        near = sum(r["near_ties"] for r in routing)
+        return protocol.record(
+            "verify.routing", protocol.OK,
+            f"the engine took the reference's experts for every token ({near} router decision(s) within bf16 "
+            f"reach of a tie, none went the other way where it shows)", detail=detail)
+    first = explained[0]
+    return protocol.record(
+        "verify.routing", protocol.OK,
+        f"{tokens} of {total} token(s) took other experts than the fp32 reference where the router's scores "
+        f"nearly tie (gap within {NEAR_TIE_SIGMAS:g} sigma of the engine's bf16 error, {epsilon:.2%} per token): "
+        f"recomputed with the engine's choice they agree -- rounding, not a wrong extraction (first: "
+        f"{first['sample']} layer {first['layer']} token {first['token']}: experts {first['reference_experts']}"
+        f" -> {first['engine_experts']}, score gap {first['score_gap']:.2g})", detail=detail)
 
 
 def llama4_record(scaling, scaling_by, records, cached_inputs, recorder, model, layer_ids, expected):

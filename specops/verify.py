@@ -7,8 +7,23 @@ way vLLM does when transformers lacks it), per layer max abs difference, relativ
 error, nrmse and cosine, a best-match search that names an off-by-one layer, and a
 second, unscaled reference that names a worker dropping ``llama_4_scaling``.
 
-    >>> [r.status for r in verify_step(host, "smoke-cf2392d6-20261129-150102").records]
-    ['ok', 'ok', 'ok', 'ok', 'ok', 'ok', 'ok', 'ok']
+MoE models (DeepSeek-V3, Kimi): where a router's best experts score within bf16
+rounding of each other, the bf16 engine and the fp32 reference may pick differently,
+and which tokens do depends on the machine's kernels. Verify recomputes such a token
+with the engine's choice and reports it in ``verify.routing`` (layer, token, both
+choices, score gap) instead of failing the layer; a swap the router was sure about
+still fails. The README run on the test host (tiny DeepSeek-V3, TP=2), 2-core EPYC::
+
+    >>> [(r.name, r.status) for r in verify_step(host, "v1", samples=2).records][2:7]
+    [('verify.layer.2', 'ok'), ('verify.layer.4', 'ok'), ('verify.layer.5', 'ok'),
+     ('verify.layer.7', 'ok'), ('verify.routing', 'ok')]
+    >>> verify_step(host, "v1", samples=2).records[6].summary
+    '20 of 232 token(s) took other experts than the fp32 reference where the router's
+     scores nearly tie (...): recomputed with the engine's choice they agree -- rounding,
+     not a wrong extraction (first: data_3.pt layer 1 token 6: experts [1, 2] -> [1, 7], ...)'
+
+(before, the same run read ``verify.layer.7 fail: DIFFERS ... nrmse 7.57 %, 203/232
+tokens agree``; a planted wrong extraction still reads ``fail``.)
 """
 from __future__ import annotations
 
@@ -27,8 +42,9 @@ def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "h
 
 
 def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> HostReport:
-    """Verify one run on one host; one record per layer plus run, reference, convention and
-    (when the model has it) llama_4_scaling."""
+    """Verify one run on one host; one record per layer plus run, reference, convention,
+    routing (MoE models with a DeepSeek-V3-style router) and llama_4_scaling (when the
+    model has it)."""
     payload = host.run_task("verify", verify_params(host, run_id, samples, reference))
     return report_from_payload(host.name, "verify", payload)
 
