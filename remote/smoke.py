@@ -52,7 +52,7 @@ import shutil
 import time
 from pathlib import Path
 
-from remote import protocol
+from remote import fsutil, modelconfig, protocol
 
 #: Bump when the recipe below changes in a way the hashed inputs do not show.
 TWIN_RECIPE = "1"
@@ -82,15 +82,13 @@ class SmokeError(protocol.TaskError):
 # --------------------------------------------------------------------------- the twin
 
 def target_config(model_path: Path) -> dict:
-    path = model_path / "config.json"
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SmokeError("smoke.twin", f"{path} does not exist on this host",
-                         "set model_path (inventory or --model) to the checkpoint directory") from None
-    except ValueError as exc:
-        raise SmokeError("smoke.twin", f"{path} is not valid JSON ({exc})",
-                         "repair or re-download config.json") from None
+        return modelconfig.read(model_path)
+    except modelconfig.ConfigError as exc:
+        missing = not model_path.is_dir() or not (model_path / modelconfig.CONFIG_FILE).exists()
+        raise SmokeError("smoke.twin", exc.summary,
+                         "set model_path (inventory or --model) to the checkpoint directory" if missing
+                         else exc.fix) from None
 
 
 def twin_hash(model_path: Path, config: dict, num_layers: int) -> str:
@@ -114,7 +112,7 @@ def twin_config(config: dict, num_layers: int) -> tuple[dict, list[str]]:
     from remote import tinymodel
 
     tiny = tinymodel.shrink_config(config, num_layers=num_layers)
-    text = tiny["text_config"] if isinstance(tiny.get("text_config"), dict) else tiny
+    text = modelconfig.text_config(tiny)
     notes = []
     scaling = text.get("llama_4_scaling")
     if isinstance(scaling, dict) and int(scaling.get("original_max_position_embeddings") or 0) > \
@@ -168,7 +166,7 @@ def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -
         for path in sorted(model_path.glob(pattern)):
             if path.is_file() and not (out_dir / path.name).exists():
                 shutil.copy2(path, out_dir / path.name)
-    text = tiny["text_config"] if isinstance(tiny.get("text_config"), dict) else tiny
+    text = modelconfig.text_config(tiny)
     notes += condition_weights(out_dir, text)
     return notes
 
@@ -182,7 +180,7 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) ->
     twin_dir = root / digest / "model"
     info_path = root / digest / "twin.json"
     t0 = time.monotonic()
-    with protocol.FileLock(root / f"{digest}.lock"):
+    with fsutil.FileLock(root / f"{digest}.lock"):
         if rebuild and twin_dir.exists():
             shutil.rmtree(twin_dir)
         built = not (twin_dir / "config.json").exists() or not info_path.exists()
@@ -201,14 +199,14 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) ->
                     "build_s": round(time.monotonic() - t0, 2)}
             info_path.write_text(json.dumps(info, indent=1) + "\n")
         info = json.loads(info_path.read_text())
-    twin_cfg = json.loads((twin_dir / "config.json").read_text())
-    text = twin_cfg.get("text_config") or twin_cfg
+    twin_cfg = modelconfig.read(twin_dir)
+    text = modelconfig.text_config(twin_cfg)
     size = sum(p.stat().st_size for p in twin_dir.glob("*.safetensors"))
     return dict(info, built=built, seconds=round(time.monotonic() - t0, 2), twin_dir=str(twin_dir),
                 root=str(root / digest), bytes=size,
-                layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
+                layers=modelconfig.num_layers(twin_cfg), hidden_size=text.get("hidden_size"),
                 model_type=twin_cfg.get("model_type"), architectures=twin_cfg.get("architectures"),
-                wrapped=isinstance(twin_cfg.get("text_config"), dict),
+                wrapped=modelconfig.is_wrapped(twin_cfg),
                 llama_4_scaling=text.get("llama_4_scaling"),
                 remote_code=sorted(p.name for p in twin_dir.glob("*.py")))
 

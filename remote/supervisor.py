@@ -7,7 +7,10 @@ Started detached by :mod:`remote.job` (new session, stdin closed, output to
    with a loss mask of 1 on assistant tokens; or pre-tokenized JSONL with
    ``input_ids``), honouring ``max_samples`` and ``seq_len``;
 2. resumes after the last complete sample already in the output dir;
-3. runs the engine in batches and writes every sample atomically (``remote.samples``);
+3. runs the engine in batches and writes every sample atomically (``remote.samples``) on
+   a writer thread, so the engine works on the next batch while the last one is written
+   (:class:`SampleWriter`; a bounded queue keeps memory in check, and progress and the
+   resume point count only samples already on disk);
 4. keeps ``RUN_DIR/status.json`` current (state, phase, samples, tokens/s, ETA,
    seconds per phase; a heartbeat every few seconds even while a model loads);
 5. at the end writes ``manifest.json`` and ``summary.json`` (output dir and run dir).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import queue
 import re
 import signal
 import sys
@@ -36,10 +40,12 @@ from pathlib import Path
 
 from remote import layers, samples
 from remote.engines import canonical_name, engine_class
+from remote.rundir import RunPaths
 
-STATES = ("pending", "loading", "extracting", "writing", "done", "failed", "aborted")
-FINAL_STATES = ("done", "failed", "aborted")
 HEARTBEAT_S = 5.0
+#: batches that may wait for the writer (besides the one being written); the engine
+#: blocks beyond that, so at most this + 2 batches of hidden states are in memory.
+WRITE_QUEUE_BATCHES = 1
 #: how long a worker's recorded error may go unanswered by the driver before the
 #: supervisor stops waiting (a peer of a dead rank can hang in a collective forever).
 WORKER_ERROR_GRACE_S = 20.0
@@ -57,19 +63,91 @@ class NonFiniteStates(RuntimeError):
     """A captured layer holds NaN or Inf."""
 
 
-class RunPaths:
-    """Where everything of one run lives."""
+class WriteFailed(RuntimeError):
+    """A sample could not be written; the message names the sample and the cause."""
 
-    def __init__(self, run_dir):
-        self.run_dir = Path(run_dir).resolve()
-        self.params = self.run_dir / "params.json"
-        self.status = self.run_dir / "status.json"
-        self.pid = self.run_dir / "pid"
-        self.logs = self.run_dir / "logs"
-        self.errors = self.run_dir / "errors"
-        self.supervisor_log = self.logs / "supervisor.log"
-        #: rank log sizes when this attempt began (older tracebacks are not this attempt's).
-        self.log_offsets: dict[str, int] = {}
+
+class SampleWriter:
+    """Writes batches of samples on a thread of its own while the engine runs the next batch.
+
+    Each sample is written exactly as without the thread (``samples.save_sample``: temp
+    file, fsync, rename), in order. ``on_written(first_index, batch)`` runs on the writer
+    thread after a whole batch is on disk, so whatever it reports (status progress) never
+    counts a sample that is not there yet.
+
+    The queue holds at most ``depth`` batches; :meth:`put` blocks beyond that, so a disk
+    slower than the engine slows the engine down instead of filling memory. ``depth`` 0
+    writes each batch inside :meth:`put`, before the engine gets the next one (no thread:
+    the way it was done before, kept so a benchmark can measure the difference).
+
+    The first failure stops all writing. The next :meth:`put` or :meth:`close` raises it
+    as :class:`WriteFailed` (``__cause__``: the original error), naming the sample::
+
+        WriteFailed: writing sample 3 (data_3.pt) in /data/out failed: OSError: [Errno 28] No space left on device
+
+    :param save: ``save(index, input_ids, loss_mask, layer_states)`` writes one sample.
+    :param timed: ``timed(phase, seconds)`` adds up the time spent writing.
+    """
+
+    def __init__(self, output_dir: Path, save, on_written, timed, depth: int = WRITE_QUEUE_BATCHES):
+        self.output_dir = output_dir
+        self._save, self._on_written, self._timed = save, on_written, timed
+        self.error: WriteFailed | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
+        self._thread = None
+        if int(depth) > 0:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="specops-writer")
+            self._thread.start()
+
+    def put(self, first_index: int, batch, states) -> None:
+        """Hand one extracted batch over; raises the writer's failure if it had one."""
+        self._raise_if_failed()
+        if self._thread is None:
+            self._write(first_index, batch, states)
+            self._raise_if_failed()
+        else:
+            self._queue.put((first_index, batch, states))
+
+    def close(self, raise_error: bool = True) -> None:
+        """Wait until every batch handed over is written (or the writer failed).
+
+        :param raise_error: False while another error is already on its way up: the
+            writer's failure is then only printed, not raised over the first one.
+        """
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+        if raise_error:
+            self._raise_if_failed()
+        elif self.error is not None:
+            print(f"[specops] the sample writer failed too: {self.error}", flush=True)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self.error is None:  # after a failure, batches are taken (put never blocks) but not written
+                self._write(*item)
+
+    def _write(self, first: int, batch, states) -> None:
+        index = first
+        t = time.monotonic()
+        try:
+            for j, ((ids, mask), layer_states) in enumerate(zip(batch, states)):
+                index = first + j
+                self._save(index, ids, mask, layer_states)
+            self._timed("write", time.monotonic() - t)
+            self._on_written(first, batch)
+        except BaseException as exc:  # kept for the main thread, which fails the run with it
+            error = WriteFailed(f"writing sample {index} ({samples.sample_name(index)}) in {self.output_dir} "
+                                f"failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self.error = error
 
 
 class StatusFile:
@@ -391,13 +469,15 @@ class Supervisor:
             stale.unlink()
         self.paths.log_offsets = {p.name: p.stat().st_size for p in self.paths.logs.glob("rank*.log")}
         self.phase_seconds: dict[str, float] = {}
+        self._timing_lock = threading.Lock()  # the writer thread adds its time too
         self.engine = None
         self._busy_since = None  # set while the engine is inside load()/extract()
         self._stop = threading.Event()
 
     # -- helpers
     def _timed(self, phase: str, seconds: float) -> None:
-        self.phase_seconds[phase] = round(self.phase_seconds.get(phase, 0.0) + seconds, 3)
+        with self._timing_lock:
+            self.phase_seconds[phase] = round(self.phase_seconds.get(phase, 0.0) + seconds, 3)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -505,37 +585,46 @@ class Supervisor:
         self.engine_info = self.engine.describe()
 
         batch_size = max(1, int(p.get("batch_size") or 8))
-        done, tokens_done = start, tokens_before
-        run_tokens, loop_t0 = 0, time.monotonic()
-        self.status.update(state="extracting", phase="extracting", phase_seconds=dict(self.phase_seconds))
-        for b0 in range(start, len(dataset), batch_size):
-            batch = dataset[b0:b0 + batch_size]
-            t = time.monotonic()
-            self._busy_since = t
-            states = self.engine.extract([ids for ids, _ in batch])
-            self._busy_since = None
-            self._timed("extract", time.monotonic() - t)
-            self._check_batch(states, batch, layer_ids, b0)
+        # test knob: a pause after each batch widens the mid-run window (a param, or the job's env)
+        delay = float(p.get("batch_delay_s") or os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
+        progress = {"done": start, "tokens_done": tokens_before, "run_tokens": 0}
+        loop_t0 = time.monotonic()
 
-            t = time.monotonic()
-            for j, ((ids, mask), layer_states) in enumerate(zip(batch, states)):
-                self._save(b0 + j, ids, mask, layer_states)
-            self._timed("write", time.monotonic() - t)
-
-            done += len(batch)
+        def written(first: int, batch) -> None:  # on the writer thread, once a batch is on disk
             n_tok = sum(len(ids) for ids, _ in batch)
-            tokens_done += n_tok
-            run_tokens += n_tok
+            progress["done"] += len(batch)
+            progress["tokens_done"] += n_tok
+            progress["run_tokens"] += n_tok
             self.loop_s = time.monotonic() - loop_t0
-            rate = run_tokens / max(self.loop_s, 1e-9)
-            self.status.update(samples_done=done, tokens_done=tokens_done, tokens_per_s=round(rate, 1),
-                               eta_s=round((total_tokens - tokens_done) / rate, 1) if rate else None,
+            rate = progress["run_tokens"] / max(self.loop_s, 1e-9)
+            done = progress["done"]
+            self.status.update(samples_done=done, tokens_done=progress["tokens_done"], tokens_per_s=round(rate, 1),
+                               eta_s=round((total_tokens - progress["tokens_done"]) / rate, 1) if rate else None,
                                phase=f"extracting ({done}/{len(dataset)})",
                                phase_seconds=dict(self.phase_seconds))
-            delay = float(p.get("batch_delay_s") or 0)  # test knob: widen the mid-run window
-            if delay:
-                time.sleep(delay)
-        self.run_tokens = run_tokens
+
+        writer = SampleWriter(self.output_dir, self._save, written, self._timed,
+                              depth=int(p.get("write_queue_batches", WRITE_QUEUE_BATCHES)))
+        self.status.update(state="extracting", phase="extracting", phase_seconds=dict(self.phase_seconds))
+        try:
+            for b0 in range(start, len(dataset), batch_size):
+                batch = dataset[b0:b0 + batch_size]
+                t = time.monotonic()
+                self._busy_since = t
+                states = self.engine.extract([ids for ids, _ in batch])
+                self._busy_since = None
+                self._timed("extract", time.monotonic() - t)
+                self._check_batch(states, batch, layer_ids, b0)
+                writer.put(b0, batch, states)
+                if delay:
+                    time.sleep(delay)
+        except BaseException:
+            # what was extracted before the failure is still written: a resume starts after it
+            writer.close(raise_error=False)
+            raise
+        writer.close()
+        self.loop_s = time.monotonic() - loop_t0  # the last batch's write included
+        self.run_tokens = progress["run_tokens"]
 
     def _check_batch(self, states, batch, layer_ids, b0) -> None:
         if len(states) != len(batch):
@@ -557,6 +646,7 @@ class Supervisor:
                 raise exc
 
     def _save(self, idx, ids, mask, layer_states) -> None:
+        """Write one sample (on the writer thread)."""
         import torch
 
         samples.save_sample(self.output_dir, idx,

@@ -71,7 +71,7 @@ import json
 import sys
 from pathlib import Path
 
-from remote import layers, protocol, samples
+from remote import layers, modelconfig, protocol, samples
 
 REL_TOL = 0.05
 COS_TOL = 0.995
@@ -131,10 +131,6 @@ def choose_samples(manifest: dict, count: int) -> list[dict]:
 
 # --------------------------------------------------------------------------- reference
 
-def text_config_of(config: dict) -> dict:
-    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
-
-
 _LLAMA4 = {"beta": None, "original": None}
 
 
@@ -180,8 +176,8 @@ def load_reference(model_path: str, dtype: str, trust_remote_code: bool):
     import torch
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    text = text_config_of(config)
+    config = modelconfig.read(model_path)
+    text = modelconfig.text_config(config)
     torch_dtype = getattr(torch, dtype)
     scaling = text.get("llama_4_scaling")
     kwargs = {"dtype": torch_dtype}

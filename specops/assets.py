@@ -9,6 +9,7 @@ a clone.
 """
 from __future__ import annotations
 
+import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,3 +39,20 @@ def asset(name: str) -> Path:
     if name not in SHIPPED:
         raise ValueError(f"unknown asset {name!r}; one of {SHIPPED}")
     return asset_root() / name
+
+
+@lru_cache(maxsize=None)
+def remote_protocol():
+    """``remote/protocol.py`` of this install, loaded by path: the markers and exit codes the
+    entry script and the controller share, from the one file that defines them.
+
+    ``remote`` is no importable package on the laptop (an installed wheel carries it as
+    data), so the file is executed as the private module ``specops._remote_protocol``,
+    not added to :data:`sys.modules`. It imports only the standard library and does
+    nothing else when loaded.
+    """
+    path = asset("remote") / "protocol.py"
+    spec = importlib.util.spec_from_file_location("specops._remote_protocol", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,21 +2,23 @@
 
 Steps per host: preflight (stops on a fail unless skipped) -> smoke on a tiny twin of the
 model (the CLI runs it by default; stops on a fail) -> start the job detached
-(``remote/job.py``; the same run id re-attaches, never starts twice) -> follow the
-status file with a progress bar over the same connection -> fetch logs, manifest and
-summary into ``runs/<host>/<run-id>/``. Ctrl-C while following detaches; the job
-goes on.
+(``remote/job.py``; the same run id re-attaches, never starts twice) -> follow it with a
+progress bar (one remote python streaming status changes over one channel) -> fetch
+logs, manifest and summary into ``runs/<host>/<run-id>/``. Every step of a host runs
+over that host's one SSH connection. Ctrl-C while following detaches: the connection
+closes, the follower on the host exits with it, and the job goes on.
 """
 from __future__ import annotations
 
 import re
 import time
 from pathlib import Path
+from typing import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specops import jobs
-from specops.errors import UsageError
+from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload, run_on_hosts
 from specops.host import Host
@@ -24,7 +26,7 @@ from specops.inventory import Inventory
 from specops.params import run_params
 from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports
-from specops.result import HostReport, Record
+from specops.result import HostReport, Record, RunState
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -45,8 +47,7 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
                skip_smoke: bool = True, inject_failure: dict | None = None) -> HostReport:
     """Preflight, smoke, then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
-    already = jobs.job_call(host, "status", run_id)
-    if jobs.job_state(already) not in ("missing",):
+    if jobs.run_state(host, run_id).found:
         skip_preflight = skip_smoke = True  # re-attaching or resuming: the checks ran before
     if not skip_preflight:
         pre = preflight_step(host, overrides, skip_autoconfig=True)
@@ -86,36 +87,44 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
     return report
 
 
-def follow(hosts: list[Host], run_id: str, poll: float = 1.0) -> dict[str, dict]:
-    """Show progress until every run is final; returns each host's last status.
+def follow(hosts: list[Host], run_id: str) -> dict[str, RunState | Exception]:
+    """Show progress until every run is final; returns each host's last state (or the error
+    that cut its follow short).
 
     :raises KeyboardInterrupt: passed through to the caller, who detaches.
     """
-    last: dict[str, dict] = {}
     with Progress(TextColumn("[bold]{task.fields[host]}"), TextColumn("{task.fields[phase]:<12}"),
                   BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                   TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=err_console,
                   transient=False) as progress:
         bars = {h.name: progress.add_task("", host=h.name, phase="starting", rate="", eta="?", total=None)
                 for h in hosts}
-        pending = list(hosts)
-        while pending:
-            for host in list(pending):
-                status = (jobs.job_call(host, "status", run_id).get("data") or {}).get("status") or {}
-                last[host.name] = status
-                state = status.get("state") or "missing"
-                rate = status.get("tokens_per_s")
-                eta = status.get("eta_s")
-                progress.update(bars[host.name], completed=status.get("samples_done") or 0,
-                                total=status.get("samples_total"),
-                                phase=state if state in jobs.FINAL else (status.get("state") or "pending"),
-                                rate=f"{rate:.0f} tok/s" if rate else "",
-                                eta=f"{eta:.0f}s" if isinstance(eta, (int, float)) else "?")
-                if state in jobs.FINAL or state == "missing":
-                    pending.remove(host)
-            if pending:
-                time.sleep(poll)
-    return last
+
+        def show(name: str, state: RunState) -> None:
+            rate, eta = state.tokens_per_s, state.eta_s
+            progress.update(bars[name], completed=state.samples_done or 0, total=state.samples_total,
+                            phase=state.state, rate=f"{rate:.0f} tok/s" if rate else "",
+                            eta=f"{eta:.0f}s" if eta is not None else "?")
+
+        def on_event(name: str, event: dict) -> None:
+            if event["event"] == "status":
+                show(name, RunState.model_validate(event["status"]))
+
+        final = jobs.follow_runs(hosts, run_id, on_event)
+        for name, result in final.items():
+            if isinstance(result, RunState):
+                show(name, result)
+    return final
+
+
+def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str, Host],
+              step: Callable[[Host], HostReport]) -> list[HostReport]:
+    """``run_on_hosts`` over the Host objects this command keeps for all its steps.
+
+    run_on_hosts makes a Host per name of its own; that one is never used, so it never
+    connects (Hosts connect lazily), and every step goes over the one connection per host.
+    """
+    return run_on_hosts(inventory, ",".join(names), task, lambda throwaway: step(hosts[throwaway.name]))
 
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
@@ -125,11 +134,22 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     """Run the whole extraction flow; returns the exit code."""
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
-    reports = run_on_hosts(inventory, selector, "extract",
-                           lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight,
-                                                force=force, skip_smoke=skip_smoke,
-                                                inject_failure=inject_failure),
-                           accept_new_host_key=accept_new_host_key)
+    hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in specs}
+    try:
+        return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,
+                           skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
+                           inject_failure=inject_failure, skip_smoke=skip_smoke)
+    finally:
+        for host in hosts.values():
+            host.close()
+
+
+def _extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,
+                force: bool, skip_preflight: bool, as_json: bool, tensors: bool,
+                inject_failure: dict | None, skip_smoke: bool) -> ExitCode:
+    reports = _on_hosts(inventory, list(hosts), "extract", hosts,
+                        lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight, force=force,
+                                             skip_smoke=skip_smoke, inject_failure=inject_failure))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)
@@ -140,37 +160,41 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     if not as_json:
         print_reports(reports)
         console.print(f"Following run [bold]{run_id}[/] on {', '.join(started)} (Ctrl-C detaches; the run goes on)")
-    hosts = [Host(inventory.hosts[name], inventory, accept_new_host_key) for name in started]
     try:
-        final = follow(hosts, run_id)
+        final = follow([hosts[name] for name in started], run_id)
     except KeyboardInterrupt:
+        for host in hosts.values():
+            host.close()  # closing the channels ends the followers on the hosts; the runs go on
         err_console.print(f"\n[yellow]detached[/]: run {run_id} goes on. Re-attach: specops extract --run-id "
                           f"{run_id} --on {','.join(started)}; logs: specops logs --run-id {run_id} --follow")
         return ExitCode.JOB_RUNNING
-    finally:
-        for host in hosts:
-            host.close()
-    fetched = run_on_hosts(inventory, ",".join(started), "fetch",
-                           lambda h: jobs.fetch_run(h, run_id, tensors=tensors))
+    fetched = _on_hosts(inventory, started, "fetch", hosts, lambda h: jobs.fetch_run(h, run_id, tensors=tensors))
+    codes = []
     for report in fetched:
-        state = final.get(report.host, {}).get("state", "missing")
-        err = final.get(report.host, {}).get("error")
-        if state == "done":
+        result = final[report.host]
+        if isinstance(result, Exception):
+            report.records.append(Record(
+                name="extract.run", status="fail", summary=f"lost the follow of run {run_id}: {result}",
+                fix=f"the run goes on on the host; follow it again: specops extract --run-id {run_id} "
+                    f"--on {report.host}"))
+            codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
+            continue
+        if result.state == "done":
             report.records.append(Record(name="extract.run", status="ok", summary=f"run {run_id} done"))
         else:
-            tb = (err or {}).get("traceback") or ""
+            err = result.error
             report.records.append(Record(
                 name="extract.run", status="fail",
-                summary=f"run {run_id} {state}: rank {(err or {}).get('rank')}: {(err or {}).get('type')}: "
-                        f"{(err or {}).get('message')}",
-                detail={"error": err}, fix="read the traceback below and runs/<host>/<run-id>/logs; fix the "
-                                           "cause, then start the same run id again to resume"))
-            if tb and not as_json:
-                console.print(f"[bold red]{report.host} traceback (rank {(err or {}).get('rank')}):[/]\n{tb}")
-        report.data["final_status"] = final.get(report.host)
+                summary=f"run {run_id} {result.state}: " + (err.headline() if err else "no error recorded"),
+                detail={"error": err.model_dump() if err else None},
+                fix="read the traceback below and runs/<host>/<run-id>/logs; fix the cause, then start the "
+                    "same run id again to resume"))
+            if err and err.traceback and not as_json:
+                console.print(f"[bold red]{report.host} traceback (rank {err.rank}):[/]\n{err.traceback}")
+        report.data["final_status"] = result.model_dump()
+        codes.append(result.exit_code)
     print_reports(fetched, as_json=as_json)
     if not as_json:
         for report in fetched:
             jobs.show_summary(Path(report.data.get("dest", "")))
-    states = [final.get(r.host, {}).get("state", "missing") for r in fetched]
-    return max((jobs.job_exit_code(s) for s in states), default=ExitCode.SUCCESS)
+    return max(codes, default=ExitCode.SUCCESS)

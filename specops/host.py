@@ -31,17 +31,12 @@ import fabric
 import paramiko
 from invoke.exceptions import CommandTimedOut
 
+from specops.assets import remote_protocol
 from specops.bundle import Bundle, build_bundle
 from specops.errors import (HostKeyError, PythonTooOldError, RemoteError, UnreachableError, UsageError,
                             WorkDirError)
 from specops.inventory import HostSpec, Inventory
 from specops.render import heredoc_command, render_entry
-
-RESULT_BEGIN = "@@SPECOPS-RESULT-BEGIN@@"
-RESULT_END = "@@SPECOPS-RESULT-END@@"
-NEED_BUNDLE = 75
-#: the entry script's preamble reports a python too old or an unusable work_dir on this line.
-ENTRY_ERROR = "@@SPECOPS-ENTRY-ERROR@@"
 
 #: test-only: demand this python version from the entry script instead of its own minimum, so
 #: that a modern interpreter takes the real "too old" path (tests/test_bad_input.py).
@@ -449,7 +444,7 @@ class Host:
         if PYTHON_MIN_OVERRIDE is not None:
             params["_python_min"] = list(PYTHON_MIN_OVERRIDE)
         result = self.exec_script(render_entry(module, params), sudo=sudo, timeout=timeout)
-        if result.exited == NEED_BUNDLE and "@@SPECOPS-NEED-BUNDLE@@" in result.stdout:
+        if self._needs_bundle(result):
             if self.spec.delivery == "heredoc":
                 script = render_entry(module, params, bundle_zip=bundle.data)
                 self.bundle_bytes_sent += bundle.size
@@ -459,14 +454,22 @@ class Host:
             result = self.exec_script(script, sudo=sudo, timeout=timeout)
         return self._parse(module, result)
 
+    @staticmethod
+    def _needs_bundle(result) -> bool:
+        """The entry script's answer for "upload the bundle and run me again" (remote/protocol.py)."""
+        protocol = remote_protocol()
+        return result.exited == protocol.NEED_BUNDLE_EXIT and protocol.NEED_BUNDLE_MARKER in result.stdout
+
     def _parse(self, module: str, result) -> dict:
         out = result.stdout
-        start = out.rfind(RESULT_BEGIN)
-        end = out.rfind(RESULT_END)
+        protocol = remote_protocol()  # the markers come from the file the host side prints them with
+        start = out.rfind(protocol.RESULT_BEGIN)
+        end = out.rfind(protocol.RESULT_END)
         if start != -1 and end > start:
-            return json.loads(out[start + len(RESULT_BEGIN):end])
-        if ENTRY_ERROR in out:
-            raise self._entry_error(out[out.rindex(ENTRY_ERROR) + len(ENTRY_ERROR):].split("\n", 1)[0])
+            return json.loads(out[start + len(protocol.RESULT_BEGIN):end])
+        marker = protocol.ENTRY_ERROR_MARKER
+        if marker in out:
+            raise self._entry_error(out[out.rindex(marker) + len(marker):].split("\n", 1)[0])
         tail = (out + "\n" + result.stderr).strip()
         hint = "run with --debug to see the whole output"
         if result.exited == 127:
@@ -525,7 +528,7 @@ class Host:
         if PYTHON_MIN_OVERRIDE is not None:
             params["_python_min"] = list(PYTHON_MIN_OVERRIDE)
         result = self._stream_script(render_entry(module, params), on_line, prefix, idle_timeout)
-        if result.exited == NEED_BUNDLE and "@@SPECOPS-NEED-BUNDLE@@" in result.stdout:
+        if self._needs_bundle(result):
             if self.spec.delivery == "heredoc":
                 script = render_entry(module, params, bundle_zip=bundle.data)
                 self.bundle_bytes_sent += bundle.size

@@ -209,11 +209,14 @@ def expand_laptop_variables(value, path: Path, where: str = ""):
 
     This runs where the inventory is read, so it is for values that belong to the
     laptop (the built-in test host lives under ``${SPECOPS_CACHE:-~/.cache/specops}``);
+    ``env`` values are left exactly as written, since they are the job's own environment;
     a ``~`` in a path is still expanded on the host. An unset variable without a
     default is an error naming the field.
     """
     if isinstance(value, dict):
-        return {k: expand_laptop_variables(v, path, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        # env values are for the job on the host and travel verbatim: "${PATH}" there is text
+        return {k: v if k == "env" else expand_laptop_variables(v, path, f"{where}.{k}" if where else str(k))
+                for k, v in value.items()}
     if isinstance(value, list):
         return [expand_laptop_variables(v, path, f"{where}.{i}") for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:

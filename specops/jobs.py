@@ -1,9 +1,22 @@
-"""Long jobs on a host, from any laptop with the inventory: status, logs, abort, fetch.
+"""Long jobs on a host, from any laptop with the inventory: status, follow, logs, abort, fetch.
 
 A run is named by its id; its state lives on the host (``<work_dir>/runs/<id>/``,
 written by the job itself), so nothing here depends on the laptop that started it.
 Exit codes follow the job (SkyPilot style): 0 done, 100 failed, 101 still running,
 102 not found, 103 aborted.
+
+Following a run costs one python on the host for the whole follow, not one per look:
+:func:`follow_run` starts ``remote/job.py``'s ``follow`` verb over one SSH channel and
+reads the events it prints (status changes, new log lines, heartbeats) as they come.
+Closing the channel (Ctrl-C, a dropped connection) ends that python at once; the run,
+detached from SSH, goes on.
+
+    >>> final = follow_run(host, "r1", on_event=print)
+    {'event': 'hello', 'pid': 4242, ...}
+    {'event': 'status', 'status': {'state': 'loading', ...}}
+    ...
+    >>> final.state, final.exit_code
+    ('done', <ExitCode.SUCCESS: 0>)
 """
 from __future__ import annotations
 
@@ -11,21 +24,27 @@ import base64
 import hashlib
 import json
 import os
+import queue
 import shlex
-import time
+import threading
 from pathlib import Path
+from typing import Callable
 
 from rich.table import Table
 
+from specops.assets import remote_protocol
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload
 from specops.host import Host
 from specops.report import console
-from specops.result import HostReport
+from specops.result import HostReport, RunState
 
 #: small files fetched for every run, relative to the run dir.
 RUN_FILES = ("params.json", "status.json", "manifest.json", "summary.json")
-FINAL = ("done", "failed", "aborted")
+#: the follower says something at least this often (seconds) ...
+FOLLOW_HEARTBEAT_S = 2.0
+#: ... so this long without a word from it means the connection is gone.
+FOLLOW_SILENCE_S = 30.0
 
 
 def local_runs_root() -> Path:
@@ -38,23 +57,85 @@ def job_call(host: Host, action: str, run_id: str, **params) -> dict:
                                  **params})
 
 
-def job_state(payload: dict) -> str:
-    """``done`` / ``failed`` / ... or ``missing`` when the host has no such run."""
-    status = (payload.get("data") or {}).get("status")
-    if not status:
-        return "missing"
-    return status.get("state") or "pending"
+def run_state(host: Host, run_id: str) -> RunState:
+    """The run's state now (``missing`` when the host has no such run); one look."""
+    return RunState.from_payload(job_call(host, "status", run_id))
 
 
 def status_report(host: Host, run_id: str) -> HostReport:
     payload = job_call(host, "status", run_id)
     report = report_from_payload(host.name, "status", payload)
-    report.data["state"] = job_state(payload)
+    report.data["state"] = RunState.from_payload(payload).state
     return report
 
 
 def job_exit_code(state: str) -> ExitCode:
     return ExitCode.from_job_state(state)
+
+
+# -- following -----------------------------------------------------------------------
+
+def follow_run(host: Host, run_id: str, on_event: Callable[[dict], None] | None = None, *,
+               logs: bool = False, offsets: dict | None = None, until: str = "final",
+               timeout: float | None = None, poll_s: float = 0.5) -> RunState:
+    """Follow one run until it is final, over one channel with one python on the host.
+
+    :param on_event: gets each event dict as it arrives: ``hello`` (the follower's pid),
+        ``status`` (``event["status"]`` is the new status), ``log`` (``file``, ``text``,
+        ``next_offset``; whole lines), ``heartbeat``.
+    :param logs: also stream new log lines (the last 16 KiB of each log first, unless
+        ``offsets`` says where to go on from).
+    :param until: ``final``, or ``exited``: final and the supervisor gone (a done
+        supervisor still closing its engine would make a next run on the host wait).
+    :param timeout: stop following after this many seconds; the state then is not final.
+    :returns: the last state; ``missing`` when the host has no such run.
+    :raises UnreachableError: the connection dropped (the run goes on).
+    """
+    def on_line(text: str) -> None:
+        if on_event is not None:
+            on_event(json.loads(text))
+
+    params = {"action": "follow", "run_id": run_id, "work_dir": host.spec.work_dir, "logs": logs,
+              "offsets": offsets, "until": until, "timeout_s": timeout, "poll_s": poll_s,
+              "heartbeat_s": FOLLOW_HEARTBEAT_S}
+    # the event marker comes from the file the follower prints it with
+    payload = host.stream_task("job", params, on_line, prefix=remote_protocol().JOB_EVENT_PREFIX,
+                               idle_timeout=FOLLOW_SILENCE_S)
+    return RunState.from_payload(payload)
+
+
+def follow_runs(hosts: list[Host], run_id: str, on_event: Callable[[str, dict], None], **options
+                ) -> dict[str, RunState | Exception]:
+    """Follow the run on every host at once; one channel and one remote python per host.
+
+    ``on_event(host_name, event)`` runs in the caller's thread, so it may draw on the
+    terminal; a host whose follow fails (unreachable, no result) maps to its exception
+    instead of a state, and the others go on. Options are :func:`follow_run`'s.
+
+    :raises KeyboardInterrupt: passed through at once; the caller detaches by closing
+        the hosts, which ends every follower on them.
+    """
+    events: queue.Queue = queue.Queue()
+
+    def follow_one(host: Host) -> None:
+        try:
+            events.put((host.name, follow_run(host, run_id, lambda e: events.put((host.name, e)), **options)))
+        except Exception as exc:  # noqa: BLE001 -- handed to the caller as this host's result
+            events.put((host.name, exc))
+
+    for host in hosts:
+        threading.Thread(target=follow_one, args=(host,), daemon=True, name=f"follow-{host.name}").start()
+    results: dict[str, RunState | Exception] = {}
+    while len(results) < len(hosts):
+        try:
+            name, item = events.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable here
+        except queue.Empty:
+            continue
+        if isinstance(item, dict):
+            on_event(name, item)
+        else:
+            results[name] = item
+    return results
 
 
 # -- fetching ----------------------------------------------------------------------
@@ -90,9 +171,10 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     checked against the manifest's sha256.
     """
     payload = job_call(host, "status", run_id)
-    if job_state(payload) == "missing":
+    state = RunState.from_payload(payload)
+    if not state.found:
         return report_from_payload(host.name, "fetch", payload)
-    run_dir = host.remote_path(payload["data"]["run_dir"])
+    run_dir = host.remote_path(state.run_dir)
     dest = (dest_root or local_runs_root()) / host.name / run_id
     (dest / "logs").mkdir(parents=True, exist_ok=True)
     fetched = []
@@ -109,7 +191,7 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
                 _write_atomic(dest / sub / name, data)
                 fetched.append(f"{sub}/{name}")
     report = HostReport(host=host.name, task="fetch", data={"dest": str(dest), "files": fetched,
-                                                            "state": job_state(payload)})
+                                                            "state": state.state})
     report.records.append(_rec("fetch.run", "ok", f"{len(fetched)} file(s) of run {run_id} in {dest}",
                                {"files": fetched}))
     if tensors:
@@ -200,13 +282,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def wait_final(host: Host, run_id: str, timeout: float, poll: float = 1.0) -> dict:
-    """Poll until the run reaches a final state (for scripts and tests); returns the status."""
-    deadline = time.monotonic() + timeout
-    while True:
-        payload = job_call(host, "status", run_id)
-        state = job_state(payload)
-        if state in FINAL or state == "missing" or time.monotonic() > deadline:
-            return (payload.get("data") or {}).get("status") or {"state": state}
-        time.sleep(poll)
-
+def wait_final(host: Host, run_id: str, timeout: float) -> RunState:
+    """Wait until the run is final (for scripts); returns its state, not final after ``timeout``."""
+    return follow_run(host, run_id, timeout=timeout)

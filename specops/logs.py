@@ -1,49 +1,80 @@
-"""``specops logs``: print a run's logs, and follow them by byte offsets.
+"""``specops logs``: print a run's logs, and follow them as they grow.
 
-The host keeps one log per TP rank plus the supervisor's; following asks only for
-bytes past the last offset, so a long run costs little per poll.
+The host keeps one log per TP rank plus the supervisor's. A first look prints the last
+lines of each; ``--follow`` then streams new lines from one follower process per host
+(``remote/job.py follow``, one SSH channel) until the run is final or Ctrl-C.
 """
 from __future__ import annotations
 
 import json
 import sys
-import time
 
 from rich.text import Text
 
 from specops import jobs
+from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.host import Host
 from specops.report import console
+from specops.result import RunState
 
 
 def show_logs(hosts: list[Host], run_id: str, follow: bool = False, only: str | None = None,
-              as_json: bool = False, poll: float = 1.0) -> ExitCode:
-    offsets: dict[str, dict] = {h.name: {} for h in hosts}
-    collected: dict[str, dict] = {h.name: {} for h in hosts}
-    try:
-        while True:
-            states = []
-            for host in hosts:
-                payload = jobs.job_call(host, "logs", run_id, offsets=offsets[host.name] or None)
-                data = payload.get("data") or {}
-                if "logs" not in data:
-                    console.print(Text(f"{host.name}: {payload['records'][0]['summary']}", style="bold red"))
-                    return ExitCode.JOB_NOT_FOUND
-                offsets[host.name] = data["offsets"]
-                states.append(data.get("state") or "missing")
-                for name, chunk in data["logs"].items():
-                    if only and not name.startswith(only):
-                        continue
-                    collected[host.name][name] = collected[host.name].get(name, "") + chunk["text"]
-                    if not as_json:
-                        for line in chunk["text"].splitlines():
-                            console.print(Text(f"{host.name} {name[:-4]:>10} | ", style="dim") + Text(line))
-            if not follow or all(s in jobs.FINAL for s in states):
-                break
-            time.sleep(poll)
-    except KeyboardInterrupt:
-        console.print("[yellow]stopped following; the run goes on[/]")
+              as_json: bool = False) -> ExitCode:
+    """Print every log of the run on every host (``only``: files whose name starts with it)."""
+    collected: dict[str, dict[str, str]] = {h.name: {} for h in hosts}
+
+    def show(host_name: str, name: str, text: str) -> None:
+        if only and not name.startswith(only):
+            return
+        collected[host_name][name] = collected[host_name].get(name, "") + text
+        if not as_json:
+            for line in text.splitlines():
+                console.print(Text(f"{host_name} {name[:-4]:>10} | ", style="dim") + Text(line))
+
+    if follow:
+        code = _follow(hosts, run_id, show)
+    else:
+        code = _look(hosts, run_id, show)
     if as_json:
         sys.stdout.write(json.dumps({"run_id": run_id, "logs": collected}, indent=2) + "\n")
+    return code
+
+
+def _look(hosts: list[Host], run_id: str, show) -> ExitCode:
+    """The last lines of each log, one remote call per host."""
+    for host in hosts:
+        payload = jobs.job_call(host, "logs", run_id)
+        data = payload.get("data") or {}
+        if "logs" not in data:
+            console.print(Text(f"{host.name}: {payload['records'][0]['summary']}", style="bold red"))
+            return ExitCode.JOB_NOT_FOUND
+        for name, chunk in data["logs"].items():
+            show(host.name, name, chunk["text"])
     return ExitCode.SUCCESS
+
+
+def _follow(hosts: list[Host], run_id: str, show) -> ExitCode:
+    """The last lines of each log, then every new line until the runs are final or Ctrl-C."""
+    def on_event(host_name: str, event: dict) -> None:
+        if event["event"] == "log":
+            show(host_name, event["file"], event["text"])
+
+    try:
+        final = jobs.follow_runs(hosts, run_id, on_event, logs=True)
+    except KeyboardInterrupt:
+        for host in hosts:
+            host.close()  # ends the followers on the hosts
+        console.print("[yellow]stopped following; the run goes on[/]")
+        return ExitCode.SUCCESS
+    codes = [ExitCode.SUCCESS]
+    for name, result in final.items():
+        if isinstance(result, RunState) and result.found:
+            continue
+        if isinstance(result, RunState):
+            console.print(Text(f"{name}: no run {run_id} on this host", style="bold red"))
+            codes.append(ExitCode.JOB_NOT_FOUND)
+        else:
+            console.print(Text(f"{name}: lost the follow: {result}", style="bold red"))
+            codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
+    return max(codes)

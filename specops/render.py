@@ -19,7 +19,7 @@ from functools import lru_cache
 import jinja2
 
 from specops import __version__
-from specops.assets import asset
+from specops.assets import asset, remote_protocol
 
 _MODULE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")
 
@@ -60,7 +60,7 @@ def render_entry(module: str, params: dict, bundle_zip: bytes | None = None) -> 
         raw = base64.b64encode(bundle_zip).decode("ascii")
         embedded = [raw[i:i + 76] for i in range(0, len(raw), 76)]
     return render("entry.py.j2", module=module, params_b64=b64_json(params),
-                  bundle_lines=embedded, rendered_by=f"specops {__version__}")
+                  bundle_lines=embedded, rendered_by=f"specops {__version__}", protocol=remote_protocol())
 
 
 def heredoc_delimiter(script: str) -> str:

@@ -1,14 +1,16 @@
-"""The result model on the controller side: records, per-host reports, the recap.
+"""The result model on the controller side: records, per-host reports, the recap, run states.
 
 A :class:`Record` mirrors ``remote.protocol.record``; a :class:`HostReport` holds every
 record of one host, or the error that kept us from getting any (fabric's GroupResult
-idea: a host's error is a result, never lost).
+idea: a host's error is a result, never lost). A :class:`RunState` is one extraction
+run's ``status.json`` as the host reported it, typed, with the two questions every
+caller asks of it: is it over (:attr:`RunState.is_final`), and which exit code it means.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from specops.exit_codes import ExitCode
 
@@ -77,3 +79,81 @@ def overall_exit(reports: list[HostReport]) -> ExitCode:
     if ExitCode.UNREACHABLE in codes:
         return ExitCode.UNREACHABLE
     return max(codes)
+
+
+#: every state a run can be in, as the host writes it (``remote/rundir.py``), plus
+#: ``missing`` for "the host has no such run".
+RunStateName = Literal["missing", "pending", "loading", "extracting", "writing", "done", "failed", "aborted"]
+FINAL_STATES: tuple[str, ...] = ("done", "failed", "aborted")
+
+
+class RunError(BaseModel):
+    """Why a run failed: the failing TP rank (None: the supervisor), the exception and its traceback."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rank: int | None = None
+    type: str | None = None
+    message: str | None = None
+    traceback: str = ""
+    where: str | None = None
+
+    def headline(self) -> str:
+        """``rank 1: ValueError: bad layer`` -- the one line a person reads first."""
+        return f"rank {self.rank}: {self.type}: {self.message}"
+
+
+class RunState(BaseModel):
+    """One run on one host, as its status file (plus the supervisor's liveness) says.
+
+    Unknown keys of the status file are kept, so :meth:`model_dump` gives the file back.
+
+        >>> state = RunState.from_payload(jobs.job_call(host, "status", "r1"))
+        >>> state.state, state.is_final, state.exit_code
+        ('failed', True, <ExitCode.JOB_FAILED: 100>)
+        >>> state.error.headline()
+        'rank 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB'
+        >>> RunState.from_payload({"records": [...], "data": {}}).state   # no such run
+        'missing'
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    run_id: str | None = None
+    state: RunStateName = "missing"
+    phase: str | None = None
+    samples_done: int | None = None
+    samples_total: int | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    #: whether the supervisor process still runs (a done run may still be closing its engine).
+    alive: bool | None = None
+    error: RunError | None = None
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    #: the run's directory on the host (from the payload, not the status file).
+    run_dir: str | None = None
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> "RunState":
+        """The state in a ``remote/job.py`` payload (``status``, ``start``, ``abort``, ``follow``)."""
+        data = payload.get("data") or {}
+        status = data.get("status")
+        if not status:
+            return cls(state="missing")
+        fields = {**status, "run_dir": data.get("run_dir")}
+        fields["state"] = fields.get("state") or "pending"
+        return cls(**fields)
+
+    @property
+    def found(self) -> bool:
+        return self.state != "missing"
+
+    @property
+    def is_final(self) -> bool:
+        """Done, failed or aborted: the run will not change any more by itself."""
+        return self.state in FINAL_STATES
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """0 done, 100 failed, 101 still running, 102 not found, 103 aborted."""
+        return ExitCode.from_job_state(self.state)

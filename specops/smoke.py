@@ -27,7 +27,7 @@ from specops.fleet import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params
-from specops.result import HostReport, Record
+from specops.result import FINAL_STATES, HostReport, Record
 from specops.verify import verify_step
 
 #: Keys of the run parameters the twin replaces.
@@ -41,7 +41,7 @@ def smoke_run_id(twin_hash: str) -> str:
 
 def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, verify: bool = True,
                verify_samples: int = 2, force: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
-               poll: float = 1.0, run_id: str | None = None) -> HostReport:
+               run_id: str | None = None) -> HostReport:
     """Build the twin, run the extraction path on it, wait, verify; one report.
 
     :param overrides: the same flags ``specops extract`` takes (model, tp, engine, ...).
@@ -77,19 +77,16 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
     if any(r.status == "fail" for r in start_records):
         report.records.extend(start_records)
         return report
-    status = jobs.wait_final(host, run_id, timeout=timeout, poll=poll)
+    # until="exited": a done supervisor may still be closing the engine, and the real run
+    # started right after smoke would be refused as "already running" while it lives.
+    state = jobs.follow_run(host, run_id, until="exited", timeout=timeout)
     seconds = time.monotonic() - t0
-    # A done supervisor may still be closing the engine; the real run started right
-    # after smoke would be refused as "already running" while it lives.
-    deadline = time.monotonic() + 60
-    while status.get("state") in jobs.FINAL and status.get("alive") and time.monotonic() < deadline:
-        time.sleep(poll)
-        status = (jobs.job_call(host, "status", run_id).get("data") or {}).get("status") or status
+    status = state.model_dump(exclude={"run_dir"})
     report.data.update(seconds=round(seconds, 1), status=status)
     report.records.append(run_record(run_id, status, seconds, params, timeout))
-    if status.get("state") not in jobs.FINAL:
+    if not state.is_final:
         jobs.job_call(host, "abort", run_id)
-    if status.get("state") == "done" and verify:
+    if state.state == "done" and verify:
         checked = verify_step(host, run_id, samples=verify_samples)
         report.records.extend(checked.records)
         report.data["verify"] = checked.data
@@ -106,7 +103,7 @@ def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout:
                               f"load {phases.get('load', 0):.0f}s, {status.get('samples_done')} samples, "
                               f"{status.get('tokens_per_s') or 0:.0f} tok/s)",
                       detail={"run_id": run_id, "seconds": round(seconds, 1), "phase_seconds": phases})
-    if state not in jobs.FINAL:
+    if state not in FINAL_STATES:
         return Record(name="smoke.run", status="fail",
                       summary=f"the smoke run {run_id} did not finish in {timeout:.0f}s (state {state}); aborted",
                       detail={"run_id": run_id, "status": status},

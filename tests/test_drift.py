@@ -1,4 +1,4 @@
-"""remote/drift.py against the real speculators 0.3.0 and the real vLLM 0.16 CPU build.
+"""remote/drift/ (the static API-drift check) against the real speculators 0.3.0 and vLLM 0.16 CPU build.
 
 The checker runs in the host env's python ($HOSTPY) in a subprocess, as it does on a
 host. Copies of speculators are edited in tmp dirs (never the installed package) to
@@ -7,6 +7,7 @@ show that each finding follows the code: fix one call and only that finding goes
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import shutil
 import subprocess
@@ -16,7 +17,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import patcher, patchsets  # noqa: E402  (stdlib only: safe in the controller's python)
+
 PATCH_SET = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
+MANIFEST = json.loads((PATCH_SET / "manifest.json").read_text())
 
 KNOWN_IDS = (
     "scheduler-config-is-encoder-decoder",
@@ -309,14 +315,27 @@ def test_not_installed_is_a_clear_record(tmp_path, site_packages):
     assert "install vllm" in rec[0]["fix"]
 
 
+def write_patch_set(patches: Path, name: str, speculators: str, vllm: str, fixes: list, **patched_sha) -> Path:
+    """A patch set in the one manifest schema: the real set's diffs and hashes, other versions
+    and fixes (``patched_sha``: file name -> a sha256_patched to claim instead). Checked with
+    the loader ``specops patch`` uses, so drift is tested on sets the patcher accepts."""
+    folder = patches / name
+    folder.mkdir(parents=True)
+    files = []
+    for entry in MANIFEST["files"]:
+        shutil.copy(PATCH_SET / entry["diff"], folder / entry["diff"])
+        sha = patched_sha.get(Path(entry["path"]).name, entry["sha256_patched"])
+        files.append(dict(entry, sha256_patched=sha))
+    manifest = {"name": name, "speculators": speculators, "vllm": vllm, "files": files, "fixes": fixes}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    assert patchsets.load(folder / "manifest.json")["name"] == name
+    return folder
+
+
 def test_fix_names_the_matching_patch_set(hostenv_python, tmp_path):
     patches = tmp_path / "patches"
-    for name, versions, fixes in (
-        ("other-versions", {"speculators": "0.4.0", "vllm": ">=0.12,<0.17"}, list(KNOWN_IDS)),
-        ("good-set", {"speculators": "0.3.0", "vllm": ">=0.12,<=0.16"}, ["scheduler-block-size"]),
-    ):
-        (patches / name).mkdir(parents=True)
-        (patches / name / "manifest.json").write_text(json.dumps({"versions": versions, "fixes": fixes}))
+    write_patch_set(patches, "other-versions", "==0.4.0", ">=0.12,<0.17", list(KNOWN_IDS))
+    write_patch_set(patches, "good-set", "==0.3.0", ">=0.12,<=0.16", ["scheduler-block-size"])
     records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(patches)}))
     assert records["scheduler-block-size"]["detail"]["patch_set"] == "good-set"
     assert "good-set" in records["scheduler-block-size"]["fix"]
@@ -326,18 +345,33 @@ def test_fix_names_the_matching_patch_set(hostenv_python, tmp_path):
     assert records["scheduler-block-size"]["detail"]["patch_set"] == "good-set"
 
 
+def test_a_set_the_patcher_would_refuse_is_never_named(hostenv_python, site_packages, tmp_path):
+    """Drift and ``specops patch`` read one schema and one matcher: overlapping sets, or a
+    manifest with a range the patcher refuses, make both name no set, and drift says why."""
+    patches = tmp_path / "patches"
+    write_patch_set(patches, "a-set", "==0.3.0", ">=0.12,<0.17", list(KNOWN_IDS))
+    write_patch_set(patches, "overlapping-set", "~=0.3.0", ">=0.16,<0.18", list(KNOWN_IDS))
+    records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(patches)}))
+    assert records["two-phase-execute-model"]["detail"]["patch_set"] is None
+    refused = patcher.main({"action": "check", "patches_root": str(patches), "site_packages": str(site_packages)})
+    assert "more than one patch set matches" in refused["records"][0]["summary"]
+
+    shutil.rmtree(patches / "overlapping-set")
+    manifest = json.loads((patches / "a-set" / "manifest.json").read_text())
+    manifest["vllm"] = "0.12-0.16"
+    (patches / "a-set" / "manifest.json").write_text(json.dumps(manifest))
+    records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(patches)}))
+    assert records["two-phase-execute-model"]["detail"]["patch_set"] is None
+    warn = records["patch-sets"]
+    assert warn["status"] == "warn" and "'>=0.12,<0.17'" in warn["summary"], warn
+
+
 def test_fix_says_when_the_matching_patch_set_is_already_applied(hostenv_python, spec_copy, tmp_path):
     """A set whose patched sha256 is the file on disk is applied: "apply it" would be wrong."""
-    import hashlib
-
     root, params = spec_copy
     worker = root / WORKER
-    manifest = {
-        "speculators": "==0.3.0", "vllm": ">=0.12,<0.17", "fixes": list(KNOWN_IDS),
-        "files": [{"path": WORKER, "sha256_patched": hashlib.sha256(worker.read_bytes()).hexdigest()}],
-    }
-    (tmp_path / "patches" / "claims-applied").mkdir(parents=True)
-    (tmp_path / "patches" / "claims-applied" / "manifest.json").write_text(json.dumps(manifest))
+    write_patch_set(tmp_path / "patches", "claims-applied", "==0.3.0", ">=0.12,<0.17", list(KNOWN_IDS),
+                    **{worker.name: hashlib.sha256(worker.read_bytes()).hexdigest()})
     records = by_id(run_drift(hostenv_python, params(patches_root=str(tmp_path / "patches"))))
     rec = records["embed-input-ids"]
     assert rec["detail"]["patch_set_applied"] is True
@@ -347,24 +381,14 @@ def test_fix_says_when_the_matching_patch_set_is_already_applied(hostenv_python,
 # ------------------------------------------------------------------ the patch set
 
 
-def patch_diffs() -> list:
-    return sorted(PATCH_SET.glob("*.diff")) + sorted(PATCH_SET.glob("*.patch"))
-
-
-needs_patch_diffs = pytest.mark.skipif(
-    not patch_diffs(), reason=f"patch set {PATCH_SET.relative_to(REPO)} has no diffs yet (issue #4)")
-needs_manifest = pytest.mark.skipif(
-    not (PATCH_SET / "manifest.json").is_file(),
-    reason=f"{PATCH_SET.relative_to(REPO)}/manifest.json not written yet (issue #4)")
-
-
 def apply_patch_set(root: Path) -> None:
-    """Apply the patch set's diffs to a copy with GNU patch (paths are site-packages relative)."""
-    for diff in patch_diffs():
-        text = diff.read_text()
-        strip = 1 if ("--- a/" in text or "+++ b/" in text) else 0
-        subprocess.run(["patch", f"-p{strip}", "-d", str(root), "-i", str(diff), "--forward", "-s"],
-                       check=True)
+    """Apply the real patch set to a copy with the patcher's own strict hunk applier."""
+    for entry in MANIFEST["files"]:
+        path = root / entry["path"]
+        hunks = patcher.parse_unified_diff((PATCH_SET / entry["diff"]).read_text(encoding="utf-8"))
+        patched = patcher.apply_hunks(path.read_bytes().decode("utf-8"), hunks).encode("utf-8")
+        assert hashlib.sha256(patched).hexdigest() == entry["sha256_patched"], entry["path"]
+        path.write_bytes(patched)
 
 
 def layer_loop_calls(tree) -> list:
@@ -417,7 +441,6 @@ def plant_without_call(method: str):
     return plant
 
 
-@needs_patch_diffs
 @pytest.mark.parametrize("family", ["deepseek_v3", "llama", None])
 def test_patched_copy_has_no_drift(hostenv_python, spec_copy, family):
     root, params = spec_copy
@@ -427,7 +450,6 @@ def test_patched_copy_has_no_drift(hostenv_python, spec_copy, family):
     assert payload["records"][0]["detail"]["call_sites"] >= 20
 
 
-@needs_manifest
 def test_patcher_apply_then_revert_in_one_process(hostenv_python, spec_copy, tiny_models):
     """What `specops patch` does: apply, re-check in the same python (the AST cache must
     see the new files), revert, re-check."""
@@ -455,7 +477,6 @@ def test_patcher_apply_then_revert_in_one_process(hostenv_python, spec_copy, tin
     assert out["reverted"] == out["before"]
 
 
-@needs_patch_diffs
 @pytest.mark.parametrize("rel, plant, drift_id", [
     (WORKER, plant_layer_call_without_scaling, "deepseek-llama4-scaling"),
     (WORKER, plant_scaling_never_stored, "deepseek-llama4-scaling"),
@@ -473,7 +494,6 @@ def test_planted_defect_in_patched_copy_is_caught(hostenv_python, spec_copy, rel
     assert Path(loc["file"]) == root / rel
 
 
-@needs_manifest
 def test_patch_set_claims_every_known_id(hostenv_python):
     manifest = json.loads((PATCH_SET / "manifest.json").read_text())
     records = by_id(run_drift(hostenv_python, {**DEEPSEEK_CPU, "patches_root": str(PATCH_SET.parent)}))
@@ -488,7 +508,6 @@ def test_patch_set_claims_every_known_id(hostenv_python):
 UNWRAP = '        model = model if hasattr(model, "model") else model.language_model\n'
 
 
-@needs_patch_diffs
 def test_patched_kimi_follows_the_workers_unwrap(hostenv_python, spec_copy, tiny_models):
     """The patched worker reaches Kimi-K2.5's text model through ``language_model``: the
     wrapper's gate and ``model.model`` findings go; unpatched, they are there."""
@@ -505,7 +524,6 @@ def test_patched_kimi_follows_the_workers_unwrap(hostenv_python, spec_copy, tiny
         assert [r["name"] for r in payload["records"]] == ["drift.none"], (model, payload["records"])
 
 
-@needs_patch_diffs
 def test_unwrap_is_evaluated_per_class_not_matched_as_text(hostenv_python, spec_copy, tiny_models):
     """The unwrap's condition decides which class each target ends up with."""
     root, params = spec_copy

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import paramiko
 import pytest
 
 from specops import jobs
@@ -50,9 +51,18 @@ def sha(path):
 
 def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPS_RUNS", str(tmp_path / "runs"))
+    connects = []
+    real_connect = paramiko.SSHClient.connect
+
+    def counting_connect(client, *args, **kwargs):  # counts, then connects for real
+        connects.append(kwargs.get("hostname"))
+        return real_connect(client, *args, **kwargs)
+
+    monkeypatch.setattr(paramiko.SSHClient, "connect", counting_connect)
     code = extract(load_inventory(llama_inventory), None, {}, run_id="r1", detach=False, force=False,
                    skip_preflight=True, as_json=True, tensors=True)
     assert code == ExitCode.SUCCESS
+    assert len(connects) == 1, f"start, follow and fetch must share one SSH connection: {connects}"
     dest = tmp_path / "runs" / "th" / "r1"
     manifest = json.loads((dest / "manifest.json").read_text())
     summary = json.loads((dest / "summary.json").read_text())
@@ -84,22 +94,22 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
     with one_host(llama_inventory) as host:
         deadline = time.monotonic() + 120
         # kill the follower as soon as the run exists: its imports alone outlast this
-        while jobs.job_state(jobs.job_call(host, "status", "r2")) == "missing":
+        while not jobs.run_state(host, "r2").found:
             assert time.monotonic() < deadline, "run never started"
             time.sleep(0.2)
         follower.send_signal(signal.SIGKILL)  # the laptop vanishes: its SSH connection dies with it
         follower.wait()
-        status = jobs.job_call(host, "status", "r2")["data"]["status"]
-        assert status["alive"] and status["state"] not in jobs.FINAL
+        state = jobs.run_state(host, "r2")
+        assert state.alive and not state.is_final
     # the same run id again re-attaches instead of starting a second copy
     again = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight", "--skip-smoke",
                 "--max-samples", "12", "--json", env=env)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     with one_host(llama_inventory) as host:
-        final = jobs.job_call(host, "status", "r2")["data"]["status"]
-    assert final["state"] == "done" and final["samples_done"] == 12
-    assert (final.get("attempt") or 1) == 1, "re-attaching must not restart the run"
+        final = jobs.run_state(host, "r2")
+    assert final.state == "done" and final.samples_done == 12
+    assert (final.model_dump().get("attempt") or 1) == 1, "re-attaching must not restart the run"
     proc = cli("status", "--inventory", str(llama_inventory), "--run-id", "r2")
     proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.SUCCESS

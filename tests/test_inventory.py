@@ -101,11 +101,13 @@ def test_laptop_variables_expand_with_defaults(tmp_path, monkeypatch):
     monkeypatch.delenv("SPECOPS_TEST_UNSET", raising=False)
     path = write(tmp_path, "hosts:\n  gpu-a:\n" + textwrap.indent(
         "address: gpu-a.example.org\npython: ${SPECOPS_TEST_ROOT}/env/bin/python\n"
-        "model_path: ${SPECOPS_TEST_UNSET:-~/.cache/specops}/m\noutput_dir: /data/$${literal}\n", "    "))
+        "model_path: ${SPECOPS_TEST_UNSET:-~/.cache/specops}/m\noutput_dir: /data/$${literal}\n"
+        "env: {GREETING: '${HOME} stays text'}\n", "    "))
     host = load_inventory(path).hosts["gpu-a"]
     assert host.python == "/srv/cache/env/bin/python"
     assert host.model_path == "~/.cache/specops/m"  # ~ stays for the host to expand
     assert host.output_dir == "/data/${literal}"
+    assert host.env == {"GREETING": "${HOME} stays text"}  # the job's env travels verbatim
 
 
 def test_unset_laptop_variable_names_the_field(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ from specops.testhost.hostenv import own_vllm_metadata
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import patcher  # noqa: E402  (stdlib only: safe in the controller's python)
+from remote import patcher, patchsets, versions  # noqa: E402  (stdlib only: safe in the controller's python)
 
 SET_DIR = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
 MANIFEST = json.loads((SET_DIR / "manifest.json").read_text())
@@ -109,11 +109,12 @@ def snapshot(site: Path) -> dict:
 # --------------------------------------------------------------------------- the set
 def test_manifest_names_every_drift_item_and_valid_specifiers():
     assert set(MANIFEST["fixes"]) >= DRIFT_IDS
-    assert patcher.version_matches("0.3.0", MANIFEST["speculators"])
-    assert patcher.version_matches("0.16.0", MANIFEST["vllm"])
-    assert patcher.version_matches("0.12.0", MANIFEST["vllm"])
-    assert not patcher.version_matches("0.17.0", MANIFEST["vllm"])
-    assert not patcher.version_matches("0.11.2", MANIFEST["vllm"])
+    assert patchsets.problems(MANIFEST) == []
+    assert versions.version_matches("0.3.0", MANIFEST["speculators"])
+    assert versions.version_matches("0.16.0", MANIFEST["vllm"])
+    assert versions.version_matches("0.12.0", MANIFEST["vllm"])
+    assert not versions.version_matches("0.17.0", MANIFEST["vllm"])
+    assert not versions.version_matches("0.11.2", MANIFEST["vllm"])
 
 
 def test_every_drift_id_is_marked_in_the_patched_code(site):
@@ -172,15 +173,26 @@ def test_hunk_parser_checks_counts_and_no_newline_marker():
     assert patcher.apply_hunks("a", hunks) == "b\n"
 
 
-def test_version_specifiers():
-    assert patcher.version_matches("0.16.0+cpu", ">=0.12,<0.17")
-    assert not patcher.version_matches("0.17.0rc1", ">=0.12,<0.17")
-    assert patcher.version_matches("0.3.0", "==0.3.0")
-    assert not patcher.version_matches("0.3.0.post1", "==0.3.0")
-    assert patcher.version_matches("0.3.4", "~=0.3.0")
-    assert not patcher.version_matches("0.4.0", "~=0.3.0")
-    with pytest.raises(ValueError):
-        patcher.version_matches("0.3.0", "=0.3")
+def test_range_form_manifest_is_refused_by_patch_and_preflight_alike(site, hostenv_python, tmp_path):
+    """``0.12-0.16`` is no PEP 440 specifier: one refusal, naming the manifest and how to write it,
+    from ``specops patch`` and from preflight's patch status (drift then names no set either)."""
+    root = tmp_path / "patches"
+    shutil.copytree(SET_DIR, root / SET_DIR.name)
+    manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
+    manifest["vllm"] = "0.12-0.16"
+    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(site)
+    refused = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
+                                  patches_root=str(root)))["patch.set"]
+    assert refused["status"] == "fail" and "manifest.json: vllm:" in refused["summary"]
+    assert "'>=0.12,<0.17'" in refused["summary"] and refused["fix"]
+    assert snapshot(site) == before
+    code = ("import json, sys; from remote import patcher; "
+            "print(json.dumps(patcher.status_records({'patches_root': sys.argv[1], 'site_packages': sys.argv[2]})))")
+    proc = subprocess.run([str(hostenv_python), "-c", code, str(root), str(site)],
+                          cwd=REPO, capture_output=True, text=True, check=True)
+    [status] = json.loads(proc.stdout)
+    assert status["summary"] == refused["summary"]
 
 
 # --------------------------------------------------------------------------- actions
@@ -345,7 +357,7 @@ def test_no_matching_patch_set_is_refused_clearly(site, hostenv_python, tmp_path
 
 def test_status_records_for_preflight(site, hostenv_python, tmp_path):
     code = ("import json, sys; from remote import patcher; "
-            "print(json.dumps(patcher.status_records(sys.argv[1], sys.argv[2])))")
+            "print(json.dumps(patcher.status_records({'patches_root': sys.argv[1], 'site_packages': sys.argv[2]})))")
     proc = subprocess.run([str(hostenv_python), "-c", code, str(REPO / "patches"), str(site)],
                           cwd=REPO, capture_output=True, text=True, check=True)
     records = {r["name"]: r for r in json.loads(proc.stdout)}
@@ -399,7 +411,7 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, order, 
     if order == "reversed":
         layer_ids.reverse()
     proc = subprocess.run(
-        [str(hostenv_python), "-m", "remote.smoke_generator", "--model", str(tiny_models[model]),
+        [str(hostenv_python), "-m", "remote.dev.smoke_generator", "--model", str(tiny_models[model]),
          "--tp", str(tp), "--reference", reference, "--layers", ",".join(map(str, layer_ids))]
         + (["--all-experts"] if all_experts else []),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -444,18 +456,8 @@ def test_patched_generator_refuses_duplicate_layer_ids(site, hostenv_python, tin
     assert "REFUSED Duplicate layer ids [2, 2, 5, 7]" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_remote_modules_import_only_the_standard_library(hostenv_python):
-    """remote/ runs in whatever python the host has: no torch/vllm at import time."""
-    code = ("import sys; import remote.patcher, remote.smoke_generator; "
-            "heavy = sorted(m for m in ('torch', 'vllm', 'transformers', 'speculators') "
-            "if m in sys.modules); print(heavy)")
-    proc = subprocess.run([str(hostenv_python), "-c", code], cwd=REPO, capture_output=True,
-                          text=True, check=True)
-    assert proc.stdout.strip() == "[]"
-
-
 def test_all_experts_view_keeps_weights_and_selects_every_expert(tiny_models, tmp_path):
-    from remote.smoke_generator import all_experts_twin
+    from remote.dev.smoke_generator import all_experts_twin
 
     for name in ("deepseek_v3", "kimi_k25"):
         source = Path(tiny_models[name])

@@ -383,13 +383,21 @@ def test_bad_params_are_a_fail_not_a_crash(hostenv_python, llama_copy, tmp_path)
     assert res["parallel.heads"]["detail"]["tp"] == 1  # the checks go on with the default
 
 
-def test_bundle_without_drift_and_patcher_gives_skipped_records(hostenv_python, llama_copy, tmp_path):
-    bundle = tmp_path / "bundle"
-    shutil.copytree(REPO / "remote", bundle / "remote",
-                    ignore=shutil.ignore_patterns("drift.py", "patcher.py", "__pycache__"))
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_drift=False), bundle=bundle)
-    assert res["drift.check"]["status"] == "skipped" and "drift.py" in res["drift.check"]["summary"]
-    assert res["patch.check"]["status"] == "skipped" and "patcher.py" in res["patch.check"]["summary"]
+def test_a_crashing_drift_check_is_one_fail_record(hostenv_python, llama_copy, tmp_path):
+    """A damaged vLLM (its model registry no longer parses) crashes the drift check: preflight
+    reports that as ``drift.crash`` with the traceback, and every other check still reports."""
+    models = tmp_path / "vllm-copy" / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    for package in (models.parents[1], models.parent, models):
+        (package / "__init__.py").write_text("")
+    (models / "registry.py").write_text("_TEXT_GENERATION_MODELS = {\n")  # truncated mid-file
+    params = base_params(llama_copy, tmp_path, skip_drift=False, skip_patch=True,
+                         site_packages=str(tmp_path / "vllm-copy"))
+    res = run_preflight(hostenv_python, params)
+    crash = res["drift.crash"]
+    assert crash["status"] == "fail" and "SyntaxError" in crash["summary"], crash
+    assert "registry.py" in crash["detail"]["traceback"] and crash["fix"]
+    assert res["model.config"]["status"] == "ok" and res["checkpoint.headers"]["status"] == "ok"
 
 
 # -- nvidia-smi, parsed from output recorded on a real H200 -----------------------------------
@@ -470,16 +478,6 @@ esac
     assert res["checkpoint.fit"]["status"] == "fail" and "gpu_memory_utilization" in res["checkpoint.fit"]["fix"]
     assert res["parallel.devices"]["status"] == "fail" and "TP 2 needs 2 GPUs, 1 usable" in \
         res["parallel.devices"]["summary"]
-
-
-def test_preflight_imports_only_the_standard_library():
-    """remote/ runs in whatever python the host has: importing it needs no site-packages at all."""
-    code = ("import sys; sys.path.insert(0, '.'); import remote.preflight; "
-            "heavy = {'torch', 'transformers', 'vllm', 'speculators', 'safetensors', 'numpy'}; "
-            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))")
-    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
 
 
 def test_autoconfig_that_hangs_times_out_as_a_fail(hostenv_python, llama_copy, tmp_path):

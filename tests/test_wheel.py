@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,13 +25,20 @@ def installed_specops(tmp_path_factory) -> Path:
     """``specops`` from a wheel of this checkout, in a venv that has never seen the repo."""
     root = tmp_path_factory.mktemp("wheel")
     wheels = root / "dist"
+    # Build from a clean copy: setuptools reuses an in-tree build/ dir, which would ship
+    # files that were deleted from the checkout since the last local build.
+    source = root / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "runs", "__pycache__", "*.egg-info", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-input", "-q",
-                    "--disable-pip-version-check", "-w", str(wheels), str(REPO)], check=True, timeout=600)
+                    "--disable-pip-version-check", "-w", str(wheels), str(source)], check=True, timeout=600)
     wheel = next(wheels.glob("specops-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for shipped in ("specops/_assets/templates/entry.py.j2", "specops/_assets/remote/preflight.py",
-                    "specops/_assets/remote/probes/packages.py", "specops/_assets/patches/"):
-        assert any(n.startswith(shipped) for n in names), f"{shipped} is not in {wheel.name}"
+    shipped = sorted(n[len("specops/_assets/"):] for n in names if n.startswith("specops/_assets/"))
+    in_checkout = sorted(path.relative_to(REPO).as_posix() for tree in ("templates", "remote", "patches")
+                         for path in (REPO / tree).rglob("*")
+                         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc")
+    assert shipped == in_checkout, "the wheel's templates/remote/patches differ from the checkout's"
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # the locked versions, like bootstrap; the wheel's own requirements decide what is needed

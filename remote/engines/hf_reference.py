@@ -12,6 +12,8 @@ TP is ignored (one process); samples run one at a time, so no padding can leak i
 """
 from __future__ import annotations
 
+from remote import modelconfig
+
 from . import Engine
 
 
@@ -88,10 +90,9 @@ def load_text_model(model_path: str, dtype, original: Exception):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with open(os.path.join(model_path, "config.json")) as fh:
-        config = json.load(fh)
-    text = config.get("text_config")
-    if not isinstance(text, dict) or "model_type" not in text:
+    config = modelconfig.read(model_path)
+    text = modelconfig.text_config(config)
+    if not modelconfig.is_wrapped(config) or "model_type" not in text:
         raise original
     text_config = AutoConfig.for_model(**text)
     model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)

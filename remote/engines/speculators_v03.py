@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 
+from remote import modelconfig
+
 from . import Engine
 
 
@@ -64,12 +66,10 @@ class SpeculatorsV03Engine(Engine):
         """Room for the longest sample plus the one decode token the generator asks for."""
         seq_len = int(self.params.get("seq_len") or 2048)
         try:
-            with open(os.path.join(self.model_path, "config.json")) as fh:
-                cfg = json.load(fh)
-        except OSError:
+            cfg = modelconfig.read(self.model_path)
+        except modelconfig.ConfigError:
             cfg = {}
-        text = cfg.get("text_config") or {}
-        limit = cfg.get("max_position_embeddings") or text.get("max_position_embeddings")
+        limit = modelconfig.text_value(cfg, "max_position_embeddings")  # the language model's, as vLLM reads it
         return min(seq_len + 1, int(limit)) if limit else seq_len + 1
 
     def extract(self, batch):

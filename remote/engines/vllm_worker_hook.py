@@ -37,6 +37,8 @@ import sys
 import time
 import traceback
 
+from remote import fsutil
+
 ENV_RUN_DIR = "SPECOPS_RUN_DIR"
 ENV_INJECT = "SPECOPS_INJECT_FAILURE"
 #: vLLM's logger that reports worker exceptions ("WorkerProc hit an exception." ...).
@@ -110,10 +112,7 @@ class ErrorRecorder:
         })
 
     def write(self, record: dict) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(record, fh, indent=1)
-        os.replace(tmp, self.path)
+        fsutil.write_json(self.path, record)  # atomic: the supervisor may read it any moment
 
 
 class _RecordingHandler(logging.Handler):

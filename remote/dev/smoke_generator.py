@@ -26,7 +26,7 @@ and must *disagree* past the boundary and agree before it: the check can fail.
 
 Usage (on the host, from the bundle dir; it starts vLLM, hence the ``__main__`` guard)::
 
-    python -m remote.smoke_generator --model /models/tiny-llama --tp 2 --layers 2,4,5,7
+    python -m remote.dev.smoke_generator --model /models/tiny-llama --tp 2 --layers 2,4,5,7
 
 It prints one JSON object. ``main(params)`` returns the same as a protocol payload.
 Stdlib-only at import time: torch/transformers/vllm/speculators load inside ``run``.
@@ -39,11 +39,11 @@ import os
 import random
 import sys
 
-try:  # run as ``python -m remote.smoke_generator`` or imported as ``remote.smoke_generator``
-    from remote import protocol
-except ImportError:  # pragma: no cover - run as a plain file
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from remote import protocol
+try:  # run as ``python -m remote.dev.smoke_generator`` or imported as ``remote.dev.smoke_generator``
+    from remote import modelconfig, protocol
+except ImportError:  # pragma: no cover - run as a plain file: the bundle dir is three levels up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from remote import modelconfig, protocol
 
 #: Prompt lengths of the default batch: 30 short requests, then 13 long ones. Step 1
 #: holds 32 requests (max_num_seqs), step 2 hits 8192 tokens (the generator's smallest
@@ -154,11 +154,11 @@ def _hf_text_model(model_dir, config: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if "text_config" not in config:
+    if not modelconfig.is_wrapped(config):
         return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     from safetensors.torch import load_file
 
-    text = dict(config["text_config"])
+    text = dict(modelconfig.text_config(config))
     hf_config = AutoConfig.for_model(text.pop("model_type"), **text)
     model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
     prefix = "language_model."
@@ -252,9 +252,8 @@ def all_experts_twin(model_dir: str, out_dir: str) -> str:
     for name in os.listdir(model_dir):
         if name != "config.json" and not os.path.exists(os.path.join(out_dir, name)):
             os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(out_dir, name))
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
-        config = json.load(handle)
-    text = config.get("text_config", config)
+    config = modelconfig.read(model_dir)
+    text = modelconfig.text_config(config)  # edited in place: written back inside ``config``
     experts = text.get("n_routed_experts") or text.get("num_local_experts")
     if not experts:
         raise ValueError(f"{model_dir} is not a MoE model: no n_routed_experts")
@@ -283,9 +282,8 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
     )
 
     # config.json as data: a wrapper (Kimi-K2.5) may need remote code for AutoConfig.
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
-        config = json.load(handle)
-    text_config = types.SimpleNamespace(**config.get("text_config", config))
+    config = modelconfig.read(model_dir)
+    text_config = types.SimpleNamespace(**modelconfig.text_config(config))
     num_layers = text_config.num_hidden_layers
     scaling = getattr(text_config, "llama_4_scaling", None)
     prompts = make_prompts(text_config.vocab_size, lengths)

@@ -1,0 +1,7 @@
+"""Developer tools that travel in the bundle but are no task of ``specops``.
+
+``smoke_generator`` proves a patch set on the real speculators generator against HF and
+vLLM references; ``bench_prefill`` times vLLM's own prefill as the baseline of
+``scripts/bench_extract.py``. Both start vLLM, so both run as ``python -m
+remote.dev.<name>`` on a host, from the bundle dir; nothing under ``remote/`` imports them.
+"""

@@ -1,0 +1,150 @@
+"""Files on the host: atomic writes, sha256 digests and one lock (stdlib only).
+
+Everything specops writes on a host that another process may read at any moment (a
+patched speculators file, a status file, a sample, a manifest) goes through
+:func:`atomic_write`: a temp file in the same directory, flushed and fsync'ed, then
+renamed over the target with :func:`os.replace`, which POSIX makes atomic. A reader
+sees the old file or the new one, never half of one, and a crash midway leaves at
+most a hidden ``.<name>.*.specops-tmp`` file, never a damaged target.
+
+:class:`FileLock` is the one lock: an exclusive ``flock`` on a file, released by the
+kernel when its holder dies, so a crashed run never leaves a stale lock behind::
+
+    >>> with FileLock("/tmp/site/.specops-patch.lock", blocking=False):
+    ...     pass                         # a second holder gets LockHeld right away
+    >>> with FileLock(run_dir / ".lock"):
+    ...     pass                         # this one waits its turn instead
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+#: suffix of the temp files :func:`atomic_write` leaves only when the process is killed midway.
+TEMP_SUFFIX = ".specops-tmp"
+
+
+@contextmanager
+def atomic_open(path, mode: int | None = None, temp_prefix: str | None = None, suffix: str = TEMP_SUFFIX):
+    """A binary file handle whose content replaces ``path`` atomically when the block ends.
+
+    For content too big to hold in memory (``torch.save`` of a sample straight to disk).
+    An exception inside the block removes the temp file and leaves ``path`` untouched.
+
+    :param mode: permission bits of the new file; None leaves :func:`tempfile.mkstemp`'s ``0o600``.
+    :param temp_prefix: name prefix of the temp file (default ``.<name>.``), for directories
+        whose owner sweeps its own leftovers by prefix.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix or f".{path.name}.", suffix=suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path, data, mode: int | None = None, temp_prefix: str | None = None) -> Path:
+    """Replace ``path`` with ``data`` (bytes, or text written as UTF-8) in one atomic step.
+
+    :param mode: permission bits of the new file (say the old file's, to keep them);
+        None leaves :func:`tempfile.mkstemp`'s private ``0o600``.
+    :param temp_prefix: as for :func:`atomic_open`.
+    :returns: ``path`` as a :class:`~pathlib.Path`.
+    """
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    with atomic_open(path, mode=mode, temp_prefix=temp_prefix) as handle:
+        handle.write(data)
+    return Path(path)
+
+
+def write_json(path, obj, mode: int | None = None, temp_prefix: str | None = None) -> Path:
+    """:func:`atomic_write` of ``obj`` as indented, key-sorted JSON with a final newline."""
+    text = json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n"
+    return atomic_write(path, text, mode=mode, temp_prefix=temp_prefix)
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk``-sized blocks (samples can be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class LockHeld(BlockingIOError):
+    """A non-blocking :class:`FileLock` found another holder (``holder``: what it wrote, e.g. ``pid 123``)."""
+
+    def __init__(self, path, holder: str):
+        super().__init__(errno.EWOULDBLOCK, f"{path} is held by {holder}")
+        self.path, self.holder = str(path), holder
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path`` for a ``with`` block; its parent dir is made when missing.
+
+    The holder writes ``pid <n>`` into the file, so a refused caller can say who holds it.
+
+    :param blocking: wait for the lock (True), or raise :class:`LockHeld` at once (False).
+    :raises OSError: when the lock file cannot be opened (a read-only dir, say).
+
+    .. note:: ``flock`` locks belong to the open file, not the process: two
+       :class:`FileLock` objects on one path exclude each other even in one process.
+    """
+
+    def __init__(self, path, blocking: bool = True):
+        self.path = Path(path)
+        self.blocking = blocking
+        self._handle = None
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # "a+": never truncate what the current holder wrote
+        try:
+            flags = fcntl.LOCK_EX if self.blocking else fcntl.LOCK_EX | fcntl.LOCK_NB
+            try:
+                fcntl.flock(handle.fileno(), flags)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                handle.seek(0)
+                raise LockHeld(self.path, handle.read().strip() or "an unknown process") from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()}\n")
+            handle.flush()
+        except BaseException:
+            handle.close()
+            raise
+        self._handle = handle
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        handle, self._handle = self._handle, None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        finally:
+            handle.close()

@@ -1,0 +1,127 @@
+"""A model's ``config.json``, read once: the language model's config, its layers, its family (stdlib only).
+
+A multimodal wrapper (Kimi-K2.5: ``KimiK25ForConditionalGeneration``) keeps the
+language model's config under ``text_config``; the engine drives that language model,
+so every question about layers, heads or positions is asked of the *text config*,
+which for a plain model is the file itself::
+
+    >>> config = read("/models/kimi-k2.5")
+    >>> is_wrapped(config), config["model_type"], model_type(config), num_layers(config)
+    (True, 'kimi_k25', 'deepseek_v3', 61)
+    >>> architectures(config)                 # the text model first: it runs the layers
+    ['DeepseekV3ForCausalLM', 'KimiK25ForConditionalGeneration']
+
+Every reader on the host asks this module, so a wrapper is unwrapped the same way
+everywhere. :func:`read` parses a file once per process (keyed by path, size and
+mtime) and hands each caller its own copy.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+CONFIG_FILE = "config.json"
+#: Keys that give the decoder-layer count, first non-null wins (HF, GPT-style, others).
+LAYER_KEYS = ("num_hidden_layers", "n_layers", "num_layers")
+#: A model family (``model_family`` param, or a config's ``model_type``) -> the
+#: architecture in vLLM's model registry that runs it.
+FAMILY_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+}
+
+_PARSED: dict = {}
+
+
+class ConfigError(Exception):
+    """``config.json`` is missing, unreadable, or not a JSON object.
+
+    :ivar summary: one line naming the file and what is wrong.
+    :ivar fix: what to do about it.
+    :ivar path: the file.
+    :ivar value: the parsed value when the file is valid JSON but not an object, else None.
+    """
+
+    def __init__(self, path, summary, fix, value=None):
+        super().__init__(summary)
+        self.path, self.summary, self.fix, self.value = str(path), summary, fix, value
+
+
+def read(model_path) -> dict:
+    """The parsed ``<model_path>/config.json`` (a fresh copy each call; the file is read once).
+
+    :raises ConfigError: when the model dir or the file is missing, the file is not
+        valid JSON, or it holds something other than an object.
+    """
+    model_path = str(model_path)
+    path = os.path.join(model_path, CONFIG_FILE)
+    if not os.path.isdir(model_path):
+        raise ConfigError(path, f"model dir {model_path} does not exist",
+                          "fix model_path in the inventory, or copy the model to the host")
+    try:
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in _PARSED:
+            with open(path, encoding="utf-8") as fh:
+                _PARSED[key] = json.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(path, f"{path} is missing",
+                          "the model dir must hold the HF config.json; re-download it") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(path, f"{path} is unreadable: {exc}", "re-download config.json") from None
+    config = _PARSED[key]
+    if not isinstance(config, dict):
+        raise ConfigError(path, f"{path} holds a JSON {type(config).__name__}, expected an object",
+                          "re-download config.json", value=config)
+    return copy.deepcopy(config)
+
+
+def is_wrapped(config: dict) -> bool:
+    """Whether the language model's config sits under ``text_config`` (a multimodal wrapper)."""
+    return isinstance(config.get("text_config"), dict)
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config: ``config["text_config"]`` for a wrapper, else ``config`` itself."""
+    return config["text_config"] if is_wrapped(config) else config
+
+
+def text_value(config: dict, key: str):
+    """``key`` from the text config, else from the wrapper around it; None when neither sets it."""
+    value = text_config(config).get(key)
+    return value if value is not None else config.get(key)
+
+
+def num_layers(config: dict):
+    """The decoder-layer count of the language model (the first of :data:`LAYER_KEYS` set), or None."""
+    text = text_config(config)
+    for key in LAYER_KEYS:
+        if text.get(key) is not None:
+            return text[key]
+    return None
+
+
+def architectures(config: dict) -> list:
+    """Architecture names to look up in vLLM's registry: the text model's, then the wrapper's."""
+    text = text_config(config)
+    names = []
+    for holder in ((text, config) if text is not config else (config,)):
+        value = holder.get("architectures")
+        if isinstance(value, list):
+            names += [a for a in value if isinstance(a, str)]
+    return list(dict.fromkeys(names))
+
+
+def model_type(config: dict):
+    """The language model's ``model_type`` (``deepseek_v3`` inside Kimi-K2.5's wrapper), or None."""
+    value = text_config(config).get("model_type")
+    return value if isinstance(value, str) else None
+
+
+def family_architecture(family):
+    """The vLLM architecture a family name (or ``model_type``) runs as, or None when unknown."""
+    return FAMILY_ARCHITECTURE.get(str(family or "").lower())

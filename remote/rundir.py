@@ -1,0 +1,135 @@
+"""One run's directory on the host: its layout, its files, and whether its supervisor lives.
+
+Stdlib only. A run lives in ``<work_dir>/runs/<run_id>/``::
+
+    params.json          the run's parameters (a restart must bring the same ones)
+    pid                  the supervisor's pid (also its process group: it leads a new session)
+    status.json          rewritten atomically by the supervisor: state, phase, progress, error
+    logs/supervisor.log  the supervisor's stdout+stderr (vLLM's driver logs land here)
+    logs/rank<k>.log     one per TP rank (vLLM workers; see remote.engines.vllm_worker_hook)
+    errors/rank<k>.json  a worker's own exception, the root cause the supervisor reports
+    manifest.json, summary.json   copies of the final files in the output dir
+
+``remote.job`` (the verbs the controller calls) and ``remote.supervisor`` (the process
+that does the run) both read this module, so the layout, the run states and the
+liveness rule have one home.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+#: every state a run passes through, in order; the last three are final.
+STATES = ("pending", "loading", "extracting", "writing", "done", "failed", "aborted")
+FINAL_STATES = ("done", "failed", "aborted")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: the supervisor's command line holds this; a recycled pid of another program does not.
+SUPERVISOR_MODULE = "remote.supervisor"
+
+
+class RunPaths:
+    """Where everything of one run lives.
+
+    >>> paths = RunPaths("/work/runs/r1")
+    >>> paths.status, paths.log("rank1.log")
+    (PosixPath('/work/runs/r1/status.json'), PosixPath('/work/runs/r1/logs/rank1.log'))
+    """
+
+    def __init__(self, run_dir):
+        self.run_dir = Path(run_dir).resolve()
+        self.params = self.run_dir / "params.json"
+        self.status = self.run_dir / "status.json"
+        self.pid = self.run_dir / "pid"
+        self.logs = self.run_dir / "logs"
+        self.errors = self.run_dir / "errors"
+        self.supervisor_log = self.logs / "supervisor.log"
+        #: rank log sizes when this attempt began (older tracebacks are not this attempt's);
+        #: set by the supervisor at its start.
+        self.log_offsets: dict[str, int] = {}
+
+    def log(self, name: str) -> Path:
+        return self.logs / name
+
+    def log_files(self) -> list[Path]:
+        """Every log of the run, the supervisor's first, then the ranks' by name."""
+        if not self.logs.is_dir():
+            return []
+        return sorted(self.logs.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name))
+
+
+def read_json(path: Path):
+    """The JSON in ``path``, or None when it is missing or not (yet) JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def read_pid(run_dir: Path):
+    try:
+        return int((Path(run_dir) / "pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def pid_alive(pid, run_dir: Path | None = None) -> bool:
+    """True when ``pid`` runs and (where /proc tells) is this run's supervisor, not a zombie
+    and not a recycled pid of some other program."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return True  # no /proc (macOS): trust kill(0)
+    try:
+        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("Z", "X"):
+            return False
+        cmdline = (proc / "cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    if not cmdline:
+        return True  # seen for a moment right after exec: cannot tell, so not dead
+    if SUPERVISOR_MODULE.encode() not in cmdline:
+        return False
+    return run_dir is None or str(run_dir).encode() in cmdline
+
+
+def run_alive(run_dir: Path) -> bool:
+    return pid_alive(read_pid(run_dir), run_dir)
+
+
+def run_busy(run_dir: Path) -> bool:
+    """Alive and not yet final (a finished supervisor may take a moment to exit)."""
+    st = read_json(Path(run_dir) / "status.json") or {}
+    return st.get("state") not in FINAL_STATES and run_alive(run_dir)
+
+
+def signal_group(pid: int, sig=signal.SIGTERM) -> bool:
+    """Signal the run's process group, only if the pid really leads its own group."""
+    try:
+        if os.getpgid(pid) != pid:
+            os.kill(pid, sig)
+        else:
+            os.killpg(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def tail_text(path: Path, nbytes: int) -> str:
+    """The last ``nbytes`` of a text file ('' when it does not exist)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, Path(path).stat().st_size - nbytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -1,0 +1,69 @@
+"""remote/modelconfig.py: config.json read once, the text config unwrapped the same way everywhere.
+
+Runs the stdlib-only module in the controller's python on the real tiny models (a plain
+Llama, and a Kimi-K2.5-style wrapper whose language model is DeepSeek-V3) and on broken
+copies of their config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import modelconfig  # noqa: E402
+
+
+def test_wrapper_and_plain_model(tiny_models):
+    kimi = modelconfig.read(tiny_models["kimi_k25"])
+    assert modelconfig.is_wrapped(kimi) and kimi["model_type"] == "kimi_k25"
+    assert modelconfig.model_type(kimi) == "deepseek_v3"
+    assert modelconfig.num_layers(kimi) == kimi["text_config"]["num_hidden_layers"]
+    assert modelconfig.architectures(kimi) == ["DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"]
+    llama = modelconfig.read(tiny_models["llama"])
+    assert not modelconfig.is_wrapped(llama) and modelconfig.text_config(llama) is llama
+    assert modelconfig.num_layers(llama) == llama["num_hidden_layers"]
+    assert modelconfig.family_architecture(modelconfig.model_type(llama)) == "LlamaForCausalLM"
+
+
+def test_read_once_but_every_caller_gets_its_own_copy(tiny_models, tmp_path):
+    model = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], model)
+    first = modelconfig.read(model)
+    first["num_hidden_layers"] = -1  # a caller editing its copy (a twin builder does)
+    assert modelconfig.read(model)["num_hidden_layers"] != -1
+    edited = dict(first, num_hidden_layers=3)
+    (model / "config.json").write_text(json.dumps(edited))
+    os.utime(model / "config.json", ns=(1, 1))  # a new file: another key, read again
+    assert modelconfig.read(model)["num_hidden_layers"] == 3
+
+
+def test_text_value_prefers_the_language_model():
+    config = {"max_position_embeddings": 8, "text_config": {"max_position_embeddings": 4096, "model_type": "x"}}
+    assert modelconfig.text_value(config, "max_position_embeddings") == 4096
+    assert modelconfig.text_value({"text_config": {}, "llama_4_scaling": {"beta": 1}}, "llama_4_scaling")
+    assert modelconfig.text_value({"text_config": "not-an-object", "k": 1}, "k") == 1
+
+
+@pytest.mark.parametrize("case, content, says", [
+    ("no-dir", None, "model dir"),
+    ("no-file", "", "is missing"),
+    ("not-json", "{", "is unreadable"),
+    ("a-list", "[1]", "expected an object"),
+])
+def test_unreadable_config_is_one_error_with_a_fix(tmp_path, case, content, says):
+    model = tmp_path / "model"
+    if content is not None:
+        model.mkdir()
+        if content:
+            (model / "config.json").write_text(content)
+    with pytest.raises(modelconfig.ConfigError) as refused:
+        modelconfig.read(model)
+    assert says in refused.value.summary and refused.value.fix
+    assert (refused.value.value == [1]) == (case == "a-list")
