@@ -18,3 +18,4 @@ bench: bootstrap
 	.venv/bin/python scripts/bench_preflight.py
 	.venv/bin/python scripts/bench_extract.py
 	.venv/bin/python scripts/bench_smoke.py
+	.venv/bin/python scripts/bench_follow.py
