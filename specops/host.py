@@ -439,20 +439,8 @@ class Host:
         :raises RemoteError: when no result came back (the error carries the exit code
             and the last lines of output).
         """
-        bundle = bundle or current_bundle()
-        params = {**params, "_bundle_dir": self.bundle_dir(bundle)}
-        if PYTHON_MIN_OVERRIDE is not None:
-            params["_python_min"] = list(PYTHON_MIN_OVERRIDE)
-        result = self.exec_script(render_entry(module, params), sudo=sudo, timeout=timeout)
-        if self._needs_bundle(result):
-            if self.spec.delivery == "heredoc":
-                script = render_entry(module, params, bundle_zip=bundle.data)
-                self.bundle_bytes_sent += bundle.size
-            else:
-                self.push_bundle(bundle)
-                script = render_entry(module, params)
-            result = self.exec_script(script, sudo=sudo, timeout=timeout)
-        return self._parse(module, result)
+        return self._run_entry(module, params, bundle,
+                               lambda script: self.exec_script(script, sudo=sudo, timeout=timeout))
 
     @staticmethod
     def _needs_bundle(result) -> bool:
@@ -523,11 +511,21 @@ class Host:
         :raises UnreachableError: the connection dropped, or stayed silent past ``idle_timeout``.
         :raises RemoteError: when no result came back.
         """
+        return self._run_entry(module, params, bundle,
+                               lambda script: self._stream_script(script, on_line, prefix, idle_timeout))
+
+    def _run_entry(self, module: str, params: dict, bundle: Bundle | None, execute) -> dict:
+        """Run ``module``'s entry script with ``execute``; send the bundle and retry once if the host lacks it.
+
+        The first try carries no bundle (the common case: the host has it by hash); the
+        entry script answers "need bundle" when it does not, and the second try brings it
+        over SFTP, or inside the heredoc for hosts without SFTP.
+        """
         bundle = bundle or current_bundle()
         params = {**params, "_bundle_dir": self.bundle_dir(bundle)}
         if PYTHON_MIN_OVERRIDE is not None:
             params["_python_min"] = list(PYTHON_MIN_OVERRIDE)
-        result = self._stream_script(render_entry(module, params), on_line, prefix, idle_timeout)
+        result = execute(render_entry(module, params))
         if self._needs_bundle(result):
             if self.spec.delivery == "heredoc":
                 script = render_entry(module, params, bundle_zip=bundle.data)
@@ -535,7 +533,7 @@ class Host:
             else:
                 self.push_bundle(bundle)
                 script = render_entry(module, params)
-            result = self._stream_script(script, on_line, prefix, idle_timeout)
+            result = execute(script)
         return self._parse(module, result)
 
     def _stream_script(self, script: str, on_line, prefix: str, idle_timeout: float | None) -> StdinResult:
