@@ -7,12 +7,16 @@ runs once per named host (inventory names, not raw addresses).
 """
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass
+
 import fabric
 from invoke import Collection, Exit, task
 
 from specops import exit_codes
 from specops.errors import SpecopsError
-from specops.inventory import load_inventory
+from specops.inventory import Inventory, load_inventory
 from specops.report import err_console, print_reports
 from specops.result import overall_exit
 
@@ -31,35 +35,87 @@ def _selector(c, on):
     return on
 
 
-def _finish(reports, as_json):
-    print_reports(reports, as_json=as_json)
-    code = overall_exit(reports)
-    if code:
-        raise Exit(code=int(code))
-
-
 def _guard(fn):
     """Turn our errors into one readable message and their exit code (no traceback)."""
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except SpecopsError as exc:
             err_console.print(f"[bold red]error:[/] {exc}")
             raise Exit(code=int(exc.code)) from None
-    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
-    wrapper.__wrapped__ = fn
     return wrapper
 
 
-@task(help=COMMON_HELP)
-def facts(c, on=None, inventory=None, json=False, accept_new_host_key=False):
+@dataclass
+class Target:
+    """What every host task works on: the inventory, which of its hosts, and how to reach them.
+
+    :param selector: the ``--on`` value (hosts or groups), or the host fab's ``-H`` named.
+    """
+
+    inventory: Inventory
+    selector: str | None
+    accept_new_host_key: bool
+    as_json: bool
+
+    def hosts(self) -> list:
+        """One :class:`specops.host.Host` per selected host (connections open lazily)."""
+        from specops.host import Host
+
+        return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
+
+
+_COMMON_PARAMETERS = [
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+    for name, default in (("on", None), ("inventory", None), ("json", False), ("accept_new_host_key", False))]
+
+
+def host_task(help: dict | None = None):
+    """Make ``body(target, **flags)`` a task that takes ``--on``, ``--inventory``, ``--json`` and
+    ``--accept-new-host-key`` besides its own flags.
+
+    The decorator loads the inventory, resolves the selector, and finishes: a body that
+    returns host reports gets them printed (tables, or ``--json``) and exits with their
+    worst code; a body that returns an exit code exits with it. Our errors become one
+    message and their exit code, never a traceback.
+    """
+    def decorate(body):
+        own = list(inspect.signature(body).parameters.values())[1:]  # the first is the Target
+
+        @functools.wraps(body)
+        def run(c, *args, **kwargs):
+            bound = run.__signature__.bind(c, *args, **kwargs)
+            bound.apply_defaults()
+            flags = dict(bound.arguments)
+            del flags["c"]
+            common = {p.name: flags.pop(p.name) for p in _COMMON_PARAMETERS}
+
+            @_guard
+            def go():
+                target = Target(load_inventory(common["inventory"]), _selector(c, common["on"]),
+                                bool(common["accept_new_host_key"]), bool(common["json"]))
+                outcome = body(target, **flags)
+                if isinstance(outcome, list):
+                    print_reports(outcome, as_json=target.as_json)
+                    outcome = overall_exit(outcome)
+                if outcome:
+                    raise Exit(code=int(outcome))
+            go()
+
+        context = inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        # common flags first: invoke hands out short flags (-o, -i, -j, -a) in this order
+        run.__signature__ = inspect.Signature([context, *_COMMON_PARAMETERS, *own])
+        return task(help={**COMMON_HELP, **(help or {})})(run)
+    return decorate
+
+
+@host_task()
+def facts(target):
     """Show each host's python, OS, packages and devices (proves the whole pipe)."""
     from specops.facts import facts as run
 
-    @_guard
-    def go():
-        _finish(run(load_inventory(inventory), _selector(c, on), accept_new_host_key), json)
-    go()
+    return run(target.inventory, target.selector, target.accept_new_host_key)
 
 
 RUN_HELP = {
@@ -77,78 +133,56 @@ def _overrides(**flags):
     return {k: v for k, v in flags.items() if v not in (None, "")}
 
 
-@task(help={**COMMON_HELP, **RUN_HELP,
-            "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
-def preflight(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None,
-              dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None, max_samples=None,
-              skip_autoconfig=False):
+@host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
+def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
+              max_samples=None, skip_autoconfig=False):
     """Find every failure that would waste a model load, in seconds, without loading weights."""
     from specops.preflight import preflight as run
 
-    @_guard
-    def go():
-        overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
-                               seq_len=seq_len, max_samples=max_samples)
-        _finish(run(load_inventory(inventory), _selector(c, on), overrides, accept_new_host_key,
-                    skip_autoconfig=skip_autoconfig), json)
-    go()
+    overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+                           seq_len=seq_len, max_samples=max_samples)
+    return run(target.inventory, target.selector, overrides, target.accept_new_host_key,
+               skip_autoconfig=skip_autoconfig)
 
 
-@task(help={**COMMON_HELP,
-            "check": "change nothing; show the unified diff of what would change",
-            "revert": "restore the pristine files (verified by sha256)",
-            "status": "say which patch set fits and whether it is applied",
-            "sudo": "write through `sudo -n` (root-owned site-packages)"})
-def patch(c, on=None, inventory=None, json=False, accept_new_host_key=False, check=False, revert=False,
-          status=False, sudo=False):
+@host_task(help={"check": "change nothing; show the unified diff of what would change",
+                 "revert": "restore the pristine files (verified by sha256)",
+                 "status": "say which patch set fits and whether it is applied",
+                 "sudo": "write through `sudo -n` (root-owned site-packages)"})
+def patch(target, check=False, revert=False, status=False, sudo=False):
     """Apply the versioned patch set that makes the host's speculators fit its vLLM."""
     from specops.errors import UsageError
     from specops.patch import patch as run
 
-    @_guard
-    def go():
-        chosen = [name for name, on_ in (("check", check), ("revert", revert), ("status", status)) if on_]
-        if len(chosen) > 1:
-            raise UsageError(f"--{chosen[0]} and --{chosen[1]} were both given", "pick one of them")
-        action = chosen[0] if chosen else "apply"
-        _finish(run(load_inventory(inventory), _selector(c, on), action, sudo, accept_new_host_key), json)
-    go()
+    chosen = [name for name, on_ in (("check", check), ("revert", revert), ("status", status)) if on_]
+    if len(chosen) > 1:
+        raise UsageError(f"--{chosen[0]} and --{chosen[1]} were both given", "pick one of them")
+    action = chosen[0] if chosen else "apply"
+    return run(target.inventory, target.selector, action, sudo, target.accept_new_host_key)
 
 
-JOB_HELP = {**COMMON_HELP, "run-id": "the run's id (letters, digits, . _ -)"}
+JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -)"}
 
 
-@task(help={**COMMON_HELP, **RUN_HELP,
-            "run-id": "name the run (default: <model>-<time>); the same id re-attaches or resumes",
-            "detach": "start and return at once",
-            "force": "start even if the host already runs another extraction",
-            "skip-preflight": "do not run preflight first",
-            "skip-smoke": "do not rehearse on a tiny twin of the model first",
-            "batch-size": "samples per engine call",
-            "tensors": "also fetch every sample file at the end (checked by sha256)"})
-def extract(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, dataset=None,
-            tp=None, layer_ids=None, engine=None, seq_len=None, max_samples=None, batch_size=None,
-            run_id=None, detach=False, force=False, skip_preflight=False, skip_smoke=False, tensors=False):
+@host_task(help={**RUN_HELP,
+                 "run-id": "name the run (default: <model>-<time>); the same id re-attaches or resumes",
+                 "detach": "start and return at once",
+                 "force": "start even if the host already runs another extraction",
+                 "skip-preflight": "do not run preflight first",
+                 "skip-smoke": "do not rehearse on a tiny twin of the model first",
+                 "batch-size": "samples per engine call",
+                 "tensors": "also fetch every sample file at the end (checked by sha256)"})
+def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
+            max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
+            skip_smoke=False, tensors=False):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary."""
     from specops.extract import extract as run
 
-    @_guard
-    def go():
-        overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
-                               seq_len=seq_len, max_samples=max_samples, batch_size=batch_size)
-        code = run(load_inventory(inventory), _selector(c, on), overrides, run_id=run_id, detach=detach,
-                   force=force, skip_preflight=skip_preflight, as_json=json, tensors=tensors,
-                   accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke)
-        if code:
-            raise Exit(code=int(code))
-    go()
-
-
-def _job_hosts(c, on, inventory, accept_new_host_key):
-    from specops.host import Host
-
-    inv = load_inventory(inventory)
-    return [Host(spec, inv, accept_new_host_key) for spec in inv.select(_selector(c, on))]
+    overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+                           seq_len=seq_len, max_samples=max_samples, batch_size=batch_size)
+    return run(target.inventory, target.selector, overrides, run_id=run_id, detach=detach, force=force,
+               skip_preflight=skip_preflight, as_json=target.as_json, tensors=tensors,
+               accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke)
 
 
 def _require_run_id(run_id):
@@ -160,111 +194,81 @@ def _require_run_id(run_id):
     return check_run_id(run_id)
 
 
-@task(help=JOB_HELP)
-def status(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False):
+@host_task(help=JOB_HELP)
+def status(target, run_id=None):
     """Show a run's state; exits 0 done, 100 failed, 101 running, 102 not found, 103 aborted."""
     from specops import jobs
     from specops.fleet import run_on_hosts
 
-    @_guard
-    def go():
-        rid = _require_run_id(run_id)
-        inv = load_inventory(inventory)
-        reports = run_on_hosts(inv, _selector(c, on), "status", lambda h: jobs.status_report(h, rid),
-                               accept_new_host_key)
-        print_reports(reports, as_json=json)
-        unreachable = [r for r in reports if r.error is not None]
-        if unreachable:
-            raise Exit(code=int(overall_exit(unreachable)))
-        code = max(jobs.job_exit_code(r.data.get("state", "missing")) for r in reports)
-        if code:
-            raise Exit(code=int(code))
-    go()
+    rid = _require_run_id(run_id)
+    reports = run_on_hosts(target.inventory, target.selector, "status", lambda h: jobs.status_report(h, rid),
+                           target.accept_new_host_key)
+    print_reports(reports, as_json=target.as_json)
+    unreachable = [r for r in reports if r.error is not None]
+    if unreachable:
+        return overall_exit(unreachable)
+    return max(jobs.job_exit_code(r.data.get("state", "missing")) for r in reports)
 
 
-@task(help={**JOB_HELP, "follow": "keep printing new log lines until the run ends (Ctrl-C stops)",
-            "rank": "only this log file, e.g. rank1 or supervisor"})
-def logs(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, follow=False,
-         rank=None):
+@host_task(help={**JOB_HELP, "follow": "keep printing new log lines until the run ends (Ctrl-C stops)",
+                 "rank": "only this log file, e.g. rank1 or supervisor"})
+def logs(target, run_id=None, follow=False, rank=None):
     """Print a run's logs (supervisor and one per TP rank), optionally following them."""
     from specops.logs import show_logs
 
-    @_guard
-    def go():
-        code = show_logs(_job_hosts(c, on, inventory, accept_new_host_key), _require_run_id(run_id),
-                         follow=follow, only=rank, as_json=json)
-        if code:
-            raise Exit(code=int(code))
-    go()
+    return show_logs(target.hosts(), _require_run_id(run_id), follow=follow, only=rank, as_json=target.as_json)
 
 
-@task(help=JOB_HELP)
-def abort(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False):
+@host_task(help=JOB_HELP)
+def abort(target, run_id=None):
     """Stop a run: SIGTERM to its process group, SIGKILL after a grace period."""
     from specops import jobs
     from specops.fleet import report_from_payload, run_on_hosts
 
-    @_guard
-    def go():
-        rid = _require_run_id(run_id)
-        reports = run_on_hosts(load_inventory(inventory), _selector(c, on), "abort",
-                               lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
-                               accept_new_host_key)
-        _finish(reports, json)
-    go()
+    rid = _require_run_id(run_id)
+    return run_on_hosts(target.inventory, target.selector, "abort",
+                        lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
+                        target.accept_new_host_key)
 
 
-@task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by sha256"})
-def fetch(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, tensors=False):
+@host_task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by sha256"})
+def fetch(target, run_id=None, tensors=False):
     """Bring a run's logs, status, manifest and summary (and --tensors) into runs/<host>/<run-id>/."""
     from pathlib import Path
 
     from specops import jobs
     from specops.fleet import run_on_hosts
 
-    @_guard
-    def go():
-        rid = _require_run_id(run_id)
-        reports = run_on_hosts(load_inventory(inventory), _selector(c, on), "fetch",
-                               lambda h: jobs.fetch_run(h, rid, tensors=tensors), accept_new_host_key)
-        print_reports(reports, as_json=json)
-        if not json:
-            for report in reports:
-                if report.data.get("dest"):
-                    jobs.show_summary(Path(report.data["dest"]))
-        code = overall_exit(reports)
-        if code:
-            raise Exit(code=int(code))
-    go()
+    rid = _require_run_id(run_id)
+    reports = run_on_hosts(target.inventory, target.selector, "fetch",
+                           lambda h: jobs.fetch_run(h, rid, tensors=tensors), target.accept_new_host_key)
+    print_reports(reports, as_json=target.as_json)
+    if not target.as_json:
+        for report in reports:
+            if report.data.get("dest"):
+                jobs.show_summary(Path(report.data["dest"]))
+    return overall_exit(reports)
 
 
-@task(help={**COMMON_HELP, **{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},
-            "samples": "how many samples the rehearsal extracts"})
-def smoke(c, on=None, inventory=None, json=False, accept_new_host_key=False, model=None, tp=None,
-          layer_ids=None, engine=None, samples=4):
+@host_task(help={**{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},
+                 "samples": "how many samples the rehearsal extracts"})
+def smoke(target, model=None, tp=None, layer_ids=None, engine=None, samples=4):
     """Rehearse the exact extraction path on a tiny random twin of the target model."""
     from specops.smoke import smoke as run
 
-    @_guard
-    def go():
-        overrides = _overrides(model=model, tp=tp, layer_ids=layer_ids, engine=engine)
-        _finish(run(load_inventory(inventory), _selector(c, on), overrides, samples=int(samples),
-                    accept_new_host_key=accept_new_host_key), json)
-    go()
+    overrides = _overrides(model=model, tp=tp, layer_ids=layer_ids, engine=engine)
+    return run(target.inventory, target.selector, overrides, samples=int(samples),
+               accept_new_host_key=target.accept_new_host_key)
 
 
-@task(help={**JOB_HELP, "samples": "how many samples to recompute with the reference",
-            "reference": "reference: hf (transformers forward)"})
-def verify(c, run_id=None, on=None, inventory=None, json=False, accept_new_host_key=False, samples=3,
-           reference="hf"):
+@host_task(help={**JOB_HELP, "samples": "how many samples to recompute with the reference",
+                 "reference": "reference: hf (transformers forward)"})
+def verify(target, run_id=None, samples=3, reference="hf"):
     """Recompute a few samples of a finished run with an independent reference; compare each layer."""
     from specops.verify import verify as run
 
-    @_guard
-    def go():
-        _finish(run(load_inventory(inventory), _selector(c, on), _require_run_id(run_id),
-                    samples=int(samples), reference=reference, accept_new_host_key=accept_new_host_key), json)
-    go()
+    return run(target.inventory, target.selector, _require_run_id(run_id), samples=int(samples),
+               reference=reference, accept_new_host_key=target.accept_new_host_key)
 
 
 @task(help={"name": "test host name (several can run side by side)",
