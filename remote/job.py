@@ -222,7 +222,7 @@ def current_status(run_dir: Path) -> dict | None:
         return st  # a start in progress: pid not written yet, or the process not yet readable
     tail = tail_text(run_dir / "logs" / "supervisor.log", 8000)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
-    from remote.supervisor import last_traceback  # stdlib only at import
+    from remote.rootcause import last_traceback  # stdlib only at import
 
     crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
     if crashed:  # it died of an exception it could not record (e.g. at import)

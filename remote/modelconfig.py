@@ -125,3 +125,49 @@ def model_type(config: dict):
 def family_architecture(family):
     """The vLLM architecture a family name (or ``model_type``) runs as, or None when unknown."""
     return FAMILY_ARCHITECTURE.get(str(family or "").lower())
+
+
+#: Where a multimodal wrapper keeps its language model's config: ``text_config`` (the
+#: Hugging Face name, Kimi-K2.5) or ``language_config`` (DeepSeek-VL2 and others).
+LANGUAGE_CONFIG_KEYS = ("text_config", "language_config")
+
+
+def decoder_layers(config: dict) -> int:
+    """The decoder-layer count the engine captures hidden states from; never None.
+
+    The same text-config-first rule as :func:`num_layers`, extended for the run: the
+    language model's config is asked first (``text_config``, then ``language_config``),
+    the wrapper's own keys last, so a wrapper that states a layer count for the whole
+    model never shadows its language model's::
+
+        >>> decoder_layers({"num_hidden_layers": 2})
+        2
+        >>> decoder_layers({"language_config": {"num_hidden_layers": 30}, "num_hidden_layers": 2})
+        30
+
+    :raises ValueError: when no config in the file names a layer count.
+    """
+    holders = [config.get(key) for key in LANGUAGE_CONFIG_KEYS] + [config]
+    for holder in holders:
+        if not isinstance(holder, dict):
+            continue
+        for key in LAYER_KEYS:  # the first key set wins, as in num_layers
+            if holder.get(key) is not None:
+                return int(holder[key])
+    raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
+
+
+#: The keys a run's summary copies from config.json (and from its ``text_config``).
+SUMMARY_KEYS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size",
+                "torch_dtype", "dtype", "num_attention_heads", "num_key_value_heads")
+
+
+def summary(config: dict) -> dict:
+    """The few config keys a run's summary keeps: the file's own, its text config's, and the
+    quantization method (``{"quant_method": "fp8"}``) when the model is quantized."""
+    out = {k: config[k] for k in SUMMARY_KEYS if k in config}
+    if is_wrapped(config):
+        out["text_config"] = {k: config["text_config"][k] for k in SUMMARY_KEYS if k in config["text_config"]}
+    if isinstance(config.get("quantization_config"), dict):
+        out["quant_method"] = config["quantization_config"].get("quant_method")
+    return out

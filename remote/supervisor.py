@@ -5,7 +5,7 @@ Started detached by :mod:`remote.job` (new session, stdin closed, output to
 
 1. turns the dataset into token ids (chat JSONL through the model's chat template,
    with a loss mask of 1 on assistant tokens; or pre-tokenized JSONL with
-   ``input_ids``), honouring ``max_samples`` and ``seq_len``;
+   ``input_ids``), honouring ``max_samples`` and ``seq_len`` (:mod:`remote.dataset`);
 2. resumes after the last complete sample already in the output dir;
 3. runs the engine in batches and writes every sample atomically (``remote.samples``) on
    a writer thread, so the engine works on the next batch while the last one is written
@@ -18,7 +18,8 @@ Started detached by :mod:`remote.job` (new session, stdin closed, output to
 Whatever goes wrong ends in ``state: failed`` with ``error`` = rank, exception type,
 message and full traceback. For multi-process engines the root cause is the failing
 rank's own exception (``RUN_DIR/errors/rank<k>.json`` written inside the worker, or
-the last traceback in ``logs/rank<k>.log``), not the driver's generic "worker died".
+the last traceback in ``logs/rank<k>.log``), not the driver's generic "worker died"
+(:mod:`remote.rootcause` picks it).
 NaN or Inf in any captured layer is a failure too.
 
 Only the standard library is imported at module import; vLLM spawns workers that
@@ -30,7 +31,6 @@ import faulthandler
 import json
 import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -38,8 +38,10 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import layers, samples
+from remote import layers, modelconfig, samples
+from remote.dataset import load_token_samples
 from remote.engines import canonical_name, engine_class
+from remote.rootcause import error_record, root_cause, worker_errors
 from remote.rundir import RunPaths
 
 HEARTBEAT_S = 5.0
@@ -167,140 +169,20 @@ class StatusFile:
             return dict(self.data)
 
 
-# --------------------------------------------------------------------------- dataset
-
-def load_token_samples(params: dict, model_path: str) -> list[tuple[list[int], list[int]]]:
-    """``[(input_ids, loss_mask), ...]`` for the run, in dataset order.
-
-    Rows are JSON objects, one a line: ``{"input_ids": [...], "loss_mask": [...]?}``
-    (pre-tokenized) or ``{"messages"|"conversations": [{"role"|"from", "content"|"value"}]}``
-    (chat, rendered with the model tokenizer's chat template). ``max_samples`` keeps the
-    first rows; ``seq_len`` truncates each sample.
-
-    :raises ValueError: naming the file and line of a row that cannot be used.
-    """
-    path = Path(params["dataset"])
-    max_samples = params.get("max_samples")
-    seq_len = int(params.get("seq_len") or 2048)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
-    rows = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if max_samples is not None and len(rows) >= int(max_samples):
-                break
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
-    if not rows:
-        raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
-    tokenizer = None
-    out = []
-    for lineno, row in rows:
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        if "input_ids" in row:
-            ids = [int(x) for x in row["input_ids"]]
-            mask = [int(x) for x in row.get("loss_mask") or [1] * len(ids)]
-            if len(mask) != len(ids):
-                raise ValueError(f"{path}:{lineno}: loss_mask has {len(mask)} entries for "
-                                 f"{len(ids)} input_ids")
-        else:
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(model_path, params)
-            ids, mask = tokenize_chat(tokenizer, _messages(row, path, lineno), where=f"{path}:{lineno}")
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if not ids:
-            raise ValueError(f"{path}:{lineno}: the sample has no tokens")
-        out.append((ids, mask))
-    return out
-
-
-def _load_tokenizer(model_path: str, params: dict):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(params.get("trust_remote_code", True)))
-    if not getattr(tok, "chat_template", None):
-        raise ValueError(f"the tokenizer in {model_path} has no chat template; add one to "
-                         f"tokenizer_config.json or pass a pre-tokenized dataset (rows with input_ids)")
-    return tok
-
-
-def _messages(row: dict, path, lineno) -> list[dict]:
-    turns = row.get("messages", row.get("conversations"))
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{path}:{lineno}: a row needs 'input_ids', or 'messages'/'conversations' "
-                         f"as a non-empty list of turns")
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system"}
-    norm = []
-    for t in turns:
-        role = roles.get(t.get("role", t.get("from")))
-        if role is None:
-            raise ValueError(f"{path}:{lineno}: unknown role {t.get('role', t.get('from'))!r}; "
-                             f"use user/assistant/system")
-        norm.append({"role": role, "content": t.get("content", t.get("value", ""))})
-    return norm
-
-
-def tokenize_chat(tokenizer, messages: list[dict], where: str = "") -> tuple[list[int], list[int]]:
-    """Token ids of the chat-templated conversation and a mask of 1 on assistant content.
-
-    Each assistant message's text is located in the rendered conversation (in order) and
-    every token whose character span overlaps it is marked, the same rule as speculators
-    0.3.0's ``_create_loss_mask_from_offsets``, without guessing role markers by regex.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
-    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
-    spans, cursor = [], 0
-    for m in messages:
-        content = m["content"]
-        if not content:
-            continue
-        pos = text.find(content, cursor)
-        if pos < 0:
-            if m["role"] == "assistant":
-                raise ValueError(f"{where}: the chat template does not render assistant content "
-                                 f"verbatim; cannot build the loss mask")
-            continue
-        cursor = pos + len(content)
-        if m["role"] == "assistant":
-            spans.append((pos, cursor))
-    mask = [int(any(s < span_end and e > span_start for span_start, span_end in spans))
-            for s, e in offsets]
-    return ids, mask
-
-
 # --------------------------------------------------------------------------- model facts
 
 def model_config(model_path: str) -> dict:
-    path = Path(model_path) / "config.json"
+    """The model's ``config.json``, read through :mod:`remote.modelconfig`.
+
+    :raises FileNotFoundError: when the model dir or its config.json is missing.
+    :raises ValueError: when config.json is not a JSON object.
+    """
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} not found: model_path must be a local model directory") from None
-
-
-def num_layers_of(config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}, config.get("language_config") or {}):
-        if "num_hidden_layers" in cfg:
-            return int(cfg["num_hidden_layers"])
-    raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
-
-
-def config_summary(config: dict) -> dict:
-    keys = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size",
-            "torch_dtype", "dtype", "num_attention_heads", "num_key_value_heads")
-    out = {k: config[k] for k in keys if k in config}
-    if isinstance(config.get("text_config"), dict):
-        out["text_config"] = {k: config["text_config"][k] for k in keys if k in config["text_config"]}
-    if isinstance(config.get("quantization_config"), dict):
-        out["quant_method"] = config["quantization_config"].get("quant_method")
-    return out
+        return modelconfig.read(model_path)
+    except modelconfig.ConfigError as exc:
+        if not os.path.isfile(exc.path):
+            raise FileNotFoundError(f"{exc.path} not found: model_path must be a local model directory") from None
+        raise ValueError(f"{exc.summary}; {exc.fix}") from None
 
 
 def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[int], str]:
@@ -318,125 +200,6 @@ def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[
     if problems:
         raise ValueError(f"layer ids {ids} ({convention} convention): " + "; ".join(problems))
     return ids, convention
-
-
-# --------------------------------------------------------------------------- root cause
-
-TRACEBACK_HEAD = "Traceback (most recent call last):"
-_PREFIX_RE = re.compile(r"^\((?:\w|[-.])+ pid=\d+\) ")
-_FATAL_RE = re.compile(r"^Fatal Python error: (.*)$")
-
-
-def error_record(exc: BaseException, rank=None, where: str = "supervisor") -> dict:
-    return {
-        "rank": rank,
-        "type": type(exc).__name__,
-        "message": str(exc) or repr(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "where": where,
-    }
-
-
-def worker_errors(errors_dir: Path) -> list[dict]:
-    """Errors recorded inside worker processes, earliest first."""
-    found = []
-    for path in sorted(Path(errors_dir).glob("rank*.json")):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return sorted(found, key=lambda r: r.get("time", 0.0))
-
-
-def last_traceback(text: str):
-    """The last Python traceback (or faulthandler fatal error) in a log, as an error dict.
-
-    vLLM prefixes worker lines with ``(Worker_TP1 pid=123)``; the prefix is dropped.
-    Returns None when the text holds neither.
-    """
-    lines = [_PREFIX_RE.sub("", ln) for ln in text.splitlines()]
-    start = max((i for i, ln in enumerate(lines) if ln.strip().endswith(TRACEBACK_HEAD)), default=None)
-    fatal = max((i for i, ln in enumerate(lines) if _FATAL_RE.match(ln.strip())), default=None)
-    if fatal is not None and (start is None or fatal > start):
-        # faulthandler dumps every thread, the crashing one ("Current thread") last,
-        # then "Extension modules: ..."; keep the whole dump (bounded).
-        block = []
-        for ln in lines[fatal:fatal + 600]:
-            block.append(ln)
-            if ln.startswith("Extension modules:"):
-                break
-        return {"type": "FatalError", "message": _FATAL_RE.match(lines[fatal].strip()).group(1),
-                "traceback": "\n".join(block)}
-    if start is None:
-        return None
-    block = [lines[start].strip()]
-    # Frames are indented; the exception line is the first unindented one after them.
-    exc_line = None
-    for ln in lines[start + 1:]:
-        block.append(ln)
-        if ln and not ln[0].isspace() and not ln.startswith("Traceback"):
-            exc_line = ln
-            break
-    if exc_line is None:
-        return None
-    etype, _, msg = exc_line.partition(":")
-    return {"type": etype.strip().rsplit(".", 1)[-1], "message": msg.strip() or etype.strip(),
-            "traceback": "\n".join(block)}
-
-
-#: Messages of a rank that lost a *peer* (the consequence, not the cause).
-PEER_LOSS_RE = re.compile(r"connection reset|connection closed|broken pipe|peer|"
-                          r"remote process (has )?exited|gloo|nccl.*(abort|timeout)", re.I)
-
-
-def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dict:
-    """The one error to report for a failed attempt, with the rest kept as context.
-
-    Candidates, best first: a rank that died hard (faulthandler's "Fatal Python error"
-    in its log: no exception was raised anywhere); a rank's own recorded exception
-    (``errors/rank<k>.json``, earliest first) unless it only says a peer went away
-    (connection reset, gloo/NCCL errors); the last traceback in the log of a rank that
-    recorded nothing; the peer-loss errors; finally the supervisor's exception. The
-    driver's view (often vLLM's generic "Worker failed with error ...") is kept as
-    ``reported_as``; the other candidates as ``other_errors``.
-
-    :param exc_rank: the rank ``exc`` belongs to when it was raised by an in-process
-        engine (rank 0); None for the supervisor's own errors.
-    """
-    seen = error_record(exc, rank=exc_rank, where="supervisor" if exc_rank is None else "engine") \
-        if exc is not None else None
-    fatal, own, from_logs, peer_loss = [], [], [], []
-    recorded = worker_errors(paths.errors)
-    for rec in recorded:
-        rec = dict(rec, source=f"errors/rank{rec['rank']}.json")
-        (peer_loss if PEER_LOSS_RE.search(rec.get("message", "")) else own).append(rec)
-    recorded_ranks = {rec["rank"] for rec in recorded}
-    for log in sorted(paths.logs.glob("rank*.log")):
-        with open(log, "rb") as fh:
-            fh.seek(paths.log_offsets.get(log.name, 0))
-            found = last_traceback(fh.read().decode(errors="replace"))
-        if not found:
-            continue
-        rank = int(re.search(r"rank(\d+)", log.name).group(1))
-        found.update(rank=rank, where=f"logs/{log.name}", source=f"logs/{log.name}")
-        if found["type"] == "FatalError":
-            fatal.append(found)
-        elif rank not in recorded_ranks:
-            from_logs.append(found)
-    ranked = fatal + own + from_logs + peer_loss
-    if not ranked:
-        if seen is None:
-            seen = {"rank": None, "type": "UnknownError", "message": "the run failed without an exception",
-                    "traceback": "", "where": "supervisor"}
-        seen.setdefault("source", "supervisor")
-        return seen
-    best = dict(ranked[0])
-    if seen:
-        best["reported_as"] = {k: seen[k] for k in ("type", "message")}
-    others = [{k: r.get(k) for k in ("rank", "type", "message", "source")} for r in ranked[1:]]
-    if others:
-        best["other_errors"] = others
-    return best
 
 
 # --------------------------------------------------------------------------- the run
@@ -544,7 +307,7 @@ class Supervisor:
         engine_name = canonical_name(p.get("engine") or "speculators-0.3")
         model_path = p["model_path"]
         config = model_config(model_path)
-        layer_ids, convention = resolve_layer_ids(p, engine_name, num_layers_of(config))
+        layer_ids, convention = resolve_layer_ids(p, engine_name, modelconfig.decoder_layers(config))
         self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
                            engine=engine_name)
 
@@ -672,7 +435,7 @@ class Supervisor:
             "format": "speculators-0.3 data_{idx}.pt: {input_ids: long[T], hidden_states: "
                       "[dtype[T, hidden] per layer id], loss_mask: long[T]}",
             "engine": engine_info,
-            "model": {"path": str(model_path), "config": config_summary(config)},
+            "model": {"path": str(model_path), "config": modelconfig.summary(config)},
             "layer_ids": layer_ids,
             "layer_convention": convention,
             "layer_convention_text": layers.CONVENTIONS[convention],

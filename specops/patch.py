@@ -1,6 +1,6 @@
 """``specops patch``: apply the versioned patch set that fits the host's speculators/vLLM.
 
-The work happens on the host (``remote/patcher.py``: pick set by versions, verify
+The work happens on the host (``remote/patcher/``: pick set by versions, verify
 sha256, back up, write atomically, byte-compile, restore everything on any failure,
 host lock). Afterwards the static drift check runs again in the same connection; it
 must be clean for the patch to count as done.

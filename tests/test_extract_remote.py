@@ -346,8 +346,8 @@ def patched_speculators(tmp_path_factory, hostenv_python):
 
     Put first on PYTHONPATH of the job (and so of every vLLM worker it spawns).
     """
-    if not list((REPO / "patches").glob("*/manifest.json")):
-        pytest.skip("no patch set with a manifest.json under patches/ yet")
+    # The patch set ships with the repo: a missing one is a broken checkout, never a reason to skip.
+    assert list((REPO / "patches").glob("*/manifest.json")), "no patch set with a manifest.json under patches/"
     site = Path(subprocess.run(
         [str(hostenv_python), "-c", "import speculators, os; print(os.path.dirname(os.path.dirname(speculators.__file__)))"],
         capture_output=True, text=True, check=True, env=host_env()).stdout.strip())
@@ -462,7 +462,7 @@ def test_hard_crash_of_a_rank_is_named_from_its_log(hostenv_python, tiny_models,
 
 def test_last_traceback_reads_prefixed_worker_logs():
     """The log parser behind the root cause, on vLLM-prefixed lines (runs without torch)."""
-    from remote.supervisor import last_traceback
+    from remote.rootcause import last_traceback
 
     log = "\n".join([
         "(Worker_TP1 pid=7) INFO loading",
@@ -484,6 +484,43 @@ def test_last_traceback_reads_prefixed_worker_logs():
     assert last_traceback("INFO all good\n") is None
     fatal = last_traceback(log + "\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n")
     assert (fatal["type"], fatal["message"]) == ("FatalError", "Segmentation fault")
+
+
+def test_root_cause_prefers_the_rank_that_failed_over_the_peers_that_lost_it(tmp_path):
+    """A rank's own error beats a peer's "connection reset" and the driver's generic message (stdlib only)."""
+    from remote.rootcause import root_cause
+    from remote.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.errors.mkdir(parents=True)
+    paths.logs.mkdir()
+    (paths.errors / "rank0.json").write_text(json.dumps(
+        {"rank": 0, "type": "RuntimeError", "message": "Connection reset by peer", "time": 1.0}))
+    (paths.errors / "rank1.json").write_text(json.dumps(
+        {"rank": 1, "type": "KeyError", "message": "'llama_4_scaling'", "time": 2.0}))
+    err = root_cause(paths, RuntimeError("Worker failed with error 'see above'"))
+    assert (err["rank"], err["type"], err["source"]) == (1, "KeyError", "errors/rank1.json")
+    assert err["reported_as"] == {"type": "RuntimeError", "message": "Worker failed with error 'see above'"}
+    assert err["other_errors"] == [{"rank": 0, "type": "RuntimeError", "message": "Connection reset by peer",
+                                    "source": "errors/rank0.json"}]
+    # nothing recorded anywhere: the supervisor's own exception is the cause
+    empty = RunPaths(tmp_path / "empty")
+    empty.errors.mkdir(parents=True)
+    empty.logs.mkdir()
+    assert root_cause(empty, ValueError("bad layer ids"))["type"] == "ValueError"
+
+
+def test_pre_tokenized_dataset_rows_are_truncated_and_bad_rows_named(tmp_path):
+    """The dataset reader on pre-tokenized rows: no tokenizer, so no transformers (stdlib only)."""
+    from remote.dataset import load_token_samples
+
+    data = tmp_path / "tok.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n\n{"input_ids": [4, 5]}\n')
+    assert load_token_samples({"dataset": str(data), "seq_len": 2}, "/no/model") == [([1, 2], [0, 1]), ([4, 5], [1, 1])]
+    assert load_token_samples({"dataset": str(data), "max_samples": 1}, "/no/model") == [([1, 2, 3], [0, 1, 1])]
+    data.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    with pytest.raises(ValueError, match=r"tok.jsonl:1: loss_mask has 1 entries for 2 input_ids"):
+        load_token_samples({"dataset": str(data)}, "/no/model")
 
 
 def test_status_of_a_supervisor_that_died_unrecorded(tmp_path):

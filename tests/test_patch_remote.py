@@ -173,6 +173,22 @@ def test_hunk_parser_checks_counts_and_no_newline_marker():
     assert patcher.apply_hunks("a", hunks) == "b\n"
 
 
+def test_tests_never_call_gnu_patch():
+    """Patch sets are applied in tests with the patcher's own hunk applier only: hosts may lack
+    GNU ``patch``, and a fuzzy applier would hide a diff that no longer fits."""
+    gnu = re.compile(r"""[\[(]\s*["'](?:/usr/bin/)?patch["']|which\(\s*["']patch["']|["']patch -p""")
+    offenders = [f"{path.name}:{n}" for path in sorted((REPO / "tests").glob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if gnu.search(line)]
+    assert offenders == []
+
+
+def test_patcher_package_keeps_its_public_names():
+    """Callers say ``patcher.<name>``; the split into hunks/target/transaction keeps them all."""
+    for name in ("main", "status_records", "Patcher", "PatchError", "HunkMismatch", "parse_unified_diff",
+                 "apply_hunks", "unified_diff", "LOCK_FILE", "BACKUP_DIR", "APPLIED_FILE", "patch_lock"):
+        assert hasattr(patcher, name), name
+
+
 def test_range_form_manifest_is_refused_by_patch_and_preflight_alike(site, hostenv_python, tmp_path):
     """``0.12-0.16`` is no PEP 440 specifier: one refusal, naming the manifest and how to write it,
     from ``specops patch`` and from preflight's patch status (drift then names no set either)."""
