@@ -19,23 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import patcher, patchsets  # noqa: E402  (stdlib only: safe in the controller's python)
+from remote import drift, patcher, patchsets  # noqa: E402  (stdlib only: safe in the controller's python)
 
 PATCH_SET = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
 MANIFEST = json.loads((PATCH_SET / "manifest.json").read_text())
 
-KNOWN_IDS = (
-    "scheduler-config-is-encoder-decoder",
-    "kv-cache-config-from-groups",
-    "scheduler-block-size",
-    "request-block-hasher",
-    "two-phase-execute-model",
-    "embed-input-ids",
-    "eagle3-support-check",
-    "cuda-mem-get-info",
-    "collective-rpc-unique-reply",
-    "deepseek-llama4-scaling",
-)
+KNOWN_IDS = drift.KNOWN_IDS  # the ids the patch sets' `fixes` lists share with the checker
 
 #: id -> text the reported speculators line must contain (read from the real file).
 LINE_MUST_SHOW = {
