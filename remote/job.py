@@ -59,6 +59,7 @@ from pathlib import Path
 
 from remote import protocol, samples
 from remote.fsutil import FileLock
+from remote.rootcause import last_traceback
 from remote.rundir import (FINAL_STATES, RUN_ID_RE, RunPaths, pid_alive, read_json, read_pid, run_alive,
                            run_busy, signal_group, tail_text)
 
@@ -222,8 +223,6 @@ def current_status(run_dir: Path) -> dict | None:
         return st  # a start in progress: pid not written yet, or the process not yet readable
     tail = tail_text(run_dir / "logs" / "supervisor.log", 8000)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
-    from remote.rootcause import last_traceback  # stdlib only at import
-
     crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
     if crashed:  # it died of an exception it could not record (e.g. at import)
         error = {"rank": None, "where": "supervisor", "type": crashed["type"],

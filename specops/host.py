@@ -25,6 +25,7 @@ import secrets
 import shlex
 import socket
 import threading
+import time
 from pathlib import Path
 
 import fabric
@@ -537,8 +538,6 @@ class Host:
         return self._parse(module, result)
 
     def _stream_script(self, script: str, on_line, prefix: str, idle_timeout: float | None) -> StdinResult:
-        import time
-
         self.open()
         stdin = None
         if self.spec.delivery == "heredoc":

@@ -96,6 +96,17 @@ def site(tmp_path, hostenv_python, host_site_packages) -> Path:
     return site
 
 
+def patch_set_copy(tmp_path: Path, **manifest_changes) -> Path:
+    """A patches root holding a copy of the real set with ``manifest_changes`` applied; returns the root."""
+    root = tmp_path / "patches"
+    shutil.copytree(SET_DIR, root / SET_DIR.name)
+    manifest_path = root / SET_DIR.name / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest.update(manifest_changes)
+    manifest_path.write_text(json.dumps(manifest))
+    return root
+
+
 def protocol_worst(payload) -> str:
     from remote import protocol
 
@@ -192,11 +203,7 @@ def test_patcher_package_keeps_its_public_names():
 def test_range_form_manifest_is_refused_by_patch_and_preflight_alike(site, hostenv_python, tmp_path):
     """``0.12-0.16`` is no PEP 440 specifier: one refusal, naming the manifest and how to write it,
     from ``specops patch`` and from preflight's patch status (drift then names no set either)."""
-    root = tmp_path / "patches"
-    shutil.copytree(SET_DIR, root / SET_DIR.name)
-    manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
-    manifest["vllm"] = "0.12-0.16"
-    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
+    root = patch_set_copy(tmp_path, vllm="0.12-0.16")
     before = snapshot(site)
     refused = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
                                   patches_root=str(root)))["patch.set"]
@@ -357,11 +364,7 @@ def test_lock_held_by_another_process_refuses_without_touching(site, hostenv_pyt
 
 
 def test_no_matching_patch_set_is_refused_clearly(site, hostenv_python, tmp_path):
-    root = tmp_path / "patches"
-    shutil.copytree(SET_DIR, root / SET_DIR.name)
-    manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
-    manifest["vllm"] = ">=0.17,<0.18"
-    (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
+    root = patch_set_copy(tmp_path, vllm=">=0.17,<0.18")
     before = snapshot(site)
     result = by_name(run_patcher(hostenv_python, action="apply", site_packages=str(site),
                                  patches_root=str(root)))
