@@ -29,13 +29,14 @@ import time
 import traceback
 
 from remote import drift, patcher, protocol
-from remote.protocol import FAIL, SKIPPED, STATUSES, record
+from remote.engines import resolve_engine
+from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
 from remote.probes import (Context, Malformed, capacity, checkpoint, hf_load, host, layer_ids, model, packages,
                            parallel, tokenizer_data)
 
 DEFAULTS = {
     "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
-    "engine": "speculators-0.3", "layer_ids": None, "dataset": None, "max_samples": 1000, "seq_len": 2048,
+    "engine": "auto", "layer_ids": None, "layer_convention": None, "dataset": None, "max_samples": 1000, "seq_len": 2048,
     "gpu_memory_utilization": 0.9, "trust_remote_code": False, "autoconfig_timeout": 60.0,
     "skip_autoconfig": False, "hidden_dtype_bytes": 2, "env": {}, "skip_drift": False, "skip_patch": False,
     "patches_root": None,
@@ -150,15 +151,29 @@ def _owned(area, params) -> list:
     return found
 
 
+def _resolve_engine(params: dict) -> dict:
+    """``params.engine`` made concrete (``auto`` -> what the installed speculators needs); its record."""
+    asked = params.get("engine") or "auto"
+    try:
+        params["engine"], why = resolve_engine(asked)
+    except ValueError as exc:
+        params["engine"] = "speculators-0.3"  # the probes still run; the record says why none fits
+        return record("params.engine", FAIL, str(exc), detail={"asked": asked},
+                      fix="install the speculators that matches the host's vLLM, or set engine in the inventory")
+    return record("params.engine", OK, f"engine {params['engine']} ({why})",
+                  detail={"asked": asked, "engine": params["engine"], "why": why})
+
+
 def main(params: dict) -> dict:
     """Run every preflight check once; see the module docstring for params and payload."""
     t_start = time.perf_counter()
     params, problems = normalize_params(params)
-    ctx = Context(params)
     records = []
     if problems:
         records.append(record("params.values", FAIL, f"bad params: {problems[0]}", detail={"problems": problems},
                               fix="fix these values in the inventory or on the command line"))
+    records.append(_resolve_engine(params))
+    ctx = Context(params)
     try:
         child = hf_load.start(ctx)  # loads transformers while the static checks run
     except OSError as exc:

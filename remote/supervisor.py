@@ -40,7 +40,7 @@ from pathlib import Path
 
 from remote import layers, modelconfig, samples
 from remote.dataset import load_token_samples
-from remote.engines import canonical_name, engine_class
+from remote.engines import engine_class, resolve_engine
 from remote.rootcause import error_record, root_cause, worker_errors
 from remote.rundir import RunPaths
 
@@ -304,7 +304,7 @@ class Supervisor:
     def _run(self) -> None:
         p = self.params
         t0 = time.monotonic()
-        engine_name = canonical_name(p.get("engine") or "speculators-0.3")
+        engine_name, engine_why = resolve_engine(p.get("engine"))
         model_path = p["model_path"]
         config = model_config(model_path)
         layer_ids, convention = resolve_layer_ids(p, engine_name, modelconfig.decoder_layers(config))

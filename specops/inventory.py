@@ -101,8 +101,11 @@ class HostSpec(BaseModel):
     dataset: str | None = None
     device: Literal["cuda", "cpu"] = "cuda"
     tp: int = Field(default=1, ge=1)
-    engine: Literal["speculators-0.3", "hf-reference"] = "speculators-0.3"
+    #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
+    engine: Literal["auto", "speculators-0.3", "vllm-server", "hf-reference"] = "auto"
     layer_ids: list[int] | None = None
+    #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
+    layer_convention: Literal["output", "input"] | None = None
     seq_len: int = Field(default=2048, ge=1)
     max_samples: int = Field(default=1000, ge=1)
     batch_size: int = Field(default=8, ge=1)

@@ -10,22 +10,47 @@ from typing import Any
 from specops.errors import UsageError
 from specops.inventory import HostSpec, check_path, shorten
 
-ENGINES = ("speculators-0.3", "hf-reference")
+#: ``auto`` (the default): the host picks from its installed speculators (0.3/0.4 ->
+#: speculators-0.3, >= 0.5 -> vllm-server); preflight names the choice.
+ENGINES = ("auto", "speculators-0.3", "vllm-server", "hf-reference")
+#: ``--layer-ids output:2,4,5,7`` / ``input:3,5,6,8`` say which convention the ids are in.
+LAYER_CONVENTIONS = ("output", "input")
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
-    """``"2,16,29"`` -> ``[2, 16, 29]``; ``None``/empty -> ``None`` (the engine's default)."""
+    """``"2,16,29"`` -> ``[2, 16, 29]``; ``None``/empty -> ``None`` (the engine's default).
+
+    A ``output:``/``input:`` prefix is dropped here; :func:`parse_layer_convention` reads it.
+    """
     if text is None or str(text).strip() == "":
         return None
+    text = str(text)
+    head, sep, rest = text.partition(":")
+    if sep:
+        parse_layer_convention(text)
+        text = rest
     try:
         ids = [int(part) for part in str(text).split(",") if part.strip() != ""]
     except ValueError:
         raise UsageError(f"--layer-ids {text!r} is not a comma-separated list of integers",
-                         "example: --layer-ids 2,16,29,31") from None
+                         "example: --layer-ids 2,16,29,31 (the engine's convention) or "
+                         "--layer-ids output:2,16,29,31") from None
     if len(set(ids)) != len(ids):
         raise UsageError(f"--layer-ids {text!r} repeats a layer id",
                          "each layer can be captured once; remove the duplicate")
     return ids
+
+
+def parse_layer_convention(text: str | None) -> str | None:
+    """The convention a ``--layer-ids`` value names (``output:...``/``input:...``), or None (the engine's)."""
+    if text is None or ":" not in str(text):
+        return None
+    head = str(text).partition(":")[0].strip().lower()
+    if head not in LAYER_CONVENTIONS:
+        raise UsageError(f"--layer-ids {text!r}: unknown convention {head!r}",
+                         "prefix the ids with output: (output of layer i: speculators 0.3, SpecForge) or "
+                         "input: (input of layer i: vLLM, speculators >= 0.5), or give no prefix")
+    return head
 
 
 def _positive(name: str, value: Any) -> int | None:
@@ -68,6 +93,8 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
         "tp": _positive("tp", tp) or spec.tp,
         "engine": engine or spec.engine,
         "layer_ids": parse_layer_ids(layer_ids) if layer_ids is not None else spec.layer_ids,
+        "layer_convention": (parse_layer_convention(layer_ids) if layer_ids is not None
+                             else spec.layer_convention),
         "seq_len": _positive("seq-len", seq_len) or spec.seq_len,
         "max_samples": _positive("max-samples", max_samples) or spec.max_samples,
         "batch_size": _positive("batch-size", batch_size) or spec.batch_size,

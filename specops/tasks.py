@@ -123,7 +123,7 @@ RUN_HELP = {
     "dataset": "chat JSONL on the host (default: the inventory's dataset)",
     "tp": "tensor parallel size (default: the inventory's tp)",
     "layer-ids": "comma-separated layer ids (default: the engine's own, convention recorded)",
-    "engine": "extraction engine: speculators-0.3 or hf-reference",
+    "engine": "extraction engine: auto (default: from the host's speculators), speculators-0.3, vllm-server or hf-reference",
     "seq-len": "max tokens per sample",
     "max-samples": "number of samples to extract",
 }
