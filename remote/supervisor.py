@@ -282,7 +282,8 @@ class Supervisor:
         except BaseException as exc:  # every failure ends in status.json, with its root cause
             traceback.print_exc()
             in_engine = self._busy_since is not None and getattr(self.engine, "in_process", False)
-            error = root_cause(self.paths, exc, exc_rank=0 if in_engine else None)
+            error = (self.engine.error_record(exc) if self.engine is not None else None) or \
+                root_cause(self.paths, exc, exc_rank=0 if in_engine else None)
             if isinstance(exc, NonFiniteStates):
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)
@@ -305,41 +306,61 @@ class Supervisor:
         p = self.params
         t0 = time.monotonic()
         engine_name, engine_why = resolve_engine(p.get("engine"))
+        fmt = samples.ENGINE_FORMAT[engine_name]
         model_path = p["model_path"]
         config = model_config(model_path)
         layer_ids, convention = resolve_layer_ids(p, engine_name, modelconfig.decoder_layers(config))
         self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
-                           engine=engine_name)
+                           engine=engine_name, engine_why=engine_why, format=fmt)
 
         t = time.monotonic()
         dataset = load_token_samples(p, model_path)
         self._timed("tokenize", time.monotonic() - t)
+        lo, hi = sample_range(p.get("sample_range"), len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         samples.claim_output_dir(self.output_dir, self.run_id, samples.dataset_fingerprint(
-            dataset, layer_ids=layer_ids, model_path=str(model_path), engine=engine_name))
-        removed = samples.remove_partials(self.output_dir)
+            dataset, layer_ids=layer_ids, model_path=str(model_path), engine=engine_name,
+            **({"sample_range": [lo, hi]} if p.get("sample_range") is not None else {})))
+        removed = samples.remove_partials(self.output_dir, fmt)
         if removed:
             print(f"[specops] removed {len(removed)} partial file(s) of an earlier attempt: {removed}", flush=True)
-        start = min(samples.complete_prefix(self.output_dir), len(dataset))
-        total_tokens = sum(len(ids) for ids, _ in dataset)
-        tokens_before = sum(len(ids) for ids, _ in dataset[:start])
-        self.status.update(samples_total=len(dataset), samples_done=start, tokens_done=tokens_before,
-                           tokens_total=total_tokens, resumed_from=start,
+        present = samples.present_indices(self.output_dir, fmt)
+        todo = [i for i in range(lo, hi) if i not in present]
+        done = (hi - lo) - len(todo)
+        total_tokens = sum(len(ids) for ids, _ in dataset[lo:hi])
+        tokens_before = total_tokens - sum(len(dataset[i][0]) for i in todo)
+        self.status.update(samples_total=hi - lo, samples_done=done, tokens_done=tokens_before,
+                           tokens_total=total_tokens, resumed_from=todo[0] if todo else hi,
+                           sample_range=[lo, hi], dataset_samples=len(dataset),
                            phase_seconds=dict(self.phase_seconds))
-        print(f"[specops] run {self.run_id}: {len(dataset)} samples, {total_tokens} tokens; "
-              f"resuming at sample {start}; engine {engine_name}; layers {layer_ids} ({convention})",
+        shard = f" (samples {lo}..{hi - 1} of {len(dataset)})" if (lo, hi) != (0, len(dataset)) else ""
+        print(f"[specops] run {self.run_id}: {hi - lo} samples{shard}, {total_tokens} tokens; "
+              f"{done} already on disk; engine {engine_name} ({engine_why}); layers {layer_ids} ({convention})",
               flush=True)
 
-        if start < len(dataset):
-            self._extract_all(engine_name, model_path, layer_ids, dataset, start, tokens_before, total_tokens)
+        if todo:
+            self._extract_all(engine_name, model_path, layer_ids, dataset, todo, fmt, done, tokens_before,
+                              total_tokens)
         self._close_engine()
-        self._finalize(engine_name, model_path, config, layer_ids, convention, len(dataset), t0)
+        self._finalize(engine_name, model_path, config, layer_ids, convention, dataset, (lo, hi), fmt, t0)
 
-    def _extract_all(self, engine_name, model_path, layer_ids, dataset, start, tokens_before, total_tokens):
+    def _engine_params(self, engine_name: str) -> dict:
+        """The run params as the engine sees them (a server engine gets its run-scoped dirs)."""
+        p = dict(self.params)
+        if engine_name == "vllm-server":
+            # storage/ and logs/ (server.log, split into rank<k>.log at the end) inside the run dir,
+            # where `specops logs` and the root-cause reader look
+            p.update(work_dir=str(self.paths.run_dir), python=sys.executable,
+                     concurrency=int(p.get("concurrency") or p.get("batch_size") or 8))
+            p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
+        return p
+
+    def _extract_all(self, engine_name, model_path, layer_ids, dataset, todo, fmt, done, tokens_before,
+                     total_tokens):
         p = self.params
         self.status.update(state="loading", phase=f"loading model ({engine_name}, tp={p.get('tp', 1)})")
         cls = engine_class(engine_name)
-        self.engine = cls(model_path, int(p.get("tp") or 1), layer_ids, p)
+        self.engine = cls(model_path, int(p.get("tp") or 1), layer_ids, self._engine_params(engine_name))
         t = time.monotonic()
         self._busy_since = t
         self.engine.load()
@@ -350,44 +371,71 @@ class Supervisor:
         batch_size = max(1, int(p.get("batch_size") or 8))
         # test knob: a pause after each batch widens the mid-run window (a param, or the job's env)
         delay = float(p.get("batch_delay_s") or os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
-        progress = {"done": start, "tokens_done": tokens_before, "run_tokens": 0}
+        progress = {"done": done, "tokens_done": tokens_before, "run_tokens": 0}
         loop_t0 = time.monotonic()
+        samples_total = self.status.data["samples_total"]
 
-        def written(first: int, batch) -> None:  # on the writer thread, once a batch is on disk
-            n_tok = sum(len(ids) for ids, _ in batch)
-            progress["done"] += len(batch)
+        def written(n_samples: int, n_tok: int) -> None:  # once samples are on disk
+            progress["done"] += n_samples
             progress["tokens_done"] += n_tok
             progress["run_tokens"] += n_tok
             self.loop_s = time.monotonic() - loop_t0
             rate = progress["run_tokens"] / max(self.loop_s, 1e-9)
-            done = progress["done"]
-            self.status.update(samples_done=done, tokens_done=progress["tokens_done"], tokens_per_s=round(rate, 1),
+            self.status.update(samples_done=progress["done"], tokens_done=progress["tokens_done"],
+                               tokens_per_s=round(rate, 1),
                                eta_s=round((total_tokens - progress["tokens_done"]) / rate, 1) if rate else None,
-                               phase=f"extracting ({done}/{len(dataset)})",
+                               phase=f"extracting ({progress['done']}/{samples_total})",
                                phase_seconds=dict(self.phase_seconds))
 
-        writer = SampleWriter(self.output_dir, self._save, written, self._timed,
-                              depth=int(p.get("write_queue_batches", WRITE_QUEUE_BATCHES)))
         self.status.update(state="extracting", phase="extracting", phase_seconds=dict(self.phase_seconds))
+        if fmt == samples.HS:
+            self._extract_files(dataset, todo, batch_size, delay, written)
+        else:
+            self._extract_batches(dataset, todo, batch_size, delay, layer_ids, written, p)
+        self.loop_s = time.monotonic() - loop_t0  # the last batch's write included
+        self.run_tokens = progress["run_tokens"]
+
+    def _extract_files(self, dataset, todo, batch_size, delay, written) -> None:
+        """Engines that write each sample file themselves (a server): hand them chunks of indices.
+
+        ``batch_size`` requests are in flight; a chunk is several times that so the
+        server stays busy, except with the test pause, where a chunk is one batch.
+        """
+        chunk = batch_size if delay else batch_size * 8
+        sample_dir = samples.sample_dir(self.output_dir, samples.HS)
+        for c0 in range(0, len(todo), chunk):
+            part = [(i, dataset[i][0]) for i in todo[c0:c0 + chunk]]
+            t = time.monotonic()
+            self._busy_since = t
+            self.engine.extract_files(part, sample_dir, on_done=lambda r: written(1, r["tokens"]))
+            self._busy_since = None
+            self._timed("extract", time.monotonic() - t)
+            if delay:
+                time.sleep(delay)
+
+    def _extract_batches(self, dataset, todo, batch_size, delay, layer_ids, written, p) -> None:
+        """Engines that return states in memory: the supervisor writes them, on a writer thread."""
+        writer = SampleWriter(self.output_dir, self._save,
+                              lambda first, batch: written(len(batch), sum(len(ids) for ids, _ in batch)),
+                              self._timed, depth=int(p.get("write_queue_batches", WRITE_QUEUE_BATCHES)))
         try:
-            for b0 in range(start, len(dataset), batch_size):
-                batch = dataset[b0:b0 + batch_size]
-                t = time.monotonic()
-                self._busy_since = t
-                states = self.engine.extract([ids for ids, _ in batch])
-                self._busy_since = None
-                self._timed("extract", time.monotonic() - t)
-                self._check_batch(states, batch, layer_ids, b0)
-                writer.put(b0, batch, states)
-                if delay:
-                    time.sleep(delay)
+            for run in _contiguous_runs(todo):
+                for b0 in range(run[0], run[-1] + 1, batch_size):
+                    batch = dataset[b0:min(b0 + batch_size, run[-1] + 1)]
+                    t = time.monotonic()
+                    self._busy_since = t
+                    states = self.engine.extract([ids for ids, _ in batch])
+                    self._busy_since = None
+                    self._timed("extract", time.monotonic() - t)
+                    self._check_batch(states, batch, layer_ids, b0)
+                    writer.put(b0, batch, states)
+                    if delay:
+                        time.sleep(delay)
         except BaseException:
             # what was extracted before the failure is still written: a resume starts after it
             writer.close(raise_error=False)
             raise
         writer.close()
-        self.loop_s = time.monotonic() - loop_t0  # the last batch's write included
-        self.run_tokens = progress["run_tokens"]
 
     def _check_batch(self, states, batch, layer_ids, b0) -> None:
         if len(states) != len(batch):
@@ -417,10 +465,16 @@ class Supervisor:
                             [h.cpu() for h in layer_states],
                             torch.tensor(mask, dtype=torch.long))
 
-    def _finalize(self, engine_name, model_path, config, layer_ids, convention, count, t0) -> None:
+    def _finalize(self, engine_name, model_path, config, layer_ids, convention, dataset, bounds, fmt, t0) -> None:
+        lo, hi = bounds
+        count = hi - lo
         self.status.update(state="writing", phase="writing manifest and summary")
         t = time.monotonic()
-        files, stats, tokens = samples.scan_samples(self.output_dir, count, layer_ids)
+        engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": self.params.get("tp", 1)})
+        file_layer_ids = engine_info.get("file_layer_ids") or sorted(layer_ids)
+        files, stats, tokens = samples.scan_samples(self.output_dir, range(lo, hi), layer_ids, fmt,
+                                                    file_layer_ids=file_layer_ids)
+        dataset_files = samples.save_token_dataset(self.output_dir, dataset) if fmt == samples.HS else []
         self._timed("finalize", time.monotonic() - t)
         wall = time.monotonic() - t0
         run_tokens = getattr(self, "run_tokens", 0)
@@ -428,23 +482,27 @@ class Supervisor:
         loop_s = getattr(self, "loop_s", 0.0)
         layer_summaries = [s.as_dict() for s in stats]
         non_finite = [s for s in layer_summaries if s["nan"] or s["inf"]]
-        engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": self.params.get("tp", 1)})
         manifest = {
             "run_id": self.run_id,
             "created_at": utc_now(),
-            "format": "speculators-0.3 data_{idx}.pt: {input_ids: long[T], hidden_states: "
-                      "[dtype[T, hidden] per layer id], loss_mask: long[T]}",
+            "format": samples.FORMATS[fmt][2],
+            "format_name": fmt,
             "engine": engine_info,
             "model": {"path": str(model_path), "config": modelconfig.summary(config)},
             "layer_ids": layer_ids,
             "layer_convention": convention,
             "layer_convention_text": layers.CONVENTIONS[convention],
             "samples": count,
+            "sample_range": [lo, hi],
+            "dataset_samples": len(dataset),
             "tokens": tokens,
             "files": files,
+            "dataset_files": dataset_files,
             "versions": dict(samples.package_versions(), python=sys.version.split()[0]),
             "params": {k: v for k, v in self.params.items() if not k.startswith("_")},
         }
+        if fmt == samples.HS:
+            manifest["file_layer_ids"] = file_layer_ids
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,
@@ -452,6 +510,7 @@ class Supervisor:
             "tokens": tokens,
             "layers": layer_summaries,
             "layer_convention": convention,
+            "sample_range": [lo, hi],
             "tokens_this_attempt": run_tokens,
             # engine time only / extraction loop (engine + writes) / whole attempt (load included)
             "extract_tokens_per_s": round(run_tokens / extract_s, 1) if extract_s else None,
@@ -471,6 +530,32 @@ class Supervisor:
             raise exc
         self.status.update(state="done", phase="done", samples_done=count, eta_s=0,
                            tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds))
+
+
+def sample_range(asked, size: int) -> tuple[int, int]:
+    """``(start, stop)`` of the samples this run extracts: ``asked`` (a shard's range) clipped to the dataset.
+
+    :raises ValueError: a range that is not two whole numbers ``0 <= start <= stop``.
+    """
+    if asked is None:
+        return 0, size
+    if (not isinstance(asked, (list, tuple)) or len(asked) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in asked)
+            or not 0 <= asked[0] <= asked[1]):
+        raise ValueError(f"sample_range {asked!r} must be [start, stop] with 0 <= start <= stop "
+                         f"(global dataset indices, stop exclusive)")
+    return min(asked[0], size), min(asked[1], size)
+
+
+def _contiguous_runs(indices) -> list[list[int]]:
+    """``[0, 1, 2, 5, 6]`` -> ``[[0, 1, 2], [5, 6]]`` (batches never span a gap)."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _kill_own_group_and_exit(code: int) -> None:

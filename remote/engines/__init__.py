@@ -130,6 +130,11 @@ class Engine:
         """What goes into the manifest about the engine."""
         return {"name": self.name, "tp": self.tp}
 
+    def error_record(self, exc: BaseException) -> dict | None:
+        """The run's error for ``exc`` when the engine knows its root cause better than the
+        supervisor's readers (``rank``, ``type``, ``message``, ``traceback``, ``where``); None otherwise."""
+        return None
+
     def _maybe_inject(self, at: str, rank: int = 0) -> None:
         """Test hook for in-process engines: raise where ``params["inject_failure"]`` says."""
         spec = self.params.get("inject_failure") or {}

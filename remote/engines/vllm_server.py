@@ -734,6 +734,18 @@ class VllmServerEngine(Engine):
         if server is not None:
             server.stop()
 
+    def error_record(self, exc: BaseException) -> dict | None:
+        """A dead server's own exception (from its log, with the rank that raised it) as the run's error."""
+        failure = exc if isinstance(exc, ServerFailed) else exc.__cause__ if isinstance(
+            exc.__cause__, ServerFailed) else None
+        if failure is None:
+            return None
+        etype, _, message = (failure.exception or "").partition(": ")
+        return {"rank": failure.rank, "type": etype or type(failure).__name__,
+                "message": message or str(failure), "traceback": failure.traceback or "",
+                "where": failure.process or "vLLM server", "source": "logs/server.log",
+                "reported_as": {"type": type(exc).__name__, "message": str(exc)}}
+
     def describe(self) -> dict:
         server = getattr(self, "server", None)
         return {"name": self.name, "tp": self.tp, "layer_convention": layers.INPUT,
