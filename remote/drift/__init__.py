@@ -38,6 +38,11 @@ packages are, speculators' own files), :mod:`~remote.drift.targets` (the vLLM cl
 model runs as), and :mod:`~remote.drift.rules` (one module per rule family, each a plain
 ``rule(ctx) -> findings``); this module runs them and turns findings into records.
 
+The vllm-server engine (speculators >= 0.5) drives no speculators code: there
+:func:`check` hands over to :mod:`~remote.drift.server`, which reads vLLM's side of the
+server path instead (EAGLE-3 support of the model class, the ``extract_hidden_states``
+method, the hidden-states connector, the server's flags).
+
 Each finding becomes a record ``drift.<id>`` with ``file:line`` in the speculators file,
 a one-line cause, and the patch set (``patches/*/manifest.json``) whose ``fixes`` list
 names the id. Ids of the known speculators 0.3.0 / vLLM 0.16 items are stable (see
@@ -158,8 +163,28 @@ def to_records(findings: list, patch_sets: list, installed: dict, applied: set =
     return records
 
 
+def engine_of(params: dict) -> str | None:
+    """The engine these params run: the named one, or what ``auto`` picks from the installed
+    speculators; None when none fits (the speculators-0.3 rules then run as before)."""
+    from remote.engines import resolve_engine
+
+    try:
+        return resolve_engine(params.get("engine"))[0]
+    except ValueError:
+        return None
+
+
 def check(params: dict) -> list:
-    """All drift records for the installed speculators and vLLM (see the module docstring)."""
+    """All drift records for the installed speculators and vLLM (see the module docstring).
+
+    On the vllm-server engine there is no speculators generator to compare: the records
+    come from :mod:`remote.drift.server` (vLLM's server path), and one skipped record
+    says why speculators 0.3's rules did not run.
+    """
+    if engine_of(params) == "vllm-server":
+        from remote.drift import server
+
+        return server.check(params)
     started = time.perf_counter()
     spec_root, vllm_root = site_packages(params)
     if spec_root is None:

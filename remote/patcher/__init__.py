@@ -67,8 +67,8 @@ APPLIED_FILE = "applied.json"
 
 __all__ = ["ACTIONS", "APPLIED_FILE", "BACKUP_DIR", "EARLIER", "HunkMismatch", "InjectedFailure", "LOCK_FILE",
            "MISSING", "MODIFIED", "PATCHED", "PRISTINE", "PatchError", "Patcher", "Target", "apply_hunks",
-           "changed_lines", "host_versions", "main", "parse_unified_diff", "patch_lock", "status_records",
-           "unified_diff"]
+           "changed_lines", "host_versions", "main", "no_patch_record", "parse_unified_diff", "patch_lock",
+           "status_records", "unified_diff"]
 
 
 def host_versions(site_packages=None) -> dict:
@@ -256,14 +256,46 @@ class Patcher:
             commit=self.write_applied_record if verb == "patched" else None)
 
 
+def no_patch_record(params: dict) -> dict | None:
+    """One ``skipped`` record when the run's engine needs no patch (the vLLM server path); else None.
+
+    Patch sets fix speculators 0.3/0.4's in-process generator against newer vLLM. The
+    ``vllm-server`` engine (``engine: auto`` with speculators >= 0.5) runs vLLM's own
+    ``extract_hidden_states`` server and no speculators code, so there is nothing to
+    patch, and no set to look for.
+    """
+    from remote.engines import engine_for_versions, resolve_engine
+
+    asked = params.get("engine") or "auto"
+    try:
+        engine, why = resolve_engine(asked, params.get("site_packages"))
+    except ValueError:
+        return None
+    if engine != "vllm-server":
+        return None
+    installed = host_versions(params.get("site_packages"))
+    if why == "given":  # preflight hands the engine over resolved: say what the host's versions say
+        fits, reason = engine_for_versions(installed.get("speculators"))
+        why = reason if fits == engine else "named in the inventory"
+    return protocol.record(
+        "patch.engine", protocol.SKIPPED,
+        f"no patch needed: engine vllm-server ({why}) runs vLLM's own extract_hidden_states server; patch sets are "
+        f"for the speculators-0.3 engine", detail={"engine": engine, "asked": asked, "why": why,
+                                                  "needs_patch": False, "versions": installed})
+
+
 def status_records(params: dict) -> list[dict]:
     """For preflight: which set matches these versions, and whether it is applied.
 
     Reads ``patches_root`` / ``_bundle_dir`` and ``site_packages`` from ``params``, as
     :func:`main` does. No matching set is a ``warn`` here, not a ``fail``: an engine
     that needs no patch (speculators >= 0.5, the vLLM server path) is fine without
-    one; ``fab patch`` itself refuses with ``fail``.
+    one; ``fab patch`` itself refuses with ``fail``. On the vllm-server engine the one
+    record says no patch is needed (:func:`no_patch_record`).
     """
+    skip = no_patch_record(params)
+    if skip is not None:
+        return [skip]
     try:
         patcher = Patcher(patchsets.patches_root(params), params.get("site_packages"))
         return [patcher.set_record()] + patcher.status()
@@ -281,6 +313,10 @@ def main(params: dict) -> dict:
         rec = protocol.record("patch.action", protocol.FAIL, f"unknown action {action!r}",
                               fix=f"use one of {', '.join(ACTIONS)}")
         return protocol.payload([rec], action=action)
+    skip = no_patch_record(params)
+    if skip is not None:  # every action: nothing to check, apply or revert on this engine
+        return protocol.payload([skip], action=action, set=None, engine=skip["detail"]["engine"],
+                                needs_patch=False, versions=skip["detail"]["versions"])
     root = patchsets.patches_root(params)
     try:
         patcher = Patcher(root, params.get("site_packages"), params.get("inject_failure_after"))

@@ -2,24 +2,31 @@
 
 speculators 0.3.0 writes one ``data_{idx}.pt`` per sample holding ``input_ids`` and
 ``loss_mask`` (int64 per token) and one ``[tokens, hidden]`` tensor per captured layer.
-With every sample at ``seq_len`` tokens this is an upper bound::
+The vllm-server engine writes one ``hs_{idx}.safetensors`` per sample: ``token_ids``
+(int64 ``[T]``) and ``hidden_states`` ``[T, L, H]`` in the model dtype. With every
+sample at ``seq_len`` tokens this is an upper bound::
 
-    samples x seq_len x (hidden x layers x dtype_bytes + 2 x 8) + samples x overhead
+    samples x seq_len x (hidden x layers x dtype_bytes + id_arrays x 8) + samples x overhead
 """
 from __future__ import annotations
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context, human_bytes
 
-TOKEN_ID_BYTES = 8  # int64 input_ids and int64 loss_mask, per token
-PER_SAMPLE_OVERHEAD = 4096  # torch.save's zip container and pickle, per file
+TOKEN_ID_BYTES = 8  # one int64 per token per id array
+PER_SAMPLE_OVERHEAD = 4096  # torch.save's zip container and pickle, or a safetensors header, per file
+#: engine -> (sample file, int64 arrays per token): ``input_ids`` + ``loss_mask`` in 0.3's
+#: ``.pt``, ``token_ids`` alone in the server's safetensors.
+ENGINE_FILES = {"vllm-server": ("hs_{i}.safetensors [T, L, H]", 1)}
+DEFAULT_FILES = ("data_{i}.pt", 2)
 DEFAULT_LAYER_COUNT = 4  # EAGLE-3 captures four layers by default
 TIGHT_SHARE = 0.8
 
 
-def output_bytes(samples: int, seq_len: int, hidden: int, num_layers: int, dtype_bytes: int) -> int:
+def output_bytes(samples: int, seq_len: int, hidden: int, num_layers: int, dtype_bytes: int,
+                 id_arrays: int = 2) -> int:
     """Upper bound of the bytes written for ``samples`` samples of ``seq_len`` tokens."""
-    per_token = hidden * num_layers * dtype_bytes + 2 * TOKEN_ID_BYTES
+    per_token = hidden * num_layers * dtype_bytes + id_arrays * TOKEN_ID_BYTES
     return samples * (seq_len * per_token + PER_SAMPLE_OVERHEAD)
 
 
@@ -34,14 +41,16 @@ def probe(ctx: Context) -> list:
     if ctx.data.get("records") is not None:
         samples = min(samples, ctx.data["records"])
     n_layers = len(ctx.layers.get("ids") or []) or DEFAULT_LAYER_COUNT
-    need = output_bytes(samples, params["seq_len"], hidden, n_layers, params["hidden_dtype_bytes"])
+    sample_file, id_arrays = ENGINE_FILES.get(params["engine"], DEFAULT_FILES)
+    need = output_bytes(samples, params["seq_len"], hidden, n_layers, params["hidden_dtype_bytes"], id_arrays)
     free = disk["free_bytes"]
     detail = {"samples": samples, "max_samples": params["max_samples"], "dataset_records": ctx.data.get("records"),
               "seq_len": params["seq_len"], "hidden_size": hidden, "layers": n_layers,
               "dtype_bytes": params["hidden_dtype_bytes"], "bytes": need, "free_bytes": free,
-              "measured_at": disk["measured_at"], "upper_bound": True}
+              "measured_at": disk["measured_at"], "upper_bound": True, "sample_file": sample_file,
+              "per_sample_bytes": need // samples if samples else 0}
     line = (f"up to {human_bytes(need)} for {samples} samples x {params['seq_len']} tokens x {n_layers} layers "
-            f"vs {human_bytes(free)} free at {disk['measured_at']}")
+            f"x {hidden} ({sample_file}) vs {human_bytes(free)} free at {disk['measured_at']}")
     if need > free:
         return record_list(FAIL, line, detail, fix="free disk at the output dir, point output_dir at a bigger "
                                                     "disk, or lower max_samples / seq_len")

@@ -13,6 +13,7 @@ import errno
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,10 @@ HIDDEN_USE_MIB = 1024
 
 #: vLLM 0.16's CPU engine needs AVX2 at least (FACTS.md: AVX2 is enough).
 CPU_ISA_FLAGS = ("avx512f", "avx2")
+#: what the vllm-server engine sets VLLM_CPU_KVCACHE_SPACE to when the host's env does not.
+SERVER_KVCACHE_GIB = 1
+#: the vllm-server engine's server listens here only, on a port it picks free itself.
+LOOPBACK = "127.0.0.1"
 
 
 def probe(ctx: Context) -> list:
@@ -46,6 +51,8 @@ def probe(ctx: Context) -> list:
         records += _cpu_engine(ctx)
     records += _disks(ctx)
     records += _writable(ctx)
+    if ctx.params["engine"] == "vllm-server":
+        records.append(_loopback(ctx))
     return records
 
 
@@ -317,7 +324,16 @@ def _cpu_engine(ctx) -> list:
     ram = ctx.host.get("ram", {})
     avail = ram.get("available_bytes")
     tp = ctx.params["tp"]
-    if raw is None:
+    server = ctx.params["engine"] == "vllm-server"
+    if raw is None and server:
+        # the engine's server_env gives its server 1 GiB: one prefill per request needs little
+        kv_bytes = SERVER_KVCACHE_GIB * GiB
+        ctx.host["cpu_kvcache_bytes"] = kv_bytes
+        records.append(record(
+            "host.cpu_kvcache", OK, f"VLLM_CPU_KVCACHE_SPACE not set: the vllm-server engine gives its server "
+            f"{SERVER_KVCACHE_GIB} GiB per rank", detail={"VLLM_CPU_KVCACHE_SPACE": None,
+                                                         "engine_default_bytes_per_rank": kv_bytes}))
+    elif raw is None:
         # vLLM then takes half of RAM (per NUMA node) for KV cache, per rank.
         kv_bytes = (ram.get("total_bytes") or 0) // 2
         ctx.host["cpu_kvcache_bytes"] = kv_bytes
@@ -350,7 +366,12 @@ def _cpu_engine(ctx) -> list:
 
     if tp > 1:
         bind = ctx.env("VLLM_CPU_OMP_THREADS_BIND")
-        if bind in (None, "", "auto"):
+        if bind is None and server:
+            records.append(record(
+                "host.cpu_threads", OK, f"TP={tp} on CPU: the vllm-server engine binds one slice of the allowed "
+                f"cores per rank itself (VLLM_CPU_OMP_THREADS_BIND not set)",
+                detail={"VLLM_CPU_OMP_THREADS_BIND": None, "tp": tp}))
+        elif bind in (None, "", "auto"):
             records.append(record(
                 "host.cpu_threads", WARN,
                 f"TP={tp} on CPU without VLLM_CPU_OMP_THREADS_BIND: vLLM may refuse ('Not enough allowed "
@@ -452,3 +473,29 @@ def _writable(ctx) -> list:
         else:
             records.append(record(name, OK, f"{key} {path} is writable{made}", detail=facts))
     return records
+
+
+def _loopback(ctx) -> dict:
+    """The vllm-server engine's server listens on 127.0.0.1 only: prove a socket there binds and answers.
+
+    The engine picks a free port itself when it starts (and retries once if another
+    process takes it first), so no particular port is checked, only that loopback
+    works at all: a host without a ``lo`` interface, or a sandbox that forbids
+    binding, would otherwise fail minutes later, after the model load.
+    """
+    detail = {"address": LOOPBACK}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind((LOOPBACK, 0))
+            server.listen(1)
+            port = server.getsockname()[1]
+            detail["port_tried"] = port
+            with socket.create_connection((LOOPBACK, port), timeout=5):
+                pass
+    except OSError as exc:
+        detail["error"] = f"{type(exc).__name__}: {exc}"
+        return record("host.loopback", FAIL, f"cannot listen on and connect to {LOOPBACK}: {exc}", detail=detail,
+                      fix="the vLLM server listens on 127.0.0.1 only: bring the loopback interface up "
+                          "(ip link set lo up) or allow binding TCP ports on it")
+    return record("host.loopback", OK, f"{LOOPBACK} accepts connections (tried free port {port}; the engine "
+                  f"picks its own free port when the server starts)", detail=detail)

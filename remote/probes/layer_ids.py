@@ -1,8 +1,14 @@
 """Layers probe: which decoder layers the run captures, and in which convention.
 
-The engine's default ids are computed from the model's layer count; ids the user gave
-are validated with :func:`remote.layers.layer_id_problems`. Either way the record
-names the convention (output-of-layer vs input-of-layer), since mixing them is silent.
+The convention follows the engine (``remote.layers.ENGINE_CONVENTION``): ``output`` of
+layer i for speculators-0.3, ``input`` of layer i for vllm-server. The engine's default
+ids are computed from the model's layer count; ids the user gave are validated with
+:func:`remote.layers.layer_id_problems`. Ids given in the other convention
+(``params["layer_convention"]``, ``--layer-ids output:2,4,5,7``) name the same tensors
+under other numbers: they are translated (``output:i`` == ``input:i+1``) and the record
+shows the mapping, or refused with the mapping when one has no counterpart
+(``input:0``, the embeddings, is no layer's output). Mixing them silently is the one
+thing this probe exists to prevent.
 """
 from __future__ import annotations
 
@@ -11,23 +17,69 @@ from remote.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
 
+def translate(ids: list, src: str, dst: str, num_layers: int) -> tuple[list, list, list]:
+    """``(translated ids, mapping lines, untranslatable lines)`` of ``ids`` from ``src`` to ``dst``.
+
+    >>> translate([2, 4, 5, 7], "output", "input", 8)
+    ([3, 5, 6, 8], ['output:2=input:3', 'output:4=input:5', 'output:5=input:6', 'output:7=input:8'], [])
+    >>> translate([0, 4], "input", "output", 8)[2]
+    ['input:0 (the embeddings) has no output id']
+    """
+    out, mapping, refused = [], [], []
+    top = {layers.OUTPUT: num_layers - 1, layers.INPUT: num_layers}
+    for lid in ids:
+        if type(lid) is not int:
+            out.append(lid)  # layer_id_problems names it
+            continue
+        (new,) = layers.convert([lid], src, dst)
+        if not 0 <= lid <= top[src]:
+            refused.append(f"{src}:{lid} is out of range 0..{top[src]} ({num_layers} layers)")
+        elif not 0 <= new <= top[dst]:  # only input:0, the embeddings, which no layer outputs
+            refused.append(f"{src}:{lid} (the embeddings) has no {dst} id")
+        else:
+            out.append(new)
+            mapping.append(f"{src}:{lid}={dst}:{new}")
+    return out, mapping, refused
+
+
 def probe(ctx: Context) -> list:
     """Leaves ``{"ids", "convention", "source"}`` in ``ctx.layers`` when the ids are usable."""
     n = ctx.model.get("num_layers")
     engine, given = ctx.params["engine"], ctx.params["layer_ids"]
+    asked = ctx.params.get("layer_convention")
     if not n:
         return [record("layers.ids", SKIPPED, "no layer count (model config unreadable)", detail={})]
     convention = layers.ENGINE_CONVENTION.get(engine)
     if convention is None:
         return [record("layers.ids", FAIL, f"unknown engine {engine!r}", detail={"engine": engine},
                        fix=f"set engine to one of {sorted(layers.ENGINE_CONVENTION)}")]
+    if asked is not None and asked not in layers.CONVENTIONS:
+        return [record("layers.ids", FAIL, f"layer_convention {asked!r} is not a layer convention",
+                       detail={"layer_convention": asked},
+                       fix=f"set layer_convention to one of {sorted(layers.CONVENTIONS)} (or leave it out: the "
+                           f"engine's own, {convention})")]
     default, _ = layers.default_layer_ids(engine, n)
     ids, source = (list(given), "given") if given is not None else (default, "engine default")
     detail = {"layer_ids": ids, "source": source, "convention": convention,
               "convention_meaning": layers.CONVENTIONS[convention], "engine": engine, "num_layers": n,
-              "engine_default": default,
-              "hf_hidden_states_index": [layers.hf_hidden_state_index(i, convention)
-                                         for i in ids if isinstance(i, int)]}
+              "engine_default": default}
+    translated = ""
+    if given is not None and asked and asked != convention:
+        ids, mapping, refused = translate(list(given), asked, convention, n)
+        detail.update(given_ids=list(given), given_convention=asked, mapping=mapping, layer_ids=ids)
+        if refused:
+            detail["refused"] = refused
+            return [record("layers.ids", FAIL,
+                           f"layer ids {asked}:{list(given)} cannot all be named in engine {engine}'s {convention} "
+                           f"convention: {'; '.join(refused)}", detail=detail,
+                           fix=f"drop or change those ids; {asked}:i is {convention}:"
+                               f"{'i+1' if asked == layers.OUTPUT else 'i-1'} (mapping: "
+                               f"{', '.join(mapping) or 'none'}), or give {convention}: ids directly")]
+        source = f"given as {asked}:{list(given)}"
+        detail["source"] = source
+        translated = f", translated {', '.join(mapping)}"
+    detail["hf_hidden_states_index"] = [layers.hf_hidden_state_index(i, convention) for i in ids
+                                        if isinstance(i, int)]
     problems = layers.layer_id_problems(ids, n, convention)
     if problems:
         detail["problems"] = problems
@@ -35,5 +87,5 @@ def probe(ctx: Context) -> list:
                else f"give distinct integer ids within the range (engine default for {n} layers: {default})")
         return [record("layers.ids", FAIL, f"layer ids {ids} ({source}): {problems[0]}", detail=detail, fix=fix)]
     ctx.layers = {"ids": ids, "convention": convention, "source": source}
-    return [record("layers.ids", OK, f"layers {ids} ({source}, {convention} of layer i, {n} layers)",
+    return [record("layers.ids", OK, f"layers {ids} ({source}, {convention} of layer i, {n} layers{translated})",
                    detail=detail)]

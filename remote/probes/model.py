@@ -378,10 +378,22 @@ def _mentions_model_type(path: str | None, model_type: str, pattern: str) -> boo
     return re.search(pattern.format(re.escape(model_type)), text) is not None
 
 
+#: where transformers keeps its model-type table (CONFIG_MAPPING_NAMES): transformers 5
+#: generates it into ``auto_mappings.py`` and ``configuration_auto.py`` only adds a few
+#: entries; transformers 4 has it all in ``configuration_auto.py``.
+TRANSFORMERS_MODEL_TYPE_FILES = ("auto_mappings.py", "configuration_auto.py")
+
+
 def transformers_knows(model_type: str) -> bool | None:
     """Is ``model_type`` in transformers' CONFIG_MAPPING_NAMES? (None: transformers not found)."""
-    path = _package_file("transformers", "models", "auto", "configuration_auto.py")
-    return _mentions_model_type(path, model_type, r'\(\s*"{}"\s*,')
+    found = None
+    for name in TRANSFORMERS_MODEL_TYPE_FILES:
+        path = _package_file("transformers", "models", "auto", name)
+        known = _mentions_model_type(path, model_type, r'\(\s*"{}"\s*,')
+        if known:
+            return True
+        found = found or known
+    return found
 
 
 def vllm_knows(model_type: str) -> bool | None:
@@ -414,8 +426,9 @@ def remote_code_record(ctx: Context, summary: dict):
     detail = {"model_type": model_type, "transformers_knows": known, "vllm_has_config": vllm_knows(model_type)
               if model_type else None, "auto_map": summary["auto_map"], "files": files,
               "trust_remote_code": allowed}
+    server = ctx.params["engine"] == "vllm-server"
     note = (" (speculators 0.3.0 calls AutoConfig itself, so vLLM's own config class does not help)"
-            if detail["vllm_has_config"] else "")
+            if detail["vllm_has_config"] and not server else "")
     if known is None and model_type:
         return record("model.remote_code", WARN, "transformers not found: cannot tell if remote code is needed",
                       detail=detail)
@@ -423,6 +436,15 @@ def remote_code_record(ctx: Context, summary: dict):
         extra = "; auto_map present but not needed" if files else ""
         return record("model.remote_code", OK, f"transformers knows model_type {model_type!r}{extra}",
                       detail=detail)
+    if server and detail["vllm_has_config"] and (missing or not files or not allowed):
+        # vLLM's server builds the config with its own class (its _CONFIG_REGISTRY), so the
+        # extraction runs; only a transformers-side reference (smoke/verify, AutoConfig) needs the code.
+        return record("model.remote_code", WARN,
+                      f"model_type {model_type!r} is unknown to transformers but vLLM has its own config class for "
+                      f"it: the vllm-server engine needs no remote code; a transformers reference (verify, "
+                      f"AutoConfig) does", detail=detail,
+                      fix="for verify, put the model's remote code files beside config.json and set "
+                          "trust_remote_code: true")
     if not files:
         return record("model.remote_code", FAIL,
                       f"model_type {model_type!r} is unknown to transformers and config.json has no auto_map",

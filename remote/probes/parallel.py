@@ -3,6 +3,13 @@
 vLLM splits attention heads over TP ranks: ``num_attention_heads`` must divide by TP;
 KV heads either divide by TP or, when there are fewer KV heads than ranks, are
 replicated, which needs TP to be a multiple of them.
+
+The vllm-server engine (vLLM's ``extract_hidden_states`` method) runs without pipeline
+parallelism: the hidden-states connector reads the aux states on TP rank 0 of one
+pipeline stage, and vLLM places the whole drafter on the last stage only. specops
+passes no pipeline size itself; one that reaches the server anyway (a ``pp`` /
+``pipeline_parallel_size`` param, or ``--pipeline-parallel-size`` in ``server_args``)
+is refused here.
 """
 from __future__ import annotations
 
@@ -18,9 +25,47 @@ def kv_heads_problem(kv_heads: int, tp: int) -> str | None:
     return None
 
 
+#: where a pipeline-parallel size could come from: params keys, and the server's own flags.
+PP_PARAMS = ("pp", "pipeline_parallel_size")
+PP_FLAGS = ("--pipeline-parallel-size", "-pp")
+
+
 def probe(ctx: Context) -> list:
     tp = ctx.params["tp"]
-    return [_devices(ctx, tp), _heads(ctx, tp)]
+    records = [_devices(ctx, tp), _heads(ctx, tp)]
+    if ctx.params["engine"] == "vllm-server":
+        records.append(_pipeline(ctx))
+    return records
+
+
+def pipeline_sizes(params: dict) -> dict:
+    """``{where: value}`` of every pipeline-parallel size the run's params would give the server."""
+    found = {key: params[key] for key in PP_PARAMS if params.get(key) is not None}
+    args = [str(a) for a in params.get("server_args") or []]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in PP_FLAGS:
+            found[f"server_args {flag}"] = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found
+
+
+def _pipeline(ctx):
+    sizes = pipeline_sizes(ctx.params)
+    detail = {"found": sizes, "looked_at": list(PP_PARAMS) + [f"server_args {f}" for f in PP_FLAGS]}
+    bad = {}
+    for where, value in sizes.items():
+        try:
+            if int(value) != 1:
+                bad[where] = value
+        except (TypeError, ValueError):
+            bad[where] = value
+    if bad:
+        where, value = next(iter(bad.items()))
+        return record("parallel.pipeline", FAIL, f"pipeline parallelism ({where}={value}) is refused: vLLM's "
+                      f"extract_hidden_states runs on one pipeline stage", detail=detail,
+                      fix=f"remove {where} (or set it to 1) and use tensor parallelism (tp) across the GPUs")
+    return record("parallel.pipeline", OK, "no pipeline parallelism (extract_hidden_states runs on one stage; "
+                  "TP only)", detail=detail)
 
 
 def _devices(ctx, tp):

