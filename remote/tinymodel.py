@@ -536,6 +536,13 @@ def write_text_only_kimi_processor(out_dir) -> Path:
                      f"{KIMI_K25_PROCESSOR_MODULE}.TextOnlyKimiK25ImageProcessor"},
         "image_processor_type": "TextOnlyKimiK25ImageProcessor",
         "num_frames_per_chunk": 4,
+        # the real checkpoint's media settings: vLLM >= 0.2x builds its own fused processor
+        # from them at start-up, text-only or not
+        "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                           "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2,
+                           "temporal_merge_kernel_size": 4, "fixed_output_tokens": None,
+                           "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
+                           "sample_fps": 2.0, "timestamp_mode": "hh:mm:ss.fff", "config_type": "image"},
     }
     path = out_dir / "preprocessor_config.json"
     path.write_text(json.dumps(preprocessor, indent=2) + "\n")

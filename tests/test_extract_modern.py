@@ -219,7 +219,8 @@ def test_specops_extract_status_logs_fetch_over_ssh(make_inventory, modern_vllm_
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["engine"]["name"] == "vllm-server" and manifest["engine"]["tp"] == tp
     assert manifest["layer_convention"] == "input" and manifest["format_name"] == "hs"
-    n = manifest["model"]["config"].get("num_hidden_layers") or manifest["model"]["config"].get("num_layers")
+    config = manifest["model"]["config"]
+    n = (config.get("text_config") or config)["num_hidden_layers"]  # Kimi-K2.5 wraps its text model
     assert manifest["layer_ids"] == [2, n // 2, n - 3, n]
     for entry in manifest["files"]:
         local = dest / "samples" / entry["path"]

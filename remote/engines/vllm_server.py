@@ -190,6 +190,9 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         argv.append("--enforce-eager")
     if params.get("trust_remote_code"):
         argv.append("--trust-remote-code")
+    if params.get("language_model_only"):
+        # hidden states of the text model only: no media processor, no multimodal profiling run
+        argv.append("--language-model-only")
     if params.get("gpu_memory_utilization"):
         argv += ["--gpu-memory-utilization", str(float(params["gpu_memory_utilization"]))]
     if params.get("max_num_seqs"):
@@ -610,6 +613,9 @@ class VllmServerEngine(Engine):
         if not work_dir:
             import tempfile
             work_dir = tempfile.mkdtemp(prefix="specops-vllm-server-")
+        if "language_model_only" not in self.params and isinstance(self.config.get("text_config"), dict):
+            # a multimodal wrapper (Kimi-K2.5): extraction feeds text only
+            self.params["language_model_only"] = True
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
                                  work_dir=work_dir, max_model_len=self._max_model_len(),
                                  params=self.params, python=self.params.get("python") or sys.executable)
