@@ -31,8 +31,8 @@ import traceback
 from remote import drift, patcher, protocol
 from remote.engines import resolve_engine
 from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
-from remote.probes import (Context, Malformed, capacity, checkpoint, hf_load, host, layer_ids, model, packages,
-                           parallel, tokenizer_data)
+from remote.probes import (Context, Malformed, capacity, checkpoint, gpu, hf_load, host, layer_ids, model,
+                           packages, parallel, tokenizer_data)
 
 DEFAULTS = {
     "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
@@ -43,12 +43,12 @@ DEFAULTS = {
 }
 PATH_KEYS = ("model_path", "output_dir", "work_dir", "dataset", "patches_root")
 #: Order in which areas are reported (the controller groups by area in this order).
-AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "tokenizer", "data",
+AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "gpu", "tokenizer", "data",
          "capacity", "drift", "patch")
 
 #: The static probes, in the order they run; later ones read facts earlier ones left on the context.
 STATIC_PROBES = (host.probe, packages.probe, model.probe, layer_ids.probe, parallel.probe, checkpoint.probe,
-                 tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
+                 gpu.probe, tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
 #: Checks other modules own, run after the probes: area -> (check(params) -> records, the
 #: params flag that skips it).
 OWNED_CHECKS = {

@@ -52,6 +52,8 @@ ENGINE_FORMAT = {"speculators-0.3": PT, "hf-reference": PT, "vllm-server": HS}
 SAMPLE_RE = FORMATS[PT][0]
 TEMP_PREFIX = ".partial-"
 MANIFEST = "manifest.json"
+#: the token dataset's fallback file on a host without ``datasets``
+TOKEN_JSONL = "token_dataset.jsonl"
 SUMMARY = "summary.json"
 
 
@@ -318,14 +320,25 @@ def save_token_dataset(output_dir, token_samples) -> list[str]:
     saved with ``save_to_disk`` into ``output_dir`` (all rows of the dataset, so a shard's
     output merged with the others' is one training set). Written into a temp dir and
     renamed file by file, so a reader never sees half a dataset. Returns the file names.
+
+    A host without ``datasets`` (vLLM alone; speculators, which trains, depends on it)
+    gets the same rows as ``token_dataset.jsonl`` instead, so no loss mask is lost:
+    ``Dataset.from_json`` + ``save_to_disk`` on the training machine makes the Arrow copy.
     """
     import shutil
     import tempfile
 
-    import torch
-    from datasets import Dataset
-
     output_dir = Path(output_dir)
+    try:
+        import torch
+        from datasets import Dataset
+    except ImportError:
+        path = output_dir / TOKEN_JSONL
+        with fsutil.atomic_open(path, temp_prefix=TEMP_PREFIX, mode=0o644) as fh:
+            for ids, mask in token_samples:
+                fh.write((json.dumps({"input_ids": list(ids), "loss_mask": list(mask),
+                                      "seq_len": len(ids)}) + "\n").encode())
+        return [path.name]
     tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + "dataset-", dir=output_dir))
     try:
         Dataset.from_dict({

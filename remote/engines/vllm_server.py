@@ -459,6 +459,12 @@ class VllmServer:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             text = exc.read().decode("utf-8", "replace")[:2000]
+            if exc.code >= 500:
+                # "EngineCore encountered an issue" says nothing; the engine's own exception is in the log
+                time.sleep(1.0)  # the dying engine flushes its traceback
+                failure = log_failure(read_tail(self.log_path))
+                if failure and failure.get("exception"):
+                    raise self.failure(f"POST {path}: HTTP {exc.code} from the server") from None
             raise RuntimeError(f"POST {path}: HTTP {exc.code}: {text}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout) as exc:
             if not self.alive:
@@ -682,10 +688,10 @@ class VllmServerEngine(Engine):
         dest = Path(out_dir) / SAMPLE_FILE.format(index=index)
         move_into_place(path, dest)
         states = data["hidden_states"]
+        # no sha256 here: the run's manifest hashes every file once, at the end
         return {"index": index, "file": dest.name, "tokens": len(token_ids),
                 "shape": list(states.shape), "dtype": str(states.dtype).replace("torch.", ""),
-                "bytes": dest.stat().st_size, "sha256": fsutil.sha256_file(dest),
-                "seconds": round(time.monotonic() - t0, 4)}
+                "bytes": dest.stat().st_size, "seconds": round(time.monotonic() - t0, 4)}
 
     def extract_files(self, samples, out_dir, on_done=None) -> list[dict]:
         """Extract ``samples`` (``(index, token_ids)`` pairs) into ``out_dir``, several in flight.

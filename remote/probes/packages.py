@@ -81,8 +81,23 @@ def probe(ctx: Context) -> list:
             continue
         records.append(_judge(ctx, role, dist, version, detail))
     records.append(_torch_addons(ctx))
+    if server:
+        records.append(_datasets_record())
     ctx.host["packages"] = versions
     return records
+
+
+def _datasets_record() -> dict:
+    """vllm-server writes the token ids and loss masks as the Arrow dataset speculators trains from; that needs ``datasets``."""
+    version = versions.installed_version("datasets")
+    detail = {"distribution": "datasets", "version": version}
+    if version is None:
+        return record("packages.datasets", WARN, "datasets is not installed: the run writes its token ids and loss "
+                      "masks as token_dataset.jsonl instead of the Arrow dataset speculators trains from",
+                      detail=detail, fix="pip install datasets (speculators >= 0.5 brings it), or convert "
+                      "token_dataset.jsonl with datasets.Dataset.from_json(...).save_to_disk(<output dir>)")
+    return record("packages.datasets", OK, f"datasets {version} (the output's token dataset is written as Arrow)",
+                  detail=detail)
 
 
 def _judge(ctx, role, dist, version, detail):

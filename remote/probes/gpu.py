@@ -1,0 +1,363 @@
+"""GPU-only preflight facts: the driver's CUDA against the env's torch, and CUDA memory per TP rank.
+
+Two questions a CPU host never asks, answered without importing torch or vLLM:
+
+* **driver vs torch build.** A torch built for CUDA 13.0 (``2.11.0+cu130``) on a driver
+  whose ``nvidia-smi`` banner says ``CUDA Version: 12.8`` fails at the first CUDA call,
+  long after the model started loading. The banner is parsed from plain ``nvidia-smi``
+  (:func:`parse_smi_banner`) and the build from torch's own ``torch/version.py``, read
+  as text where ``importlib`` finds the package (:func:`torch_build`).
+* **memory per rank.** What vLLM will do with ``gpu_memory_utilization x total``: the
+  weights of one rank, a fixed non-KV overhead, and the rest as KV cache, which with
+  hidden-state extraction is shared by the model's own KV *and* the cache of captured
+  states (``len(layer_ids) x hidden`` per token, not split over TP). The plan says how
+  many tokens fit (:func:`plan_rank_memory`); vLLM logs what it really did
+  (:func:`parse_engine_memory`: "Model loading took", "Available KV cache memory",
+  "GPU KV cache size", CUDA graph memory), and :func:`compare` puts the two side by
+  side, so a run's summary can show predicted vs used and tests can hold the numbers
+  recorded on a real H200 (``tests/fixtures/gpu/``).
+
+    >>> parse_smi_banner("| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |")
+    {'smi_version': '580.159.04', 'driver_version': '580.159.04', 'cuda_version': '13.0'}
+    >>> cuda_fit("13.0", "13.0")[0], cuda_fit("12.8", "13.0")[0]
+    ('ok', 'fail')
+
+The probe (:func:`probe`) runs after ``host`` (visible GPUs), ``model`` and
+``checkpoint`` (weight bytes); on ``device: cpu`` it says skipped and runs nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+
+from remote import modelconfig
+from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import GiB, MiB, Context, human_bytes
+
+#: vLLM's memory outside weights and KV cache on one rank: CUDA context, cuBLAS/NCCL
+#: workspaces, the profile run's activation peak and the CUDA graph pool. A floor; the
+#: activation part grows with ``max_num_batched_tokens`` (:func:`activation_bytes`).
+#: Checked on the lent H200 (tests/fixtures/gpu/, tests/test_gpu_fixtures.py), three models at
+#: util 0.5: KV room within 0.5 %, tokens 0.94-0.95 of the plan (vLLM pads pages), nvidia-smi's
+#: peak 1.00-1.01 of util x total, non-KV overhead 0.7-1.2 of this estimate.
+BASE_OVERHEAD_BYTES = int(1.0 * GiB)
+#: bytes of activations per batched token and per unit of hidden size at the profile peak
+#: (bf16 residual, norms, qkv, MLP intermediate pieces), an upper-side estimate.
+ACTIVATION_FACTOR = 24
+#: vLLM's default token budget of one step when chunked prefill is off is at least this.
+DEFAULT_BATCHED_TOKENS = 8192
+#: fewer whole requests of ``seq_len`` tokens than this in the KV cache fails the check.
+MIN_REQUESTS_IN_CACHE = 1
+
+_BANNER = re.compile(r"NVIDIA-SMI\s+(?P<smi>[\w.-]+)\s+Driver Version:\s+(?P<driver>[\w.-]+)"
+                     r"(?:\s+CUDA Version:\s+(?P<cuda>[\w.]+))?")
+_TORCH_VERSION = re.compile(r"^__version__\s*(?::[^=]*)?=\s*['\"](?P<v>[^'\"]+)['\"]", re.M)
+_TORCH_CUDA = re.compile(r"^cuda\s*(?::[^=]*)?=\s*(?P<v>None|['\"][^'\"]*['\"])", re.M)
+
+#: vLLM log lines the engine's memory is read from (vLLM 0.2x V1 engine wording).
+_RANK = re.compile(r"\((?P<proc>[A-Za-z][\w]*) pid=\d+\)")
+_LOG_PATTERNS = {
+    "model_load_gib": re.compile(r"Model loading took (?P<v>[\d.]+) GiB(?: memory)? and (?P<s>[\d.]+) seconds"),
+    "weights_load_s": re.compile(r"Loading weights took (?P<v>[\d.]+) seconds"),
+    "available_kv_gib": re.compile(r"Available KV cache memory: (?P<v>-?[\d.]+) GiB"),
+    "kv_cache_tokens": re.compile(r"GPU KV cache size: (?P<v>[\d,]+) tokens"),
+    "max_concurrency": re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<v>[\d.]+)x"),
+    "graph_capture": re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs, took (?P<v>-?[\d.]+) GiB"),
+    "cuda_graph_pool": re.compile(r"CUDA graph pool memory: (?P<v>[\d.]+) GiB \(actual\), (?P<e>[\d.]+) GiB"),
+    "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took (?P<v>[\d.]+)"),
+    "torch_compile_s": re.compile(r"torch\.compile took (?P<v>[\d.]+) s in total"),
+    "attention_backend": re.compile(r"Using (?P<v>[A-Z0-9_]+) (?:attention )?backend"),
+    "cudagraph_mode": re.compile(r"cudagraph_mode[=:]\s*(?:<?CUDAGraphMode\.)?(?P<v>[A-Z_]+)"),
+}
+
+
+# ------------------------------------------------------------------ pure parsers
+
+
+def parse_smi_banner(text: str) -> dict | None:
+    """Driver and CUDA version from the banner of plain ``nvidia-smi`` (None when absent)."""
+    found = _BANNER.search(text or "")
+    if not found:
+        return None
+    return {"smi_version": found.group("smi"), "driver_version": found.group("driver"),
+            "cuda_version": found.group("cuda")}
+
+
+def parse_torch_version_py(text: str) -> dict:
+    """``torch/version.py`` -> ``{"torch_version": "2.11.0+cu130", "cuda": "13.0" or None}``."""
+    version = _TORCH_VERSION.search(text or "")
+    cuda = _TORCH_CUDA.search(text or "")
+    cuda_value = None
+    if cuda and cuda.group("v") != "None":
+        cuda_value = cuda.group("v").strip("'\"") or None
+    return {"torch_version": version.group("v") if version else None, "cuda": cuda_value}
+
+
+def torch_build(find_spec=importlib.util.find_spec) -> dict | None:
+    """The torch this python would import, read from its files (torch is not imported).
+
+    :returns: ``{"torch_version", "cuda", "path"}``, or None when torch is not installed.
+    """
+    try:
+        spec = find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = list(spec.submodule_search_locations)[0]
+    try:
+        with open(os.path.join(root, "version.py"), encoding="utf-8") as handle:
+            facts = parse_torch_version_py(handle.read())
+    except OSError:
+        facts = {"torch_version": None, "cuda": None}
+    facts["path"] = root
+    return facts
+
+
+def _version_tuple(text) -> tuple:
+    return tuple(int(p) for p in re.findall(r"\d+", str(text or ""))[:2]) or (0,)
+
+
+def cuda_fit(driver_cuda, torch_cuda) -> tuple:
+    """``(status, summary, fix)`` of a driver that supports CUDA ``driver_cuda`` running a
+    torch built for ``torch_cuda``. Newer driver: fine. Same major, older minor: CUDA's
+    minor-version compatibility usually carries it (warn: kernels built as PTX for the
+    newer minor fail). Older major: every CUDA call fails."""
+    if not torch_cuda:
+        return (FAIL, "the env's torch is a CPU-only build (no CUDA) but device is cuda",
+                "install the CUDA build of torch that vLLM pins, or set device: cpu")
+    if not driver_cuda:
+        return (WARN, f"the driver's CUDA version is unknown (nvidia-smi printed none); torch wants CUDA {torch_cuda}",
+                "check `nvidia-smi` on the host")
+    have, want = _version_tuple(driver_cuda), _version_tuple(torch_cuda)
+    if have >= want:
+        return OK, f"driver supports CUDA {driver_cuda}, torch is built for CUDA {torch_cuda}", None
+    if have[:1] == want[:1]:
+        return (WARN, f"driver supports CUDA {driver_cuda}, older than torch's CUDA {torch_cuda} (minor-version "
+                      f"compatibility; PTX-only kernels would fail)",
+                f"upgrade the NVIDIA driver to one that supports CUDA {torch_cuda}")
+    return (FAIL, f"driver supports CUDA {driver_cuda} but torch is built for CUDA {torch_cuda}: every CUDA call fails",
+            f"upgrade the NVIDIA driver to one that supports CUDA {torch_cuda}, or install a torch/vLLM built "
+            f"for CUDA {driver_cuda}")
+
+
+def parse_engine_memory(text: str) -> dict:
+    """What a vLLM server log says about memory and start-up, per rank.
+
+    Lines a worker prints carry ``(Worker pid=..)`` (TP=1), ``(Worker_TP<k> pid=..)``,
+    or no prefix at all when the engine runs in the API server's process; those count
+    as rank 0. KV-cache size lines come from the engine core and apply to every rank.
+
+    :returns: ``{"ranks": {0: {...}, 1: {...}}, "engine": {...}}`` with numbers as floats
+        (GiB, seconds) and ``kv_cache_tokens`` as an int.
+    """
+    ranks: dict = {}
+    engine: dict = {}
+    for line in (text or "").splitlines():
+        proc = _RANK.search(line)
+        name = proc.group("proc") if proc else ""
+        rank = None
+        if name.startswith("Worker"):
+            found = re.search(r"_TP(\d+)", name)
+            rank = int(found.group(1)) if found else 0
+        for key, pattern in _LOG_PATTERNS.items():
+            found = pattern.search(line)
+            if not found:
+                continue
+            value = found.group("v")
+            if key in ("kv_cache_tokens", "max_concurrency", "init_engine_s", "torch_compile_s",
+                       "available_kv_gib", "cudagraph_mode"):
+                target = engine if key in ("kv_cache_tokens", "max_concurrency", "init_engine_s",
+                                           "cudagraph_mode") else ranks.setdefault(rank or 0, {})
+            else:
+                target = ranks.setdefault(rank or 0, {})
+            if key == "kv_cache_tokens":
+                target[key] = int(value.replace(",", ""))
+            elif key == "max_concurrency":
+                target[key] = float(value)
+                target["max_model_len"] = int(found.group("len").replace(",", ""))
+            elif key == "model_load_gib":
+                target[key] = float(value)
+                target["model_load_s"] = float(found.group("s"))
+            elif key == "graph_capture":
+                target["graph_capture_s"] = float(found.group("s"))
+                target["graph_gib"] = float(value)
+            elif key == "cuda_graph_pool":
+                target["graph_pool_gib"] = float(value)
+                target["graph_pool_estimated_gib"] = float(found.group("e"))
+            elif key in ("attention_backend", "cudagraph_mode"):
+                target.setdefault(key, value)
+            else:
+                target.setdefault(key, float(value))
+    return {"ranks": dict(sorted(ranks.items())), "engine": engine}
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def kv_bytes_per_token(text_cfg: dict, tp: int, dtype_bytes: int = 2) -> int:
+    """The model's own KV cache bytes per token on one rank.
+
+    MLA (DeepSeek-V3/Kimi) keeps one latent of ``kv_lora_rank + qk_rope_head_dim`` per
+    layer, replicated on every rank; grouped-query attention keeps K and V of its KV
+    heads, split over TP (replicated when there are fewer KV heads than ranks).
+    """
+    layers = int(text_cfg.get("num_hidden_layers") or text_cfg.get("n_layers") or text_cfg.get("num_layers") or 0)
+    if text_cfg.get("kv_lora_rank") is not None:
+        return layers * (int(text_cfg["kv_lora_rank"]) + int(text_cfg.get("qk_rope_head_dim") or 0)) * dtype_bytes
+    heads = int(text_cfg.get("num_attention_heads") or 1)
+    kv_heads = int(text_cfg.get("num_key_value_heads") or heads)
+    head_dim = int(text_cfg.get("head_dim") or (int(text_cfg.get("hidden_size") or 0) // heads))
+    per_rank = max(1, -(-kv_heads // max(tp, 1)))
+    return layers * 2 * per_rank * head_dim * dtype_bytes
+
+
+def hidden_state_bytes_per_token(hidden: int, captured_layers: int, dtype_bytes: int = 2) -> int:
+    """The extraction cache's bytes per token: every captured layer's full hidden state."""
+    return int(hidden) * int(captured_layers) * dtype_bytes
+
+
+def activation_bytes(hidden: int, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> int:
+    """The profile run's activation peak, estimated from the hidden size and the step's tokens."""
+    return int(hidden) * int(batched_tokens) * ACTIVATION_FACTOR
+
+
+def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_bytes: int, tp: int,
+                     kv_per_token: int, hs_per_token: int, hidden: int, seq_len: int,
+                     batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> dict:
+    """What vLLM will make of one GPU at ``util``: weights, overhead, KV room, tokens that fit.
+
+    vLLM refuses to start when the GPU has less free memory than ``util x total``; the
+    KV cache gets ``util x total - weights - overhead`` and is shared by the model's KV
+    and the hidden-state cache, token for token.
+    """
+    budget = int(util * total_bytes)
+    weights = int(weight_bytes) // max(int(tp), 1)
+    overhead = BASE_OVERHEAD_BYTES + activation_bytes(hidden, max(batched_tokens, seq_len + 1))
+    kv_room = budget - weights - overhead
+    per_token = kv_per_token + hs_per_token
+    tokens = max(0, kv_room) // per_token if per_token else 0
+    return {"total_bytes": int(total_bytes), "free_bytes": int(free_bytes), "gpu_memory_utilization": util,
+            "budget_bytes": budget, "weight_bytes": weights, "overhead_bytes": overhead, "kv_room_bytes": kv_room,
+            "kv_bytes_per_token": kv_per_token, "hidden_state_bytes_per_token": hs_per_token,
+            "tokens_fit": int(tokens), "requests_fit": round(tokens / max(seq_len + 1, 1), 2),
+            "fits_budget": free_bytes >= budget, "fits_weights": kv_room > 0}
+
+
+def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, n_layer_ids: int,
+                     seq_len: int, dtype_bytes: int = 2, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> dict:
+    """:func:`plan_rank_memory` for a model config (``text_config`` unwrapped) and one GPU
+    as :func:`remote.probes.host.parse_gpus` gives it."""
+    text = modelconfig.text_config(config)
+    hidden = int(text.get("hidden_size") or 0)
+    return plan_rank_memory(
+        total_bytes=(gpu.get("memory_total_mib") or 0) * MiB, free_bytes=(gpu.get("memory_free_mib") or 0) * MiB,
+        util=util, weight_bytes=weight_bytes, tp=tp, kv_per_token=kv_bytes_per_token(text, tp, dtype_bytes),
+        hs_per_token=hidden_state_bytes_per_token(hidden, n_layer_ids, dtype_bytes), hidden=hidden,
+        seq_len=seq_len, batched_tokens=batched_tokens)
+
+
+def compare(plan: dict, engine_memory: dict, smi_used_mib=None, rank: int = 0) -> dict:
+    """Predicted (``plan``) vs what the engine did (``parse_engine_memory``) on ``rank``.
+
+    :param smi_used_mib: ``memory.used`` of that rank's GPU while the server ran (nvidia-smi).
+    :returns: rows ``{what: {"predicted", "used", "ratio"}}`` in bytes and tokens.
+    """
+    rank_facts = (engine_memory.get("ranks") or {}).get(rank) or (engine_memory.get("ranks") or {}).get(str(rank)) or {}
+    eng = engine_memory.get("engine") or {}
+    rows = {}
+
+    def row(name, predicted, used):
+        if used is None:
+            return
+        rows[name] = {"predicted": predicted, "used": used,
+                      "ratio": round(used / predicted, 3) if predicted else None}
+
+    gib = lambda v: None if v is None else int(float(v) * GiB)  # noqa: E731
+    row("weight_bytes", plan["weight_bytes"], gib(rank_facts.get("model_load_gib")))
+    row("kv_room_bytes", plan["kv_room_bytes"], gib(rank_facts.get("available_kv_gib")))
+    row("tokens_fit", plan["tokens_fit"], eng.get("kv_cache_tokens"))
+    if smi_used_mib is not None:
+        row("gpu_used_bytes", plan["budget_bytes"], int(smi_used_mib) * MiB)
+    if rank_facts.get("model_load_gib") is not None and rank_facts.get("available_kv_gib") is not None:
+        overhead_used = plan["budget_bytes"] - gib(rank_facts["model_load_gib"]) - gib(rank_facts["available_kv_gib"])
+        row("overhead_bytes", plan["overhead_bytes"], overhead_used)
+    return rows
+
+
+# ------------------------------------------------------------------ the probe
+
+
+def _smi_banner():
+    """The plain nvidia-smi banner facts, or (None, why)."""
+    from remote.probes import host
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, "nvidia-smi is not on PATH"
+    text, error = host._run_smi([smi])
+    if error:
+        return None, error
+    banner = parse_smi_banner(text)
+    return banner, None if banner else "nvidia-smi printed no version banner"
+
+
+def probe(ctx: Context) -> list:
+    """``gpu.cuda`` (driver vs torch build) and ``gpu.memory`` (KV room per rank); skipped on CPU."""
+    if ctx.params["device"] != "cuda":
+        return [record("gpu.cuda", SKIPPED, "device=cpu: no GPU checks", detail={})]
+    return [_cuda_record(ctx), _memory_record(ctx)]
+
+
+def _cuda_record(ctx) -> dict:
+    banner, why = _smi_banner()
+    build = torch_build()
+    detail = {"nvidia_smi": banner, "torch": build}
+    ctx.host["cuda"] = detail
+    if build is None:
+        return record("gpu.cuda", FAIL, "torch is not installed in this python", detail=detail,
+                      fix="point 'python' in the inventory at the env with vLLM (and its torch)")
+    if banner is None:
+        return record("gpu.cuda", WARN, f"cannot read the driver's CUDA version: {why}", detail=detail,
+                      fix="check `nvidia-smi` on the host")
+    status, summary, fix = cuda_fit(banner.get("cuda_version"), build.get("cuda"))
+    summary = f"{summary} (driver {banner['driver_version']}, torch {build.get('torch_version')})"
+    return record("gpu.cuda", status, summary, detail=detail, fix=fix)
+
+
+def _memory_record(ctx) -> dict:
+    gpus = (ctx.host.get("visible_gpus") or [])[:ctx.params["tp"]]
+    weight_bytes = ctx.checkpoint.get("data_bytes")
+    if not gpus or not weight_bytes:
+        why = "no GPU facts" if not gpus else "no checkpoint size"
+        return record("gpu.memory", SKIPPED, f"{why} to plan memory with", detail={})
+    try:
+        config = modelconfig.read(ctx.params["model_path"])
+    except modelconfig.ConfigError as exc:
+        return record("gpu.memory", SKIPPED, f"model config unreadable: {exc.summary}", detail={})
+    n_ids = len(ctx.layers.get("ids") or []) or 4
+    seq_len = ctx.params["seq_len"]
+    util = ctx.params["gpu_memory_utilization"]
+    tp = ctx.params["tp"]
+    plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, n_layer_ids=n_ids,
+                                   seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"]), index=g["index"])
+             for g in gpus]
+    worst = min(plans, key=lambda p: p["tokens_fit"])
+    ctx.host["gpu_memory_plan"] = plans
+    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len}
+    line = (f"per rank: {human_bytes(worst['weight_bytes'])} weights + ~{human_bytes(worst['overhead_bytes'])} "
+            f"overhead of {human_bytes(worst['budget_bytes'])} ({util} x {human_bytes(worst['total_bytes'])}); "
+            f"KV room {human_bytes(max(worst['kv_room_bytes'], 0))} = ~{worst['tokens_fit']:,} tokens at "
+            f"{worst['kv_bytes_per_token'] + worst['hidden_state_bytes_per_token']:,} B/token "
+            f"({worst['hidden_state_bytes_per_token']:,} of it captured states)")
+    if not worst["fits_weights"]:
+        return record("gpu.memory", FAIL, "no room for the KV cache: " + line, detail=detail,
+                      fix="raise tp or gpu_memory_utilization, or use a smaller/quantized checkpoint")
+    if worst["requests_fit"] < MIN_REQUESTS_IN_CACHE:
+        return record("gpu.memory", FAIL, f"the KV cache holds {worst['requests_fit']} requests of seq_len "
+                      f"{seq_len}: " + line, detail=detail,
+                      fix="lower seq_len, capture fewer layers, or raise gpu_memory_utilization / tp")
+    return record("gpu.memory", OK, line + f", {worst['requests_fit']:.0f} requests of {seq_len} tokens",
+                  detail=detail)
