@@ -130,10 +130,25 @@ def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
             detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
             accept_new_host_key: bool = False, inject_failure: dict | None = None,
-            skip_smoke: bool = True) -> ExitCode:
-    """Run the whole extraction flow; returns the exit code."""
+            skip_smoke: bool = True, shard_by: str | None = None, allow_partial: bool = False,
+            reassign: str | None = None) -> ExitCode:
+    """Run the whole extraction flow; returns the exit code.
+
+    More than one host (or a run id this laptop knows as a group run, or a group flag)
+    makes one group run, the dataset sharded over the hosts (:mod:`specops.fleetrun`);
+    one host runs the whole dataset, as before.
+    """
+    from specops import fleetrun
+
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
+    if len(specs) > 1 or fleetrun.is_fleet_run(run_id) or shard_by or allow_partial or reassign:
+        if inject_failure:
+            raise UsageError("inject_failure is a single-host test hook", "run it against one host")
+        return fleetrun.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
+                                skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
+                                accept_new_host_key=accept_new_host_key, shard_by=shard_by,
+                                allow_partial=allow_partial, reassign_text=reassign)
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in specs}
     try:
         return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,

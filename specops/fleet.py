@@ -1,13 +1,20 @@
-"""Run one step on many hosts at once; every host ends with a report, never a crash.
+"""Run one step on many hosts at once; every host ends with a report, never a crash, never a wait forever.
 
 Like fabric's ``GroupResult``, a host that cannot be reached is a result
-(``HostReport.error``), not an exception that hides the other hosts.
+(``HostReport.error``), not an exception that hides the other hosts. Each host's step
+is bounded by a timeout: a host that hangs (a stuck mount, a silent network) is
+reported as such when its time is up, its connection is closed, and the other hosts'
+results come back without waiting for it.
+
+(The group extraction built on this -- one run sharded over many hosts -- is
+:mod:`specops.fleetrun`.)
 """
 from __future__ import annotations
 
 import os
+import threading
+import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from specops.errors import SpecopsError
@@ -18,6 +25,18 @@ from specops.result import HostReport, Record
 
 #: at most this many hosts are worked on at once (fabric's ThreadingGroup has no cap).
 MAX_PARALLEL = int(os.environ.get("SPECOPS_MAX_PARALLEL", "16"))
+#: per task, the longest one host's step may take before that host is reported as hung
+#: (seconds). Generous: a preflight's AutoConfig child has 60 s of its own. Tasks not named
+#: here (smoke, verify, extract, fetch) are long by nature and bound themselves (their own
+#: run timeouts, a follow's silence limit, a download's idle limit).
+TASK_TIMEOUTS = {"facts": 120.0, "preflight": 600.0, "patch": 600.0, "status": 120.0, "abort": 120.0}
+
+
+def step_timeout(task: str) -> float:
+    """``task``'s per-host limit in seconds (0: none); ``SPECOPS_STEP_TIMEOUT`` replaces every limit."""
+    if os.environ.get("SPECOPS_STEP_TIMEOUT"):
+        return float(os.environ["SPECOPS_STEP_TIMEOUT"])
+    return TASK_TIMEOUTS.get(task, 0.0)
 
 
 def report_from_payload(host: str, task: str, payload: dict) -> HostReport:
@@ -25,22 +44,77 @@ def report_from_payload(host: str, task: str, payload: dict) -> HostReport:
                       data=payload.get("data", {}))
 
 
-def run_on_hosts(inventory: Inventory, selector: str | None, task: str,
-                 step: Callable[[Host], HostReport], accept_new_host_key: bool = False) -> list[HostReport]:
-    """Call ``step(host)`` for every selected host in parallel, in inventory order."""
-    specs = inventory.select(selector)
+def timed_out_report(host: str, task: str, seconds: float) -> HostReport:
+    """The report of a host whose step did not end in time."""
+    return HostReport(host=host, task=task, error_code=int(ExitCode.UNREACHABLE),
+                      error=f"no answer within {seconds:g}s (the host hangs, or the step is slower than the "
+                            f"limit); the other hosts went on without it. Set SPECOPS_STEP_TIMEOUT (seconds) "
+                            f"higher if it is only slow")
 
-    def one(spec) -> HostReport:
-        host = Host(spec, inventory, accept_new_host_key=accept_new_host_key)
+
+def run_steps(items: list, step: Callable[[object], HostReport], *, name_of: Callable[[object], str],
+              task: str, timeout: float | None = None, on_timeout: Callable[[object], None] | None = None
+              ) -> list[HostReport]:
+    """``step(item)`` for every item in parallel (at most :data:`MAX_PARALLEL` at once), in order.
+
+    Each item gets at most ``timeout`` seconds (None: :func:`step_timeout` of ``task``;
+    0: no limit) from the moment its step starts. An item still running then gets a
+    :func:`timed_out_report` and ``on_timeout(item)`` (close its connection, so the
+    stuck thread ends); the caller never waits for it. Steps run on daemon threads, so a
+    hung one cannot keep the program from exiting either.
+    """
+    limit = step_timeout(task) if timeout is None else timeout
+    results: list[HostReport | None] = [None] * len(items)
+    started: list[float | None] = [None] * len(items)
+    done = [threading.Event() for _ in items]
+    slots = threading.Semaphore(max(1, MAX_PARALLEL))
+
+    def one(i: int, item) -> None:
+        with slots:
+            started[i] = time.monotonic()
+            try:
+                report = step(item)
+            except SpecopsError as exc:
+                report = HostReport(host=name_of(item), task=task, error=str(exc), error_code=int(exc.code))
+            except Exception as exc:  # a bug of ours: keep the traceback, go on with other hosts
+                report = HostReport(host=name_of(item), task=task, error_code=int(ExitCode.INTERNAL),
+                                    error=f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            if results[i] is None:  # a report given after the deadline is dropped: the timeout was said
+                results[i] = report
+            done[i].set()
+
+    for i, item in enumerate(items):
+        threading.Thread(target=one, args=(i, item), daemon=True, name=f"{task}-{name_of(item)}").start()
+    for i, item in enumerate(items):
+        while not done[i].is_set():
+            if limit and started[i] is not None and time.monotonic() - started[i] > limit:
+                results[i] = timed_out_report(name_of(item), task, limit)
+                done[i].set()
+                if on_timeout is not None:
+                    try:
+                        on_timeout(item)
+                    except Exception:  # closing a dead connection may fail; the report already says it
+                        pass
+                break
+            done[i].wait(0.2)
+    return [r for r in results if r is not None]
+
+
+def run_on_hosts(inventory: Inventory, selector: str | None, task: str,
+                 step: Callable[[Host], HostReport], accept_new_host_key: bool = False,
+                 timeout: float | None = None) -> list[HostReport]:
+    """Call ``step(host)`` for every selected host in parallel, in inventory order.
+
+    :param timeout: seconds one host's step may take (default: :func:`step_timeout` of ``task``).
+    """
+    specs = inventory.select(selector)
+    hosts = [Host(spec, inventory, accept_new_host_key=accept_new_host_key) for spec in specs]
+
+    def one(host: Host) -> HostReport:
         try:
             return step(host)
-        except SpecopsError as exc:
-            return HostReport(host=spec.name, task=task, error=str(exc), error_code=int(exc.code))
-        except Exception as exc:  # a bug of ours: keep the traceback, go on with other hosts
-            return HostReport(host=spec.name, task=task, error_code=int(ExitCode.INTERNAL),
-                              error=f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         finally:
             host.close()
 
-    with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(specs)))) as pool:
-        return list(pool.map(one, specs))
+    return run_steps(hosts, one, name_of=lambda h: h.name, task=task, timeout=timeout,
+                     on_timeout=lambda h: h.close())

@@ -26,6 +26,7 @@ import json
 import os
 import queue
 import shlex
+import socket
 import threading
 from pathlib import Path
 from typing import Callable
@@ -33,6 +34,7 @@ from typing import Callable
 from rich.table import Table
 
 from specops.assets import remote_protocol
+from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload
 from specops.host import Host
@@ -45,16 +47,18 @@ RUN_FILES = ("params.json", "status.json", "manifest.json", "summary.json")
 FOLLOW_HEARTBEAT_S = 2.0
 #: ... so this long without a word from it means the connection is gone.
 FOLLOW_SILENCE_S = 30.0
+#: a read from the host that hears nothing for this long is given up (the host hangs).
+DOWNLOAD_IDLE_S = 120.0
 
 
 def local_runs_root() -> Path:
     return Path(os.environ.get("SPECOPS_RUNS", "runs"))
 
 
-def job_call(host: Host, action: str, run_id: str, **params) -> dict:
-    """One ``remote/job.py`` verb on the host; returns the payload."""
+def job_call(host: Host, action: str, run_id: str, *, timeout: float | None = None, **params) -> dict:
+    """One ``remote/job.py`` verb on the host; returns the payload (``timeout``: seconds for the remote python)."""
     return host.run_task("job", {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir,
-                                 **params})
+                                 **params}, timeout=timeout)
 
 
 def run_state(host: Host, run_id: str) -> RunState:
@@ -115,30 +119,50 @@ def follow_runs(hosts: list[Host], run_id: str, on_event: Callable[[str, dict], 
     :raises KeyboardInterrupt: passed through at once; the caller detaches by closing
         the hosts, which ends every follower on them.
     """
+    return follow_many([(host.name, host, run_id) for host in hosts], on_event, **options)
+
+
+def follow_many(targets: list[tuple[str, Host, str]], on_event: Callable[[str, dict], None],
+                on_result: Callable[[str, RunState | Exception], None] | None = None, **options
+                ) -> dict[str, RunState | Exception]:
+    """Follow several runs at once, each named by a key: ``(key, host, run_id)`` triples.
+
+    What :func:`follow_runs` does for one run id on many hosts, for any runs (the
+    shards of a group run, which may differ in run id and share a host).
+    ``on_result(key, state_or_error)`` is called, in the caller's thread, the moment one
+    follow ends, so a lost host can be shown while the others are still followed.
+    """
     events: queue.Queue = queue.Queue()
 
-    def follow_one(host: Host) -> None:
+    def follow_one(key: str, host: Host, run_id: str) -> None:
         try:
-            events.put((host.name, follow_run(host, run_id, lambda e: events.put((host.name, e)), **options)))
-        except Exception as exc:  # noqa: BLE001 -- handed to the caller as this host's result
-            events.put((host.name, exc))
+            events.put((key, follow_run(host, run_id, lambda e: events.put((key, e)), **options)))
+        except Exception as exc:  # noqa: BLE001 -- handed to the caller as this run's result
+            events.put((key, exc))
 
-    for host in hosts:
-        threading.Thread(target=follow_one, args=(host,), daemon=True, name=f"follow-{host.name}").start()
+    for key, host, run_id in targets:
+        threading.Thread(target=follow_one, args=(key, host, run_id), daemon=True, name=f"follow-{key}").start()
     results: dict[str, RunState | Exception] = {}
-    while len(results) < len(hosts):
+    while len(results) < len(targets):
         try:
-            name, item = events.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable here
+            key, item = events.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable here
         except queue.Empty:
             continue
         if isinstance(item, dict):
-            on_event(name, item)
+            on_event(key, item)
         else:
-            results[name] = item
+            results[key] = item
+            if on_result is not None:
+                on_result(key, item)
     return results
 
 
 # -- fetching ----------------------------------------------------------------------
+
+def _silent(host: Host, what: str) -> UnreachableError:
+    return UnreachableError(f"no data from the host for {DOWNLOAD_IDLE_S:.0f}s while {what}",
+                            "check the host and the network; fetch again to resume where it stopped", host=host.name)
+
 
 def read_remote(host: Host, path: str) -> bytes | None:
     """A small remote file's bytes (None when it does not exist); SFTP or a shell fallback."""
@@ -149,6 +173,8 @@ def read_remote(host: Host, path: str) -> bytes | None:
                 return fh.read()
         except FileNotFoundError:
             return None
+        except socket.timeout:
+            raise _silent(host, f"reading {path}") from None
     result = host.run(f"test -f {shlex.quote(path)} && base64 < {shlex.quote(path)}")
     return base64.b64decode(result.stdout) if result.ok else None
 
@@ -164,13 +190,17 @@ def list_remote(host: Host, directory: str) -> list[str]:
     return sorted(result.stdout.splitlines()) if result.ok else []
 
 
-def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | None = None) -> HostReport:
+def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | None = None,
+              timeout: float | None = None) -> HostReport:
     """Bring logs, status, params, manifest and summary into ``runs/<host>/<run-id>/``.
 
     With ``tensors``: every sample file too, resumed from a partial ``.part`` file and
-    checked against the manifest's sha256.
+    checked against the manifest's sha256. ``timeout`` bounds the look at the run's
+    state; reads stop after :data:`DOWNLOAD_IDLE_S` of silence from the host.
     """
-    payload = job_call(host, "status", run_id)
+    payload = job_call(host, "status", run_id, timeout=timeout)
+    if host.spec.delivery == "sftp":
+        host.cxn.sftp().get_channel().settimeout(DOWNLOAD_IDLE_S)
     state = RunState.from_payload(payload)
     if not state.found:
         return report_from_payload(host.name, "fetch", payload)
@@ -206,11 +236,30 @@ def fetch_tensors(host: Host, dest: Path):
                     {}, fix="wait for the run to finish (specops status), then fetch --tensors")
     manifest = json.loads(manifest_path.read_text())
     out_dir = host.remote_path(manifest["params"].get("output_dir") or "")
-    (dest / "samples").mkdir(exist_ok=True)
+    entries = list(manifest["files"])
+    if manifest.get("dataset_files"):
+        # an hs run's token dataset (what speculators trains on beside the samples); the manifest names
+        # its files, the host hashes them, so they are checked like the samples
+        listing = host.run_task("shard", {"action": "files", "output_dir": out_dir, "start": 0, "stop": 0})
+        entries += (listing.get("data") or {}).get("dataset_files") or []
+    return download_files(host, out_dir, entries, dest / "samples")
+
+
+def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: Path, name: str = "fetch.tensors"):
+    """Bring ``entries`` (``path``, ``bytes``, ``sha256``) from ``remote_dir`` into ``local_dir``; one record.
+
+    A file already there with the right sha256 is kept; a partial ``.part`` file is
+    resumed where it stopped; every file is checked against its sha256 before it takes
+    its name. A host silent for :data:`DOWNLOAD_IDLE_S` ends the download with an error.
+    """
+    local_dir.mkdir(parents=True, exist_ok=True)
     got, resumed, bad = 0, 0, []
+    host.open()
     sftp = host.cxn.sftp()
-    for entry in manifest["files"]:
-        local = dest / "samples" / entry["path"]
+    sftp.get_channel().settimeout(DOWNLOAD_IDLE_S)
+    for entry in entries:
+        local = local_dir / entry["path"]  # a path may name a subdir (hidden_states/hs_3.safetensors)
+        local.parent.mkdir(parents=True, exist_ok=True)
         if local.exists() and _sha256(local) == entry["sha256"]:
             got += 1
             continue
@@ -220,11 +269,14 @@ def fetch_tensors(host: Host, dest: Path):
             part.unlink()
             offset = 0
         resumed += offset > 0
-        with sftp.open(f"{out_dir}/{entry['path']}", "rb") as remote, open(part, "ab") as fh:
-            remote.seek(offset)
-            remote.prefetch()
-            while chunk := remote.read(1 << 20):
-                fh.write(chunk)
+        try:
+            with sftp.open(f"{remote_dir}/{entry['path']}", "rb") as remote, open(part, "ab") as fh:
+                remote.seek(offset)
+                remote.prefetch()
+                while chunk := remote.read(1 << 20):
+                    fh.write(chunk)
+        except socket.timeout:
+            raise _silent(host, f"downloading {entry['path']} ({got} of {len(entries)} done)") from None
         if _sha256(part) != entry["sha256"]:
             bad.append(entry["path"])
             part.unlink()
@@ -232,11 +284,11 @@ def fetch_tensors(host: Host, dest: Path):
         os.replace(part, local)
         got += 1
     if bad:
-        return _rec("fetch.tensors", "fail", f"{len(bad)} sample file(s) do not match the manifest sha256",
+        return _rec(name, "fail", f"{len(bad)} sample file(s) do not match the manifest sha256",
                     {"bad": bad}, fix="fetch again; if it persists the files changed on the host after "
                                       "the manifest was written")
-    return _rec("fetch.tensors", "ok", f"{got} sample file(s) verified by sha256 ({resumed} resumed)",
-                {"files": got, "resumed": resumed, "dir": str(dest / "samples")})
+    return _rec(name, "ok", f"{got} sample file(s) verified by sha256 ({resumed} resumed)",
+                {"files": got, "resumed": resumed, "dir": str(local_dir)})
 
 
 def summary_table(summary: dict) -> Table:

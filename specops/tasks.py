@@ -161,7 +161,7 @@ def patch(target, check=False, revert=False, status=False, sudo=False):
     return run(target.inventory, target.selector, action, sudo, target.accept_new_host_key)
 
 
-JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -)"}
+JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id acts on every shard"}
 
 
 @host_task(help={**RUN_HELP,
@@ -171,18 +171,52 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -)"}
                  "skip-preflight": "do not run preflight first",
                  "skip-smoke": "do not rehearse on a tiny twin of the model first",
                  "batch-size": "samples per engine call",
-                 "tensors": "also fetch every sample file at the end (checked by sha256)"})
+                 "tensors": "also fetch every sample file at the end (checked by sha256)",
+                 "shard-by": "several hosts: size each host's range by capacity (devices / tp, the default), "
+                             "equal, or HOST=WEIGHT,...",
+                 "allow-partial": "several hosts: start on the hosts that passed preflight even if others did not",
+                 "reassign": "group run: move the unfinished rest of FROM's shard to TO (FROM=TO[,FROM=TO])"})
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
-            skip_smoke=False, tensors=False):
-    """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary."""
+            skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None):
+    """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
+
+    On several hosts the dataset is sharded across them: one run, one merged result."""
     from specops.extract import extract as run
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size)
     return run(target.inventory, target.selector, overrides, run_id=run_id, detach=detach, force=force,
                skip_preflight=skip_preflight, as_json=target.as_json, tensors=tensors,
-               accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke)
+               accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke, shard_by=shard_by,
+               allow_partial=allow_partial, reassign=reassign)
+
+
+def _fleet(run_id) -> bool:
+    """Whether this laptop started ``run_id`` as a group run (its shard map is in runs/<run-id>/fleet.json):
+    then status, logs, abort and fetch act on every shard, on whichever host holds it."""
+    from specops.fleetrun import is_fleet_run
+
+    return is_fleet_run(run_id)
+
+
+def _long_only(task_, *flags):
+    """Give ``flags`` of ``task_`` no short flag (invoke would hand ``--shard-by`` the ``-h`` that people type for
+    help); the other flags keep the short flags they always had."""
+    original = task_.get_arguments
+
+    def get_arguments(*args, **kwargs):
+        arguments = original(*args, **kwargs)
+        for argument in arguments:
+            if argument.names[0] in flags:
+                argument.names = tuple(n for n in argument.names if len(n) > 1)
+        return arguments
+
+    task_.get_arguments = get_arguments
+    return task_
+
+
+_long_only(extract, "shard-by", "allow-partial", "reassign")
 
 
 def _require_run_id(run_id):
@@ -201,6 +235,11 @@ def status(target, run_id=None):
     from specops.fleet import run_on_hosts
 
     rid = _require_run_id(run_id)
+    if _fleet(rid):
+        from specops import fleetrun
+
+        return fleetrun.status(target.inventory, rid, as_json=target.as_json,
+                               accept_new_host_key=target.accept_new_host_key)
     reports = run_on_hosts(target.inventory, target.selector, "status", lambda h: jobs.status_report(h, rid),
                            target.accept_new_host_key)
     print_reports(reports, as_json=target.as_json)
@@ -216,7 +255,13 @@ def logs(target, run_id=None, follow=False, rank=None):
     """Print a run's logs (supervisor and one per TP rank), optionally following them."""
     from specops.logs import show_logs
 
-    return show_logs(target.hosts(), _require_run_id(run_id), follow=follow, only=rank, as_json=target.as_json)
+    rid = _require_run_id(run_id)
+    if _fleet(rid):
+        from specops import fleetrun
+
+        return fleetrun.logs(target.inventory, rid, follow_logs=follow, only=rank, as_json=target.as_json,
+                             accept_new_host_key=target.accept_new_host_key)
+    return show_logs(target.hosts(), rid, follow=follow, only=rank, as_json=target.as_json)
 
 
 @host_task(help=JOB_HELP)
@@ -226,6 +271,10 @@ def abort(target, run_id=None):
     from specops.fleet import report_from_payload, run_on_hosts
 
     rid = _require_run_id(run_id)
+    if _fleet(rid):
+        from specops import fleetrun
+
+        return fleetrun.abort(target.inventory, rid, accept_new_host_key=target.accept_new_host_key)
     return run_on_hosts(target.inventory, target.selector, "abort",
                         lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
                         target.accept_new_host_key)
@@ -240,6 +289,11 @@ def fetch(target, run_id=None, tensors=False):
     from specops.fleet import run_on_hosts
 
     rid = _require_run_id(run_id)
+    if _fleet(rid):
+        from specops import fleetrun
+
+        return fleetrun.fetch_run_id(target.inventory, rid, tensors=tensors, as_json=target.as_json,
+                                     accept_new_host_key=target.accept_new_host_key)
     reports = run_on_hosts(target.inventory, target.selector, "fetch",
                            lambda h: jobs.fetch_run(h, rid, tensors=tensors), target.accept_new_host_key)
     print_reports(reports, as_json=target.as_json)

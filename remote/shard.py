@@ -1,0 +1,204 @@
+"""What the laptop needs to shard one extraction over many hosts (stdlib only).
+
+A task module (``main(params) -> payload``); ``params["action"]`` picks the verb.
+
+``probe``  the facts a shard map is planned from, in well under a second, nothing
+           imported: the dataset's sample count (after ``max_samples``, the rows the
+           supervisor will read) and a sha256 of exactly those rows (so hosts with
+           different files are caught before global indices mean different samples),
+           the engine this host runs and its layer convention, layer ids and sample file
+           format (mixing them is silent), the model's config summary, the package
+           versions, and the data-parallel width (devices // tp).
+``files``  the sample files of one range ``[start, stop)`` in ``output_dir``, in either
+           format (``data_{i}.pt``, or ``hidden_states/hs_{i}.safetensors``): global
+           index, path, bytes and sha256 (taken from the run's manifest where it lists
+           the file, computed otherwise), the first index of the range not on disk, and
+           the token dataset an ``hs`` run writes beside its samples. Temp files of a
+           killed writer never count.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from remote import layers, modelconfig, protocol, samples
+from remote.fsutil import sha256_file
+from remote.rundir import read_json
+
+
+def main(params: dict) -> dict:
+    action = params.get("action", "probe")
+    verbs = {"probe": probe, "files": files}
+    if action not in verbs:
+        return protocol.payload([protocol.record("shard.action", protocol.FAIL, f"unknown action {action!r}",
+                                                 fix=f"use one of {sorted(verbs)}")])
+    try:
+        return verbs[action](params)
+    except protocol.TaskError as exc:
+        return exc.payload()
+
+
+# --------------------------------------------------------------------------- probe
+
+def count_rows(path: str, max_samples) -> tuple:
+    """``(rows, sha256)`` of the rows a run reads: non-empty lines, the first ``max_samples``.
+
+    The same rule as :func:`remote.dataset.load_token_samples` (blank lines skipped,
+    ``max_samples`` keeps the first rows), over the raw bytes, so nothing is parsed.
+    """
+    limit = None if max_samples in (None, "") else int(max_samples)
+    digest = hashlib.sha256()
+    rows = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if limit is not None and rows >= limit:
+                break
+            if not line.strip():
+                continue
+            digest.update(line.rstrip(b"\r\n") + b"\n")
+            rows += 1
+    return rows, digest.hexdigest()
+
+
+def _devices(params: dict) -> dict:
+    """How many devices one host offers a run: visible GPUs (cuda) or usable cores (cpu)."""
+    if params.get("device", "cuda") == "cpu":
+        try:
+            usable = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            usable = os.cpu_count() or 1
+        return {"kind": "cpu", "count": usable}
+    import shutil
+
+    from remote.probes.host import query_nvidia_smi, visible_gpus
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"kind": "cuda", "count": 0, "error": "nvidia-smi is not on PATH"}
+    out = query_nvidia_smi(smi)
+    cvd = (params.get("env") or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    visible = visible_gpus(out["gpus"], cvd)
+    return {"kind": "cuda", "count": len(visible), "error": out["error"],
+            "names": sorted({g["name"] for g in visible})}
+
+
+def probe(params: dict) -> dict:
+    protocol.apply_job_env(params)
+    records, data = [], {}
+    dataset = params.get("dataset")
+    if not dataset or not os.path.isfile(os.path.expanduser(dataset)):
+        records.append(protocol.record("shard.dataset", protocol.FAIL, f"dataset {dataset} does not exist",
+                                       detail={"dataset": dataset},
+                                       fix="copy the dataset to the host, or fix 'dataset' for this host"))
+    else:
+        path = os.path.expanduser(dataset)
+        rows, digest = count_rows(path, params.get("max_samples"))
+        data["dataset"] = {"path": path, "samples": rows, "sha256": digest, "bytes": os.path.getsize(path),
+                           "max_samples": params.get("max_samples")}
+        status = protocol.OK if rows else protocol.FAIL
+        records.append(protocol.record("shard.dataset", status, f"{rows} samples in {path} (after max_samples)",
+                                       detail=data["dataset"],
+                                       fix=None if rows else "fill the dataset, or raise max_samples"))
+    records.append(_stack(params, data))
+    records.append(_width(params, data))
+    data["versions"] = dict(samples.package_versions(), python=_python_version())
+    return protocol.payload(records, **data)
+
+
+def _python_version() -> str:
+    import platform
+
+    return platform.python_version()
+
+
+def _stack(params: dict, data: dict) -> dict:
+    """Engine, layer convention, layer ids (in the output convention too) and file format."""
+    from remote.engines import resolve_engine
+
+    try:
+        engine, why = resolve_engine(params.get("engine"))
+    except ValueError as exc:
+        return protocol.record("shard.stack", protocol.FAIL, str(exc), detail={"asked": params.get("engine")},
+                               fix="install the speculators that fits the host's vLLM, or set engine")
+    fmt = samples.ENGINE_FORMAT[engine]
+    stack = {"engine": engine, "engine_why": why, "convention": layers.ENGINE_CONVENTION[engine],
+             "format": fmt, "format_text": samples.FORMATS[fmt][2]}
+    data["stack"] = stack
+    try:
+        config = modelconfig.read(params["model_path"])
+        data["model"] = modelconfig.summary(config)
+        from remote.supervisor import resolve_layer_ids
+
+        ids, convention = resolve_layer_ids(params, engine, modelconfig.decoder_layers(config))
+    except Exception as exc:  # the model is preflight's to judge; here only what the plan needs
+        return protocol.record("shard.stack", protocol.FAIL, f"cannot resolve the layer ids: {exc}",
+                               detail=stack, fix="run specops preflight on this host; it names the cause")
+    stack.update(layer_ids=ids, layer_ids_output=layers.convert(ids, convention, layers.OUTPUT))
+    return protocol.record("shard.stack", protocol.OK,
+                           f"{engine}: layers {ids} ({convention} of layer i), files {stack['format']}",
+                           detail=stack)
+
+
+def _width(params: dict, data: dict) -> dict:
+    tp = max(1, int(params.get("tp") or 1))
+    devices = _devices(params)
+    width = devices["count"] // tp
+    data["capacity"] = {"devices": devices, "tp": tp, "dp_width": width}
+    detail = data["capacity"]
+    if width < 1:
+        return protocol.record("shard.capacity", protocol.FAIL,
+                               f"TP {tp} needs {tp} {devices['kind']} device(s), {devices['count']} usable",
+                               detail=detail, fix=f"set tp to at most {devices['count']} for this host"
+                               if devices["count"] else "make a device usable on this host, or leave it out")
+    return protocol.record("shard.capacity", protocol.OK,
+                           f"{devices['count']} {devices['kind']} device(s) / TP {tp} = data-parallel width {width}",
+                           detail=detail)
+
+
+# --------------------------------------------------------------------------- files
+
+def files(params: dict) -> dict:
+    """The samples of ``[start, stop)`` in ``output_dir`` (either format), in index order.
+
+    ``path`` is relative to the output dir, as in the run's manifest; so is each of
+    ``dataset_files`` (the token dataset an ``hs`` run writes beside its samples).
+    """
+    out_dir = Path(os.path.expanduser(str(params.get("output_dir") or "")))
+    start, stop = int(params["start"]), int(params["stop"])
+    manifest = read_json(out_dir / samples.MANIFEST) or {}
+    listed = {e["path"]: e for e in manifest.get("files") or [] if isinstance(e, dict) and e.get("path")}
+    found = {}
+    for fmt in samples.FORMATS:
+        for index in samples.present_indices(out_dir, fmt):
+            if start <= index < stop:
+                found[index] = samples.sample_path(out_dir, index, fmt)
+    entries, hashed = [], 0
+    want_hash = bool(params.get("sha256", True))
+    for index in sorted(found):
+        path = found[index]
+        rel = str(path.relative_to(out_dir))
+        entry = {"index": index, "path": rel, "bytes": path.stat().st_size}
+        known = listed.get(rel)
+        if known and known.get("bytes") == entry["bytes"] and known.get("sha256"):
+            entry.update({k: v for k, v in known.items() if k not in ("path", "index", "bytes")})
+        elif want_hash:
+            entry["sha256"] = sha256_file(path)
+            hashed += 1
+        entries.append(entry)
+    first_missing = start
+    while first_missing in found:
+        first_missing += 1
+    missing = [i for i in range(start, stop) if i not in found]
+    extra = []
+    for name in manifest.get("dataset_files") or []:
+        path = out_dir / name
+        if path.is_file():
+            extra.append({"path": name, "bytes": path.stat().st_size,
+                          "sha256": sha256_file(path) if want_hash else None})
+    rec = protocol.record("shard.files", protocol.OK,
+                          f"{len(entries)} of {stop - start} sample(s) of [{start}, {stop}) in {out_dir}",
+                          detail={"hashed_here": hashed, "from_manifest": len(entries) - hashed})
+    return protocol.payload([rec], files=entries, first_missing=first_missing, missing=len(missing),
+                            missing_head=missing[:20], output_dir=str(out_dir), manifest=bool(manifest),
+                            hashed_here=hashed, dataset_files=extra)
