@@ -159,13 +159,9 @@ def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -
     from remote import tinymodel
 
     tiny, notes = twin_config(config, num_layers)
-    tinymodel.build_model(tiny, out_dir, num_shards=2, tokenizer_dir=model_path)
-    # Remote code and processor configs travel as files: whether they run is decided by
-    # the loaders, exactly as for the target (trust_remote_code, vLLM's own processors).
-    for pattern in tinymodel.TWIN_EXTRA_PATTERNS:
-        for path in sorted(model_path.glob(pattern)):
-            if path.is_file() and not (out_dir / path.name).exists():
-                shutil.copy2(path, out_dir / path.name)
+    # Remote code and processor configs travel as files (tinymodel copies them): whether
+    # they run is decided by the loaders, exactly as for the target.
+    tinymodel.build_twin(model_path, out_dir, num_shards=2, tiny_config=tiny)
     text = modelconfig.text_config(tiny)
     notes += condition_weights(out_dir, text)
     return notes
@@ -183,7 +179,7 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) ->
     with fsutil.FileLock(root / f"{digest}.lock"):
         if rebuild and twin_dir.exists():
             shutil.rmtree(twin_dir)
-        built = not (twin_dir / "config.json").exists() or not info_path.exists()
+        built = not (twin_dir / modelconfig.CONFIG_FILE).exists() or not info_path.exists()
         if built:
             staging = root / digest / f".model-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)

@@ -17,6 +17,10 @@ Used two ways:
   tiny twin of a real checkpoint from its ``config.json`` (and copies its
   tokenizer files), for ``fab smoke`` on a real host.
 
+Checkpoints are written the way ``save_pretrained`` writes them, so they load under
+transformers 4 and 5 alike: one tensor per routed expert, as real DeepSeek/Kimi
+downloads have them (transformers 5 fuses experts in memory and splits them on save).
+
 Sizes that matter (checked on vLLM 0.16 CPU, see ../shared/FACTS.md): head_dim 64
 (the CPU attention backend refuses 16), at least 8 layers (speculators 0.3.0's
 default layer ids ``[2, N//2, N-3, N-1]`` collide below that). DeepSeek MLA dims
@@ -69,6 +73,8 @@ import re
 import shutil
 import sys
 from pathlib import Path
+
+from remote import modelconfig
 
 #: The smallest layer count whose speculators 0.3.0 default layer ids don't collide.
 MIN_LAYERS = 8
@@ -328,6 +334,29 @@ def _random_text_model(text_cfg: dict, seed: int):
     return model, full
 
 
+def checkpoint_tensors(model) -> dict:
+    """The tensors a checkpoint of ``model`` holds, named as real checkpoints name them.
+
+    transformers 5 fuses a MoE's routed experts in memory (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``), so its ``state_dict()`` is not what a DeepSeek/Kimi download holds
+    (``mlp.experts.{j}.gate_proj.weight`` ...); ``save_pretrained`` converts back to the
+    per-expert layout that vLLM and transformers 4 load. transformers 4 writes its
+    ``state_dict()`` as is. Either way, what ``save_pretrained`` wrote is what we shard.
+    """
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    with tempfile.TemporaryDirectory(prefix="specops-tiny-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for shard in sorted(Path(tmp).glob("*.safetensors")):
+            tensors.update(load_file(str(shard)))
+    if not tensors:
+        raise ValueError(f"save_pretrained wrote no safetensors for {type(model).__name__}")
+    return tensors
+
+
 def build_model(config: dict, out_dir, *, num_shards: int = 3, seed: int = 0,
                 tokenizer_dir=None) -> Path:
     """Write a random-weight checkpoint for ``config`` (already tiny) into ``out_dir``.
@@ -346,8 +375,7 @@ def build_model(config: dict, out_dir, *, num_shards: int = 3, seed: int = 0,
     text_cfg = config["text_config"] if wrapped else config
     model, full_text_cfg = _random_text_model(text_cfg, seed)
     prefix = "language_model." if wrapped else ""
-    tensors = {prefix + name: tensor.detach().to("cpu").contiguous()
-               for name, tensor in model.state_dict().items()}
+    tensors = {prefix + name: tensor for name, tensor in checkpoint_tensors(model).items()}
     write_shards(tensors, out_dir, num_shards)
     if wrapped:
         written = copy.deepcopy(config)
@@ -554,13 +582,18 @@ def write_text_only_kimi_processor(out_dir) -> Path:
 TWIN_EXTRA_PATTERNS = ("*.py", "preprocessor_config.json", "processor_config.json")
 
 
-def build_twin(model_dir, out_dir, *, num_layers: int = MIN_LAYERS, num_shards: int = 3) -> Path:
+def build_twin(model_dir, out_dir, *, num_layers: int = MIN_LAYERS, num_shards: int = 3,
+               tiny_config: dict | None = None) -> Path:
     """Tiny twin of the checkpoint in ``model_dir``: its config shrunk, random weights,
-    its own tokenizer, remote code and processor configs copied. No weights are read."""
+    its own tokenizer, remote code and processor configs copied. No weights are read.
+
+    :param tiny_config: the twin's config when the caller has already shrunk (and
+        adjusted) it; default ``shrink_config`` of the checkpoint's config.json.
+    """
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    out = build_model(shrink_config(config, num_layers=num_layers), out_dir,
-                      num_shards=num_shards, tokenizer_dir=model_dir)
+    if tiny_config is None:
+        tiny_config = shrink_config(modelconfig.read(model_dir), num_layers=num_layers)
+    out = build_model(tiny_config, out_dir, num_shards=num_shards, tokenizer_dir=model_dir)
     for pattern in TWIN_EXTRA_PATTERNS:
         for path in sorted(model_dir.glob(pattern)):
             if path.is_file() and not (out / path.name).exists():

@@ -64,7 +64,9 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
            "max_samples": int(data["samples"]), "seq_len": int(data["seq_len"]), "output_dir": None,
            "force": force}
     twin_layers = int((data.get("twin") or {}).get("layers") or 0)
-    if job.get("layer_ids") and max(job["layer_ids"]) >= twin_layers:
+    # the input convention names the final state N as well; the output convention stops at N-1
+    top = twin_layers if job.get("layer_convention") == "input" else twin_layers - 1
+    if job.get("layer_ids") and max(job["layer_ids"]) > top:
         # ids chosen for the real depth do not exist in the 8-layer twin: the engine's
         # defaults exercise the same capture code.
         report.data["layer_ids_note"] = (f"layer ids {job['layer_ids']} exceed the twin's {twin_layers} "
@@ -95,7 +97,8 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
 
 def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout: float) -> Record:
     state = status.get("state") or "missing"
-    engine, tp = params.get("engine"), params.get("tp")
+    # the engine the host resolved (``auto`` names none), else what was asked for
+    engine, tp = status.get("engine") or params.get("engine"), params.get("tp")
     if state == "done":
         phases = status.get("phase_seconds") or {}
         return Record(name="smoke.run", status="ok",

@@ -183,9 +183,10 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
             "--tensor-parallel-size", str(int(tp)),
             "--max-model-len", str(int(max_model_len)),
             "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
-            "--speculative-config", json.dumps(speculative_config(layer_ids)),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir, connector)),
             "--dtype", str(params.get("dtype") or "auto")]
+    if not params.get("plain"):  # plain: the same server without extraction (the benchmark's baseline)
+        argv[-2:-2] = ["--speculative-config", json.dumps(speculative_config(layer_ids)),
+                       "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir, connector))]
     if params.get("enforce_eager"):
         argv.append("--enforce-eager")
     if params.get("trust_remote_code"):
@@ -197,8 +198,12 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         argv += ["--gpu-memory-utilization", str(float(params["gpu_memory_utilization"]))]
     if params.get("max_num_seqs"):
         argv += ["--max-num-seqs", str(int(params["max_num_seqs"]))]
-    argv += [str(a) for a in params.get("server_args") or []]
-    return argv
+    extra = [str(a) for a in params.get("server_args") or []]
+    if params.get("device") == "cpu" and not any(a.startswith("--compilation-config") for a in extra):
+        # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
+        # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
+        argv += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    return argv + extra
 
 
 def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
