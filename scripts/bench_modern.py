@@ -7,10 +7,12 @@ token ids of the tiny model:
 1. ``plain``: vLLM's OpenAI server with the same flags (TP, eager, chunked prefill and
    prefix caching off) but no extraction; ``/v1/completions``, ``max_tokens=1``, the same
    number of requests in flight;
-2. ``extract``: the ``vllm-server`` engine's ``extract_files``: every sample requested,
+2. ``server``: the extraction server alone: each request waits for the file vLLM wrote,
+   which is then deleted (vLLM's extraction + its connector, none of specops's client work);
+3. ``extract``: the ``vllm-server`` engine's ``extract_files``: every sample requested,
    its file checked and renamed into the output dir (what a run's extraction loop does).
 
-Prints server start times, tok/s of both and the ratio (target >= 0.9). Load excluded.
+Prints server start times, tok/s of each and the ratios (target >= 0.9). Load excluded.
 
     .venv/bin/python scripts/bench_modern.py [--model llama] [--tp 1] [--samples 48] [--repeat 2]
 """
@@ -52,6 +54,12 @@ try:
                                                                "max_tokens": 1, "temperature": 0.0})
         with concurrent.futures.ThreadPoolExecutor(conc) as pool:
             list(pool.map(one, [ids_ for _, ids_ in samples]))
+    elif mode == "server":
+        import os
+        def one(ids_):
+            os.unlink(engine._request(ids_))
+        with concurrent.futures.ThreadPoolExecutor(conc) as pool:
+            list(pool.map(one, [ids_ for _, ids_ in samples]))
     else:
         engine.extract_files(samples, f"{work}/out")
     seconds = time.monotonic() - t1
@@ -82,9 +90,9 @@ def main() -> int:
                               rope_fix=False, hidden_states_connector=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
-    results = {"plain": [], "extract": []}
+    results = {"plain": [], "server": [], "extract": []}
     for round_ in range(args.repeat):
-        for mode in ("plain", "extract"):
+        for mode in results:
             work = tempfile.mkdtemp(prefix=f"bench-modern-{mode}-")
             out = subprocess.run([str(python), "-c", DRIVER, model, mode, work, str(args.samples), str(args.tp),
                                   str(args.concurrency)], cwd=REPO, env=env, capture_output=True, text=True,
@@ -97,12 +105,16 @@ def main() -> int:
             print(f"round {round_ + 1} {mode:8s}: server ready in {r['start_s']:6.1f} s; {r['tokens']} tokens "
                   f"in {r['seconds']:.2f} s = {r['tok_per_s']:.0f} tok/s", flush=True)
     plain = statistics.median(r["tok_per_s"] for r in results["plain"])
+    server = statistics.median(r["tok_per_s"] for r in results["server"])
     extract = statistics.median(r["tok_per_s"] for r in results["extract"])
     print(f"model {model} TP={args.tp} samples={args.samples} in flight={args.concurrency}")
     print(f"plain prefill, same server flags:            {plain:8.0f} tok/s "
           f"(start {statistics.median(r['start_s'] for r in results['plain']):.1f} s)")
+    print(f"extraction server alone (files deleted):     {server:8.0f} tok/s "
+          f"(start {statistics.median(r['start_s'] for r in results['server']):.1f} s)")
     print(f"extraction, files checked and in place:      {extract:8.0f} tok/s "
           f"(start {statistics.median(r['start_s'] for r in results['extract']):.1f} s)")
+    print(f"ratio server alone / plain prefill:          {server / plain:8.2f}  (vLLM's extraction itself)")
     print(f"ratio extraction / plain prefill:            {extract / plain:8.2f}  (target >= 0.9)")
     return 0
 
