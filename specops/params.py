@@ -24,14 +24,15 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
     """
     if text is None or str(text).strip() == "":
         return None
-    text = str(text)
+    given = text = str(text)
     head, sep, rest = text.partition(":")
     if sep:
         parse_layer_convention(text)
         text = rest
     try:
-        ids = [int(part) for part in str(text).split(",") if part.strip() != ""]
+        ids = [int(part) for part in text.split(",") if part.strip() != ""]
     except ValueError:
+        text = given  # the message quotes what the user typed
         raise UsageError(f"--layer-ids {text!r} is not a comma-separated list of integers",
                          "example: --layer-ids 2,16,29,31 (the engine's convention) or "
                          "--layer-ids output:2,16,29,31") from None

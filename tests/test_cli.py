@@ -65,3 +65,19 @@ def test_unreachable_host_exit_code(make_inventory):
     proc = run("specops", "facts", "--inventory", str(make_inventory(port=free_port(), connect_timeout=3)))
     assert proc.returncode == ExitCode.UNREACHABLE
     assert "unreachable=1" in proc.stdout
+
+
+def test_layer_ids_may_name_their_convention():
+    """``output:``/``input:`` name the convention; plain ids are the engine's; typos exit 3 naming the flag."""
+    import pytest
+
+    from specops.errors import UsageError
+    from specops.params import parse_layer_convention, parse_layer_ids
+
+    assert parse_layer_ids("output:2,4,5,7") == [2, 4, 5, 7] and parse_layer_convention("output:2,4,5,7") == "output"
+    assert parse_layer_ids("input:3,5") == [3, 5] and parse_layer_convention("INPUT:3,5") == "input"
+    assert parse_layer_ids("2,4") == [2, 4] and parse_layer_convention("2,4") is None
+    for bad, said in (("foo:1,2", "unknown convention 'foo'"), ("output:a,b", "'output:a,b' is not a comma")):
+        with pytest.raises(UsageError) as caught:
+            parse_layer_ids(bad)
+        assert said in str(caught.value) and "--layer-ids" in str(caught.value)
