@@ -42,6 +42,7 @@ from rich.text import Text
 
 from specops import jobs
 from specops import shards as shardmap
+from specops.logs import log_printer
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload, run_steps, step_timeout
@@ -890,14 +891,7 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
     shards = [s for s in manifest.shards if not s.empty]
     collected: dict[str, dict[str, str]] = {s.label: {} for s in shards}
     labels = {s.id: s.label for s in shards}
-
-    def show(label: str, name: str, text: str) -> None:
-        if only and not name.startswith(only):
-            return
-        collected[label][name] = collected[label].get(name, "") + text
-        if not as_json:
-            for line in text.splitlines():
-                console.print(Text(f"{label} {name[:-4]:>10} | ", style="dim") + Text(line))
+    show = log_printer(collected, only, as_json)
 
     codes = [ExitCode.SUCCESS]
     try:

@@ -19,18 +19,26 @@ from specops.report import console
 from specops.result import RunState
 
 
+def log_printer(collected: dict[str, dict[str, str]], only: str | None, as_json: bool):
+    """``show(label, log_name, text)``: keeps ``text`` under ``collected[label]`` and, unless ``as_json``,
+    prints each line prefixed by the label (a host, or a shard and its host) and the log's name."""
+
+    def show(label: str, name: str, text: str) -> None:
+        if only and not name.startswith(only):
+            return
+        collected[label][name] = collected[label].get(name, "") + text
+        if not as_json:
+            for line in text.splitlines():
+                console.print(Text(f"{label} {name[:-4]:>10} | ", style="dim") + Text(line))
+
+    return show
+
+
 def show_logs(hosts: list[Host], run_id: str, follow: bool = False, only: str | None = None,
               as_json: bool = False) -> ExitCode:
     """Print every log of the run on every host (``only``: files whose name starts with it)."""
     collected: dict[str, dict[str, str]] = {h.name: {} for h in hosts}
-
-    def show(host_name: str, name: str, text: str) -> None:
-        if only and not name.startswith(only):
-            return
-        collected[host_name][name] = collected[host_name].get(name, "") + text
-        if not as_json:
-            for line in text.splitlines():
-                console.print(Text(f"{host_name} {name[:-4]:>10} | ", style="dim") + Text(line))
+    show = log_printer(collected, only, as_json)
 
     if follow:
         code = _follow(hosts, run_id, show)
