@@ -91,6 +91,27 @@ def sha256_file(path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def sync_filesystem(path) -> None:
+    """Make everything written to ``path``'s filesystem durable in one call (Linux ``syncfs``).
+
+    For many files written without a per-file fsync (hidden-state samples, tens of MB
+    each): one flush of the filesystem is far cheaper than one fsync per file. Falls back
+    to :func:`os.sync` where ``syncfs`` is missing.
+    """
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+        except AttributeError:
+            syncfs = None
+        if syncfs is None or syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
 class LockHeld(BlockingIOError):
     """A non-blocking :class:`FileLock` found another holder (``holder``: what it wrote, e.g. ``pid 123``)."""
 

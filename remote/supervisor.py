@@ -27,6 +27,7 @@ re-import this module as ``__mp_main__``, hence the ``__main__`` guard.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import faulthandler
 import json
 import os
@@ -38,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import layers, modelconfig, samples
+from remote import fsutil, layers, modelconfig, samples
 from remote.dataset import load_token_samples
 from remote.engines import engine_class, resolve_engine
 from remote.rootcause import error_record, root_cause, worker_errors
@@ -236,6 +237,8 @@ class Supervisor:
         self.engine = None
         self._busy_since = None  # set while the engine is inside load()/extract()
         self._stop = threading.Event()
+        #: hs files digested as they landed in this attempt (index -> digest): not read again
+        self.digests: dict[int, dict] = {}
 
     # -- helpers
     def _timed(self, phase: str, seconds: float) -> None:
@@ -399,19 +402,38 @@ class Supervisor:
         """Engines that write each sample file themselves (a server): hand them chunks of indices.
 
         ``batch_size`` requests are in flight; a chunk is several times that so the
-        server stays busy, except with the test pause, where a chunk is one batch.
+        server stays busy, except with the test pause, where a chunk is one batch. Each
+        file's digest (sha256, statistics) is kept for the manifest, so no file is read
+        twice. Files land without a per-file fsync: after each chunk one ``syncfs``
+        makes the chunk durable, on a thread of its own so the server never waits on
+        the disk; the last one finishes before the manifest is written.
         """
         chunk = batch_size if delay else batch_size * 8
         sample_dir = samples.sample_dir(self.output_dir, samples.HS)
-        for c0 in range(0, len(todo), chunk):
-            part = [(i, dataset[i][0]) for i in todo[c0:c0 + chunk]]
-            t = time.monotonic()
-            self._busy_since = t
-            self.engine.extract_files(part, sample_dir, on_done=lambda r: written(1, r["tokens"]))
-            self._busy_since = None
-            self._timed("extract", time.monotonic() - t)
-            if delay:
-                time.sleep(delay)
+        syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncfs")
+        pending = None
+
+        def landed(record):
+            self.digests[record["index"]] = record.pop("digest")
+            written(1, record["tokens"])
+
+        try:
+            for c0 in range(0, len(todo), chunk):
+                part = [(i, dataset[i][0]) for i in todo[c0:c0 + chunk]]
+                t = time.monotonic()
+                self._busy_since = t
+                self.engine.extract_files(part, sample_dir, on_done=landed)
+                self._busy_since = None
+                self._timed("extract", time.monotonic() - t)
+                if pending is None or pending.done():  # at most one sync queued behind the running one
+                    pending = syncer.submit(fsutil.sync_filesystem, sample_dir)
+                if delay:
+                    time.sleep(delay)
+        finally:
+            syncer.shutdown(wait=True)
+        t = time.monotonic()
+        fsutil.sync_filesystem(sample_dir)
+        self._timed("sync", time.monotonic() - t)
 
     def _extract_batches(self, dataset, todo, batch_size, delay, layer_ids, written, p) -> None:
         """Engines that return states in memory: the supervisor writes them, on a writer thread."""
@@ -473,7 +495,7 @@ class Supervisor:
         engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": self.params.get("tp", 1)})
         file_layer_ids = engine_info.get("file_layer_ids") or sorted(layer_ids)
         files, stats, tokens = samples.scan_samples(self.output_dir, range(lo, hi), layer_ids, fmt,
-                                                    file_layer_ids=file_layer_ids)
+                                                    file_layer_ids=file_layer_ids, known=self.digests)
         dataset_files = samples.save_token_dataset(self.output_dir, dataset) if fmt == samples.HS else []
         self._timed("finalize", time.monotonic() - t)
         wall = time.monotonic() - t0

@@ -9,12 +9,19 @@ token ids of the tiny model:
    number of requests in flight;
 2. ``server``: the extraction server alone: each request waits for the file vLLM wrote,
    which is then deleted (vLLM's extraction + its connector, none of specops's client work);
-3. ``extract``: the ``vllm-server`` engine's ``extract_files``: every sample requested,
-   its file checked and renamed into the output dir (what a run's extraction loop does).
+3. ``extract``: what a run does: the ``vllm-server`` engine's ``extract_files`` (every
+   sample requested, its file checked, hashed, summarised and renamed into the output
+   dir), then the manifest's file list and layer statistics, and one ``syncfs`` of the
+   output: the samples are durable when the clock stops.
 
 Prints server start times, tok/s of each and the ratios (target >= 0.9). Load excluded.
 
-    .venv/bin/python scripts/bench_modern.py [--model llama] [--tp 1] [--samples 48] [--repeat 2]
+    .venv/bin/python scripts/bench_modern.py [--model llama|llama_mid|DIR] [--tp 1] [--samples 48]
+        [--lengths 64,128,96,120] [--repeat 2]
+
+``llama_mid`` (hidden 1024, 4 layers, built once into the cache) is a model whose prefill
+is compute, as a real one's is; the test host's tiny Llama (hidden 256) measures mostly
+vLLM's per-step overhead, which the extraction method doubles.
 """
 from __future__ import annotations
 
@@ -32,15 +39,16 @@ REPO = Path(__file__).resolve().parents[1]
 DRIVER = r"""
 import concurrent.futures, json, random, sys, time
 from remote.engines.vllm_server import VllmServer, VllmServerEngine, SERVED_MODEL_NAME
-from remote import layers, modelconfig
+from remote import fsutil, layers, modelconfig, samples as hs_samples
 
 model, mode, work, n, tp, conc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+lengths = [int(x) for x in sys.argv[7].split(",")]
 config = modelconfig.read(model)
 vocab = int(modelconfig.text_value(config, "vocab_size"))
 rng = random.Random(7)
-samples = [(i, [rng.randrange(3, vocab) for _ in range((64, 128, 96, 120)[i % 4])]) for i in range(n)]
+samples = [(i, [rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])]) for i in range(n)]
 tokens = sum(len(ids) for _, ids in samples)
-params = {"device": "cpu", "enforce_eager": True, "seq_len": 256, "concurrency": conc, "work_dir": work}
+params = {"device": "cpu", "enforce_eager": True, "seq_len": max(lengths), "concurrency": conc, "work_dir": work}
 ids, _ = layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))
 engine = VllmServerEngine(model, tp, ids, dict(params, plain=(mode == "plain")))
 t0 = time.monotonic()
@@ -60,8 +68,14 @@ try:
             os.unlink(engine._request(ids_))
         with concurrent.futures.ThreadPoolExecutor(conc) as pool:
             list(pool.map(one, [ids_ for _, ids_ in samples]))
-    else:
-        engine.extract_files(samples, f"{work}/out")
+    else:  # as the supervisor does it: digests kept as files land, manifest scan, one syncfs
+        digests = {}
+        def landed(record):
+            digests[record["index"]] = record.pop("digest")
+        engine.extract_files(samples, f"{work}/out/hidden_states", on_done=landed)
+        hs_samples.scan_samples(f"{work}/out", range(n), ids, hs_samples.HS, file_layer_ids=sorted(ids),
+                                known=digests)
+        fsutil.sync_filesystem(f"{work}/out/hidden_states")
     seconds = time.monotonic() - t1
 finally:
     engine.close()
@@ -70,12 +84,26 @@ print(json.dumps({"mode": mode, "start_s": round(start_s, 1), "tokens": tokens, 
 """
 
 
+def mid_model(name: str) -> Path:
+    """``llama_mid``: built once (transformers' ``save_pretrained``, random bf16) into the cache."""
+    from specops.testhost.hostenv import cache_root, ensure_hostenv
+
+    out = cache_root() / "bench-models"
+    if not (out / name / "config.json").exists():
+        python = ensure_hostenv(quiet=True, stack="modern")
+        subprocess.run([str(python), str(REPO / "scripts" / "gpu" / "models.py"), "--out", str(out), "--only", name,
+                        "--device", "cpu", "--bench", "1x8"], check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out / name
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama", help="a tiny test model's name, or a model dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--lengths", default="64,128,96,120", help="prompt lengths, used in turn")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
@@ -84,7 +112,7 @@ def main() -> int:
 
     seed_python = ensure_hostenv(quiet=True)
     models = ensure_models(seed_python)
-    model = str(models.get(args.model) or args.model)
+    model = str(models.get(args.model) or (mid_model(args.model) if args.model == "llama_mid" else args.model))
     python = make_overlay_env(ensure_hostenv(quiet=True, stack="modern"),
                               Path(tempfile.mkdtemp(prefix="bench-modern-")) / "env",
                               rope_fix=False, hidden_states_connector=True)
@@ -95,7 +123,7 @@ def main() -> int:
         for mode in results:
             work = tempfile.mkdtemp(prefix=f"bench-modern-{mode}-")
             out = subprocess.run([str(python), "-c", DRIVER, model, mode, work, str(args.samples), str(args.tp),
-                                  str(args.concurrency)], cwd=REPO, env=env, capture_output=True, text=True,
+                                  str(args.concurrency), args.lengths], cwd=REPO, env=env, capture_output=True, text=True,
                                  timeout=1800)
             if out.returncode:
                 print(out.stderr[-4000:], file=sys.stderr)
@@ -107,7 +135,7 @@ def main() -> int:
     plain = statistics.median(r["tok_per_s"] for r in results["plain"])
     server = statistics.median(r["tok_per_s"] for r in results["server"])
     extract = statistics.median(r["tok_per_s"] for r in results["extract"])
-    print(f"model {model} TP={args.tp} samples={args.samples} in flight={args.concurrency}")
+    print(f"model {model} TP={args.tp} samples={args.samples} lengths={args.lengths} in flight={args.concurrency}")
     print(f"plain prefill, same server flags:            {plain:8.0f} tok/s "
           f"(start {statistics.median(r['start_s'] for r in results['plain']):.1f} s)")
     print(f"extraction server alone (files deleted):     {server:8.0f} tok/s "

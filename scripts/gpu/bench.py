@@ -2,8 +2,8 @@
 """Extraction tok/s of specops's ``vllm-server`` engine vs plain prefill of the same vLLM, same ids.
 
     python3 scripts/gpu/bench.py --model DIR --dataset ids.jsonl --out DIR [--n 512] [--reps 2]
-        [--concurrency 32,64] [--kinds plain,server_only,fast] [--once specops@32,fast_durable@64,sustained@64]
-        [--util 0.4] [--kv-gib 24] [--eager] [--batched-tokens 16384] [--device cuda]
+        [--concurrency 32,64] [--kinds plain,server_only,specops] [--once keep@64,specops+dw8@64,sustained@64]
+        [--profile-digest 48] [--util 0.4] [--kv-gib 24] [--eager] [--batched-tokens 16384] [--device cuda]
 
 Two servers of the same vLLM with the same flags (``remote.engines.vllm_server.server_command``)
 start side by side on the one GPU, so one start-up pays for both: the *extraction* server
@@ -17,25 +17,39 @@ servers starting together would see each other). They are then measured one at a
   ``concurrency`` in flight): prefill tok/s;
 * ``server_only``: extraction requests, waiting for each file's lock, then deleting it:
   what the engine + connector can do, our file handling left out;
-* ``specops``: ``engine.extract_files`` exactly as a run does it today: request, wait, load and
-  check (ids, shape, NaN/Inf), fsync + rename into the output dir, sha256 -- writes included;
-* ``no_fsync`` / ``no_sha256`` / ``no_check``: ``specops`` with one of our per-file costs removed;
-* ``fast``: the proposed client path (:func:`fast_extract_one`: one read, sha256 of those bytes,
-  ids/shape/NaN checked on the raw buffer, rename without a per-file fsync);
-  ``fast_durable``: the same plus one ``syncfs`` of the output filesystem at the end;
-  ``sustained``: ``fast_durable`` over ``--sustained-n`` samples (past the kernel's dirty-page limit).
+* ``specops``: what a run does, writes included: ``engine.extract_files`` (request, wait,
+  one memory-mapped read per file for the checks, sha256 and layer statistics, rename into
+  the output dir), then the manifest's file list and statistics from those digests
+  (``tok_per_s``: samples written, manifest done), then one ``syncfs`` of the output
+  (``durable_tok_per_s``: the samples on disk for good);
+* ``sustained``: ``specops`` over ``--sustained-n`` samples (past the kernel's dirty-page limit);
+* ``keep``: extraction requests whose files are renamed into the output dir and kept, not
+  digested, then one ``syncfs``: ``server_only`` plus what keeping 33 MB per sample costs
+  the page cache and the disk, without our per-file CPU work. ``specops`` vs ``keep`` is
+  our client's own cost; ``keep`` vs ``server_only`` is the kernel's (dirty pages, writeback);
+* ``specops+dwN``: ``specops`` with ``digest_workers`` N (the engine's default is 4).
+
+``--profile-digest N`` then lands N files and times, per file and single-threaded, each part
+of :func:`remote.samples.digest_hs_file` (sha256 of the mapping, the layer statistics, the
+whole digest) and the whole digest with 1/4/8/16 threads at once (files in the page cache),
+again with torch's intra-op pool at one thread: the client's digest throughput in GB/s
+against what prefill speed would need (33.5 MB per 1024 tokens: 5.5 GB/s at 166k tok/s).
 
 Time inside each step of ``extract_one`` is summed over threads (``*_thread_s``); divided by
 the wall time and the concurrency it says how busy the client's threads were with it.
+``client_cpu_s`` is this process's CPU time in the pass (user + system), ``dirty_peak_mib`` /
+``writeback_peak_mib`` the kernel's dirty and under-writeback page cache during it.
 Prints one JSON object and writes it to ``OUT/bench.json``.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
+import hashlib
 import json
+import mmap
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from remote import fsutil  # noqa: E402
+from remote import samples as hs_samples  # noqa: E402
 from remote.engines import vllm_server as vs  # noqa: E402
 
 _ORIGINAL_COMMAND = vs.server_command
@@ -99,6 +114,48 @@ class Timers:
         return out
 
 
+class PassMeter:
+    """Per pass: this process's CPU seconds, and the peak of the kernel's Dirty/Writeback pages."""
+
+    def __init__(self, interval=0.2):
+        self.interval = interval
+        self.peak = {"Dirty": 0, "Writeback": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def meminfo() -> dict:
+        out = {}
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    key, _, rest = line.partition(":")
+                    if key in ("Dirty", "Writeback"):
+                        out[key] = int(rest.split()[0]) // 1024  # kB -> MiB
+        except OSError:
+            pass
+        return out
+
+    def _run(self):
+        while not self._stop.is_set():
+            for key, value in self.meminfo().items():
+                self.peak[key] = max(self.peak[key], value)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu0 = usage.ru_utime + usage.ru_stime
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.result = {"client_cpu_s": round(usage.ru_utime + usage.ru_stime - self.cpu0, 2),
+                       "dirty_peak_mib": self.peak["Dirty"], "writeback_peak_mib": self.peak["Writeback"]}
+
+
 def load_ids(path, n):
     rows = []
     with open(path) as fh:
@@ -136,135 +193,124 @@ def server_only_pass(engine, ids_list, concurrency):
     return {"tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1)}
 
 
-@contextlib.contextmanager
-def variant(name):
-    """Remove one of our per-file costs for the duration (measurement only)."""
-    saved = []
-    if name == "no_fsync":
-        saved.append((vs, "_fsync_file", vs._fsync_file))
-        vs._fsync_file = lambda path: None
-    elif name == "no_sha256":
-        saved.append((fsutil, "sha256_file", fsutil.sha256_file))
-        fsutil.sha256_file = lambda path: ""
-    elif name in ("fast", "fast_durable", "sustained"):
-        saved.append((vs.VllmServerEngine, "extract_one", vs.VllmServerEngine.extract_one))
-        vs.VllmServerEngine.extract_one = fast_extract_one
-    elif name == "no_check":
-        saved.append((vs.VllmServerEngine, "_load_checked", vs.VllmServerEngine._load_checked))
-        vs.VllmServerEngine._load_checked = lambda self, index, ids, path: {
-            "hidden_states": _FakeStates()}
-    try:
-        yield
-    finally:
-        for owner, attr, value in saved:
-            setattr(owner, attr, value)
+def specops_pass(engine, ids_list, out_dir, concurrency, timers, digest_workers=None, keep_files=False):
+    """One run's worth of work on ``ids_list``: files in place, manifest data, then durable.
 
-
-# ---------------------------------------------------------------------------- the proposed client path
-#: What ``VllmServerEngine.extract_one`` does per file today: ``load_file`` (read #1 + copy),
-#: ``torch.isfinite`` (torch intra-op threads x our request threads), fsync, rename,
-#: ``sha256_file`` (read #2). ``fast_extract_one`` below reads the file once, hashes those
-#: bytes, checks ids/shape/finiteness on the raw buffer (numpy, no copy, GIL released) and
-#: renames without a per-file fsync; durability is one sync of the output filesystem per
-#: chunk (``sync_output``), measured apart as ``fast_durable``.
-
-_FINITE_MASK = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000)}
-_TORCH_DTYPE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def check_raw(raw: bytes, token_ids, num_layers: int, hidden_size) -> tuple[list, list, str]:
-    """``(problems, shape, dtype)`` of a connector file given as bytes (safetensors layout)."""
-    import numpy as np
-
-    header_len = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + header_len])
-    base = 8 + header_len
-    problems = []
-    missing = {"token_ids", "hidden_states"} - set(header)
-    if missing:
-        return [f"file lacks {sorted(missing)} (has {sorted(k for k in header if k != '__metadata__')})"], [], ""
-    tid, hs = header["token_ids"], header["hidden_states"]
-    if tid["dtype"] != "I64" or len(tid["shape"]) != 1:
-        problems.append(f"token_ids is {tid['dtype']} {tid['shape']}, expected int64 [T]")
-    else:
-        a, b = tid["data_offsets"]
-        got = np.frombuffer(raw, dtype="<i8", count=(b - a) // 8, offset=base + a)
-        if got.shape[0] != len(token_ids) or not np.array_equal(got, np.asarray(token_ids, dtype=np.int64)):
-            problems.append(f"token_ids do not echo the request ({got.shape[0]} ids back, {len(token_ids)} sent)")
-    shape, dtype = list(hs["shape"]), hs["dtype"]
-    want = [len(token_ids), num_layers]
-    if len(shape) != 3 or shape[:2] != want or (hidden_size and shape[2] != hidden_size):
-        problems.append(f"hidden_states shape {shape}, expected {want + [hidden_size or 'H']} [T, L, H]")
-    elif dtype in _FINITE_MASK:
-        np_dtype, mask = _FINITE_MASK[dtype]
-        a, b = hs["data_offsets"]
-        words = np.frombuffer(raw, dtype=np_dtype, count=(b - a) // np.dtype(np_dtype).itemsize, offset=base + a)
-        bad = int(np.count_nonzero((words & mask) == mask))  # exponent all ones: NaN or Inf
-        if bad:
-            problems.append(f"hidden_states has {bad} NaN/Inf values")
-    return problems, shape, _TORCH_DTYPE.get(dtype, dtype.lower())
-
-
-def fast_extract_one(self, index: int, token_ids, out_dir) -> dict:
-    """``extract_one`` with one read, hash-from-bytes, raw-buffer check, and no per-file fsync."""
-    import hashlib
-
-    t0 = time.monotonic()
-    try:
-        path = self._request(token_ids)
-    except vs.SampleRejected as exc:
-        raise vs.SampleRejected(index, exc.problems) from None
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-        digest = hashlib.sha256(raw).hexdigest()
-        problems, shape, dtype = check_raw(raw, token_ids, len(self.file_layer_ids), self.hidden_size)
-        if problems:
-            raise vs.SampleRejected(index, problems)
-    except BaseException:
-        os.unlink(path)
-        raise
-    dest = Path(out_dir) / vs.SAMPLE_FILE.format(index=index)
-    os.replace(path, dest)
-    return {"index": index, "file": dest.name, "tokens": len(token_ids), "shape": shape, "dtype": dtype,
-            "bytes": len(raw), "sha256": digest, "seconds": round(time.monotonic() - t0, 4)}
-
-
-def sync_output(out_dir) -> float:
-    """Make every file under ``out_dir``'s filesystem durable at once (Linux ``syncfs``); seconds."""
-    import ctypes
-
-    t = time.perf_counter()
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t
-
-
-class _FakeStates:
-    shape = (0, 0, 0)
-    dtype = "unchecked"
-
-
-def specops_pass(engine, ids_list, out_dir, concurrency, timers, durable=False):
+    :param digest_workers: the engine's ``digest_workers`` for this pass (None: its default).
+    :param keep_files: leave the files in ``out_dir/hidden_states`` (for the digest profile).
+    """
     engine.params["concurrency"] = concurrency
+    saved_workers = engine.params.get("digest_workers")
+    if digest_workers:
+        engine.params["digest_workers"] = digest_workers
     shutil.rmtree(out_dir, ignore_errors=True)
-    samples = list(enumerate(ids_list))
-    t = time.perf_counter()
-    records = engine.extract_files(samples, out_dir)
-    sync_s = sync_output(str(out_dir)) if durable else None
-    wall = time.perf_counter() - t
+    samples_ = list(enumerate(ids_list))
+    digests = {}
+
+    def landed(record):
+        digests[record["index"]] = record.pop("digest")
+
+    try:
+        with PassMeter() as meter:
+            t = time.perf_counter()
+            records = engine.extract_files(samples_, out_dir / "hidden_states", on_done=landed)
+            landed_s = time.perf_counter() - t
+            hs_samples.scan_samples(out_dir, range(len(samples_)), engine.layer_ids, hs_samples.HS,
+                                    file_layer_ids=engine.file_layer_ids, known=digests)
+            wall = time.perf_counter() - t
+            fsutil.sync_filesystem(out_dir / "hidden_states")
+            durable = time.perf_counter() - t
+    finally:
+        engine.params["digest_workers"] = saved_workers
     tokens = sum(r["tokens"] for r in records)
     out = {"tokens": tokens, "files": len(records), "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1),
-           "bytes_per_file": records[0]["bytes"] if records else None}
-    if durable:
-        out["sync_s"] = round(sync_s, 3)
+           "landed_s": round(landed_s, 3), "durable_wall_s": round(durable, 3),
+           "durable_tok_per_s": round(tokens / durable, 1),
+           "bytes_per_file": records[0]["bytes"] if records else None,
+           "digest_workers": digest_workers or engine.params.get("digest_workers") or min(4, os.cpu_count() or 1)}
+    out.update(meter.result)
     out.update(timers.take())
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if not keep_files:
+        shutil.rmtree(out_dir, ignore_errors=True)
     return out
+
+
+def keep_pass(engine, ids_list, out_dir, concurrency):
+    """Extraction requests whose files are renamed into ``out_dir`` and kept (no digest), then one syncfs."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+
+    def one(item):
+        index, ids = item
+        path = engine._request(ids)
+        vs.move_into_place(path, out_dir / vs.SAMPLE_FILE.format(index=index))
+        return len(ids)
+
+    with PassMeter() as meter:
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            tokens = sum(pool.map(one, enumerate(ids_list)))
+        wall = time.perf_counter() - t
+        fsutil.sync_filesystem(out_dir)
+        durable = time.perf_counter() - t
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return dict({"tokens": tokens, "files": len(ids_list), "wall_s": round(wall, 3),
+                 "tok_per_s": round(tokens / wall, 1), "durable_wall_s": round(durable, 3),
+                 "durable_tok_per_s": round(tokens / durable, 1)}, **meter.result)
+
+
+def digest_profile(engine, ids_list, out_dir, timers) -> dict:
+    """Where a file's digest time goes, single-threaded, and the digest's throughput with more threads."""
+    import torch
+
+    specops_pass(engine, ids_list, out_dir, 32, timers, keep_files=True)
+    timers.take()
+    files = sorted((out_dir / "hidden_states").glob("*.safetensors"))
+    size = files[0].stat().st_size
+    layer_ids, file_ids = engine.layer_ids, engine.file_layer_ids
+
+    def sha_only(path):
+        with open(path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            return hashlib.sha256(mapped).hexdigest()
+        finally:
+            mapped.close()
+
+    def stats_only(path):
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as fh:
+            states = fh.get_tensor("hidden_states")
+        return [hs_samples.layer_partial(states[:, file_ids.index(lid)]) for lid in layer_ids]
+
+    def whole(path):
+        return hs_samples.digest_hs_file(path, layer_ids, file_ids)
+
+    result = {"files": len(files), "bytes_per_file": size, "torch_threads": torch.get_num_threads(),
+              "single_thread_ms_per_file": {}, "parallel_GB_per_s": {}}
+    for name, fn in (("sha256", sha_only), ("layer_stats_incl_load", stats_only), ("digest", whole)):
+        t = time.perf_counter()
+        for path in files:
+            fn(path)
+        result["single_thread_ms_per_file"][name] = round((time.perf_counter() - t) / len(files) * 1e3, 2)
+    def parallel(threads):
+        t = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(whole, files))
+        return round(len(files) * size / (time.perf_counter() - t) / 1e9, 2)
+
+    for threads in (1, 4, 8, 16):
+        result["parallel_GB_per_s"][str(threads)] = parallel(threads)
+    # each digesting thread's torch ops fan out over torch's intra-op pool: the same with that pool at 1
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result["parallel_GB_per_s_torch_threads_1"] = {str(n): parallel(n) for n in (4, 8, 16)}
+    finally:
+        torch.set_num_threads(torch_threads)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return result
 
 
 def main(argv=None) -> int:
@@ -276,10 +322,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--kinds", default="plain,server_only,specops",
-                        help="passes repeated --reps times at each concurrency (plain, server_only, specops, fast)")
-    parser.add_argument("--once", default="no_fsync@32,no_sha256@32,no_check@32",
-                        help="NAME@C passes run once after them (no_fsync, no_sha256, no_check, fast, fast_durable, "
-                             "sustained, specops)")
+                        help="passes repeated --reps times at each concurrency (plain, server_only, specops)")
+    parser.add_argument("--once", default="",
+                        help="NAME@C passes run once after them (sustained, specops, keep, specops+dwN)")
+    parser.add_argument("--profile-digest", type=int, default=0, help="files for the digest profile (0: none)")
     parser.add_argument("--sustained-n", type=int, default=1024)
     parser.add_argument("--util", type=float, default=0.4)
     parser.add_argument("--kv-gib", type=float, default=24)
@@ -310,10 +356,8 @@ def main(argv=None) -> int:
                           max_model_len=seq_len + 1, params=dict(common, _plain=True))
     timers = Timers()
     for owner, name, label in ((vs.VllmServerEngine, "_request", "request"),
-                               (vs.VllmServerEngine, "_load_checked", "load_check"),
-                               (vs, "move_into_place", "fsync_rename"),
-                               (vs, "_fsync_file", "fsync"),
-                               (fsutil, "sha256_file", "sha256")):
+                               (hs_samples, "digest_hs_file", "digest"),
+                               (vs, "move_into_place", "rename")):
         timers.wrap(owner, name, label)
 
     t0 = time.perf_counter()
@@ -342,8 +386,7 @@ def main(argv=None) -> int:
                         run = server_only_pass(engine, ids_list, c)
                         timers.take()
                     else:
-                        with variant(kind):
-                            run = specops_pass(engine, ids_list, out / "samples", c, timers)
+                        run = specops_pass(engine, ids_list, out / "samples", c, timers)
                     result["runs"].append(dict(kind=kind, rep=rep, concurrency=c, **run))
                     print(json.dumps(result["runs"][-1]), flush=True)
         for entry in [v for v in args.once.split(",") if v]:
@@ -352,10 +395,25 @@ def main(argv=None) -> int:
             ids = ids_list
             if name == "sustained":
                 ids = load_ids(args.dataset, args.sustained_n)
-            with variant(name):
-                result["runs"].append(dict(kind=name, rep=0, concurrency=c, **specops_pass(
-                    engine, ids, out / "samples", c, timers, durable=name in ("fast_durable", "sustained"))))
+            try:  # an extra pass that fails must not cost the numbers already measured
+                if name == "keep":
+                    run = keep_pass(engine, ids, out / "samples", c)
+                    timers.take()
+                else:
+                    _, _, workers = name.partition("+dw")
+                    run = specops_pass(engine, ids, out / "samples", c, timers, digest_workers=int(workers or 0))
+            except Exception as exc:
+                result.setdefault("errors", []).append(f"{entry}: {type(exc).__name__}: {exc}")
+                continue
+            result["runs"].append(dict(kind=name, rep=0, concurrency=c, **run))
             print(json.dumps(result["runs"][-1]), flush=True)
+        if args.profile_digest:
+            try:
+                result["digest_profile"] = digest_profile(engine, ids_list[:args.profile_digest],
+                                                          out / "profile", timers)
+            except Exception as exc:
+                result.setdefault("errors", []).append(f"digest profile: {type(exc).__name__}: {exc}")
+            print(json.dumps({"digest_profile": result.get("digest_profile")}), flush=True)
     finally:
         engine.close()
         plain.stop()
@@ -363,6 +421,10 @@ def main(argv=None) -> int:
     for run in result["runs"]:
         key = (run["kind"], run["concurrency"])
         best[key] = max(best.get(key, 0), run["tok_per_s"])
+    for run in result["runs"]:
+        if "durable_tok_per_s" in run:
+            key = (run["kind"] + "_durable", run["concurrency"])
+            best[key] = max(best.get(key, 0), run["durable_tok_per_s"])
     table = {f"{k}@{c}": v for (k, c), v in sorted(best.items())}
     plain_best = max(v for (k, _), v in best.items() if k == "plain")
     result["best_tok_per_s"] = table
@@ -372,7 +434,7 @@ def main(argv=None) -> int:
         if k != "plain" and ("plain", c) in best}
     result["median_tok_per_s"] = {
         f"{k}@{c}": statistics.median(r["tok_per_s"] for r in result["runs"] if (r["kind"], r["concurrency"]) == (k, c))
-        for (k, c) in sorted(best)}
+        for (k, c) in sorted(best) if not k.endswith("_durable")}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     return 0
