@@ -228,6 +228,7 @@ def test_server_command_binds_loopback_and_turns_chunked_prefill_off(tmp_path):
     flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
     assert (flag["--host"], flag["--port"], flag["--tensor-parallel-size"]) == ("127.0.0.1", "41234", "2")
     assert "--no-enable-chunked-prefill" in argv and "--enforce-eager" in argv
+    assert flag["--max-num-batched-tokens"] == "2048"  # several prompts per step, plain server or not
     spec = json.loads(flag["--speculative-config"])
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
@@ -244,6 +245,12 @@ def test_cpu_env_binds_each_rank_to_its_own_cores():
     kept = vllm_server.server_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, marker="m", tp=2, on_cpu=True)
     assert kept["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_server.server_env({}, marker="m", tp=1, on_cpu=False)
+    # every rank's torch threads = its cores (vLLM would cut some to one); the host's own setting wins
+    cores = len(os.sched_getaffinity(0))
+    assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert vllm_server.server_env({}, marker="m", tp=1, on_cpu=True)["OMP_NUM_THREADS"] == str(cores)
+    assert vllm_server.server_env({"OMP_NUM_THREADS": "3"}, marker="m", tp=1, on_cpu=True)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in vllm_server.server_env({}, marker="m", tp=1, on_cpu=False)
 
 
 def test_a_server_dies_with_the_process_that_started_it(tmp_path):
