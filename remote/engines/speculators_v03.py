@@ -27,6 +27,10 @@ from remote import modelconfig
 from . import Engine
 
 
+#: the warm-up prompt: ids every vocabulary has
+WARMUP_IDS = list(range(1, 9))
+
+
 class SpeculatorsV03Engine(Engine):
     name = "speculators-0.3"
 
@@ -61,6 +65,10 @@ class SpeculatorsV03Engine(Engine):
         # ascending capture order -> position of each requested id
         order = sorted(self.layer_ids)
         self._pick = [order.index(lid) for lid in self.layer_ids]
+        # One short prompt through the whole capture path while still "loading": a broken
+        # capture (unpatched hook, wrong layer ids) fails here, before any sample, and the
+        # first batch of the run does not pay the engine's first-call set-up.
+        self.generator.generate([WARMUP_IDS])
 
     def _max_model_len(self) -> int:
         """Room for the longest sample plus the one decode token the generator asks for."""
