@@ -37,9 +37,19 @@ transformers fp32 vs the same forward with the defect):
   to ``LLAMA4_TWIN_ORIGINAL_MAX`` (16) so that short smoke samples cross it; ``beta``
   is kept.
 
+**MLA on a GPU.** The twin's tiny MLA dims (``tinymodel.MLA_DIMS``: latent 64, rope 32)
+are what vLLM's CPU attention accepts, but vLLM's MLA attention on a GPU accepts only
+the real ones (a latent cache of kv_lora_rank + qk_rope_head_dim = 576 or 320 values per
+token; the tiny twin's 96 failed its first request on the H200: "Head dimension 96 is
+not supported by MLA."). For ``device: cuda`` the twin of an MLA model therefore keeps
+the target's ``tinymodel.MLA_HEAD_DIM_KEYS`` (512 / 128 / 64 / 128 for DeepSeek-V3): the
+GPU run exercises the MLA kernels the real model will (FLASH_ATTN_MLA on Hopper).
+Everything else stays tiny (the DeepSeek-V3 twin: 21.5 MB instead of 9.9 MB), and the
+choice is part of the twin's hash only where it changes the twin.
+
 Parameters: ``model_path``, ``work_dir`` (required); ``dataset``, ``samples`` (4),
 ``seq_len`` (capped at ``SMOKE_SEQ_LEN``), ``layers`` (8), ``rebuild`` (false),
-``trust_remote_code``, ``env``.
+``device`` (the run's; ``cuda`` keeps MLA head dims), ``trust_remote_code``, ``env``.
 
 Stdlib only at import; torch and transformers are imported by the builder.
 """
@@ -91,13 +101,23 @@ def target_config(model_path: Path) -> dict:
                          else exc.fix) from None
 
 
-def twin_hash(model_path: Path, config: dict, num_layers: int) -> str:
-    """Content hash of everything the twin is built from."""
+def keeps_mla_head_dims(config: dict, device) -> bool:
+    """True when the twin of ``config`` keeps the target's MLA head dims: an MLA model for a GPU."""
+    from remote import tinymodel
+
+    on_gpu = str(device or "").lower().startswith("cuda")
+    return on_gpu and tinymodel._is_mla(modelconfig.text_config(config))
+
+
+def twin_hash(model_path: Path, config: dict, num_layers: int, device=None) -> str:
+    """Content hash of everything the twin is built from (the device only where it changes the twin)."""
     from remote import tinymodel
 
     digest = hashlib.sha256()
     digest.update(json.dumps(config, sort_keys=True).encode())
     digest.update(f"\0layers={num_layers}\0recipe={TWIN_RECIPE}\0".encode())
+    if keeps_mla_head_dims(config, device):
+        digest.update(b"mla_head_dims=target\0")
     digest.update(Path(tinymodel.__file__).read_bytes())
     digest.update(Path(__file__).read_bytes())
     for pattern in tinymodel.TOKENIZER_FILE_PATTERNS + tinymodel.TWIN_EXTRA_PATTERNS:
@@ -107,13 +127,17 @@ def twin_hash(model_path: Path, config: dict, num_layers: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def twin_config(config: dict, num_layers: int) -> tuple[dict, list[str]]:
+def twin_config(config: dict, num_layers: int, device=None) -> tuple[dict, list[str]]:
     """The shrunk config plus the twin-only changes (listed in the returned notes)."""
     from remote import tinymodel
 
-    tiny = tinymodel.shrink_config(config, num_layers=num_layers)
+    keep = keeps_mla_head_dims(config, device)
+    tiny = tinymodel.shrink_config(config, num_layers=num_layers, keep_mla_head_dims=keep)
     text = modelconfig.text_config(tiny)
     notes = []
+    if keep:
+        notes.append("MLA head dims kept from the target for the GPU's MLA kernels: " + ", ".join(
+            f"{key} {text[key]}" for key in tinymodel.MLA_HEAD_DIM_KEYS if key in text))
     scaling = text.get("llama_4_scaling")
     if isinstance(scaling, dict) and int(scaling.get("original_max_position_embeddings") or 0) > \
             LLAMA4_TWIN_ORIGINAL_MAX:
@@ -154,11 +178,11 @@ def condition_weights(model_dir: Path, text_config: dict) -> list[str]:
     return notes
 
 
-def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -> list[str]:
+def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int, device=None) -> list[str]:
     """Build the twin into ``out_dir`` (which must not exist); returns the twin-only notes."""
     from remote import tinymodel
 
-    tiny, notes = twin_config(config, num_layers)
+    tiny, notes = twin_config(config, num_layers, device)
     # Remote code and processor configs travel as files (tinymodel copies them): whether
     # they run is decided by the loaders, exactly as for the target.
     tinymodel.build_twin(model_path, out_dir, num_shards=2, tiny_config=tiny)
@@ -169,10 +193,10 @@ def build_twin(model_path: Path, out_dir: Path, config: dict, num_layers: int) -
 
 
 
-def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) -> dict:
+def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool, device=None) -> dict:
     """The twin dir, built once per hash (atomic rename, one builder at a time)."""
     config = target_config(model_path)
-    digest = twin_hash(model_path, config, num_layers)
+    digest = twin_hash(model_path, config, num_layers, device)
     twin_dir = root / digest / "model"
     info_path = root / digest / "twin.json"
     t0 = time.monotonic()
@@ -184,7 +208,7 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool) ->
             staging = root / digest / f".model-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)
             try:
-                notes = build_twin(model_path, staging, config, num_layers)
+                notes = build_twin(model_path, staging, config, num_layers, device)
                 shutil.rmtree(twin_dir, ignore_errors=True)
                 os.rename(staging, twin_dir)
             except BaseException:
@@ -252,7 +276,7 @@ def prepare(params: dict) -> dict:
     count = max(1, int(params.get("samples") or DEFAULT_SAMPLES))
     num_layers = int(params.get("layers") or 8)
     try:
-        twin = ensure_twin(model_path, root, num_layers, bool(params.get("rebuild")))
+        twin = ensure_twin(model_path, root, num_layers, bool(params.get("rebuild")), params.get("device"))
     except SmokeError:
         raise
     except Exception as exc:

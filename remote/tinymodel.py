@@ -88,6 +88,14 @@ MAX_EXPERTS_PER_TOKEN = 2
 #: MLA dims: nope + rope = 64 = the head size the CPU attention accepts.
 MLA_DIMS = {"q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
             "qk_rope_head_dim": 32, "v_head_dim": 64}
+#: The MLA dims that fix attention's head sizes. vLLM's MLA attention accepts only the
+#: real ones: its latent cache holds kv_lora_rank + qk_rope_head_dim values per token and
+#: ``MLACommonBackend`` supports 576 or 320 of them (``MLA_DIMS`` make 96: on the H200,
+#: vLLM 0.25 picked TRITON_MLA and failed the first request with "Head dimension 96 is not
+#: supported by MLA."). So a twin meant for a GPU keeps these from its target
+#: (``shrink_config(..., keep_mla_head_dims=True)``); ``q_lora_rank`` is only a
+#: projection's rank and is shrunk either way.
+MLA_HEAD_DIM_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 TINY_VISION = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1,
                "intermediate_size": 128}
 #: Keys whose presence (not value) would make a loader expect a different checkpoint.
@@ -158,13 +166,18 @@ _SYLLABLES = "ka ko ru mi ta ne so lu pe di va zo".split()
 
 # --------------------------------------------------------------------------- configs
 
-def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | None = None) -> dict:
+def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | None = None, *,
+                  keep_mla_head_dims: bool = False) -> dict:
     """Return the tiny twin's config.json dict for a real model's config.json dict.
 
     :param config: the real ``config.json`` as a dict (not changed).
     :param num_layers: decoder layers of the twin; at least 8 (see ``MIN_LAYERS``).
     :param vocab_size: the twin's vocab; ``None`` keeps the real one (right when the
         twin reuses the real tokenizer).
+    :param keep_mla_head_dims: for an MLA model (DeepSeek-V2/V3, Kimi), keep the target's
+        ``MLA_HEAD_DIM_KEYS`` instead of ``MLA_DIMS``: what a twin that runs on a GPU
+        needs (vLLM's CUDA MLA kernels reject tiny latent/rope dims), while the default
+        tiny dims are what vLLM's CPU attention accepts. No effect on other models.
     :returns: a new dict; a ``text_config`` wrapper stays a wrapper (the text model
         inside is shrunk, a ``vision_config`` beside it is shrunk too).
     :raises ValueError: for ``num_layers < 8``.
@@ -182,16 +195,16 @@ def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | 
     for key in DROPPED_KEYS:
         tiny.pop(key, None)
     if isinstance(tiny.get("text_config"), dict):
-        tiny["text_config"] = _shrink_text(tiny["text_config"], num_layers, vocab_size)
+        tiny["text_config"] = _shrink_text(tiny["text_config"], num_layers, vocab_size, keep_mla_head_dims)
         if isinstance(tiny.get("vision_config"), dict):
             tiny["vision_config"] = _shrink_vision(tiny["vision_config"])
         if "vocab_size" in tiny and vocab_size is not None:
             tiny["vocab_size"] = vocab_size
         return tiny
-    return _shrink_text(tiny, num_layers, vocab_size)
+    return _shrink_text(tiny, num_layers, vocab_size, keep_mla_head_dims)
 
 
-def _shrink_text(cfg: dict, num_layers: int, vocab_size: int | None) -> dict:
+def _shrink_text(cfg: dict, num_layers: int, vocab_size: int | None, keep_mla_head_dims: bool = False) -> dict:
     cfg = copy.deepcopy(cfg)
     for key in DROPPED_KEYS:
         cfg.pop(key, None)
@@ -206,12 +219,14 @@ def _shrink_text(cfg: dict, num_layers: int, vocab_size: int | None) -> dict:
     if _is_mla(cfg):
         # DeepSeek-V2-Lite style models have q_lora_rank null (a plain q_proj): keep that.
         plain_q = "q_lora_rank" in cfg and cfg["q_lora_rank"] is None
+        kept = {key: cfg[key] for key in MLA_HEAD_DIM_KEYS if key in cfg} if keep_mla_head_dims else {}
         cfg.update(MLA_DIMS)
+        cfg.update(kept)
         if plain_q:
             cfg["q_lora_rank"] = None
         cfg["num_key_value_heads"] = HEADS
         if "head_dim" in cfg:  # transformers' DeepseekV3Config sets head_dim = qk_rope_head_dim
-            cfg["head_dim"] = MLA_DIMS["qk_rope_head_dim"]
+            cfg["head_dim"] = cfg["qk_rope_head_dim"]
     else:
         cfg["head_dim"] = HEAD_DIM
     _shrink_moe(cfg, num_layers)

@@ -19,7 +19,7 @@ Prints server start times, tok/s of each and the ratios (target >= 0.9). Load ex
     .venv/bin/python scripts/bench_modern.py [--model llama|llama_mid|DIR] [--tp 1] [--samples 48]
         [--lengths 64,128,96,120] [--repeat 2]
 
-``llama_mid`` (hidden 1024, 4 layers, built once into the cache) is a model whose prefill
+``llama_mid`` (hidden 1024, 8 layers, built once into the cache) is a model whose prefill
 is compute, as a real one's is; the test host's tiny Llama (hidden 256) measures mostly
 vLLM's per-step overhead, which the extraction method doubles.
 """

@@ -4,7 +4,10 @@ The fixtures were recorded by ``scripts/gpu/round.py`` on one NVIDIA H200 (drive
 580.159.04, CUDA 13.0, torch 2.11.0+cu130, vLLM 0.25.0 from ../shared/gpu's kit):
 nvidia-smi output, preflight over SSH on the machine's loopback, the ``vllm-server``
 engine on three random models (server logs, memory, states vs transformers), the
-benchmark, and the job flow (extract/status/logs/fetch/abort/smoke/verify).
+benchmark, and the job flow (extract/status/logs/fetch/abort/smoke/verify). Round 3
+(``*/round3*``, ``engine/deepseek_twin_tiny_mla``) re-measured the benchmark with the
+digesting client, ran the job flow to done, and smoke + verify on the real-width Llama
+and on DeepSeek-V3 with MLA on the GPU path (the twin keeps the target's MLA head dims).
 ``tests/fixtures/gpu/README.md`` says which call printed which file.
 """
 from __future__ import annotations
@@ -212,3 +215,186 @@ def test_job_flow_on_the_gpu():
     assert read("jobs/gpu_apps_after_abort.csv").strip().splitlines() == ["pid, used_gpu_memory [MiB]"]
     assert json.loads(read("jobs/run_gpu-ds-abort/status.json"))["state"] == "aborted"
     assert "FLASH_ATTN_MLA" in read("jobs/run_gpu-ds-abort/logs/server.log")
+
+
+# ============================================================================= round 3
+R3 = "jobs/round3"
+BYTES_PER_TOKEN = 33562792 / 1024  # one llama_wide sample file (4 layers x 4096 bf16 + ids) per prompt token
+
+
+def _layer_records(rel: str) -> dict:
+    return {n: r for n, r in records(rel).items() if n.startswith("verify.layer.")}
+
+
+def test_round3_h200_facts():
+    gpus = host.parse_gpus(read("env/round3/gpus.csv"))
+    assert [(g["name"], g["driver"], g["memory_total_mib"]) for g in gpus] == [("NVIDIA H200", "580.159.04", 143771)]
+    assert gpu.parse_smi_banner(read("env/round3/nvidia-smi.txt"))["cuda_version"] == "13.0"
+
+
+# ----------------------------------------------------------------------------- the benchmark, round 3
+
+
+def _run(doc, kind, conc, rep=None):
+    runs = [r for r in doc["runs"] if r["kind"] == kind and r["concurrency"] == conc and rep in (None, r["rep"])]
+    assert runs, (kind, conc)
+    return max(runs, key=lambda r: r["tok_per_s"])
+
+
+def test_round3_benchmark_where_the_time_goes():
+    """Keeping the files is free; the digest (sha256 + layer stats, 4 workers) is what caps the client."""
+    doc = json.loads(read("bench/round3.json"))
+    assert doc["samples"] == 512 and doc["seq_len"] == 1024 and doc["layer_ids"] == [2, 4, 5, 8]
+    plain, server_only = _best(doc, "plain", 64), _best(doc, "server_only", 64)
+    keep, specops = _best(doc, "keep", 64), _best(doc, "specops", 64)
+    assert plain > 150_000 and server_only / plain > 0.85
+    assert keep / server_only > 0.97          # renamed and kept in the page cache: as fast as deleted
+    assert specops / server_only < 0.6         # the default client: digest-bound
+    for conc in (32, 64):
+        for run in (r for r in doc["runs"] if r["kind"] == "specops" and r["concurrency"] == conc):
+            busy = run["digest_thread_s"] / run["landed_s"]
+            assert busy > 0.85 * run["digest_workers"] == 0.85 * 4   # every digest worker busy all the time
+            assert run["rename_thread_s"] < 0.01 * run["digest_thread_s"]
+            assert run["bytes_per_file"] == 33562792 and run["files"] == 512
+    # more digest workers: faster, but far from linear (the server's processes and torch's threads compete)
+    assert _best(doc, "specops+dw8", 64) > 1.3 * specops
+    assert _best(doc, "specops+dw12", 64) < 1.1 * _best(doc, "specops+dw8", 64)
+
+
+def test_round3_durable_speed_is_the_disk():
+    doc = json.loads(read("bench/round3.json"))
+    disk = json.loads(read("env/round3/disk.txt").strip().replace("'", '"'))
+    disk_bound = disk["fsync"]["GB_per_s"] * 1e9 / BYTES_PER_TOKEN
+    for kind in ("keep", "specops", "specops+dw8"):
+        durable = max(r["durable_tok_per_s"] for r in doc["runs"] if r["kind"] == kind)
+        assert 0.8 * disk_bound < durable < 1.3 * disk_bound, (kind, durable, disk_bound)
+        assert durable < 0.3 * _best(doc, "plain", 64)
+
+
+def test_round3_digest_profile():
+    profile = json.loads(read("bench/round3.json"))["digest_profile"]
+    single = profile["single_thread_ms_per_file"]
+    assert single["sha256"] > 0.5 * single["digest"]            # hashing is most of a file's digest
+    need = _best(json.loads(read("bench/round3.json")), "plain", 64) * BYTES_PER_TOKEN / 1e9
+    assert profile["parallel_GB_per_s"]["4"] < 0.6 * need        # 4 workers cannot keep up with prefill
+    # torch's intra-op pool per digesting thread oversubscribes the cores: one thread each scales further
+    assert profile["parallel_GB_per_s_torch_threads_1"]["16"] > 1.3 * profile["parallel_GB_per_s"]["16"]
+
+
+# ----------------------------------------------------------------------------- job flow and runs, round 3
+
+
+def test_round3_job_flow_runs_to_done_with_token_dataset_jsonl():
+    status = cli_json(f"{R3}/status_llama.json")["hosts"][0]["data"]["status"]
+    assert status["state"] == "done" and status["samples_done"] == status["samples_total"] == 24
+    assert status["error"] is None
+    assert "done" in read(f"{R3}/extract_llama.txt") and "24/24" in read(f"{R3}/extract_llama.txt")
+    assert "25 sample file(s) verified by sha256" in read(f"{R3}/fetch_llama.txt")
+    run = f"{R3}/run_gpu-llama-3"
+    manifest = json.loads(read(f"{run}/manifest.json"))
+    assert manifest["dataset_files"] == ["token_dataset.jsonl"] and manifest["samples"] == 24
+    rows = [json.loads(line) for line in read(f"{run}/samples/token_dataset.jsonl").splitlines()]
+    assert len(rows) == 24 and sum(len(r["input_ids"]) for r in rows) == manifest["tokens"] == 1436
+    # the files fetch brought back are the ones the manifest (digested as they landed) describes
+    fetched = dict(line.split() for line in read(f"{run}/tensors.txt").splitlines())
+    for entry in manifest["files"]:
+        assert int(fetched["samples/" + entry["path"]]) == entry["bytes"]
+        assert entry["tensors"]["hidden_states"]["shape"] == [entry["tokens"], 4, 256]
+
+
+@pytest.mark.parametrize("name, hidden", [("llama", 256), ("wide", 4096), ("deepseek", 2048)])
+def test_round3_verify_on_the_gpu_runs(name, hidden):
+    doc = cli_json(f"{R3}/verify_{name}.json")
+    assert doc["exit_code"] == 0
+    layers = _layer_records(f"{R3}/verify_{name}.json")
+    assert sorted(layers) == [f"verify.layer.{i}" for i in (2, 4, 5, 8)]
+    for rec in layers.values():
+        assert rec["detail"]["nrmse"] < 0.03 and rec["detail"]["floor_ratio"] < 1.3
+        assert rec["status"] == "ok" or (name == "deepseek" and rec["status"] == "warn")
+    manifest = json.loads(read(f"{R3}/run_gpu-{name}-3/manifest.json"))
+    assert {tuple(f["tensors"]["hidden_states"]["shape"][1:]) for f in manifest["files"]} == {(4, hidden)}
+
+
+def test_round3_deepseek_verify_explains_its_one_warn_by_routing():
+    recs = records(f"{R3}/verify_deepseek.json")
+    assert recs["verify.routing"]["status"] == "ok"
+    warn = [r for n, r in recs.items() if r["status"] == "warn"]
+    assert [r["name"] for r in warn] == ["verify.layer.8"] and warn[0]["detail"]["agree"] == 329
+    assert warn[0]["detail"]["raw"]["nrmse"] > 5 * warn[0]["detail"]["nrmse"]  # with fp32's own experts: 11 %
+
+
+@pytest.mark.parametrize("name, model", [("llama", "llama"), ("wide", "llama_wide"), ("deepseek", "deepseek_v3")])
+def test_round3_memory_plan_vs_what_the_runs_used(name, model):
+    memory = json.loads(read(f"{R3}/memory_{name}.json"))
+    log = read(f"{R3}/run_gpu-{name}-3/logs/server.log")
+    used = gpu.parse_engine_memory(log)
+    assert json.loads(json.dumps(used)) == memory["engine"]
+    assert used["engine"]["cudagraph_mode"] == "PIECEWISE"
+    assert used["ranks"][0]["attention_backend"] == ("FLASH_ATTN_MLA" if name == "deepseek" else "FLASH_ATTN")
+    rows = gpu.compare(memory["plan"], used, memory["smi_peak_used_mib"]["0"])
+    assert rows == memory["compare"]
+    assert 0.98 <= rows["kv_room_bytes"]["ratio"] <= 1.02
+    assert 0.93 <= rows["tokens_fit"]["ratio"] <= 1.0
+    assert 0.99 <= rows["gpu_used_bytes"]["ratio"] <= 1.02
+    assert 0.6 <= rows["overhead_bytes"]["ratio"] <= 1.3
+
+
+# ----------------------------------------------------------------------------- smoke, and the MLA twin on a GPU
+
+
+def test_round2_smoke_failure_was_the_twins_mla_head_size():
+    """Round 2's DeepSeek smoke died at its first request: the twin's tiny MLA dims, rejected on the GPU."""
+    config = json.loads(read("engine/deepseek_twin_tiny_mla/config.json"))
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 96
+    log = read("engine/deepseek_twin_tiny_mla/server.log")
+    assert "Using TRITON_MLA attention backend out of potential backends: ['TRITON_MLA']" in log
+    assert "ValueError: Head dimension 96 is not supported by MLA." in log
+    result = json.loads(read("engine/deepseek_twin_tiny_mla/result.json"))
+    assert result["error"]["type"] == "ServerFailed" and "HTTP 500" in result["error"]["message"]
+
+
+def test_log_failure_names_the_engine_core_root_cause_at_tp1():
+    from remote.engines import vllm_server
+
+    failure = vllm_server.log_failure(read("engine/deepseek_twin_tiny_mla/server.log"))
+    assert failure["exception"] == "ValueError: Head dimension 96 is not supported by MLA."
+
+
+def test_twin_for_cuda_keeps_the_targets_mla_head_dims():
+    """CPU-only: a cuda twin of an MLA model keeps the head dims (its own hash); other twins are unchanged."""
+    from remote import smoke, tinymodel
+
+    target = json.loads(read("engine/deepseek_v3/config.json"))
+    cuda, notes = smoke.twin_config(target, 8, "cuda")
+    cpu, cpu_notes = smoke.twin_config(target, 8, "cpu")
+    assert cpu == smoke.twin_config(target, 8)[0] == tinymodel.shrink_config(target, num_layers=8)
+    assert not cpu_notes and {k: cpu[k] for k in tinymodel.MLA_DIMS} == tinymodel.MLA_DIMS
+    assert {k: cuda[k] for k in tinymodel.MLA_HEAD_DIM_KEYS} == {k: target[k] for k in tinymodel.MLA_HEAD_DIM_KEYS}
+    assert cuda["kv_lora_rank"] + cuda["qk_rope_head_dim"] == 576              # a head size vLLM's MLA accepts
+    assert cuda["hidden_size"] == cpu["hidden_size"] == 256 and cuda["q_lora_rank"] == 64
+    assert notes and "kv_lora_rank 512" in notes[0]
+    # the twin the GPU round built: the same choice, noted in twin.json
+    (twin_dir,) = [p for p in (FIX / R3 / "smoke_twins").iterdir()
+                   if json.loads((p / "config.json").read_text())["model_type"] == "deepseek_v3"]
+    built = json.loads((twin_dir / "config.json").read_text())
+    assert {k: built[k] for k in tinymodel.MLA_HEAD_DIM_KEYS} == {k: cuda[k] for k in tinymodel.MLA_HEAD_DIM_KEYS}
+    assert json.loads((twin_dir / "twin.json").read_text())["notes"][0] == notes[0]
+    # the hash changes only where the twin does
+    llama = tinymodel.reference_configs()["llama"]
+    assert smoke.twin_config(llama, 8, "cuda") == smoke.twin_config(llama, 8, "cpu")
+    assert smoke.keeps_mla_head_dims(target, "cuda") and not smoke.keeps_mla_head_dims(target, "cpu")
+    assert not smoke.keeps_mla_head_dims(llama, "cuda") and not smoke.keeps_mla_head_dims(target, None)
+
+
+@pytest.mark.parametrize("host_name, backend", [("gpu-deepseek", "FLASH_ATTN_MLA"), ("gpu-wide", "FLASH_ATTN")])
+def test_round3_smoke_passes_on_the_gpu(host_name, backend):
+    doc = cli_json(f"{R3}/smoke_{host_name}.json")
+    assert doc["exit_code"] == 0
+    recs = records(f"{R3}/smoke_{host_name}.json")
+    assert recs["smoke.run"]["status"] == "ok" and "vllm-server, tp=1" in recs["smoke.run"]["summary"]
+    layers = [r for n, r in recs.items() if n.startswith("verify.layer.")]
+    assert len(layers) == 4 and all(r["status"] == "ok" and r["detail"]["nrmse"] < 0.02 for r in layers)
+    run_id = recs["verify.run"]["summary"].split()[1].rstrip(":")
+    log = read(f"{R3}/smoke_runs/{run_id}/logs/server.log")
+    assert f"Using {backend} attention backend" in log
+    assert json.loads(read(f"{R3}/smoke_runs/{run_id}/status.json"))["state"] == "done"

@@ -9,7 +9,7 @@ reference tokenizer of ``remote.tinymodel``):
 * ``llama/``: the test host's tiny Llama (hidden 256, 8 layers), same config as on CPU;
 * ``llama_wide/``: a Llama of real width (hidden 4096, 32/8 heads, head_dim 128,
   intermediate 14336) with 8 layers: about 1.3B parameters, the benchmark model;
-* ``llama_mid/``: hidden 1024, 4 layers, for the CPU benchmark (``scripts/bench_modern.py``);
+* ``llama_mid/``: hidden 1024, 8 layers, for the CPU benchmark (``scripts/bench_modern.py``);
 * ``deepseek_dense/``: the same with every layer dense (MLA without MoE routing);
 * ``deepseek_v3/``: DeepSeek-V3 architecture with the real MLA dims (kv_lora_rank 512,
   qk_rope 64, qk_nope 128, v_head 128: what the GPU MLA kernels are built for), 16 heads,
@@ -54,7 +54,7 @@ def configs() -> dict:
     dense = dict(ds, first_k_dense_replace=ds["num_hidden_layers"])
     # CPU benchmarks (scripts/bench_modern.py): wide enough that prefill is compute, small enough for 2 cores
     mid = dict(tinymodel.LLAMA_LIKE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
-               num_key_value_heads=8, num_hidden_layers=4, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
+               num_key_value_heads=8, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
     return {"llama": ref["llama"], "llama_wide": wide, "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid}
 
 

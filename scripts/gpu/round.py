@@ -5,12 +5,19 @@ Run from the repo root on the GPU machine, after the vLLM kit is staged (``/tmp/
 
     python3 scripts/gpu/round.py env                  # call 1: no kit needed (nvidia-smi, disk, versions)
     python3 scripts/gpu/round.py models               # call 2: random models + datasets on the GPU
-    python3 scripts/gpu/round.py main [--steps ...]   # call 3: ssh, preflight, engine, compare, bench, jobs
+    python3 scripts/gpu/round.py main [--steps ...]   # call 3+: ssh, preflight, engine, compare, bench, jobs,
+                                                      # smoke, extract + verify per model, the MLA diagnosis
 
 Each step writes under ``/tmp/gpu-round/<step>/`` and the call ends with one archive in
-``$OUT`` (``<label>.tar.gz``; the device tool brings back at most 8 files) plus
-``summary.json``. Steps never stop the round: a failing step records its error and the
-next one runs; ``--deadline`` seconds after the start no new step begins.
+``$OUT`` (``<label>.tar.gz``: what this call wrote there, sample tensors left out; the
+device tool brings back at most 8 files) plus ``summary-<label>.json``. Steps never stop
+the round: a failing step records its error and the next one runs. A step starts only if
+its usual duration (``EXPECTED_S``) still fits before ``GPU_ROUND_HARD_END_S``, so no call
+kills one halfway; with ``--skip-done`` a call leaves out what an earlier call on the same
+machine ran (``done.json``), so one command line can be repeated call after call::
+
+    round.py main --steps ssh,bench,mla_diag,smoke_deepseek --skip-done        # round 3, call 3
+    round.py main --steps ssh,jobs,smoke_deepseek,extract_deepseek --skip-done  # call 4: what is left
 
 The host side runs exactly as over SSH from a laptop: ``scripts/gpu/loopback_ssh.py``
 brings an SSH server up on 127.0.0.1 (OpenSSH when the machine has it, else asyncssh),
@@ -37,9 +44,12 @@ ROOT = Path(os.environ.get("GPU_ROUND_DIR", "/tmp/gpu-round"))
 MODELS = Path(os.environ.get("GPU_MODELS_DIR", "/tmp/gpu-models"))
 SSH_ROOT = Path("/tmp/specops-ssh")
 T0 = time.monotonic()
+#: files under ROOT older than this were packed by an earlier call on the same machine
+WALL_START = time.time()
 #: seconds after the start by which every command has ended (the device call's limit is 600 s)
 HARD_END_S = float(os.environ.get("GPU_ROUND_HARD_END_S", "575"))
 SUMMARY: dict = {"steps": {}}
+WORK = Path("/tmp/specops-work")  # the inventory's work_dir: runs/<run_id>/ and smoke/<twin hash>/
 PY = sys.executable
 #: the host python the inventory names, and the device (overridable to rehearse on a CPU machine)
 HOST_PY = os.environ.get("GPU_ROUND_HOST_PYTHON", sys.executable)
@@ -115,14 +125,30 @@ class SmiSampler:
         self._thread.join(timeout=15)
 
 
-def step(name, deadline_s=None):
+#: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
+#: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
+EXPECTED_S = {"bench": 330, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
+              "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
+              "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
+#: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
+DONE_FILE = ROOT / "done.json"
+
+
+def step(name, deadline_s=None, skip_done=False):
     """Decorator: time the step, keep its result or error in SUMMARY, never raise."""
     def wrap(fn):
         def run(*args, **kwargs):
-            if deadline_s and time.monotonic() - T0 > deadline_s:
-                SUMMARY["steps"][name] = {"skipped": "deadline"}
-                log("skip", name, "(deadline)")
+            done = json.loads(DONE_FILE.read_text()) if DONE_FILE.exists() else []
+            elapsed = time.monotonic() - T0
+            why = ("ran in an earlier call" if skip_done and name in done
+                   else "deadline" if deadline_s and elapsed > deadline_s
+                   else "no time left in this call" if elapsed + EXPECTED_S.get(name, 0) > HARD_END_S
+                   else None)
+            if why:
+                SUMMARY["steps"][name] = {"skipped": why}
+                log("skip", name, f"({why})")
                 return None
+            DONE_FILE.write_text(json.dumps(sorted(set(done) | {name})))
             log("step", name)
             t = time.monotonic()
             try:
@@ -199,7 +225,7 @@ def ssh_up():
     info = last_json(res["text"])
     sys.path.insert(0, str(REPO / "scripts" / "gpu"))
     import loopback_ssh
-    work = "/tmp/specops-work"
+    work = str(WORK)
     defaults = {"python": HOST_PY, "work_dir": work, "device": DEVICE, "tp": 1, "engine": "vllm-server",
                 "env": VLLM_ENV, "dataset": str(MODELS / "chat.jsonl"), "max_samples": 24, "seq_len": 256,
                 "batch_size": 8, "gpu_memory_utilization": 0.5}
@@ -242,6 +268,42 @@ def token_samples(model: str, dataset: str, n: int, seq_len: int, path: Path) ->
     return path
 
 
+def gpus_now(out: Path) -> list:
+    """nvidia-smi's per-GPU facts now (kept in ``out``), as the preflight parses them."""
+    from remote.probes import host as hostprobe
+    if not shutil.which("nvidia-smi"):
+        return [{"index": 0, "memory_total_mib": 0, "memory_free_mib": 0}]
+    return hostprobe.parse_gpus(sh(hostprobe.GPU_QUERY, out)["text"].split("\n--- stderr")[0])
+
+
+def memory_report(model: Path, log_text: str, gpus_before: list, smi_peak: dict, util: float, seq_len: int,
+                  n_ids: int | None = None) -> dict:
+    """The preflight's memory plan for one rank against what vLLM's log and nvidia-smi's peak then said."""
+    from remote import layers, modelconfig
+    from remote.probes import gpu
+    config = modelconfig.read(str(model))
+    weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    n_ids = n_ids or len(layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0])
+    plan = gpu.plan_from_config(config, gpu=gpus_before[0], util=util, weight_bytes=weight_bytes, tp=1,
+                                n_layer_ids=n_ids, seq_len=seq_len)
+    used = gpu.parse_engine_memory(log_text)
+    return {"plan": plan, "engine": used, "smi_peak_used_mib": smi_peak,
+            "compare": gpu.compare(plan, used, smi_peak.get(0))}
+
+
+def log_excerpt(text: str, lines: int = 30) -> str:
+    """The server log's first traceback, cut to its deepest frames and the exception: the root cause, short."""
+    import re
+    rows = text.splitlines()
+    start = next((i for i, row in enumerate(rows) if "Traceback (most recent call last)" in row), None)
+    if start is None:
+        return "\n".join([r for r in rows if " ERROR " in r or "Error" in r][:lines])
+    exception = re.compile(r"\]?\s(?:[\w.]+\.)?\w*(?:Error|Exception|Exit|Interrupt)\b(?::|$)")
+    end = next((i for i in range(start + 1, len(rows))
+                if exception.search(rows[i]) and "File \"" not in rows[i] and "^" not in rows[i]), len(rows) - 1)
+    return "\n".join(rows[max(start, end - lines + 1):end + 1])
+
+
 def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24, seq_len=256):
     """``python -m remote.engines.vllm_server`` on the GPU; memory plan vs log; HF comparison."""
     from remote import layers, modelconfig
@@ -276,6 +338,8 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
               "compare": gpu.compare(plan, used, smi.peak.get(0))}
     (d / "memory.json").write_text(json.dumps(memory, indent=1))
     out = {"engine": result_small, "memory_compare": memory["compare"]}
+    if res["rc"] != 0 or not result.get("samples"):
+        out["server_log_error"] = log_excerpt(log_text)
     if compare and result.get("samples"):
         file_ids = (result.get("engine") or {}).get("file_layer_ids") or sorted(result["layer_ids"])
         cmp = sh([PY, "scripts/gpu/hf_compare.py", "--model", str(model), "--files", str(d / "hs"),
@@ -291,13 +355,14 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
     return out
 
 
-def bench(n=512, reps=2, conc="32,64", kinds="plain,server_only,fast",
-          once="specops@32,fast_durable@64,sustained@64", label="bench"):
+def bench(n=512, reps=2, conc="32,64", kinds="plain,server_only,specops",
+          once="keep@64,specops+dw8@64,specops+dw12@64", label="bench"):
     d = ROOT / label
     dataset = next(iter(sorted(MODELS.glob("bench_*.jsonl"))), None)
     res = sh([PY, "scripts/gpu/bench.py", "--model", str(MODELS / "llama_wide"),
               "--dataset", str(dataset), "--out", "/tmp/gpu-bench", "--n", str(n),
-              "--reps", str(reps), "--concurrency", conc, "--kinds", kinds, "--once", once],
+              "--reps", str(reps), "--concurrency", conc, "--kinds", kinds, "--once", once,
+              "--profile-digest", "48"],
              d / "bench_stdout.txt", timeout=560, env=VLLM_ENV)
     for sub in ("extract_server", "plain_server"):
         src = Path("/tmp/gpu-bench") / sub / "logs" / "server.log"
@@ -309,22 +374,59 @@ def bench(n=512, reps=2, conc="32,64", kinds="plain,server_only,fast",
         shutil.copy("/tmp/gpu-bench/bench.json", d / "bench.json")
     got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
     return {k: got.get(k) for k in ("best_tok_per_s", "ratios_vs_best_plain", "ratios_same_concurrency",
-                                     "both_ready_s", "rc", "tail") if k in got}
+                                     "both_ready_s", "digest_profile", "rc", "tail") if k in got}
+
+
+def keep_run(host: str, rid: str, name: str) -> None:
+    """The run as ``fetch`` brought it back (``runs/<host>/<rid>``), sample tensors listed, not kept."""
+    fetched = REPO / "runs" / host / rid
+    if not fetched.exists():
+        return
+    dest = ROOT / "cli" / f"fetched_{name}"
+    shutil.copytree(fetched, dest, dirs_exist_ok=True, copy_function=shutil.copy,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = sorted(fetched.rglob("*.safetensors"))
+    (dest / "tensors.txt").write_text("".join(f"{p.relative_to(fetched)} {p.stat().st_size}\n" for p in tensors))
+
+
+def extract_followed(host: str, rid: str, name: str, model: Path, util=0.5, seq_len=256) -> dict:
+    """``specops extract`` (detached on the host, followed here) with nvidia-smi sampled meanwhile;
+    the run's memory plan vs what its server logged (``cli/memory_<name>.json``)."""
+    gpus_before = gpus_now(ROOT / "cli" / f"gpus_before_{name}.csv")
+    with SmiSampler() as smi:
+        res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke"], f"extract_{name}.txt",
+                      timeout=420)
+    log = WORK / "runs" / rid / "logs" / "server.log"
+    if log.exists():
+        memory = memory_report(model, log.read_text(errors="replace"), gpus_before, smi.peak, util, seq_len)
+        (ROOT / "cli" / f"memory_{name}.json").write_text(json.dumps(memory, indent=1))
+        res["memory_compare"] = memory["compare"]
+        if res["rc"] != 0:
+            res["server_log_error"] = log_excerpt(log.read_text(errors="replace"))
+    return res
 
 
 def job_flow():
-    """extract (detached + followed) / status / logs / fetch / verify on the tiny Llama; abort on DeepSeek."""
-    out = {}
-    out["extract"] = specops(["extract", "--on", "gpu-llama", "--run-id", "gpu-llama-1", "--skip-smoke"],
-                             "extract_llama.txt", timeout=400)
-    out["status"] = specops(["status", "--on", "gpu-llama", "--run-id", "gpu-llama-1", "--json"], "status_llama.json")
-    out["logs"] = specops(["logs", "--on", "gpu-llama", "--run-id", "gpu-llama-1"], "logs_llama.txt")
-    out["fetch"] = specops(["fetch", "--on", "gpu-llama", "--run-id", "gpu-llama-1"], "fetch_llama.txt")
-    out["verify"] = specops(["verify", "--on", "gpu-llama", "--run-id", "gpu-llama-1", "--samples", "3", "--json"],
+    """extract (detached + followed) / status / logs / fetch --tensors / verify on the tiny Llama."""
+    host, rid = "gpu-llama", "gpu-llama-3"
+    out = {"extract": extract_followed(host, rid, "llama", MODELS / "llama")}
+    out["status"] = specops(["status", "--on", host, "--run-id", rid, "--json"], "status_llama.json")
+    out["logs"] = specops(["logs", "--on", host, "--run-id", rid], "logs_llama.txt")
+    out["fetch"] = specops(["fetch", "--on", host, "--run-id", rid, "--tensors"], "fetch_llama.txt", timeout=200)
+    out["verify"] = specops(["verify", "--on", host, "--run-id", rid, "--samples", "3", "--json"],
                             "verify_llama.json", timeout=300)
-    fetched = REPO / "runs" / "gpu-llama" / "gpu-llama-1"
-    if fetched.exists():
-        shutil.copytree(fetched, ROOT / "cli" / "fetched_gpu-llama-1", dirs_exist_ok=True)
+    keep_run(host, rid, rid)
+    return out
+
+
+def extract_verify(host: str, rid: str, name: str, model: Path):
+    """A real-size run of ``model``: extract, status, verify (3 samples), fetch (no tensors)."""
+    out = {"extract": extract_followed(host, rid, name, model)}
+    out["status"] = specops(["status", "--on", host, "--run-id", rid, "--json"], f"status_{name}.json")
+    out["verify"] = specops(["verify", "--on", host, "--run-id", rid, "--samples", "3", "--json"],
+                            f"verify_{name}.json", timeout=400)
+    out["fetch"] = specops(["fetch", "--on", host, "--run-id", rid], f"fetch_{name}.txt")
+    keep_run(host, rid, rid)
     return out
 
 
@@ -355,7 +457,51 @@ def abort_flow():
 
 
 def smoke(host):
-    return specops(["smoke", "--on", host, "--json"], f"smoke_{host}.json", timeout=400)
+    """``specops smoke --json``; the smoke run's logs and the twin's config kept beside it."""
+    started = time.time()
+    res = specops(["smoke", "--on", host, "--json"], f"smoke_{host}.json", timeout=400)
+    for run in sorted((WORK / "runs").glob("smoke-*")):
+        if run.stat().st_mtime < started - 1:
+            continue
+        dest = ROOT / "cli" / "smoke_runs" / run.name
+        for rel in ("status.json", "params.json", "logs"):
+            src = run / rel
+            if src.is_dir():
+                shutil.copytree(src, dest / rel, dirs_exist_ok=True, copy_function=shutil.copy)
+            elif src.exists():
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copy(src, dest / rel)
+        log = run / "logs" / "server.log"
+        if res["rc"] != 0 and log.exists():
+            res["server_log_error"] = log_excerpt(log.read_text(errors="replace"))
+    for twin in sorted((WORK / "smoke").glob("*/twin.json")):
+        if twin.stat().st_mtime >= started - 1:
+            dest = ROOT / "cli" / "smoke_twins" / twin.parent.name
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(twin, dest / "twin.json")
+            shutil.copy(twin.parent / "model" / "config.json", dest / "config.json")
+    return res
+
+
+def mla_diagnosis():
+    """Why round 2's smoke on DeepSeek-V3 failed on the GPU: its twin (tiny MLA dims, as the CPU
+    needs) built exactly as smoke built it then, run by the engine standalone; the server log's
+    root cause kept. Round 3's smoke keeps the target's MLA head dims on cuda instead."""
+    target = MODELS / "deepseek_v3"
+    twin = MODELS / "deepseek_v3_twin_tiny_mla"
+    if not (twin / "config.json").exists():
+        shutil.rmtree(twin, ignore_errors=True)
+        build = ("import json, sys; from pathlib import Path; from remote import modelconfig, smoke\n"
+                 "target, twin = Path(sys.argv[1]), Path(sys.argv[2])\n"
+                 "print(json.dumps(smoke.build_twin(target, twin, modelconfig.read(target), 8)))\n")  # no device: tiny
+        sh([HOST_PY, "-c", build, str(target), str(twin)], ROOT / "engine" / "twin_build.txt", timeout=180,
+           env=VLLM_ENV, check=True)
+    # eager: the failure is at the first request's attention metadata, with or without CUDA graphs,
+    # and eager starts ~40 s sooner
+    res = engine_run("deepseek_twin_tiny_mla", twin, compare=False, n=4, seq_len=128,
+                     extra={"enforce_eager": True})
+    shutil.copy(twin / "config.json", ROOT / "engine" / "deepseek_twin_tiny_mla" / "config.json")
+    return res
 
 
 def pack(label: str):
@@ -365,7 +511,9 @@ def pack(label: str):
     (ROOT / f"summary-{label}.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
     with tarfile.open(out / f"{label}.tar.gz", "w:gz") as tar:
         for path in sorted(ROOT.rglob("*")):
-            if path.is_file() and path.stat().st_size < 8 << 20:
+            # this call's files only (an earlier call on the same machine packed its own)
+            if path.is_file() and path.stat().st_size < 8 << 20 and path.suffix != ".safetensors" \
+                    and path.stat().st_mtime >= WALL_START - 1:
                 tar.add(path, arcname=str(path.relative_to(ROOT)))
     shutil.copy(ROOT / f"summary-{label}.json", out / f"summary-{label}.json")
     log("packed", out / f"{label}.tar.gz", (out / f"{label}.tar.gz").stat().st_size)
@@ -377,6 +525,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", default="ssh,preflight,engine_llama,engine_deepseek,bench")
     parser.add_argument("--deadline", type=float, default=540)
     parser.add_argument("--label", default="")
+    parser.add_argument("--skip-done", action="store_true",
+                        help="leave out the steps an earlier call on this machine ran (see done.json)")
     args = parser.parse_args(argv)
     ROOT.mkdir(parents=True, exist_ok=True)
     label = args.label or args.phase
@@ -385,19 +535,30 @@ def main(argv=None) -> int:
     elif args.phase == "models":
         step("models")(do_models)()
     else:
-        dl = args.deadline
+        dl, again = args.deadline, args.skip_done
+
+        def run_step(name, fn, *fn_args):
+            return lambda: step(name, dl, again)(fn)(*fn_args)
+
         steps = {
             "ssh": lambda: step("ssh")(ssh_up)(),
-            "preflight": lambda: step("preflight", dl)(preflight_all)(),
-            "engine_llama": lambda: step("engine_llama", dl)(engine_run)("llama", MODELS / "llama"),
-            "engine_deepseek": lambda: step("engine_deepseek", dl)(engine_run)("deepseek_v3", MODELS / "deepseek_v3"),
-            "engine_dense": lambda: step("engine_dense", dl)(engine_run)("deepseek_dense", MODELS / "deepseek_dense"),
-            "engine_wide": lambda: step("engine_wide", dl)(engine_run)("llama_wide", MODELS / "llama_wide", n=8),
-            "jobs": lambda: step("jobs", dl)(job_flow)(),
-            "bench": lambda: step("bench", dl)(bench)(),
-            "abort": lambda: step("abort", dl)(abort_flow)(),
-            "smoke_llama": lambda: step("smoke_llama", dl)(smoke)("gpu-llama"),
-            "smoke": lambda: step("smoke", dl)(smoke)("gpu-deepseek"),
+            "preflight": run_step("preflight", preflight_all),
+            "engine_llama": run_step("engine_llama", engine_run, "llama", MODELS / "llama"),
+            "engine_deepseek": run_step("engine_deepseek", engine_run, "deepseek_v3", MODELS / "deepseek_v3"),
+            "engine_dense": run_step("engine_dense", engine_run, "deepseek_dense", MODELS / "deepseek_dense"),
+            "engine_wide": run_step("engine_wide", engine_run, "llama_wide", MODELS / "llama_wide"),
+            "jobs": run_step("jobs", job_flow),
+            "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
+                                     MODELS / "llama_wide"),
+            "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",
+                                         "deepseek", MODELS / "deepseek_v3"),
+            "mla_diag": run_step("mla_diag", mla_diagnosis),
+            "bench": run_step("bench", bench),
+            "abort": run_step("abort", abort_flow),
+            "smoke_llama": run_step("smoke_llama", smoke, "gpu-llama"),
+            "smoke_wide": run_step("smoke_wide", smoke, "gpu-wide"),
+            "smoke_deepseek": run_step("smoke_deepseek", smoke, "gpu-deepseek"),
+            "smoke": run_step("smoke", smoke, "gpu-deepseek"),
         }
         for name in args.steps.split(","):
             steps[name]()
