@@ -248,7 +248,9 @@ def test_cpu_env_binds_each_rank_to_its_own_cores():
     # every rank's torch threads = its cores (vLLM would cut some to one); the host's own setting wins
     cores = len(os.sched_getaffinity(0))
     assert env["OMP_NUM_THREADS"] == str(max(1, cores // 2))
-    assert vllm_server.server_env({}, marker="m", tp=1, on_cpu=True)["OMP_NUM_THREADS"] == str(cores)
+    one = vllm_server.server_env({}, marker="m", tp=1, on_cpu=True)
+    assert one["OMP_NUM_THREADS"] == str(cores)
+    assert one["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
     assert vllm_server.server_env({"OMP_NUM_THREADS": "3"}, marker="m", tp=1, on_cpu=True)["OMP_NUM_THREADS"] == "3"
     assert "OMP_NUM_THREADS" not in vllm_server.server_env({}, marker="m", tp=1, on_cpu=False)
 

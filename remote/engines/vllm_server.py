@@ -220,8 +220,9 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
     """The server's environment: ``base`` plus the marker and, on a CPU host, sane defaults.
 
     On CPU, vLLM's automatic thread binding wants one NUMA node per rank ("Not enough
-    allowed NUMA nodes" on a one-node host at TP=2), so unless the host's env says
-    otherwise each rank gets its own slice of this process's allowed cores, and as many
+    allowed NUMA nodes" on a one-node host at TP=2) and keeps a varying number of cores
+    for its front end, so unless the host's env says otherwise each rank gets its own
+    slice of this process's allowed cores (all of them at TP=1), and as many
     torch threads as its slice has cores; the KV cache gets 1 GiB, plenty for extraction
     (one prefill per request, no decoding).
     """
@@ -232,12 +233,13 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         cores = sorted(os.sched_getaffinity(0))
         per_rank = max(1, len(cores) // tp)
-        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # Explicit at TP=1 too: vLLM's "auto" keeps cores back for its front end, but how
+            # many depends on the config (2 cores: a plain server ran its model on one, the
+            # same server with extraction on both), which made the two incomparable.
             slices = [cores[r * per_rank:(r + 1) * per_rank] or cores[-1:] for r in range(tp)]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in slices)
-        # Without it, vLLM 0.32 cuts a worker's torch threads to 1 "for serving" on some
-        # start paths and not on others (seen: a server without extraction ran its model
-        # on one core, the same server with extraction on two).
+        # and as many torch threads (vLLM cuts them to 1 "for serving" on some start paths)
         env.setdefault("OMP_NUM_THREADS", str(per_rank))
     return env
 
@@ -618,6 +620,11 @@ def move_into_place(src, dest) -> None:
 # ---------------------------------------------------------------------------- the engine
 
 
+def default_digest_workers() -> int:
+    """Files digested at once by default: half the host's cores, at least 4 (the server needs the rest)."""
+    return max(4, (os.cpu_count() or 1) // 2)
+
+
 class VllmServerEngine(Engine):
     """The supervisor's plug for :class:`VllmServer` (see the module docstring).
 
@@ -751,7 +758,7 @@ class VllmServerEngine(Engine):
         out_dir.mkdir(parents=True, exist_ok=True)
         records = []
         workers = max(1, int(self.params.get("concurrency") or 8))
-        digesters = max(1, int(self.params.get("digest_workers") or max(4, (os.cpu_count() or 1) // 2)))
+        digesters = max(1, int(self.params.get("digest_workers") or default_digest_workers()))
         import torch
         # each digest is one thread's work; torch's intra-op pool on top of several digesters
         # only spins (measured on the H200 host: 4.1 vs 3.1 GB/s digested with 8 vs 4 threads)

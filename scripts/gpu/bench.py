@@ -27,7 +27,7 @@ servers starting together would see each other). They are then measured one at a
   digested, then one ``syncfs``: ``server_only`` plus what keeping 33 MB per sample costs
   the page cache and the disk, without our per-file CPU work. ``specops`` vs ``keep`` is
   our client's own cost; ``keep`` vs ``server_only`` is the kernel's (dirty pages, writeback);
-* ``specops+dwN``: ``specops`` with ``digest_workers`` N (the engine's default is 4).
+* ``specops+dwN``: ``specops`` with ``digest_workers`` N (the engine's default: half the cores, at least 4).
 
 ``--profile-digest N`` then lands N files and times, per file and single-threaded, each part
 of :func:`remote.samples.digest_hs_file` (sha256 of the mapping, the layer statistics, the
@@ -227,7 +227,7 @@ def specops_pass(engine, ids_list, out_dir, concurrency, timers, digest_workers=
            "landed_s": round(landed_s, 3), "durable_wall_s": round(durable, 3),
            "durable_tok_per_s": round(tokens / durable, 1),
            "bytes_per_file": records[0]["bytes"] if records else None,
-           "digest_workers": digest_workers or engine.params.get("digest_workers") or min(4, os.cpu_count() or 1)}
+           "digest_workers": digest_workers or engine.params.get("digest_workers") or vs.default_digest_workers()}
     out.update(meter.result)
     out.update(timers.take())
     if not keep_files:
