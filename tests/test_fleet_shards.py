@@ -242,7 +242,11 @@ def test_the_host_lists_a_ranges_files_in_either_format(tmp_path, remote_pkg):
         (out / f"data_{i}.pt").write_bytes(b"x" * i)
     (out / ".partial-data_5.pt").write_bytes(b"half")
     (out / "data_9.pt").write_bytes(b"out of range")
-    (out / "hidden_states" / "hs_5.safetensors").write_bytes(b"hs")
+    # a whole safetensors file (8-byte header length, JSON header, data) and one cut short:
+    # only whole hs files count (they are renamed in without a per-file fsync)
+    header = json.dumps({"token_ids": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    (out / "hidden_states" / "hs_5.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    (out / "hidden_states" / "hs_7.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 3)
     listed = hashlib.sha256(b"xxx").hexdigest()
     (out / "manifest.json").write_text(json.dumps({"files": [{"path": "data_3.pt", "sha256": listed, "bytes": 3,
                                                               "tokens": 17}]}))
