@@ -725,17 +725,6 @@ class VllmServerEngine(Engine):
         return {"index": index, "file": dest.name, "tokens": len(token_ids), "shape": shape["shape"],
                 "dtype": shape["dtype"], "bytes": digest["bytes"], "digest": digest}
 
-    def extract_one(self, index: int, token_ids, out_dir) -> dict:
-        """Request, check and move one sample to ``out_dir/hs_<index>.safetensors``; its record."""
-        t0 = time.monotonic()
-        try:
-            path = self._request(token_ids)
-        except SampleRejected as exc:
-            raise SampleRejected(index, exc.problems) from None
-        record = self._land(index, token_ids, path, out_dir)
-        record["seconds"] = round(time.monotonic() - t0, 4)
-        return record
-
     def extract_files(self, samples_, out_dir, on_done=None) -> list[dict]:
         """Extract ``samples_`` (``(index, token_ids)`` pairs) into ``out_dir``, several in flight.
 

@@ -35,7 +35,7 @@ whole digest) and the whole digest with 1/4/8/16 threads at once (files in the p
 again with torch's intra-op pool at one thread: the client's digest throughput in GB/s
 against what prefill speed would need (33.5 MB per 1024 tokens: 5.5 GB/s at 166k tok/s).
 
-Time inside each step of ``extract_one`` is summed over threads (``*_thread_s``); divided by
+Time inside each step of a sample (request, digest, rename) is summed over threads (``*_thread_s``); divided by
 the wall time and the concurrency it says how busy the client's threads were with it.
 ``client_cpu_s`` is this process's CPU time in the pass (user + system), ``dirty_peak_mib`` /
 ``writeback_peak_mib`` the kernel's dirty and under-writeback page cache during it.
