@@ -4,6 +4,10 @@ When one rank of a tensor-parallel run dies, every other rank and the driver fai
 each with its own message ("connection reset by peer", vLLM's generic "Worker failed
 with error ..."). Those are consequences. The cause is found in, best first:
 
+0. a process of the run that died by a signal (SIGILL, SIGKILL, SIGSEGV, ...), as its
+   parent saw it (``waitpid``: the engine's :meth:`process_deaths`) or its parent's log
+   line said, named with the signal and what it means (:mod:`remote.signals`), with
+   faulthandler's dump from its log as the traceback when there is one;
 1. a rank's log ending in faulthandler's ``Fatal Python error`` (a hard crash: no
    exception was raised anywhere);
 2. ``RUN_DIR/errors/rank<k>.json``, which the worker hook writes inside the failing
@@ -23,6 +27,7 @@ import re
 import traceback
 from pathlib import Path
 
+from remote import signals
 from remote.rundir import RunPaths
 
 
@@ -95,7 +100,21 @@ PEER_LOSS_RE = re.compile(r"connection reset|connection closed|broken pipe|peer|
                           r"remote process (has )?exited|gloo|nccl.*(abort|timeout)", re.I)
 
 
-def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dict:
+def first_signal_death(deaths) -> dict | None:
+    """The first process death of ``deaths`` when a signal caused it; None otherwise.
+
+    Only the first one counts: when one worker dies, vLLM stops the others (their exits,
+    SIGTERM included, are consequences), and a first death by a plain exit code is a
+    process that raised (its own recorded exception says more than its exit code).
+    """
+    deaths = [d for d in deaths or [] if d.get("exit_code") not in (None, 0)]
+    if not deaths:
+        return None
+    first = min(deaths, key=lambda d: d.get("died_at", 0.0))
+    return first if signals.describe_exit(first["exit_code"])["signal"] else None
+
+
+def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths=None) -> dict:
     """The one error to report for a failed attempt, with the rest kept as context.
 
     Candidates, best first: a rank that died hard (faulthandler's "Fatal Python error"
@@ -108,6 +127,8 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dic
 
     :param exc_rank: the rank ``exc`` belongs to when it was raised by an in-process
         engine (rank 0); None for the supervisor's own errors.
+    :param deaths: processes of the engine that ended (``name``, ``rank``, ``pid``,
+        ``exit_code``, ``died_at``); the first one, when a signal ended it, is the cause.
     """
     seen = error_record(exc, rank=exc_rank, where="supervisor" if exc_rank is None else "engine") \
         if exc is not None else None
@@ -129,6 +150,14 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dic
             fatal.append(found)
         elif rank not in recorded_ranks:
             from_logs.append(found)
+    death = first_signal_death(deaths)
+    if death is not None:
+        rank = death.get("rank")
+        dump = next((f for f in fatal if f["rank"] == rank), None) if rank is not None else None
+        source = dump["source"] if dump else death.get("source") or "waitpid"
+        record = signals.death_record(death.get("name"), death["exit_code"], pid=death.get("pid"), rank=rank,
+                                      source=source, fatal=dump)
+        fatal = [record] + [f for f in fatal if f is not dump]
     ranked = fatal + own + from_logs + peer_loss
     if not ranked:
         if seen is None:
@@ -143,3 +172,21 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None) -> dic
     if others:
         best["other_errors"] = others
     return best
+
+
+def note_in_rank_log(paths: RunPaths, error: dict | None) -> Path | None:
+    """Append a death by signal to the dead rank's own log (``logs/rank<k>.log``).
+
+    A rank killed by a signal writes nothing itself (SIGKILL) or only faulthandler's
+    dump; the line says, where a person reads that rank's log, who killed it and why
+    that usually happens. :returns: the log written to, or None.
+    """
+    if not error or not error.get("signal") or error.get("rank") is None:
+        return None
+    path = paths.logs / f"rank{int(error['rank'])}.log"
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"[specops] {error['message']}\n")
+    except OSError:
+        return None
+    return path

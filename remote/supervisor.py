@@ -33,6 +33,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,7 +43,7 @@ from pathlib import Path
 from remote import fsutil, layers, modelconfig, samples
 from remote.dataset import load_token_samples
 from remote.engines import engine_class, resolve_engine
-from remote.rootcause import error_record, root_cause, worker_errors
+from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
 from remote.rundir import RunPaths
 
 HEARTBEAT_S = 5.0
@@ -262,12 +263,13 @@ class Supervisor:
             grace = float(self.params.get("worker_error_grace_s", WORKER_ERROR_GRACE_S))
             if time.monotonic() - first_seen < grace:
                 continue
-            error = root_cause(self.paths, None)
+            error = root_cause(self.paths, None, deaths=self._deaths())
             error["note"] = (f"the driver was still waiting {grace:.0f}s after rank {error.get('rank')} "
                              f"failed (peers hang in collectives); the supervisor stopped the run")
             self.status.update(state="failed", phase="failed", error=error,
                                phase_seconds=dict(self.phase_seconds))
             print(f"[specops] watchdog: {error['type']}: {error['message']}", flush=True)
+            note_in_rank_log(self.paths, error)
             _kill_own_group_and_exit(1)
 
     # -- the run
@@ -286,7 +288,7 @@ class Supervisor:
             traceback.print_exc()
             in_engine = self._busy_since is not None and getattr(self.engine, "in_process", False)
             error = (self.engine.error_record(exc) if self.engine is not None else None) or \
-                root_cause(self.paths, exc, exc_rank=0 if in_engine else None)
+                root_cause(self.paths, exc, exc_rank=0 if in_engine else None, deaths=self._deaths())
             if isinstance(exc, NonFiniteStates):
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)
@@ -296,6 +298,16 @@ class Supervisor:
         finally:
             self._stop.set()
             self._close_engine()
+            # after the engine is closed: a server engine writes the rank logs as it stops
+            note_in_rank_log(self.paths, self.status.data.get("error"))
+
+    def _deaths(self) -> list[dict]:
+        """The engine's processes that ended, as it saw them (an in-process engine is their parent)."""
+        try:
+            return self.engine.process_deaths() if self.engine is not None else []
+        except Exception:  # never let the post-mortem hide the failure itself
+            traceback.print_exc()
+            return []
 
     def _close_engine(self) -> None:
         if self.engine is not None:
@@ -321,10 +333,19 @@ class Supervisor:
         self._timed("tokenize", time.monotonic() - t)
         lo, hi = sample_range(p.get("sample_range"), len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        samples.claim_output_dir(self.output_dir, self.run_id, samples.dataset_fingerprint(
-            dataset, layer_ids=layer_ids, model_path=str(model_path), engine=engine_name,
-            **({"sample_range": [lo, hi]} if p.get("sample_range") is not None else {})))
-        removed = samples.remove_partials(self.output_dir, fmt)
+        self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
+                                             layer_ids=layer_ids, layer_convention=convention)
+        # the dir may be shared with the other shards of this run (one filesystem on every node)
+        claimed = samples.claim_output_dir(
+            self.output_dir, self.run_id, self.identity, (lo, hi),
+            who={"host": socket.gethostname(), "run_dir": str(self.paths.run_dir), "pid": os.getpid()},
+            legacy_fingerprint=samples.dataset_fingerprint(
+                dataset, layer_ids=layer_ids, model_path=str(model_path), engine=engine_name,
+                **({"sample_range": [lo, hi]} if p.get("sample_range") is not None else {})))
+        if claimed["shared"]:
+            print(f"[specops] output dir {self.output_dir} is shared with sample range(s) "
+                  f"{', '.join(claimed['shared'])} of this run; this one writes [{lo}, {hi})", flush=True)
+        removed = samples.remove_partials(self.output_dir, fmt, sample_range=(lo, hi), sole=not claimed["shared"])
         if removed:
             print(f"[specops] removed {len(removed)} partial file(s) of an earlier attempt: {removed}", flush=True)
         present = samples.present_indices(self.output_dir, fmt)
@@ -496,7 +517,9 @@ class Supervisor:
         file_layer_ids = engine_info.get("file_layer_ids") or sorted(layer_ids)
         files, stats, tokens = samples.scan_samples(self.output_dir, range(lo, hi), layer_ids, fmt,
                                                     file_layer_ids=file_layer_ids, known=self.digests)
-        dataset_files = samples.save_token_dataset(self.output_dir, dataset) if fmt == samples.HS else []
+        token_dataset = samples.publish_token_dataset(self.output_dir, dataset, bounds,
+                                                      self.identity["dataset_sha256"]) if fmt == samples.HS else {}
+        dataset_files = token_dataset.get("files") or []
         self._timed("finalize", time.monotonic() - t)
         wall = time.monotonic() - t0
         run_tokens = getattr(self, "run_tokens", 0)
@@ -520,11 +543,14 @@ class Supervisor:
             "tokens": tokens,
             "files": files,
             "dataset_files": dataset_files,
+            "identity": self.identity,
             "versions": dict(samples.package_versions(), python=sys.version.split()[0]),
             "params": {k: v for k, v in self.params.items() if not k.startswith("_")},
         }
         if fmt == samples.HS:
             manifest["file_layer_ids"] = file_layer_ids
+            # written by this range, found written by another, or (empty files) being written by another
+            manifest["dataset_writer"] = token_dataset.get("writer")
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,
@@ -542,7 +568,13 @@ class Supervisor:
             "wall_s": round(wall, 3),
             "attempt": self.status.data.get("attempt"),
         }
-        for target in (self.output_dir, self.paths.run_dir):
+        # this range's own files never collide with another shard's on a shared dir; the dir's
+        # own manifest.json is this run's only while no other range claims the dir (else the
+        # host-side merge, remote/merge.py, writes it once every range is done)
+        targets = [self.paths.run_dir, samples.shard_dir(self.output_dir, lo, hi)]
+        if not [t for t in samples.read_claims(self.output_dir) if t != samples.shard_tag(lo, hi)]:
+            targets.append(self.output_dir)
+        for target in targets:
             samples.write_json_atomic(target / samples.MANIFEST, manifest)
             samples.write_json_atomic(target / samples.SUMMARY, summary)
         if non_finite:

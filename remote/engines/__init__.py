@@ -130,6 +130,11 @@ class Engine:
         """What goes into the manifest about the engine."""
         return {"name": self.name, "tp": self.tp}
 
+    def process_deaths(self) -> list[dict]:
+        """Processes of the engine that ended (``name``, ``rank``, ``pid``, ``exit_code``, ``died_at``),
+        for engines that are their parent; the root-cause reader names a death by signal."""
+        return []
+
     def error_record(self, exc: BaseException) -> dict | None:
         """The run's error for ``exc`` when the engine knows its root cause better than the
         supervisor's readers (``rank``, ``type``, ``message``, ``traceback``, ``where``); None otherwise."""

@@ -13,6 +13,12 @@ its own exception in ``errors/rank<k>.json`` (the supervisor reports that, not t
 driver's generic "Worker failed with error ..."), and ``inject_failure`` can make one
 rank fail inside vLLM's own code path.
 
+The supervisor is the parent of the rank processes here, so the engine watches them
+itself (:class:`WorkerWatch`): each one's death time and exit code (``-4`` = SIGILL)
+come from ``waitpid``, and :meth:`SpeculatorsV03Engine.process_deaths` hands them to the
+root-cause reader; vLLM 0.16 itself only logs "Worker proc VllmWorker-1 died
+unexpectedly" and the driver raises ``RuntimeError: cancelled``.
+
 The generator returns layers in ascending id order (the worker walks the layers in
 order); this engine hands them back in the order of ``layer_ids``. Every sample is
 checked to come back whole (same token ids, one row per token).
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 from remote import modelconfig
 
@@ -41,6 +49,7 @@ class SpeculatorsV03Engine(Engine):
         if spec:
             os.environ[vllm_worker_hook.ENV_INJECT] = json.dumps(spec)
         vllm_worker_hook.install()
+        self.watch = WorkerWatch.install()
 
         import speculators.data_generation.vllm_hidden_states_generator as gen_module
 
@@ -107,10 +116,85 @@ class SpeculatorsV03Engine(Engine):
             del generator.executor  # its __del__ would shut down a second time
             executor.shutdown()
 
+    def process_deaths(self) -> list[dict]:
+        """Rank processes that ended, first death first (see :class:`WorkerWatch`)."""
+        watch = getattr(self, "watch", None)
+        return watch.deaths() if watch is not None else []
+
     def describe(self) -> dict:
         return {"name": self.name, "tp": self.tp, "generator_file": getattr(self, "generator_file", None),
                 "patched": getattr(self, "patched", None),
                 "max_model_len": getattr(self, "max_model_len", None)}
+
+
+class WorkerWatch:
+    """Every vLLM rank process this process starts, and when and how each one ended.
+
+    Wraps ``WorkerProc.make_worker_process`` (0.16: it returns a handle whose ``proc``
+    is the ``multiprocessing`` process ``VllmWorker-<rank>``), so workers are known from
+    their start, a death during the load included. A thread per worker waits on its
+    sentinel (a pipe: it neither reaps nor disturbs vLLM's own monitor) and stamps the
+    time of death; the exit code is read later from the process object (``waitpid``).
+    """
+
+    _installed: "WorkerWatch | None" = None
+
+    def __init__(self):
+        self.procs: list[tuple[int, object]] = []
+        self.died_at: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def install(cls) -> "WorkerWatch":
+        if cls._installed is not None:
+            return cls._installed
+        from vllm.v1.executor import multiproc_executor as mpe
+
+        watch = cls._installed = cls()
+        original = mpe.WorkerProc.__dict__["make_worker_process"].__func__
+
+        def make_worker_process(*args, **kwargs):
+            handle = original(*args, **kwargs)
+            watch.add(int(getattr(handle, "rank", kwargs.get("rank", len(watch.procs)))), handle.proc)
+            return handle
+
+        mpe.WorkerProc.make_worker_process = staticmethod(make_worker_process)
+        return watch
+
+    def add(self, rank: int, proc) -> None:
+        with self.lock:
+            self.procs.append((rank, proc))
+        threading.Thread(target=self._wait, args=(id(proc), proc), daemon=True,
+                         name=f"specops-watch-rank{rank}").start()
+
+    def _wait(self, key: int, proc) -> None:
+        import multiprocessing.connection
+
+        try:
+            multiprocessing.connection.wait([proc.sentinel])
+        except (OSError, ValueError):
+            return
+        with self.lock:
+            self.died_at.setdefault(key, time.time())
+
+    def deaths(self) -> list[dict]:
+        """``{name, rank, pid, exit_code, died_at}`` of every worker that ended, earliest first."""
+        out = []
+        with self.lock:
+            procs, died_at = list(self.procs), dict(self.died_at)
+        for rank, proc in procs:
+            if id(proc) not in died_at:
+                continue
+            try:
+                code = proc.exitcode
+                if code is None:  # ended, not yet reaped by anyone: waitpid it now
+                    proc.join(2)
+                    code = proc.exitcode
+            except ValueError:  # the process object was closed
+                code = None
+            out.append({"name": proc.name, "rank": rank, "pid": proc.pid, "exit_code": code,
+                        "died_at": died_at[id(proc)], "source": "waitpid"})
+        return sorted(out, key=lambda d: d["died_at"])
 
 
 def _is_patched(path: str) -> bool:

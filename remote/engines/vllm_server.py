@@ -67,7 +67,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from remote import fsutil, layers, modelconfig, samples
+from remote import fsutil, layers, modelconfig, samples, signals
 
 from . import Engine
 
@@ -103,7 +103,8 @@ class ServerFailed(RuntimeError):
     :ivar traceback: that traceback's text; ``log_tail``: the end of the server log.
     """
 
-    def __init__(self, summary: str, log_path=None, failure: dict | None = None, log_tail: str = ""):
+    def __init__(self, summary: str, log_path=None, failure: dict | None = None, log_tail: str = "",
+                 death: dict | None = None):
         failure = failure or {}
         self.rank = failure.get("rank")
         self.process = failure.get("process")
@@ -111,7 +112,19 @@ class ServerFailed(RuntimeError):
         self.traceback = failure.get("traceback") or ""
         self.log_path = str(log_path) if log_path else None
         self.log_tail = log_tail
-        detail = f"; {self.process or 'server'}: {self.exception}" if self.exception else ""
+        #: a process of the server that died by a signal (or vanished): the run's error
+        #: (:func:`remote.signals.death_record`), ahead of whatever the others raised after it
+        self.death = None
+        if death:
+            self.death = signals.death_record(death.get("name"), death.get("exit_code"), pid=death.get("pid"),
+                                              source=death.get("source") or "logs/server.log")
+            if death.get("line"):
+                self.death["log_line"] = death["line"]
+            self.rank, self.process = self.death["rank"], death.get("name")
+        if self.death:
+            detail = f"; {self.death['message']}"
+        else:
+            detail = f"; {self.process or 'server'}: {self.exception}" if self.exception else ""
         where = f" (log: {self.log_path})" if self.log_path else ""
         super().__init__(f"{summary}{detail}{where}")
 
@@ -320,6 +333,31 @@ def log_failure(text: str) -> dict | None:
     return (root or with_exception or blocks)[-1]
 
 
+#: vLLM 0.32's API server when its engine core vanished: it names neither process nor exit code
+_ENGINE_CORE_GONE = re.compile(r"engine core exited unexpectedly", re.I)
+
+
+def log_death(text: str) -> dict | None:
+    """The first process of the server that vLLM logged as dead by a signal: ``{name, exit_code, line}``.
+
+    vLLM 0.32's engine core logs ``Worker proc VllmWorker-0 died unexpectedly (exit code:
+    -4)`` before anything else fails (the driver then raises ``RuntimeError: cancelled``
+    and the API server answers HTTP 500): that line is the cause. The API server logs
+    only "engine core exited unexpectedly" for a dead engine core (no exit code: it is
+    not our child); that is returned with ``exit_code`` None when no worker death is
+    logged. None when the log shows no death.
+    """
+    deaths = signals.deaths_in_log(text)
+    by_signal = [d for d in deaths if d["exit_code"] is not None
+                 and signals.describe_exit(d["exit_code"])["signal"]]
+    if by_signal:
+        return by_signal[0]
+    gone = next((ln.strip() for ln in text.splitlines() if _ENGINE_CORE_GONE.search(ln)), None)
+    if gone:
+        return {"name": "EngineCore", "exit_code": None, "line": gone}
+    return None
+
+
 def split_rank_logs(server_log, log_dir) -> list[Path]:
     """Write ``rank<k>.log`` beside the server log: the lines of TP rank ``k``'s worker.
 
@@ -450,9 +488,31 @@ class VllmServer:
         self.started_at = time.monotonic()
 
     def failure(self, summary: str) -> ServerFailed:
-        """A :class:`ServerFailed` carrying what the log says went wrong."""
+        """A :class:`ServerFailed` carrying what the log says went wrong, and who died of what.
+
+        The API server is our child: a signal that ended it comes from ``waitpid`` and
+        is the cause (its engine core and workers go down after it). Otherwise the first
+        death by a signal vLLM logged (a worker's), then a vanished engine core when no
+        process raised anything.
+        """
         tail = read_tail(self.log_path)
-        return ServerFailed(summary, self.log_path, log_failure(tail), tail[-4000:])
+        found = log_failure(tail)
+        death = self.own_death() or log_death(tail)
+        if death and death["exit_code"] is None and found and found.get("exception") \
+                and "EngineDeadError" not in found["exception"]:
+            death = None  # the engine core raised before it went: its exception says more
+        return ServerFailed(summary, self.log_path, found, tail[-4000:], death=death)
+
+    def own_death(self) -> dict | None:
+        """The API server's own end by a signal, as ``waitpid`` tells it (None while it runs or exited)."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None or not signals.describe_exit(code)["signal"]:
+            return None
+        return {"name": "APIServer", "pid": self.proc.pid, "exit_code": code, "source": "waitpid"}
+
+    def death_in_log(self) -> bool:
+        """Whether the server's log tells of a process that died (a request may fail first)."""
+        return log_death(read_tail(self.log_path)) is not None
 
     def wait_ready(self, timeout: float = 900.0, poll_s: float = 0.5) -> float:
         """Poll ``/health`` until it answers 200; return the seconds since :meth:`start`.
@@ -490,8 +550,9 @@ class VllmServer:
             if exc.code >= 500:
                 # "EngineCore encountered an issue" says nothing; the engine's own exception is in the log
                 time.sleep(1.0)  # the dying engine flushes its traceback
-                failure = log_failure(read_tail(self.log_path))
-                if failure and failure.get("exception"):
+                tail = read_tail(self.log_path)
+                failure = log_failure(tail)
+                if (failure and failure.get("exception")) or log_death(tail) or self.own_death():
                     raise self.failure(f"POST {path}: HTTP {exc.code} from the server") from None
             raise RuntimeError(f"POST {path}: HTTP {exc.code}: {text}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout) as exc:
@@ -774,7 +835,7 @@ class VllmServerEngine(Engine):
                 try:
                     record = future.result()
                 except BaseException as exc:
-                    if not isinstance(exc, ServerFailed) and not self.server.alive:
+                    if not isinstance(exc, ServerFailed) and (not self.server.alive or self.server.death_in_log()):
                         raise self.server.failure("vLLM server died during extraction") from exc
                     raise
                 records.append(record)
@@ -811,6 +872,8 @@ class VllmServerEngine(Engine):
             exc.__cause__, ServerFailed) else None
         if failure is None:
             return None
+        if failure.death:
+            return dict(failure.death, reported_as={"type": type(exc).__name__, "message": str(exc)})
         etype, _, message = (failure.exception or "").partition(": ")
         return {"rank": failure.rank, "type": etype or type(failure).__name__,
                 "message": message or str(failure), "traceback": failure.traceback or "",
