@@ -17,7 +17,9 @@ Verbs:
             ``offsets``, the last ``tail_bytes`` of each file; with ``offsets``, a file not
             in them (a rank log that appeared since) from its start. Returns the next
             offsets, so a controller follows by calling again.
-``abort``   SIGTERM to the run's process group, SIGKILL after ``grace_s``; state aborted.
+``abort``   SIGTERM to the run's process group, SIGKILL after ``grace_s``, then SIGKILL to
+            every process left that carries the run's marker (a vLLM server in its own
+            session); state aborted, its error saying which signal ended the run.
 ``follow``  one process that watches the run and prints one line per event on stdout
             (``protocol.JOB_EVENT_PREFIX`` + JSON): ``hello`` (its pid), ``status`` (status.json changed),
             ``log`` (new bytes of one log, whole lines; only with ``logs``), ``heartbeat``
@@ -57,11 +59,11 @@ import sys
 import time
 from pathlib import Path
 
-from remote import protocol, samples
+from remote import protocol, samples, signals
 from remote.fsutil import FileLock
 from remote.rootcause import last_traceback
-from remote.rundir import (FINAL_STATES, RUN_ID_RE, RunPaths, pid_alive, read_json, read_pid, run_alive,
-                           run_busy, signal_group, tail_text)
+from remote.rundir import (FINAL_STATES, RUN_ID_RE, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
+                           run_alive, run_busy, signal_group, tail_text)
 
 #: keys that steer one call, not the run; they may differ between calls for one run id.
 CALL_KEYS = {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python"}
@@ -131,9 +133,11 @@ def start(params: dict) -> dict:
         if old is not None:
             st = current_status(run_dir)
             # done first: a finished supervisor may still be exiting (closing the engine)
-            if st and st.get("state") == "done":
+            gone = _missing_on_disk(run_dir, st, old) if st and st.get("state") == "done" else []
+            if st and st.get("state") == "done" and not gone:
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already done", run_dir, st,
                                 already="done")
+            # done by its status but samples gone from disk: resumed below, making just those
             if run_busy(run_dir):
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already running (pid "
                                 f"{read_pid(run_dir)}); re-attached", run_dir, st, already="running")
@@ -158,6 +162,18 @@ def start(params: dict) -> dict:
     what = "restarted (resumes after the last complete sample)" if resumed else "started"
     return _payload("job.start", protocol.CHANGED, f"run {params['run_id']} {what}, pid {pid}", run_dir, st,
                     pid=pid, resumed=resumed)
+
+
+def _missing_on_disk(run_dir: Path, st: dict, wanted: dict) -> list[int]:
+    """Indices of a done run's range that are not on disk (deleted since): a resume believes the disk."""
+    from remote.shard import present
+
+    bounds = st.get("sample_range")
+    if not (isinstance(bounds, list) and len(bounds) == 2):
+        return []
+    out_dir = Path(os.path.expanduser(str(st.get("output_dir") or wanted.get("output_dir") or run_dir / "samples")))
+    have = present(out_dir, int(bounds[0]), int(bounds[1]))
+    return [i for i in range(int(bounds[0]), int(bounds[1])) if i not in have]
 
 
 def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
@@ -230,12 +246,14 @@ def current_status(run_dir: Path) -> dict | None:
                              f"(state was {st.get('state')!r} at {where})"),
                  "traceback": crashed["traceback"], "log_tail": tail}
     else:
+        # not our child: how it ended is unknown; the kernel may still tell of an OOM kill
+        oom = signals.oom_evidence(pid)
         error = {"rank": None, "type": "SupervisorDied", "where": "supervisor", "traceback": "",
-                 "log_tail": tail,
+                 "log_tail": tail, "oom": oom,
                  "message": (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
                              f"{st.get('state')!r} at {where} (killed by SIGKILL, the OOM killer, or "
-                             f"a reboot); starting the same run id again resumes after the last "
-                             f"complete sample")}
+                             f"a reboot; {oom['text']}); starting the same run id again resumes after "
+                             f"the last complete sample")}
     st.update(state="failed", phase="failed", error=error)
     samples.write_json_atomic(run_dir / "status.json", {k: v for k, v in st.items() if k != "alive"})
     return st
@@ -435,6 +453,16 @@ def _send_logs(channel: EventChannel, reader: LogReader, whole_lines: bool) -> N
 # --------------------------------------------------------------------------- abort
 
 def abort(params: dict) -> dict:
+    """Stop a run in whatever phase it is: nothing of it may outlive this call.
+
+    SIGTERM to the supervisor's process group (it stops its engine, a vLLM server's
+    process group included, and records ``aborted``); SIGKILL to the group after
+    ``grace_s``; then SIGKILL to every process still carrying the run's marker
+    (:func:`remote.rundir.run_processes`): a server in a session of its own whose stop
+    was cut short, its engine core, multiprocessing's resource tracker. The status
+    written and the record returned tell the same story: which signal ended the
+    supervisor and what else had to be killed.
+    """
     run_dir = run_dir_of(params)
     st = read_json(run_dir / "status.json")
     if st is None:
@@ -442,29 +470,56 @@ def abort(params: dict) -> dict:
                        "check the run id")
     pid = read_pid(run_dir)
     if not pid_alive(pid, run_dir):
+        swept, left = kill_run_processes(run_dir)
         st = current_status(run_dir)
-        return _payload("job.abort", protocol.SKIPPED, f"run {params['run_id']} is not running ({st.get('state')})",
-                        run_dir, st)
+        if not swept and not left:
+            return _payload("job.abort", protocol.SKIPPED, f"run {params['run_id']} is not running "
+                            f"({st.get('state')})", run_dir, st)
+        how = _leftovers_text(swept, left)
+        return _payload("job.abort", protocol.FAIL if left else protocol.CHANGED,
+                        f"run {params['run_id']} was not running ({st.get('state')}); {how}", run_dir, st,
+                        swept=swept, left=left, fix="kill the pids left by hand" if left else None)
     grace = float(params.get("grace_s", 10))
     signalled = signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and pid_alive(pid, run_dir):
         time.sleep(0.2)
-    killed = False
-    if pid_alive(pid, run_dir):
-        killed = signal_group(pid, signal.SIGKILL)
+    killed = pid_alive(pid, run_dir)
+    if killed:
+        signal_group(pid, signal.SIGKILL)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and pid_alive(pid, run_dir):
+            time.sleep(0.1)
     else:
         signal_group(pid, signal.SIGKILL)  # workers that outlived their supervisor
+    swept, left = kill_run_processes(run_dir)
+    how = (f"the supervisor did not stop within {grace:.0f}s of SIGTERM; SIGKILL ended it" if killed
+           else "the supervisor stopped on SIGTERM")
+    if swept or left:
+        how += "; " + _leftovers_text(swept, left)
     st = read_json(run_dir / "status.json") or {}
-    if st.get("state") not in FINAL_STATES or st.get("state") == "failed":
+    if st.get("state") != "done":
         st.update(state="aborted", phase="aborted",
                   error={"rank": None, "type": "Aborted", "where": "job.abort", "traceback": "",
-                         "message": "aborted by request" + (" (SIGKILL after grace)" if killed else "")})
+                         "message": f"aborted by request: {how}", "signal": "SIGKILL" if killed else "SIGTERM",
+                         "killed_after_grace": killed, "swept": swept, "left": left,
+                         "supervisor_error": (st.get("error") or {}).get("message")})
         samples.write_json_atomic(run_dir / "status.json", st)
     st["alive"] = pid_alive(pid, run_dir)
-    return _payload("job.abort", protocol.CHANGED, f"run {params['run_id']} aborted"
-                    + (f" (SIGKILL after {grace:.0f}s)" if killed else ""), run_dir, st,
-                    signalled=signalled, killed=killed)
+    status_ = protocol.FAIL if left else protocol.CHANGED
+    return _payload("job.abort", status_, f"run {params['run_id']} aborted: {how}", run_dir, st,
+                    signalled=signalled, killed=killed, swept=swept, left=left,
+                    fix="kill the pids left by hand (they ignore SIGKILL: a process in the kernel's D state)"
+                    if left else None)
+
+
+def _leftovers_text(swept: list[int], left: list[int]) -> str:
+    parts = []
+    if swept:
+        parts.append(f"SIGKILL to {len(swept)} leftover process(es) of the run {swept}")
+    if left:
+        parts.append(f"{len(left)} process(es) still alive {left}")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -22,10 +22,12 @@ import re
 import signal
 from pathlib import Path
 
+from remote import protocol
+
 #: every state a run passes through, in order; the last three are final.
 STATES = ("pending", "loading", "extracting", "writing", "done", "failed", "aborted")
 FINAL_STATES = ("done", "failed", "aborted")
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_ID_RE = protocol.RUN_ID_RE  # one rule, shared with the laptop
 #: the supervisor's command line holds this; a recycled pid of another program does not.
 SUPERVISOR_MODULE = "remote.supervisor"
 
@@ -111,6 +113,58 @@ def run_busy(run_dir: Path) -> bool:
     """Alive and not yet final (a finished supervisor may take a moment to exit)."""
     st = read_json(Path(run_dir) / "status.json") or {}
     return st.get("state") not in FINAL_STATES and run_alive(run_dir)
+
+
+#: set in the supervisor's environment by ``job start`` (and by the supervisor itself, resolved);
+#: every process of the run inherits it -- vLLM's workers, a server in a session of its own,
+#: its engine core, multiprocessing's resource tracker -- so it finds them all.
+RUN_DIR_ENV = "SPECOPS_RUN_DIR"
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Live processes (zombies excluded) of this user whose environment names this run dir."""
+    run_dir = Path(run_dir)
+    needles = {f"{RUN_DIR_ENV}={run_dir}".encode(), f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()}
+    found = []
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = set(fh.read().split(b"\0"))
+            if not needles & env:
+                continue
+            with open(f"/proc/{entry}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def kill_run_processes(run_dir: Path, timeout_s: float = 10.0) -> tuple[list[int], list[int]]:
+    """SIGKILL every process of the run (:func:`run_processes`) until none is left.
+
+    :returns: ``(killed, left)``: the pids killed, and those still alive after ``timeout_s``.
+    """
+    import time
+
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = run_processes(run_dir)
+        if not pids or time.monotonic() > deadline:
+            return sorted(set(killed)), pids
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.1)
 
 
 def signal_group(pid: int, sig=signal.SIGTERM) -> bool:

@@ -50,6 +50,9 @@ HEARTBEAT_S = 5.0
 #: batches that may wait for the writer (besides the one being written); the engine
 #: blocks beyond that, so at most this + 2 batches of hidden states are in memory.
 WRITE_QUEUE_BATCHES = 1
+#: how long an aborted run gives its engine's processes to stop before they are killed:
+#: well inside abort's own grace (10 s), which SIGKILLs the supervisor after it
+ABORT_STOP_GRACE_S = 3.0
 #: how long a worker's recorded error may go unanswered by the driver before the
 #: supervisor stops waiting (a peer of a dead rank can hang in a collective forever).
 WORKER_ERROR_GRACE_S = 20.0
@@ -188,20 +191,13 @@ def model_config(model_path: str) -> dict:
 
 
 def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[int], str]:
-    """The run's layer ids and their convention; the engine's defaults when none are given."""
-    convention = layers.ENGINE_CONVENTION[engine]
-    ids = params.get("layer_ids")
-    if ids is None:
-        ids, convention = layers.default_layer_ids(engine, num_layers)
-    else:
-        ids = list(ids)
-        asked = params.get("layer_convention")
-        if asked and asked != convention:
-            ids = layers.convert(ids, asked, convention)
-    problems = layers.layer_id_problems(ids, num_layers, convention)
+    """The run's layer ids and their convention (:func:`remote.layers.resolve`, preflight's rule)."""
+    plan = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), engine, num_layers)
+    problems = plan["refused"] + plan["problems"]
     if problems:
-        raise ValueError(f"layer ids {ids} ({convention} convention): " + "; ".join(problems))
-    return ids, convention
+        raise ValueError(f"layer ids {plan['ids']} ({plan['source']}, {plan['convention']} convention): "
+                         + "; ".join(problems))
+    return plan["ids"], plan["convention"]
 
 
 # --------------------------------------------------------------------------- the run
@@ -280,6 +276,10 @@ class Supervisor:
             self._run()
             return 0
         except Aborted:
+            # the cleanup below (stopping a server) must finish inside abort's grace, uninterrupted
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if self.engine is not None:
+                self.engine.params["stop_grace_s"] = ABORT_STOP_GRACE_S
             self.status.update(state="aborted", phase="aborted", phase_seconds=dict(self.phase_seconds),
                                error={"rank": None, "type": "Aborted", "where": "supervisor",
                                       "message": "aborted by request (SIGTERM)", "traceback": ""})
@@ -329,7 +329,7 @@ class Supervisor:
                            engine=engine_name, engine_why=engine_why, format=fmt)
 
         t = time.monotonic()
-        dataset = load_token_samples(p, model_path)
+        dataset = load_token_samples(p, model_path, vocab_size=modelconfig.text_value(config, "vocab_size"))
         self._timed("tokenize", time.monotonic() - t)
         lo, hi = sample_range(p.get("sample_range"), len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)

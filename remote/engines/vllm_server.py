@@ -351,7 +351,14 @@ def log_death(text: str) -> dict | None:
     by_signal = [d for d in deaths if d["exit_code"] is not None
                  and signals.describe_exit(d["exit_code"])["signal"]]
     if by_signal:
-        return by_signal[0]
+        death = dict(by_signal[0])
+        # the line names the process, not its pid: the pid is in that rank's own line prefixes
+        rank = signals.process_label(death["name"])[1]
+        pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:text.find(death["line"])].splitlines())
+                if m and rank is not None and _rank_of(m.group("proc")) == rank]
+        if pids:
+            death["pid"] = int(pids[-1])
+        return death
     gone = next((ln.strip() for ln in text.splitlines() if _ENGINE_CORE_GONE.search(ln)), None)
     if gone:
         return {"name": "EngineCore", "exit_code": None, "line": gone}
@@ -864,7 +871,8 @@ class VllmServerEngine(Engine):
     def close(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
-            server.stop()
+            # an aborted run stops the server sooner (the supervisor sets stop_grace_s)
+            server.stop(float(self.params.get("stop_grace_s") or 20.0))
 
     def error_record(self, exc: BaseException) -> dict | None:
         """A dead server's own exception (from its log, with the rank that raised it) as the run's error."""

