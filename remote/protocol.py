@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 OK, CHANGED, SKIPPED, WARN, FAIL = "ok", "changed", "skipped", "warn", "fail"
@@ -37,6 +38,18 @@ ENTRY_ERROR_MARKER = "@@SPECOPS-ENTRY-ERROR@@"
 ENTRY_ERROR_EXIT = 78
 #: prefix of each event line ``job follow`` streams (one JSON object after it).
 JOB_EVENT_PREFIX = "@@SPECOPS-JOB-EVENT@@ "
+
+#: a run id as a host takes it: a run dir's name (and an output dir's), at most RUN_ID_MAX characters.
+RUN_ID_MAX = 128
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (RUN_ID_MAX - 1))
+#: a group run names a range moved to another host ``<run-id>.<shard id>``; shard ids are
+#: ``s<k>`` or ``s<k>m<n>`` (a move of a move keeps its root: ``s2m3``, never ``s2m1m1``), with
+#: k and n below MOVE_LIMIT, so this is the longest suffix ever appended to a user's id.
+MOVE_LIMIT = 10000
+MOVED_SUFFIX_MAX = len(f".s{MOVE_LIMIT - 1}m{MOVE_LIMIT - 1}")
+#: the longest run id a user may give: the host's limit less the longest suffix we append.
+USER_RUN_ID_MAX = RUN_ID_MAX - MOVED_SUFFIX_MAX
+USER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (USER_RUN_ID_MAX - 1))
 
 
 def record(name, status, summary, detail=None, fix=None, area=None):

@@ -158,36 +158,54 @@ def _width(params: dict, data: dict) -> dict:
 
 # --------------------------------------------------------------------------- files
 
-def files(params: dict) -> dict:
-    """The samples of ``[start, stop)`` in ``output_dir`` (either format), in index order.
+def present(out_dir, start: int, stop: int) -> dict:
+    """``{index: path}`` of the complete sample files of ``[start, stop)`` in ``out_dir``, either format.
 
-    ``path`` is relative to the output dir, as in the run's manifest; so is each of
-    ``dataset_files`` (the token dataset an ``hs`` run writes beside its samples).
+    What a resume goes by: the disk, whatever a status file says.
     """
-    out_dir = Path(os.path.expanduser(str(params.get("output_dir") or "")))
-    start, stop = int(params["start"]), int(params["stop"])
-    manifest = read_json(out_dir / samples.MANIFEST) or {}
-    listed = {e["path"]: e for e in manifest.get("files") or [] if isinstance(e, dict) and e.get("path")}
     found = {}
     for fmt in samples.FORMATS:
         for index in samples.present_indices(out_dir, fmt):
             if start <= index < stop:
                 found[index] = samples.sample_path(out_dir, index, fmt)
-    entries, hashed = [], 0
+    return found
+
+
+def files(params: dict) -> dict:
+    """The samples of ``[start, stop)`` in ``output_dir`` (either format), in index order.
+
+    ``path`` is relative to the output dir, as in the run's manifest; so is each of
+    ``dataset_files`` (the token dataset an ``hs`` run writes beside its samples).
+    A file the run's manifest lists with another size is ``changed`` (with the size and
+    sha256 the manifest gives), not in ``files``, and ends the gap-free prefix
+    (``first_missing``): it is not the sample the run made.
+    """
+    out_dir = Path(os.path.expanduser(str(params.get("output_dir") or "")))
+    start, stop = int(params["start"]), int(params["stop"])
+    manifest = read_json(out_dir / samples.MANIFEST) or {}
+    listed = {e["path"]: e for e in manifest.get("files") or [] if isinstance(e, dict) and e.get("path")}
+    found = present(out_dir, start, stop)
+    entries, changed, hashed = [], [], 0
     want_hash = bool(params.get("sha256", True))
     for index in sorted(found):
         path = found[index]
         rel = str(path.relative_to(out_dir))
         entry = {"index": index, "path": rel, "bytes": path.stat().st_size}
         known = listed.get(rel)
+        if known and known.get("sha256") and known.get("bytes") is not None and known["bytes"] != entry["bytes"]:
+            # the run's manifest says what it wrote; a file of another size changed since (truncated,
+            # overwritten): not the sample the run made, so it is flagged, never passed on as one
+            changed.append({**entry, "manifest_bytes": known["bytes"], "manifest_sha256": known["sha256"]})
+            continue
         if known and known.get("bytes") == entry["bytes"] and known.get("sha256"):
             entry.update({k: v for k, v in known.items() if k not in ("path", "index", "bytes")})
         elif want_hash:
             entry["sha256"] = sha256_file(path)
             hashed += 1
         entries.append(entry)
+    good = {e["index"] for e in entries}
     first_missing = start
-    while first_missing in found:
+    while first_missing in good:
         first_missing += 1
     missing = [i for i in range(start, stop) if i not in found]
     extra = []
@@ -197,8 +215,10 @@ def files(params: dict) -> dict:
             extra.append({"path": name, "bytes": path.stat().st_size,
                           "sha256": sha256_file(path) if want_hash else None})
     rec = protocol.record("shard.files", protocol.OK,
-                          f"{len(entries)} of {stop - start} sample(s) of [{start}, {stop}) in {out_dir}",
-                          detail={"hashed_here": hashed, "from_manifest": len(entries) - hashed})
-    return protocol.payload([rec], files=entries, first_missing=first_missing, missing=len(missing),
+                          f"{len(entries)} of {stop - start} sample(s) of [{start}, {stop}) in {out_dir}"
+                          + (f"; {len(changed)} changed since the run wrote them" if changed else ""),
+                          detail={"hashed_here": hashed, "from_manifest": len(entries) - hashed,
+                                  "changed": len(changed)})
+    return protocol.payload([rec], files=entries, changed=changed, first_missing=first_missing, missing=len(missing),
                             missing_head=missing[:20], output_dir=str(out_dir), manifest=bool(manifest),
                             hashed_here=hashed, dataset_files=extra)

@@ -29,11 +29,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from specops.assets import remote_protocol
 from specops.errors import UsageError
 
 #: the manifest schema this code writes and reads.
 SCHEMA = 1
 SHARD_BY_MODES = ("capacity", "equal")
+#: the largest ``--shard-by`` weight: weights are ratios, and past this the float math of a
+#: split (``total * w / sum``) stops being exact (1e308 overflows it).
+MAX_WEIGHT = 1e6
 _WEIGHT = re.compile(r"^\s*([^=\s]+)\s*=\s*([^=\s]+)\s*$")
 
 
@@ -53,6 +57,10 @@ class Shard(BaseModel):
     :param moved_to: shards that took this shard's tail; the shard is then closed at ``stop``.
     :param seen: the last status the laptop saw (state, samples_done, at): what a
         reassignment goes by when the host cannot be asked.
+    :param cut_checked: False when the shard was cut at its last seen status because its
+        host did not answer: a status counts samples, so the kept range may still hold a
+        gap (a file lost in an earlier crash). Its host's disk is read when it answers
+        again, and a gap is made again then.
     """
 
     id: str
@@ -64,6 +72,7 @@ class Shard(BaseModel):
     moved_from: str | None = None
     moved_to: list[str] = Field(default_factory=list)
     seen: dict[str, Any] = Field(default_factory=dict)
+    cut_checked: bool = True
 
     @property
     def head(self) -> str:
@@ -170,8 +179,10 @@ def split(total: int, weights: dict[str, float]) -> dict[str, tuple[int, int]]:
     bad = {k: w for k, w in weights.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)}
     if bad:
         raise ValueError(f"weights must be positive numbers: {bad}")
-    whole = sum(weights.values())
-    quotas = {k: total * w / whole for k, w in weights.items()}
+    top = max(weights.values())  # ratios in (0, 1]: no sum or product of huge weights overflows
+    shares = {k: w / top for k, w in weights.items()}
+    whole = sum(shares.values())
+    quotas = {k: total * w / whole for k, w in shares.items()}
     sizes = {k: math.floor(q) for k, q in quotas.items()}
     left = total - sum(sizes.values())
     order = sorted(weights, key=lambda k: (-(quotas[k] - sizes[k]), list(weights).index(k)))
@@ -207,6 +218,9 @@ def parse_shard_by(text: str | None, hosts: list[str]) -> tuple[str, dict[str, f
         if not (math.isfinite(weight) and weight > 0):
             raise UsageError(f"--shard-by {text!r}: weight {raw!r} of {name!r} is not a positive number",
                              "give each host a positive weight; to leave a host out, leave it out of --on")
+        if weight > MAX_WEIGHT:
+            raise UsageError(f"--shard-by {text!r}: weight {raw!r} of {name!r} is above {MAX_WEIGHT:g}",
+                             "weights are ratios: give small numbers, e.g. --shard-by gpu-a=2,gpu-b=1")
         if name in weights:
             raise UsageError(f"--shard-by {text!r} names {name!r} twice", "give each host one weight")
         weights[name] = weight
@@ -236,16 +250,40 @@ def plan(run_id: str, total: int, weights: dict[str, float], output_dirs: dict[s
 
 
 def moved_run_id(run_id: str, shard_id: str) -> str:
-    """The run id of a moved range on its new host (that host may hold a shard of its own)."""
-    return f"{run_id}.{shard_id}"
+    """The run id of a moved range on its new host (that host may hold a shard of its own).
+
+    The suffix is at most ``protocol.MOVED_SUFFIX_MAX`` long, which a user's run id leaves
+    room for (``protocol.USER_RUN_ID_MAX``); a longer id never reaches a host.
+    """
+    protocol = remote_protocol()
+    moved = f"{run_id}.{shard_id}"
+    if not protocol.RUN_ID_RE.match(moved):
+        raise UsageError(f"the run id of the moved range, {moved[:40]!r}... ({len(moved)} characters), is longer "
+                         f"than a host takes ({protocol.RUN_ID_MAX})",
+                         f"this run's id is longer than the {protocol.USER_RUN_ID_MAX} characters a group run may "
+                         f"have; start it again under a shorter run id")
+    return moved
+
+
+def root_id(shard_id: str) -> str:
+    """The planned shard a shard descends from: ``s2`` for ``s2``, ``s2m1`` and ``s2m3``."""
+    return shard_id.split("m", 1)[0]
 
 
 def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
-    """The id the next range moved off ``shard`` gets: ``s1m1``, ``s1m2``, ..."""
-    k = 1
-    while any(s.id == f"{shard.id}m{k}" for s in manifest.shards):
-        k += 1
-    return f"{shard.id}m{k}"
+    """The id the next range moved off ``shard`` gets: ``s1m1``, ``s1m2``, ...
+
+    A move of a moved range keeps the root (``s1m1`` -> ``s1m2``, not ``s1m1m1``), so ids,
+    and the run ids built from them, stay bounded however often a range moves.
+    """
+    root = root_id(shard.id)
+    taken = {int(s.id[len(root) + 1:]) for s in manifest.shards
+             if s.id.startswith(f"{root}m") and s.id[len(root) + 1:].isdigit()}
+    k = max(taken, default=0) + 1
+    if k >= remote_protocol().MOVE_LIMIT:
+        raise UsageError(f"shard {root} of run {manifest.run_id} was moved {k - 1} times already",
+                         "start the unfinished part as a new run")
+    return f"{root}m{k}"
 
 
 def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str) -> Shard | None:

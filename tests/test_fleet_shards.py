@@ -98,8 +98,8 @@ def test_reassign_cuts_at_the_first_missing_index_and_keeps_every_sample_once():
     assert [s.run_id for s in manifest.shards_on("c")] == ["g.s1m1", "g"]
     assert [shards.owner_of(manifest, i).id for i in (13, 14, 19, 20)] == ["s1", "s1m1", "s1m1", "s2"]
     # moving the moved range again gets a new id; nothing to move returns None and changes nothing
-    again = shards.reassign(manifest, moved, "a", 16, "/o/g.s1m1m1")
-    assert again.id == "s1m1m1" and shards.coverage_problems(manifest) == []
+    again = shards.reassign(manifest, moved, "a", 16, "/o/g.s1m2")
+    assert again.id == "s1m2" and again.run_id == "g.s1m2" and shards.coverage_problems(manifest) == []
     before = manifest.model_dump()
     assert shards.reassign(manifest, manifest.shard("s0"), "b", 10, "/x") is None
     assert manifest.model_dump() == before
@@ -257,3 +257,81 @@ def test_the_host_lists_a_ranges_files_in_either_format(tmp_path, remote_pkg):
     assert got["files"][0]["tokens"] == 17, "the manifest's entry is reused, not hashed again"
     assert got["files"][1]["sha256"] == hashlib.sha256(b"xxxx").hexdigest()
     assert got["first_missing"] == 7 and got["missing"] == 1 and got["hashed_here"] == 3
+
+
+@pytest.mark.parametrize("text", ["a=1e308", "a=1e308,b=1e308", "a=1e7,b=1", "a=inf,b=1", "a=nan,b=1"])
+def test_huge_or_odd_shard_weights_are_a_usage_error_naming_the_flag(text):
+    with pytest.raises(UsageError) as err:
+        shards.parse_shard_by(text, ["a", "b"] if "b=" in text else ["a"])
+    assert "--shard-by" in str(err.value) and err.value.hint and err.value.code == 3
+
+
+def test_split_is_exact_for_extreme_weight_ratios():
+    # weights are ratios: the split normalizes them, so neither huge nor tiny ones overflow
+    assert shards.split(12, {"a": 1e300, "b": 1e300, "c": 1e300}) == {"a": (0, 4), "b": (4, 8), "c": (8, 12)}
+    assert shards.split(12, {"a": 1e-300, "b": 1.0}) == {"a": (0, 0), "b": (0, 12)}
+    assert shards.split(12, {"a": 5e-324, "b": 1e308}) == {"a": (0, 0), "b": (0, 12)}
+
+
+def test_moved_ids_stay_bounded_and_fit_the_host_for_any_user_run_id(remote_pkg):
+    from remote import protocol
+
+    longest = "r" * protocol.USER_RUN_ID_MAX
+    manifest = FleetManifest(run_id=longest, total=30)
+    manifest.shards = shards.plan(longest, 30, {"a": 1, "b": 1, "c": 1}, {"a": "/o", "b": "/o", "c": "/o"})
+    shard = manifest.shard("s2")
+    for step in range(1, 6):  # move, then move the moved range again and again
+        moved = shards.reassign(manifest, shard, "ab"[step % 2], shard.start + 1, "/o")
+        assert moved.id == f"s2m{step}" and protocol.RUN_ID_RE.match(moved.run_id)
+        shard = moved
+    assert len(shards.moved_run_id(longest, f"s{protocol.MOVE_LIMIT - 1}m{protocol.MOVE_LIMIT - 1}")) == \
+        protocol.RUN_ID_MAX
+    with pytest.raises(UsageError, match="longer than a host takes"):
+        shards.moved_run_id("r" * 124, "s1m1")  # an id made before the rule: refused here, not on a host
+
+
+def test_a_user_run_id_leaves_room_for_every_suffix():
+    from specops.extract import check_run_id
+
+    from specops.assets import remote_protocol
+
+    protocol = remote_protocol()
+    assert check_run_id("r" * protocol.USER_RUN_ID_MAX)
+    with pytest.raises(UsageError) as err:
+        check_run_id("r" * (protocol.USER_RUN_ID_MAX + 1))
+    assert f"at most {protocol.USER_RUN_ID_MAX}" in str(err.value) and "--run-id" in str(err.value)
+    assert protocol.USER_RUN_ID_MAX + protocol.MOVED_SUFFIX_MAX == protocol.RUN_ID_MAX == 128
+
+
+@pytest.mark.parametrize("text, words", [(" , ", "names no move"), (",", "names no move"),
+                                         ("a=b,a=c", "moves 'a' twice"), ("a=b, a = c", "twice")])
+def test_reassign_refuses_nothing_and_a_host_moved_twice(text, words):
+    from specops.fleetrun import parse_reassign
+
+    with pytest.raises(UsageError) as err:
+        parse_reassign(text)
+    assert "--reassign" in str(err.value) and words in str(err.value) and err.value.hint
+    assert parse_reassign("a=b, c=b") == [("a", "b"), ("c", "b")]
+
+
+def test_the_host_flags_a_file_whose_size_differs_from_its_manifest(tmp_path, remote_pkg):
+    import hashlib
+    import json
+
+    from remote import shard
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(3):
+        (out / f"data_{i}.pt").write_bytes(b"x" * 100)
+    good = hashlib.sha256(b"x" * 100).hexdigest()
+    (out / "manifest.json").write_text(json.dumps({"files": [{"path": f"data_{i}.pt", "sha256": good, "bytes": 100}
+                                                             for i in range(3)]}))
+    with open(out / "data_1.pt", "r+b") as fh:
+        fh.truncate(40)
+    got = shard.main({"action": "files", "output_dir": str(out), "start": 0, "stop": 3})["data"]
+    assert [f["index"] for f in got["files"]] == [0, 2], "the changed file is not passed on as the sample"
+    assert all(f["sha256"] == good for f in got["files"]) and got["hashed_here"] == 0
+    assert got["changed"] == [{"index": 1, "path": "data_1.pt", "bytes": 40, "manifest_bytes": 100,
+                               "manifest_sha256": good}]
+    assert got["first_missing"] == 1, "a cut never keeps a changed file"
