@@ -1,6 +1,6 @@
-"""The run's dataset as token ids and loss masks (stdlib only at import).
+r"""The run's dataset: one reader of its rows, used by the run, preflight and the fleet plan.
 
-A dataset is a JSONL file, one sample a line, in one of two shapes:
+A dataset is a JSON-lines file, one sample a line, in one of two shapes:
 
 * pre-tokenized: ``{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}`` (``loss_mask``
   optional: all ones);
@@ -8,6 +8,14 @@ A dataset is a JSONL file, one sample a line, in one of two shapes:
   "content": "hello"}]}`` (or ShareGPT's ``conversations`` with ``from``/``value``),
   rendered with the model tokenizer's chat template; the loss mask is 1 on the tokens of
   assistant turns.
+
+What a row is, is decided here once (:func:`rows`), the JSON-lines rule: the file is
+split on ``\n`` bytes only (never on ``\r``, ``\x1c``, ``\u2028`` ... as text-mode
+reading or ``str.splitlines`` would), a line holding nothing but JSON whitespace (space,
+tab, CR, LF) is skipped, every other line is a row (a UTF-8 BOM before line 1 is
+dropped). What a row must hold is decided once too (:func:`check_row`): the run
+(:func:`load_token_samples`), preflight (``remote/probes/tokenizer_data.py``) and the
+shard probe (``remote/shard.py``) all call these, so they count and accept the same rows.
 
 With ``/data/tok.jsonl`` holding the one line ``{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}``::
 
@@ -21,53 +29,195 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from remote.probes import describe
 
-def load_token_samples(params: dict, model_path: str) -> list[tuple[list[int], list[int]]]:
+#: JSON's own whitespace (RFC 8259): a line of only these is blank; \x1c or \u2028 are not.
+JSON_WHITESPACE = b" \t\r\n"
+BOM = b"\xef\xbb\xbf"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+#: what a row must look like, for messages and fixes
+SHAPES = ('{"input_ids": [ints], "loss_mask": [0|1, ...]?} or {"messages"|"conversations": '
+          '[{"role"|"from": "user"|"assistant"|"system", "content"|"value": "..."}, ...]}')
+TO_JSONL = ("python -c 'import json,sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]' "
+            "data.json > data.jsonl")
+
+
+class DatasetError(ValueError):
+    """A row the run cannot use: the message names the file and line (and the sample index
+    when the run hit it), what is wrong, and :attr:`fix` says what to do."""
+
+    def __init__(self, path, lineno: int, problem: str, fix: str, sample: int | None = None):
+        self.path, self.lineno, self.problem, self.fix, self.sample = str(path), lineno, problem, fix, sample
+        where = f"{path}:{lineno}" if sample is None else f"sample {sample}, {path}:{lineno}"
+        super().__init__(f"{where}: {problem}; {fix}")
+
+    def at_sample(self, index: int) -> "DatasetError":
+        return DatasetError(self.path, self.lineno, self.problem, self.fix, sample=index)
+
+
+def _limit(max_samples):
+    return None if max_samples in (None, "") else int(max_samples)
+
+
+def rows(path, max_samples=None):
+    r"""``(line number, raw bytes)`` of each row a run reads, in order: the first ``max_samples``.
+
+    Lines are split on ``b"\n"`` only and never decoded here, so counting rows parses
+    nothing; :func:`parse_row` decodes one.
+    """
+    limit, seen = _limit(max_samples), 0
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if lineno == 1 and line.startswith(BOM):
+                line = line[len(BOM):]
+            if not line.strip(JSON_WHITESPACE):
+                continue
+            if limit is not None and seen >= limit:
+                return
+            seen += 1
+            yield lineno, line
+
+
+def parse_row(path, lineno: int, raw: bytes) -> dict:
+    """One row as a JSON object. :raises DatasetError: not UTF-8, not JSON, or not an object."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(path, lineno, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of "
+                           f"the line)", "re-encode the file as UTF-8 (iconv -f <its encoding> -t UTF-8)") from None
+    try:
+        row = json.loads(text)
+    except ValueError as exc:
+        array = lineno == 1 and text.lstrip().startswith("[")
+        raise DatasetError(path, lineno, f"not JSON ({getattr(exc, 'msg', exc)} at column "
+                           f"{getattr(exc, 'colno', '?')})",
+                           f"the file looks like one JSON array: write one object per line ({TO_JSONL})"
+                           if array else "fix or drop the line; each line is one JSON object") from None
+    if not isinstance(row, dict):
+        raise DatasetError(path, lineno, f"a row is a JSON object, found {describe(row)}",
+                           f"one object per line ({TO_JSONL})" if isinstance(row, list)
+                           else f"each line is one object: {SHAPES}")
+    return row
+
+
+def _token_ids(path, lineno, key: str, values, vocab_size, mask: bool = False) -> list:
+    if not isinstance(values, list) or not values:
+        raise DatasetError(path, lineno, f"'{key}' is {describe(values)}, expected a non-empty list of "
+                           f"{'0/1 flags' if mask else 'token ids'}", f"each row is {SHAPES}")
+    if set(map(type, values)) == {int}:  # the common case at C speed; the loop names the first bad entry
+        if (set(values) <= {0, 1}) if mask else (min(values) >= 0 and not (vocab_size and max(values) >= vocab_size)):
+            return values
+    for pos, value in enumerate(values):
+        if type(value) is not int:  # 3.7 would be truncated to 3, true taken for 1: neither is a token
+            raise DatasetError(path, lineno, f"{key}[{pos}] is {describe(value)}, expected "
+                               f"{'0 or 1' if mask else 'a whole number (a JSON integer)'}",
+                               f"write {key} as JSON integers")
+        if mask and value not in (0, 1):
+            raise DatasetError(path, lineno, f"{key}[{pos}] is {value}, expected 0 or 1",
+                               "loss_mask marks each token 1 (trained on) or 0")
+        if not mask and value < 0:
+            raise DatasetError(path, lineno, f"token id {value} ({key}[{pos}]) is negative",
+                               "re-tokenize the row with this model's tokenizer")
+        if not mask and vocab_size and value >= vocab_size:
+            raise DatasetError(path, lineno, f"token id {value} ({key}[{pos}]) is out of vocabulary (the "
+                               f"model's vocab_size is {vocab_size}: ids 0..{vocab_size - 1})",
+                               "re-tokenize the row with this model's tokenizer")
+    return values
+
+
+def chat_turns(row: dict, path, lineno: int) -> list:
+    """The row's turns as ``[{"role": user|assistant|system, "content": str}]``.
+
+    :raises DatasetError: no turns, a turn that is not an object, an unknown role, or
+        content that is not a string.
+    """
+    key = "messages" if "messages" in row else "conversations"
+    turns = row.get(key)
+    if key not in row:
+        keys = ", ".join(sorted(map(str, row))[:5]) or "none"
+        raise DatasetError(path, lineno, f"no 'input_ids', 'messages' or 'conversations' key (keys: {keys})",
+                           f"each row is {SHAPES}")
+    if not isinstance(turns, list) or not turns:
+        raise DatasetError(path, lineno, f"'{key}' is {describe(turns)}, expected a non-empty list of turns",
+                           f"each row is {SHAPES}")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DatasetError(path, lineno, f"{key}[{i}] is {describe(turn)}, expected an object with "
+                               f"role and content", f"each turn is {{\"role\": ..., \"content\": ...}}")
+        role = turn.get("role", turn.get("from"))
+        if not isinstance(role, str) or role not in ROLES:
+            found = "missing" if role is None else describe(role)
+            raise DatasetError(path, lineno, f"{key}[{i}] role is {found}, expected one of "
+                               f"{', '.join(ROLES)}", "map those roles to user/assistant/system")
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(content, str):
+            found = "missing" if content is None else describe(content)
+            raise DatasetError(path, lineno, f"{key}[{i}] content is {found}, expected a string",
+                               "give each turn its text as a string in 'content' (or 'value')")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
+def check_row(row: dict, path, lineno: int, vocab_size=None) -> tuple:
+    """``("tokens", input_ids, loss_mask)`` or ``("chat", turns, None)``: what one row holds, checked.
+
+    The one judge of a row, for the run and for preflight alike (the run also renders
+    chat rows through the chat template, which preflight leaves to its tokenizer check).
+    :raises DatasetError: naming the file, line and what is wrong.
+    """
+    if "input_ids" in row:
+        ids = _token_ids(path, lineno, "input_ids", row["input_ids"], vocab_size)
+        mask = row.get("loss_mask")
+        if mask is None:
+            return "tokens", ids, [1] * len(ids)
+        mask = _token_ids(path, lineno, "loss_mask", mask, None, mask=True)
+        if len(mask) != len(ids):
+            raise DatasetError(path, lineno, f"loss_mask has {len(mask)} entries for {len(ids)} input_ids",
+                               "give loss_mask one 0/1 per input id, or leave it out (all ones)")
+        return "tokens", ids, mask
+    return "chat", chat_turns(row, path, lineno), None
+
+
+def load_token_samples(params: dict, model_path: str, vocab_size: int | None = None) -> list:
     """``[(input_ids, loss_mask), ...]`` for the run, in dataset order.
 
-    Rows are JSON objects, one a line: ``{"input_ids": [...], "loss_mask": [...]?}``
-    (pre-tokenized) or ``{"messages"|"conversations": [{"role"|"from", "content"|"value"}]}``
-    (chat, rendered with the model tokenizer's chat template). ``max_samples`` keeps the
-    first rows; ``seq_len`` truncates each sample.
+    Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered
+    with the model tokenizer's chat template. ``max_samples`` keeps the first rows;
+    ``seq_len`` truncates each sample; ids at or past ``vocab_size`` (the model's, when
+    given) are refused before any of them reaches an engine.
 
-    :raises ValueError: naming the file and line of a row that cannot be used.
+    :raises DatasetError: naming the sample index, the file and the line of a row that
+        cannot be used.
     """
     path = Path(params["dataset"])
-    max_samples = params.get("max_samples")
     seq_len = int(params.get("seq_len") or 2048)
+    vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
-    rows = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if max_samples is not None and len(rows) >= int(max_samples):
-                break
-            try:
-                rows.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
-    if not rows:
+    checked = []  # every row judged before a tokenizer loads: a bad line fails in seconds
+    for index, (lineno, raw) in enumerate(rows(path, params.get("max_samples"))):
+        try:
+            checked.append((index, lineno) + check_row(parse_row(path, lineno, raw), path, lineno, vocab_size))
+        except DatasetError as exc:
+            raise exc.at_sample(index) from None
+    if not checked:
         raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
     tokenizer = None
     out = []
-    for lineno, row in rows:
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        if "input_ids" in row:
-            ids = [int(x) for x in row["input_ids"]]
-            mask = [int(x) for x in row.get("loss_mask") or [1] * len(ids)]
-            if len(mask) != len(ids):
-                raise ValueError(f"{path}:{lineno}: loss_mask has {len(mask)} entries for "
-                                 f"{len(ids)} input_ids")
-        else:
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(model_path, params)
-            ids, mask = tokenize_chat(tokenizer, _messages(row, path, lineno), where=f"{path}:{lineno}")
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if not ids:
-            raise ValueError(f"{path}:{lineno}: the sample has no tokens")
+    for index, lineno, kind, ids, mask in checked:
+        try:
+            if kind == "chat":
+                if tokenizer is None:
+                    tokenizer = _load_tokenizer(model_path, params)
+                ids, mask = tokenize_chat(tokenizer, ids, where=f"sample {index}, {path}:{lineno}")
+                if ids:
+                    _token_ids(path, lineno, "the chat template's token ids", ids, vocab_size)
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            if not ids:
+                raise DatasetError(path, lineno, "the sample has no tokens", "drop the row")
+        except DatasetError as exc:
+            raise exc.at_sample(index) from None
         out.append((ids, mask))
     return out
 
@@ -80,23 +230,6 @@ def _load_tokenizer(model_path: str, params: dict):
         raise ValueError(f"the tokenizer in {model_path} has no chat template; add one to "
                          f"tokenizer_config.json or pass a pre-tokenized dataset (rows with input_ids)")
     return tok
-
-
-def _messages(row: dict, path, lineno) -> list[dict]:
-    turns = row.get("messages", row.get("conversations"))
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{path}:{lineno}: a row needs 'input_ids', or 'messages'/'conversations' "
-                         f"as a non-empty list of turns")
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system"}
-    norm = []
-    for t in turns:
-        role = roles.get(t.get("role", t.get("from")))
-        if role is None:
-            raise ValueError(f"{path}:{lineno}: unknown role {t.get('role', t.get('from'))!r}; "
-                             f"use user/assistant/system")
-        norm.append({"role": role, "content": t.get("content", t.get("value", ""))})
-    return norm
 
 
 def tokenize_chat(tokenizer, messages: list[dict], where: str = "") -> tuple[list[int], list[int]]:

@@ -77,6 +77,75 @@ def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
     return problems
 
 
+def translate(ids: list, src: str, dst: str, num_layers: int) -> tuple[list, list, list]:
+    """``(translated ids, mapping lines, refused lines)`` of ``ids`` from ``src`` to ``dst``.
+
+    Each id is range-checked in ``src``, the convention it was typed in, before it is
+    translated: ``output:-1`` would otherwise become ``input:0``, the embeddings.
+
+    >>> translate([2, 4, 5, 7], "output", "input", 8)
+    ([3, 5, 6, 8], ['output:2=input:3', 'output:4=input:5', 'output:5=input:6', 'output:7=input:8'], [])
+    >>> translate([0, 4], "input", "output", 8)[2]
+    ['input:0 (the embeddings) has no output id']
+    >>> translate([-1], "output", "input", 8)[2]
+    ['output:-1 is out of range 0..7 (8 layers)']
+    """
+    out, mapping, refused = [], [], []
+    top = {OUTPUT: num_layers - 1, INPUT: num_layers}
+    for lid in ids:
+        if type(lid) is not int:
+            out.append(lid)  # layer_id_problems names it
+            continue
+        (new,) = convert([lid], src, dst)
+        if not 0 <= lid <= top[src]:
+            refused.append(f"{src}:{lid} is out of range 0..{top[src]} ({num_layers} layers)")
+        elif not 0 <= new <= top[dst]:  # only input:0, the embeddings, which no layer outputs
+            refused.append(f"{src}:{lid} (the embeddings) has no {dst} id")
+        else:
+            out.append(new)
+            mapping.append(f"{src}:{lid}={dst}:{new}")
+    return out, mapping, refused
+
+
+def resolve(given, asked, engine: str, num_layers: int) -> dict:
+    """The layer ids a run captures, decided once for preflight, the shard probe and the supervisor.
+
+    :param given: the ids the user gave (None: the engine's default).
+    :param asked: the convention they are written in (None: the engine's own).
+    :returns: ``{"ids", "convention", "source", "default", "mapping", "refused", "problems"}``;
+        the ids are usable when ``refused`` and ``problems`` are empty. Ids in the other
+        convention are range-checked as typed, then translated (:func:`translate`).
+    """
+    convention = ENGINE_CONVENTION.get(engine)
+    out = {"ids": given, "convention": convention, "source": "given", "default": None, "mapping": [],
+           "refused": [], "problems": []}
+    if convention is None:
+        out["problems"] = [f"unknown engine {engine!r}; known: {sorted(ENGINE_CONVENTION)}"]
+        return out
+    if type(num_layers) is not int or num_layers < 1:
+        out["problems"] = [f"the model's layer count {num_layers!r} is not a positive integer"]
+        return out
+    out["default"], _ = default_layer_ids(engine, num_layers)
+    if given is None:
+        out.update(ids=list(out["default"]), source="engine default")
+    elif not isinstance(given, (list, tuple)):
+        out["problems"] = [f"layer ids {given!r} are not a list of integers"]
+        return out
+    elif asked is not None and asked not in CONVENTIONS:
+        out["problems"] = [f"layer_convention {asked!r} is not a layer convention; use one of "
+                           f"{sorted(CONVENTIONS)}"]
+        return out
+    elif asked and asked != convention:
+        ids, mapping, refused = translate(list(given), asked, convention, num_layers)
+        out.update(ids=ids, mapping=mapping, refused=refused, source=f"given as {asked}:{list(given)}")
+        if refused:
+            return out
+    else:
+        out["ids"] = list(given)
+    out["problems"] = layer_id_problems(out["ids"], num_layers, convention)
+    return out
+
+
 def hf_hidden_state_index(layer_id: int, convention: str) -> int:
     """Index into HF ``output_hidden_states`` for a layer id in ``convention``."""
     return layer_id + 1 if convention == OUTPUT else layer_id

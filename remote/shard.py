@@ -42,23 +42,19 @@ def main(params: dict) -> dict:
 # --------------------------------------------------------------------------- probe
 
 def count_rows(path: str, max_samples) -> tuple:
-    """``(rows, sha256)`` of the rows a run reads: non-empty lines, the first ``max_samples``.
+    """``(rows, sha256)`` of the rows a run reads: :func:`remote.dataset.rows`, nothing parsed.
 
-    The same rule as :func:`remote.dataset.load_token_samples` (blank lines skipped,
-    ``max_samples`` keeps the first rows), over the raw bytes, so nothing is parsed.
+    The digest covers each row's bytes without its line ending, so the same rows with
+    other blank lines or CRLF endings are the same samples.
     """
-    limit = None if max_samples in (None, "") else int(max_samples)
+    from remote.dataset import rows as dataset_rows
+
     digest = hashlib.sha256()
-    rows = 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            if limit is not None and rows >= limit:
-                break
-            if not line.strip():
-                continue
-            digest.update(line.rstrip(b"\r\n") + b"\n")
-            rows += 1
-    return rows, digest.hexdigest()
+    count = 0
+    for _, line in dataset_rows(path, max_samples):
+        digest.update(line.rstrip(b"\r\n") + b"\n")
+        count += 1
+    return count, digest.hexdigest()
 
 
 def _devices(params: dict) -> dict:

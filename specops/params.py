@@ -5,6 +5,7 @@ the flag and the fix, before anything reaches a host.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from specops.errors import UsageError
@@ -17,10 +18,16 @@ ENGINES = ("auto", "speculators-0.3", "vllm-server", "hf-reference")
 LAYER_CONVENTIONS = ("output", "input")
 
 
+#: one layer id as typed: ASCII digits (int() would also take "２" and "2_0"), a sign for the
+#: host's range check to name
+LAYER_ID = re.compile(r"-?[0-9]+", re.ASCII)
+
+
 def parse_layer_ids(text: str | None) -> list[int] | None:
     """``"2,16,29"`` -> ``[2, 16, 29]``; ``None``/empty -> ``None`` (the engine's default).
 
     A ``output:``/``input:`` prefix is dropped here; :func:`parse_layer_convention` reads it.
+    Each id is ASCII digits (spaces around it allowed); the host checks the range.
     """
     if text is None or str(text).strip() == "":
         return None
@@ -29,15 +36,17 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
     if sep:
         parse_layer_convention(text)
         text = rest
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip() != ""]
-    except ValueError:
-        text = given  # the message quotes what the user typed
-        raise UsageError(f"--layer-ids {text!r} is not a comma-separated list of integers",
+    parts = [part.strip(" \t") for part in text.split(",")]
+    ids = [part for part in parts if part != ""]
+    bad = [part for part in ids if not LAYER_ID.fullmatch(part)]
+    if bad or not ids:
+        what = f"{bad[0]!r} is not a layer id: ASCII digits only" if bad else "it names no layer id"
+        raise UsageError(f"--layer-ids {given!r} is not a comma-separated list of integers ({what})",
                          "example: --layer-ids 2,16,29,31 (the engine's convention) or "
                          "--layer-ids output:2,16,29,31") from None
+    ids = [int(part) for part in ids]
     if len(set(ids)) != len(ids):
-        raise UsageError(f"--layer-ids {text!r} repeats a layer id",
+        raise UsageError(f"--layer-ids {given!r} repeats a layer id",
                          "each layer can be captured once; remove the duplicate")
     return ids
 

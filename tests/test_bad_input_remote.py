@@ -227,9 +227,9 @@ def test_dataset_lines_that_are_json_but_not_records_fail_with_line_numbers(host
     assert sorted(problems) == [1, 2, 3, 4, 5, 6, 7]
     assert "the number 42" in problems[1] and "the string 'just text'" in problems[2] and "null" in problems[3]
     assert "'conversations' is the string 'hi', expected a non-empty list" in problems[4]
-    assert "turn 0 is the string 'turn', not an object" in problems[5]
-    assert "turn 0 role is a list of 1, expected a string" in problems[6]
-    assert "turn 0 role is an object" in problems[7]
+    assert "conversations[0] is the string 'turn', expected an object" in problems[5]
+    assert "conversations[0] role is a list of 1, expected one of" in problems[6]
+    assert "conversations[0] role is an object" in problems[7]
 
 
 def test_layer_ids_that_are_not_numbers_fail_without_a_crash(hostenv_python, llama, tmp_path):

@@ -322,7 +322,7 @@ def test_dataset_with_bad_records_fails_with_line_numbers(hostenv_python, llama_
     lines = [
         good,                                                           # 1 ok
         '{"conversations": [{"role": "user", "content": "hi"}',         # 2 broken JSON
-        '{"messages": [{"role": "user", "content": "hi"}]}',            # 3 wrong key
+        '{"messages": [{"role": "user", "content": "hi"}]}',            # 3 ok: the run reads 'messages' too
         '{"conversations": [{"role": "user"}]}',                        # 4 turn without content
         "",                                                             # blank lines are skipped
         '["not", "an", "object"]',                                      # 6 not an object
@@ -333,22 +333,29 @@ def test_dataset_with_bad_records_fails_with_line_numbers(hostenv_python, llama_
     res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
     assert rec["status"] == "fail"
-    assert [b["line"] for b in rec["detail"]["bad"]] == [2, 3, 4, 6]
+    assert [b["line"] for b in rec["detail"]["bad"]] == [2, 4, 6]
     problems = {b["line"]: b["problem"] for b in rec["detail"]["bad"]}
-    assert "not valid JSON" in problems[2] and "'messages'" in problems[3] and "content" in problems[4]
-    assert "lines 2, 3, 4, 6" in rec["summary"]
+    assert "not JSON" in problems[2] and "content is missing" in problems[4] and "a list of 3" in problems[6]
+    assert "lines 2, 4, 6" in rec["summary"] and "all 6 rows" in rec["summary"]
     assert res["data.file"]["status"] == "ok" and res["data.file"]["detail"]["records"] == 6
 
 
-def test_dataset_roles_from_value_format_passes_and_odd_roles_warn(hostenv_python, llama_copy, tmp_path):
+def test_dataset_roles_from_value_format_pass_and_unknown_roles_fail_as_in_the_run(hostenv_python, llama_copy,
+                                                                                    tmp_path):
+    """The run refuses a role it cannot map (tokenizing it would guess): preflight says so first."""
     dataset = tmp_path / "sharegpt.jsonl"
     dataset.write_text(
         json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) + "\n"
         + json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "tool", "value": "b"}]}) + "\n")
     res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
+    assert rec["status"] == "fail" and [d["line"] for d in rec["detail"]["bad"]] == [2]
+    assert "'tool'" in rec["summary"] and "user/assistant/system" in rec["fix"]
+    dataset.write_text(dataset.read_text().splitlines()[0] + "\n"
+                       + json.dumps({"conversations": [{"from": "human", "value": "a"}]}) + "\n")
+    rec = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))["data.records"]
     assert rec["status"] == "warn" and [d["line"] for d in rec["detail"]["degraded"]] == [2]
-    assert "'tool'" in rec["summary"]
+    assert "no assistant turn" in rec["summary"]
 
 
 def test_missing_dataset_file_fails(hostenv_python, llama_copy, tmp_path):
@@ -496,10 +503,12 @@ def test_autoconfig_that_hangs_times_out_as_a_fail(hostenv_python, llama_copy, t
     assert res["checkpoint.headers"]["status"] == "ok"  # the static checks still ran and reported
 
 
-def test_json_array_dataset_reports_record_numbers(hostenv_python, llama_copy, tmp_path):
+def test_json_array_dataset_fails_at_line_1_with_the_jsonl_fix(hostenv_python, llama_copy, tmp_path):
+    """The run reads JSON lines only; a JSON array file fails preflight as it would fail the run."""
     good = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     dataset = tmp_path / "chat.json"
-    dataset.write_text(json.dumps([good, {"text": "no conversations"}, good]))
+    dataset.write_text(json.dumps([good, {"text": "no conversations"}, good], indent=1))
     res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
-    assert rec["status"] == "fail" and [b["line"] for b in rec["detail"]["bad"]] == [2]
+    assert rec["status"] == "fail" and rec["detail"]["bad"][0]["line"] == 1
+    assert "one JSON array" in rec["fix"] and "json.dumps" in rec["fix"]

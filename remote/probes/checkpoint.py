@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import OBJECT, Context, Malformed, MiB, describe, expect, field, human_bytes
@@ -158,7 +159,9 @@ def probe(ctx: Context) -> list:
         return [record("checkpoint.files", FAIL, f"no weights in {model_path}", detail={},
                        fix="download the model's *.safetensors (and their index) into the model dir")]
     records = [_files_record(index, expected, on_disk)]
-    records += _shards_records(ctx, model_path, index, expected, on_disk)
+    shard_records, tensors_by_shard, bad = _shards_records(ctx, model_path, index, expected, on_disk)
+    records += shard_records
+    records.append(_layers_record(ctx, tensors_by_shard, bad or set(expected) - set(on_disk)))
     records.append(_fit_record(ctx))
     return records
 
@@ -219,7 +222,92 @@ def _shards_records(ctx, model_path, index, expected, on_disk):
     records.append(record("checkpoint.size", OK, f"{human_bytes(total_data)} of weights in {len(expected)} "
                           f"shard(s)", detail={"data_bytes": total_data, "file_bytes": total_files,
                                                "index_total_size": declared}))
-    return records
+    return records, tensors_by_shard, bad
+
+
+#: ``<prefix>layers.<i>.<rest>``: a decoder layer's tensor (``model.layers.3.mlp.up_proj.weight``,
+#: ``language_model.model.layers.3...``); the first ``layers.`` in the name counts.
+LAYER_TENSOR = re.compile(r"^(.*?\blayers)\.(\d+)\.(.+)$")
+#: prefixes of towers that are not the language model (their layers are no decoder layers)
+NOT_DECODER = re.compile(r"vision|visual|vit|audio|mm_proj|projector|encoder", re.IGNORECASE)
+
+
+def decoder_layers(names) -> tuple:
+    """``(prefix, {layer: {module: {tensor suffix}}})`` of the decoder's layers among ``names``.
+
+    Tensors are grouped by module (``self_attn.q_proj`` holds ``.weight`` and, quantized,
+    ``.weight_scale``), so a layer left unquantized is not taken for an incomplete one.
+    The prefix holding the most tensors is the decoder's; ``(None, {})`` when none matches.
+    """
+    by_prefix: dict = {}
+    for name in names:
+        m = LAYER_TENSOR.match(name)
+        if not m or NOT_DECODER.search(m.group(1)):
+            continue
+        prefix, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+        module = rest.rpartition(".")[0] or rest
+        by_prefix.setdefault(prefix, {}).setdefault(layer, {}).setdefault(module, set()).add(rest)
+    if not by_prefix:
+        return None, {}
+    prefix = max(by_prefix, key=lambda k: sum(len(t) for mods in by_prefix[k].values() for t in mods.values()))
+    return prefix, by_prefix[prefix]
+
+
+def layer_gaps(names, num_layers: int) -> tuple:
+    """``(prefix, {layer: [missing tensor names]})`` for the config's layers ``0..num_layers-1``.
+
+    A layer with no tensor at all is expected to hold what its nearest layer holds. A
+    layer whose modules are a strict subset of another layer's misses the difference
+    (the closest such layer is the model): layers of different kinds (dense and MoE)
+    are never subsets of each other. Layers past the count (DeepSeek's MTP layer) are
+    not decoder layers and are ignored.
+    """
+    prefix, found = decoder_layers(names)
+    if prefix is None:
+        return None, {}
+    present = sorted(i for i in found if i < num_layers)
+    gaps = {}
+    for i in range(num_layers):
+        if i not in found:
+            if not present:
+                gaps[i] = [f"{prefix}.{i}.*"]
+                continue
+            peer = min(present, key=lambda j: (abs(j - i), j))
+            gaps[i] = sorted(f"{prefix}.{i}.{t}" for tensors in found[peer].values() for t in tensors)
+            continue
+        mods = set(found[i])
+        bigger = [j for j in present if j != i and mods < set(found[j])]
+        if bigger:
+            peer = min(bigger, key=lambda j: (len(found[j]), abs(j - i)))
+            gaps[i] = sorted(f"{prefix}.{i}.{t}" for mod in set(found[peer]) - mods for t in found[peer][mod])
+    return prefix, gaps
+
+
+def _layers_record(ctx, tensors_by_shard, unreadable):
+    """Every decoder layer the config counts holds its tensors (else vLLM fails after the load)."""
+    n = ctx.model.get("num_layers")
+    if type(n) is not int or n < 1:
+        return record("checkpoint.layers", SKIPPED, "no layer count (model config unreadable)", detail={})
+    if unreadable:
+        return record("checkpoint.layers", SKIPPED, "not every shard is readable (see checkpoint.files/headers): "
+                      "layers not checked", detail={"unreadable": sorted(unreadable)[:10]})
+    names = set().union(*tensors_by_shard.values()) if tensors_by_shard else set()
+    prefix, gaps = layer_gaps(names, n)
+    if prefix is None:
+        return record("checkpoint.layers", SKIPPED, "no tensor named <prefix>.layers.<i>.*: the decoder layers' "
+                      "weights are not checked", detail={"num_layers": n})
+    detail = {"prefix": prefix, "num_layers": n, "incomplete": {str(i): t[:20] for i, t in gaps.items()},
+              "missing_count": {str(i): len(t) for i, t in gaps.items()}}
+    if gaps:
+        first = min(gaps)
+        shown = ", ".join(gaps[first][:4]) + (f" (+{len(gaps[first]) - 4} more)" if len(gaps[first]) > 4 else "")
+        layers_txt = ", ".join(map(str, sorted(gaps)[:10])) + (" ..." if len(gaps) > 10 else "")
+        return record("checkpoint.layers", FAIL, f"{len(gaps)} of {n} decoder layers lack weights in every shard "
+                      f"(layers {layers_txt}); layer {first} misses {shown}", detail=detail,
+                      fix="re-download the checkpoint's shards together with their index (huggingface-cli download "
+                          "resumes); vLLM fails after the load with 'weights were not initialized from checkpoint'")
+    return record("checkpoint.layers", OK, f"all {n} decoder layers ({prefix}.<i>) hold their weights",
+                  detail=detail)
 
 
 def _fit_record(ctx):

@@ -3,7 +3,7 @@
 The convention follows the engine (``remote.layers.ENGINE_CONVENTION``): ``output`` of
 layer i for speculators-0.3, ``input`` of layer i for vllm-server. The engine's default
 ids are computed from the model's layer count; ids the user gave are validated with
-:func:`remote.layers.layer_id_problems`. Ids given in the other convention
+:func:`remote.layers.resolve` (the one rule the supervisor and the shard probe use too). Ids given in the other convention
 (``params["layer_convention"]``, ``--layer-ids output:2,4,5,7``) name the same tensors
 under other numbers: they are translated (``output:i`` == ``input:i+1``) and the record
 shows the mapping, or refused with the mapping when one has no counterpart
@@ -17,29 +17,8 @@ from remote.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
 
-def translate(ids: list, src: str, dst: str, num_layers: int) -> tuple[list, list, list]:
-    """``(translated ids, mapping lines, untranslatable lines)`` of ``ids`` from ``src`` to ``dst``.
-
-    >>> translate([2, 4, 5, 7], "output", "input", 8)
-    ([3, 5, 6, 8], ['output:2=input:3', 'output:4=input:5', 'output:5=input:6', 'output:7=input:8'], [])
-    >>> translate([0, 4], "input", "output", 8)[2]
-    ['input:0 (the embeddings) has no output id']
-    """
-    out, mapping, refused = [], [], []
-    top = {layers.OUTPUT: num_layers - 1, layers.INPUT: num_layers}
-    for lid in ids:
-        if type(lid) is not int:
-            out.append(lid)  # layer_id_problems names it
-            continue
-        (new,) = layers.convert([lid], src, dst)
-        if not 0 <= lid <= top[src]:
-            refused.append(f"{src}:{lid} is out of range 0..{top[src]} ({num_layers} layers)")
-        elif not 0 <= new <= top[dst]:  # only input:0, the embeddings, which no layer outputs
-            refused.append(f"{src}:{lid} (the embeddings) has no {dst} id")
-        else:
-            out.append(new)
-            mapping.append(f"{src}:{lid}={dst}:{new}")
-    return out, mapping, refused
+#: kept under its old name: the probe's callers and doctests know it here
+translate = layers.translate
 
 
 def probe(ctx: Context) -> list:
@@ -58,29 +37,27 @@ def probe(ctx: Context) -> list:
                        detail={"layer_convention": asked},
                        fix=f"set layer_convention to one of {sorted(layers.CONVENTIONS)} (or leave it out: the "
                            f"engine's own, {convention})")]
-    default, _ = layers.default_layer_ids(engine, n)
-    ids, source = (list(given), "given") if given is not None else (default, "engine default")
+    plan = layers.resolve(given, asked, engine, n)
+    ids, source, default = plan["ids"], plan["source"], plan["default"]
     detail = {"layer_ids": ids, "source": source, "convention": convention,
               "convention_meaning": layers.CONVENTIONS[convention], "engine": engine, "num_layers": n,
               "engine_default": default}
     translated = ""
     if given is not None and asked and asked != convention:
-        ids, mapping, refused = translate(list(given), asked, convention, n)
-        detail.update(given_ids=list(given), given_convention=asked, mapping=mapping, layer_ids=ids)
-        if refused:
-            detail["refused"] = refused
+        mapping = plan["mapping"]
+        detail.update(given_ids=list(given), given_convention=asked, mapping=mapping)
+        if plan["refused"]:
+            detail["refused"] = plan["refused"]
             return [record("layers.ids", FAIL,
                            f"layer ids {asked}:{list(given)} cannot all be named in engine {engine}'s {convention} "
-                           f"convention: {'; '.join(refused)}", detail=detail,
+                           f"convention: {'; '.join(plan['refused'])}", detail=detail,
                            fix=f"drop or change those ids; {asked}:i is {convention}:"
                                f"{'i+1' if asked == layers.OUTPUT else 'i-1'} (mapping: "
                                f"{', '.join(mapping) or 'none'}), or give {convention}: ids directly")]
-        source = f"given as {asked}:{list(given)}"
-        detail["source"] = source
         translated = f", translated {', '.join(mapping)}"
     detail["hf_hidden_states_index"] = [layers.hf_hidden_state_index(i, convention) for i in ids
-                                        if isinstance(i, int)]
-    problems = layers.layer_id_problems(ids, n, convention)
+                                        if isinstance(i, int)] if isinstance(ids, list) else []
+    problems = plan["problems"]
     if problems:
         detail["problems"] = problems
         fix = ("pass layer_ids explicitly: distinct ids in range for this model" if source == "engine default"

@@ -1,12 +1,12 @@
-"""Tokenizer files and chat template (static), and the dataset's first records.
+"""Tokenizer files and chat template (static), and the dataset's rows.
 
-What the dataset must look like is what speculators 0.3.0's preprocessing reads
-(``speculators/data_generation/preprocessing.py``): a local ``.json``/``.jsonl`` file
-whose records hold ``conversations``, a list of turns, each with ``from``/``value`` or
-``role``/``content``; roles ``human``/``user``, ``gpt``/``assistant`` and ``system``
-(other turns are dropped with a warning). A record without ``conversations`` -- say one
-that uses ``messages`` -- is skipped without error, so a whole file of them yields
-nothing: here it is a failure. The loss mask needs at least one assistant turn.
+The dataset is judged by the run's own reader (:mod:`remote.dataset`): the same rows
+(``dataset.rows``: JSON lines split on ``\\n`` only), the same checks (``dataset.check_row``:
+UTF-8, one JSON object, ``input_ids`` of whole numbers inside the model's ``vocab_size``
+with an optional 0/1 ``loss_mask``, or ``messages``/``conversations`` turns of
+``role``/``from`` user, assistant or system with string ``content``/``value``). Every row
+the run will send (the first ``max_samples``) is read, up to :data:`CHECK_BYTES`; past
+that the record says how many were checked. A bad row fails naming file and line.
 """
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ import glob
 import json
 import os
 
+from remote import dataset as rows_reader
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import OBJECT, Context, Malformed, describe, expect
+from remote.probes import OBJECT, Context, Malformed, expect, human_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 #: Engines that turn chat data into tokens with the tokenizer's chat template.
 CHAT_ENGINES = {"speculators-0.3"}
-#: speculators 0.3.0 ships these names as hub datasets (DATASET_CONFIGS); they download at run time.
+#: speculators' hub dataset names: the run reads a local file, so these fail with a fix.
 HUB_DATASETS = {"sharegpt", "ultrachat"}
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-CHECK_RECORDS = 200
-#: Files up to this size are counted whole (line count), larger ones only sampled.
-COUNT_LIMIT_BYTES = 256 * 1024 * 1024
+#: Rows are checked until this many bytes of them are read (``params["data_check_bytes"]``
+#: overrides); the rest are only counted, and the record says so.
+CHECK_BYTES = 32 * 1024 * 1024
 REPORT_LINES = 20
 
 
@@ -100,6 +100,10 @@ def _chat_template(ctx, path):
     detail = {"source": source, "engine": engine, "engine_needs_template": engine in CHAT_ENGINES}
     if source:
         return record("tokenizer.chat_template", OK, f"chat template in {source}", detail=detail)
+    if ctx.params.get("dataset"):  # the run renders chat rows only: data.records judges the rows there are
+        return record("tokenizer.chat_template", WARN, "no chat template: only pre-tokenized rows (input_ids) "
+                      "can be sent; data.records fails if the dataset has chat rows", detail=detail,
+                      fix="add the model's chat template to the model dir to send chat rows")
     if engine in CHAT_ENGINES:
         return record("tokenizer.chat_template", FAIL,
                       f"no chat template: {engine} formats chat data with it and refuses to start without one",
@@ -111,134 +115,99 @@ def _chat_template(ctx, path):
 
 # -- dataset ----------------------------------------------------------------------------------
 
-def record_problems(rec) -> tuple:
-    """``(fatal, degraded)`` reasons for one record, as speculators 0.3.0 would treat it."""
-    if not isinstance(rec, dict):
-        return [f"record is {describe(rec)}, not an object with 'conversations'"], []
-    conv = rec.get("conversations")
-    if conv is None:
-        if "messages" in rec:
-            return ["has 'messages' but no 'conversations' (speculators 0.3.0 reads only 'conversations': "
-                    "rename the key)"], []
-        return [f"no 'conversations' key (keys: {', '.join(sorted(map(str, rec))[:5])})"], []
-    if not isinstance(conv, list) or not conv:
-        return [f"'conversations' is {describe(conv)}, expected a non-empty list of turns"], []
-    fatal, degraded, roles = [], [], []
-    for i, turn in enumerate(conv):
-        if not isinstance(turn, dict):
-            fatal.append(f"turn {i} is {describe(turn)}, not an object")
-            continue
-        role = turn.get("from", turn.get("role"))
-        content = turn.get("value", turn.get("content"))
-        if role is None:
-            fatal.append(f"turn {i} has neither 'from' nor 'role'")
-        elif not isinstance(role, str):
-            fatal.append(f"turn {i} role is {describe(role)}, expected a string")
-            role = None
-        elif role not in ROLES:
-            degraded.append(f"turn {i} role {role!r} is dropped (known: {', '.join(ROLES)})")
-        if not isinstance(content, str):
-            fatal.append(f"turn {i} has no string 'value'/'content'")
-        roles.append(ROLES.get(role))
-    if not fatal and "assistant" not in roles:
-        degraded.append("no assistant turn: nothing to train on (empty loss mask)")
-    return fatal, degraded
-
-
-def iter_records(path: str, limit: int):
-    """``(line number, parsed record or exception)`` for the first ``limit`` records."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        first = fh.read(1)
-        while first and first.isspace():
-            first = fh.read(1)
-        fh.seek(0)
-        if first == "[" and os.path.getsize(path) <= COUNT_LIMIT_BYTES:
-            try:
-                items = json.load(fh)
-            except ValueError as exc:
-                yield getattr(exc, "lineno", 1), exc
-                return
-            for i, item in enumerate(items[:limit]):
-                yield i + 1, item  # a JSON array: report the record number
-            return
-        seen = 0
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except ValueError as exc:
-                yield lineno, exc
-            seen += 1
-            if seen >= limit:
-                return
-
-
-def count_records(path: str) -> int | None:
-    """Non-empty lines of a JSON-lines file, when it is small enough to count quickly."""
-    if os.path.getsize(path) > COUNT_LIMIT_BYTES:
-        return None
-    with open(path, "rb") as fh:
-        head = fh.read(64).lstrip()
-        if head.startswith(b"["):
-            return None
-        fh.seek(0)
-        return sum(1 for line in fh if line.strip())
-
-
 def probe_data(ctx: Context) -> list:
     dataset = ctx.params["dataset"]
     if not dataset:
         return [record("data.file", SKIPPED, "no dataset given", detail={})]
-    if dataset in HUB_DATASETS:
-        return [record("data.file", WARN, f"{dataset!r} is a hub dataset speculators downloads at run time: "
-                       "not checked here", detail={"dataset": dataset},
-                       fix="download it ahead and pass the local .jsonl path")]
     if not os.path.isfile(dataset):
-        return [record("data.file", FAIL, f"dataset {dataset} does not exist", detail={"dataset": dataset},
-                       fix="copy the dataset to the host, or fix the dataset path")]
-    if not dataset.endswith((".json", ".jsonl")):
-        return [record("data.file", FAIL, f"{os.path.basename(dataset)}: speculators 0.3.0 reads only local "
-                       f".json/.jsonl files (other names are taken as hub dataset names)",
-                       detail={"dataset": dataset}, fix="rename the file to *.jsonl (JSON lines)")]
-    total = count_records(dataset)
+        hub = dataset in HUB_DATASETS
+        return [record("data.file", FAIL, f"dataset {dataset} does not exist" + (
+                       f" (speculators' hub name {dataset!r}: specops reads a local file)" if hub else ""),
+                       detail={"dataset": dataset},
+                       fix="download it ahead and pass the local .jsonl path" if hub
+                       else "copy the dataset to the host, or fix the dataset path")]
     size = os.path.getsize(dataset)
-    records = [record("data.file", OK, f"{dataset} ({size} bytes"
-                      + (f", {total} records)" if total is not None else ")"),
-                      detail={"dataset": dataset, "bytes": size, "records": total})]
-    if total is not None:
-        ctx.data["records"] = total  # capacity counts at most this many samples
-    records.append(_records(ctx, dataset))
-    return records
+    found = _rows(ctx, dataset)
+    total = found["rows"]
+    ctx.data["records"] = total  # capacity counts at most this many samples
+    limited = " (the first max_samples)" if found["limited"] else ""
+    return [record("data.file", OK, f"{dataset} ({size} bytes, {total} rows to send{limited})",
+                   detail={"dataset": dataset, "bytes": size, "records": total,
+                           "max_samples": ctx.params.get("max_samples")}),
+            _records(ctx, dataset, found)]
 
 
-def _records(ctx, dataset):
-    bad, degraded, checked = [], [], 0
-    for lineno, rec in iter_records(dataset, CHECK_RECORDS):
-        checked += 1
-        if isinstance(rec, Exception):
-            bad.append({"line": lineno, "problem": f"not valid JSON: {rec}"})
+def _rows(ctx, dataset) -> dict:
+    """Every row the run sends, through the run's reader; checked while under the byte budget."""
+    budget = int(ctx.params.get("data_check_bytes") or CHECK_BYTES)
+    vocab = ctx.model.get("vocab_size")
+    vocab = vocab if type(vocab) is int and vocab > 0 else None
+    limit = ctx.params.get("max_samples")
+    found = {"rows": 0, "checked": 0, "checked_bytes": 0, "bad": [], "bad_count": 0, "degraded": [],
+             "degraded_count": 0, "kinds": {}, "first_chat_line": None, "vocab_size": vocab, "budget_bytes": budget,
+             "limited": False, "fix": None}
+    for lineno, raw in rows_reader.rows(dataset, limit):
+        found["rows"] += 1
+        if found["checked_bytes"] >= budget:
             continue
-        fatal, weak = record_problems(rec)
-        if fatal:
-            bad.append({"line": lineno, "problem": "; ".join(fatal)})
-        elif weak:
-            degraded.append({"line": lineno, "problem": "; ".join(weak)})
-    detail = {"checked": checked, "bad": bad[:REPORT_LINES], "bad_count": len(bad),
-              "degraded": degraded[:REPORT_LINES], "degraded_count": len(degraded),
-              "expected": "conversations: [{from|role, value|content}, ...]"}
-    if checked == 0:
-        return record("data.records", FAIL, "dataset has no records", detail=detail,
-                      fix="fill the dataset with JSON lines of {\"conversations\": [...]}")
-    if bad:
-        lines = ", ".join(str(b["line"]) for b in bad[:10]) + (" ..." if len(bad) > 10 else "")
-        return record("data.records", FAIL, f"{len(bad)} of the first {checked} records are bad (lines {lines}): "
-                      f"{bad[0]['problem']}", detail=detail,
-                      fix="fix or drop those lines; each needs conversations: [{from|role, value|content}, ...]")
-    if degraded:
-        lines = ", ".join(str(d["line"]) for d in degraded[:10])
-        return record("data.records", WARN, f"{len(degraded)} of the first {checked} records lose turns (lines "
-                      f"{lines}): {degraded[0]['problem']}", detail=detail,
-                      fix="map those roles to user/assistant/system")
-    return record("data.records", OK, f"first {checked} records parse with conversations of role/content turns",
-                  detail=detail)
+        found["checked"] += 1
+        found["checked_bytes"] += len(raw)
+        try:
+            kind, turns, _ = rows_reader.check_row(rows_reader.parse_row(dataset, lineno, raw), dataset, lineno,
+                                                   vocab)
+        except rows_reader.DatasetError as exc:
+            found["bad_count"] += 1
+            found["fix"] = found["fix"] or exc.fix
+            if len(found["bad"]) < REPORT_LINES:
+                found["bad"].append({"line": lineno, "problem": exc.problem})
+            continue
+        found["kinds"][kind] = found["kinds"].get(kind, 0) + 1
+        if kind == "chat":
+            found["first_chat_line"] = found["first_chat_line"] or lineno
+            if not any(t["role"] == "assistant" for t in turns):
+                found["degraded_count"] += 1
+                if len(found["degraded"]) < REPORT_LINES:
+                    found["degraded"].append({"line": lineno, "problem": "no assistant turn: nothing to train on "
+                                                                        "(empty loss mask)"})
+    found["limited"] = limit is not None and found["rows"] >= int(limit)
+    return found
+
+
+def _lines(items, count) -> str:
+    return ", ".join(str(b["line"]) for b in items[:10]) + (" ..." if count > 10 else "")
+
+
+def _records(ctx, dataset, found):
+    detail = {k: found[k] for k in ("rows", "checked", "checked_bytes", "budget_bytes", "bad", "bad_count",
+                                    "degraded", "degraded_count", "kinds", "vocab_size")}
+    detail["expected"] = rows_reader.SHAPES
+    rows, checked = found["rows"], found["checked"]
+    scope = f"all {rows} rows" if checked == rows else \
+        f"the first {checked} of {rows} rows ({human_bytes(found['checked_bytes'])}; the run checks the rest " \
+        f"when it starts)"
+    if rows == 0:
+        return record("data.records", FAIL, "dataset has no rows", detail=detail,
+                      fix=f"fill the dataset with JSON lines: {rows_reader.SHAPES}")
+    if found["bad_count"]:
+        first = found["bad"][0]
+        return record("data.records", FAIL, f"{found['bad_count']} bad row(s) in {scope} (lines "
+                      f"{_lines(found['bad'], found['bad_count'])}): line {first['line']}: {first['problem']}",
+                      detail=detail, fix=f"fix or drop those lines in {dataset}; {found['fix']}")
+    chat_line = found["first_chat_line"]
+    if chat_line is not None:
+        try:
+            template = chat_template_source(ctx.params["model_path"])
+        except Malformed:
+            template = "unreadable"  # tokenizer.chat_template fails with the cause
+        if template is None:
+            return record("data.records", FAIL, f"{found['kinds']['chat']} chat row(s) (line {chat_line} first) "
+                          f"but the model has no chat template to render them", detail=detail,
+                          fix="add the model's chat template to the model dir, or pass pre-tokenized rows "
+                              "(input_ids)")
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(found["kinds"].items()))
+    if found["degraded_count"]:
+        return record("data.records", WARN, f"{found['degraded_count']} row(s) in {scope} have nothing to train "
+                      f"on (lines {_lines(found['degraded'], found['degraded_count'])}): "
+                      f"{found['degraded'][0]['problem']}", detail=detail,
+                      fix="give each row an assistant turn, or drop those rows")
+    return record("data.records", OK, f"{scope} checked, as the run reads them: {kinds}", detail=detail)
