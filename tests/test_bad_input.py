@@ -321,6 +321,12 @@ def test_env_at_the_linux_limit_arrives_and_one_byte_more_is_refused(make_invent
     (["--tp", "true"], "--tp 'true' must be a positive integer"),
     (["--tp", "2.5"], "--tp '2.5' must be a positive integer"),
     (["--layer-ids", "true,2"], "--layer-ids 'true,2' is not a comma-separated list of integers"),
+    # int() takes fullwidth digits and underscores; a layer id is ASCII digits, quoted as typed
+    (["--layer-ids", "\uff12,\uff14"], "--layer-ids '\uff12,\uff14' is not a comma-separated list of integers "
+                                   "('\uff12' is not a layer id: ASCII digits only)"),
+    (["--layer-ids", "output:2_0"], "--layer-ids 'output:2_0' is not a comma-separated list of integers "
+                                    "('2_0' is not a layer id: ASCII digits only)"),
+    (["--layer-ids", " , "], "--layer-ids ' , ' is not a comma-separated list of integers (it names no layer id)"),
     (["--model", "/m/" + "c" * 300], "--model"),
     (["--tp"], "needed value and was not given one"),
 ])

@@ -166,6 +166,87 @@ def test_index_pointing_at_wrong_shard_fails(hostenv_python, llama_copy, tmp_pat
     assert "not in the shard the index names" in res["checkpoint.headers"]["summary"]
 
 
+def rewrite_shard(shard: Path, keep, add=None) -> list:
+    """Rewrite a safetensors shard with only the tensors ``keep(name)`` accepts (plus ``add``:
+    ``{name: (dtype, shape, raw bytes)}``), offsets recomputed; returns the names dropped."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    meta = header.pop("__metadata__", None)
+    out, blobs, dropped, offset = {}, [], [], 0
+    items = [(k, v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()]
+    items += [(k, d, shp, b) for k, (d, shp, b) in (add or {}).items()]
+    for name, dtype, shape, blob in items:
+        if not keep(name):
+            dropped.append(name)
+            continue
+        out[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    if meta is not None:
+        out["__metadata__"] = meta
+    head = json.dumps(out).encode()
+    shard.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    return dropped
+
+
+def _drop_everywhere(model_dir: Path, doomed) -> list:
+    """Drop tensors from every shard and from the index (a layer missing from both)."""
+    dropped = []
+    for shard in _shards(model_dir):
+        dropped += rewrite_shard(shard, lambda name: not doomed(name))
+    _edit_json(model_dir / "model.safetensors.index.json",
+               lambda index: [index["weight_map"].pop(t) for t in dropped])
+    return dropped
+
+
+def test_a_layer_missing_from_shards_and_index_fails_naming_it(hostenv_python, llama_copy, tmp_path):
+    """vLLM would load the rest and fail after the load ("weights were not initialized from checkpoint")."""
+    dropped = _drop_everywhere(llama_copy, lambda name: name.startswith("model.layers.3."))
+    assert dropped
+    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    rec = res["checkpoint.layers"]
+    assert rec["status"] == "fail" and "1 of 8 decoder layers" in rec["summary"] and "layers 3)" in rec["summary"]
+    assert "model.layers.3.input_layernorm.weight" in rec["summary"]
+    assert sorted(rec["detail"]["incomplete"]["3"]) == sorted(dropped)
+    assert "re-download" in rec["fix"]
+    assert {n for n in res.failed()} == {"checkpoint.layers"}  # the files, headers and index agree
+
+
+def test_a_layer_missing_one_module_fails_naming_its_tensors(hostenv_python, tiny_models, tmp_path):
+    model = tmp_path / "ds"
+    shutil.copytree(tiny_models["deepseek_v3"], model)  # dense layer 0, MoE layers after it: both kinds
+    dropped = _drop_everywhere(model, lambda name: name.startswith("model.layers.5.self_attn.kv_b_proj.")
+                               or name.startswith("model.layers.6.mlp.experts.1."))
+    res = run_preflight(hostenv_python, base_params(model, tmp_path, env=dict(CPU_ENV)))
+    rec = res["checkpoint.layers"]
+    assert rec["status"] == "fail" and "2 of 8 decoder layers" in rec["summary"], rec["summary"]
+    assert rec["detail"]["incomplete"]["5"] == ["model.layers.5.self_attn.kv_b_proj.weight"]
+    assert sorted(rec["detail"]["incomplete"]["6"]) == sorted(n for n in dropped if ".layers.6." in n)
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3", "kimi_k25"])
+def test_whole_checkpoints_pass_the_layer_check(hostenv_python, tiny_models, tmp_path, model):
+    res = run_preflight(hostenv_python, base_params(Path(tiny_models[model]), tmp_path,
+                                                    trust_remote_code=model == "kimi_k25"))
+    rec = res["checkpoint.layers"]
+    assert rec["status"] == "ok" and "all 8 decoder layers" in rec["summary"], rec
+    assert rec["detail"]["prefix"] == ("language_model.model.layers" if model == "kimi_k25" else "model.layers")
+
+
+def test_a_layer_left_unquantized_or_past_the_count_is_no_gap(hostenv_python, llama_copy, tmp_path):
+    """Scales on every layer but 0 (an ignore list) and an extra layer 8 (an MTP head) are fine."""
+    shard = _shards(llama_copy)[0]
+    scales = {f"model.layers.{i}.self_attn.q_proj.weight_scale": ("F32", [1], b"\0\0\x80?") for i in range(1, 8)}
+    scales["model.layers.8.eh_proj.weight"] = ("F32", [1], b"\0\0\x80?")
+    rewrite_shard(shard, lambda name: True, add=scales)
+    _edit_json(llama_copy / "model.safetensors.index.json",
+               lambda index: index["weight_map"].update({k: shard.name for k in scales}))
+    rec = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))["checkpoint.layers"]
+    assert rec["status"] == "ok", rec
+
+
 # -- model config -----------------------------------------------------------------------------
 
 def test_text_config_wrapped_model_is_unwrapped_and_reported(hostenv_python, tiny_models, tmp_path):
