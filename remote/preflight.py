@@ -31,8 +31,8 @@ import traceback
 from remote import drift, patcher, protocol
 from remote.engines import resolve_engine
 from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
-from remote.probes import (Context, Malformed, capacity, checkpoint, gpu, hf_load, host, layer_ids, model,
-                           packages, parallel, tokenizer_data)
+from remote.probes import (Context, Malformed, capacity, checkpoint, cpu_kernels, gpu, hf_load, host, layer_ids,
+                           model, packages, parallel, tokenizer_data)
 
 DEFAULTS = {
     "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
@@ -47,8 +47,8 @@ AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoin
          "capacity", "drift", "patch")
 
 #: The static probes, in the order they run; later ones read facts earlier ones left on the context.
-STATIC_PROBES = (host.probe, packages.probe, model.probe, layer_ids.probe, parallel.probe, checkpoint.probe,
-                 gpu.probe, tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
+STATIC_PROBES = (host.probe, packages.probe, model.probe, cpu_kernels.probe, layer_ids.probe, parallel.probe,
+                 checkpoint.probe, gpu.probe, tokenizer_data.probe_tokenizer, tokenizer_data.probe_data, capacity.probe)
 #: Checks other modules own, run after the probes: area -> (check(params) -> records, the
 #: params flag that skips it).
 OWNED_CHECKS = {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import time
@@ -34,6 +35,22 @@ from specops.params import run_params
 from specops.patch import patch_step
 
 INVENTORY = Path(__file__).resolve().parents[1] / "inventory.yaml"
+
+
+def baseline_failure(stderr: str, run_id: str) -> str:
+    """What to print when the plain-prefill baseline dies: the causes vLLM logged above its
+    final "EngineCore encountered an issue. See stack trace (above)", and where the whole log is."""
+    log = Path("runs") / "bench" / f"prefill-{run_id}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(stderr)
+    causes = []
+    for line in stderr.splitlines():
+        text = re.sub(r"^\(\S+ pid=\d+\)\s*", "", line).strip()
+        if (re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", text) or "died unexpectedly" in text
+                or "exit code" in text) and text not in causes:
+            causes.append(text)
+    shown = "\n  ".join(causes[-12:]) or "(no exception line; see the log)"
+    return f"prefill baseline failed; causes in its log:\n  {shown}\nwhole log: {log}\n{stderr[-1500:]}"
 
 
 def main() -> None:
@@ -77,7 +94,7 @@ def main() -> None:
                    f" --samples {shell_word(out)} --max-model-len {params['seq_len']}")
             result = host.run(cmd, timeout=1200)
             if not result.ok:
-                raise SystemExit(f"prefill baseline failed:\n{result.stderr[-3000:]}")
+                raise SystemExit(baseline_failure(result.stderr, run_id))
             base = json.loads(result.stdout.strip().splitlines()[-1])
             if base["tokens"] != tokens:
                 raise SystemExit(f"token counts differ: extraction {tokens}, prefill {base['tokens']}")

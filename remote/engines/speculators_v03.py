@@ -30,7 +30,7 @@ import os
 import threading
 import time
 
-from remote import modelconfig
+from remote import cpu, modelconfig
 
 from . import Engine
 
@@ -50,6 +50,10 @@ class SpeculatorsV03Engine(Engine):
             os.environ[vllm_worker_hook.ENV_INJECT] = json.dumps(spec)
         vllm_worker_hook.install()
         self.watch = WorkerWatch.install()
+        if str(self.params.get("device") or "").lower() == "cpu":
+            # an AMX CPU: this process and every rank it spawns ask Linux for AMX tile state (remote/cpu.py)
+            os.environ.update(cpu.amx_env(dict(os.environ)))
+            cpu.request_amx_permission()
 
         import speculators.data_generation.vllm_hidden_states_generator as gen_module
 

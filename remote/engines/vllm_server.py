@@ -67,7 +67,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from remote import fsutil, layers, modelconfig, samples, signals
+from remote import cpu, fsutil, layers, modelconfig, samples, signals
 
 from . import Engine
 
@@ -254,6 +254,8 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in slices)
         # and as many torch threads (vLLM cuts them to 1 "for serving" on some start paths)
         env.setdefault("OMP_NUM_THREADS", str(per_rank))
+        # on an AMX CPU every rank must ask Linux for AMX tile state itself (remote/cpu.py)
+        env = cpu.amx_env(env)
     return env
 
 
