@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from remote import fsutil, versions
@@ -105,7 +106,8 @@ def save_sample(output_dir, idx: int, input_ids, hidden_states, loss_mask) -> Pa
         "hidden_states": [h.contiguous() for h in hidden_states],
         "loss_mask": loss_mask,
     }
-    with fsutil.atomic_open(final, temp_prefix=TEMP_PREFIX, suffix=".pt") as fh:
+    # the temp name carries the index: a shard sharing the dir sweeps only its own range's
+    with fsutil.atomic_open(final, temp_prefix=f"{TEMP_PREFIX}data_{idx}.", suffix=".pt") as fh:
         torch.save(record, fh)
     return final
 
@@ -139,22 +141,76 @@ def complete_prefix(output_dir, start: int = 0, fmt: str = PT) -> int:
     return k
 
 
-def remove_partials(output_dir, fmt: str = PT) -> list[str]:
-    """Delete temp files a killed writer left behind; returns their names."""
+#: a temp name that says whose it is: a sample's (``.partial-data_3.<random>.pt``) or a
+#: shard's token dataset (``.partial-dataset-<tag>-<random>``)
+_TEMP_SAMPLE = re.compile(r"^\.partial-data_(\d+)\.")
+_TEMP_DATASET = re.compile(r"^\.partial-dataset-(\d+-\d+)-")
+
+
+def remove_partials(output_dir, fmt: str = PT, sample_range=None, sole: bool = True) -> list[str]:
+    """Delete temp files a killed writer left behind; returns their names.
+
+    :param sample_range: ``(lo, hi)``: only a sample temp of an index in the range (and
+        the token-dataset temp of that range) is this run's; None: any.
+    :param sole: whether this run is the only one claiming the dir. A temp whose name
+        does not say whose it is (an older writer's) is removed only then: in a dir
+        shared with other shards it may be one they are writing right now.
+    """
+    lo, hi = sample_range if sample_range is not None else (None, None)
+    tag = shard_tag(lo, hi) if sample_range is not None else None
     gone = []
     for directory in {Path(output_dir), sample_dir(output_dir, fmt)}:
         for name in _names(directory):
-            if name.startswith(TEMP_PREFIX):
-                if (directory / name).is_dir():  # a half-written token dataset
-                    import shutil
-                    shutil.rmtree(directory / name, ignore_errors=True)
-                else:
-                    _unlink_quietly(directory / name)
-                gone.append(name)
+            if not name.startswith(TEMP_PREFIX):
+                continue
+            sample, dataset = _TEMP_SAMPLE.match(name), _TEMP_DATASET.match(name)
+            if sample:
+                mine = sample_range is None or lo <= int(sample.group(1)) < hi
+            elif dataset:
+                mine = sample_range is None or dataset.group(1) == tag
+            else:
+                mine = sole
+            if not mine:
+                continue
+            if (directory / name).is_dir():  # a half-written token dataset
+                import shutil
+                shutil.rmtree(directory / name, ignore_errors=True)
+            else:
+                _unlink_quietly(directory / name)
+            gone.append(name)
     return gone
 
 
 OWNER_FILE = ".specops-output.json"
+#: one subdir per sample range that wrote into the output dir: ``<lo>-<hi>/claim.json``,
+#: ``manifest.json``, ``summary.json`` -- a shard's own files, which never collide with
+#: another shard's when several hosts share the dir (one filesystem mounted on every node)
+SHARDS_DIR = ".specops-shards"
+CLAIM = "claim.json"
+#: the marker a plan's shard probe leaves in the run's output dir for the other hosts to look
+#: up (``remote.shard``); the run's claim removes them
+PROBE_MARKER_PREFIX = ".specops-probe-"
+#: the token dataset (``hs``) is written once per dir: by the first shard to finish
+TOKEN_DATASET_MARK = ".specops-token-dataset.json"
+TOKEN_DATASET_LOCK = ".specops-token-dataset.lock"
+#: what must be equal for two attempts or two shards to write into one dir, and how a person says it
+IDENTITY_FIELDS = {
+    "dataset_sha256": "the token rows (dataset file, max_samples, seq_len, chat template)",
+    "dataset_samples": "the number of samples in the dataset",
+    "model": "the model (config summary)",
+    "format": "the sample file format",
+    "layer_ids": "the layer ids",
+    "layer_convention": "the layer convention",
+}
+
+
+def shard_tag(lo: int, hi: int) -> str:
+    """The name of a sample range's own files under :data:`SHARDS_DIR`: ``"4-8"``."""
+    return f"{int(lo)}-{int(hi)}"
+
+
+def shard_dir(output_dir, lo: int, hi: int) -> Path:
+    return Path(output_dir) / SHARDS_DIR / shard_tag(lo, hi)
 
 
 def dataset_fingerprint(token_samples, **facts) -> str:
@@ -165,18 +221,91 @@ def dataset_fingerprint(token_samples, **facts) -> str:
     return digest.hexdigest()
 
 
-def claim_output_dir(output_dir, run_id: str, fingerprint: str) -> None:
-    """Make sure resuming in ``output_dir`` continues *this* run and nothing else.
+def run_identity(token_samples, *, model: dict, fmt: str, layer_ids, layer_convention: str) -> dict:
+    """What makes two writers of one output dir the same run's (:data:`IDENTITY_FIELDS`).
 
-    The first attempt writes ``.specops-output.json`` (run id + fingerprint). A later
-    attempt must bring the same run id and the same fingerprint: otherwise the samples
-    already there belong to another run, or to another dataset/model/layers, and
-    "resuming" would silently mix them.
+    Not the sample range (shards of one run differ in it), not the model's path (hosts
+    hold copies at different paths), not the engine (two engines may write the same files).
+    """
+    return {"dataset_sha256": dataset_fingerprint(token_samples), "dataset_samples": len(token_samples),
+            "model": model, "format": fmt, "layer_ids": list(layer_ids), "layer_convention": layer_convention}
 
-    :raises ValueError: naming the dir, the owner and the fix.
+
+def identity_differences(had: dict, now: dict) -> list[str]:
+    """Field by field, how ``now`` differs from ``had`` (empty: the same run's)."""
+    said = []
+    for key, what in IDENTITY_FIELDS.items():
+        a, b = had.get(key), now.get(key)
+        if json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True):
+            continue
+        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            said.append(f"{key} ({what}): " + ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys))
+        elif key == "dataset_sha256":
+            said.append(f"{key} ({what}): {str(a)[:12]} -> {str(b)[:12]}")
+        else:
+            said.append(f"{key} ({what}): {a!r} -> {b!r}")
+    return said
+
+
+def _create_once(path: Path, obj) -> bool:
+    """Write ``obj`` to ``path`` only if nothing is there (atomic, also across NFS clients); True if written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=fsutil.TEMP_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        try:
+            os.link(tmp, path)  # link() fails if the name exists: one winner, whoever comes second
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        _unlink_quietly(tmp)
+
+
+def read_claims(output_dir) -> dict[str, dict]:
+    """Every sample range's claim in the output dir: ``{tag: claim}``."""
+    root = Path(output_dir) / SHARDS_DIR
+    found = {}
+    for tag in sorted(_names(root)):
+        try:
+            claim = json.loads((root / tag / CLAIM).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(claim, dict):
+            found[tag] = claim
+    return found
+
+
+def claim_output_dir(output_dir, run_id: str, identity: dict, sample_range, *, who: dict | None = None,
+                     legacy_fingerprint: str | None = None) -> dict:
+    """Make sure writing into ``output_dir`` continues *this* run and nothing else.
+
+    The first writer (an attempt, or the first shard of a group whose hosts share the dir)
+    creates ``.specops-output.json``: run id and :func:`run_identity`. Every later writer
+    must bring the same run id and the same identity field by field -- shards of one run
+    differ only in their sample range -- else the samples there belong to another run or
+    dataset and writing would silently mix them. Each sample range then records its own
+    claim under ``.specops-shards/<lo>-<hi>/``; ranges of one run in one dir must not
+    overlap (two writers of one sample).
+
+    :param who: written into the claim (host, run dir, pid), so a refusal can say who.
+    :param legacy_fingerprint: an owner file of an older specops holds only a fingerprint
+        (:func:`dataset_fingerprint` over the same facts); it is compared as it was.
+    :returns: ``{"claims": {tag: claim}, "shared": [other tags]}`` after this run's claim.
+    :raises ValueError: naming the dir, what differs and the fix.
     """
     output_dir = Path(output_dir)
+    lo, hi = sample_range
     owner_path = output_dir / OWNER_FILE
+    mine = {"run_id": run_id, "identity": identity}
+    for name in _names(output_dir):  # the plan that started this run is over, whatever comes of it
+        if name.startswith(PROBE_MARKER_PREFIX):
+            _unlink_quietly(output_dir / name)
     try:
         owner = json.loads(owner_path.read_text())
     except FileNotFoundError:
@@ -186,15 +315,96 @@ def claim_output_dir(output_dir, run_id: str, fingerprint: str) -> None:
             if any(pattern.match(n) for n in _names(sample_dir(output_dir, fmt))):
                 raise ValueError(f"output dir {output_dir} already holds {sample_name('*', fmt)} files that no "
                                  f"specops run claims; use an empty output dir (or move those files away)")
-        write_json_atomic(owner_path, {"run_id": run_id, "fingerprint": fingerprint})
-        return
-    if owner.get("run_id") != run_id:
-        raise ValueError(f"output dir {output_dir} holds the samples of run {owner.get('run_id')!r}, not "
-                         f"{run_id!r}; give this run its own output dir (e.g. <output_dir>/{run_id})")
-    if owner.get("fingerprint") != fingerprint:
-        raise ValueError(f"run {run_id!r}: the dataset, model, engine or layer ids differ from the first "
-                         f"attempt that wrote {output_dir}; resuming would mix two datasets. Start a new "
-                         f"run id with its own output dir")
+        if not _create_once(owner_path, mine):  # another shard on the shared dir came first
+            owner = json.loads(owner_path.read_text())
+    if owner is not None:
+        if owner.get("run_id") != run_id:
+            raise ValueError(f"output dir {output_dir} holds the samples of run {owner.get('run_id')!r}, not "
+                             f"{run_id!r}; give this run its own output dir (e.g. <output_dir>/{run_id})")
+        if "identity" in owner:
+            differ = identity_differences(owner["identity"], identity)
+        else:
+            differ = [] if owner.get("fingerprint") == legacy_fingerprint else [
+                "the dataset, model, engine or layer ids (an older specops recorded only their fingerprint)"]
+        if differ:
+            raise ValueError(f"run {run_id!r}: output dir {output_dir} was first written with other inputs; "
+                             f"writing into it would mix two datasets. What differs (first writer -> this one): "
+                             + "; ".join(differ) + ". Give this run its own output dir or run id, or run it with "
+                             "the inputs it was started with")
+    claims = read_claims(output_dir)
+    tag = shard_tag(lo, hi)
+    for other, claim in claims.items():
+        olo, ohi = claim.get("sample_range") or (0, 0)
+        if other != tag and claim.get("run_id") == run_id and olo < hi and lo < ohi:
+            by = claim.get("who") or {}
+            raise ValueError(f"run {run_id!r}: samples [{lo}, {hi}) overlap [{olo}, {ohi}), claimed in "
+                             f"{output_dir} by {by.get('host', 'another host')} (run dir {by.get('run_dir', '?')}): "
+                             f"two writers of one sample. Resume that range where it was, or delete "
+                             f"{output_dir / SHARDS_DIR / other} if that run is gone for good")
+    claim = {"run_id": run_id, "sample_range": [lo, hi], "who": who or {}}
+    write_json_atomic(shard_dir(output_dir, lo, hi) / CLAIM, claim)
+    claims[tag] = claim
+    return {"claims": claims, "shared": sorted(t for t in claims if t != tag)}
+
+
+def publish_token_dataset(output_dir, token_samples, sample_range, dataset_sha256: str) -> dict:
+    """The token dataset beside the ``hs`` files, written once per output dir.
+
+    Every shard of a run holds the same rows (:func:`claim_output_dir` made sure), so
+    the first to finish writes them (:func:`save_token_dataset`) and marks the dir; a
+    shard that finds the mark uses it, and one that finds another shard writing right
+    now leaves it to that one. A lock left by this range's own earlier attempt (killed
+    mid-write) is taken over.
+
+    :returns: ``{"files": [...], "written": bool, "writer": tag}``; ``files`` is empty
+        while another shard is still writing them.
+    """
+    output_dir = Path(output_dir)
+    tag = shard_tag(*sample_range)
+    mark = output_dir / TOKEN_DATASET_MARK
+    done = read_json_quietly(mark)
+    if done and done.get("dataset_sha256") == dataset_sha256 and all(
+            (output_dir / n).exists() for n in done.get("files") or []):
+        return {"files": list(done["files"]), "written": False, "writer": done.get("writer")}
+    lock = output_dir / TOKEN_DATASET_LOCK
+    if not _create_once(lock, {"writer": tag}):
+        holder = (read_json_quietly(lock) or {}).get("writer")
+        if holder != tag:
+            return {"files": [], "written": False, "writer": holder}
+    try:
+        names = save_token_dataset(output_dir, token_samples, tag=tag)
+        write_json_atomic(mark, {"dataset_sha256": dataset_sha256, "files": names, "writer": tag})
+    finally:
+        _unlink_quietly(lock)
+    return {"files": names, "written": True, "writer": tag}
+
+
+def read_json_quietly(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def manifest_entries(output_dir) -> dict:
+    """The manifests of an output dir, as one: its own ``manifest.json`` and every range's.
+
+    ``{"files": [...], "dataset_files": [...]}``, a path listed once (a range's own
+    manifest wins over the dir's, which may be an older merge).
+    """
+    output_dir = Path(output_dir)
+    found = [read_json_quietly(output_dir / MANIFEST) or {}]
+    found += [read_json_quietly(output_dir / SHARDS_DIR / tag / MANIFEST) or {}
+              for tag in sorted(_names(output_dir / SHARDS_DIR))]
+    files, dataset_files = {}, []
+    for manifest in found:
+        for entry in manifest.get("files") or []:
+            if isinstance(entry, dict) and entry.get("path"):
+                files[entry["path"]] = entry
+        for name in manifest.get("dataset_files") or []:
+            if name not in dataset_files:
+                dataset_files.append(name)
+    return {"files": list(files.values()), "dataset_files": dataset_files}
 
 
 class LayerStats:
@@ -459,7 +669,7 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
             pass
 
 
-def save_token_dataset(output_dir, token_samples) -> list[str]:
+def save_token_dataset(output_dir, token_samples, tag: str | None = None) -> list[str]:
     """Write the run's token ids and loss masks beside the ``hs`` files, as speculators' ``prepare-data`` does.
 
     ``datasets.Dataset`` with ``input_ids`` / ``loss_mask`` (int64) and ``seq_len``,
@@ -485,7 +695,8 @@ def save_token_dataset(output_dir, token_samples) -> list[str]:
                 fh.write((json.dumps({"input_ids": list(ids), "loss_mask": list(mask),
                                       "seq_len": len(ids)}) + "\n").encode())
         return [path.name]
-    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + "dataset-", dir=output_dir))
+    # the temp dir names its range: a shard sharing the dir never sweeps another's
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + "dataset-" + (f"{tag}-" if tag else ""), dir=output_dir))
     try:
         Dataset.from_dict({
             "input_ids": [torch.tensor(list(ids), dtype=torch.long) for ids, _ in token_samples],

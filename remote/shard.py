@@ -24,7 +24,6 @@ from pathlib import Path
 
 from remote import layers, modelconfig, protocol, samples
 from remote.fsutil import sha256_file
-from remote.rundir import read_json
 
 
 def main(params: dict) -> dict:
@@ -98,6 +97,8 @@ def probe(params: dict) -> dict:
                                        fix=None if rows else "fill the dataset, or raise max_samples"))
     records.append(_stack(params, data))
     records.append(_width(params, data))
+    if params.get("storage_probe"):
+        records.append(_storage(params["storage_probe"], data))
     data["versions"] = dict(samples.package_versions(), python=_python_version())
     return protocol.payload(records, **data)
 
@@ -152,6 +153,41 @@ def _width(params: dict, data: dict) -> dict:
                            detail=detail)
 
 
+PROBE_MARKER = samples.PROBE_MARKER_PREFIX + "{token}"
+
+
+def _storage(asked: dict, data: dict) -> dict:
+    """Whether this host's output dir for the run is the one another host of the plan sees.
+
+    The laptop gives every host of a plan a token. Each host creates the dir (the run
+    would), leaves a marker named by its own token, then looks up the others' markers by
+    name (a lookup, not a listing, which NFS may serve from a stale cache). Of two hosts
+    probing the same dir, at least the one that looks last sees the other's marker. The
+    dir's ``st_dev``/``st_ino`` and the kernel's boot id say the same for hosts that
+    are one machine (NFS clients see another ``st_dev`` for one export). The markers are
+    removed when the run's supervisor claims the dir.
+    """
+    out = Path(os.path.expanduser(str(asked.get("dir") or "")))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / PROBE_MARKER.format(token=asked["token"])).write_text(str(asked["token"]))
+        st = out.stat()
+    except OSError as exc:
+        return protocol.record("shard.storage", protocol.FAIL, f"cannot write into the output dir {out}: "
+                               f"{exc.strerror or exc}", detail={"dir": str(out)},
+                               fix="make output_dir writable for this user on this host (or fix it in the inventory)")
+    sees = sorted(host for host, token in (asked.get("others") or {}).items()
+                  if (out / PROBE_MARKER.format(token=token)).exists())
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = None
+    data["storage"] = {"dir": str(out), "st_dev": st.st_dev, "st_ino": st.st_ino, "boot_id": boot_id, "sees": sees}
+    return protocol.record("shard.storage", protocol.OK,
+                           f"output dir {out}" + (f": also seen by {', '.join(sees)} (shared storage)" if sees else ""),
+                           detail=data["storage"])
+
+
 # --------------------------------------------------------------------------- files
 
 def present(out_dir, start: int, stop: int) -> dict:
@@ -178,7 +214,8 @@ def files(params: dict) -> dict:
     """
     out_dir = Path(os.path.expanduser(str(params.get("output_dir") or "")))
     start, stop = int(params["start"]), int(params["stop"])
-    manifest = read_json(out_dir / samples.MANIFEST) or {}
+    # the dir's manifest and every range's own (a dir the shards of a run share holds several)
+    manifest = samples.manifest_entries(out_dir)
     listed = {e["path"]: e for e in manifest.get("files") or [] if isinstance(e, dict) and e.get("path")}
     found = present(out_dir, start, stop)
     entries, changed, hashed = [], [], 0
@@ -216,5 +253,5 @@ def files(params: dict) -> dict:
                           detail={"hashed_here": hashed, "from_manifest": len(entries) - hashed,
                                   "changed": len(changed)})
     return protocol.payload([rec], files=entries, changed=changed, first_missing=first_missing, missing=len(missing),
-                            missing_head=missing[:20], output_dir=str(out_dir), manifest=bool(manifest),
+                            missing_head=missing[:20], output_dir=str(out_dir), manifest=bool(manifest["files"]),
                             hashed_here=hashed, dataset_files=extra)

@@ -42,6 +42,7 @@ from rich.text import Text
 
 from specops import jobs
 from specops import shards as shardmap
+from specops import storage
 from specops.logs import log_printer
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
@@ -188,8 +189,11 @@ def check_shared_params(specs, overrides: dict) -> dict[str, dict]:
     return params
 
 
-def probe_step(host: Host, overrides: dict, *, preflight: bool) -> HostReport:
-    """Preflight (failures only) and the shard probe of one host; ``data["probe"]`` holds its facts."""
+def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: dict | None = None) -> HostReport:
+    """Preflight (failures only) and the shard probe of one host; ``data["probe"]`` holds its facts.
+
+    :param storage_probe: the plan's shared-storage probe for this host (:mod:`specops.storage`).
+    """
     report = HostReport(host=host.name, task="extract")
     if preflight:
         pre = preflight_step(host, overrides, skip_autoconfig=True)
@@ -201,7 +205,8 @@ def probe_step(host: Host, overrides: dict, *, preflight: bool) -> HostReport:
                      else f"preflight passed ({len(pre.records)} checks)"),
             fix=("fix the failures above (specops preflight --on HOST shows every check), or leave this host out "
                  "(--allow-partial starts on the ready hosts)") if failed else None))
-    payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe"})
+    payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe",
+                                      **({"storage_probe": storage_probe} if storage_probe else {})})
     report.records.extend(report_from_payload(host.name, "extract", payload).records)
     report.data["probe"] = payload.get("data") or {}
     return report
@@ -290,8 +295,10 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     check_shared_params(specs, overrides)
     names = [s.name for s in specs]
     mode, given = shardmap.parse_shard_by(shard_by, names)
+    storage_probes = storage.probe_params(names, {n: _output_dir(conns.spec(n), overrides, run_id) for n in names})
     reports = run_steps([conns.host(n) for n in names],
-                        lambda h: probe_step(h, overrides, preflight=not skip_preflight), name_of=lambda h: h.name,
+                        lambda h: probe_step(h, overrides, preflight=not skip_preflight,
+                                             storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
                         task="extract", timeout=step_timeout("preflight"), on_timeout=lambda h: h.close())
     ready = [r.host for r in reports if not r.failed]
     group = HostReport(host=GROUP, task="extract")
@@ -319,6 +326,8 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     group.records.extend(checks)
     if any(r.status == "fail" for r in checks):
         return None, [*reports, group]
+    shared_record, shared_groups = storage.plan_record(probes)
+    group.records.append(shared_record)
     first = probes[ready[0]]
     total = first["dataset"]["samples"]
     weights = _weights(mode, given, probes)
@@ -334,6 +343,7 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     )
     manifest.history.append({"event": "planned", "hosts": ready, "left_out": left_out, "shard_by": mode,
                              "at": manifest.created_at})
+    storage.remember(manifest, probes, shared_groups)
     idle = [s.head for s in manifest.shards if s.empty]
     group.records.append(Record(
         name="fleet.plan", status="ok",
@@ -348,6 +358,7 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
 # --------------------------------------------------------------------------- reassign
 
 def parse_reassign(text: str) -> list[tuple[str, str]]:
+    """``--reassign FROM=TO[,FROM=TO...]``: each FROM once; nothing given is a usage error, not a no-op."""
     pairs = []
     for part in (p.strip() for p in str(text).split(",") if p.strip()):
         src, sep, dst = part.partition("=")
@@ -357,16 +368,33 @@ def parse_reassign(text: str) -> list[tuple[str, str]]:
                              "--reassign gpu-b=gpu-d")
         if src.strip() == dst.strip():
             raise UsageError(f"--reassign {part!r} moves a shard to its own host", "name another host after '='")
+        if any(src.strip() == had for had, _ in pairs):
+            raise UsageError(f"--reassign {text!r} moves {src.strip()!r} twice",
+                             f"name each host once: its unfinished range goes to one host, e.g. --reassign "
+                             f"{src.strip()}={dst.strip()}")
         pairs.append((src.strip(), dst.strip()))
+    if not pairs:
+        raise UsageError(f"--reassign {text!r} names no move", "give FROM=TO, e.g. --reassign gpu-b=gpu-d")
     return pairs
 
 
-def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tuple[int, str]:
-    """The first index of ``shard`` not on its host's disk, and how it was learned.
+def _listing(host: Host, shard: Shard, *, sha256: bool, timeout: float) -> dict:
+    """What ``shard``'s range holds on its head's disk (``remote/shard.py files``): the truth a
+    resume, a cut and a fetch go by, whatever a status file says."""
+    payload = host.run_task("shard", {"action": "files", "output_dir": shard.output_dir, "start": shard.start,
+                                      "stop": shard.stop, "sha256": sha256}, timeout=timeout)
+    return payload.get("data") or {}
+
+
+def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tuple[int, str, bool]:
+    """The first index of ``shard`` not on its host's disk, how it was learned, and whether
+    that was read on the disk.
 
     Asked from the host when it answers (its run is stopped first, so it makes nothing
     past the cut); else the last status the laptop saw, which never runs ahead of the
-    disk (a run reports a sample only once it is written).
+    disk (a run reports a sample only once it is written) but counts samples, so a gap
+    below it (a file lost in an earlier crash) is not seen: the cut is then marked
+    unchecked, and the kept range is read when the host answers again.
     """
     host = conns.for_shard(manifest, shard)
 
@@ -374,19 +402,18 @@ def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tup
         state = jobs.run_state(host, shard.run_id)
         if state.alive and not state.is_final:
             jobs.job_call(host, "abort", shard.run_id)
-        listing = host.run_task("shard", {"action": "files", "output_dir": shard.output_dir,
-                                          "start": shard.start, "stop": shard.stop, "sha256": False},
-                                timeout=QUICK_TIMEOUT_S)
-        return HostReport(host=shard.label, task="extract", data={"first_missing": listing["data"]["first_missing"],
+        listing = _listing(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
+        return HostReport(host=shard.label, task="extract", data={"first_missing": listing["first_missing"],
                                                                   "state": state.state})
 
     report, = run_steps([shard], ask, name_of=lambda s: s.label, task="extract", timeout=QUICK_TIMEOUT_S,
                         on_timeout=lambda s: host.close())
     if report.error is None:
-        return int(report.data["first_missing"]), f"read on {shard.head} (its run stopped first)"
+        return int(report.data["first_missing"]), f"read on {shard.head}'s disk (its run stopped first)", True
     at = shard.seen.get("at") or "never"
     return shard.first_missing(), (f"{shard.head} did not answer ({report.error.splitlines()[0]}); last seen "
-                                   f"status at {at}")
+                                   f"status at {at}, not checked on its disk: a gap below it is made again once "
+                                   f"{shard.head} answers (specops extract --run-id {manifest.run_id})"), False
 
 
 def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
@@ -417,19 +444,29 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
                                     fix="fix the target host (see its records), or pick another one"))
         return [*reports, group]
     for src, dst in pairs:
-        for shard in [s for s in manifest.shards_on(src) if not s.closed and not s.empty]:
-            if shard.seen.get("state") == "done":
-                group.records.append(Record(name="fleet.reassign", status="skipped",
-                                            summary=f"{shard.label} is done; nothing to move"))
+        # a cut shard too: what its host keeps is read again, and a gap in it moves (the disk decides, not a
+        # status); every shard says what happened to it, a move asked twice included
+        for shard in [s for s in manifest.shards_on(src) if not s.empty]:
+            cut, how, checked = _cut_point(manifest, shard, conns)
+            kept = f" (the rest moved to {', '.join(shard.moved_to)} before)" if shard.closed else ""
+            if shard.closed and not checked:
+                group.records.append(Record(
+                    name="fleet.reassign", status="skipped",
+                    summary=f"{shard.label}: [{shard.start}, {shard.stop}) stays on {src}{kept}; nothing more to move "
+                            f"while it does not answer ({how.split(';')[0]})",
+                    fix=f"once {src} answers, specops extract --run-id {manifest.run_id} reads its disk and makes "
+                        f"any gap again"))
                 continue
-            cut, how = _cut_point(manifest, shard, conns)
             new_run_id = shardmap.moved_run_id(manifest.run_id, shardmap.next_moved_id(manifest, shard))
             moved = shardmap.reassign(manifest, shard, dst, cut, _output_dir(conns.spec(dst), overrides, new_run_id))
             if moved is None:
+                if checked:
+                    shard.cut_checked = True
                 group.records.append(Record(name="fleet.reassign", status="skipped",
-                                            summary=f"{shard.label}: every sample is on {src} ({how}); "
-                                                    f"nothing to move"))
+                                            summary=f"{shard.label}: every sample of [{shard.start}, {shard.stop}) "
+                                                    f"is on {src}{kept} ({how}); nothing to move"))
                 continue
+            shard.cut_checked = checked
             manifest.hosts.setdefault(dst, {"engine": probes[dst]["stack"].get("engine"),
                                             "versions": probes[dst].get("versions"),
                                             "capacity": probes[dst].get("capacity"),
@@ -459,7 +496,8 @@ def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dic
 
 
 def settle_closed(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
-    """A cut shard's run must not go on past its cut: stop it if it runs; say what its host holds."""
+    """A cut shard's run must not go on past its cut: stop it if it runs; read what its host's disk
+    holds of the kept range (``data["first_missing"]``: where a gap starts, or its stop)."""
     report = HostReport(host=shard.label, task="extract")
     state = jobs.run_state(host, shard.run_id)
     moved = ", ".join(shard.moved_to)
@@ -469,13 +507,41 @@ def settle_closed(manifest: FleetManifest, shard: Shard, host: Host) -> HostRepo
                                      summary=f"stopped run {shard.run_id} on {shard.head}: its range past {shard.stop} "
                                              f"moved to {moved}"))
         state = jobs.run_state(host, shard.run_id)
-    have = shard.first_missing(state.model_dump())
     if state.found:
         shard.remember(state.model_dump())
-    report.records.append(Record(name="fleet.cut", status="ok",
-                                 summary=f"[{shard.start}, {shard.stop}) kept on {shard.head} (the rest moved to "
-                                         f"{moved})", detail={"first_missing": have}))
+    listing = _listing(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
+    have = int(listing["first_missing"])
+    report.data["first_missing"] = have
+    if have >= shard.stop:
+        report.records.append(Record(name="fleet.cut", status="ok",
+                                     summary=f"[{shard.start}, {shard.stop}) kept on {shard.head}, every sample on "
+                                             f"its disk (the rest moved to {moved})", detail={"first_missing": have}))
     return report
+
+
+def remake_gaps(manifest: FleetManifest, settled: list[tuple[Shard, HostReport]], conns: Connections,
+                overrides: dict) -> list[Record]:
+    """A cut shard whose kept range has a gap on its host's disk (a file lost in a crash before an
+    unchecked cut, or deleted since): ``[gap, stop)`` becomes a new shard on the same host, so it is
+    made again (a cut shard's own run never restarts: it would make its whole old range)."""
+    records = []
+    for shard, report in settled:
+        if report.error is not None or "first_missing" not in report.data:
+            continue
+        cut = int(report.data["first_missing"])
+        old_stop = shard.stop
+        new_run_id = shardmap.moved_run_id(manifest.run_id, shardmap.next_moved_id(manifest, shard))
+        moved = shardmap.reassign(manifest, shard, shard.head, cut,
+                                  _output_dir(conns.spec(shard.head), overrides, new_run_id))
+        shard.cut_checked = True
+        if moved is None:
+            continue
+        records.append(Record(
+            name="fleet.gap", status="changed",
+            summary=f"{shard.label}: sample {cut} of its kept range [{shard.start}, {old_stop}) is not on "
+                    f"{shard.head}'s disk; [{cut}, {old_stop}) is made again there as {moved.label} (run id "
+                    f"{moved.run_id})", detail={"from": shard.model_dump(), "to": moved.model_dump()}))
+    return records
 
 
 # --------------------------------------------------------------------------- the view
@@ -630,7 +696,10 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
     return results, started
 
 
-def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception | None]) -> Table:
+def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception | None],
+                disk: dict[str, tuple[int, int]] | None = None) -> Table:
+    """One row per shard; ``disk`` (``{shard id: (samples on disk, first missing)}``) overrides a done
+    status for shards whose disk lacks samples."""
     table = Table(title=f"run {manifest.run_id}: {manifest.total} samples, {len(manifest.shards)} shard(s)",
                   title_justify="left")
     for column in ("shard", "host(s)", "range", "run id", "state", "done", "first missing", "note"):
@@ -651,6 +720,10 @@ def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception 
             text = Text(name, style=style)
             first = s.first_missing(state.model_dump() if state and state.found else None)
             note = ""
+            if disk and s.id in disk:
+                text = Text(INCOMPLETE, style="bold red")
+                first = disk[s.id][1]
+                note = f"{disk[s.id][0]}/{s.size} on disk"
         if s.moved_to:
             note = (note + "; " if note else "") + f"rest moved to {', '.join(s.moved_to)}"
         if s.moved_from:
@@ -716,11 +789,15 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
     # hosts left out by --allow-partial are shown, but their failures are not this run's any more
     left_out = set(manifest.history[-1].get("left_out") or {}) if manifest.history else set()
     wanted = {s.name for s in inventory.select(selector)} if selector else None
+    closed = [s for s in manifest.shards if not s.empty and s.closed and (wanted is None or s.head in wanted)]
+    settled = _per_shard(closed, manifest, conns, "extract", lambda s, h: settle_closed(manifest, s, h),
+                         QUICK_TIMEOUT_S)
+    reports += settled
+    gaps = remake_gaps(manifest, list(zip(closed, settled)), conns, overrides)
+    if gaps:
+        reports.append(HostReport(host=GROUP, task="extract", records=gaps))
     chosen = [s for s in manifest.shards if not s.empty and (wanted is None or s.head in wanted)]
-    closed = [s for s in chosen if s.closed]
     lanes = lanes_of([s for s in chosen if not s.closed])
-    reports += _per_shard(closed, manifest, conns, "extract", lambda s, h: settle_closed(manifest, s, h),
-                          QUICK_TIMEOUT_S)
     lane_reports = run_steps(list(lanes.values()), lambda lane: start_lane(manifest, lane, conns, overrides, force),
                              name_of=lambda lane: lane[0].head, task="extract", timeout=QUICK_TIMEOUT_S,
                              on_timeout=lambda lane: [conns.for_shard(manifest, s).close() for s in lane])
@@ -735,6 +812,8 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
             running[lane[0].head] = lane[[s.id for s in lane].index(current):]
     save_manifest(manifest)
     waiting = [s.label for lane in running.values() for s in lane[1:]]
+    if not running and not detach:
+        return _nothing_to_run(manifest, conns, reports, tensors=tensors, as_json=as_json, left_out=left_out)
     if detach or not running:
         print_fleet(reports, as_json=as_json)
         if not as_json:
@@ -759,6 +838,29 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
         return ExitCode.JOB_RUNNING
     return _conclude(manifest, conns, final, tensors=tensors, as_json=as_json, printed=reports, late=more,
                      left_out=left_out)
+
+
+def _nothing_to_run(manifest: FleetManifest, conns: Connections, reports: list[HostReport], *, tensors: bool,
+                    as_json: bool, left_out: set[str]) -> ExitCode:
+    """No shard is running after the starts: every one is done on its disk (a done run missing
+    samples was restarted, so it runs), or the starts failed. Say which; fetch what is done."""
+    mine = [r for r in reports if r.host not in left_out]
+    group = HostReport(host=GROUP, task="extract")
+    if any(r.failed for r in mine):
+        group.records.append(Record(name="fleet.run", status="fail",
+                                    summary=f"no shard of run {manifest.run_id} is running: the starts above failed",
+                                    fix="fix the causes above, then run the same command again"))
+        fetched = []
+    else:
+        group.records.append(Record(name="fleet.run", status="ok",
+                                    summary=f"nothing left to run: every shard of run {manifest.run_id} is done; "
+                                            f"fetching" + (" the files" if tensors else "")))
+        fetched = fetch(manifest, conns, tensors=tensors)
+    everything = [*reports, group, *fetched]
+    print_fleet(everything, as_json=as_json)
+    if not as_json:
+        console.print(shard_table(manifest, {}))
+    return overall_exit([r for r in everything if r.host not in left_out])
 
 
 def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tensors: bool, as_json: bool,
@@ -825,6 +927,10 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
 
 # --------------------------------------------------------------------------- status, logs, abort
 
+#: a shard whose status says done while its disk lacks samples (status's word for it).
+INCOMPLETE = "incomplete"
+
+
 class UnreachableMarker(Exception):
     """A shard whose host did not answer a look (shown with its last seen progress)."""
 
@@ -841,6 +947,17 @@ def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
         report.records = [Record(name="job.status", status="ok" if report.data["state"] == "done" else "warn",
                                  summary=f"[{shard.start}, {shard.stop}) on {shard.head}: {report.data['state']} "
                                          f"(rest moved to {', '.join(shard.moved_to)})")]
+    if report.data["state"] == "done":  # done is what the disk holds, not what a status file says
+        listing = _listing(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
+        gone = shard.size - len(listing.get("files") or [])
+        if gone:
+            report.data.update(state=INCOMPLETE, on_disk=shard.size - gone, disk_first_missing=listing["first_missing"])
+            report.records.append(Record(
+                name="fleet.disk", status="fail",
+                summary=f"{shard.label} is done by its status, but {gone} of its {shard.size} sample(s) are not on "
+                        f"{shard.head}'s disk, or changed there (first {listing['first_missing']})",
+                detail={"missing_head": listing.get("missing_head"), "changed": listing.get("changed")},
+                fix=f"specops extract --run-id {manifest.run_id} makes them again"))
     return report
 
 
@@ -864,10 +981,13 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
             states[shard.id] = RunState.model_validate(report.data["run_state"])
     print_fleet(reports, as_json=as_json)
     if not as_json:
-        console.print(shard_table(manifest, states))
+        console.print(shard_table(manifest, states, {
+            s.id: (r.data["on_disk"], r.data["disk_first_missing"]) for s, r in zip(shards, reports)
+            if r.data.get("state") == INCOMPLETE}))
     if any(r.error is not None for r in reports):
         return overall_exit([r for r in reports if r.error is not None])
-    return max((ExitCode.from_job_state(r.data.get("state", "missing")) for r in reports), default=ExitCode.SUCCESS)
+    return max((ExitCode.FAILED if r.data.get("state") == INCOMPLETE else
+                ExitCode.from_job_state(r.data.get("state", "missing")) for r in reports), default=ExitCode.SUCCESS)
 
 
 def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = False) -> list[HostReport]:
@@ -951,10 +1071,20 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
         report = jobs.fetch_run(host, shard.run_id, tensors=False, dest_root=root / "hosts", timeout=QUICK_TIMEOUT_S)
         report.host = shard.label
         # hashing on the host (files no manifest lists yet) reads every byte: a long bound, not none
-        listing = host.run_task("shard", {"action": "files", "output_dir": shard.output_dir, "start": shard.start,
-                                          "stop": shard.stop}, timeout=FILES_TIMEOUT_S)
-        files = listing.get("data") or {}
+        files = _listing(host, shard, sha256=True, timeout=FILES_TIMEOUT_S)
         report.data["listing"] = files
+        changed = files.get("changed") or []
+        if changed:  # never fetched, never merged: a good copy fetched before stays as it is
+            paths = [c["path"] for c in changed]
+            report.records.append(Record(
+                name="fleet.changed", status="fail",
+                summary=f"{len(changed)} sample file(s) of [{shard.start}, {shard.stop}) on {shard.head} changed since "
+                        f"its run wrote them ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}: size differs "
+                        f"from the host's manifest); not fetched, not merged",
+                detail={"changed": changed},
+                fix=f"the copy on {shard.head} is damaged: remove it there ({files.get('output_dir')}/{paths[0]}"
+                    f"{' ...' if len(paths) > 1 else ''}), then specops extract --run-id {manifest.run_id} makes it "
+                    f"again"))
         have = len(files.get("files") or [])
         if have == shard.size:
             report.records.append(Record(name="fleet.files", status="ok",
@@ -986,8 +1116,19 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
             host, host.remote_path(listing["output_dir"]), listing["dataset_files"], root / "samples",
             name="fleet.dataset_files"))
     merged = merge(manifest, {s.id: by_label.get(s.label) for s in shards})
+    # the merged dir must hold what the merged manifest names (a download that failed leaves none)
+    absent = [f["path"] for f in merged["files"] if tensors and not _local_copy_ok(root / "samples", f)]
+    # a dir the shards share gets its merged manifest there, made on a host of it (no tensor moves)
+    reports += storage.host_merges(manifest, conns, root)
     group = HostReport(host=GROUP, task="fetch", data={"dest": str(root), "manifest": str(root / "manifest.json")})
-    if merged["complete"]:
+    if absent:
+        group.records.append(Record(
+            name="fleet.merge", status="fail",
+            summary=f"{len(absent)} of {merged['samples']} merged sample file(s) are not in {root / 'samples'} "
+                    f"({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''})",
+            detail={"absent": absent[:50], "missing_head": merged["missing"][:50]},
+            fix=f"see the download records above; fetch again (specops fetch --run-id {manifest.run_id} --tensors)"))
+    elif merged["complete"]:
         group.records.append(Record(name="fleet.merge", status="ok",
                                     summary=f"{merged['samples']} sample(s) of {manifest.total} in one manifest "
                                             f"({root / 'manifest.json'})" + (f", files in {root / 'samples'}"
@@ -1002,6 +1143,15 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
                 f"again"))
     save_manifest(manifest)
     return [*reports, group]
+
+
+def _local_copy_ok(local_dir: Path, entry: dict) -> bool:
+    """The fetched copy of a merged sample is there, whole (its sha256 was checked when it came)."""
+    path = local_dir / entry["path"]
+    try:
+        return path.stat().st_size == int(entry["bytes"])
+    except OSError:
+        return False
 
 
 def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dict:

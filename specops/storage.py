@@ -1,0 +1,122 @@
+"""Hosts of a group run that share one output dir (one filesystem mounted on every node).
+
+At plan time every host's shard probe (``remote/shard.py``) leaves a marker named by a
+token of its own in the run's output dir and looks up the other hosts' markers: two
+hosts share the dir when either sees the other's marker (of two hosts probing one dir
+at once, the one that looks last always sees the first's), or when they are one
+machine (same kernel boot id) and see the same ``st_dev``/``st_ino``.
+
+Sharing changes nothing of the shard map: each shard still writes its own range, under
+global indices, into the one sample layout its trainer reads; its own manifest, summary
+and claim go under ``.specops-shards/<lo>-<hi>/`` there. After the run, the merged
+manifest of the shared dir is made on a host of it (``remote/merge.py``: it reads the
+shards' manifests, not the samples) and comes back to the laptop without a tensor.
+"""
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from specops import jobs
+from specops.fleet import report_from_payload, run_steps
+from specops.result import HostReport, Record
+
+#: the record name of the plan's verdict in the recap.
+RECORD = "fleet.storage"
+#: seconds for the host-side merge (it reads the shards' manifests, never a sample)
+MERGE_TIMEOUT_S = 600.0
+
+
+def probe_params(names: list[str], dirs: dict[str, str]) -> dict[str, dict]:
+    """Each host's ``storage_probe`` parameter: the run's output dir there, its token, the others' tokens."""
+    tokens = {name: secrets.token_hex(8) for name in names}
+    return {name: {"dir": dirs[name], "token": tokens[name],
+                   "others": {other: tokens[other] for other in names if other != name}} for name in names}
+
+
+def shared_groups(probes: dict[str, dict]) -> list[list[str]]:
+    """Hosts that see one output dir, as groups of two or more (in the order of ``probes``)."""
+    seen = {h: (p.get("storage") or {}) for h, p in probes.items()}
+    parent = {h: h for h in probes}
+
+    def root(h: str) -> str:
+        while parent[h] != h:
+            h = parent[h]
+        return h
+
+    names = list(probes)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            sa, sb = seen[a], seen[b]
+            same_machine = sa.get("boot_id") and sa.get("boot_id") == sb.get("boot_id") and \
+                (sa.get("st_dev"), sa.get("st_ino")) == (sb.get("st_dev"), sb.get("st_ino"))
+            if b in (sa.get("sees") or []) or a in (sb.get("sees") or []) or same_machine:
+                parent[root(b)] = root(a)
+    groups: dict[str, list[str]] = {}
+    for h in names:
+        groups.setdefault(root(h), []).append(h)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def plan_record(probes: dict[str, dict]) -> tuple[Record, list[list[str]]]:
+    """The recap's word on storage, and the groups of hosts that share an output dir."""
+    groups = shared_groups(probes)
+    if not groups:
+        return Record(name=RECORD, status="ok", summary=f"each of the {len(probes)} host(s) has its own output dir"), []
+    said = "; ".join(f"{', '.join(g)} share one output dir ({(probes[g[0]].get('storage') or {}).get('dir')})"
+                     for g in groups)
+    return Record(name=RECORD, status="ok",
+                  summary=f"shared storage: {said}. Each shard writes only its range there (global indices, one "
+                          f"layout) and keeps its own manifest under .specops-shards/; fetch makes the merged "
+                          f"manifest on the host",
+                  detail={"groups": groups, "storage": {h: p.get("storage") for h, p in probes.items()}}), groups
+
+
+def remember(manifest, probes: dict[str, dict], groups: list[list[str]]) -> None:
+    """Keep in the fleet manifest which hosts share an output dir (fetch merges there)."""
+    for host, probe in probes.items():
+        info = manifest.hosts.setdefault(host, {})
+        info["storage"] = dict(probe.get("storage") or {},
+                               shared_with=next((g for g in groups if host in g), [host]))
+
+
+def host_merges(manifest, conns, root: Path) -> list[HostReport]:
+    """For each output dir shared by shards of the run: the merged manifest made there, and a copy here.
+
+    Only shards of the group's own run id count (a moved range has a dir of its own).
+    The copy lands in ``runs/R/shared/<hosts>/manifest.json``, checked by sha256. One
+    host per dir, all dirs at once; a host that does not answer is a report, not a crash.
+    """
+    jobs_by_group: dict[tuple[str, ...], list] = {}
+    for shard in manifest.shards:
+        group = tuple((manifest.hosts.get(shard.head) or {}).get("storage", {}).get("shared_with") or ())
+        if len(group) > 1 and not shard.empty and shard.run_id == manifest.run_id:
+            jobs_by_group.setdefault(group, []).append(shard)
+
+    def one(item) -> HostReport:
+        group, members = item
+        name = f"shared@{'+'.join(group)}"
+        unfinished = [s.label for s in members if s.seen.get("state") != "done"]
+        if unfinished:  # a shard's own manifest exists only once it is done; nothing is merged before
+            return HostReport(host=name, task="fetch", records=[Record(
+                name="merge.manifest", status="skipped",
+                summary=f"not merging the shared dir yet: {', '.join(unfinished)} not done")])
+        first = members[0]
+        host = conns.for_shard(manifest, first)
+        payload = host.run_task("merge", {"output_dir": first.output_dir, "run_id": manifest.run_id,
+                                          "ranges": [[s.start, s.stop] for s in members]}, timeout=MERGE_TIMEOUT_S)
+        report = report_from_payload(name, "fetch", payload)
+        data = report.data = {k: v for k, v in (payload.get("data") or {}).items() if k != "dataset_files"}
+        if data.get("path"):
+            local = root / "shared" / "+".join(group)
+            remote = Path(data["path"])
+            report.records.append(jobs.download_files(
+                host, host.remote_path(str(remote.parent)),
+                [{"path": remote.name, "bytes": data["bytes"], "sha256": data["sha256"]}], local,
+                name="fleet.shared_manifest"))
+            data["local"] = str(local / remote.name)
+        return report
+
+    items = list(jobs_by_group.items())
+    return run_steps(items, one, name_of=lambda item: f"shared@{'+'.join(item[0])}", task="fetch",
+                     timeout=MERGE_TIMEOUT_S)
