@@ -269,15 +269,22 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
             part.unlink()
             offset = 0
         resumed += offset > 0
-        try:
-            with sftp.open(f"{remote_dir}/{entry['path']}", "rb") as remote, open(part, "ab") as fh:
-                remote.seek(offset)
-                remote.prefetch()
-                while chunk := remote.read(1 << 20):
-                    fh.write(chunk)
-        except socket.timeout:
-            raise _silent(host, f"downloading {entry['path']} ({got} of {len(entries)} done)") from None
-        if _sha256(part) != entry["sha256"]:
+        # a resumed .part that then fails the check may be junk of its own (not a prefix of
+        # the file): it is dropped and the file fetched once more, whole
+        for offset in ([offset, 0] if offset else [0]):
+            if offset == 0:
+                part.unlink(missing_ok=True)
+            try:
+                with sftp.open(f"{remote_dir}/{entry['path']}", "rb") as remote, open(part, "ab") as fh:
+                    remote.seek(offset)
+                    remote.prefetch()
+                    while chunk := remote.read(1 << 20):
+                        fh.write(chunk)
+            except socket.timeout:
+                raise _silent(host, f"downloading {entry['path']} ({got} of {len(entries)} done)") from None
+            if _sha256(part) == entry["sha256"]:
+                break
+        else:
             bad.append(entry["path"])
             part.unlink()
             continue
