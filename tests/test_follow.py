@@ -97,6 +97,11 @@ def followers_on_host(work_dir: Path) -> list[int]:
     return found
 
 
+def default_sigint() -> None:
+    """(preexec_fn) SIGINT at its default in the child, whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -209,14 +214,24 @@ def test_follower_never_outlives_its_channel(llama_inventory, tmp_path):
             logs.wait()
             wait_until(lambda: not followers_on_host(work_dir), 10, "the follower of a killed laptop to exit")
 
-            # 3. Ctrl-C while extract follows: detached, exit 101, the follower goes too
+            # 3. Ctrl-C while extract follows: detached, exit 101, the follower goes too.
+            # SIGINT as a terminal gives it: a test run started as a background job of a
+            # script (`make test &`, nohup) has SIGINT ignored, its children inherit that and
+            # Python then installs no KeyboardInterrupt handler: the Ctrl-C would be lost.
+            # (PYTHONFAULTHANDLER: should it hang anyway, SIGABRT prints every thread's stack)
             cli = subprocess.Popen([str(BIN / "specops"), "extract", "--inventory", str(path), "--run-id",
                                     "slow", "--skip-preflight", "--skip-smoke", "--max-samples", "4"],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                   text=True, cwd=REPO_ROOT, env=env)
+                                   text=True, cwd=REPO_ROOT, env={**env, "PYTHONFAULTHANDLER": "1"},
+                                   preexec_fn=default_sigint)
             wait_until(lambda: followers_on_host(work_dir), 60, "extract's follower")
             cli.send_signal(signal.SIGINT)
-            out, err = cli.communicate(timeout=60)
+            try:
+                out, err = cli.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                cli.send_signal(signal.SIGABRT)
+                out, err = cli.communicate(timeout=30)
+                pytest.fail(f"specops extract did not exit within 60 s of SIGINT; where it was:\n{err[-12000:]}")
             assert cli.returncode == ExitCode.JOB_RUNNING, out + err
             assert "detached" in err and "Following run slow" in out
             wait_until(lambda: not followers_on_host(work_dir), 10, "extract's follower to exit")
