@@ -48,6 +48,17 @@ _API_SERVER = re.compile(r"^(APIServer|api[_ ]server)", re.I)
 _WORKER = re.compile(r"^(?:Vllm)?Worker(?:[-_](?:TP)?(\d+))?", re.I)
 
 
+#: faulthandler's words for the fatal signals it catches ("Fatal Python error: Illegal instruction")
+FAULTHANDLER_NAMES = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Illegal instruction": "SIGILL",
+                      "Aborted": "SIGABRT", "Floating-point exception": "SIGFPE", "Floating point exception": "SIGFPE"}
+
+
+def exit_code_of_fatal(message: str | None):
+    """The exit code (``-N``) of a process whose faulthandler said ``message``; None when it names no signal."""
+    name = FAULTHANDLER_NAMES.get((message or "").strip())
+    return -int(getattr(signal, name)) if name and hasattr(signal, name) else None
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -174,8 +185,9 @@ def death_record(process: str | None, exit_code, *, pid=None, rank=None, source:
         message = f"{head} was {how['text']}: {how['meaning'] or 'no usual meaning known'}"
         etype = "KilledBySignal"
     elif exit_code is None:
-        message = (f"{head} died unexpectedly; its parent logged no exit code, so the signal is not known "
-                   f"(a kill -9 or the OOM killer leaves no trace of its own; see the log around it)")
+        message = (f"{head} died unexpectedly; its parent logged no exit code and it left no fatal-error dump, "
+                   f"so most likely SIGKILL (the kernel's OOM killer or a kill -9; a caught signal would "
+                   f"have left one)")
         etype = "ProcessDied"
     else:
         message = f"{head} {how['text']}"
@@ -183,7 +195,7 @@ def death_record(process: str | None, exit_code, *, pid=None, rank=None, source:
     record = {"rank": rank, "type": etype, "message": message, "traceback": "", "where": label,
               "process": process, "pid": pid, "exit_code": exit_code, "signal": how["signal"],
               "signal_meaning": how["meaning"], "source": source}
-    if how["signal"] == "SIGKILL":
+    if how["signal"] == "SIGKILL" or (exit_code is None and not fatal):
         oom = oom_evidence(pid)
         record["oom"] = oom
         record["message"] += f"; {oom['text']}"

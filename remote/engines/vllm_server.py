@@ -68,6 +68,7 @@ import uuid
 from pathlib import Path
 
 from remote import cpu, fsutil, layers, modelconfig, samples, signals
+from remote.rootcause import last_traceback
 
 from . import Engine
 
@@ -117,7 +118,8 @@ class ServerFailed(RuntimeError):
         self.death = None
         if death:
             self.death = signals.death_record(death.get("name"), death.get("exit_code"), pid=death.get("pid"),
-                                              source=death.get("source") or "logs/server.log")
+                                              source=death.get("source") or "logs/server.log",
+                                              fatal=death.get("fatal"))
             if death.get("line"):
                 self.death["log_line"] = death["line"]
             self.rank, self.process = self.death["rank"], death.get("name")
@@ -242,6 +244,9 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
     env = dict(base)
     env[MARKER_ENV] = marker
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # every server process (API server, engine core, workers) dumps its stacks on a fatal
+    # signal: vLLM's own "died unexpectedly (exit code: None)" often cannot say which one
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if on_cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         cores = sorted(os.sched_getaffinity(0))
@@ -340,30 +345,47 @@ _ENGINE_CORE_GONE = re.compile(r"engine core exited unexpectedly", re.I)
 
 
 def log_death(text: str) -> dict | None:
-    """The first process of the server that vLLM logged as dead by a signal: ``{name, exit_code, line}``.
+    """The first process of the server that vLLM logged as dead: ``{name, exit_code, line, pid, fatal}``.
 
-    vLLM 0.32's engine core logs ``Worker proc VllmWorker-0 died unexpectedly (exit code:
-    -4)`` before anything else fails (the driver then raises ``RuntimeError: cancelled``
-    and the API server answers HTTP 500): that line is the cause. The API server logs
-    only "engine core exited unexpectedly" for a dead engine core (no exit code: it is
-    not our child); that is returned with ``exit_code`` None when no worker death is
-    logged. None when the log shows no death.
+    vLLM's engine core logs ``Worker proc VllmWorker-0 died unexpectedly (exit code: -4)``
+    before anything else fails (the driver then raises ``RuntimeError: cancelled`` and
+    the API server answers HTTP 500): that line is the cause. Its exit code is racy --
+    vLLM reads it the moment the worker's pipe closes, often before the worker can be
+    reaped (``exit code: None``) -- so the signal also comes from faulthandler's dump
+    just before it (``PYTHONFAULTHANDLER`` is on in every server process: see
+    :func:`server_env`), which is kept as ``fatal``. A worker gone with neither leaves
+    ``exit_code`` None (SIGKILL cannot be caught). The API server logs only "engine core
+    exited unexpectedly" for a dead engine core (it is not our child); that is returned
+    as ``EngineCore`` when no worker death is logged. None when the log shows no death.
     """
-    deaths = signals.deaths_in_log(text)
-    by_signal = [d for d in deaths if d["exit_code"] is not None
-                 and signals.describe_exit(d["exit_code"])["signal"]]
-    if by_signal:
-        death = dict(by_signal[0])
+    deaths, start = [], 0
+    for death in signals.deaths_in_log(text):
+        at = text.find(death["line"], start)
+        before, start = text[start:at], at + len(death["line"])
+        fatal = last_traceback(before)
+        if fatal and fatal["type"] == "FatalError":
+            death["fatal"] = {"message": fatal["message"], "traceback": fatal["traceback"]}
+            if death["exit_code"] is None:
+                death["exit_code"] = signals.exit_code_of_fatal(fatal["message"])
         # the line names the process, not its pid: the pid is in that rank's own line prefixes
         rank = signals.process_label(death["name"])[1]
-        pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:text.find(death["line"])].splitlines())
+        pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:at].splitlines())
                 if m and rank is not None and _rank_of(m.group("proc")) == rank]
         if pids:
             death["pid"] = int(pids[-1])
-        return death
+        deaths.append(death)
+    by_signal = [d for d in deaths if d["exit_code"] is not None and signals.describe_exit(d["exit_code"])["signal"]]
+    unknown = [d for d in deaths if d["exit_code"] is None]
+    if by_signal or unknown:
+        return (by_signal or unknown)[0]
     gone = next((ln.strip() for ln in text.splitlines() if _ENGINE_CORE_GONE.search(ln)), None)
     if gone:
-        return {"name": "EngineCore", "exit_code": None, "line": gone}
+        fatal = last_traceback(text[:text.find(gone)])
+        death = {"name": "EngineCore", "exit_code": None, "line": gone}
+        if fatal and fatal["type"] == "FatalError":
+            death.update(fatal={"message": fatal["message"], "traceback": fatal["traceback"]},
+                         exit_code=signals.exit_code_of_fatal(fatal["message"]))
+        return death
     return None
 
 
