@@ -246,3 +246,15 @@ def test_preflight_says_how_many_rows_it_checked_when_it_samples(hostenv_python,
     # max_samples is the rows the run sends: the bad 41st is not one of the first 40
     capped = run_preflight(hostenv_python, dict(params, max_samples=40))
     assert capped["data.records"]["status"] == "ok" and capped["data.file"]["detail"]["records"] == 40
+
+
+def test_a_dataset_file_name_is_no_reason_to_refuse_and_a_hub_name_is_no_file(hostenv_python, tiny_models, tmp_path):
+    """The run reads any local file of JSON lines, and never a hub dataset by name: preflight likewise."""
+    path = tmp_path / "rows.txt"
+    path.write_bytes(tok(1, 2) + b"\n" + tok(3) + b"\n")
+    got = agree(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset=str(path)))
+    assert got["run"] == 2 and got["preflight"]["data.file"]["status"] == "ok", got["preflight"]
+    assert got["preflight"]["data.records"]["status"] == "ok"
+    rec = run_preflight(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset="sharegpt"))
+    assert rec["data.file"]["status"] == "fail" and "hub name 'sharegpt'" in rec["data.file"]["summary"]
+    assert "local .jsonl" in rec["data.file"]["fix"]

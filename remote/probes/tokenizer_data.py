@@ -127,7 +127,11 @@ def probe_data(ctx: Context) -> list:
                        fix="download it ahead and pass the local .jsonl path" if hub
                        else "copy the dataset to the host, or fix the dataset path")]
     size = os.path.getsize(dataset)
-    found = _rows(ctx, dataset)
+    try:
+        found = _rows(ctx, dataset)
+    except OSError as exc:  # the run would stop on it too
+        return [record("data.file", FAIL, f"dataset {dataset} cannot be read: {exc.strerror or exc}",
+                       detail={"dataset": dataset}, fix="make the dataset readable for this user on this host")]
     total = found["rows"]
     ctx.data["records"] = total  # capacity counts at most this many samples
     limited = " (the first max_samples)" if found["limited"] else ""
