@@ -27,6 +27,13 @@ come from ``fleet.json``); ``--reassign FROM=TO`` moves an unfinished shard's re
 range -- from the first index not on FROM's disk, read from FROM when it answers, from
 its last seen status when it does not -- to TO, as a new shard (run id ``R.<shard>``
 there). ``status``, ``logs``, ``abort`` and ``fetch`` with the run id act on every shard.
+
+Every one of them believes the host's disk, not a status file: a done run whose samples
+went missing resumes (``job start`` checks its range on disk) and ``status`` calls it
+incomplete; a cut shard's kept range is read again whenever its host answers (a cut made
+from a last seen status is unchecked), and a gap there becomes a new shard on that host;
+``fetch`` refuses a file whose size differs from the host manifest, and says ok only when
+every merged file is in ``runs/R/samples``.
 """
 from __future__ import annotations
 
@@ -295,7 +302,8 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     check_shared_params(specs, overrides)
     names = [s.name for s in specs]
     mode, given = shardmap.parse_shard_by(shard_by, names)
-    storage_probes = storage.probe_params(names, {n: _output_dir(conns.spec(n), overrides, run_id) for n in names})
+    storage_probes = storage.probe_params(names, {n: _output_dir(conns.spec(n), overrides, run_id) for n in names},
+                                          {n: run_params(conns.spec(n), **overrides)["work_dir"] for n in names})
     reports = run_steps([conns.host(n) for n in names],
                         lambda h: probe_step(h, overrides, preflight=not skip_preflight,
                                              storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
@@ -326,8 +334,10 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     group.records.extend(checks)
     if any(r.status == "fail" for r in checks):
         return None, [*reports, group]
-    shared_record, shared_groups = storage.plan_record(probes)
-    group.records.append(shared_record)
+    shared_records, shared_groups = storage.plan_records(probes, run_id)
+    group.records.extend(shared_records)
+    if any(r.status == "fail" for r in shared_records):
+        return None, [*reports, group]
     first = probes[ready[0]]
     total = first["dataset"]["samples"]
     weights = _weights(mode, given, probes)

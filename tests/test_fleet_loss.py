@@ -152,6 +152,18 @@ def test_fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fa
     assert not (runs / "L3" / "samples" / "data_2.pt.part").exists()
     assert_merged(runs, "L3", 12, tmp_path)
 
+    # a host file of the right size but other bytes cannot be fetched: the merge never says ok without it
+    flipped = tmp_path / "b" / "out" / "L3" / "data_6.pt"
+    raw = bytearray(flipped.read_bytes())
+    raw[-1] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    (runs / "L3" / "samples" / "data_6.pt").unlink()
+    broken = cli("fetch", "--inventory", inv, "--run-id", "L3", "--tensors", "--json", runs=runs)
+    assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert records_of(broken.stdout)["s1@b"]["fleet.tensors"]["status"] == "fail"
+    merge = records_of(broken.stdout)["fleet"]["fleet.merge"]
+    assert merge["status"] == "fail" and "data_6.pt" in merge["summary"], merge
+
 
 # --------------------------------------------------------------------------- 2, 4: reassign away from a dead host with a hole
 
