@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,23 @@ def test_a_dataset_file_name_is_no_reason_to_refuse_and_a_hub_name_is_no_file(ho
     rec = run_preflight(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset="sharegpt"))
     assert rec["data.file"]["status"] == "fail" and "hub name 'sharegpt'" in rec["data.file"]["summary"]
     assert "local .jsonl" in rec["data.file"]["fix"]
+
+
+def test_no_chat_template_fails_only_a_dataset_with_chat_rows(hostenv_python, tiny_models, tmp_path):
+    """The run renders chat rows only: pre-tokenized rows need no template (seed engine included)."""
+    model = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (model / name).unlink(missing_ok=True)
+    path = tmp_path / "tok.jsonl"
+    path.write_bytes(tok(1, 2) + b"\n" + tok(3) + b"\n")
+    res = run_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))
+    assert res["tokenizer.chat_template"]["status"] == "warn" and res["data.records"]["status"] == "ok"
+    assert res.failed(ignore_areas=("drift", "patch")) == {}
+    path.write_bytes(tok(1, 2) + b"\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n")
+    rec = run_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))["data.records"]
+    assert rec["status"] == "fail" and "1 chat row(s) (line 2 first)" in rec["summary"] and "no chat template" in \
+        rec["summary"]
