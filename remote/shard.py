@@ -157,35 +157,57 @@ PROBE_MARKER = samples.PROBE_MARKER_PREFIX + "{token}"
 
 
 def _storage(asked: dict, data: dict) -> dict:
-    """Whether this host's output dir for the run is the one another host of the plan sees.
+    """Whether this host's output dir for the run (and its work dir) is one another host of the plan sees.
 
     The laptop gives every host of a plan a token. Each host creates the dir (the run
     would), leaves a marker named by its own token, then looks up the others' markers by
     name (a lookup, not a listing, which NFS may serve from a stale cache). Of two hosts
     probing the same dir, at least the one that looks last sees the other's marker. The
     dir's ``st_dev``/``st_ino`` and the kernel's boot id say the same for hosts that
-    are one machine (NFS clients see another ``st_dev`` for one export). The markers are
-    removed when the run's supervisor claims the dir.
+    are one machine (NFS clients see another ``st_dev`` for one export). The output
+    dir's markers are removed when the run's supervisor claims the dir; a work dir's
+    when a later probe finds them a day old.
     """
-    out = Path(os.path.expanduser(str(asked.get("dir") or "")))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / PROBE_MARKER.format(token=asked["token"])).write_text(str(asked["token"]))
-        st = out.stat()
-    except OSError as exc:
-        return protocol.record("shard.storage", protocol.FAIL, f"cannot write into the output dir {out}: "
-                               f"{exc.strerror or exc}", detail={"dir": str(out)},
-                               fix="make output_dir writable for this user on this host (or fix it in the inventory)")
-    sees = sorted(host for host, token in (asked.get("others") or {}).items()
-                  if (out / PROBE_MARKER.format(token=token)).exists())
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot_id = None
-    data["storage"] = {"dir": str(out), "st_dev": st.st_dev, "st_ino": st.st_ino, "boot_id": boot_id, "sees": sees}
+    found = {}
+    for key, field in (("dir", "output_dir"), ("work_dir", "work_dir")):
+        if not asked.get(key):
+            continue
+        where = Path(os.path.expanduser(str(asked[key])))
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            if key == "work_dir":
+                _drop_stale_markers(where)
+            (where / PROBE_MARKER.format(token=asked["token"])).write_text(str(asked["token"]))
+            st = where.stat()
+        except OSError as exc:
+            return protocol.record("shard.storage", protocol.FAIL, f"cannot write into the {field} {where}: "
+                                   f"{exc.strerror or exc}", detail={field: str(where)},
+                                   fix=f"make {field} writable for this user on this host (or fix it in the inventory)")
+        sees = sorted(host for host, token in (asked.get("others") or {}).items()
+                      if (where / PROBE_MARKER.format(token=token)).exists())
+        found[key] = {"dir": str(where), "st_dev": st.st_dev, "st_ino": st.st_ino, "boot_id": boot_id, "sees": sees}
+    data["storage"] = dict(found.get("dir") or {}, work_dir=found.get("work_dir"))
+    sees = data["storage"].get("sees") or []
     return protocol.record("shard.storage", protocol.OK,
-                           f"output dir {out}" + (f": also seen by {', '.join(sees)} (shared storage)" if sees else ""),
+                           f"output dir {data['storage'].get('dir')}"
+                           + (f": also seen by {', '.join(sees)} (shared storage)" if sees else ""),
                            detail=data["storage"])
+
+
+def _drop_stale_markers(where: Path, age_s: float = 86400.0) -> None:
+    import time
+
+    for name in os.listdir(where):
+        if name.startswith(samples.PROBE_MARKER_PREFIX):
+            try:
+                if time.time() - (where / name).stat().st_mtime > age_s:
+                    (where / name).unlink()
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------- files

@@ -302,7 +302,8 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     check_shared_params(specs, overrides)
     names = [s.name for s in specs]
     mode, given = shardmap.parse_shard_by(shard_by, names)
-    storage_probes = storage.probe_params(names, {n: _output_dir(conns.spec(n), overrides, run_id) for n in names})
+    storage_probes = storage.probe_params(names, {n: _output_dir(conns.spec(n), overrides, run_id) for n in names},
+                                          {n: run_params(conns.spec(n), **overrides)["work_dir"] for n in names})
     reports = run_steps([conns.host(n) for n in names],
                         lambda h: probe_step(h, overrides, preflight=not skip_preflight,
                                              storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
@@ -333,8 +334,10 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     group.records.extend(checks)
     if any(r.status == "fail" for r in checks):
         return None, [*reports, group]
-    shared_record, shared_groups = storage.plan_record(probes)
-    group.records.append(shared_record)
+    shared_records, shared_groups = storage.plan_records(probes, run_id)
+    group.records.extend(shared_records)
+    if any(r.status == "fail" for r in shared_records):
+        return None, [*reports, group]
     first = probes[ready[0]]
     total = first["dataset"]["samples"]
     weights = _weights(mode, given, probes)

@@ -23,20 +23,26 @@ from specops.result import HostReport, Record
 
 #: the record name of the plan's verdict in the recap.
 RECORD = "fleet.storage"
+WORK_RECORD = "fleet.work_dir"
 #: seconds for the host-side merge (it reads the shards' manifests, never a sample)
 MERGE_TIMEOUT_S = 600.0
 
 
-def probe_params(names: list[str], dirs: dict[str, str]) -> dict[str, dict]:
-    """Each host's ``storage_probe`` parameter: the run's output dir there, its token, the others' tokens."""
+def probe_params(names: list[str], dirs: dict[str, str], work_dirs: dict[str, str] | None = None) -> dict[str, dict]:
+    """Each host's ``storage_probe`` parameter: the run's output dir (and work dir) there, its token,
+    the others' tokens."""
     tokens = {name: secrets.token_hex(8) for name in names}
-    return {name: {"dir": dirs[name], "token": tokens[name],
+    return {name: {"dir": dirs[name], "token": tokens[name], "work_dir": (work_dirs or {}).get(name),
                    "others": {other: tokens[other] for other in names if other != name}} for name in names}
 
 
-def shared_groups(probes: dict[str, dict]) -> list[list[str]]:
-    """Hosts that see one output dir, as groups of two or more (in the order of ``probes``)."""
-    seen = {h: (p.get("storage") or {}) for h, p in probes.items()}
+def shared_groups(probes: dict[str, dict], which: str = "output") -> list[list[str]]:
+    """Hosts that see one output dir (``which="work"``: one work dir), as groups of two or more."""
+    def facts(p: dict) -> dict:
+        st = p.get("storage") or {}
+        return (st.get("work_dir") or {}) if which == "work" else st
+
+    seen = {h: facts(p) for h, p in probes.items()}
     parent = {h: h for h in probes}
 
     def root(h: str) -> str:
@@ -48,6 +54,8 @@ def shared_groups(probes: dict[str, dict]) -> list[list[str]]:
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             sa, sb = seen[a], seen[b]
+            if not sa or not sb:
+                continue
             same_machine = sa.get("boot_id") and sa.get("boot_id") == sb.get("boot_id") and \
                 (sa.get("st_dev"), sa.get("st_ino")) == (sb.get("st_dev"), sb.get("st_ino"))
             if b in (sa.get("sees") or []) or a in (sb.get("sees") or []) or same_machine:
@@ -58,18 +66,37 @@ def shared_groups(probes: dict[str, dict]) -> list[list[str]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def plan_record(probes: dict[str, dict]) -> tuple[Record, list[list[str]]]:
-    """The recap's word on storage, and the groups of hosts that share an output dir."""
+def plan_records(probes: dict[str, dict], run_id: str) -> tuple[list[Record], list[list[str]]]:
+    """The recap's word on storage, and the groups of hosts that share an output dir.
+
+    A shared output dir is fine (each shard writes its own range); a shared work dir is
+    not: every host keeps run ``R`` in ``<work_dir>/runs/R``, so the shards' run dirs
+    (params, status, pid, logs) would be one.
+    """
+    records = []
+    work = shared_groups(probes, "work")
+    if work:
+        where = {g[0]: ((probes[g[0]].get("storage") or {}).get("work_dir") or {}).get("dir") for g in work}
+        said = "; ".join(f"{', '.join(g)} share one work dir ({where[g[0]]})" for g in work)
+        records.append(Record(name=WORK_RECORD, status="fail",
+                              summary=f"{said}: the run dir of {run_id} (params, status, pid, logs) would be one "
+                                      f"for several shards",
+                              detail={"work_dir_groups": work},
+                              fix="give each host its own work_dir in the inventory (e.g. work_dir: "
+                                  "~/.specops/<host name>, or a node-local disk); the output dir may stay shared"))
     groups = shared_groups(probes)
     if not groups:
-        return Record(name=RECORD, status="ok", summary=f"each of the {len(probes)} host(s) has its own output dir"), []
+        records.append(Record(name=RECORD, status="ok",
+                              summary=f"each of the {len(probes)} host(s) has its own output dir"))
+        return records, []
     said = "; ".join(f"{', '.join(g)} share one output dir ({(probes[g[0]].get('storage') or {}).get('dir')})"
                      for g in groups)
-    return Record(name=RECORD, status="ok",
-                  summary=f"shared storage: {said}. Each shard writes only its range there (global indices, one "
-                          f"layout) and keeps its own manifest under .specops-shards/; fetch makes the merged "
-                          f"manifest on the host",
-                  detail={"groups": groups, "storage": {h: p.get("storage") for h, p in probes.items()}}), groups
+    records.append(Record(name=RECORD, status="ok",
+                          summary=f"shared storage: {said}. Each shard writes only its range there (global indices, "
+                                  f"one layout) and keeps its own manifest under .specops-shards/; fetch makes the "
+                                  f"merged manifest on the host",
+                          detail={"groups": groups, "storage": {h: p.get("storage") for h, p in probes.items()}}))
+    return records, groups
 
 
 def remember(manifest, probes: dict[str, dict], groups: list[list[str]]) -> None:

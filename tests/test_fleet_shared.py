@@ -238,3 +238,21 @@ def test_a_shared_dir_resumes_each_shard_in_its_own_range_and_refuses_another_da
         assert "dataset_sha256 (the token rows" in error and "layer_ids" not in error.split("What differs")[1]
     assert {p.name: sha(p) for p in (tmp_path / "shared" / "SH2").glob("data_*.pt")} == files, "nothing changed"
     assert json.loads((tmp_path / "shared" / "SH2" / "manifest.json").read_text()) == before
+
+
+def test_hosts_that_share_a_work_dir_are_refused_before_anything_starts(tmp_path, testhost, hostenv_python,
+                                                                         tiny_models):
+    """One work dir (a shared home's ~/.specops) would be one run dir for every shard: the plan says so."""
+    runs = tmp_path / "runs"
+    inv = shared_inventory(tmp_path, testhost, hostenv_python, tiny_models["llama"], tiny_models["dataset"],
+                           engine="hf-reference", tp=1, max_samples=4, seq_len=64, batch_size=1, env=OFFLINE)
+    doc = yaml.safe_load(inv.read_text())
+    doc["hosts"]["b"]["work_dir"] = doc["hosts"]["a"]["work_dir"]
+    inv.write_text(yaml.safe_dump(doc))
+    proc = cli("extract", "--inventory", str(inv), "--on", "pair", "--run-id", "SW1", "--skip-preflight", "--json",
+               runs=runs, timeout=300)
+    assert proc.returncode == ExitCode.FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = records_of(proc.stdout)["fleet"]["fleet.work_dir"]
+    assert said["status"] == "fail" and f"a, b share one work dir ({tmp_path / 'a' / 'work'})" in said["summary"]
+    assert "give each host its own work_dir" in said["fix"]
+    assert not (runs / "SW1").exists() and not (tmp_path / "a" / "work" / "runs" / "SW1").exists()
