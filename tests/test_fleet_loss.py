@@ -72,6 +72,13 @@ def test_a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_
     assert gone.is_file()
     assert_merged(runs, "L1", 12, tmp_path)
 
+    # --force believes the disk too
+    (tmp_path / "a" / "out" / "L1" / "data_1.pt").unlink()
+    forced = cli("extract", "--inventory", inv, "--run-id", "L1", "--force", "--json", runs=runs)
+    assert forced.returncode == ExitCode.SUCCESS, forced.stdout[-3000:] + forced.stderr[-3000:]
+    assert status_file(tmp_path, "a", "L1")["resumed_from"] == 1
+    assert (tmp_path / "a" / "out" / "L1" / "data_1.pt").is_file()
+
     # nothing left to run: said so, and the files are still fetched (not "started detached (0 running)")
     (runs / "L1" / "samples" / "data_9.pt").unlink()
     idle = cli("extract", "--inventory", inv, "--run-id", "L1", "--tensors", "--json", runs=runs)
