@@ -47,7 +47,7 @@ def shard_map(runs: Path, run_id: str) -> list[tuple]:
     return [(s["id"], s["hosts"], s["start"], s["stop"], s["run_id"]) for s in fleet["shards"]]
 
 
-# --------------------------------------------------------------------------- 1: a sample deleted after its shard finished
+# ------------------------------------------------------------------- 1: a sample deleted after its shard finished
 
 def test_a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inventory, tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
@@ -122,7 +122,7 @@ def test_reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_wh
     assert len(shard_map(runs, "L2")) == 4
 
 
-# --------------------------------------------------------------------------- 3, 13: a host file that changed; a junk .part
+# ------------------------------------------------------------------- 3, 13: a host file that changed; a junk .part
 
 def test_fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_inventory, tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
@@ -172,10 +172,10 @@ def test_fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fa
     assert merge["status"] == "fail" and "data_6.pt" in merge["summary"], merge
 
 
-# --------------------------------------------------------------------------- 2, 4: reassign away from a dead host with a hole
+# ------------------------------------------------------------------- 2, 4: reassign away from a dead host with a hole
 
-def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answers(slow_inventory, host_c,  # noqa: F811
-                                                                                    tmp_path):
+def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answers(
+        slow_inventory, host_c, tmp_path):  # noqa: F811
     from specops.assets import remote_protocol
 
     runs, inv = tmp_path / "runs", str(slow_inventory)
