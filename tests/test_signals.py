@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 from remote import signals
-from remote.rundir import run_processes
 from test_extract_remote import group_members, job, patched_speculators, vllm_params, wait_final  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +38,22 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 MEANS = {"SIGILL": "instruction this CPU or VM does not allow", "SIGKILL": "OOM killer",
          "SIGSEGV": "segmentation fault", "SIGBUS": "bus error", "SIGABRT": "aborted itself"}
 VAGUE = ("cancelled", "EngineCore encountered an issue")
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Live processes whose environment names the run dir (the supervisor sets ``SPECOPS_RUN_DIR``
+    and every process of the run inherits it); the test's own probe, not the code under test."""
+    needles = {f"SPECOPS_RUN_DIR={run_dir}".encode(), f"SPECOPS_RUN_DIR={Path(run_dir).resolve()}".encode()}
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = set(environ.read_bytes().split(b"\0"))
+            state = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needles & env and state not in ("Z", "X") and int(environ.parent.name) != os.getpid():
+            found.append(int(environ.parent.name))
+    return found
 
 
 # ---------------------------------------------------------------------------- the decoder alone
