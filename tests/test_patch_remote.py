@@ -401,14 +401,15 @@ def test_status_records_for_preflight(site, hostenv_python, tmp_path):
 #: last-first: the patched generator returns them in the order asked (upstream: model
 #: order). "all experts" runs a view of a MoE model that selects every expert, so that
 #: HF (float32) and vLLM (bf16) route alike and the HF comparison is a strict check.
+#: Each case is one vLLM load (about a minute on 2 cores), so each covers a different
+#: path: dense at TP=2 against both references; MoE in-process (TP=1) against both,
+#: with the llama_4_scaling control; MoE's own top-k routing across two ranks; the
+#: text_config wrapper across two ranks (the workers unwrap it) against both.
 SMOKE_CASES = [
-    ("llama", 1, "auto", "reversed", False),
-    ("llama", 2, "auto", "default", False),
-    ("deepseek_v3", 1, "auto", "default", False),
-    ("deepseek_v3", 1, "hf", "default", True),
+    ("llama", 2, "auto", "reversed", False),
+    ("deepseek_v3", 1, "auto", "default", True),
     ("deepseek_v3", 2, "vllm", "reversed", False),
-    ("kimi_k25", 1, "auto", "default", True),
-    ("kimi_k25", 2, "vllm", "default", False),
+    ("kimi_k25", 2, "auto", "default", True),
 ]
 
 
@@ -433,7 +434,7 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, order, 
         [str(hostenv_python), "-m", "remote.dev.smoke_generator", "--model", str(tiny_models[model]),
          "--tp", str(tp), "--reference", reference, "--layers", ",".join(map(str, layer_ids))]
         + (["--all-experts"] if all_experts else []),
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)  # a hang guard: loaded 2-core runs took 600+ s
     lines = [l for l in proc.stdout.splitlines() if l.startswith("SMOKE-JSON ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(lines[-1][len("SMOKE-JSON "):])
