@@ -156,7 +156,7 @@ def test_the_modern_vllm_worker_death_line_is_read(modern_hostenv_python):
 
 # ---------------------------------------------------------------------------- the seed engine, for real
 
-def rank_pid(log: Path, timeout=60.0) -> int:
+def rank_pid(log: Path, timeout=300.0) -> int:
     """The pid a rank log starts with ("[specops] rank log of pid N started")."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -221,7 +221,7 @@ def modern_params(tmp_path, tiny_models, run_id: str, **extra) -> dict:
                 env={**OFFLINE, "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}, **extra)
 
 
-def server_pid(run_dir: Path, target: str, timeout=60.0) -> int:
+def server_pid(run_dir: Path, target: str, timeout=600.0) -> int:
     """The pid of the API server (the process running vLLM's server module) or of TP rank 0's worker."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
