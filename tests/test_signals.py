@@ -319,3 +319,36 @@ def test_abort_while_the_vllm_server_starts_leaves_nothing(modern_vllm_python, t
     st = job(modern_vllm_python, action="status", **params)["data"]["status"]
     assert st["state"] == "loading" and len(run_processes(run_dir)) >= 4, (st, run_processes(run_dir))
     assert_abort_leaves_nothing(modern_vllm_python, params, run_dir, pid)
+
+
+def test_abort_kills_what_a_dead_supervisor_left_running(tmp_path):
+    """The issue's leftover without a model: the supervisor is gone (SIGKILLed mid-stop) and a
+    process of the run, in a session of its own and deaf to SIGTERM (a server still starting),
+    lives on under init. abort must kill it and say so; before, it answered "not running"."""
+    from remote import job as job_module
+
+    work = tmp_path / "work"
+    run_dir = work / "runs" / "orphan"
+    (run_dir / "logs").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / "pid").write_text(f"{dead.pid}\n")
+    (run_dir / "status.json").write_text(json.dumps({"run_id": "orphan", "state": "aborted",
+                                                     "heartbeat_unix": time.time()}))
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                             "signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
+                            env={**os.environ, "SPECOPS_RUN_DIR": str(run_dir)}, start_new_session=True,
+                            stdout=subprocess.PIPE)
+    try:
+        assert deaf.stdout.readline() == b"up\n"
+        assert run_processes(run_dir) == [deaf.pid]
+        res = job_module.main({"action": "abort", "run_id": "orphan", "work_dir": str(work)})
+        rec = res["records"][0]
+        assert rec["status"] == "changed" and f"SIGKILL to 1 leftover process(es) of the run [{deaf.pid}]" \
+            in rec["summary"], rec
+        assert deaf.wait(timeout=30) == -signal.SIGKILL and run_processes(run_dir) == []
+        again = job_module.main({"action": "abort", "run_id": "orphan", "work_dir": str(work)})
+        assert again["records"][0]["status"] == "skipped"
+    finally:
+        if deaf.poll() is None:
+            deaf.kill()
