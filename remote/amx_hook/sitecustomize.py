@@ -21,8 +21,8 @@ def _chain() -> None:
     import os
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    here = os.path.dirname(os.path.realpath(__file__))
+    rest = [p for p in sys.path if os.path.realpath(p or ".") != here]  # realpath: a symlinked copy is us too
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
