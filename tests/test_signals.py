@@ -182,8 +182,8 @@ def assert_named(err: dict, rank, process: str, pid: int, sig: str) -> None:
 def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(sig, hostenv_python, tiny_models,
                                                                 patched_speculators, tmp_path):
     params = dict(vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
-                              run_id=f"sig-{sig.lower()}", batch_delay_s=2.0, worker_error_grace_s=5),
-                  max_samples=20, batch_size=1)
+                              run_id=f"sig-{sig.lower()}", batch_delay_s=5.0, worker_error_grace_s=5),
+                  max_samples=40, batch_size=1)  # minutes of run left when the signal lands (a quiet box was done first)
     job(hostenv_python, action="start", **params)
     wait_final(hostenv_python, params, timeout=420, until=lambda s: s.get("samples_done", 0) >= 1)
     run_dir = tmp_path / "work" / "runs" / params["run_id"]
