@@ -12,8 +12,13 @@ demo: bootstrap
 	.venv/bin/specops testhost.up --stack modern
 	.venv/bin/specops demo --on modern
 
+# Tests run on TEST_WORKERS processes (pytest-xdist): most of the suite waits on one core (ssh,
+# a server's start, a rank's load), so two workers keep a 2-core box busy; tests that share
+# one costly fixture stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+
 test: bootstrap
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 bench: bootstrap
 	.venv/bin/specops testhost.up

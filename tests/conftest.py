@@ -85,6 +85,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts the real vLLM CPU engine (slow)")
 
 
+#: session fixtures too costly to make once per xdist worker: the modules whose tests use one
+#: run on one worker (a modern server start over SSH is 40-300 s).
+SHARED_SESSION_FIXTURES = ("modern_ssh_run",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """How ``make test`` (``pytest -n N``) hands out tests: a module at a time, so a module's
+    own fixtures (one vLLM load, one server run) are built once, and the modules that share
+    a costly session fixture as one unit. (xdist's ``loadgroup`` marks do not reach its
+    scheduler under pytest 9, which keeps node ids elsewhere.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        units: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in self.units:
+                text = (REPO / module).read_text(errors="replace") if (REPO / module).is_file() else ""
+                self.units[module] = next((f"uses {name}" for name in SHARED_SESSION_FIXTURES
+                                           if name in text), module)
+            return self.units[module]
+
+    return ByModule(config, log)
+
+
 @pytest.fixture(scope="session")
 def testhost(tmp_path_factory):
     """A real OpenSSH server on a free loopback port, torn down after the session."""

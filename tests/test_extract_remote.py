@@ -39,9 +39,11 @@ def host_env():
 
 def job(python, **params) -> dict:
     """``remote.job.main(params)`` in the host env's python; returns the payload."""
-    code = "import json,sys; from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))"
+    # a call that hangs says where before it is killed (one status call once hung for 120 s in CI)
+    code = ("import faulthandler,json,sys; faulthandler.dump_traceback_later(150, exit=True); "
+            "from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))")
     out = subprocess.run([str(python), "-c", code, json.dumps(params)], cwd=REPO, env=host_env(),
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -334,15 +334,18 @@ def test_every_sample_lands_as_a_checked_safetensors_file(extraction):
 
 @pytest.mark.vllm
 def test_no_server_process_survives_the_engine(extraction):
-    needle = f"{vllm_server.MARKER_ENV}=".encode()
+    # this engine's server only: another test's server may run beside it (pytest -n)
+    needle, own = f"{vllm_server.MARKER_ENV}=".encode(), str(extraction["root"]).encode()
     survivors = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if needle in Path(f"/proc/{entry}/environ").read_bytes():
-                    survivors.append(int(entry))
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+                where = Path(f"/proc/{entry}/cmdline").read_bytes() + os.readlink(f"/proc/{entry}/cwd").encode()
             except OSError:
-                pass
+                continue
+            if needle in environ and (own in environ or own in where):  # the server runs in its work dir
+                survivors.append(int(entry))
     assert survivors == []
 
 
