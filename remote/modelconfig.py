@@ -1,9 +1,10 @@
 """A model's ``config.json``, read once: the language model's config, its layers, its family (stdlib only).
 
 A multimodal wrapper (Kimi-K2.5: ``KimiK25ForConditionalGeneration``) keeps the
-language model's config under ``text_config``; the engine drives that language model,
-so every question about layers, heads or positions is asked of the *text config*,
-which for a plain model is the file itself::
+language model's config under ``text_config`` (DeepSeek-VL2 and others under
+``language_config``); the engine drives that language model, so every question about
+layers, heads or positions is asked of the *text config*, which for a plain model is
+the file itself::
 
     >>> config = read("/models/kimi-k2.5")
     >>> is_wrapped(config), config["model_type"], model_type(config), num_layers(config)
@@ -12,7 +13,8 @@ which for a plain model is the file itself::
     ['DeepseekV3ForCausalLM', 'KimiK25ForConditionalGeneration']
 
 Every reader on the host asks this module, so a wrapper is unwrapped the same way
-everywhere. :func:`read` parses a file once per process (keyed by path, size and
+everywhere: preflight, the shard probe, the engines and the supervisor count the layers
+with :func:`num_layers`, so preflight's default layer ids are the run's. :func:`read` parses a file once per process (keyed by path, size and
 mtime) and hands each caller its own copy.
 """
 from __future__ import annotations
@@ -24,6 +26,9 @@ import os
 CONFIG_FILE = "config.json"
 #: Keys that give the decoder-layer count, first non-null wins (HF, GPT-style, others).
 LAYER_KEYS = ("num_hidden_layers", "n_layers", "num_layers")
+#: Where a multimodal wrapper keeps its language model's config, first object wins:
+#: ``text_config`` (the Hugging Face name, Kimi-K2.5) or ``language_config`` (DeepSeek-VL2).
+LANGUAGE_CONFIG_KEYS = ("text_config", "language_config")
 #: A model family (``model_family`` param, or a config's ``model_type``) -> the
 #: architecture in vLLM's model registry that runs it.
 FAMILY_ARCHITECTURE = {
@@ -80,14 +85,20 @@ def read(model_path) -> dict:
     return copy.deepcopy(config)
 
 
+def wrapper_key(config: dict):
+    """The key of :data:`LANGUAGE_CONFIG_KEYS` that holds the language model's config, or None (a plain model)."""
+    return next((key for key in LANGUAGE_CONFIG_KEYS if isinstance(config.get(key), dict)), None)
+
+
 def is_wrapped(config: dict) -> bool:
-    """Whether the language model's config sits under ``text_config`` (a multimodal wrapper)."""
-    return isinstance(config.get("text_config"), dict)
+    """Whether the language model's config sits under a key of its own (a multimodal wrapper)."""
+    return wrapper_key(config) is not None
 
 
 def text_config(config: dict) -> dict:
-    """The language model's config: ``config["text_config"]`` for a wrapper, else ``config`` itself."""
-    return config["text_config"] if is_wrapped(config) else config
+    """The language model's config: ``config[wrapper_key(config)]`` for a wrapper, else ``config`` itself."""
+    key = wrapper_key(config)
+    return config[key] if key else config
 
 
 def text_value(config: dict, key: str):
@@ -97,7 +108,16 @@ def text_value(config: dict, key: str):
 
 
 def num_layers(config: dict):
-    """The decoder-layer count of the language model (the first of :data:`LAYER_KEYS` set), or None."""
+    """The decoder-layer count of the language model (the first of :data:`LAYER_KEYS` set), or None.
+
+    The one rule: a wrapper's own count (the whole model's) never stands in for its
+    language model's::
+
+        >>> num_layers({"num_hidden_layers": 2})
+        2
+        >>> num_layers({"language_config": {"num_hidden_layers": 30}, "num_hidden_layers": 2})
+        30
+    """
     text = text_config(config)
     for key in LAYER_KEYS:
         if text.get(key) is not None:
@@ -127,37 +147,21 @@ def family_architecture(family):
     return FAMILY_ARCHITECTURE.get(str(family or "").lower())
 
 
-#: Where a multimodal wrapper keeps its language model's config: ``text_config`` (the
-#: Hugging Face name, Kimi-K2.5) or ``language_config`` (DeepSeek-VL2 and others).
-LANGUAGE_CONFIG_KEYS = ("text_config", "language_config")
-
-
 def decoder_layers(config: dict) -> int:
-    """The decoder-layer count the engine captures hidden states from; never None.
+    """:func:`num_layers` for a run, which cannot go on without one: never None.
 
-    The same text-config-first rule as :func:`num_layers`, extended for the run: the
-    language model's config is asked first (``text_config``, then ``language_config``),
-    the wrapper's own keys last, so a wrapper that states a layer count for the whole
-    model never shadows its language model's::
-
-        >>> decoder_layers({"num_hidden_layers": 2})
-        2
-        >>> decoder_layers({"language_config": {"num_hidden_layers": 30}, "num_hidden_layers": 2})
-        30
-
-    :raises ValueError: when no config in the file names a layer count.
+    :raises ValueError: when the language model's config names no layer count, or one
+        that is not a positive integer.
     """
-    holders = [config.get(key) for key in LANGUAGE_CONFIG_KEYS] + [config]
-    for holder in holders:
-        if not isinstance(holder, dict):
-            continue
-        for key in LAYER_KEYS:  # the first key set wins, as in num_layers
-            if holder.get(key) is not None:
-                return int(holder[key])
-    raise ValueError("config.json has no num_hidden_layers (nor text_config.num_hidden_layers)")
+    count = num_layers(config)
+    if type(count) is not int or count < 1:
+        where = f"{wrapper_key(config)}." if is_wrapped(config) else ""
+        raise ValueError(f"config.json: {where}num_hidden_layers is {count!r}, not a positive integer "
+                         f"(the language model's decoder-layer count)")
+    return count
 
 
-#: The keys a run's summary copies from config.json (and from its ``text_config``).
+#: The keys a run's summary copies from config.json (and from its language model's config).
 SUMMARY_KEYS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "vocab_size",
                 "torch_dtype", "dtype", "num_attention_heads", "num_key_value_heads")
 
@@ -167,7 +171,8 @@ def summary(config: dict) -> dict:
     quantization method (``{"quant_method": "fp8"}``) when the model is quantized."""
     out = {k: config[k] for k in SUMMARY_KEYS if k in config}
     if is_wrapped(config):
-        out["text_config"] = {k: config["text_config"][k] for k in SUMMARY_KEYS if k in config["text_config"]}
+        text = text_config(config)
+        out[wrapper_key(config)] = {k: text[k] for k in SUMMARY_KEYS if k in text}
     if isinstance(config.get("quantization_config"), dict):
         out["quant_method"] = config["quantization_config"].get("quant_method")
     return out

@@ -67,3 +67,47 @@ def test_unreadable_config_is_one_error_with_a_fix(tmp_path, case, content, says
         modelconfig.read(model)
     assert says in refused.value.summary and refused.value.fix
     assert (refused.value.value == [1]) == (case == "a-list")
+
+
+#: a DeepSeek-VL2-style wrapper: the language model under ``language_config``, and a layer
+#: count of the wrapper's own that is not the language model's
+VL2_CONFIG = {
+    "model_type": "deepseek_vl_v2", "architectures": ["DeepseekVLV2ForCausalLM"], "num_hidden_layers": 12,
+    "language_config": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+                        "num_hidden_layers": 30, "hidden_size": 64, "num_attention_heads": 4,
+                        "vocab_size": 512},
+}
+
+
+@pytest.mark.parametrize("engine", ["speculators-0.3", "vllm-server"])
+def test_preflight_default_ids_are_the_runs_for_a_language_config_wrapper(tmp_path, engine):
+    """Preflight (model probe -> layers probe) and the run (the shard probe's and the supervisor's
+    rule) count the language model's 30 layers, never the wrapper's 12."""
+    from remote import layers, shard
+    from remote.probes import Context, layer_ids, model as model_probe
+
+    model = tmp_path / "vl2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(VL2_CONFIG))
+    config = modelconfig.read(model)
+    params = {"model_path": str(model), "engine": engine, "layer_ids": None, "layer_convention": None}
+
+    ctx = Context(params)
+    ctx.model, problems = model_probe.summarize(config)
+    assert problems == [] and ctx.model["config_keys"]["num_layers"] == "language_config.num_hidden_layers"
+    (preflight,) = layer_ids.probe(ctx)
+    assert preflight["status"] == "ok", preflight
+
+    run = shard._stack(params, {})
+    assert run["status"] == "ok", run
+    expected, _ = layers.default_layer_ids(engine, 30)
+    assert ctx.layers["ids"] == run["detail"]["layer_ids"] == expected
+    assert modelconfig.num_layers(config) == modelconfig.decoder_layers(config) == 30
+    assert modelconfig.summary(config)["language_config"]["num_hidden_layers"] == 30
+
+
+def test_run_refuses_a_config_without_a_layer_count():
+    """The run's accessor never answers None: it names the key it looked for."""
+    for config in ({"hidden_size": 8}, {"language_config": {"num_hidden_layers": "8"}}):
+        with pytest.raises(ValueError, match="num_hidden_layers"):
+            modelconfig.decoder_layers(config)

@@ -105,7 +105,7 @@ def summarize(cfg: dict) -> tuple:
                fix="text_config must be the language model's config object; re-download config.json")
     wrapped = modelconfig.is_wrapped(cfg)
     text = modelconfig.text_config(cfg)
-    where = "text_config" if wrapped else ""
+    where = modelconfig.wrapper_key(cfg) or ""
     summary = {
         "model_type": checked(cfg, "model_type", STRING),
         "text_model_type": checked(text, "model_type", STRING, where) if wrapped else None,
@@ -182,7 +182,7 @@ def probe(ctx: Context) -> list:
                       **{k: v for k, v in first.detail().items()})
         return [record("model.config", FAIL, first.summary + more, detail=detail, fix=first.fix)]
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if not summary[k]]
-    where = "text_config" if summary["wrapped_in_text_config"] else "config.json"
+    where = modelconfig.wrapper_key(cfg) or "config.json"
     if missing:
         return [record("model.config", FAIL, f"{where} lacks {', '.join(missing)}", detail=summary,
                        fix="the model dir must hold the language model's HF config; re-download config.json")]
