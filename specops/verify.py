@@ -44,9 +44,12 @@ REFERENCES = ("hf",)
 
 
 def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> dict:
-    return {"run_id": run_id, "work_dir": host.spec.work_dir, "samples": int(samples),
-            "reference": reference, "env": dict(host.spec.env),
-            "trust_remote_code": host.spec.trust_remote_code}
+    params = {"run_id": run_id, "work_dir": host.spec.work_dir, "samples": int(samples),
+              "reference": reference, "env": dict(host.spec.env)}
+    # unset in the inventory: the host falls back to what the run recorded
+    if "trust_remote_code" in host.spec.model_fields_set:
+        params["trust_remote_code"] = host.spec.trust_remote_code
+    return params
 
 
 def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> HostReport:

@@ -534,3 +534,86 @@ def test_smoke_uses_synthetic_samples_without_a_dataset(tmp_path, hostenv_python
     # the twin keeps the target's tokenizer (same files) and is not the target
     assert (twin / "tokenizer.json").read_bytes() == (Path(tiny_models["llama"]) / "tokenizer.json").read_bytes()
     assert twin != Path(tiny_models["llama"])
+
+
+# --------------------------------------------------------------------------- verify and remote code
+
+#: A model that loads only as remote code: the tiny Llama under a model_type transformers
+#: does not know, its config and model classes in files beside config.json (as a real
+#: remote-code checkpoint ships them).
+REMOTE_CODE_FILES = {
+    "configuration_specops_llama.py": (
+        "from transformers import LlamaConfig\n\n\n"
+        "class SpecopsLlamaConfig(LlamaConfig):\n    model_type = \"specops_llama\"\n"),
+    "modeling_specops_llama.py": (
+        "from transformers import LlamaForCausalLM\n\n"
+        "from .configuration_specops_llama import SpecopsLlamaConfig\n\n\n"
+        "class SpecopsLlamaForCausalLM(LlamaForCausalLM):\n    config_class = SpecopsLlamaConfig\n"),
+}
+
+#: A finished fp32 run of that model, its states from transformers' own
+#: ``output_hidden_states`` (not from verify's code), the run's ``trust_remote_code`` true.
+#: argv: model, run dir.
+REMOTE_CODE_RUN = r"""
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM
+from remote import samples
+
+model_path, run_dir = sys.argv[1], Path(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=torch.float32).eval()
+ids = [(7 * t) % 500 + 3 for t in range(40)]
+layer_ids = [2, 4, 5]
+with torch.inference_mode():
+    hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False).hidden_states
+out = run_dir / "samples"
+out.mkdir(parents=True)
+path = samples.save_sample(out, 0, torch.tensor(ids), [hidden[i + 1][0] for i in layer_ids],
+                           torch.ones(len(ids), dtype=torch.long))
+manifest = {"layer_ids": layer_ids, "layer_convention": "output", "model": {"path": model_path},
+            "params": {"trust_remote_code": True}, "engine": {"name": "transformers float32"},
+            "files": [{"path": path.name, "sha256": samples.sha256_file(path), "tokens": len(ids)}]}
+(run_dir / "manifest.json").write_text(json.dumps(manifest))
+(run_dir / "status.json").write_text(json.dumps({"state": "done", "output_dir": str(out)}))
+print(json.dumps({"class": type(model).__name__}))
+"""
+
+
+def test_verify_trusts_remote_code_as_the_run_did_unless_the_inventory_says(tmp_path, testhost, hostenv_python,
+                                                                           tiny_models):
+    """A run made with ``trust_remote_code: true`` is verified with it when the inventory is
+    silent; an inventory that sets it explicitly still decides."""
+    model = tmp_path / "specops_llama"
+    shutil.copytree(tiny_models["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="specops_llama", architectures=["SpecopsLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_specops_llama.SpecopsLlamaConfig",
+                            "AutoModelForCausalLM": "modeling_specops_llama.SpecopsLlamaForCausalLM"})
+    (model / "config.json").write_text(json.dumps(config))
+    for name, text in REMOTE_CODE_FILES.items():
+        (model / name).write_text(text)
+    modules = {"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}
+    proc = subprocess.run([str(hostenv_python), "-c", REMOTE_CODE_RUN, str(model), str(tmp_path / "work" / "runs" / "rc")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **OFFLINE, **modules, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["class"] == "SpecopsLlamaForCausalLM"
+
+    def verify_with(**fields):
+        inv = load_inventory(write_inventory(
+            tmp_path / f"inventory-{time.monotonic_ns()}.yaml", testhost, python=str(hostenv_python),
+            model_path=str(model), work_dir=str(tmp_path / "work"), output_dir=str(tmp_path / "out"),
+            env={**OFFLINE, **modules}, **fields))
+        with Host(inv.hosts["th"], inv) as host:
+            return verify_step(host, "rc", samples=1)
+
+    report = verify_with()  # the inventory says nothing: the run's own choice
+    recs = by_name(report)
+    assert not report.failed, [(r.name, r.status, r.summary) for r in report.records if r.status != "ok"]
+    assert "AutoModelForCausalLM" in recs["verify.reference"].summary
+    assert [recs[f"verify.layer.{lid}"].detail["nrmse"] < 1e-5 for lid in (2, 4, 5)] == [True] * 3
+
+    refused = verify_with(trust_remote_code=False)  # said explicitly: the inventory wins
+    assert refused.failed
+    assert "trust_remote_code" in json.dumps([(r.summary, r.detail) for r in refused.records if r.status == "fail"])
