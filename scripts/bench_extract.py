@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 
 from specops import jobs
-from specops.host import Host, current_bundle, shell_word
+from specops.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.patch import patch_step
+from specops.remote_task import current_bundle, shell_word
 
 INVENTORY = Path(__file__).resolve().parents[1] / "inventory.yaml"
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import specops.host
+import specops.remote_task
 from specops.errors import InventoryError, PythonTooOldError
 from specops.exit_codes import ExitCode
 from specops.facts import facts
@@ -153,7 +154,7 @@ def test_preamble_parses_on_old_pythons():
 def test_python_too_old_says_found_and_needed(make_inventory, monkeypatch, tmp_path, delivery, hostenv_python):
     found = subprocess.run([str(hostenv_python), "-c", "import platform; print(platform.python_version())"],
                            capture_output=True, text=True, check=True).stdout.strip()
-    monkeypatch.setattr(specops.host, "PYTHON_MIN_OVERRIDE", (3, 99))
+    monkeypatch.setattr(specops.remote_task, "PYTHON_MIN_OVERRIDE", (3, 99))
     inv = load_inventory(make_inventory(delivery=delivery, work_dir=str(tmp_path / "fresh")))
     with pytest.raises(PythonTooOldError) as err:
         with specops.host.Host(inv.hosts["th"], inv) as host:

@@ -3,7 +3,7 @@
 The controller loads that very file on the laptop (``specops.assets.remote_protocol``),
 so it must import nothing but the standard library and change nothing when loaded; the
 entry template gets the values from it when rendered. These tests run the real rendered
-entry script and the real parser in ``specops/host.py``.
+entry script and the real parser in ``specops/remote_task.py``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from specops.assets import remote_protocol
-from specops.host import Host, StdinResult
+from specops.remote_task import StdinResult, needs_bundle
 from specops.render import render_entry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,8 @@ from specops.assets import remote_protocol
 protocol = remote_protocol()
 after = (list(sys.path), dict(os.environ), set(sys.modules))
 print(json.dumps({"path_same": before[0] == after[0], "env_same": before[1] == after[1],
-                  "new_remote": sorted(m for m in after[2] - before[2] if "remote" in m),
+                  "new_remote": sorted(m for m in after[2] - before[2]
+                                     if m.split(".")[0] == "remote" or "_remote_protocol" in m),
                   "file": protocol.__file__, "codes": [protocol.NEED_BUNDLE_EXIT, protocol.ENTRY_ERROR_EXIT]}))
 """
 
@@ -42,7 +43,7 @@ def test_protocol_loads_on_the_laptop_without_side_effects(tmp_path):
 
 
 def test_rendered_entry_takes_markers_from_protocol_and_host_reads_them(tmp_path):
-    """The rendered script, run for real without its bundle, asks for it the way host.py expects."""
+    """The rendered script, run for real without its bundle, asks for it the way remote_task.py expects."""
     protocol = remote_protocol()
     script = render_entry("facts", {"_bundle_dir": str(tmp_path / "bundles" / "0123456789abcdef0123")})
     for marker in (protocol.NEED_BUNDLE_MARKER, protocol.ENTRY_ERROR_MARKER):
@@ -50,8 +51,8 @@ def test_rendered_entry_takes_markers_from_protocol_and_host_reads_them(tmp_path
     (tmp_path / "bundles").mkdir()
     proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
     assert proc.returncode == protocol.NEED_BUNDLE_EXIT, proc.stdout + proc.stderr
-    assert Host._needs_bundle(StdinResult(proc.stdout, proc.stderr, proc.returncode))
-    # a python too old ends in the entry-error marker that host.py turns into one error
+    assert needs_bundle(StdinResult(proc.stdout, proc.stderr, proc.returncode))
+    # a python too old ends in the entry-error marker that remote_task.py turns into one error
     old = render_entry("facts", {"_bundle_dir": str(tmp_path / "bundles" / "x"), "_python_min": [99, 0]})
     proc = subprocess.run([sys.executable, "-"], input=old, capture_output=True, text=True, timeout=60)
     assert proc.returncode == protocol.ENTRY_ERROR_EXIT

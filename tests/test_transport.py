@@ -12,8 +12,9 @@ from specops.bundle import build_bundle
 from specops.errors import HostKeyError, UnreachableError
 from specops.exit_codes import ExitCode
 from specops.facts import facts
-from specops.host import Host, current_bundle
+from specops.host import Host
 from specops.inventory import load_inventory
+from specops.remote_task import current_bundle
 from specops.render import render_entry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
