@@ -180,7 +180,7 @@ def method_record(index: PackageIndex, params: dict):
                    f"speculative method {METHOD} ({detail['proposer']}), reads {AUX_IDS_KEY}, takes "
                    f"{', '.join(sorted(passed))}", detail,
                    "install a vLLM >= 0.17 whose extract_hidden_states takes these keys, or update "
-                   "remote/engines/vllm_server.py's speculative_config to this vLLM")
+                   "remote/engines/vllm_server/command.py's speculative_config to this vLLM")
 
 
 # ---------------------------------------------------------------------------- the connector
@@ -366,8 +366,8 @@ def server_args_record(index: PackageIndex, params: dict):
     note = " (deprecated there, still runs)" if detail.get("deprecated") else ""
     return _record("drift.server-args", problems, f"`python -m {module}`{note} takes all {len(fields)} flags "
                    f"the engine passes", detail,
-                   "update remote/engines/vllm_server.py's server_command (or server_args) to this vLLM's flags, "
-                   "or install the vLLM it was written for")
+                   "update remote/engines/vllm_server/command.py's server_command (or server_args) to this "
+                   "vLLM's flags, or install the vLLM it was written for")
 
 
 # ---------------------------------------------------------------------------- entry

@@ -83,7 +83,7 @@ def _plain_aware_command(*args, **kwargs):
     return out
 
 
-vs.server_command = _plain_aware_command
+vs.process.server_command = _plain_aware_command  # where VllmServer.start looks it up
 
 
 class Timers:
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
     timers = Timers()
     for owner, name, label in ((vs.VllmServerEngine, "_request", "request"),
                                (hs_samples, "digest_hs_file", "digest"),
-                               (vs, "move_into_place", "rename")):
+                               (vs.landing, "move_into_place", "rename")):
         timers.wrap(owner, name, label)
 
     t0 = time.perf_counter()

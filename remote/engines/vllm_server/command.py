@@ -1,0 +1,161 @@
+"""The server's command line and environment (pure: no process, no import of vLLM).
+
+:func:`server_command` is the argv that starts vLLM's OpenAI server with hidden-state
+extraction (loopback, a free port, chunked prefill and prefix caching off),
+:func:`server_env` the environment every server process inherits: this server's
+marker (how :func:`~remote.engines.vllm_server.process.leftover_pids` finds them),
+faulthandler, and on a CPU host a core slice per rank and the AMX hook
+(:func:`remote.cpu.amx_env`). :mod:`remote.drift.server` checks both against the
+installed vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from remote import cpu
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOOPBACK = "127.0.0.1"
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+#: the test host's CPU connector: module and class vLLM loads by name (the test host's
+#: overlay env writes the module under exactly this name).
+CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
+CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
+#: set in the server's environment; every process vLLM starts inherits it, which is how
+#: :func:`leftover_pids` finds them even when one left the process group.
+MARKER_ENV = "SPECOPS_VLLM_SERVER_ID"
+SERVED_MODEL_NAME = "specops-target"
+#: tokens per scheduler step at least (vLLM's own choice for the extraction method)
+MIN_BATCHED_TOKENS = 2048
+
+
+def speculative_config(layer_ids) -> dict:
+    """``--speculative-config`` for hidden-state extraction of ``layer_ids`` (input convention)."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+
+
+def kv_transfer_config(storage_dir, connector: tuple[str, str | None]) -> dict:
+    """``--kv-transfer-config`` that stores every request's states under ``storage_dir``.
+
+    :param connector: ``(class name, module path or None for one vLLM registers itself)``.
+    """
+    name, module_path = connector
+    config = {"kv_connector": name, "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
+    if module_path:
+        config["kv_connector_module_path"] = module_path
+    return config
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False where torch is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pick_connector(params: dict) -> tuple[str, str | None]:
+    """The hidden-states connector for this host: ``(class name, module path or None)``.
+
+    ``params["kv_connector"]`` (``"Class"`` or ``"module:Class"``) wins. Otherwise the
+    stock connector, except where the CPU connector module is installed and torch sees
+    no CUDA device (the test host): there the stock one cannot copy.
+    """
+    explicit = params.get("kv_connector")
+    if explicit:
+        module_path, _, name = str(explicit).rpartition(":")
+        return name, module_path or None
+    import importlib.util
+
+    if importlib.util.find_spec(CPU_CONNECTOR_MODULE) is not None and not cuda_available():
+        return CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE
+    return STOCK_CONNECTOR, None
+
+
+def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage_dir,
+                   connector: tuple[str, str | None], max_model_len: int, params: dict) -> list[str]:
+    """The argv that starts the server (pure: no process, no import of vLLM).
+
+    ``params`` may set ``enforce_eager`` (no torch.compile: the CPU start drops from
+    minutes to seconds), ``dtype``, ``gpu_memory_utilization``, ``max_num_seqs``,
+    ``max_num_batched_tokens`` (default: 2048 or one ``max_model_len``, whichever is
+    larger), ``trust_remote_code`` and ``server_args`` (a list appended as is).
+    """
+    argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_path),
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", LOOPBACK, "--port", str(int(port)),
+            "--tensor-parallel-size", str(int(tp)),
+            "--max-model-len", str(int(max_model_len)),
+            "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+            "--dtype", str(params.get("dtype") or "auto")]
+    if not params.get("plain"):  # plain: the same server without extraction (the benchmark's baseline)
+        argv[-2:-2] = ["--speculative-config", json.dumps(speculative_config(layer_ids)),
+                       "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir, connector))]
+    if params.get("enforce_eager"):
+        argv.append("--enforce-eager")
+    if params.get("trust_remote_code"):
+        argv.append("--trust-remote-code")
+    if params.get("language_model_only"):
+        # hidden states of the text model only: no media processor, no multimodal profiling run
+        argv.append("--language-model-only")
+    if params.get("gpu_memory_utilization"):
+        argv += ["--gpu-memory-utilization", str(float(params["gpu_memory_utilization"]))]
+    if params.get("max_num_seqs"):
+        argv += ["--max-num-seqs", str(int(params["max_num_seqs"]))]
+    extra = [str(a) for a in params.get("server_args") or []]
+    if not any(a.startswith("--max-num-batched-tokens") for a in extra):
+        # Several prompts per step. Without chunked prefill vLLM's default budget is one
+        # max_model_len per step (one prompt at a time); with extraction it raises it to
+        # 2048 on its own, so a plain server needs the same flag to be comparable.
+        budget = int(params.get("max_num_batched_tokens") or max(MIN_BATCHED_TOKENS, int(max_model_len)))
+        argv += ["--max-num-batched-tokens", str(budget)]
+    if params.get("device") == "cpu" and not any(a.startswith("--compilation-config") for a in extra):
+        # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
+        # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
+        argv += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    return argv + extra
+
+
+def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
+    """The server's environment: ``base`` plus the marker and, on a CPU host, sane defaults.
+
+    On CPU, vLLM's automatic thread binding wants one NUMA node per rank ("Not enough
+    allowed NUMA nodes" on a one-node host at TP=2) and keeps a varying number of cores
+    for its front end, so unless the host's env says otherwise each rank gets its own
+    slice of this process's allowed cores (all of them at TP=1), and as many
+    torch threads as its slice has cores; the KV cache gets 1 GiB, plenty for extraction
+    (one prefill per request, no decoding).
+    """
+    env = dict(base)
+    env[MARKER_ENV] = marker
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # every server process (API server, engine core, workers) dumps its stacks on a fatal
+    # signal: vLLM's own "died unexpectedly (exit code: None)" often cannot say which one
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    if on_cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = max(1, len(cores) // tp)
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # Explicit at TP=1 too: vLLM's "auto" keeps cores back for its front end, but how
+            # many depends on the config (2 cores: a plain server ran its model on one, the
+            # same server with extraction on both), which made the two incomparable.
+            slices = [cores[r * per_rank:(r + 1) * per_rank] or cores[-1:] for r in range(tp)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in slices)
+        # and as many torch threads (vLLM cuts them to 1 "for serving" on some start paths)
+        env.setdefault("OMP_NUM_THREADS", str(per_rank))
+        # on an AMX CPU every rank must ask Linux for AMX tile state itself (remote/cpu.py)
+        env = cpu.amx_env(env)
+    return env
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nobody listens on right now (the server may still lose a race for it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,133 @@
+"""Landing the connector's files: wait for a file to be complete, check and digest it, rename it.
+
+The connector writes each request's states into the server's storage dir with a
+``.lock`` held until the file is whole (:func:`wait_for_file`). :func:`land_sample`
+then reads it once (memory-mapped) for the checks, the sha256 and the per-layer
+statistics, and renames it into the output as ``hs_<index>.safetensors``; the digest
+travels in the sample's record to the manifest, so the run never reads the file again.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+from remote import fsutil, samples
+
+#: the output file of sample ``i``, the name speculators' offline data loader reads.
+SAMPLE_FILE = "hs_{index}.safetensors"
+
+
+class SampleRejected(RuntimeError):
+    """A sample's states came back, but wrong (ids, shape, NaN/Inf): never written to the output."""
+
+    def __init__(self, index: int, problems: list[str]):
+        self.index, self.problems = index, list(problems)
+        super().__init__(f"sample {index}: " + "; ".join(problems))
+
+
+def sample_problems(data: dict, token_ids, num_layers: int, hidden_size: int | None) -> list[str]:
+    """Every reason a returned sample is not ``token_ids`` x ``num_layers`` x hidden, finite."""
+    import torch
+
+    problems = []
+    missing = {"token_ids", "hidden_states"} - set(data)
+    if missing:
+        return [f"file lacks {sorted(missing)} (has {sorted(data)})"]
+    got_ids = data["token_ids"]
+    if got_ids.dtype != torch.int64 or got_ids.dim() != 1:
+        problems.append(f"token_ids is {got_ids.dtype} {list(got_ids.shape)}, expected int64 [T]")
+    if got_ids.tolist() != list(token_ids):
+        problems.append(f"token_ids do not echo the request ({got_ids.numel()} ids back, "
+                        f"{len(token_ids)} sent)")
+    states = data["hidden_states"]
+    want = [len(token_ids), num_layers, hidden_size if hidden_size else "H"]
+    if states.dim() != 3 or list(states.shape[:2]) != want[:2] or (
+            hidden_size and states.shape[2] != hidden_size):
+        problems.append(f"hidden_states shape {list(states.shape)}, expected {want} [T, L, H]")
+    elif not bool(torch.isfinite(states).all()):
+        bad = int((~torch.isfinite(states)).sum())
+        problems.append(f"hidden_states has {bad} NaN/Inf values")
+    return problems
+
+
+def wait_for_file(path: str, timeout: float) -> None:
+    """Wait until the connector's writer released ``path + ".lock"``; then remove the lock."""
+    lock_path = path + ".lock"
+    deadline = time.monotonic() + timeout
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None  # written already, or the connector runs without locks
+    if fd is not None:
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{path} still being written after {timeout:.0f} s")
+                    time.sleep(0.01)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(lock_path)
+        except FileNotFoundError:
+            pass
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the server named {path} but never wrote it")
+
+
+def move_into_place(src, dest) -> None:
+    """Put the finished file ``src`` at ``dest`` atomically (a rename; a copy across filesystems).
+
+    No fsync per file: at tens of MB per sample one fsync each costs more than the
+    extraction (on the H200 it capped a run at a quarter of prefill speed). The run
+    syncs the output filesystem once per chunk instead (:func:`remote.fsutil.sync_filesystem`),
+    and a file a power loss cut short is not counted as done on resume
+    (:func:`remote.samples.present_indices` checks each file's size against its header).
+    """
+    try:
+        os.replace(src, dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        with open(src, "rb") as source, fsutil.atomic_open(dest, mode=0o644) as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+        os.unlink(src)
+
+
+def default_digest_workers() -> int:
+    """Files digested at once by default: half the host's cores, at least 4 (the server needs the rest)."""
+    return max(4, (os.cpu_count() or 1) // 2)
+
+
+def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_layer_ids,
+                hidden_size: int | None) -> dict:
+    """Check the file the server wrote, digest it and rename it into ``out_dir``; its record.
+
+    One read of the file (memory-mapped) gives the checks (structure, ids echo,
+    ``[T, L, H]``, no NaN/Inf), the sha256 and the per-layer statistics the
+    manifest and summary need, so the run never reads it again.
+
+    :param layer_ids: the run's ids, in the order the records list them;
+        ``file_layer_ids``: the same ids in the order of the file's layer axis.
+    :raises SampleRejected: the file is wrong; it is deleted, never landed.
+    """
+    try:
+        digest = samples.digest_hs_file(path, layer_ids, file_layer_ids, token_ids=token_ids,
+                                        hidden_size=hidden_size)
+        if digest["problems"]:
+            raise SampleRejected(index, digest["problems"])
+    except BaseException:
+        os.unlink(path)  # a rejected file never reaches the output
+        raise
+    dest = Path(out_dir) / SAMPLE_FILE.format(index=index)
+    move_into_place(path, dest)
+    shape = digest["tensors"]["hidden_states"]
+    return {"index": index, "file": dest.name, "tokens": len(token_ids), "shape": shape["shape"],
+            "dtype": shape["dtype"], "bytes": digest["bytes"], "digest": digest}
