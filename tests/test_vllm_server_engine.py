@@ -307,6 +307,101 @@ def test_log_failure_names_the_worker_rank_before_the_engine_core_reraise():
     assert vllm_server.log_failure("INFO all fine\n") is None
 
 
+def test_the_package_runs_as_a_program():
+    """``python -m remote.engines.vllm_server`` (the GPU rounds, the module fixture) reaches the CLI."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "remote.engines.vllm_server", "--help"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m remote.engines.vllm_server") and "--samples" in out.stdout
+
+
+def test_wait_for_file_waits_for_the_writers_lock_then_removes_it(tmp_path):
+    """The connector holds ``<file>.lock`` while it writes: the file is taken only after it lets go."""
+    import fcntl
+    import threading
+    import time
+
+    from remote.engines.vllm_server import landing
+
+    path = tmp_path / "hs.safetensors"
+    lock = open(f"{path}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    released = []
+
+    def writer():
+        time.sleep(0.5)
+        path.write_bytes(b"states")
+        released.append(time.monotonic())
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    landing.wait_for_file(str(path), timeout=30)
+    returned = time.monotonic()
+    thread.join()
+    assert released and returned >= released[0] and path.read_bytes() == b"states"
+    assert not Path(f"{path}.lock").exists()
+    # a writer that never lets go times out; a file the server named but never wrote is an error
+    held = open(tmp_path / "slow.lock", "w")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    with pytest.raises(TimeoutError, match="still being written"):
+        landing.wait_for_file(str(tmp_path / "slow"), timeout=0.3)
+    held.close()
+    with pytest.raises(FileNotFoundError, match="never wrote it"):
+        landing.wait_for_file(str(tmp_path / "missing"), timeout=1)
+
+
+LAND = r"""
+import json, os, sys
+import torch
+from safetensors.torch import save_file
+from remote.engines.vllm_server import landing
+
+work, out = sys.argv[1], sys.argv[2]
+ids = [5, 9, 11]
+
+def written(name, states, token_ids):
+    path = os.path.join(work, name)
+    save_file({"token_ids": torch.tensor(token_ids, dtype=torch.int64), "hidden_states": states}, path)
+    return path
+
+torch.manual_seed(0)
+report = {}
+cases = {"good": written("a", torch.randn(3, 2, 8).to(torch.bfloat16), ids),
+         "nan": written("b", torch.full((3, 2, 8), float("nan")).to(torch.bfloat16), ids),
+         "ids": written("c", torch.randn(3, 2, 8).to(torch.bfloat16), [5, 9, 12]),
+         "shape": written("d", torch.randn(3, 2, 4).to(torch.bfloat16), ids)}
+for index, (name, path) in enumerate(cases.items()):
+    try:
+        record = landing.land_sample(index, ids, path, out, layer_ids=[4, 2], file_layer_ids=[2, 4], hidden_size=8)
+        report[name] = {k: record[k] for k in ("index", "file", "tokens", "shape", "dtype", "bytes")}
+        report[name]["layers"] = len(record["digest"]["layers"])
+    except landing.SampleRejected as exc:
+        report[name] = {"rejected": exc.index, "problems": exc.problems}
+report["work_left"] = sorted(os.listdir(work))
+report["out"] = sorted(os.listdir(out))
+print(json.dumps(report))
+"""
+
+
+def test_a_landed_sample_is_checked_and_renamed_and_a_rejected_one_is_deleted(modern_hostenv_python, tmp_path):
+    """``land_sample``: one good file lands as ``hs_<i>.safetensors``; NaN, other ids, a wrong width never do."""
+    work, out = tmp_path / "storage", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    report = json.loads(run_python(modern_hostenv_python, LAND, work, out).stdout.strip().splitlines()[-1])
+    good = report["good"]
+    assert good == {"index": 0, "file": "hs_0.safetensors", "tokens": 3, "shape": [3, 2, 8], "dtype": "bfloat16",
+                    "bytes": (out / "hs_0.safetensors").stat().st_size, "layers": 2}
+    assert report["nan"]["rejected"] == 1 and "NaN" in report["nan"]["problems"][0]
+    assert report["ids"]["rejected"] == 2 and "do not echo" in report["ids"]["problems"][0]
+    assert report["shape"]["rejected"] == 3 and "[3, 2, 8]" in report["shape"]["problems"][0]
+    assert report["work_left"] == [] and report["out"] == ["hs_0.safetensors"]
+
+
 # ---------------------------------------------------------------------------- the real server
 
 

@@ -24,7 +24,7 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
 CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 #: set in the server's environment; every process vLLM starts inherits it, which is how
-#: :func:`leftover_pids` finds them even when one left the process group.
+#: :func:`~.process.leftover_pids` finds them even when one left the process group.
 MARKER_ENV = "SPECOPS_VLLM_SERVER_ID"
 SERVED_MODEL_NAME = "specops-target"
 #: tokens per scheduler step at least (vLLM's own choice for the extraction method)

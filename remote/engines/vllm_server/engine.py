@@ -24,11 +24,11 @@ from .process import VllmServer
 
 
 class VllmServerEngine(Engine):
-    """The supervisor's plug for :class:`VllmServer` (see the package docstring).
+    """The supervisor's plug for :class:`~.process.VllmServer` (see the package docstring).
 
     ``params``: ``work_dir`` (run-scoped; default a fresh dir under the system temp
     dir), ``device``, ``seq_len``, ``concurrency`` (requests in flight, default 8),
-    ``ready_timeout_s``, ``request_timeout_s``, plus what :func:`server_command` reads.
+    ``ready_timeout_s``, ``request_timeout_s``, plus what :func:`~.command.server_command` reads.
     """
 
     name = "vllm-server"
@@ -122,7 +122,7 @@ class VllmServerEngine(Engine):
         starve the server's own processes).
 
         :returns: the records in index order.
-        :raises SampleRejected: for the first bad sample; :class:`ServerFailed` when the
+        :raises SampleRejected: for the first bad sample; :class:`~.logs.ServerFailed` when the
             server died (its log's exception named). Samples in flight are abandoned.
         """
         out_dir = Path(out_dir)

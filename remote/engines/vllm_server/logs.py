@@ -138,7 +138,7 @@ def log_death(text: str) -> dict | None:
     vLLM reads it the moment the worker's pipe closes, often before the worker can be
     reaped (``exit code: None``) -- so the signal also comes from faulthandler's dump
     just before it (``PYTHONFAULTHANDLER`` is on in every server process: see
-    :func:`server_env`), which is kept as ``fatal``. A worker gone with neither leaves
+    :func:`~.command.server_env`), which is kept as ``fatal``. A worker gone with neither leaves
     ``exit_code`` None (SIGKILL cannot be caught). The API server logs only "engine core
     exited unexpectedly" for a dead engine core (it is not our child); that is returned
     as ``EngineCore`` when no worker death is logged. None when the log shows no death.
