@@ -16,7 +16,7 @@ left behind:
 
 A second, cheap server start (truncated weights: it dies while loading) proves the
 readiness wait fails early and names the exception from the server's log.
-The rest needs no server: the command line, the log parser, the env pins.
+The rest needs no server: the command line, the log parser, the env pins, landing a file.
 """
 from __future__ import annotations
 
