@@ -398,7 +398,9 @@ def test_twin_for_cuda_keeps_the_targets_mla_head_dims():
     assert {k: built[k] for k in tinymodel.MLA_HEAD_DIM_KEYS} == {k: cuda[k] for k in tinymodel.MLA_HEAD_DIM_KEYS}
     assert json.loads((twin_dir / "twin.json").read_text())["notes"][0] == notes[0]
     # the hash changes only where the twin does
-    llama = tinymodel.reference_configs()["llama"]
+    from specops.testhost.reference_models import reference_configs
+
+    llama = reference_configs()["llama"]
     assert smoke.twin_config(llama, 8, "cuda") == smoke.twin_config(llama, 8, "cpu")
     assert smoke.keeps_mla_head_dims(target, "cuda") and not smoke.keeps_mla_head_dims(target, "cpu")
     assert not smoke.keeps_mla_head_dims(llama, "cuda") and not smoke.keeps_mla_head_dims(target, None)

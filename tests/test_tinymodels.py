@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from remote import tinymodel  # noqa: E402  (stdlib-only at import, like all of remote/)
+from specops.testhost import reference_models  # noqa: E402  (the same)
 
 MODELS = ("llama", "deepseek_v3", "kimi_k25")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -55,33 +56,33 @@ def safetensors_header(path: Path) -> dict:
 # ------------------------------------------------------------------ shrink_config (no torch)
 
 def test_shrink_keeps_family_keys_and_wrapping():
-    tiny = tinymodel.shrink_config(tinymodel.KIMI_K25_LIKE)
+    tiny = tinymodel.shrink_config(reference_models.KIMI_K25_LIKE)
     assert tiny["model_type"] == "kimi_k25"
     assert tiny["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert "num_hidden_layers" not in tiny, "the wrapper must stay a wrapper"
     text = tiny["text_config"]
     assert text["num_hidden_layers"] == 8 and text["hidden_size"] == 256
     assert text["scoring_func"] == "sigmoid" and text["topk_method"] == "noaux_tc"
-    assert text["vocab_size"] == tinymodel.KIMI_K25_LIKE["text_config"]["vocab_size"]
+    assert text["vocab_size"] == reference_models.KIMI_K25_LIKE["text_config"]["vocab_size"]
     assert tiny["vision_config"]["hidden_size"] == 64
     # MLA with VLLM_MLA_DISABLE=1 runs plain attention of head size nope + rope.
     assert text["qk_nope_head_dim"] + text["qk_rope_head_dim"] == 64
 
 
 def test_shrink_keeps_routing_consistent():
-    for real in (tinymodel.DEEPSEEK_V3_LIKE, tinymodel.KIMI_K25_LIKE["text_config"]):
+    for real in (reference_models.DEEPSEEK_V3_LIKE, reference_models.KIMI_K25_LIKE["text_config"]):
         tiny = tinymodel.shrink_config(real, num_layers=10)
         experts, groups = tiny["n_routed_experts"], tiny["n_group"]
         assert experts == 8 and experts % groups == 0
         assert tiny["topk_group"] <= groups
         assert tiny["num_experts_per_tok"] <= tiny["topk_group"] * experts // groups
         assert tiny["first_k_dense_replace"] < tiny["num_hidden_layers"] == 10
-    assert tinymodel.shrink_config(tinymodel.DEEPSEEK_V3_LIKE)["llama_4_scaling"] == \
-        tinymodel.DEEPSEEK_V3_LIKE["llama_4_scaling"]
+    assert tinymodel.shrink_config(reference_models.DEEPSEEK_V3_LIKE)["llama_4_scaling"] == \
+        reference_models.DEEPSEEK_V3_LIKE["llama_4_scaling"]
 
 
 def test_shrink_keeps_gqa_and_drops_quantization():
-    real = dict(tinymodel.LLAMA_LIKE, quantization_config={"quant_method": "fp8"})
+    real = dict(reference_models.LLAMA_LIKE, quantization_config={"quant_method": "fp8"})
     tiny = tinymodel.shrink_config(real, vocab_size=1000)
     assert "quantization_config" not in tiny  # random bf16 weights are not quantized
     assert (tiny["num_attention_heads"], tiny["num_key_value_heads"], tiny["head_dim"]) == (4, 2, 64)
@@ -91,7 +92,7 @@ def test_shrink_keeps_gqa_and_drops_quantization():
 
 def test_shrink_refuses_colliding_layer_count():
     with pytest.raises(ValueError, match="at least 8"):
-        tinymodel.shrink_config(tinymodel.LLAMA_LIKE, num_layers=6)
+        tinymodel.shrink_config(reference_models.LLAMA_LIKE, num_layers=6)
 
 
 # ------------------------------------------------------------------ files on disk
@@ -161,7 +162,7 @@ def test_twin_of_a_checkpoint_dir(hostenv_python, tiny_models, tmp_path):
     """``--twin-of``: a real checkpoint's config shrunk, its tokenizer and remote code copied."""
     real = tmp_path / "real"
     real.mkdir()
-    (real / "config.json").write_text(json.dumps(dict(tinymodel.LLAMA_LIKE, vocab_size=512,
+    (real / "config.json").write_text(json.dumps(dict(reference_models.LLAMA_LIKE, vocab_size=512,
                                                       num_hidden_layers=40)))
     for path in tiny_models["llama"].glob("tokenizer*"):
         (real / path.name).write_bytes(path.read_bytes())
@@ -355,7 +356,7 @@ def chat_prompt(dataset: Path) -> str:
 def assert_generated(result: dict) -> None:
     assert len(result["tokens"]) == 4
     assert all(0 <= t < tinymodel.REFERENCE_VOCAB for t in result["tokens"])
-    assert result["prompt_ids"][0] == tinymodel._token_ids()["bos_token_id"]
+    assert result["prompt_ids"][0] == reference_models.token_ids()["bos_token_id"]
 
 
 # One load per path: Llama in-process (TP=1), DeepSeek-V3 over worker processes (TP=2);

@@ -4,7 +4,7 @@
     python3 scripts/gpu/models.py --out /tmp/gpu-models [--only llama,llama_wide,deepseek_v3]
 
 Writes (each a real checkpoint dir: sharded bf16 safetensors + index, config.json, the
-reference tokenizer of ``remote.tinymodel``):
+reference tokenizer of ``specops/testhost/reference_models.py``):
 
 * ``llama/``: the test host's tiny Llama (hidden 256, 8 layers), same config as on CPU;
 * ``llama_wide/``: a Llama of real width (hidden 4096, 32/8 heads, head_dim 128,
@@ -35,15 +35,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from remote import tinymodel  # noqa: E402
+from specops.testhost import reference_models  # noqa: E402
 
 VOCAB = tinymodel.REFERENCE_VOCAB
 
 
 def configs() -> dict:
-    ids = tinymodel._token_ids()
-    ref = tinymodel.reference_configs()
-    wide = dict(tinymodel.LLAMA_LIKE, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
-    ds = copy.deepcopy(tinymodel.DEEPSEEK_V3_LIKE)
+    ids = reference_models.token_ids()
+    ref = reference_models.reference_configs()
+    wide = dict(reference_models.LLAMA_LIKE, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
+    ds = copy.deepcopy(reference_models.DEEPSEEK_V3_LIKE)
     ds.pop("llama_4_scaling")
     ds.update(hidden_size=2048, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=16, n_routed_experts=16, num_experts_per_tok=4,
@@ -53,7 +54,7 @@ def configs() -> dict:
     # the same MLA attention with every layer dense: isolates MLA from MoE routing in comparisons
     dense = dict(ds, first_k_dense_replace=ds["num_hidden_layers"])
     # CPU benchmarks (scripts/bench_modern.py): wide enough that prefill is compute, small enough for 2 cores
-    mid = dict(tinymodel.LLAMA_LIKE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+    mid = dict(reference_models.LLAMA_LIKE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
                num_key_value_heads=8, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
     return {"llama": ref["llama"], "llama_wide": wide, "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid}
 
@@ -78,7 +79,7 @@ def build_saved(config: dict, out_dir: Path, seed: int = 0) -> Path:
     written = json.loads((out_dir / "config.json").read_text())
     written.update({k: v for k, v in config.items() if k not in written})  # family keys survive
     (out_dir / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    tinymodel.reference_tokenizer().save_pretrained(str(out_dir), save_jinja_files=False)
+    reference_models.reference_tokenizer().save_pretrained(str(out_dir), save_jinja_files=False)
     return out_dir
 
 

@@ -1,9 +1,10 @@
 """The test host's tiny models and chat dataset, built once and cached (controller side).
 
-``remote/tinymodel.py`` does the building inside the host env's python (it needs
-torch and transformers, which the controller does not have). The result is cached
-under ``<cache_root>/models/<hash>`` where the hash covers the builder's own bytes
-and the python version, so changing the builder rebuilds and nothing else does.
+``reference_models.py`` (beside this file, with ``remote/tinymodel.py``'s twin machinery)
+does the building inside the host env's python (it needs torch and transformers, which
+the controller does not have). The result is cached under ``<cache_root>/models/<hash>``
+where the hash covers both builders' bytes and the python version, so changing a
+builder rebuilds and nothing else does.
 
 Run it directly: ``python -m specops.testhost.models`` prints the paths as JSON.
 """
@@ -26,6 +27,12 @@ from specops.testhost.hostenv import cache_root
 LAYOUT = {"llama": "llama", "deepseek_v3": "deepseek_v3", "kimi_k25": "kimi_k25",
           "dataset": "chat.jsonl"}
 COMPLETE_MARKER = ".specops-complete"
+#: the reference set's builder; it runs by path in the host env, with ``remote/`` on its path.
+REFERENCE_BUILDER = Path(__file__).resolve().parent / "reference_models.py"
+#: runs REFERENCE_BUILDER as ``__main__`` without putting its folder first on ``sys.path``
+#: (``python FILE`` would, and this package's module names would shadow installed ones).
+_RUN_BY_PATH = ("import runpy, sys; path = sys.argv.pop(1); sys.argv[0] = path; "
+                "runpy.run_path(path, run_name='__main__')")
 
 
 def models_hash(python: Path) -> str:
@@ -34,6 +41,7 @@ def models_hash(python: Path) -> str:
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     digest = hashlib.sha256((asset("remote") / "tinymodel.py").read_bytes())
+    digest.update(REFERENCE_BUILDER.read_bytes())
     digest.update(f"\0python={ver}".encode())
     return digest.hexdigest()[:16]
 
@@ -64,7 +72,7 @@ def ensure_models(python: Path, quiet: bool = True) -> dict[str, Path]:
             env = dict(os.environ, PYTHONPATH=str(asset_root()), HF_HUB_OFFLINE="1",
                        TRANSFORMERS_OFFLINE="1")
             subprocess.run(
-                [str(python), "-m", "remote.tinymodel", "--out", str(staging)],
+                [str(python), "-c", _RUN_BY_PATH, str(REFERENCE_BUILDER), "--out", str(staging)],
                 cwd=asset_root(), env=env, check=True,
                 stdout=subprocess.PIPE if quiet else None,
                 stderr=subprocess.STDOUT if quiet else None,
