@@ -9,7 +9,7 @@ TP=2 unless --model/--tp say otherwise), alternating ``--repeat`` times:
    next one starts (``write_queue_batches=0``, the way it was done before); we read the
    extraction phase's tokens/s from each run's summary (model load excluded), with and
    without the time spent writing samples;
-2. ``remote/dev/bench_prefill.py`` runs vLLM's own engine with the generator's settings on
+2. ``remote/dev/bench_prefill.py`` (from this checkout) runs vLLM's own engine with the generator's settings on
    exactly the same token ids, ``max_tokens=1`` (load excluded).
 
 Prints medians and the ratios; the targets are extraction / prefill >= 0.9, with writes
@@ -33,9 +33,10 @@ from specops.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.patch import patch_step
-from specops.remote_task import current_bundle, shell_word
+from specops.remote_task import shell_word
 
-INVENTORY = Path(__file__).resolve().parents[1] / "inventory.yaml"
+REPO = Path(__file__).resolve().parents[1]
+INVENTORY = REPO / "inventory.yaml"
 
 
 def baseline_failure(stderr: str, run_id: str) -> str:
@@ -72,7 +73,6 @@ def main() -> None:
         patched = patch_step(host, "apply")
         if patched.failed:
             raise SystemExit(f"patch failed: {[r.summary for r in patched.records if r.status == 'fail']}")
-        bundle_dir = host.bundle_dir(current_bundle())
         extract_engine, with_writes, inline_writes, prefill = [], [], [], []
         for i in range(args.repeat):
             tokens = None
@@ -90,7 +90,8 @@ def main() -> None:
                 # the extraction loop's own rate: engine calls and writing samples, as the run saw them
                 rates.append(summary["tokens_per_s"])
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in params["env"].items())
-            cmd = (f"cd {shell_word(bundle_dir)} && env {env} {shell_word(params['python'])} -m remote.dev.bench_prefill"
+            # remote/dev travels in no bundle: the test host is this machine, so it runs from the checkout
+            cmd = (f"cd {shell_word(str(REPO))} && env {env} {shell_word(params['python'])} -m remote.dev.bench_prefill"
                    f" --model {shell_word(params['model_path'])} --tp {params['tp']}"
                    f" --samples {shell_word(out)} --max-model-len {params['seq_len']}")
             result = host.run(cmd, timeout=1200)

@@ -15,6 +15,10 @@ from specops.assets import asset_root
 
 #: folders of the repo that travel to the host.
 BUNDLE_DIRS = ("remote", "patches")
+#: development tools inside those folders that stay in the checkout: no task runs them, so
+#: no host gets them (tests and scripts run them from the checkout); pyproject.toml keeps
+#: them out of the wheel too.
+DEV_ONLY = ("remote/dev",)
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # zip needs a date; a fixed one keeps bytes stable
 
@@ -32,15 +36,22 @@ class Bundle:
         return len(self.data)
 
 
+def is_dev_only(rel: str) -> bool:
+    """Whether the repo path ``rel`` (posix, relative to the root) lies under :data:`DEV_ONLY`."""
+    return any(rel == d or rel.startswith(d + "/") for d in DEV_ONLY)
+
+
 def build_bundle(root: Path | None = None, dirs: tuple[str, ...] = BUNDLE_DIRS) -> Bundle:
     """Zip ``dirs`` under ``root`` (this install's asset root) in a fixed order with fixed timestamps.
 
     The digest covers paths and contents only, so it changes exactly when code does.
+    :data:`DEV_ONLY` folders are left out.
     """
     root = Path(root) if root is not None else asset_root()
     paths = sorted(
         p for d in dirs if (root / d).is_dir() for p in (root / d).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(_SKIP_SUFFIXES)
+        and not is_dev_only(p.relative_to(root).as_posix())
     )
     digest = hashlib.sha256()
     buf = io.BytesIO()

@@ -16,7 +16,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-from specops.bundle import build_bundle
+from specops.bundle import DEV_ONLY, build_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_every_bundled_module_imports_with_the_standard_library_only(hostenv_pyt
     modules = bundle_modules(tmp_path)
     # the walk really covers the modules the old hand-written lists missed
     for expected in ("remote.drift", "remote.preflight", "remote.probes.model", "remote.verify", "remote.smoke",
-                     "remote.facts", "remote.layers", "remote.versions", "remote.dev.smoke_generator"):
+                     "remote.facts", "remote.layers", "remote.versions", "remote.tinymodel"):
         assert expected in modules, expected
     proc = subprocess.run([str(hostenv_python), "-I", "-S", "-c", IMPORT_EACH, str(tmp_path), json.dumps(modules)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -73,3 +73,24 @@ def test_the_walk_catches_a_module_that_imports_an_installed_package(hostenv_pyt
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     failed = json.loads(proc.stdout)["failed"]
     assert list(failed) == ["remote.eager"] and "torch" in failed["remote.eager"]
+
+
+def test_the_bundle_leaves_the_development_tools_in_the_checkout(tmp_path):
+    """``remote/dev`` (tests' and scripts' tools) is in the checkout and in no bundle a host gets."""
+    assert DEV_ONLY == ("remote/dev",)
+    dev = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "remote" / "dev").rglob("*.py"))
+    assert {"remote/dev/smoke_generator.py", "remote/dev/server_run.py", "remote/dev/bench_prefill.py"} <= set(dev)
+    bundle = build_bundle()
+    with zipfile.ZipFile(io.BytesIO(bundle.data)) as zf:
+        names = zf.namelist()
+    assert names == list(bundle.files)
+    assert [n for n in names if n.startswith("remote/dev")] == []
+    assert "remote/tinymodel.py" in names and "remote/protocol.py" in names
+    # a file added under remote/dev changes nothing a host gets
+    root = tmp_path / "tree"
+    for rel in ["remote/__init__.py", *dev]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes((REPO / rel).read_bytes())
+    before = build_bundle(root)
+    (root / "remote" / "dev" / "new_tool.py").write_text("print('dev only')\n")
+    assert build_bundle(root).digest == before.digest

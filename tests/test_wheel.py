@@ -2,8 +2,8 @@
 
 ``pip install .``, pipx and ``uv tool install`` put specops in site-packages with no
 checkout beside it. The templates, the remote code and the patch sets must travel
-inside the wheel; this builds one, installs it in a new venv, and drives the real test
-host from a directory that is not the repo.
+inside the wheel (the development tools of ``remote/dev`` must not); this builds one,
+installs it in a new venv, and drives the real test host from a directory that is not the repo.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from specops.bundle import is_dev_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +40,11 @@ def installed_specops(tmp_path_factory) -> Path:
     in_checkout = sorted(path.relative_to(REPO).as_posix() for tree in ("templates", "remote", "patches")
                          for path in (REPO / tree).rglob("*")
                          if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc")
-    assert shipped == in_checkout, "the wheel's templates/remote/patches differ from the checkout's"
+    dev_tools = [rel for rel in in_checkout if rel.startswith("remote/dev/")]
+    assert "remote/dev/smoke_generator.py" in dev_tools  # the checkout has them: the wheel leaves them out
+    assert [n for n in shipped if n.startswith("remote/dev/")] == [], "the wheel ships remote/dev"
+    product = [rel for rel in in_checkout if not is_dev_only(rel)]
+    assert shipped == product, "the wheel's templates/remote/patches differ from the checkout's"
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # the locked versions, like bootstrap; the wheel's own requirements decide what is needed

@@ -24,7 +24,7 @@ long request is prefilled in chunks across steps). When the model has
 ``llama_4_scaling``, a negative control runs vLLM's forward with the scaling dropped
 and must *disagree* past the boundary and agree before it: the check can fail.
 
-Usage (on the host, from the bundle dir; it starts vLLM, hence the ``__main__`` guard)::
+Usage (in the host env's python, from the checkout's root; it starts vLLM, hence the ``__main__`` guard)::
 
     python -m remote.dev.smoke_generator --model /models/tiny-llama --tp 2 --layers 2,4,5,7
 
@@ -41,7 +41,7 @@ import sys
 
 try:  # run as ``python -m remote.dev.smoke_generator`` or imported as ``remote.dev.smoke_generator``
     from remote import modelconfig, protocol
-except ImportError:  # pragma: no cover - run as a plain file: the bundle dir is three levels up
+except ImportError:  # pragma: no cover - run as a plain file: the checkout's root is three levels up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from remote import modelconfig, protocol
 
