@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from remote.contract import param
 from remote.probes import describe
 
 #: JSON's own whitespace (RFC 8259): a line of only these is blank; \x1c or \u2028 are not.
@@ -191,7 +192,7 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
         cannot be used.
     """
     path = Path(params["dataset"])
-    seq_len = int(params.get("seq_len") or 2048)
+    seq_len = int(param(params, "seq_len"))
     vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")

@@ -60,10 +60,11 @@ import time
 from pathlib import Path
 
 from remote import protocol, samples, signals
+from remote.contract import FINAL_STATES, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
 from remote.rootcause import last_traceback
-from remote.rundir import (FINAL_STATES, RUN_ID_RE, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
-                           run_alive, run_busy, signal_group, tail_text)
+from remote.rundir import (RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
+                           run_alive, run_busy, signal_group, tail_text, utc_now)
 
 #: keys that steer one call, not the run; they may differ between calls for one run id.
 CALL_KEYS = {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python"}
@@ -98,9 +99,9 @@ def runs_root(params: dict) -> Path:
 
 def run_dir_of(params: dict) -> Path:
     run_id = str(params.get("run_id") or "")
-    if not RUN_ID_RE.match(run_id):
-        raise JobError("job.params", f"run_id {run_id!r} is not a valid run id",
-                       "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    problem = run_id_problem(run_id)
+    if problem:
+        raise JobError("job.params", problem, run_id_fix())
     return runs_root(params) / run_id
 
 
@@ -133,8 +134,8 @@ def start(params: dict) -> dict:
         if old is not None:
             st = current_status(run_dir)
             # done first: a finished supervisor may still be exiting (closing the engine)
-            gone = _missing_on_disk(run_dir, st, old) if st and st.get("state") == "done" else []
-            if st and st.get("state") == "done" and not gone:
+            gone = _missing_on_disk(run_dir, st, old) if st and st.get("state") == RunState.DONE else []
+            if st and st.get("state") == RunState.DONE and not gone:
                 return _payload("job.start", protocol.OK, f"run {params['run_id']} is already done", run_dir, st,
                                 already="done")
             # done by its status but samples gone from disk: resumed below, making just those
@@ -184,8 +185,8 @@ def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
     previous = read_json(run_dir / "status.json") or {}
     samples.write_json_atomic(run_dir / "status.json", {
         **previous,
-        "run_id": wanted["run_id"], "state": "pending", "phase": "starting",
-        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "run_id": wanted["run_id"], "state": RunState.PENDING.value, "phase": "starting",
+        "updated_at": utc_now(),
         "heartbeat_unix": time.time(), "error": None,
         "previous_error": previous.get("error"),
     })
@@ -235,7 +236,7 @@ def current_status(run_dir: Path) -> dict | None:
     if st.get("state") in FINAL_STATES or alive:
         return st
     age = time.time() - float(st.get("heartbeat_unix") or 0)
-    if st.get("state") == "pending" and age < STARTING_GRACE_S:
+    if st.get("state") == RunState.PENDING and age < STARTING_GRACE_S:
         return st  # a start in progress: pid not written yet, or the process not yet readable
     tail = tail_text(run_dir / "logs" / "supervisor.log", 8000)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
@@ -254,7 +255,7 @@ def current_status(run_dir: Path) -> dict | None:
                              f"{st.get('state')!r} at {where} (killed by SIGKILL, the OOM killer, or "
                              f"a reboot; {oom['text']}); starting the same run id again resumes after "
                              f"the last complete sample")}
-    st.update(state="failed", phase="failed", error=error)
+    st.update(state=RunState.FAILED.value, phase="failed", error=error)
     samples.write_json_atomic(run_dir / "status.json", {k: v for k, v in st.items() if k != "alive"})
     return st
 
@@ -276,12 +277,12 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
     """One record that says how the run stands (fail when it failed), and the status itself."""
     state = st.get("state")
     progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
-    if state == "failed":
+    if state == RunState.FAILED:
         err = st.get("error") or {}
         return _payload(name, protocol.FAIL, f"run {run_id} failed: {err.get('type')}: {err.get('message')}",
                         run_dir, st, fix="read error.traceback and the logs; fix the cause, then start the "
                                          "same run id again to resume", **extra)
-    if state == "aborted":
+    if state == RunState.ABORTED:
         return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}", run_dir, st, **extra)
     return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}", run_dir, st, **extra)
 
@@ -498,8 +499,8 @@ def abort(params: dict) -> dict:
     if swept or left:
         how += "; " + _leftovers_text(swept, left)
     st = read_json(run_dir / "status.json") or {}
-    if st.get("state") != "done":
-        st.update(state="aborted", phase="aborted",
+    if st.get("state") != RunState.DONE:
+        st.update(state=RunState.ABORTED.value, phase="aborted",
                   error={"rank": None, "type": "Aborted", "where": "job.abort", "traceback": "",
                          "message": f"aborted by request: {how}", "signal": "SIGKILL" if killed else "SIGTERM",
                          "killed_after_grace": killed, "swept": swept, "left": left,

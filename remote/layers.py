@@ -18,18 +18,16 @@ layer ``k-1``), ``output:i`` is ``hs[i+1]`` and ``input:i`` is ``hs[i]``.
 """
 from __future__ import annotations
 
-OUTPUT, INPUT = "output", "input"
+from remote import contract
+
+OUTPUT, INPUT = contract.OUTPUT, contract.INPUT
 CONVENTIONS = {
     OUTPUT: "output of 0-based decoder layer i (HF hidden_states[i+1])",
     INPUT: "input of 0-based decoder layer i; N = final state (HF hidden_states[i])",
 }
 
-#: engine name -> convention of its layer ids.
-ENGINE_CONVENTION = {
-    "speculators-0.3": OUTPUT,
-    "hf-reference": OUTPUT,
-    "vllm-server": INPUT,
-}
+#: engine name -> convention of its layer ids (the engine table of :mod:`remote.contract`).
+ENGINE_CONVENTION = {name: facts.convention for name, facts in contract.ENGINES.items()}
 
 
 def default_layer_ids(engine: str, num_layers: int) -> tuple[list[int], str]:

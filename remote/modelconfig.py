@@ -14,8 +14,9 @@ the file itself::
 
 Every reader on the host asks this module, so a wrapper is unwrapped the same way
 everywhere: preflight, the shard probe, the engines and the supervisor count the layers
-with :func:`num_layers`, so preflight's default layer ids are the run's. :func:`read` parses a file once per process (keyed by path, size and
-mtime) and hands each caller its own copy.
+with :func:`num_layers`, so preflight's default layer ids are the run's. :func:`read`
+parses a file once per process (keyed by path, size and mtime) and hands each caller
+its own copy.
 """
 from __future__ import annotations
 

@@ -13,17 +13,34 @@ is chatty) never breaks parsing.
 This module is also the one home of the markers and exit codes the entry script and
 the controller agree on: ``specops/`` loads this very file on the laptop (it has no
 imports beyond the standard library and does nothing when imported), and the entry
-template gets the values from it when it is rendered.
+template gets the values from it when it is rendered. The statuses and the run-id
+rule come from :mod:`remote.contract` (kept here under their names for every reader).
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
-OK, CHANGED, SKIPPED, WARN, FAIL = "ok", "changed", "skipped", "warn", "fail"
-STATUSES = (OK, CHANGED, SKIPPED, WARN, FAIL)
+
+def _load_contract():
+    """:mod:`remote.contract`: imported on the host; on the laptop, where this file is loaded by
+    path (``specops.assets``) and ``remote`` is no package, its sibling file is loaded the same way."""
+    if __package__ == "remote":
+        from remote import contract
+        return contract
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "contract.py")
+    spec = importlib.util.spec_from_file_location(f"{__name__}_contract", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+contract = _load_contract()
+OK, CHANGED, SKIPPED, WARN, FAIL = contract.OK, contract.CHANGED, contract.SKIPPED, contract.WARN, contract.FAIL
+STATUSES = contract.STATUSES
 
 #: the lines around the one JSON payload a task prints (:func:`emit`).
 RESULT_BEGIN = "@@SPECOPS-RESULT-BEGIN@@"
@@ -39,17 +56,10 @@ ENTRY_ERROR_EXIT = 78
 #: prefix of each event line ``job follow`` streams (one JSON object after it).
 JOB_EVENT_PREFIX = "@@SPECOPS-JOB-EVENT@@ "
 
-#: a run id as a host takes it: a run dir's name (and an output dir's), at most RUN_ID_MAX characters.
-RUN_ID_MAX = 128
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (RUN_ID_MAX - 1))
-#: a group run names a range moved to another host ``<run-id>.<shard id>``; shard ids are
-#: ``s<k>`` or ``s<k>m<n>`` (a move of a move keeps its root: ``s2m3``, never ``s2m1m1``), with
-#: k and n below MOVE_LIMIT, so this is the longest suffix ever appended to a user's id.
-MOVE_LIMIT = 10000
-MOVED_SUFFIX_MAX = len(f".s{MOVE_LIMIT - 1}m{MOVE_LIMIT - 1}")
-#: the longest run id a user may give: the host's limit less the longest suffix we append.
-USER_RUN_ID_MAX = RUN_ID_MAX - MOVED_SUFFIX_MAX
-USER_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (USER_RUN_ID_MAX - 1))
+#: the run-id rule (:mod:`remote.contract`), under the names the laptop's readers know.
+RUN_ID_MAX, RUN_ID_RE = contract.RUN_ID_MAX, contract.RUN_ID_RE
+MOVE_LIMIT, MOVED_SUFFIX_MAX = contract.MOVE_LIMIT, contract.MOVED_SUFFIX_MAX
+USER_RUN_ID_MAX, USER_RUN_ID_RE = contract.USER_RUN_ID_MAX, contract.USER_RUN_ID_RE
 
 
 def record(name, status, summary, detail=None, fix=None, area=None):
@@ -114,5 +124,4 @@ def emit(result) -> None:
 
 def worst(records):
     """The worst status among records (fail > warn > changed > ok > skipped)."""
-    order = {SKIPPED: 0, OK: 1, CHANGED: 2, WARN: 3, FAIL: 4}
-    return max((r["status"] for r in records), key=order.__getitem__, default=OK)
+    return max((r["status"] for r in records), key=contract.SEVERITY.__getitem__, default=OK)

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
+import threading
+import time
 from pathlib import Path
 
-from remote import protocol
+from remote import contract, samples
 
-#: every state a run passes through, in order; the last three are final.
-STATES = ("pending", "loading", "extracting", "writing", "done", "failed", "aborted")
-FINAL_STATES = ("done", "failed", "aborted")
-RUN_ID_RE = protocol.RUN_ID_RE  # one rule, shared with the laptop
+#: every state a run passes through, in order; the last three are final (:class:`remote.contract.RunState`).
+STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
+RUN_ID_RE = contract.RUN_ID_RE  # one rule, shared with the laptop
 #: the supervisor's command line holds this; a recycled pid of another program does not.
 SUPERVISOR_MODULE = "remote.supervisor"
 
@@ -60,6 +60,28 @@ class RunPaths:
         if not self.logs.is_dir():
             return []
         return sorted(self.logs.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name))
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class StatusFile:
+    """``status.json``, rewritten atomically on every change and on a heartbeat."""
+
+    def __init__(self, path: Path, initial: dict):
+        self.path = path
+        self.data = dict(initial)
+        self.lock = threading.Lock()
+
+    def update(self, **fields) -> dict:
+        with self.lock:
+            self.data.update(fields)
+            self.data["updated_at"] = utc_now()
+            self.data["heartbeat_unix"] = time.time()
+            samples.write_json_atomic(self.path, self.data)
+            return dict(self.data)
+
 
 
 def read_json(path: Path):

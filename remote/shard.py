@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from remote import layers, modelconfig, protocol, samples
+from remote.contract import param
 from remote.fsutil import sha256_file
 
 
@@ -138,7 +139,7 @@ def _stack(params: dict, data: dict) -> dict:
 
 
 def _width(params: dict, data: dict) -> dict:
-    tp = max(1, int(params.get("tp") or 1))
+    tp = max(1, int(param(params, "tp")))
     devices = _devices(params)
     width = devices["count"] // tp
     data["capacity"] = {"devices": devices, "tp": tp, "dp_width": width}

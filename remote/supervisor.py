@@ -9,7 +9,7 @@ Started detached by :mod:`remote.job` (new session, stdin closed, output to
 2. resumes after the last complete sample already in the output dir;
 3. runs the engine in batches and writes every sample atomically (``remote.samples``) on
    a writer thread, so the engine works on the next batch while the last one is written
-   (:class:`SampleWriter`; a bounded queue keeps memory in check, and progress and the
+   (:class:`remote.samplewriter.SampleWriter`; a bounded queue keeps memory in check, and progress and the
    resume point count only samples already on disk);
 4. keeps ``RUN_DIR/status.json`` current (state, phase, samples, tokens/s, ETA,
    seconds per phase; a heartbeat every few seconds even while a model loads);
@@ -31,7 +31,6 @@ import concurrent.futures
 import faulthandler
 import json
 import os
-import queue
 import signal
 import socket
 import sys
@@ -41,15 +40,16 @@ import traceback
 from pathlib import Path
 
 from remote import fsutil, layers, modelconfig, samples
+from remote.contract import RunState, param
 from remote.dataset import load_token_samples
 from remote.engines import engine_class, resolve_engine
 from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
-from remote.rundir import RunPaths
+from remote.procgroup import kill_own_group_and_exit, stop_leftovers
+from remote.rundir import RunPaths, StatusFile, utc_now
+from remote.sampleread import non_finite
+from remote.samplewriter import WRITE_QUEUE_BATCHES, SampleWriter
 
 HEARTBEAT_S = 5.0
-#: batches that may wait for the writer (besides the one being written); the engine
-#: blocks beyond that, so at most this + 2 batches of hidden states are in memory.
-WRITE_QUEUE_BATCHES = 1
 #: how long an aborted run gives its engine's processes to stop before they are killed:
 #: well inside abort's own grace (10 s), which SIGKILLs the supervisor after it
 ABORT_STOP_GRACE_S = 3.0
@@ -58,120 +58,12 @@ ABORT_STOP_GRACE_S = 3.0
 WORKER_ERROR_GRACE_S = 20.0
 
 
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 class Aborted(BaseException):
     """SIGTERM/SIGINT reached the supervisor (``job abort``)."""
 
 
 class NonFiniteStates(RuntimeError):
     """A captured layer holds NaN or Inf."""
-
-
-class WriteFailed(RuntimeError):
-    """A sample could not be written; the message names the sample and the cause."""
-
-
-class SampleWriter:
-    """Writes batches of samples on a thread of its own while the engine runs the next batch.
-
-    Each sample is written exactly as without the thread (``samples.save_sample``: temp
-    file, fsync, rename), in order. ``on_written(first_index, batch)`` runs on the writer
-    thread after a whole batch is on disk, so whatever it reports (status progress) never
-    counts a sample that is not there yet.
-
-    The queue holds at most ``depth`` batches; :meth:`put` blocks beyond that, so a disk
-    slower than the engine slows the engine down instead of filling memory. ``depth`` 0
-    writes each batch inside :meth:`put`, before the engine gets the next one (no thread:
-    the way it was done before, kept so a benchmark can measure the difference).
-
-    The first failure stops all writing. The next :meth:`put` or :meth:`close` raises it
-    as :class:`WriteFailed` (``__cause__``: the original error), naming the sample::
-
-        WriteFailed: writing sample 3 (data_3.pt) in /data/out failed: OSError: [Errno 28] No space left on device
-
-    :param save: ``save(index, input_ids, loss_mask, layer_states)`` writes one sample.
-    :param timed: ``timed(phase, seconds)`` adds up the time spent writing.
-    """
-
-    def __init__(self, output_dir: Path, save, on_written, timed, depth: int = WRITE_QUEUE_BATCHES):
-        self.output_dir = output_dir
-        self._save, self._on_written, self._timed = save, on_written, timed
-        self.error: WriteFailed | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
-        self._thread = None
-        if int(depth) > 0:
-            self._thread = threading.Thread(target=self._run, daemon=True, name="specops-writer")
-            self._thread.start()
-
-    def put(self, first_index: int, batch, states) -> None:
-        """Hand one extracted batch over; raises the writer's failure if it had one."""
-        self._raise_if_failed()
-        if self._thread is None:
-            self._write(first_index, batch, states)
-            self._raise_if_failed()
-        else:
-            self._queue.put((first_index, batch, states))
-
-    def close(self, raise_error: bool = True) -> None:
-        """Wait until every batch handed over is written (or the writer failed).
-
-        :param raise_error: False while another error is already on its way up: the
-            writer's failure is then only printed, not raised over the first one.
-        """
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-        if raise_error:
-            self._raise_if_failed()
-        elif self.error is not None:
-            print(f"[specops] the sample writer failed too: {self.error}", flush=True)
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self.error is None:  # after a failure, batches are taken (put never blocks) but not written
-                self._write(*item)
-
-    def _write(self, first: int, batch, states) -> None:
-        index = first
-        t = time.monotonic()
-        try:
-            for j, ((ids, mask), layer_states) in enumerate(zip(batch, states)):
-                index = first + j
-                self._save(index, ids, mask, layer_states)
-            self._timed("write", time.monotonic() - t)
-            self._on_written(first, batch)
-        except BaseException as exc:  # kept for the main thread, which fails the run with it
-            error = WriteFailed(f"writing sample {index} ({samples.sample_name(index)}) in {self.output_dir} "
-                                f"failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self.error = error
-
-
-class StatusFile:
-    """``status.json``, rewritten atomically on every change and on a heartbeat."""
-
-    def __init__(self, path: Path, initial: dict):
-        self.path = path
-        self.data = dict(initial)
-        self.lock = threading.Lock()
-
-    def update(self, **fields) -> dict:
-        with self.lock:
-            self.data.update(fields)
-            self.data["updated_at"] = utc_now()
-            self.data["heartbeat_unix"] = time.time()
-            samples.write_json_atomic(self.path, self.data)
-            return dict(self.data)
 
 
 # --------------------------------------------------------------------------- model facts
@@ -217,7 +109,7 @@ class Supervisor:
             except ValueError:
                 previous = {}
         self.status = StatusFile(self.paths.status, {
-            "run_id": self.run_id, "state": "pending", "phase": "starting",
+            "run_id": self.run_id, "state": RunState.PENDING.value, "phase": "starting",
             "samples_done": 0, "samples_total": None, "tokens_done": 0, "tokens_per_s": None,
             "eta_s": None, "started_at": utc_now(), "error": None, "phase_seconds": {},
             "attempt": int(previous.get("attempt", 0)) + 1, "pid": os.getpid(),
@@ -262,11 +154,11 @@ class Supervisor:
             error = root_cause(self.paths, None, deaths=self._deaths())
             error["note"] = (f"the driver was still waiting {grace:.0f}s after rank {error.get('rank')} "
                              f"failed (peers hang in collectives); the supervisor stopped the run")
-            self.status.update(state="failed", phase="failed", error=error,
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=error,
                                phase_seconds=dict(self.phase_seconds))
             print(f"[specops] watchdog: {error['type']}: {error['message']}", flush=True)
             note_in_rank_log(self.paths, error)
-            _kill_own_group_and_exit(1)
+            kill_own_group_and_exit(1)
 
     # -- the run
     def run(self) -> int:
@@ -280,7 +172,8 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if self.engine is not None:
                 self.engine.params["stop_grace_s"] = ABORT_STOP_GRACE_S
-            self.status.update(state="aborted", phase="aborted", phase_seconds=dict(self.phase_seconds),
+            self.status.update(state=RunState.ABORTED.value, phase="aborted",
+                               phase_seconds=dict(self.phase_seconds),
                                error={"rank": None, "type": "Aborted", "where": "supervisor",
                                       "message": "aborted by request (SIGTERM)", "traceback": ""})
             return 143
@@ -292,7 +185,7 @@ class Supervisor:
             if isinstance(exc, NonFiniteStates):
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)
-            self.status.update(state="failed", phase="failed", error=error,
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=error,
                                phase_seconds=dict(self.phase_seconds))
             return 1
         finally:
@@ -375,16 +268,17 @@ class Supervisor:
             # storage/ and logs/ (server.log, split into rank<k>.log at the end) inside the run dir,
             # where `specops logs` and the root-cause reader look
             p.update(work_dir=str(self.paths.run_dir), python=sys.executable,
-                     concurrency=int(p.get("concurrency") or p.get("batch_size") or 8))
+                     concurrency=int(p.get("concurrency") or param(p, "batch_size")))
             p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
         return p
 
     def _extract_all(self, engine_name, model_path, layer_ids, dataset, todo, fmt, done, tokens_before,
                      total_tokens):
         p = self.params
-        self.status.update(state="loading", phase=f"loading model ({engine_name}, tp={p.get('tp', 1)})")
+        tp = int(param(p, "tp"))
+        self.status.update(state=RunState.LOADING.value, phase=f"loading model ({engine_name}, tp={tp})")
         cls = engine_class(engine_name)
-        self.engine = cls(model_path, int(p.get("tp") or 1), layer_ids, self._engine_params(engine_name))
+        self.engine = cls(model_path, tp, layer_ids, self._engine_params(engine_name))
         t = time.monotonic()
         self._busy_since = t
         self.engine.load()
@@ -392,7 +286,7 @@ class Supervisor:
         self._timed("load", time.monotonic() - t)
         self.engine_info = self.engine.describe()
 
-        batch_size = max(1, int(p.get("batch_size") or 8))
+        batch_size = max(1, int(param(p, "batch_size")))
         # test knob: a pause after each batch widens the mid-run window (a param, or the job's env)
         delay = float(p.get("batch_delay_s") or os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
         progress = {"done": done, "tokens_done": tokens_before, "run_tokens": 0}
@@ -411,7 +305,8 @@ class Supervisor:
                                phase=f"extracting ({progress['done']}/{samples_total})",
                                phase_seconds=dict(self.phase_seconds))
 
-        self.status.update(state="extracting", phase="extracting", phase_seconds=dict(self.phase_seconds))
+        self.status.update(state=RunState.EXTRACTING.value, phase="extracting",
+                           phase_seconds=dict(self.phase_seconds))
         if fmt == samples.HS:
             self._extract_files(dataset, todo, batch_size, delay, written)
         else:
@@ -492,7 +387,7 @@ class Supervisor:
                 if h.dim() != 2 or h.shape[0] != len(ids):
                     raise RuntimeError(f"sample {b0 + j}, layer {lid}: shape {list(h.shape)}, expected "
                                        f"[{len(ids)}, hidden]")
-            bad = samples.non_finite(layer_states, layer_ids)
+            bad = non_finite(layer_states, layer_ids)
             if bad:
                 exc = NonFiniteStates(f"sample {b0 + j}: non-finite hidden states: " + ", ".join(
                     f"layer {b['layer_id']}: {b['nan']} NaN, {b['inf']} Inf" for b in bad))
@@ -511,9 +406,9 @@ class Supervisor:
     def _finalize(self, engine_name, model_path, config, layer_ids, convention, dataset, bounds, fmt, t0) -> None:
         lo, hi = bounds
         count = hi - lo
-        self.status.update(state="writing", phase="writing manifest and summary")
+        self.status.update(state=RunState.WRITING.value, phase="writing manifest and summary")
         t = time.monotonic()
-        engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": self.params.get("tp", 1)})
+        engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": param(self.params, "tp")})
         file_layer_ids = engine_info.get("file_layer_ids") or sorted(layer_ids)
         files, stats, tokens = samples.scan_samples(self.output_dir, range(lo, hi), layer_ids, fmt,
                                                     file_layer_ids=file_layer_ids, known=self.digests)
@@ -582,7 +477,7 @@ class Supervisor:
                 f"layer {s['layer_id']}: {s['nan']} NaN, {s['inf']} Inf" for s in non_finite))
             exc.detail = {"layers": non_finite}
             raise exc
-        self.status.update(state="done", phase="done", samples_done=count, eta_s=0,
+        self.status.update(state=RunState.DONE.value, phase="done", samples_done=count, eta_s=0,
                            tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds))
 
 
@@ -610,74 +505,6 @@ def _contiguous_runs(indices) -> list[list[int]]:
         else:
             runs.append([i])
     return runs
-
-
-def _kill_own_group_and_exit(code: int) -> None:
-    """Stop every process of this run (workers included) and exit, without touching others.
-
-    Only when this supervisor leads its own process group (``job start`` makes it a
-    session leader); otherwise just its child processes are killed.
-    """
-    try:
-        import multiprocessing
-
-        for child in multiprocessing.active_children():
-            child.kill()
-    except Exception:
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if os.getpgid(0) == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os._exit(code)
-
-
-def _group_members() -> list[int]:
-    """Other live processes of this supervisor's process group (workers, resource tracker)."""
-    me = os.getpid()
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) == me:  # fields[2] is the pgrp
-            found.append(int(entry))
-    return found
-
-
-def stop_leftovers(grace_s: float = 5.0) -> list[int]:
-    """SIGTERM, then SIGKILL, whatever of this run is still running besides us.
-
-    A worker that is still loading when its peer failed does not notice that the driver
-    is gone until it finishes; it must not outlive the run. Only this supervisor's own
-    process group is touched (it leads one when started by ``job start``); otherwise
-    only its multiprocessing children.
-    """
-    if os.getpgid(0) != os.getpid():
-        import multiprocessing
-
-        for child in multiprocessing.active_children():
-            child.kill()
-        return []
-    left = _group_members()
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _group_members():
-        time.sleep(0.1)
-    for pid in _group_members():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
 
 
 def _on_signal(signum, _frame):

@@ -56,3 +56,11 @@ def remote_protocol():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def remote_contract():
+    """``remote/contract.py`` of this install: run states, statuses, engines, file names, defaults.
+
+    Loaded with :func:`remote_protocol`, which reads it, so the laptop holds one copy.
+    """
+    return remote_protocol().contract

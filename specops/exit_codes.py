@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 
+from specops.assets import remote_contract
+
 
 class ExitCode(enum.IntEnum):
     SUCCESS = 0
@@ -39,12 +41,8 @@ class ExitCode(enum.IntEnum):
 
     @classmethod
     def from_job_state(cls, state: str) -> "ExitCode":
-        return {
-            "done": cls.SUCCESS,
-            "failed": cls.JOB_FAILED,
-            "aborted": cls.JOB_ABORTED,
-            "missing": cls.JOB_NOT_FOUND,
-        }.get(state, cls.JOB_RUNNING)
+        """The code a run state means (``remote/contract.py``); a state it does not know is still running."""
+        return cls(remote_contract().job_exit_code(state))
 
     @classmethod
     def help_text(cls) -> str:

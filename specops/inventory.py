@@ -31,9 +31,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from specops.assets import remote_contract
 from specops.errors import InventoryError, UsageError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: engines, layer conventions and run defaults, as the host defines them (``remote/contract.py``).
+CONTRACT = remote_contract()
+DEFAULTS = CONTRACT.DEFAULTS
 
 #: Linux limits a path can never pass: PATH_MAX (4096, with the final NUL) and NAME_MAX per component.
 PATH_MAX = 4096
@@ -100,16 +104,16 @@ class HostSpec(BaseModel):
     output_dir: str
     dataset: str | None = None
     device: Literal["cuda", "cpu"] = "cuda"
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=DEFAULTS["tp"], ge=1)
     #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
-    engine: Literal["auto", "speculators-0.3", "vllm-server", "hf-reference"] = "auto"
+    engine: Literal[CONTRACT.ENGINE_CHOICES] = DEFAULTS["engine"]
     layer_ids: list[int] | None = None
     #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
-    layer_convention: Literal["output", "input"] | None = None
-    seq_len: int = Field(default=2048, ge=1)
-    max_samples: int = Field(default=1000, ge=1)
-    batch_size: int = Field(default=8, ge=1)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    layer_convention: Literal[CONTRACT.LAYER_CONVENTIONS] | None = None
+    seq_len: int = Field(default=DEFAULTS["seq_len"], ge=1)
+    max_samples: int = Field(default=DEFAULTS["max_samples"], ge=1)
+    batch_size: int = Field(default=DEFAULTS["batch_size"], ge=1)
+    gpu_memory_utilization: float = Field(default=DEFAULTS["gpu_memory_utilization"], gt=0, le=1)
     trust_remote_code: bool = False
     #: run remote writes (``fab patch`` into a root-owned site-packages) through ``sudo -n``.
     sudo: bool = False

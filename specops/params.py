@@ -9,13 +9,13 @@ import re
 from typing import Any
 
 from specops.errors import UsageError
-from specops.inventory import HostSpec, check_path, shorten
+from specops.inventory import CONTRACT, HostSpec, check_path, shorten
 
 #: ``auto`` (the default): the host picks from its installed speculators (0.3/0.4 ->
 #: speculators-0.3, >= 0.5 -> vllm-server); preflight names the choice.
-ENGINES = ("auto", "speculators-0.3", "vllm-server", "hf-reference")
+ENGINES = CONTRACT.ENGINE_CHOICES
 #: ``--layer-ids output:2,4,5,7`` / ``input:3,5,6,8`` say which convention the ids are in.
-LAYER_CONVENTIONS = ("output", "input")
+LAYER_CONVENTIONS = CONTRACT.LAYER_CONVENTIONS
 
 
 #: one layer id as typed: ASCII digits (int() would also take "２" and "2_0"), a sign for the

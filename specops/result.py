@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specops.assets import remote_contract
 from specops.exit_codes import ExitCode
 
-Status = Literal["ok", "changed", "skipped", "warn", "fail"]
-_ORDER = {"skipped": 0, "ok": 1, "changed": 2, "warn": 3, "fail": 4}
+#: the host's definitions (``remote/contract.py``), loaded once.
+_CONTRACT = remote_contract()
+Status = Literal[_CONTRACT.STATUSES]
 
 
 class Record(BaseModel):
@@ -46,14 +48,14 @@ class HostReport(BaseModel):
 
     @property
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in _ORDER}
+        out = {s: 0 for s in _CONTRACT.STATUSES}
         for rec in self.records:
             out[rec.status] += 1
         return out
 
     @property
     def failed(self) -> bool:
-        return self.error is not None or any(r.status == "fail" for r in self.records)
+        return self.error is not None or any(r.status == _CONTRACT.FAIL for r in self.records)
 
     @property
     def exit_code(self) -> ExitCode:
@@ -81,10 +83,9 @@ def overall_exit(reports: list[HostReport]) -> ExitCode:
     return max(codes)
 
 
-#: every state a run can be in, as the host writes it (``remote/rundir.py``), plus
-#: ``missing`` for "the host has no such run".
-RunStateName = Literal["missing", "pending", "loading", "extracting", "writing", "done", "failed", "aborted"]
-FINAL_STATES: tuple[str, ...] = ("done", "failed", "aborted")
+#: every state a run can be in, as the host writes it, plus ``missing`` for "the host has no such run".
+RunStateName = Literal[tuple(s.value for s in _CONTRACT.RunState)]
+FINAL_STATES: tuple[str, ...] = _CONTRACT.FINAL_STATES
 
 
 class RunError(BaseModel):
@@ -120,7 +121,7 @@ class RunState(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     run_id: str | None = None
-    state: RunStateName = "missing"
+    state: RunStateName = _CONTRACT.RunState.MISSING.value
     phase: str | None = None
     samples_done: int | None = None
     samples_total: int | None = None
@@ -139,19 +140,19 @@ class RunState(BaseModel):
         data = payload.get("data") or {}
         status = data.get("status")
         if not status:
-            return cls(state="missing")
+            return cls(state=_CONTRACT.RunState.MISSING.value)
         fields = {**status, "run_dir": data.get("run_dir")}
-        fields["state"] = fields.get("state") or "pending"
+        fields["state"] = fields.get("state") or _CONTRACT.RunState.PENDING.value
         return cls(**fields)
 
     @property
     def found(self) -> bool:
-        return self.state != "missing"
+        return self.state != _CONTRACT.RunState.MISSING
 
     @property
     def is_final(self) -> bool:
         """Done, failed or aborted: the run will not change any more by itself."""
-        return self.state in FINAL_STATES
+        return _CONTRACT.RunState(self.state).is_final
 
     @property
     def exit_code(self) -> ExitCode:

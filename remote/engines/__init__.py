@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 
+from remote import contract
+
 #: engine name -> "module:Class" (module relative to this package).
 ENGINES = {
     "hf-reference": "hf_reference:HFReferenceEngine",
@@ -30,11 +32,9 @@ ENGINES = {
 #: specifier -> engine, first match wins. 0.3/0.4 still ship the in-process generator;
 #: 0.5 removed it, and from then on hidden states come from vLLM's own server.
 ENGINE_FOR_SPECULATORS = (("<0.5", "speculators-0.3"), (">=0.5", "vllm-server"))
-AUTO = "auto"
+AUTO = contract.AUTO_ENGINE
 #: other spellings people type.
-ALIASES = {"hf_reference": "hf-reference", "hf": "hf-reference",
-           "speculators_v03": "speculators-0.3", "speculators": "speculators-0.3",
-           "vllm_server": "vllm-server", "server": "vllm-server"}
+ALIASES = contract.ENGINE_ALIASES
 
 
 def canonical_name(name: str) -> str:

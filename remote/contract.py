@@ -1,0 +1,189 @@
+"""What both sides of the SSH wire agree on, defined once (stdlib only).
+
+The host writes these values and the laptop reads them: run states and the exit code
+each means, record statuses and their order, the engine table, the run-id rule, the
+sample file names and the run parameters' defaults. ``remote/`` imports this module;
+the laptop loads this very file by path together with :mod:`remote.protocol`
+(``specops.assets.remote_contract``), so a second copy never has to be kept in step::
+
+    >>> RunState("failed").is_final, RunState("failed").exit_code
+    (True, 100)
+    >>> RunState.LOADING == "loading", ENGINES["vllm-server"].convention
+    (True, 'input')
+    >>> run_id_problem("../x")
+    "run id '../x' is not a valid run id"
+    >>> run_id_fix(8)
+    'use 1-8 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit'
+
+Importing it does nothing beyond defining these names (the laptop relies on that).
+
+.. note:: Python 3.10 runs the host side, so :class:`RunState` is a ``str`` enum built
+   by hand (``enum.StrEnum`` is 3.11+); a state compares equal to its JSON string.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from typing import NamedTuple
+
+# --------------------------------------------------------------------------- run states
+
+
+class RunState(str, enum.Enum):
+    """Every state a run passes through, in order, as ``status.json`` spells it.
+
+    The last three are final; ``missing`` is the laptop's word for "the host has no such
+    run" and is never written to a status file.
+    """
+
+    MISSING = "missing"
+    PENDING = "pending"
+    LOADING = "loading"
+    EXTRACTING = "extracting"
+    WRITING = "writing"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_final(self) -> bool:
+        """Done, failed or aborted: the run will not change any more by itself."""
+        return self in (RunState.DONE, RunState.FAILED, RunState.ABORTED)
+
+    @property
+    def exit_code(self) -> int:
+        """The job exit code this state means (SkyPilot's ``JobExitCode``): 0, 100, 101, 102 or 103."""
+        return JOB_EXIT_CODES.get(self, JOB_RUNNING_EXIT)
+
+
+#: the states a status file can hold, in the order a run passes through them.
+STATES = tuple(s.value for s in RunState if s is not RunState.MISSING)
+FINAL_STATES = tuple(s.value for s in RunState if s.is_final)
+#: the job exit code of every state that is not "still running" (:data:`JOB_RUNNING_EXIT`).
+JOB_RUNNING_EXIT = 101
+JOB_EXIT_CODES = {RunState.DONE: 0, RunState.FAILED: 100, RunState.MISSING: 102, RunState.ABORTED: 103}
+
+
+def job_exit_code(state) -> int:
+    """The job exit code of a state as a string (an unknown one is still running)."""
+    try:
+        return RunState(state).exit_code
+    except ValueError:
+        return JOB_RUNNING_EXIT
+
+
+# --------------------------------------------------------------------------- record statuses
+
+OK, CHANGED, SKIPPED, WARN, FAIL = "ok", "changed", "skipped", "warn", "fail"
+#: every record status, in the order a person reads them.
+STATUSES = (OK, CHANGED, SKIPPED, WARN, FAIL)
+#: how bad each status is: the worst of a host's records decides its recap and exit code.
+SEVERITY = {SKIPPED: 0, OK: 1, CHANGED: 2, WARN: 3, FAIL: 4}
+
+# --------------------------------------------------------------------------- engines
+
+#: the layer conventions (:mod:`remote.layers` says what each means).
+OUTPUT, INPUT = "output", "input"
+LAYER_CONVENTIONS = (OUTPUT, INPUT)
+#: the sample file formats (:mod:`remote.samples`): speculators 0.3's and speculators >= 0.5's.
+PT, HS = "pt", "hs"
+
+
+class EngineFacts(NamedTuple):
+    #: the convention its layer ids are written in.
+    convention: str
+    #: the sample file format it writes.
+    sample_format: str
+
+
+#: engine name -> what a run with it captures and writes.
+ENGINES = {
+    "speculators-0.3": EngineFacts(OUTPUT, PT),
+    "vllm-server": EngineFacts(INPUT, HS),
+    "hf-reference": EngineFacts(OUTPUT, PT),
+}
+#: ``engine: auto`` (the default): the host picks from its installed speculators.
+AUTO_ENGINE = "auto"
+#: what a user may name: ``auto`` first, then every engine.
+ENGINE_CHOICES = (AUTO_ENGINE, *ENGINES)
+#: other spellings people type.
+ENGINE_ALIASES = {"hf_reference": "hf-reference", "hf": "hf-reference",
+                  "speculators_v03": "speculators-0.3", "speculators": "speculators-0.3",
+                  "vllm_server": "vllm-server", "server": "vllm-server"}
+
+# --------------------------------------------------------------------------- run ids
+
+#: a run id as a host takes it: a run dir's name (and an output dir's), at most RUN_ID_MAX characters.
+RUN_ID_MAX = 128
+#: a group run names a range moved to another host ``<run-id>.<shard id>``; shard ids are
+#: ``s<k>`` or ``s<k>m<n>`` (a move of a move keeps its root: ``s2m3``, never ``s2m1m1``), with
+#: k and n below MOVE_LIMIT, so this is the longest suffix ever appended to a user's id.
+MOVE_LIMIT = 10000
+MOVED_SUFFIX_MAX = len(f".s{MOVE_LIMIT - 1}m{MOVE_LIMIT - 1}")
+#: the longest run id a user may give: the host's limit less the longest suffix we append.
+USER_RUN_ID_MAX = RUN_ID_MAX - MOVED_SUFFIX_MAX
+
+
+def run_id_pattern(limit: int = RUN_ID_MAX) -> re.Pattern:
+    """The run-id rule for ids of at most ``limit`` characters (letters, digits, ``._-``; not ``.``/``-`` first)."""
+    return re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (limit - 1))
+
+
+RUN_ID_RE = run_id_pattern(RUN_ID_MAX)
+USER_RUN_ID_RE = run_id_pattern(USER_RUN_ID_MAX)
+
+
+def run_id_problem(run_id, limit: int = RUN_ID_MAX) -> str | None:
+    """Why ``run_id`` is not a run id of at most ``limit`` characters, in one line; None when it is one."""
+    text = str(run_id)
+    if run_id_pattern(limit).match(text):
+        return None
+    shown = f"{text[:40]!r}{'...' if len(text) > 40 else ''}"
+    length = f" ({len(text)} characters, at most {limit})" if len(text) > limit and RUN_ID_RE.match(text) else ""
+    return f"run id {shown} is not a valid run id{length}"
+
+
+def run_id_fix(limit: int = RUN_ID_MAX) -> str:
+    """What a valid run id of at most ``limit`` characters is made of (the fix of :func:`run_id_problem`)."""
+    return f"use 1-{limit} characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+
+
+# --------------------------------------------------------------------------- sample files
+
+#: format -> the name of sample ``{index}``, and the subdir of the output dir it lives in.
+SAMPLE_FILES = {PT: ("data_{index}.pt", ""), HS: ("hs_{index}.safetensors", "hidden_states")}
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+
+
+def sample_name(index, fmt: str = PT) -> str:
+    """The file name of sample ``index`` (no directory): ``data_3.pt`` / ``hs_3.safetensors``."""
+    return SAMPLE_FILES[fmt][0].format(index=index)
+
+
+def sample_pattern(fmt: str = PT) -> re.Pattern:
+    """The file names of ``fmt``'s samples; group 1 is the index."""
+    head, _, tail = SAMPLE_FILES[fmt][0].partition("{index}")
+    return re.compile(f"^{re.escape(head)}(\\d+){re.escape(tail)}$")
+
+
+# --------------------------------------------------------------------------- run parameters
+
+#: what a run uses when neither the inventory nor a flag says otherwise.
+DEFAULTS = {
+    "engine": AUTO_ENGINE,
+    "tp": 1,
+    "seq_len": 2048,
+    "batch_size": 8,
+    "max_samples": 1000,
+    "gpu_memory_utilization": 0.9,
+}
+
+
+def param(params: dict, name: str):
+    """Run parameter ``name`` from ``params``, or its :data:`DEFAULTS` value when unset (missing, None or empty)."""
+    value = params.get(name)
+    return DEFAULTS[name] if value in (None, "") else value

@@ -1,0 +1,245 @@
+"""Reading a sample file back: its structure, its sha256 and its per-layer statistics (stdlib at import).
+
+:func:`digest_hs_file` reads one ``hs_{i}.safetensors`` once (memory-mapped) for
+everything a manifest keeps; :func:`hs_file_problem` judges a file by its safetensors
+header alone (a resume counts only whole files); :class:`LayerStats` adds the layers
+of many samples up, from tensors (``data_{i}.pt``) or from :func:`layer_partial` results.
+:mod:`remote.samples` names the files and walks a run's samples with these.
+
+torch is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+
+class LayerStats:
+    """Running statistics of one layer over all samples (float64 sums; exact NaN/Inf counts)."""
+
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+        self.count = 0
+        self.total = 0.0
+        self.total_sq = 0.0
+        self.abs_max = 0.0
+        self.nan = 0
+        self.inf = 0
+        self.hidden = None
+        self.dtype = None
+        self.tokens = 0
+
+    def add(self, tensor) -> None:
+        import torch
+
+        t = tensor.detach().to(torch.float64)
+        finite = torch.isfinite(t)
+        self.nan += int(torch.isnan(t).sum())
+        self.inf += int(torch.isinf(t).sum())
+        good = t[finite]
+        self.count += good.numel()
+        self.total += float(good.sum())
+        self.total_sq += float((good * good).sum())
+        if good.numel():
+            self.abs_max = max(self.abs_max, float(good.abs().max()))
+        self.tokens += int(tensor.shape[0])
+        self.hidden = int(tensor.shape[-1])
+        self.dtype = str(tensor.dtype).replace("torch.", "")
+
+    def merge(self, part: dict) -> None:
+        """Add one sample's :func:`layer_partial` (computed as the file landed)."""
+        self.count += part["count"]
+        self.total += part["total"]
+        self.total_sq += part["total_sq"]
+        if part["count"]:
+            self.abs_max = max(self.abs_max, part["abs_max"])
+        self.nan += part["nan"]
+        self.inf += part["inf"]
+        self.tokens += part["tokens"]
+        self.hidden, self.dtype = part["hidden"], part["dtype"]
+
+    def as_dict(self) -> dict:
+        mean = self.total / self.count if self.count else float("nan")
+        var = self.total_sq / self.count - mean * mean if self.count else float("nan")
+        return {
+            "layer_id": self.layer_id,
+            "shape": [self.tokens, self.hidden],
+            "dtype": self.dtype,
+            "mean": mean,
+            "std": math.sqrt(max(var, 0.0)) if self.count else float("nan"),
+            "abs_max": self.abs_max,
+            "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+def non_finite(hidden_states, layer_ids) -> list[dict]:
+    """Per-layer NaN/Inf counts of one sample, only for layers that have any."""
+    import torch
+
+    bad = []
+    for lid, h in zip(layer_ids, hidden_states):
+        nan, inf = int(torch.isnan(h).sum()), int(torch.isinf(h).sum())
+        if nan or inf:
+            bad.append({"layer_id": lid, "nan": nan, "inf": inf})
+    return bad
+
+
+def read_pt_sample(path, stats, layer_ids):
+    """Add a ``data_{i}.pt`` file's layers to ``stats``; returns ``(tokens, tensors entry)``."""
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    hs = data.get("hidden_states")
+    if not isinstance(hs, list) or len(hs) != len(layer_ids):
+        raise ValueError(f"{path}: hidden_states holds {len(hs) if isinstance(hs, list) else hs!r} "
+                         f"layers, expected {len(layer_ids)} ({layer_ids})")
+    n = int(data["input_ids"].shape[0])
+    for st, h in zip(stats, hs):
+        if tuple(h.shape[:1]) != (n,):
+            raise ValueError(f"{path}: layer {st.layer_id} has {h.shape[0]} rows for {n} tokens")
+        st.add(h)
+    return n, {
+        "input_ids": shape_dtype(data["input_ids"]),
+        "loss_mask": shape_dtype(data["loss_mask"]),
+        "hidden_states": [dict(layer_id=lid, **shape_dtype(h)) for lid, h in zip(layer_ids, hs)],
+    }
+
+
+#: safetensors dtype -> (bytes per element, torch dtype name)
+_ST_DTYPES = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32"), "F64": (8, "float64"),
+              "I64": (8, "int64"), "I32": (4, "int32")}
+#: a safetensors header larger than this is not one the connector wrote
+_MAX_HEADER = 1 << 24
+
+
+def _hs_header(handle, size: int):
+    """``(header, data_start, problem)`` of an open safetensors file of ``size`` bytes."""
+    head = handle.read(8)
+    if len(head) < 8:
+        return None, 0, f"{size} bytes: shorter than a safetensors header"
+    header_len = int.from_bytes(head, "little")
+    if header_len > min(_MAX_HEADER, size - 8):
+        return None, 0, f"header length {header_len} does not fit a {size}-byte file"
+    try:
+        header = json.loads(handle.read(header_len))
+    except ValueError as exc:
+        return None, 0, f"unreadable safetensors header ({exc})"
+    if not isinstance(header, dict):
+        return None, 0, "safetensors header is not a JSON object"
+    data_start = 8 + header_len
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            lo, hi = (int(x) for x in info["data_offsets"])
+            width = _ST_DTYPES[info["dtype"]][0]
+            count = math.prod(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            return None, 0, f"tensor {name!r}: dtype/shape/data_offsets unreadable ({info!r})"
+        if hi - lo != count * width or lo < 0:
+            return None, 0, f"tensor {name!r}: {hi - lo} bytes for shape {info['shape']} {info['dtype']}"
+        end = max(end, hi)
+    if data_start + end != size:
+        return None, 0, f"{size} bytes, but its header declares {data_start + end} (cut short or padded)"
+    return header, data_start, None
+
+
+def hs_file_problem(path) -> str | None:
+    """Why ``path`` is not a whole safetensors file (header only, nothing loaded); None if it is."""
+    try:
+        with open(path, "rb") as handle:
+            return _hs_header(handle, os.fstat(handle.fileno()).st_size)[2]
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+
+
+def layer_partial(x) -> dict:
+    """Mergeable statistics of one layer's ``[T, H]`` states (see :meth:`LayerStats.merge`).
+
+    Sums in float32 from one float32 copy of the layer (plenty for a summary, a quarter
+    of the float64 traffic); the exact NaN/Inf split only when a sum is not finite.
+    """
+    import torch
+
+    f = x.float().reshape(-1)
+    total, total_sq = float(f.sum()), float(torch.dot(f, f))
+    lo, hi = (float(v) for v in torch.aminmax(f))
+    part = {"tokens": int(x.shape[0]), "hidden": int(x.shape[-1]), "dtype": str(x.dtype).replace("torch.", "")}
+    if all(map(math.isfinite, (total, total_sq, lo, hi))):
+        return dict(part, count=f.numel(), total=total, total_sq=total_sq, abs_max=max(-lo, hi), nan=0, inf=0)
+    d = f.double()
+    finite = torch.isfinite(d)
+    good = d[finite]
+    return dict(part, count=good.numel(), total=float(good.sum()), total_sq=float((good * good).sum()),
+                abs_max=float(good.abs().max()) if good.numel() else 0.0,
+                nan=int(torch.isnan(d).sum()), inf=int(torch.isinf(d).sum()))
+
+
+def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=None) -> dict:
+    """Everything a run keeps about one ``hs`` file, from a single read of it.
+
+    Checks the safetensors structure and size, ``token_ids`` (int64 [T]; equal to
+    ``token_ids`` when given), ``hidden_states`` ([T, len(file_layer_ids), H], H =
+    ``hidden_size`` when given), and NaN/Inf; hashes the bytes and computes each layer's
+    statistics (:func:`layer_partial`, in ``layer_ids`` order). The file is memory-mapped
+    once: hash, checks and statistics read the page cache in place, nothing is copied whole.
+
+    :returns: ``{"problems": [...], "tokens", "bytes", "sha256", "tensors", "layers"}``;
+        with problems, the rest may be missing.
+    """
+    import mmap
+
+    import torch
+
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        header, data_start, problem = _hs_header(handle, size)
+        if problem:
+            return {"problems": [problem]}
+        missing = {"token_ids", "hidden_states"} - set(header)
+        if missing:
+            return {"problems": [f"file lacks {sorted(missing)} (has {sorted(set(header) - {'__metadata__'})})"]}
+        # ACCESS_COPY: a private, writable view (torch.frombuffer wants one); the file is never written
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        problems = []
+        tid, hs = header["token_ids"], header["hidden_states"]
+        if tid["dtype"] != "I64" or len(tid["shape"]) != 1:
+            return {"problems": [f"token_ids is {tid['dtype']} {tid['shape']}, expected int64 [T]"]}
+        n = int(tid["shape"][0])
+        ids = torch.frombuffer(mapped, dtype=torch.int64, count=n, offset=data_start + tid["data_offsets"][0])
+        if token_ids is not None and ids.tolist() != list(token_ids):
+            problems.append(f"token_ids do not echo the request ({n} ids back, {len(token_ids)} sent)")
+        shape, want = [int(d) for d in hs["shape"]], [n, len(file_layer_ids)]
+        if len(shape) != 3 or shape[:2] != want or (hidden_size and shape[2] != hidden_size) or \
+                hs["dtype"] not in ("BF16", "F16", "F32", "F64"):
+            problems.append(f"hidden_states {hs['dtype']} {shape}, expected a float [{want[0]}, {want[1]}, "
+                            f"{hidden_size or 'H'}] [T, L, H] (layers {list(file_layer_ids)})")
+            return {"problems": problems}
+        states = torch.frombuffer(mapped, dtype=getattr(torch, _ST_DTYPES[hs["dtype"]][1]),
+                                  count=math.prod(shape), offset=data_start + hs["data_offsets"][0]).view(shape)
+        layers = [layer_partial(states[:, list(file_layer_ids).index(lid)]) for lid in layer_ids]
+        bad = [(lid, p["nan"], p["inf"]) for lid, p in zip(layer_ids, layers) if p["nan"] or p["inf"]]
+        if bad:
+            problems.append("hidden_states has NaN/Inf: " + ", ".join(
+                f"layer {lid}: {nan} NaN, {inf} Inf" for lid, nan, inf in bad))
+        entry = {"token_ids": {"shape": [n], "dtype": "int64"},
+                 "hidden_states": {"layer_ids": list(file_layer_ids), "shape": shape,
+                                   "dtype": _ST_DTYPES[hs["dtype"]][1]}}
+        digest = hashlib.sha256(mapped).hexdigest()
+        del ids, states
+        return {"problems": problems, "tokens": n, "bytes": size, "sha256": digest, "tensors": entry,
+                "layers": layers}
+    finally:
+        try:
+            mapped.close()
+        except BufferError:  # a tensor view still alive (an exception above): the GC unmaps it
+            pass
+
+
+def shape_dtype(t) -> dict:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
