@@ -18,7 +18,7 @@ from typing import Callable
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specops import jobs
-from specops.assets import remote_protocol
+from specops.assets import remote_contract
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload, run_on_hosts
@@ -38,14 +38,12 @@ def default_run_id(model_path: str) -> str:
 
 def check_run_id(run_id: str) -> str:
     """A run id a user gives: the host's rule, short enough for every suffix a group run appends."""
-    protocol = remote_protocol()
-    if not protocol.USER_RUN_ID_RE.match(run_id):
-        long = len(run_id) > protocol.USER_RUN_ID_MAX and protocol.RUN_ID_RE.match(run_id)
-        raise UsageError(f"--run-id {run_id[:40]!r}{'...' if len(run_id) > 40 else ''} is not a valid run id"
-                         + (f" ({len(run_id)} characters, at most {protocol.USER_RUN_ID_MAX})" if long else ""),
-                         f"use letters, digits, '.', '_' and '-' (at most {protocol.USER_RUN_ID_MAX}: the host "
-                         f"takes {protocol.RUN_ID_MAX} and a moved shard appends up to "
-                         f"{protocol.MOVED_SUFFIX_MAX}; not starting with . or -)")
+    contract = remote_contract()
+    problem = contract.run_id_problem(run_id, contract.USER_RUN_ID_MAX)
+    if problem:
+        raise UsageError(f"--run-id: {problem}",
+                         f"{contract.run_id_fix(contract.USER_RUN_ID_MAX)} (the host takes {contract.RUN_ID_MAX} "
+                         f"and a moved shard appends up to {contract.MOVED_SUFFIX_MAX})")
     return run_id
 
 
