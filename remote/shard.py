@@ -126,9 +126,9 @@ def _stack(params: dict, data: dict) -> dict:
     try:
         config = modelconfig.read(params["model_path"])
         data["model"] = modelconfig.summary(config)
-        from remote.supervisor import resolve_layer_ids
+        from remote.supervisor import run_layer_ids
 
-        ids, convention = resolve_layer_ids(params, engine, modelconfig.decoder_layers(config))
+        ids, convention = run_layer_ids(params, engine, config)
     except Exception as exc:  # the model is preflight's to judge; here only what the plan needs
         return protocol.record("shard.stack", protocol.FAIL, f"cannot resolve the layer ids: {exc}",
                                detail=stack, fix="run specops preflight on this host; it names the cause")

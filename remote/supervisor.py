@@ -92,6 +92,12 @@ def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[
     return plan["ids"], plan["convention"]
 
 
+def run_layer_ids(params: dict, engine: str, config: dict) -> tuple[list[int], str]:
+    """:func:`resolve_layer_ids` for a model's config, counting its layers as preflight does
+    (:func:`remote.modelconfig.num_layers`): what the supervisor and the shard probe capture."""
+    return resolve_layer_ids(params, engine, modelconfig.decoder_layers(config))
+
+
 # --------------------------------------------------------------------------- the run
 
 class Supervisor:
@@ -217,7 +223,7 @@ class Supervisor:
         fmt = samples.ENGINE_FORMAT[engine_name]
         model_path = p["model_path"]
         config = model_config(model_path)
-        layer_ids, convention = resolve_layer_ids(p, engine_name, modelconfig.decoder_layers(config))
+        layer_ids, convention = run_layer_ids(p, engine_name, config)
         self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
                            engine=engine_name, engine_why=engine_why, format=fmt)
 
