@@ -157,6 +157,9 @@ def run_id_fix(limit: int = RUN_ID_MAX) -> str:
 SAMPLE_FILES = {PT: ("data_{index}.pt", ""), HS: ("hs_{index}.safetensors", "hidden_states")}
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
+#: a run dir's own files (:mod:`remote.rundir`); the laptop fetches these by name.
+PARAMS_FILE, STATUS_FILE = "params.json", "status.json"
+RUN_FILES = (PARAMS_FILE, STATUS_FILE, MANIFEST, SUMMARY)
 
 
 def sample_name(index, fmt: str = PT) -> str:

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from remote import protocol, samples, signals
-from remote.contract import FINAL_STATES, RunState, run_id_fix, run_id_problem
+from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
 from remote.rootcause import last_traceback
 from remote.rundir import (RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
@@ -124,7 +124,7 @@ def start(params: dict) -> dict:
     run_dir = run_dir_of(params)
     wanted = job_params(params)
     with _RunsLock(run_dir.parent):
-        old = read_json(run_dir / "params.json")
+        old = read_json(run_dir / PARAMS_FILE)
         if old is not None and old != wanted:
             changed = sorted(k for k in set(old) | set(wanted) if old.get(k) != wanted.get(k))
             raise JobError("job.start", f"run {params['run_id']} exists with different parameters "
@@ -181,9 +181,9 @@ def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "errors").mkdir(exist_ok=True)
     if not resumed:
-        samples.write_json_atomic(run_dir / "params.json", wanted)
-    previous = read_json(run_dir / "status.json") or {}
-    samples.write_json_atomic(run_dir / "status.json", {
+        samples.write_json_atomic(run_dir / PARAMS_FILE, wanted)
+    previous = read_json(run_dir / STATUS_FILE) or {}
+    samples.write_json_atomic(run_dir / STATUS_FILE, {
         **previous,
         "run_id": wanted["run_id"], "state": RunState.PENDING.value, "phase": "starting",
         "updated_at": utc_now(),
@@ -227,7 +227,7 @@ def _spawn(run_dir: Path, params: dict) -> int:
 
 def current_status(run_dir: Path) -> dict | None:
     """status.json with liveness folded in; a dead supervisor of a live state -> failed (persisted)."""
-    st = read_json(run_dir / "status.json")
+    st = read_json(run_dir / STATUS_FILE)
     if st is None:
         return None
     pid = read_pid(run_dir)
@@ -256,7 +256,7 @@ def current_status(run_dir: Path) -> dict | None:
                              f"a reboot; {oom['text']}); starting the same run id again resumes after "
                              f"the last complete sample")}
     st.update(state=RunState.FAILED.value, phase="failed", error=error)
-    samples.write_json_atomic(run_dir / "status.json", {k: v for k, v in st.items() if k != "alive"})
+    samples.write_json_atomic(run_dir / STATUS_FILE, {k: v for k, v in st.items() if k != "alive"})
     return st
 
 
@@ -465,7 +465,7 @@ def abort(params: dict) -> dict:
     supervisor and what else had to be killed.
     """
     run_dir = run_dir_of(params)
-    st = read_json(run_dir / "status.json")
+    st = read_json(run_dir / STATUS_FILE)
     if st is None:
         raise JobError("job.abort", f"no run {params.get('run_id')} on this host ({run_dir})",
                        "check the run id")
@@ -498,14 +498,14 @@ def abort(params: dict) -> dict:
            else "the supervisor stopped on SIGTERM")
     if swept or left:
         how += "; " + _leftovers_text(swept, left)
-    st = read_json(run_dir / "status.json") or {}
+    st = read_json(run_dir / STATUS_FILE) or {}
     if st.get("state") != RunState.DONE:
         st.update(state=RunState.ABORTED.value, phase="aborted",
                   error={"rank": None, "type": "Aborted", "where": "job.abort", "traceback": "",
                          "message": f"aborted by request: {how}", "signal": "SIGKILL" if killed else "SIGTERM",
                          "killed_after_grace": killed, "swept": swept, "left": left,
                          "supervisor_error": (st.get("error") or {}).get("message")})
-        samples.write_json_atomic(run_dir / "status.json", st)
+        samples.write_json_atomic(run_dir / STATUS_FILE, st)
     st["alive"] = pid_alive(pid, run_dir)
     status_ = protocol.FAIL if left else protocol.CHANGED
     return _payload("job.abort", status_, f"run {params['run_id']} aborted: {how}", run_dir, st,

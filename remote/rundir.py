@@ -42,8 +42,8 @@ class RunPaths:
 
     def __init__(self, run_dir):
         self.run_dir = Path(run_dir).resolve()
-        self.params = self.run_dir / "params.json"
-        self.status = self.run_dir / "status.json"
+        self.params = self.run_dir / contract.PARAMS_FILE
+        self.status = self.run_dir / contract.STATUS_FILE
         self.pid = self.run_dir / "pid"
         self.logs = self.run_dir / "logs"
         self.errors = self.run_dir / "errors"
@@ -133,7 +133,7 @@ def run_alive(run_dir: Path) -> bool:
 
 def run_busy(run_dir: Path) -> bool:
     """Alive and not yet final (a finished supervisor may take a moment to exit)."""
-    st = read_json(Path(run_dir) / "status.json") or {}
+    st = read_json(Path(run_dir) / contract.STATUS_FILE) or {}
     return st.get("state") not in FINAL_STATES and run_alive(run_dir)
 
 

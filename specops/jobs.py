@@ -33,7 +33,7 @@ from typing import Callable
 
 from rich.table import Table
 
-from specops.assets import remote_protocol
+from specops.assets import remote_contract, remote_protocol
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
 from specops.fleet import report_from_payload
@@ -42,7 +42,7 @@ from specops.report import console
 from specops.result import HostReport, RunState
 
 #: small files fetched for every run, relative to the run dir.
-RUN_FILES = ("params.json", "status.json", "manifest.json", "summary.json")
+RUN_FILES = remote_contract().RUN_FILES
 #: the follower says something at least this often (seconds) ...
 FOLLOW_HEARTBEAT_S = 2.0
 #: ... so this long without a word from it means the connection is gone.
@@ -230,7 +230,7 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
 
 
 def fetch_tensors(host: Host, dest: Path):
-    manifest_path = dest / "manifest.json"
+    manifest_path = dest / remote_contract().MANIFEST
     if not manifest_path.exists():
         return _rec("fetch.tensors", "fail", "the run has no manifest yet: nothing to check tensors against",
                     {}, fix="wait for the run to finish (specops status), then fetch --tensors")
@@ -314,7 +314,7 @@ def summary_table(summary: dict) -> Table:
 
 
 def show_summary(dest: Path) -> None:
-    path = dest / "summary.json"
+    path = dest / remote_contract().SUMMARY
     if path.exists():
         console.print(summary_table(json.loads(path.read_text())))
 

@@ -156,3 +156,11 @@ def test_sample_file_names(tmp_path, fmt, name, sub):
     assert samples.index_of(f"{sub}/{name}") == 7 and samples.FORMATS[fmt][0].match(name)
     assert not contract.sample_pattern(fmt).match(".partial-" + name) and samples.index_of("data_x.pt") is None
     assert (samples.MANIFEST, samples.SUMMARY) == (contract.MANIFEST, contract.SUMMARY)
+
+
+def test_run_dir_files_are_the_ones_the_laptop_fetches(tmp_path):
+    from specops import jobs
+
+    paths = rundir.RunPaths(tmp_path)
+    assert jobs.RUN_FILES == contract.RUN_FILES
+    assert {paths.params.name, paths.status.name} | {contract.MANIFEST, contract.SUMMARY} == set(jobs.RUN_FILES)
