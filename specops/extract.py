@@ -47,8 +47,26 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.smoke") -> list[Record]:
+    """Smoke on one host before its real run: the smoke's failures and warnings, then one
+    verdict record called ``name`` (``fail``: the real run must not start there)."""
+    from specops.smoke import smoke_step
+
+    smoked = smoke_step(host, overrides, samples=4, force=force)
+    records = [r for r in smoked.records if r.status in ("fail", "warn")]
+    if smoked.failed:
+        records.append(Record(
+            name=name, status="fail",
+            summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
+            fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
+    else:
+        records.append(Record(name=name, status="ok",
+                              summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
+    return records
+
+
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
-               skip_smoke: bool = True, inject_failure: dict | None = None) -> HostReport:
+               skip_smoke: bool = False, inject_failure: dict | None = None) -> HostReport:
     """Preflight, smoke, then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
     if jobs.run_state(host, run_id).found:
@@ -67,18 +85,9 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
         report.records.append(Record(name="extract.preflight", status="ok",
                                      summary=f"preflight passed ({len(pre.records)} checks)"))
     if not skip_smoke:
-        from specops.smoke import smoke_step
-
-        smoked = smoke_step(host, overrides, samples=4, force=force)
-        report.records.extend(r for r in smoked.records if r.status in ("fail", "warn"))
-        if smoked.failed:
-            report.records.append(Record(
-                name="extract.smoke", status="fail",
-                summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
-                fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
+        report.records.extend(rehearse(host, overrides, force=force))
+        if report.failed:
             return report
-        report.records.append(Record(name="extract.smoke", status="ok",
-                                     summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
     params = run_params(host.spec, **overrides)
     # each run owns its own output dir: a new run never "resumes" from another's samples
     params.update(force=force, output_dir=f"{params['output_dir'].rstrip('/')}/{run_id}")
@@ -134,7 +143,7 @@ def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
             detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
             accept_new_host_key: bool = False, inject_failure: dict | None = None,
-            skip_smoke: bool = True, shard_by: str | None = None, allow_partial: bool = False,
+            skip_smoke: bool = False, shard_by: str | None = None, allow_partial: bool = False,
             reassign: str | None = None) -> ExitCode:
     """Run the whole extraction flow; returns the exit code.
 
@@ -151,8 +160,8 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
             raise UsageError("inject_failure is a single-host test hook", "run it against one host")
         return fleetrun.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
                                 skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
-                                accept_new_host_key=accept_new_host_key, shard_by=shard_by,
-                                allow_partial=allow_partial, reassign_text=reassign)
+                                accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke,
+                                shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in specs}
     try:
         return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,

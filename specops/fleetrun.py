@@ -8,7 +8,9 @@
    width). One recap says which hosts are ready; the run starts only when all are,
    or on the ready ones with ``--allow-partial``. Hosts must agree on the dataset
    (count and sha256), the model, and the stack (layer convention, layer ids, sample
-   format): a mixed stack is refused, since mixed files are silent. The dataset's
+   format): a mixed stack is refused, since mixed files are silent. Once they agree,
+   each ready host rehearses on a tiny twin of the model (``specops smoke``; unless
+   ``--skip-smoke``), and a host whose rehearsal fails is not ready. The dataset's
    ``[0, total)`` is split into contiguous ranges sized by capacity
    (:mod:`specops.shards`), and the map is written to ``runs/R/fleet.json`` before
    anything starts.
@@ -26,7 +28,8 @@ The same ``extract --run-id R`` again resumes what is unfinished (the map and th
 come from ``fleet.json``); ``--reassign FROM=TO`` moves an unfinished shard's remaining
 range -- from the first index not on FROM's disk, read from FROM when it answers, from
 its last seen status when it does not -- to TO, as a new shard (run id ``R.<shard>``
-there). ``status``, ``logs``, ``abort`` and ``fetch`` with the run id act on every shard.
+there). ``status``, ``logs``, ``abort``, ``fetch`` and ``verify`` with the run id act on every
+shard, on the host that holds it now.
 
 Every one of them believes the host's disk, not a status file: a done run whose samples
 went missing resumes (``job start`` checks its range on disk) and ``status`` calls it
@@ -296,9 +299,33 @@ def _why_not_ready(report: HostReport) -> str:
     return f"{len(failed)} failed check(s): {', '.join(failed[:3])}" + (", ..." if len(failed) > 3 else "")
 
 
+def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force: bool,
+                   reports: list[HostReport]) -> list[str]:
+    """Smoke on every named host at once (each host's records join its report in ``reports``);
+    returns the hosts whose rehearsal failed."""
+    from specops.extract import rehearse
+
+    smoked = run_steps([conns.host(n) for n in names],
+                       lambda h: HostReport(host=h.name, task="extract",
+                                            records=rehearse(h, overrides, force=force, name="fleet.smoke")),
+                       name_of=lambda h: h.name, task="smoke", on_timeout=lambda h: h.close())
+    by_host = {r.host: r for r in reports}
+    for report in smoked:
+        records = report.records if report.error is None else [Record(
+            name="fleet.smoke", status="fail", summary=f"smoke on {report.host}: {report.error.splitlines()[0]}",
+            fix="fix the host, or pass --skip-smoke")]
+        by_host[report.host].records.extend(records)
+    return [r.host for r in smoked if r.failed]
+
+
 def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: str | None, allow_partial: bool,
-         skip_preflight: bool) -> tuple[FleetManifest | None, list[HostReport]]:
-    """Probe every host at once and write the shard map; (None, reports) when the run must not start."""
+         skip_preflight: bool, skip_smoke: bool = False, force: bool = False
+         ) -> tuple[FleetManifest | None, list[HostReport]]:
+    """Probe every host at once and write the shard map; (None, reports) when the run must not start.
+
+    The smoke rehearsal runs once the hosts agree (a mismatch is found in seconds, without a
+    twin's load); a host whose rehearsal fails is not ready.
+    """
     check_shared_params(specs, overrides)
     names = [s.name for s in specs]
     mode, given = shardmap.parse_shard_by(shard_by, names)
@@ -338,6 +365,26 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     group.records.extend(shared_records)
     if any(r.status == "fail" for r in shared_records):
         return None, [*reports, group]
+    failed_smoke = [] if skip_smoke else rehearse_hosts(ready, conns, overrides, force, reports)
+    if failed_smoke:
+        left_out.update({h: "smoke failed on the tiny twin" for h in failed_smoke})
+        ready = [h for h in ready if h not in failed_smoke]
+        if not ready or not allow_partial:
+            group.records.append(Record(
+                name="fleet.smoke", status="fail",
+                summary=f"smoke failed on {', '.join(failed_smoke)}: the real run would fail there; not starting",
+                detail={"ready": ready, "not_ready": left_out},
+                fix=("fix the failures above (specops smoke --on HOST shows them alone), or start on the other "
+                     "hosts with --allow-partial, or pass --skip-smoke") if ready else
+                    "fix the failures above (specops smoke --on HOST shows them alone), or pass --skip-smoke"))
+            return None, [*reports, group]
+        group.records.append(Record(name="fleet.smoke", status="warn",
+                                    summary=f"--allow-partial: smoke failed on {', '.join(failed_smoke)}; starting "
+                                            f"on {', '.join(ready)}", detail={"ready": ready, "not_ready": left_out}))
+        probes = {h: p for h, p in probes.items() if h in ready}
+        shared_groups = storage.shared_groups(probes)
+        if mode == "weights":
+            given = {h: w for h, w in (given or {}).items() if h in ready}
     first = probes[ready[0]]
     total = first["dataset"]["samples"]
     weights = _weights(mode, given, probes)
@@ -427,8 +474,10 @@ def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tup
 
 
 def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
-             skip_preflight: bool) -> list[HostReport]:
-    """Move every unfinished shard of each FROM to its TO; the map is saved when all moves are settled."""
+             skip_preflight: bool, skip_smoke: bool = False, force: bool = False) -> list[HostReport]:
+    """Move every unfinished shard of each FROM to its TO; the map is saved when all moves are settled.
+
+    A TO new to the run is checked as the plan checks a host (preflight, then smoke)."""
     group = HostReport(host=GROUP, task="extract")
     reports: list[HostReport] = []
     for src, dst in pairs:
@@ -447,6 +496,9 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
     probes = {r.host: r.data["probe"] for r in probed if not r.failed}
     checks = agreement(probes, expected=manifest) if probes else []
     group.records.extend(checks)
+    new = [n for n in targets if n not in manifest.hosts]
+    if not bad and not skip_smoke and new and not any(r.status == "fail" for r in checks):
+        bad = rehearse_hosts(new, conns, overrides, force, reports)
     if bad or any(r.status == "fail" for r in checks):
         group.records.append(Record(name="fleet.reassign", status="fail",
                                     summary=f"not moving anything: {', '.join(bad) or 'the new host'} cannot take a "
@@ -747,13 +799,18 @@ def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception 
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str, detach: bool, force: bool,
             skip_preflight: bool, as_json: bool, tensors: bool, accept_new_host_key: bool = False,
-            shard_by: str | None = None, allow_partial: bool = False, reassign_text: str | None = None) -> ExitCode:
-    """The whole group run: plan (or resume, or reassign), start, follow, fetch; returns the exit code."""
+            skip_smoke: bool = False, shard_by: str | None = None, allow_partial: bool = False,
+            reassign_text: str | None = None) -> ExitCode:
+    """The whole group run: plan (or resume, or reassign), start, follow, fetch; returns the exit code.
+
+    Every host of a new plan (and a new host a shard moves to) gets the smoke rehearsal
+    first unless ``skip_smoke``; a resumed shard does not (it was checked when planned).
+    """
     conns = Connections(inventory, accept_new_host_key)
     try:
         return _extract(inventory, selector, overrides, conns, run_id=run_id, detach=detach, force=force,
-                        skip_preflight=skip_preflight, as_json=as_json, tensors=tensors, shard_by=shard_by,
-                        allow_partial=allow_partial, reassign_text=reassign_text)
+                        skip_preflight=skip_preflight, skip_smoke=skip_smoke, as_json=as_json, tensors=tensors,
+                        shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign_text)
     finally:
         conns.close()
 
@@ -772,8 +829,8 @@ def _resume_overrides(manifest: FleetManifest, overrides: dict) -> dict:
     return dict(manifest.overrides)
 
 
-def _extract(inventory, selector, overrides, conns: Connections, *, run_id, detach, force, skip_preflight, as_json,
-             tensors, shard_by, allow_partial, reassign_text) -> ExitCode:
+def _extract(inventory, selector, overrides, conns: Connections, *, run_id, detach, force, skip_preflight, skip_smoke,
+             as_json, tensors, shard_by, allow_partial, reassign_text) -> ExitCode:
     manifest = load_manifest(run_id)
     reports: list[HostReport] = []
     if manifest is None:
@@ -782,7 +839,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                              f"({manifest_path(run_id)} does not exist)", "pass the id of a running group run")
         specs = inventory.select(selector)
         manifest, reports = plan(run_id, overrides, specs, conns, shard_by=shard_by, allow_partial=allow_partial,
-                                 skip_preflight=skip_preflight)
+                                 skip_preflight=skip_preflight, skip_smoke=skip_smoke, force=force)
         if manifest is None:
             print_fleet(reports, as_json=as_json)
             return overall_exit(reports)
@@ -792,7 +849,8 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                              "drop --shard-by to resume, or move a shard with --reassign FROM=TO")
         overrides = _resume_overrides(manifest, overrides)
         if reassign_text:
-            reports = reassign(manifest, parse_reassign(reassign_text), conns, overrides, skip_preflight)
+            reports = reassign(manifest, parse_reassign(reassign_text), conns, overrides, skip_preflight,
+                               skip_smoke=skip_smoke, force=force)
             if any(r.failed for r in reports):
                 print_fleet(reports, as_json=as_json)
                 return overall_exit(reports)
@@ -1062,6 +1120,48 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
 
         sys.stdout.write(json.dumps({"run_id": run_id, "logs": collected}, indent=2) + "\n")
     return max(codes)
+
+
+def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
+           accept_new_host_key: bool = False) -> list[HostReport]:
+    """Verify every shard of a group run where it is now: on its head host, under its own run id
+    (``R.<shard>`` for a range a reassign moved); one report per shard, and the group's verdict.
+
+    A cut shard whose run never ended done (stopped when the rest of its range moved) has no
+    manifest of its own to verify: it is named in a warning, never passed over in silence.
+    """
+    from specops.verify import verify_step
+
+    manifest = load_manifest(run_id)
+    conns = Connections(inventory, accept_new_host_key)
+
+    def one(shard: Shard, host: Host) -> HostReport:
+        if shard.closed:
+            state = jobs.run_state(host, shard.run_id)
+            if state.state != "done":
+                return HostReport(host=shard.label, task="verify", records=[Record(
+                    name="fleet.verify", status="warn",
+                    summary=f"{shard.label}: not verified: its run {shard.run_id} was cut at {shard.stop} (the rest "
+                            f"moved to {', '.join(shard.moved_to)}) and ended {state.state}, so it has no manifest "
+                            f"of [{shard.start}, {shard.stop})", detail={"range": [shard.start, shard.stop]})])
+        report = verify_step(host, shard.run_id, samples, reference)
+        report.host = shard.label
+        return report
+
+    try:
+        shards = [s for s in manifest.shards if not s.empty]
+        reports = _per_shard(shards, manifest, conns, "verify", one, timeout=None)
+    finally:
+        conns.close()
+    failed = [r.host for r in reports if r.failed]
+    unverified = [r.host for r in reports if not r.failed and any(x.name == "fleet.verify" for x in r.records)]
+    verdict = Record(
+        name="fleet.verify", status="fail" if failed else "warn" if unverified else "ok",
+        summary=(f"{len(reports) - len(failed) - len(unverified)} of {len(reports)} shard(s) of run {run_id} "
+                 f"verified" + (f"; failed: {', '.join(failed)}" if failed else "")
+                 + (f"; not verifiable: {', '.join(unverified)}" if unverified else "")),
+        fix=f"see the shards' records above (specops status --run-id {run_id})" if failed else None)
+    return [*reports, HostReport(host=GROUP, task="verify", records=[verdict])]
 
 
 # --------------------------------------------------------------------------- fetch and merge

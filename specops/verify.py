@@ -62,11 +62,18 @@ def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf"
 
 def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
            accept_new_host_key: bool = False) -> list[HostReport]:
+    """Verify ``run_id`` on every selected host; a group run this laptop started (its
+    ``runs/<run-id>/fleet.json``) is verified shard by shard wherever each is now."""
     from specops.errors import UsageError
 
     if reference not in REFERENCES:
         raise UsageError(f"--reference {reference!r} is not known", f"use one of: {', '.join(REFERENCES)}")
     if int(samples) < 1:
         raise UsageError(f"--samples {samples!r} must be a positive integer", "example: --samples 3")
+    from specops import fleetrun
+
+    if fleetrun.is_fleet_run(run_id):  # every shard, on the host that holds it now
+        return fleetrun.verify(inventory, run_id, samples=int(samples), reference=reference,
+                               accept_new_host_key=accept_new_host_key)
     return run_on_hosts(inventory, selector, "verify", lambda h: verify_step(h, run_id, samples, reference),
                         accept_new_host_key=accept_new_host_key)

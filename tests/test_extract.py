@@ -60,7 +60,7 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
 
     monkeypatch.setattr(paramiko.SSHClient, "connect", counting_connect)
     code = extract(load_inventory(llama_inventory), None, {}, run_id="r1", detach=False, force=False,
-                   skip_preflight=True, as_json=True, tensors=True)
+                   skip_preflight=True, skip_smoke=True, as_json=True, tensors=True)
     assert code == ExitCode.SUCCESS
     assert len(connects) == 1, f"start, follow and fetch must share one SSH connection: {connects}"
     dest = tmp_path / "runs" / "th" / "r1"
@@ -75,7 +75,7 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
         assert {h["dtype"] for h in entry["tensors"]["hidden_states"]} == {"bfloat16"}
     assert all(layer["nan"] == 0 and layer["inf"] == 0 for layer in summary["layers"])
     assert (dest / "logs" / "supervisor.log").exists()
-    # skip_smoke (the library default) starts no rehearsal run on a twin
+    # skip_smoke starts no rehearsal run on a twin
     assert not [p.name for p in (tmp_path / "work" / "runs").iterdir() if p.name.startswith("smoke-")]
 
     # a second fetch resumes a partial file and verifies it

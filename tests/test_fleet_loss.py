@@ -40,6 +40,8 @@ def done_run(inv: Path, runs: Path, run_id: str, *extra: str) -> None:
     assert got.returncode == ExitCode.SUCCESS, got.stdout[-3000:] + got.stderr[-3000:]
     for name in ("a", "b", "c"):
         assert status_file(inv.parent, name, run_id)["state"] == "done"
+        runs_dir = inv.parent / name / "work" / "runs"
+        assert not [p for p in runs_dir.iterdir() if p.name.startswith("smoke-")], "--skip-smoke rehearses nowhere"
 
 
 def shard_map(runs: Path, run_id: str) -> list[tuple]:

@@ -257,6 +257,19 @@ def test_reassign_moves_the_rest_of_a_dead_hosts_shard_no_sample_twice_none_lost
     final = cli("status", "--inventory", inv, "--run-id", "F2", runs=runs, timeout=120)
     assert final.returncode == ExitCode.SUCCESS, final.stdout
 
+    # verify by the group's run id: the moved range under its own run id on a; c's cut run never ended
+    # done (it has no manifest of its kept range), which a warning names
+    checked = cli("verify", "--inventory", inv, "--run-id", "F2", "--samples", "1", "--json", runs=runs, timeout=900)
+    assert checked.returncode == ExitCode.SUCCESS, checked.stdout[-4000:] + checked.stderr[-4000:]
+    said = records_of(checked.stdout)
+    assert set(said) == {"s0@a", "s1@b", "s2@c", "s2m1@a", "fleet"}
+    for label in ("s0@a", "s1@b", "s2m1@a"):
+        assert said[label]["verify.run"]["status"] == "ok", said[label]
+    assert said["s2m1@a"]["verify.run"]["summary"].startswith("run F2.s2m1:")
+    assert said["s2@c"]["fleet.verify"]["status"] == "warn" and "not verified" in said["s2@c"]["fleet.verify"]["summary"]
+    verdict = said["fleet"]["fleet.verify"]
+    assert verdict["status"] == "warn" and "3 of 4 shard(s)" in verdict["summary"] and "s2@c" in verdict["summary"]
+
 
 # --------------------------------------------------------------------------- refusals, partial start, hung host
 
@@ -294,7 +307,7 @@ def test_mixed_stacks_and_unready_hosts_start_nothing_until_allowed(tmp_path, te
     assert ready["status"] == "fail" and "1 of 3 host(s) ready (a)" in ready["summary"]
     assert "--allow-partial" in ready["fix"] and not (runs / "P1").exists()
 
-    go = cli("extract", "--inventory", str(inv), "--on", "trio", "--run-id", "P1", "--skip-preflight",
+    go = cli("extract", "--inventory", str(inv), "--on", "trio", "--run-id", "P1", "--skip-preflight", "--skip-smoke",
              "--allow-partial", "--detach", runs=runs, env=env, timeout=600)
     assert go.returncode == ExitCode.SUCCESS, go.stdout[-3000:] + go.stderr[-3000:]
     fleet = json.loads((runs / "P1" / "fleet.json").read_text())
