@@ -353,9 +353,9 @@ import torch
 from remote import samples, verify
 
 model_path, run_dir, dtype, plant = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-model, text, _ = verify.load_reference(model_path, dtype, False)
-scaling = text["llama_4_scaling"]
-verify._LLAMA4.update(beta=float(scaling["beta"]), original=float(scaling["original_max_position_embeddings"]))
+reference = verify.load_reference(model_path, dtype, False)
+model, text = reference.model, reference.text
+assert reference.scaling_by.startswith("specops attention hook"), reference.scaling_by
 recorder = verify.StreamRecorder(model)
 route = verify.RouterControl(recorder.layers)
 rng = random.Random(7)

@@ -322,7 +322,8 @@ from remote import verify
 names = set()
 for shard in glob.glob(sys.argv[1] + "/*.safetensors"):
     names |= set(load_file(shard))
-model, _, how = verify.load_reference(sys.argv[1], "float32", False)
+reference = verify.load_reference(sys.argv[1], "float32", False)
+model, how = reference.model, reference.how
 with torch.inference_mode():
     out = model(input_ids=torch.tensor([[5, 17, 99, 300, 42, 7, 250, 3]]), output_hidden_states=True)
 print(json.dumps({"transformers": transformers.__version__, "how": how,

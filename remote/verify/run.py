@@ -1,0 +1,178 @@
+"""The run ``verify`` checks: its dir, status and manifest, which samples and layers to
+check, and the sample files read back in the layer order of the manifest.
+
+**Sample files.** Either format a run writes: ``data_{i}.pt`` (speculators 0.3:
+``input_ids`` and one ``[T, H]`` tensor per layer id, in ``layer_ids`` order) or
+``hs_{i}.safetensors`` (speculators >= 0.5, the ``vllm-server`` engine: ``token_ids``
+and ``hidden_states [T, L, H]`` whose layer axis follows the recorded
+``file_layer_ids``, else ascending ids, as vLLM captures a sorted set). The manifest's
+``files`` paths are relative to the output dir.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from remote import layers, protocol, samples
+
+DEFAULT_SAMPLES = 3
+#: the ``hs_{i}.safetensors`` format's suffix; anything else is read as ``data_{i}.pt``.
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+class VerifyError(protocol.TaskError):
+    """A refusal of this task (see protocol.TaskError)."""
+
+
+@dataclass
+class Run:
+    """A finished run as verify reads it; ``layer_ids`` and ``convention`` as its manifest records them."""
+
+    run_dir: Path
+    status: dict
+    manifest: dict
+    output_dir: Path
+    layer_ids: list[int]
+    convention: str
+
+
+def open_run(params: dict) -> Run:
+    """The run named by ``params`` (``run_dir``, or ``run_id`` + ``work_dir``).
+
+    :raises VerifyError: no such run, a run that is not done, no manifest, or a manifest
+        without a known layer convention.
+    """
+    found = locate_run(params)
+    manifest = found["manifest"]
+    convention = manifest.get("layer_convention")
+    if convention not in layers.CONVENTIONS:
+        raise VerifyError("verify.convention", f"the manifest records no known layer convention ({convention!r})",
+                          "re-run the extraction with a specops version that records layer_convention")
+    return Run(layer_ids=[int(x) for x in manifest["layer_ids"]], convention=convention, **found)
+
+
+def locate_run(params: dict) -> dict:
+    """The run's dir, status, manifest and output dir; refuses runs that are not done."""
+    if params.get("run_dir"):
+        run_dir = Path(params["run_dir"]).expanduser()
+    else:
+        if not params.get("work_dir") or not params.get("run_id"):
+            raise VerifyError("verify.run", "run_id and work_dir are required",
+                              "pass --run-id; work_dir comes from the inventory")
+        run_dir = Path(params["work_dir"]).expanduser() / "runs" / str(params["run_id"])
+    status = _read_json(run_dir / "status.json")
+    if status is None:
+        raise VerifyError("verify.run", f"no run at {run_dir}",
+                          "check the run id (specops status --run-id ...)")
+    if status.get("state") != "done":
+        raise VerifyError("verify.run", f"run {run_dir.name} is {status.get('state')!r}, not done",
+                          "verify needs a finished run: wait for it (specops status) or fix and resume it")
+    manifest = _read_json(run_dir / samples.MANIFEST)
+    if manifest is None:
+        raise VerifyError("verify.run", f"run {run_dir.name} has no manifest.json",
+                          "the run did not finish writing; start the same run id again to finalize it")
+    output_dir = Path(status.get("output_dir") or (manifest.get("params") or {}).get("output_dir")
+                      or run_dir / "samples")
+    return {"run_dir": run_dir, "status": status, "manifest": manifest, "output_dir": output_dir}
+
+
+def trust_remote_code(params: dict, manifest: dict) -> bool:
+    """The caller's ``trust_remote_code`` when it sent one (not None), else what the run recorded."""
+    trust = params.get("trust_remote_code")
+    if trust is None:
+        trust = (manifest.get("params") or {}).get("trust_remote_code", False)
+    return bool(trust)
+
+
+def sample_index(entry: dict) -> int:
+    """The sample index of a manifest ``files`` entry (its ``index``, else its file name)."""
+    if entry.get("index") is not None:
+        return int(entry["index"])
+    found = samples.index_of(entry["path"])
+    if found is None:
+        raise VerifyError("verify.files", f"manifest entry {entry['path']!r} is not a sample file name",
+                          "the manifest was not written by specops; re-run the extraction")
+    return found
+
+
+def choose_samples(manifest: dict, count: int) -> list[dict]:
+    """The ``count`` longest samples (most positions past any scaling limit), in index order."""
+    files = list(manifest.get("files") or [])
+    chosen = sorted(files, key=lambda f: (-int(f.get("tokens") or 0), f["path"]))[:max(1, count)]
+    return sorted(chosen, key=sample_index)
+
+
+def check_files(run: Run, chosen: list[dict]) -> dict:
+    """The ``verify.run`` record: the chosen files are the ones the manifest describes.
+
+    :raises VerifyError: a file whose sha256 is not the manifest's.
+    """
+    manifest = run.manifest
+    mismatched = [f["path"] for f in chosen
+                  if samples.sha256_file(run.output_dir / f["path"]) != f["sha256"]]
+    if mismatched:
+        raise VerifyError("verify.files", f"{len(mismatched)} sample file(s) differ from the manifest sha256",
+                          "the files changed after the run; re-run the extraction",
+                          detail={"files": mismatched, "output_dir": str(run.output_dir)})
+    return protocol.record(
+        "verify.run", protocol.OK,
+        f"run {run.run_dir.name}: {len(chosen)} of {len(manifest['files'])} sample(s) "
+        f"({sum(int(f['tokens']) for f in chosen)} tokens), sha256 match; layers {run.layer_ids} ({run.convention})",
+        detail={"run_dir": str(run.run_dir), "output_dir": str(run.output_dir),
+                "samples": [f["path"] for f in chosen], "engine": manifest.get("engine")})
+
+
+def file_layer_order(manifest: dict) -> list[int]:
+    """The layer ids in the order of an ``hs`` file's layer axis: what the run recorded
+    (the manifest's, else the engine's ``file_layer_ids``), else ascending (vLLM keeps the
+    ids as a sorted set)."""
+    recorded = manifest.get("file_layer_ids") or (manifest.get("engine") or {}).get("file_layer_ids")
+    ids = [int(x) for x in manifest["layer_ids"]]
+    return [int(x) for x in recorded] if recorded else sorted(ids)
+
+
+def load_sample(path: Path, manifest: dict) -> dict:
+    """One sample as ``{"input_ids": [ids], "hidden_states": [[T, H] per layer id]}``,
+    the layers in the order of the manifest's ``layer_ids`` whatever the file's format.
+
+    :raises VerifyError: a file whose structure does not match the manifest.
+    """
+    layer_ids = [int(x) for x in manifest["layer_ids"]]
+    if path.name.endswith(SAFETENSORS_SUFFIX):
+        from safetensors.torch import load_file
+
+        data = load_file(str(path))
+        ids, states = data.get("token_ids"), data.get("hidden_states")
+        order = file_layer_order(manifest)
+        problem = None
+        if ids is None or states is None:
+            problem = f"tensors {sorted(data)}, expected token_ids and hidden_states"
+        elif sorted(order) != sorted(layer_ids):
+            problem = f"the engine's file layer order {order} names other ids than layer_ids {layer_ids}"
+        elif states.dim() != 3 or states.shape[0] != ids.shape[0] or states.shape[1] != len(order):
+            problem = (f"hidden_states {list(states.shape)}, expected [{int(ids.shape[0])}, {len(order)}, H] "
+                       f"(layers {order})")
+        if problem:
+            raise VerifyError("verify.files", f"{path.name}: {problem}",
+                              "the sample does not match its manifest; re-run the extraction",
+                              detail={"path": str(path)})
+        return {"input_ids": ids.tolist(), "hidden_states": [states[:, order.index(lid)] for lid in layer_ids]}
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    hidden = data.get("hidden_states")
+    if not isinstance(hidden, (list, tuple)) or len(hidden) != len(layer_ids):
+        raise VerifyError("verify.files", f"{path.name}: hidden_states holds "
+                          f"{len(hidden) if isinstance(hidden, (list, tuple)) else type(hidden).__name__} "
+                          f"layer(s), expected {len(layer_ids)} ({layer_ids})",
+                          "the sample does not match its manifest; re-run the extraction",
+                          detail={"path": str(path)})
+    return {"input_ids": data["input_ids"].tolist(), "hidden_states": list(hidden)}
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
