@@ -37,7 +37,8 @@ from pathlib import Path
 from remote import contract, fsutil, versions
 from remote.contract import HS, MANIFEST, PT, SUMMARY, sample_name
 from remote.fsutil import sha256_file
-from remote.sampleread import LayerStats, digest_hs_file, hs_file_problem, read_pt_sample
+# layer_partial too: scripts and benchmarks read it as samples.layer_partial
+from remote.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
 
 #: format -> (file name pattern, directory under the output dir, what the manifest says); the
 #: names are :data:`remote.contract.SAMPLE_FILES`
