@@ -1,7 +1,7 @@
 """``specops verify``: recompute a few samples of a finished run with an independent
 reference and compare every captured layer.
 
-The work happens on the host (``remote/verify.py``): a transformers forward of the
+The work happens on the host (``remote/verify/``): a transformers forward of the
 run's own model on the same token ids (float32, CPU; ``llama_4_scaling`` applied the
 way vLLM does when transformers lacks it), per layer max abs difference, relative
 error, nrmse and cosine, a best-match search that names an off-by-one layer, and a
