@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from remote import protocol
 from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL,
-                                   WARN_SHARE, beyond_rounding, compare, convention_record, expected_indices,
-                                   layer_record, merge, nrmse_by_index, token_errors)
+                                   WARN_SHARE, beyond_rounding, convention_record, expected_indices,
+                                   layer_numbers, layer_record, merge, nrmse_by_index,
+                                   token_errors)
 from remote.verify.floor import rounding_floor
 from remote.verify.reference import Reference, StreamRecorder, load_reference, reference_record
 from remote.verify.routing import (MAX_ROUTE_FORWARDS, NEAR_TIE_SIGMAS, ROUTE_KEEP_SHARE, RouterControl,
@@ -41,7 +42,7 @@ __all__ = [
     "BF16_REL", "CONVENTION_MARGIN", "COS_TOL", "DEFAULT_SAMPLES", "FLOOR_FACTOR", "FLOOR_MIN",
     "MAX_ROUTE_FORWARDS", "NEAR_TIE_SIGMAS", "REFERENCES", "REL_TOL", "ROUTE_KEEP_SHARE", "WARN_SHARE",
     "Comparison", "Llama4Scaling", "Reference", "RouterControl", "RouterDecisions", "StreamRecorder",
-    "VerifyError", "compare", "load_reference", "load_sample", "main", "match_routing", "merge",
+    "VerifyError", "layer_numbers", "load_reference", "load_sample", "main", "match_routing", "merge",
     "rounding_floor", "router_spec", "token_errors", "verify",
 ]
 
@@ -109,7 +110,7 @@ def check_reference(params: dict) -> None:
 class Comparison:
     """What comparing the chosen samples with the reference found."""
 
-    #: layer id -> its numbers (:func:`compare`) per sample.
+    #: layer id -> its numbers (:func:`layer_numbers`) per sample.
     per_layer: dict[int, list[dict]]
     #: layer id -> the capture's nrmse against every stream index, averaged over the samples.
     by_index: dict[int, list[float]]
@@ -148,11 +149,11 @@ def compare_samples(run: Run, chosen: list[dict], model, recorder: StreamRecorde
             flips = []
         row = {"sample": entry["path"], "tokens": len(ids), "layers": {}}
         for lid, captured in zip(run.layer_ids, data["hidden_states"]):
-            numbers = compare(captured, streams[expected[lid]])
+            numbers = layer_numbers(captured, streams[expected[lid]])
             # tokens whose state here was computed with the engine's choice at an earlier router
             numbers["rerouted"] = len({f["token"] for f in flips if f["layer"] < expected[lid]})
             if route.routers:
-                numbers["raw"] = compare(captured, raw[expected[lid]])
+                numbers["raw"] = layer_numbers(captured, raw[expected[lid]])
                 numbers["raw"].pop("bad_tokens")
             found.per_layer[lid].append(numbers)
             row["layers"][str(lid)] = numbers

@@ -53,14 +53,14 @@ def _agreement(h, r):
 
 
 def token_errors(captured, reference):
-    """Per token: relative error ``||h - r|| / ||r||``, and whether it agrees (see :func:`compare`)."""
+    """Per token: relative error ``||h - r|| / ||r||``, and whether it agrees (see :func:`layer_numbers`)."""
     h, r = captured.float(), reference.float()
     _diff, _scale, _cos, agree = _agreement(h, r)
     error = (h - r).norm(dim=-1) / (r.norm(dim=-1) + 1e-12)
     return error, agree
 
 
-def compare(captured, reference) -> dict:
+def layer_numbers(captured, reference) -> dict:
     """Numbers for one layer of one sample (both ``[tokens, hidden]``)."""
     h, r = captured.float(), reference.float()
     diff, scale, token_cos, agree = _agreement(h, r)

@@ -21,7 +21,7 @@ import sys
 from contextlib import contextmanager
 
 from remote import protocol
-from remote.verify.compare import REL_TOL, compare
+from remote.verify.compare import REL_TOL, layer_numbers
 
 #: the name the attention function is registered under (one per loaded reference).
 LLAMA4_ATTENTION = "specops_llama4_sdpa"
@@ -132,7 +132,7 @@ def llama4_record(reference, records: list[dict], loaded: list, recorder, layer_
         for _entry, data in loaded:
             streams = recorder.streams(reference.model, data["input_ids"])
             for lid, captured in zip(layer_ids, data["hidden_states"]):
-                without_s.append(compare(captured, streams[expected[lid]])["nrmse"])
+                without_s.append(layer_numbers(captured, streams[expected[lid]])["nrmse"])
     worst_with = max(r["detail"]["nrmse"] for r in layer_recs)
     worst_without = max(without_s)
     detail.update(nrmse_with_scaling=worst_with, nrmse_without_scaling=worst_without)
