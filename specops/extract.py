@@ -21,7 +21,7 @@ from specops import jobs
 from specops.assets import remote_contract
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
-from specops.fleet import report_from_payload, run_on_hosts
+from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params
@@ -148,20 +148,21 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     """Run the whole extraction flow; returns the exit code.
 
     More than one host (or a run id this laptop knows as a group run, or a group flag)
-    makes one group run, the dataset sharded over the hosts (:mod:`specops.fleetrun`);
+    makes one group run, the dataset sharded over the hosts (:mod:`specops.runs`);
     one host runs the whole dataset, as before.
     """
-    from specops import fleetrun
+    from specops.runs import extract as group
+    from specops.runs.store import is_fleet_run
 
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
-    if len(specs) > 1 or fleetrun.is_fleet_run(run_id) or shard_by or allow_partial or reassign:
+    if len(specs) > 1 or is_fleet_run(run_id) or shard_by or allow_partial or reassign:
         if inject_failure:
             raise UsageError("inject_failure is a single-host test hook", "run it against one host")
-        return fleetrun.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
-                                skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
-                                accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke,
-                                shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
+        return group.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
+                             skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
+                             accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke,
+                             shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in specs}
     try:
         return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,

@@ -36,7 +36,7 @@ from rich.table import Table
 from specops.assets import remote_contract, remote_protocol
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
-from specops.fleet import report_from_payload
+from specops.parallel import report_from_payload
 from specops.host import Host
 from specops.report import console
 from specops.result import HostReport, RunState

@@ -7,7 +7,7 @@ must be clean for the patch to count as done.
 """
 from __future__ import annotations
 
-from specops.fleet import report_from_payload, run_on_hosts
+from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 from specops import jobs
-from specops.fleet import report_from_payload, run_on_hosts
+from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params

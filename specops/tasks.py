@@ -195,7 +195,7 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
 def _fleet(run_id) -> bool:
     """Whether this laptop started ``run_id`` as a group run (its shard map is in runs/<run-id>/fleet.json):
     then status, logs, abort and fetch act on every shard, on whichever host holds it."""
-    from specops.fleetrun import is_fleet_run
+    from specops.runs.store import is_fleet_run
 
     return is_fleet_run(run_id)
 
@@ -232,14 +232,14 @@ def _require_run_id(run_id):
 def status(target, run_id=None):
     """Show a run's state; exits 0 done, 100 failed, 101 running, 102 not found, 103 aborted."""
     from specops import jobs
-    from specops.fleet import run_on_hosts
+    from specops.parallel import run_on_hosts
 
     rid = _require_run_id(run_id)
     if _fleet(rid):
-        from specops import fleetrun
+        from specops.runs import status as group
 
-        return fleetrun.status(target.inventory, rid, as_json=target.as_json,
-                               accept_new_host_key=target.accept_new_host_key)
+        return group.status(target.inventory, rid, as_json=target.as_json,
+                            accept_new_host_key=target.accept_new_host_key)
     reports = run_on_hosts(target.inventory, target.selector, "status", lambda h: jobs.status_report(h, rid),
                            target.accept_new_host_key)
     print_reports(reports, as_json=target.as_json)
@@ -257,10 +257,10 @@ def logs(target, run_id=None, follow=False, rank=None):
 
     rid = _require_run_id(run_id)
     if _fleet(rid):
-        from specops import fleetrun
+        from specops.runs import status as group
 
-        return fleetrun.logs(target.inventory, rid, follow_logs=follow, only=rank, as_json=target.as_json,
-                             accept_new_host_key=target.accept_new_host_key)
+        return group.logs(target.inventory, rid, follow_logs=follow, only=rank, as_json=target.as_json,
+                          accept_new_host_key=target.accept_new_host_key)
     return show_logs(target.hosts(), rid, follow=follow, only=rank, as_json=target.as_json)
 
 
@@ -268,13 +268,13 @@ def logs(target, run_id=None, follow=False, rank=None):
 def abort(target, run_id=None):
     """Stop a run: SIGTERM to its process group, SIGKILL after a grace period."""
     from specops import jobs
-    from specops.fleet import report_from_payload, run_on_hosts
+    from specops.parallel import report_from_payload, run_on_hosts
 
     rid = _require_run_id(run_id)
     if _fleet(rid):
-        from specops import fleetrun
+        from specops.runs import status as group
 
-        return fleetrun.abort(target.inventory, rid, accept_new_host_key=target.accept_new_host_key)
+        return group.abort(target.inventory, rid, accept_new_host_key=target.accept_new_host_key)
     return run_on_hosts(target.inventory, target.selector, "abort",
                         lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
                         target.accept_new_host_key)
@@ -286,14 +286,14 @@ def fetch(target, run_id=None, tensors=False):
     from pathlib import Path
 
     from specops import jobs
-    from specops.fleet import run_on_hosts
+    from specops.parallel import run_on_hosts
 
     rid = _require_run_id(run_id)
     if _fleet(rid):
-        from specops import fleetrun
+        from specops.runs import fetch as group
 
-        return fleetrun.fetch_run_id(target.inventory, rid, tensors=tensors, as_json=target.as_json,
-                                     accept_new_host_key=target.accept_new_host_key)
+        return group.fetch_run_id(target.inventory, rid, tensors=tensors, as_json=target.as_json,
+                                  accept_new_host_key=target.accept_new_host_key)
     reports = run_on_hosts(target.inventory, target.selector, "fetch",
                            lambda h: jobs.fetch_run(h, rid, tensors=tensors), target.accept_new_host_key)
     print_reports(reports, as_json=target.as_json)

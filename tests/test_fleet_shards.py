@@ -8,8 +8,8 @@ import pytest
 
 from specops import shards
 from specops.errors import UsageError
-from specops.fleet import run_steps
-from specops.fleetrun import agreement, check_shared_params
+from specops.parallel import run_steps
+from specops.runs.plan import agreement, check_shared_params
 from specops.result import HostReport
 from specops.shards import FleetManifest, Shard
 
@@ -306,7 +306,7 @@ def test_a_user_run_id_leaves_room_for_every_suffix():
 @pytest.mark.parametrize("text, words", [(" , ", "names no move"), (",", "names no move"),
                                          ("a=b,a=c", "moves 'a' twice"), ("a=b, a = c", "twice")])
 def test_reassign_refuses_nothing_and_a_host_moved_twice(text, words):
-    from specops.fleetrun import parse_reassign
+    from specops.runs.reassign import parse_reassign
 
     with pytest.raises(UsageError) as err:
         parse_reassign(text)

@@ -30,8 +30,10 @@ def installed_specops(tmp_path_factory) -> Path:
     # Build from a clean copy: setuptools reuses an in-tree build/ dir, which would ship
     # files that were deleted from the checkout since the last local build.
     source = root / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "runs", "__pycache__", "*.egg-info", ".pytest_cache"))
+    skipped = shutil.ignore_patterns(".git", ".venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache")
+    # the local runs/ dir at the top only: specops/runs/ is a package of the program
+    shutil.copytree(REPO, source, ignore=lambda where, names: set(skipped(where, names)) | (
+        {"runs"} & set(names) if Path(where) == REPO else set()))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-input", "-q",
                     "--disable-pip-version-check", "-w", str(wheels), str(source)], check=True, timeout=600)
     wheel = next(wheels.glob("specops-*.whl"))

@@ -7,7 +7,7 @@ reported as such when its time is up, its connection is closed, and the other ho
 results come back without waiting for it.
 
 (The group extraction built on this -- one run sharded over many hosts -- is
-:mod:`specops.fleetrun`.)
+:mod:`specops.runs`.)
 """
 from __future__ import annotations
 

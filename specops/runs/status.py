@@ -1,0 +1,143 @@
+"""``status``, ``logs`` and ``abort`` of a group run: every shard, on the host that holds it, bounded per host."""
+from __future__ import annotations
+
+import json
+
+from rich.text import Text
+
+from specops import jobs
+from specops.errors import SpecopsError
+from specops.exit_codes import ExitCode
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.logs import log_printer
+from specops.parallel import report_from_payload
+from specops.report import console
+from specops.result import HostReport, Record, RunState, overall_exit
+from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
+from specops.runs.store import load_manifest, save_manifest
+from specops.runs.view import INCOMPLETE, print_fleet, shard_state, shard_table
+from specops.shards import FleetManifest, Shard
+
+
+class UnreachableMarker(Exception):
+    """A shard whose host did not answer a look (shown with its last seen progress)."""
+
+
+def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
+    payload = jobs.job_call(host, "status", shard.run_id)
+    report = report_from_payload(shard.label, "status", payload)
+    state = RunState.from_payload(payload)
+    if state.found:
+        shard.remember(state.model_dump())
+    report.data["state"] = shard_state(shard, state)
+    report.data["run_state"] = state.model_dump()
+    if shard.closed:  # its host's run may have ended any way; what counts is the kept range
+        report.records = [Record(name="job.status", status="ok" if report.data["state"] == "done" else "warn",
+                                 summary=f"[{shard.start}, {shard.stop}) on {shard.head}: {report.data['state']} "
+                                         f"(rest moved to {', '.join(shard.moved_to)})")]
+    if report.data["state"] == "done":  # done is what the disk holds, not what a status file says
+        listing = shard_files(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
+        gone = shard.size - len(listing.get("files") or [])
+        if gone:
+            report.data.update(state=INCOMPLETE, on_disk=shard.size - gone, disk_first_missing=listing["first_missing"])
+            report.records.append(Record(
+                name="fleet.disk", status="fail",
+                summary=f"{shard.label} is done by its status, but {gone} of its {shard.size} sample(s) are not on "
+                        f"{shard.head}'s disk, or changed there (first {listing['first_missing']})",
+                detail={"missing_head": listing.get("missing_head"), "changed": listing.get("changed")},
+                fix=f"specops extract --run-id {manifest.run_id} makes them again"))
+    return report
+
+
+def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_key: bool = False) -> ExitCode:
+    """Every shard's state, bounded per host; an unreachable host is shown with its last seen progress."""
+    manifest = load_manifest(run_id)
+    conns = Connections(inventory, accept_new_host_key)
+    try:
+        shards = [s for s in manifest.shards if not s.empty]
+        reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h),
+                             QUICK_TIMEOUT_S)
+    finally:
+        conns.close()
+    save_manifest(manifest)
+    states: dict = {}
+    for shard, report in zip(shards, reports):
+        if report.error is not None:
+            states[shard.id] = UnreachableMarker(report.error)
+            report.data["last_seen"] = shard.seen
+        else:
+            states[shard.id] = RunState.model_validate(report.data["run_state"])
+    print_fleet(reports, as_json=as_json)
+    if not as_json:
+        console.print(shard_table(manifest, states, {
+            s.id: (r.data["on_disk"], r.data["disk_first_missing"]) for s, r in zip(shards, reports)
+            if r.data.get("state") == INCOMPLETE}))
+    if any(r.error is not None for r in reports):
+        return overall_exit([r for r in reports if r.error is not None])
+    return max((ExitCode.FAILED if r.data.get("state") == INCOMPLETE else
+                ExitCode.from_job_state(r.data.get("state", "missing")) for r in reports), default=ExitCode.SUCCESS)
+
+
+def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = False) -> list[HostReport]:
+    """Stop every shard's run (cut shards too, should theirs still run)."""
+    manifest = load_manifest(run_id)
+    conns = Connections(inventory, accept_new_host_key)
+    try:
+        shards = [s for s in manifest.shards if not s.empty]
+        return per_shard(shards, manifest, conns, "abort",
+                          lambda s, h: report_from_payload(s.label, "abort", jobs.job_call(h, "abort", s.run_id)),
+                          QUICK_TIMEOUT_S)
+    finally:
+        conns.close()
+
+
+def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | None, as_json: bool,
+         accept_new_host_key: bool = False) -> ExitCode:
+    """Every shard's logs, each line prefixed by its shard and host; ``follow_logs`` streams until all are final."""
+    manifest = load_manifest(run_id)
+    conns = Connections(inventory, accept_new_host_key)
+    shards = [s for s in manifest.shards if not s.empty]
+    collected: dict[str, dict[str, str]] = {s.label: {} for s in shards}
+    labels = {s.id: s.label for s in shards}
+    show = log_printer(collected, only, as_json)
+
+    codes = [ExitCode.SUCCESS]
+    try:
+        if follow_logs:
+            def on_event(sid: str, event: dict) -> None:
+                if event["event"] == "log":
+                    show(labels[sid], event["file"], event["text"])
+
+            try:
+                final = jobs.follow_many([(s.id, conns.for_shard(manifest, s), s.run_id) for s in shards], on_event,
+                                         logs=True)
+            except KeyboardInterrupt:
+                conns.close()
+                console.print("[yellow]stopped following; the runs go on[/]")
+                return ExitCode.SUCCESS
+            for sid, result in final.items():
+                if isinstance(result, Exception):
+                    console.print(Text(f"{labels[sid]}: lost the follow: {result}", style="bold red"))
+                    codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
+        else:
+            def look(shard: Shard, host: Host) -> HostReport:
+                payload = jobs.job_call(host, "logs", shard.run_id)
+                return HostReport(host=shard.label, task="logs", data=payload.get("data") or {},
+                                  records=[Record(**r) for r in payload.get("records", [])])
+
+            for report in per_shard(shards, manifest, conns, "logs", look, QUICK_TIMEOUT_S):
+                if report.error is not None or "logs" not in report.data:
+                    why = report.error or (report.records[0].summary if report.records else "no logs")
+                    console.print(Text(f"{report.host}: {why.splitlines()[0]}", style="bold red"))
+                    codes.append(ExitCode(report.error_code) if report.error else ExitCode.JOB_NOT_FOUND)
+                    continue
+                for name, chunk in report.data["logs"].items():
+                    show(report.host, name, chunk["text"])
+    finally:
+        conns.close()
+    if as_json:
+        import sys
+
+        sys.stdout.write(json.dumps({"run_id": run_id, "logs": collected}, indent=2) + "\n")
+    return max(codes)
