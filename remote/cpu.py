@@ -108,6 +108,11 @@ def request_amx_permission() -> bool:
         return False
 
 
+#: vLLM's switch from spin-waiting to polling once a rank has been idle for 3 s (vLLM >= 0.9;
+#: 0.17+ idles on its own). Set for CPU runs unless the user's env says otherwise.
+IDLE_SLEEP_ENV = "VLLM_SLEEP_WHEN_IDLE"
+
+
 def amx_env(env: dict, flags=None) -> dict:
     """``env`` with the AMX permission hook first on ``PYTHONPATH`` when this CPU has AMX.
 

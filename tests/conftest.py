@@ -19,6 +19,10 @@ def _offline_and_hermetic():
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ["SPECOPS_SSH_CONFIG"] = os.devnull
+    # vLLM 0.16 ranks that tests start themselves (generator checks, direct LLM() runs) poll
+    # instead of spinning once idle, as the seed engine's CPU runs do: a spinning idle rank
+    # takes a core from the other xdist worker (half the CPU of a paused run).
+    os.environ.setdefault("VLLM_SLEEP_WHEN_IDLE", "1")
     yield
 
 
@@ -89,16 +93,29 @@ def pytest_configure(config):
 #: run on one worker (a modern server start over SSH is 40-300 s).
 SHARED_SESSION_FIXTURES = ("modern_ssh_run",)
 
+#: seconds each module took in a ``make test`` run (``scripts/test_durations.py`` writes it
+#: from a junit report); the scheduler hands out the longest unit first.
+DURATIONS = REPO / "tests" / "durations.json"
+
 
 def pytest_xdist_make_scheduler(config, log):
     """How ``make test`` (``pytest -n N``) hands out tests: a module at a time, so a module's
     own fixtures (one vLLM load, one server run) are built once, and the modules that share
-    a costly session fixture as one unit. (xdist's ``loadgroup`` marks do not reach its
-    scheduler under pytest 9, which keeps node ids elsewhere.)"""
+    a costly session fixture as one unit; the longest unit first (longest-processing-time
+    order), so no worker is left with a 5-minute module while the other one idles at the
+    end. (xdist's ``loadgroup`` marks do not reach its scheduler under pytest 9, which keeps
+    node ids elsewhere; its ``loadscope`` orders units by their count of tests.)"""
+    import json
+
     from xdist.scheduler import LoadScopeScheduling
+
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    # A module not measured yet counts as a typical one.
+    typical = sorted(seconds.values())[len(seconds) // 2] if seconds else 1.0
 
     class ByModule(LoadScopeScheduling):
         units: dict[str, str] = {}
+        unit_modules: dict[str, set] = {}
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
@@ -106,7 +123,27 @@ def pytest_xdist_make_scheduler(config, log):
                 text = (REPO / module).read_text(errors="replace") if (REPO / module).is_file() else ""
                 self.units[module] = next((f"uses {name}" for name in SHARED_SESSION_FIXTURES
                                            if name in text), module)
+                self.unit_modules.setdefault(self.units[module], set()).add(module)
             return self.units[module]
+
+        def _unit_seconds(self, unit: str) -> float:
+            return sum(seconds.get(module, typical) for module in self.unit_modules.get(unit, {unit}))
+
+        def _reschedule(self, node) -> None:
+            # xdist tops a worker up while it has 2 tests left; a 2-test module of 5 minutes
+            # would then hold the next unit back from an idle worker. A worker holds its
+            # last test until it gets more (it needs the next item), so 1 left = idle.
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=self._unit_seconds)
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ByModule(config, log)
 

@@ -252,7 +252,9 @@ def test_hosts_that_share_a_work_dir_are_refused_before_anything_starts(tmp_path
     proc = cli("extract", "--inventory", str(inv), "--on", "pair", "--run-id", "SW1", "--skip-preflight", "--json",
                runs=runs, timeout=300)
     assert proc.returncode == ExitCode.FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
-    said = records_of(proc.stdout)["fleet"]["fleet.work_dir"]
+    fleet = records_of(proc.stdout).get("fleet", {})
+    assert "fleet.work_dir" in fleet, proc.stdout[-4000:] + proc.stderr[-2000:]
+    said = fleet["fleet.work_dir"]
     assert said["status"] == "fail" and f"a, b share one work dir ({tmp_path / 'a' / 'work'})" in said["summary"]
     assert "give each host its own work_dir" in said["fix"]
     assert not (runs / "SW1").exists() and not (tmp_path / "a" / "work" / "runs" / "SW1").exists()

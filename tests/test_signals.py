@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from remote import signals
-from test_extract_remote import group_members, job, patched_speculators, vllm_params, wait_final  # noqa: F401
+from test_extract_remote import FINAL, group_members, job, patched_speculators, vllm_params  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -167,6 +167,24 @@ def rank_pid(log: Path, timeout=300.0) -> int:
     raise AssertionError(f"no pid in {log}")
 
 
+def first_sample_on_disk(params: dict, timeout: float) -> None:
+    """Wait until the run has written a sample (read on disk, no status call: on a loaded box
+    a python start can take longer than the rest of the run), so a signal lands mid-run."""
+    out = Path(params["output_dir"])
+    status = Path(params["work_dir"]) / "runs" / params["run_id"] / "status.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(out.rglob("data_*.pt")) or any(out.rglob("hs_*.safetensors")):
+            return
+        try:
+            st = json.loads(status.read_text())
+        except (OSError, ValueError):
+            st = {}
+        assert st.get("state") not in FINAL, f"the run ended before its first sample was on disk: {st}"
+        time.sleep(0.2)
+    raise AssertionError(f"no sample of {params['run_id']} on disk in {timeout:.0f} s")
+
+
 def assert_named(err: dict, rank, process: str, pid: int, sig: str) -> None:
     assert err["signal"] == sig and err["rank"] == rank and err["pid"] == pid, err
     assert err["message"].startswith(f"{signals.process_label(process, rank)[0]} ({process}, pid {pid}) "
@@ -185,7 +203,7 @@ def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(sig, hostenv_pyth
                               run_id=f"sig-{sig.lower()}", batch_delay_s=5.0, worker_error_grace_s=5),
                   max_samples=40, batch_size=1)  # minutes of run left when the signal lands (a quiet box was done first)
     job(hostenv_python, action="start", **params)
-    wait_final(hostenv_python, params, timeout=420, until=lambda s: s.get("samples_done", 0) >= 1)
+    first_sample_on_disk(params, timeout=420)
     run_dir = tmp_path / "work" / "runs" / params["run_id"]
     pid = rank_pid(run_dir / "logs" / "rank1.log")
     os.kill(pid, getattr(signal, sig))
@@ -250,7 +268,7 @@ def test_a_server_process_killed_by_a_signal_is_named_on_the_modern_engine(targe
                                                                            tmp_path):
     params = modern_params(tmp_path, tiny_models, f"msig-{target}", batch_delay_s=3.0)
     job(modern_vllm_python, action="start", **params)
-    wait_final(modern_vllm_python, params, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
+    first_sample_on_disk(params, timeout=900)
     run_dir = tmp_path / "work" / "runs" / params["run_id"]
     pid = server_pid(run_dir, target)
     os.kill(pid, getattr(signal, sig))

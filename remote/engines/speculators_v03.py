@@ -54,6 +54,11 @@ class SpeculatorsV03Engine(Engine):
             # an AMX CPU: this process and every rank it spawns ask Linux for AMX tile state (remote/cpu.py)
             os.environ.update(cpu.amx_env(dict(os.environ)))
             cpu.request_amx_permission()
+            # vLLM 0.16's ranks spin (sched_yield) on their shared-memory queue while idle: on a
+            # CPU host that is a core per rank taken from the next step's compute (and from
+            # anything else on the host) whenever the driver is busy elsewhere. After 3 s idle
+            # they poll every 0.1 s instead; a step that keeps them busy is unchanged.
+            os.environ.setdefault(cpu.IDLE_SLEEP_ENV, "1")
 
         import speculators.data_generation.vllm_hidden_states_generator as gen_module
 
