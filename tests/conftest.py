@@ -22,7 +22,9 @@ def _offline_and_hermetic():
     # vLLM 0.16 ranks that tests start themselves (generator checks, direct LLM() runs) poll
     # instead of spinning once idle, as the seed engine's CPU runs do: a spinning idle rank
     # takes a core from the other xdist worker (half the CPU of a paused run).
-    os.environ.setdefault("VLLM_SLEEP_WHEN_IDLE", "1")
+    from remote.cpu import IDLE_SLEEP_ENV
+
+    os.environ.setdefault(IDLE_SLEEP_ENV, "1")
     yield
 
 
