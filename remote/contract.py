@@ -99,20 +99,23 @@ class EngineFacts(NamedTuple):
     sample_format: str
 
 
+#: the engines' names: speculators 0.3's in-process generator (vLLM 0.16), vLLM's own
+#: OpenAI server with the hidden-states connector (speculators >= 0.5), the transformers reference.
+SPECULATORS_03, VLLM_SERVER, HF_REFERENCE = "speculators-0.3", "vllm-server", "hf-reference"
 #: engine name -> what a run with it captures and writes.
 ENGINES = {
-    "speculators-0.3": EngineFacts(OUTPUT, PT),
-    "vllm-server": EngineFacts(INPUT, HS),
-    "hf-reference": EngineFacts(OUTPUT, PT),
+    SPECULATORS_03: EngineFacts(OUTPUT, PT),
+    VLLM_SERVER: EngineFacts(INPUT, HS),
+    HF_REFERENCE: EngineFacts(OUTPUT, PT),
 }
 #: ``engine: auto`` (the default): the host picks from its installed speculators.
 AUTO_ENGINE = "auto"
 #: what a user may name: ``auto`` first, then every engine.
 ENGINE_CHOICES = (AUTO_ENGINE, *ENGINES)
 #: other spellings people type.
-ENGINE_ALIASES = {"hf_reference": "hf-reference", "hf": "hf-reference",
-                  "speculators_v03": "speculators-0.3", "speculators": "speculators-0.3",
-                  "vllm_server": "vllm-server", "server": "vllm-server"}
+ENGINE_ALIASES = {"hf_reference": HF_REFERENCE, "hf": HF_REFERENCE,
+                  "speculators_v03": SPECULATORS_03, "speculators": SPECULATORS_03,
+                  "vllm_server": VLLM_SERVER, "server": VLLM_SERVER}
 
 # --------------------------------------------------------------------------- run ids
 

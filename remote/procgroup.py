@@ -12,6 +12,8 @@ import signal
 import sys
 import time
 
+from remote import procscan
+
 
 def kill_own_group_and_exit(code: int) -> None:
     """Stop every process of this run (workers included) and exit, without touching others.
@@ -35,19 +37,7 @@ def kill_own_group_and_exit(code: int) -> None:
 
 def group_members() -> list[int]:
     """Other live processes of this supervisor's process group (workers, resource tracker)."""
-    me = os.getpid()
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[2]) == me:  # fields[2] is the pgrp
-            found.append(int(entry))
-    return found
+    return procscan.live_pids(pgrp=os.getpid())
 
 
 def stop_leftovers(grace_s: float = 5.0) -> list[int]:

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from remote import contract, samples
+from remote import contract, procscan, samples
 
 #: every state a run passes through, in order; the last three are final (:class:`remote.contract.RunState`).
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
@@ -113,12 +113,12 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
     proc = Path(f"/proc/{pid}")
     if not proc.exists():
         return True  # no /proc (macOS): trust kill(0)
+    fields = procscan.stat_fields(pid)
+    if fields is None or fields[0] in procscan.DEAD_STATES:
+        return False
     try:
-        state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state in ("Z", "X"):
-            return False
         cmdline = (proc / "cmdline").read_bytes()
-    except (OSError, IndexError):
+    except OSError:
         return False
     if not cmdline:
         return True  # seen for a moment right after exec: cannot tell, so not dead
@@ -146,25 +146,8 @@ RUN_DIR_ENV = "SPECOPS_RUN_DIR"
 def run_processes(run_dir: Path) -> list[int]:
     """Live processes (zombies excluded) of this user whose environment names this run dir."""
     run_dir = Path(run_dir)
-    needles = {f"{RUN_DIR_ENV}={run_dir}".encode(), f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()}
-    found = []
-    if not os.path.isdir("/proc"):
-        return found
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = set(fh.read().split(b"\0"))
-            if not needles & env:
-                continue
-            with open(f"/proc/{entry}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    return procscan.live_pids(env_any={f"{RUN_DIR_ENV}={run_dir}".encode(),
+                                       f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()})
 
 
 def kill_run_processes(run_dir: Path, timeout_s: float = 10.0) -> tuple[list[int], list[int]]:

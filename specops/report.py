@@ -26,9 +26,14 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from specops.result import HostReport, Record, overall_exit
+from specops.assets import remote_contract
+from specops.result import STATE, HostReport, Record, overall_exit
 
-STYLE = {"ok": "green", "changed": "yellow", "skipped": "dim", "warn": "magenta", "fail": "bold red"}
+_C = remote_contract()
+#: how each record status is shown.
+STYLE = {_C.OK: "green", _C.CHANGED: "yellow", _C.SKIPPED: "dim", _C.WARN: "magenta", _C.FAIL: "bold red"}
+#: how a run state is shown where a table lists runs (a running state is plain).
+STATE_STYLE = {STATE.DONE.value: "green", STATE.FAILED.value: "bold red", STATE.ABORTED.value: "yellow"}
 
 #: Below this many columns for the summary (and for the fix), a table no longer reads
 #: well: a 60-character path would fold onto three lines or more.

@@ -83,8 +83,10 @@ def overall_exit(reports: list[HostReport]) -> ExitCode:
     return max(codes)
 
 
+#: the run states themselves (``STATE.DONE == "done"``), from the one definition both sides read.
+STATE = _CONTRACT.RunState
 #: every state a run can be in, as the host writes it, plus ``missing`` for "the host has no such run".
-RunStateName = Literal[tuple(s.value for s in _CONTRACT.RunState)]
+RunStateName = Literal[tuple(s.value for s in STATE)]
 FINAL_STATES: tuple[str, ...] = _CONTRACT.FINAL_STATES
 
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from specops.assets import remote_protocol
 from specops.errors import UsageError
+from specops.result import STATE
 
 #: the manifest schema this code writes and reads.
 SCHEMA = 1
@@ -103,7 +104,7 @@ class Shard(BaseModel):
         so what is on disk is the prefix ``[start, start + samples_done)``.
         """
         status = status if status is not None else self.seen
-        if (status or {}).get("state") == "done":
+        if (status or {}).get("state") == STATE.DONE:
             return self.stop
         done = int((status or {}).get("samples_done") or 0)
         return min(self.stop, self.start + max(0, done))

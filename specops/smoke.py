@@ -27,7 +27,7 @@ from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params
-from specops.result import FINAL_STATES, HostReport, Record
+from specops.result import FINAL_STATES, STATE, HostReport, Record
 from specops.verify import verify_step
 
 #: Keys of the run parameters the twin replaces.
@@ -88,7 +88,7 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
     report.records.append(run_record(run_id, status, seconds, params, timeout))
     if not state.is_final:
         jobs.job_call(host, "abort", run_id)
-    if state.state == "done" and verify:
+    if state.state == STATE.DONE and verify:
         checked = verify_step(host, run_id, samples=verify_samples)
         report.records.extend(checked.records)
         report.data["verify"] = checked.data
@@ -96,10 +96,10 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
 
 
 def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout: float) -> Record:
-    state = status.get("state") or "missing"
+    state = status.get("state") or STATE.MISSING
     # the engine the host resolved (``auto`` names none), else what was asked for
     engine, tp = status.get("engine") or params.get("engine"), params.get("tp")
-    if state == "done":
+    if state == STATE.DONE:
         phases = status.get("phase_seconds") or {}
         return Record(name="smoke.run", status="ok",
                       summary=f"the extraction path ran on the twin in {seconds:.0f}s ({engine}, tp={tp}; "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specops import jobs
 from specops.parallel import report_from_payload, run_steps
-from specops.result import HostReport, Record
+from specops.result import STATE, HostReport, Record
 
 #: the record name of the plan's verdict in the recap.
 RECORD = "fleet.storage"
@@ -123,7 +123,7 @@ def host_merges(manifest, conns, root: Path) -> list[HostReport]:
     def one(item) -> HostReport:
         group, members = item
         name = f"shared@{'+'.join(group)}"
-        unfinished = [s.label for s in members if s.seen.get("state") != "done"]
+        unfinished = [s.label for s in members if s.seen.get("state") != STATE.DONE]
         if unfinished:  # a shard's own manifest exists only once it is done; nothing is merged before
             return HostReport(host=name, task="fetch", records=[Record(
                 name="merge.manifest", status="skipped",

@@ -18,7 +18,7 @@ from specops import exit_codes
 from specops.errors import SpecopsError
 from specops.inventory import Inventory, load_inventory
 from specops.report import err_console, print_reports
-from specops.result import overall_exit
+from specops.result import STATE, overall_exit
 
 COMMON_HELP = {
     "on": "hosts or groups from the inventory, comma-separated (default: all)",
@@ -246,7 +246,7 @@ def status(target, run_id=None):
     unreachable = [r for r in reports if r.error is not None]
     if unreachable:
         return overall_exit(unreachable)
-    return max(jobs.job_exit_code(r.data.get("state", "missing")) for r in reports)
+    return max(jobs.job_exit_code(r.data.get("state", STATE.MISSING)) for r in reports)
 
 
 @host_task(help={**JOB_HELP, "follow": "keep printing new log lines until the run ends (Ctrl-C stops)",

@@ -78,6 +78,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from remote.contract import VLLM_SERVER
 from remote import patchsets, protocol
 from remote.drift.pyindex import PackageIndex
 from remote.drift.rules import Context, bound_model, calls, gates, imports, model_object, runtime
@@ -181,7 +182,7 @@ def check(params: dict) -> list:
     come from :mod:`remote.drift.server` (vLLM's server path), and one skipped record
     says why speculators 0.3's rules did not run.
     """
-    if engine_of(params) == "vllm-server":
+    if engine_of(params) == VLLM_SERVER:
         from remote.drift import server
 
         return server.check(params)

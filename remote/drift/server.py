@@ -39,6 +39,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from remote.contract import VLLM_SERVER
 from remote import protocol
 from remote.drift.pyindex import PackageIndex, dotted, parse
 from remote.drift.source import package_versions, site_packages
@@ -382,7 +383,7 @@ def skipped_v03_record(spec_root, versions_found) -> dict:
         f"speculators-0.3 drift rules skipped: engine vllm-server runs vLLM's own extract_hidden_states server "
         f"and drives no speculators code ({have} installed); vLLM's side is checked below",
         detail={"speculators": str(spec_root) if spec_root else None, "versions": versions_found,
-                "engine": "vllm-server"})
+                "engine": VLLM_SERVER})
 
 
 #: record name -> the check that makes it (the name also labels a check that hits an unparsable file).

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import importlib
 
+from remote.contract import HF_REFERENCE, SPECULATORS_03, VLLM_SERVER
 from remote import contract
 
 #: engine name -> "module:Class" (module relative to this package).
 ENGINES = {
-    "hf-reference": "hf_reference:HFReferenceEngine",
-    "speculators-0.3": "speculators_v03:SpeculatorsV03Engine",
-    "vllm-server": "vllm_server:VllmServerEngine",
+    HF_REFERENCE: "hf_reference:HFReferenceEngine",
+    SPECULATORS_03: "speculators_v03:SpeculatorsV03Engine",
+    VLLM_SERVER: "vllm_server:VllmServerEngine",
 }
 #: what ``engine: auto`` (the default) picks from the host's installed speculators:
 #: specifier -> engine, first match wins. 0.3/0.4 still ship the in-process generator;
 #: 0.5 removed it, and from then on hidden states come from vLLM's own server.
-ENGINE_FOR_SPECULATORS = (("<0.5", "speculators-0.3"), (">=0.5", "vllm-server"))
+ENGINE_FOR_SPECULATORS = (("<0.5", SPECULATORS_03), (">=0.5", VLLM_SERVER))
 AUTO = contract.AUTO_ENGINE
 #: other spellings people type.
 ALIASES = contract.ENGINE_ALIASES
@@ -65,7 +66,7 @@ def engine_for_versions(speculators_version: str | None) -> tuple[str | None, st
         return None, f"speculators version {speculators_version!r} is not a PEP 440 version"
     for specifier, engine in ENGINE_FOR_SPECULATORS:
         if versions.version_matches(version, specifier):
-            why = ("has the in-process generator (< 0.5)" if engine == "speculators-0.3"
+            why = ("has the in-process generator (< 0.5)" if engine == SPECULATORS_03
                    else "extracts through a vLLM server (>= 0.5)")
             return engine, f"speculators {speculators_version} {why}"
     return None, f"no engine drives speculators {speculators_version}"
@@ -125,6 +126,15 @@ class Engine:
 
     def close(self) -> None:
         pass
+
+    def model_len(self, config: dict) -> int:
+        """vLLM's ``max_model_len`` for this run: room for the longest sample (``seq_len``) plus
+        the one token each request generates, within the language model's own position limit."""
+        from remote import contract, modelconfig
+
+        seq_len = int(contract.param(self.params, "seq_len"))
+        limit = modelconfig.text_value(config, "max_position_embeddings")
+        return min(seq_len + 1, int(limit)) if limit else seq_len + 1
 
     def describe(self) -> dict:
         """What goes into the manifest about the engine."""

@@ -12,13 +12,14 @@ TP is ignored (one process); samples run one at a time, so no padding can leak i
 """
 from __future__ import annotations
 
+from remote.contract import HF_REFERENCE
 from remote import modelconfig
 
 from . import Engine
 
 
 class HFReferenceEngine(Engine):
-    name = "hf-reference"
+    name = HF_REFERENCE
     in_process = True
 
     def load(self) -> None:

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 
+from remote.contract import SPECULATORS_03
 from remote import cpu, modelconfig
 
 from . import Engine
@@ -40,7 +41,7 @@ WARMUP_IDS = list(range(1, 9))
 
 
 class SpeculatorsV03Engine(Engine):
-    name = "speculators-0.3"
+    name = SPECULATORS_03
 
     def load(self) -> None:
         from remote.engines import vllm_worker_hook
@@ -89,14 +90,11 @@ class SpeculatorsV03Engine(Engine):
         self.generator.generate([WARMUP_IDS])
 
     def _max_model_len(self) -> int:
-        """Room for the longest sample plus the one decode token the generator asks for."""
-        seq_len = int(self.params.get("seq_len") or 2048)
         try:
             cfg = modelconfig.read(self.model_path)
         except modelconfig.ConfigError:
             cfg = {}
-        limit = modelconfig.text_value(cfg, "max_position_embeddings")  # the language model's, as vLLM reads it
-        return min(seq_len + 1, int(limit)) if limit else seq_len + 1
+        return self.model_len(cfg)
 
     def extract(self, batch):
         results = self.generator.generate([list(ids) for ids in batch])

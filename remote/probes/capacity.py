@@ -10,6 +10,7 @@ sample at ``seq_len`` tokens this is an upper bound::
 """
 from __future__ import annotations
 
+from remote.contract import HS, PT, VLLM_SERVER, sample_name
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context, human_bytes
 
@@ -17,8 +18,8 @@ TOKEN_ID_BYTES = 8  # one int64 per token per id array
 PER_SAMPLE_OVERHEAD = 4096  # torch.save's zip container and pickle, or a safetensors header, per file
 #: engine -> (sample file, int64 arrays per token): ``input_ids`` + ``loss_mask`` in 0.3's
 #: ``.pt``, ``token_ids`` alone in the server's safetensors.
-ENGINE_FILES = {"vllm-server": ("hs_{i}.safetensors [T, L, H]", 1)}
-DEFAULT_FILES = ("data_{i}.pt", 2)
+ENGINE_FILES = {VLLM_SERVER: (sample_name("{i}", HS) + " [T, L, H]", 1)}
+DEFAULT_FILES = (sample_name("{i}", PT), 2)
 DEFAULT_LAYER_COUNT = 4  # EAGLE-3 captures four layers by default
 TIGHT_SHARE = 0.8
 

@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 
+from remote.contract import SPECULATORS_03
 from remote import cpu
 from remote.protocol import FAIL, OK, WARN, record
 
@@ -81,7 +82,7 @@ def attention_isa(flags, dtype: str, block_size: int, head_size: int | None = No
 
 
 def engine_block_size(engine: str) -> int:
-    return GENERATOR_BLOCK_SIZE if engine == "speculators-0.3" else VLLM_CPU_DEFAULT_BLOCK_SIZE
+    return GENERATOR_BLOCK_SIZE if engine == SPECULATORS_03 else VLLM_CPU_DEFAULT_BLOCK_SIZE
 
 
 def kernel_path(*, flags, package_dir: str | None, vllm_version: str | None, engine: str,

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+from remote.contract import VLLM_SERVER
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import GiB, MiB, Context, human_bytes, nearest_existing
 
@@ -51,7 +52,7 @@ def probe(ctx: Context) -> list:
         records += _cpu_engine(ctx)
     records += _disks(ctx)
     records += _writable(ctx)
-    if ctx.params["engine"] == "vllm-server":
+    if ctx.params["engine"] == VLLM_SERVER:
         records.append(_loopback(ctx))
     return records
 
@@ -324,7 +325,7 @@ def _cpu_engine(ctx) -> list:
     ram = ctx.host.get("ram", {})
     avail = ram.get("available_bytes")
     tp = ctx.params["tp"]
-    server = ctx.params["engine"] == "vllm-server"
+    server = ctx.params["engine"] == VLLM_SERVER
     if raw is None and server:
         # the engine's server_env gives its server 1 GiB: one prefill per request needs little
         kv_bytes = SERVER_KVCACHE_GIB * GiB

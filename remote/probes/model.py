@@ -28,6 +28,7 @@ import importlib.util
 import os
 import re
 
+from remote.contract import VLLM_SERVER
 from remote import modelconfig
 from remote.drift import pyindex, source, targets
 from remote.protocol import FAIL, OK, WARN, record
@@ -426,7 +427,7 @@ def remote_code_record(ctx: Context, summary: dict):
     detail = {"model_type": model_type, "transformers_knows": known, "vllm_has_config": vllm_knows(model_type)
               if model_type else None, "auto_map": summary["auto_map"], "files": files,
               "trust_remote_code": allowed}
-    server = ctx.params["engine"] == "vllm-server"
+    server = ctx.params["engine"] == VLLM_SERVER
     note = (" (speculators 0.3.0 calls AutoConfig itself, so vLLM's own config class does not help)"
             if detail["vllm_has_config"] and not server else "")
     if known is None and model_type:

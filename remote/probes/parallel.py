@@ -13,6 +13,7 @@ is refused here.
 """
 from __future__ import annotations
 
+from remote.contract import VLLM_SERVER
 from remote.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
@@ -33,7 +34,7 @@ PP_FLAGS = ("--pipeline-parallel-size", "-pp")
 def probe(ctx: Context) -> list:
     tp = ctx.params["tp"]
     records = [_devices(ctx, tp), _heads(ctx, tp)]
-    if ctx.params["engine"] == "vllm-server":
+    if ctx.params["engine"] == VLLM_SERVER:
         records.append(_pipeline(ctx))
     return records
 

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 
+from remote.contract import SPECULATORS_03
 from remote import dataset as rows_reader
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import OBJECT, Context, Malformed, expect, human_bytes
@@ -21,7 +22,7 @@ from remote.probes import OBJECT, Context, Malformed, expect, human_bytes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 #: Engines that turn chat data into tokens with the tokenizer's chat template.
-CHAT_ENGINES = {"speculators-0.3"}
+CHAT_ENGINES = {SPECULATORS_03}
 #: speculators' hub dataset names: the run reads a local file, so these fail with a fix.
 HUB_DATASETS = {"sharegpt", "ultrachat"}
 #: Rows are checked until this many bytes of them are read (``params["data_check_bytes"]``

@@ -19,6 +19,7 @@ output of layer 3".
 """
 from __future__ import annotations
 
+from remote.contract import VLLM_SERVER
 from remote import layers, protocol
 from remote.verify.run import VerifyError
 
@@ -159,7 +160,7 @@ def beyond_rounding(records: list[dict]) -> list[str]:
 def layer_fix(manifest: dict) -> str:
     """What to look at when a layer differs, for the engine that wrote the run."""
     first = "the captured states are not what the model computes: see verify.convention and verify.llama_4_scaling"
-    if (manifest.get("engine") or {}).get("name") == "vllm-server":
+    if (manifest.get("engine") or {}).get("name") == VLLM_SERVER:
         return (f"{first}, then the server's vLLM for this architecture (its model code and kernels; on a CPU "
                 f"host in eager mode, vLLM's CPU rotary op mis-rotates DeepSeek's 3-D query, and the test host's "
                 f"env carries a fix for it)")

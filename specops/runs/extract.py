@@ -6,7 +6,7 @@ from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
 from specops.parallel import run_steps
 from specops.report import console, err_console
-from specops.result import HostReport, Record, overall_exit
+from specops.result import STATE, HostReport, Record, overall_exit
 from specops.runs.fetch import fetch
 from specops.runs.plan import plan
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard
@@ -178,7 +178,7 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
                     f"or move its remaining range: specops extract --run-id {manifest.run_id} --reassign "
                     f"{shard.head}=OTHER_HOST"))
             codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
-        elif result.state == "done":
+        elif result.state == STATE.DONE:
             report.records.append(Record(name="fleet.run", status="ok",
                                          summary=f"[{shard.start}, {shard.stop}) done on {shard.head}"))
             codes.append(ExitCode.SUCCESS)

@@ -7,7 +7,7 @@ from specops.errors import SpecopsError
 from specops.host import Host
 from specops.params import run_params
 from specops.parallel import report_from_payload
-from specops.result import HostReport, Record
+from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
 from specops.shards import FleetManifest, Shard
@@ -97,7 +97,7 @@ def start_lane(manifest: FleetManifest, lane: list[Shard], conns: Connections, o
         reports.append(report)
         if report.failed:
             break
-        if shard.seen.get("state") != "done":
+        if shard.seen.get("state") != STATE.DONE:
             current = shard.id
             break
     out.data = {"reports": reports, "current": current}

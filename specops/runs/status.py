@@ -13,7 +13,7 @@ from specops.inventory import Inventory
 from specops.logs import log_printer
 from specops.parallel import report_from_payload
 from specops.report import console
-from specops.result import HostReport, Record, RunState, overall_exit
+from specops.result import STATE, HostReport, Record, RunState, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import load_manifest, save_manifest
 from specops.runs.view import INCOMPLETE, print_fleet, shard_state, shard_table
@@ -33,10 +33,10 @@ def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
     report.data["state"] = shard_state(shard, state)
     report.data["run_state"] = state.model_dump()
     if shard.closed:  # its host's run may have ended any way; what counts is the kept range
-        report.records = [Record(name="job.status", status="ok" if report.data["state"] == "done" else "warn",
+        report.records = [Record(name="job.status", status="ok" if report.data["state"] == STATE.DONE else "warn",
                                  summary=f"[{shard.start}, {shard.stop}) on {shard.head}: {report.data['state']} "
                                          f"(rest moved to {', '.join(shard.moved_to)})")]
-    if report.data["state"] == "done":  # done is what the disk holds, not what a status file says
+    if report.data["state"] == STATE.DONE:  # done is what the disk holds, not what a status file says
         listing = shard_files(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
         gone = shard.size - len(listing.get("files") or [])
         if gone:
@@ -76,7 +76,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
     if any(r.error is not None for r in reports):
         return overall_exit([r for r in reports if r.error is not None])
     return max((ExitCode.FAILED if r.data.get("state") == INCOMPLETE else
-                ExitCode.from_job_state(r.data.get("state", "missing")) for r in reports), default=ExitCode.SUCCESS)
+                ExitCode.from_job_state(r.data.get("state", STATE.MISSING)) for r in reports), default=ExitCode.SUCCESS)
 
 
 def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = False) -> list[HostReport]:

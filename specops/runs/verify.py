@@ -4,7 +4,7 @@ from __future__ import annotations
 from specops import jobs
 from specops.host import Host
 from specops.inventory import Inventory
-from specops.result import HostReport, Record
+from specops.result import STATE, HostReport, Record
 from specops.runs.pool import Connections, per_shard
 from specops.runs.store import GROUP, load_manifest
 from specops.shards import Shard
@@ -26,7 +26,7 @@ def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
     def one(shard: Shard, host: Host) -> HostReport:
         if shard.closed:
             state = jobs.run_state(host, shard.run_id)
-            if state.state != "done":
+            if state.state != STATE.DONE:
                 return HostReport(host=shard.label, task="verify", records=[Record(
                     name="fleet.verify", status="warn",
                     summary=f"{shard.label}: not verified: its run {shard.run_id} was cut at {shard.stop} (the rest "

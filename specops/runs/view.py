@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from specops import jobs
-from specops.report import console, err_console, host_view, print_reports, recap_line
-from specops.result import HostReport, RunState
+from specops.report import STATE_STYLE, console, err_console, host_view, print_reports, recap_line
+from specops.result import STATE, HostReport, RunState
 from specops.runs.pool import Connections
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
@@ -50,7 +50,7 @@ def shard_state(shard: Shard, state: RunState | None) -> str:
     if state is None:
         return "unknown"
     if shard.closed and state.found and shard.first_missing(state.model_dump()) >= shard.stop:
-        return "done"
+        return STATE.DONE
     return state.state
 
 
@@ -92,7 +92,7 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
             except Exception as exc:  # noqa: BLE001 -- this shard's result; the other lanes go on
                 result = exc
             events.put(("result", shard.id, result))
-            if not (isinstance(result, RunState) and result.state == "done"):
+            if not (isinstance(result, RunState) and result.state == STATE.DONE):
                 for rest in lane[i + 1:]:
                     events.put(("result", rest.id, NotStarted(f"waits for {shard.id} on {shard.head}, which did not "
                                                               f"end done")))
@@ -112,10 +112,10 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
             done = 0
             for s in manifest.shards:
                 st = states.get(s.id)
-                done += s.size if shard_state(s, st) == "done" else max(
+                done += s.size if shard_state(s, st) == STATE.DONE else max(
                     0, s.first_missing(st.model_dump() if st else None) - s.start)
             running = [st for sid, st in states.items() if not st.is_final and sid not in results]
-            rate = sum(st.tokens_per_s or 0 for st in running if st.state == "extracting")
+            rate = sum(st.tokens_per_s or 0 for st in running if st.state == STATE.EXTRACTING)
             etas = [st.eta_s for st in running]
             eta = "?" if any(e is None for e in etas) else f"{max(etas, default=0):.0f}s"
             lost = [sid for sid, r in results.items() if isinstance(r, Exception) and not isinstance(r, NotStarted)]
@@ -182,7 +182,7 @@ def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception 
             note = f"last seen {s.seen.get('at', 'never')}: {s.seen.get('state') or '?'}"
         else:
             name = shard_state(s, state)
-            style = {"done": "green", "failed": "bold red", "aborted": "yellow"}.get(name, "")
+            style = STATE_STYLE.get(name, "")
             text = Text(name, style=style)
             first = s.first_missing(state.model_dump() if state and state.found else None)
             note = ""

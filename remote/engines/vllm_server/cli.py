@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+from remote.contract import VLLM_SERVER
 from remote import layers, modelconfig
 
 from .engine import VllmServerEngine
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     if args.layer_ids:
         layer_ids = [int(x) for x in args.layer_ids.split(",")]
     else:
-        layer_ids, _ = layers.default_layer_ids("vllm-server", modelconfig.num_layers(modelconfig.read(args.model)))
+        layer_ids, _ = layers.default_layer_ids(VLLM_SERVER, modelconfig.num_layers(modelconfig.read(args.model)))
     engine = VllmServerEngine(args.model, args.tp, layer_ids, params)
     result = {"layer_ids": layer_ids, "layer_convention": layers.INPUT}
     try:

@@ -14,7 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from remote import layers, modelconfig
+from remote.contract import VLLM_SERVER
+from remote import contract, layers, modelconfig
 from remote.engines import Engine
 
 from .command import SERVED_MODEL_NAME
@@ -31,7 +32,7 @@ class VllmServerEngine(Engine):
     ``ready_timeout_s``, ``request_timeout_s``, plus what :func:`~.command.server_command` reads.
     """
 
-    name = "vllm-server"
+    name = VLLM_SERVER
     in_process = False
 
     def load(self) -> None:
@@ -48,7 +49,7 @@ class VllmServerEngine(Engine):
         if not work_dir:
             import tempfile
             work_dir = tempfile.mkdtemp(prefix="specops-vllm-server-")
-        if "language_model_only" not in self.params and isinstance(self.config.get("text_config"), dict):
+        if "language_model_only" not in self.params and modelconfig.is_wrapped(self.config):
             # a multimodal wrapper (Kimi-K2.5): extraction feeds text only
             self.params["language_model_only"] = True
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
@@ -69,10 +70,7 @@ class VllmServerEngine(Engine):
                 raise
 
     def _max_model_len(self) -> int:
-        """Room for the longest sample plus the one token each request generates."""
-        seq_len = int(self.params.get("seq_len") or 2048)
-        limit = modelconfig.text_value(self.config, "max_position_embeddings")
-        return min(seq_len + 1, int(limit)) if limit else seq_len + 1
+        return self.model_len(self.config)
 
     def _request(self, token_ids) -> str:
         """One request; the path of the (complete) file the server wrote for it."""
@@ -128,7 +126,7 @@ class VllmServerEngine(Engine):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         records = []
-        workers = max(1, int(self.params.get("concurrency") or 8))
+        workers = max(1, int(self.params.get("concurrency") or contract.param(self.params, "batch_size")))
         digesters = max(1, int(self.params.get("digest_workers") or default_digest_workers()))
         import torch
         # each digest is one thread's work; torch's intra-op pool on top of several digesters

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from remote import fsutil, samples
+from remote.contract import HS, SAMPLE_FILES, sample_name
 
 #: the output file of sample ``i``, the name speculators' offline data loader reads.
-SAMPLE_FILE = "hs_{index}.safetensors"
+SAMPLE_FILE = SAMPLE_FILES[HS][0]
 
 
 class SampleRejected(RuntimeError):
@@ -126,7 +127,7 @@ def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_la
     except BaseException:
         os.unlink(path)  # a rejected file never reaches the output
         raise
-    dest = Path(out_dir) / SAMPLE_FILE.format(index=index)
+    dest = Path(out_dir) / sample_name(index, HS)
     move_into_place(path, dest)
     shape = digest["tensors"]["hidden_states"]
     return {"index": index, "file": dest.name, "tokens": len(token_ids), "shape": shape["shape"],

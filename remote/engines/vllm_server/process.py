@@ -19,26 +19,15 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from remote import signals
+from remote import procscan, signals
 
 from .command import LOOPBACK, MARKER_ENV, cuda_available, free_port, pick_connector, server_command, server_env
 from .logs import SERVER_LOG, ServerFailed, log_death, log_failure, read_tail, split_rank_logs
 
 
 def leftover_pids(marker: str) -> list[int]:
-    """Processes (of this user, readable in /proc) whose environment carries ``marker``."""
-    needle = f"{MARKER_ENV}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if needle in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    """Live processes (of this user, readable in /proc) whose environment carries ``marker``."""
+    return procscan.live_pids(env_any={f"{MARKER_ENV}={marker}".encode()})
 
 
 #: Runs first in the server's process, then becomes the server with ``execv``: it asks

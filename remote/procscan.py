@@ -1,0 +1,55 @@
+"""The one reader of ``/proc`` for "which processes are still there" (stdlib only, Linux).
+
+A run finds its own processes in three ways, all through :func:`live_pids`: by its
+process group (:mod:`remote.procgroup`: the supervisor's workers), by a marker in their
+environment (:mod:`remote.rundir`: every process of a run dir, a vLLM server in a
+session of its own included; :mod:`remote.engines.vllm_server.process`: one server's).
+Zombies are never counted: they run nothing and only their parent can reap them.
+Without ``/proc`` (macOS) nothing is found.
+"""
+from __future__ import annotations
+
+import os
+
+#: process states of ``/proc/<pid>/stat`` that are no longer running.
+DEAD_STATES = ("Z", "X")
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, pgrp third); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def environ(pid: int) -> set[bytes]:
+    """The ``NAME=value`` entries of ``pid``'s environment (empty when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return set(fh.read().split(b"\0"))
+    except OSError:
+        return set()
+
+
+def live_pids(*, pgrp: int | None = None, env_any: set[bytes] | None = None) -> list[int]:
+    """Live processes of this user other than this one that are in process group ``pgrp``
+    and/or carry one of the ``NAME=value`` entries ``env_any`` in their environment."""
+    if not os.path.isdir("/proc"):
+        return []
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        if env_any is not None and not env_any & environ(pid):
+            continue
+        fields = stat_fields(pid)
+        if fields is None or fields[0] in DEAD_STATES:
+            continue
+        if pgrp is not None and int(fields[2]) != pgrp:
+            continue
+        found.append(pid)
+    return found
