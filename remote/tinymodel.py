@@ -102,7 +102,7 @@ def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | 
         ``MLA_HEAD_DIM_KEYS`` instead of ``MLA_DIMS``: what a twin that runs on a GPU
         needs (vLLM's CUDA MLA kernels reject tiny latent/rope dims), while the default
         tiny dims are what vLLM's CPU attention accepts. No effect on other models.
-    :returns: a new dict; a ``text_config`` wrapper stays a wrapper (the text model
+    :returns: a new dict; a wrapper (``text_config``, ``language_config``) stays one (the text model
         inside is shrunk, a ``vision_config`` beside it is shrunk too).
     :raises ValueError: for ``num_layers < 8``.
 
@@ -118,8 +118,9 @@ def shrink_config(config: dict, num_layers: int = MIN_LAYERS, vocab_size: int | 
     tiny = copy.deepcopy(config)
     for key in DROPPED_KEYS:
         tiny.pop(key, None)
-    if isinstance(tiny.get("text_config"), dict):
-        tiny["text_config"] = _shrink_text(tiny["text_config"], num_layers, vocab_size, keep_mla_head_dims)
+    wrapper = modelconfig.wrapper_key(tiny)
+    if wrapper is not None:
+        tiny[wrapper] = _shrink_text(tiny[wrapper], num_layers, vocab_size, keep_mla_head_dims)
         if isinstance(tiny.get("vision_config"), dict):
             tiny["vision_config"] = _shrink_vision(tiny["vision_config"])
         if "vocab_size" in tiny and vocab_size is not None:
@@ -296,13 +297,18 @@ def checkpoint_tensors(model) -> dict:
     return tensors
 
 
+#: where a wrapper's checkpoint keeps the language model's weights, by the config key that
+#: wraps it: Kimi-K2.5 (``text_config``) and DeepSeek-VL2 (``language_config``), as vLLM loads them.
+WRAPPED_WEIGHT_PREFIX = {"text_config": "language_model.", "language_config": "language."}
+
+
 def build_model(config: dict, out_dir, *, num_shards: int = 3, seed: int = 0,
                 tokenizer_dir=None, tokenizer=None) -> Path:
     """Write a random-weight checkpoint for ``config`` (already tiny) into ``out_dir``.
 
     :param config: a config.json dict, e.g. from :func:`shrink_config`. A
-        ``text_config`` wrapper builds the text model inside and stores its weights
-        under ``language_model.`` (the Kimi-K2.5 / vLLM naming).
+        wrapper (``text_config`` or ``language_config``) builds the text model inside and
+        stores its weights under :data:`WRAPPED_WEIGHT_PREFIX`.
     :param num_shards: safetensors shards to write (>= 2 makes the index matter).
     :param tokenizer_dir: copy this checkpoint's tokenizer files.
     :param tokenizer: or save this tokenizer object (``save_pretrained``); its size must
@@ -314,15 +320,15 @@ def build_model(config: dict, out_dir, *, num_shards: int = 3, seed: int = 0,
         raise ValueError("build_model needs exactly one of tokenizer_dir and tokenizer")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    wrapped = isinstance(config.get("text_config"), dict)
-    text_cfg = config["text_config"] if wrapped else config
+    wrapper = modelconfig.wrapper_key(config)
+    text_cfg = modelconfig.text_config(config)
     model, full_text_cfg = _random_text_model(text_cfg, seed)
-    prefix = "language_model." if wrapped else ""
+    prefix = WRAPPED_WEIGHT_PREFIX[wrapper] if wrapper else ""
     tensors = {prefix + name: tensor for name, tensor in checkpoint_tensors(model).items()}
     write_shards(tensors, out_dir, num_shards)
-    if wrapped:
+    if wrapper:
         written = copy.deepcopy(config)
-        written["text_config"] = full_text_cfg
+        written[wrapper] = full_text_cfg
         written.setdefault("torch_dtype", "bfloat16")
     else:
         written = full_text_cfg

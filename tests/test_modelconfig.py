@@ -112,3 +112,20 @@ def test_run_refuses_a_config_without_a_layer_count():
     for config in ({"hidden_size": 8}, {"language_config": {"num_hidden_layers": "8"}}):
         with pytest.raises(ValueError, match="num_hidden_layers"):
             modelconfig.decoder_layers(config)
+
+
+def test_a_language_config_wrapper_is_shrunk_inside_and_stays_a_wrapper():
+    """DeepSeek-VL2 keeps its language model under ``language_config``: the twin builder
+    shrinks that model as it shrinks a ``text_config`` one, and names its weights as vLLM loads them."""
+    from remote import tinymodel
+
+    real = {"model_type": "deepseek_vl_v2", "architectures": ["DeepseekVLV2ForCausalLM"], "num_hidden_layers": 12,
+            "language_config": {"model_type": "deepseek_v2", "hidden_size": 2560, "num_hidden_layers": 30,
+                                "num_attention_heads": 20, "num_key_value_heads": 20, "vocab_size": 129280,
+                                "intermediate_size": 6848}}
+    tiny = tinymodel.shrink_config(real)
+    assert tiny["model_type"] == "deepseek_vl_v2" and "text_config" not in tiny
+    assert tiny["language_config"]["num_hidden_layers"] == tinymodel.MIN_LAYERS
+    assert tiny["language_config"]["hidden_size"] < real["language_config"]["hidden_size"]
+    assert modelconfig.num_layers(tiny) == tinymodel.MIN_LAYERS
+    assert tinymodel.WRAPPED_WEIGHT_PREFIX[modelconfig.wrapper_key(tiny)] == "language."
