@@ -47,7 +47,7 @@ def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
     """Every reason the ids cannot be captured as asked; empty when they are fine.
 
     Duplicates are an error: speculators keeps a *set* of ids, so fewer layers than
-    asked come back, silently (FACTS.md: N=6 gives 2, 3, 3, 5).
+    asked come back, silently (N=6 gives the default ids 2, 3, 3, 5: three layers captured).
     """
     problems = []
     if convention not in CONVENTIONS:

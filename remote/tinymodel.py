@@ -19,7 +19,7 @@ Checkpoints are written the way ``save_pretrained`` writes them, so they load un
 transformers 4 and 5 alike: one tensor per routed expert, as real DeepSeek/Kimi
 downloads have them (transformers 5 fuses experts in memory and splits them on save).
 
-Sizes that matter (checked on vLLM 0.16 CPU, see ../shared/FACTS.md): head_dim 64
+Sizes that matter (checked on vLLM 0.16's CPU build): head_dim 64
 (the CPU attention backend refuses 16), at least 8 layers (speculators 0.3.0's
 default layer ids ``[2, N//2, N-3, N-1]`` collide below that). DeepSeek MLA dims
 are ``qk_nope 32 + qk_rope 32 = 64`` so that with ``VLLM_MLA_DISABLE=1`` the

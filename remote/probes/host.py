@@ -36,7 +36,7 @@ NVIDIA_SMI_TIMEOUT_S = 20
 #: (another container, a PID namespace) holds it.
 HIDDEN_USE_MIB = 1024
 
-#: vLLM 0.16's CPU engine needs AVX2 at least (FACTS.md: AVX2 is enough).
+#: vLLM's CPU builds need AVX2 at least; AVX2 alone is enough (they run on AVX2-only AMD EPYC).
 CPU_ISA_FLAGS = ("avx512f", "avx2")
 #: what the vllm-server engine sets VLLM_CPU_KVCACHE_SPACE to when the host's env does not.
 SERVER_KVCACHE_GIB = 1
@@ -311,7 +311,7 @@ def _gpus(ctx) -> list:
 
 
 def _cpu_engine(ctx) -> list:
-    """What vLLM's CPU build needs (FACTS.md): AVX2, a KV-cache size, thread binding at TP>1."""
+    """What vLLM's CPU build needs: AVX2, a KV-cache size, thread binding at TP>1."""
     records = []
     isa = ctx.host["cpus"]["isa"]
     if not isa:

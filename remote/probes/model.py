@@ -61,7 +61,7 @@ COUNTS = {
     "max_position_embeddings": (("max_position_embeddings", "n_positions"), POSITIVE_INT),
     "vocab_size": (("vocab_size",), POSITIVE_INT),
 }
-#: The keys vLLM's DeepseekV2Model reads from ``llama_4_scaling`` (FACTS.md).
+#: The keys vLLM's DeepseekV2Model reads from ``llama_4_scaling`` (``deepseek_v2.py``, vLLM 0.16 and 0.32).
 LLAMA_4_SCALING_KEYS = ("original_max_position_embeddings", "beta")
 
 
