@@ -11,16 +11,16 @@ params: ``output_dir``, ``run_id``, ``ranges`` (optional ``[[lo, hi], ...]``: th
 ranges the group expects in this dir; a missing one is reported, as is a sample of a
 range that no shard's manifest lists).
 
-The merge is refused (nothing written) when the ranges' manifests disagree on what
-makes them one run (:data:`remote.samples.IDENTITY_FIELDS`), belong to another run id,
-overlap, or list one index twice.
+The merge is refused (nothing written) when a range's manifest does not fit the schema
+(:mod:`remote.manifest`, which also merges the files), the ranges' manifests disagree on
+what makes them one run (:data:`remote.samples.IDENTITY_FIELDS`), belong to another run
+id, overlap, or list one index twice.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from remote import protocol, samples
+from remote import manifest, protocol, samples
 
 
 def main(params: dict) -> dict:
@@ -42,9 +42,13 @@ def merge(params: dict) -> dict:
     claims = samples.read_claims(out)
     manifests = {}
     for tag in claims:
-        manifest = samples.read_json_quietly(out / samples.SHARDS_DIR / tag / samples.MANIFEST)
-        if manifest is not None:
-            manifests[tag] = manifest
+        try:  # a range with no manifest yet has not finished; one that does not fit the schema is refused
+            manifests[tag] = manifest.read(out / samples.SHARDS_DIR / tag / samples.MANIFEST, manifest.FOR_MERGE)
+        except FileNotFoundError:
+            continue
+        except manifest.ManifestError as exc:
+            raise _fail(f"range {tag} of {out}: {exc}", "re-extract that range (its manifest is damaged)",
+                        field=exc.field) from None
     own = {t: m for t, m in manifests.items() if m.get("run_id") == run_id}
     foreign = sorted({m.get("run_id") for m in manifests.values()} - {run_id})
     if foreign:
@@ -53,56 +57,43 @@ def merge(params: dict) -> dict:
     if not own:
         raise _fail(f"no range of run {run_id!r} in {out} has finished (no .specops-shards/*/manifest.json)",
                     "let the shards finish (specops status --run-id RUN), then merge again")
-    first_tag = sorted(own, key=lambda t: own[t]["sample_range"][0])[0]
-    first = own[first_tag]
-    for tag, manifest in own.items():
-        differ = samples.identity_differences(first.get("identity") or {}, manifest.get("identity") or {})
+    order = sorted(own, key=lambda t: own[t]["sample_range"][0])
+    first = own[order[0]]
+    for tag, doc in own.items():
+        differ = samples.identity_differences(first.get("identity") or {}, doc.get("identity") or {})
         if differ:
-            raise _fail(f"ranges {first_tag} and {tag} of run {run_id!r} in {out} were made from other inputs: "
+            raise _fail(f"ranges {order[0]} and {tag} of run {run_id!r} in {out} were made from other inputs: "
                         + "; ".join(differ), "re-extract the odd range with the run's inputs", differ=differ)
     ranges = sorted(tuple(m["sample_range"]) for m in own.values())
-    for (alo, ahi), (blo, bhi) in zip(ranges, ranges[1:]):
-        if blo < ahi:
-            raise _fail(f"ranges [{alo}, {ahi}) and [{blo}, {bhi}) of run {run_id!r} overlap in {out}",
-                        "a bug or a hand-made claim: remove the stale .specops-shards/<lo>-<hi> dir")
-    files, seen = [], {}
-    for tag in sorted(own, key=lambda t: own[t]["sample_range"][0]):
-        lo, hi = own[tag]["sample_range"]
-        for entry in own[tag].get("files") or []:
-            index = int(entry["index"])
-            if not lo <= index < hi or index in seen:
-                raise _fail(f"sample {index} is listed by range {tag}" + (f" and by {seen[index]}" if index in seen
-                                                                         else f", outside [{lo}, {hi})"),
-                            "a bug: report it with the two manifests", index=index)
-            seen[index] = tag
-            files.append({**entry, "range": tag, "host": (own[tag].get("who") or claims[tag].get("who") or {})
-                          .get("host")})
-    files.sort(key=lambda e: e["index"])
     expected = [tuple(r) for r in params.get("ranges") or ranges]
+    parts = [manifest.Range(tag, *own[tag]["sample_range"], own[tag]["files"],
+                            {"range": tag, "host": (own[tag].get("who") or claims[tag].get("who") or {}).get("host")})
+             for tag in order]
+    try:
+        merged_files = manifest.merge(parts, expected=expected, strict=True)
+    except manifest.MergeError as exc:
+        raise _fail(f"run {run_id!r} in {out}: {exc.summary}", exc.fix, **exc.detail) from None
+    missing = merged_files["missing"]
     missing_ranges = [list(r) for r in expected if shard_key(r) not in own]
-    missing = [i for lo, hi in expected for i in range(lo, hi) if i not in seen]
     dataset_files = next((m["dataset_files"] for m in own.values() if m.get("dataset_files")), [])
     writer = samples.read_json_quietly(out / samples.TOKEN_DATASET_MARK) or {}
     if first.get("format_name") == samples.HS and not dataset_files:
         dataset_files = writer.get("files") or []
-    merged = {k: first.get(k) for k in ("run_id", "format", "format_name", "model", "layer_ids", "layer_convention",
-                                         "layer_convention_text", "file_layer_ids", "dataset_samples", "identity")}
+    merged = manifest.inherited(first)
+    merged.update(merged_files)
     merged.update({
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created_at": manifest.utc_now(),
         "merged_from": {tag: {"sample_range": own[tag]["sample_range"], "samples": own[tag].get("samples"),
                               "engine": own[tag].get("engine"), "host": claims[tag].get("who", {}).get("host"),
                               "created_at": own[tag].get("created_at")} for tag in sorted(own)},
         "sample_ranges": [list(r) for r in ranges],
-        "samples": len(files),
-        "tokens": sum(int(e.get("tokens") or 0) for e in files),
-        "complete": not missing,
         "missing": missing[:1000],
         "missing_ranges": missing_ranges,
         "dataset_files": dataset_files,
-        "files": files,
     })
+    files = merged["files"]
     path = out / samples.MANIFEST
-    samples.write_json_atomic(path, merged)
+    manifest.write_atomic(path, merged, temp_prefix=samples.TEMP_PREFIX)
     status = protocol.OK if not missing else protocol.WARN
     summary = (f"{len(files)} sample(s) of {len(own)} range(s) in one manifest: {path}" if not missing else
                f"{len(files)} sample(s) merged into {path}; {len(missing)} missing (first {missing[:5]})")

@@ -34,22 +34,16 @@ import re
 import tempfile
 from pathlib import Path
 
-from remote import contract, fsutil, versions
+from remote import contract, fsutil, manifest, versions
 from remote.contract import HS, MANIFEST, PT, SUMMARY, sample_name
 from remote.fsutil import sha256_file
 # layer_partial too: scripts and benchmarks read it as samples.layer_partial
 from remote.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
 
 #: format -> (file name pattern, directory under the output dir, what the manifest says); the
-#: names are :data:`remote.contract.SAMPLE_FILES`
-FORMATS = {
-    PT: (contract.sample_pattern(PT), contract.SAMPLE_FILES[PT][1],
-         "speculators-0.3 data_{idx}.pt: {input_ids: long[T], hidden_states: [dtype[T, hidden] per layer id], "
-         "loss_mask: long[T]}"),
-    HS: (contract.sample_pattern(HS), contract.SAMPLE_FILES[HS][1],
-         "speculators offline hidden_states/hs_{idx}.safetensors: {token_ids: int64[T], hidden_states: "
-         "dtype[T, L, H] (layers in ascending id order)} + Arrow dataset {input_ids, loss_mask, seq_len}"),
-}
+#: names are :data:`remote.contract.SAMPLE_FILES`, the text :data:`remote.manifest.FORMAT_TEXT`
+FORMATS = {fmt: (contract.sample_pattern(fmt), contract.SAMPLE_FILES[fmt][1], manifest.FORMAT_TEXT[fmt])
+           for fmt in (PT, HS)}
 #: engine -> the format it writes (the engine table of :mod:`remote.contract`)
 ENGINE_FORMAT = {name: facts.sample_format for name, facts in contract.ENGINES.items()}
 TEMP_PREFIX = ".partial-"
@@ -384,18 +378,17 @@ def manifest_entries(output_dir) -> dict:
     """The manifests of an output dir, as one: its own ``manifest.json`` and every range's.
 
     ``{"files": [...], "dataset_files": [...]}``, a path listed once (a range's own
-    manifest wins over the dir's, which may be an older merge).
+    manifest wins over the dir's, which may be an older merge). A manifest that does not
+    fit :mod:`remote.manifest`'s schema is passed over: its files are hashed instead.
     """
     output_dir = Path(output_dir)
-    found = [read_json_quietly(output_dir / MANIFEST) or {}]
-    found += [read_json_quietly(output_dir / SHARDS_DIR / tag / MANIFEST) or {}
-              for tag in sorted(_names(output_dir / SHARDS_DIR))]
+    paths = [output_dir / MANIFEST] + [output_dir / SHARDS_DIR / tag / MANIFEST
+                                       for tag in sorted(_names(output_dir / SHARDS_DIR))]
     files, dataset_files = {}, []
-    for manifest in found:
-        for entry in manifest.get("files") or []:
-            if isinstance(entry, dict) and entry.get("path"):
-                files[entry["path"]] = entry
-        for name in manifest.get("dataset_files") or []:
+    for found in filter(None, map(manifest.read_quietly, paths)):
+        for entry in found.get("files") or []:
+            files[entry["path"]] = entry
+        for name in found.get("dataset_files") or []:
             if name not in dataset_files:
                 dataset_files.append(name)
     return {"files": list(files.values()), "dataset_files": dataset_files}

@@ -40,6 +40,7 @@ import traceback
 from pathlib import Path
 
 from remote import fsutil, layers, modelconfig, samples
+from remote import manifest as run_manifest
 from remote.contract import RunState, param
 from remote.dataset import load_token_samples
 from remote.engines import engine_class, resolve_engine
@@ -428,30 +429,13 @@ class Supervisor:
         loop_s = getattr(self, "loop_s", 0.0)
         layer_summaries = [s.as_dict() for s in stats]
         non_finite = [s for s in layer_summaries if s["nan"] or s["inf"]]
-        manifest = {
-            "run_id": self.run_id,
-            "created_at": utc_now(),
-            "format": samples.FORMATS[fmt][2],
-            "format_name": fmt,
-            "engine": engine_info,
-            "model": {"path": str(model_path), "config": modelconfig.summary(config)},
-            "layer_ids": layer_ids,
-            "layer_convention": convention,
-            "layer_convention_text": layers.CONVENTIONS[convention],
-            "samples": count,
-            "sample_range": [lo, hi],
-            "dataset_samples": len(dataset),
-            "tokens": tokens,
-            "files": files,
-            "dataset_files": dataset_files,
-            "identity": self.identity,
-            "versions": dict(samples.package_versions(), python=sys.version.split()[0]),
-            "params": {k: v for k, v in self.params.items() if not k.startswith("_")},
-        }
-        if fmt == samples.HS:
-            manifest["file_layer_ids"] = file_layer_ids
-            # written by this range, found written by another, or (empty files) being written by another
-            manifest["dataset_writer"] = token_dataset.get("writer")
+        manifest = run_manifest.build(
+            run_id=self.run_id, fmt=fmt, engine=engine_info,
+            model={"path": str(model_path), "config": modelconfig.summary(config)},
+            layer_ids=layer_ids, convention=convention, sample_range=[lo, hi], dataset_samples=len(dataset),
+            tokens=tokens, files=files, dataset_files=dataset_files, identity=self.identity,
+            versions=dict(samples.package_versions(), python=sys.version.split()[0]), params=self.params,
+            file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"))
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,
@@ -476,7 +460,7 @@ class Supervisor:
         if not [t for t in samples.read_claims(self.output_dir) if t != samples.shard_tag(lo, hi)]:
             targets.append(self.output_dir)
         for target in targets:
-            samples.write_json_atomic(target / samples.MANIFEST, manifest)
+            run_manifest.write_atomic(target / samples.MANIFEST, manifest, temp_prefix=samples.TEMP_PREFIX)
             samples.write_json_atomic(target / samples.SUMMARY, summary)
         if non_finite:
             exc = NonFiniteStates("non-finite hidden states in the written samples: " + ", ".join(

@@ -41,6 +41,17 @@ def asset(name: str) -> Path:
     return asset_root() / name
 
 
+def _load_remote(name: str, **given):
+    """``remote/<name>.py`` of this install, executed as the private module ``specops._remote_<name>``
+    (not added to :data:`sys.modules`), with ``given`` set as its globals before it runs."""
+    path = asset("remote") / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"specops._remote_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.update(given)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=None)
 def remote_protocol():
     """``remote/protocol.py`` of this install, loaded by path: the markers and exit codes the
@@ -51,11 +62,7 @@ def remote_protocol():
     not added to :data:`sys.modules`. It imports only the standard library and does
     nothing else when loaded.
     """
-    path = asset("remote") / "protocol.py"
-    spec = importlib.util.spec_from_file_location("specops._remote_protocol", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_remote("protocol")
 
 
 def remote_contract():
@@ -64,3 +71,12 @@ def remote_contract():
     Loaded with :func:`remote_protocol`, which reads it, so the laptop holds one copy.
     """
     return remote_protocol().contract
+
+
+@lru_cache(maxsize=None)
+def remote_manifest():
+    """``remote/manifest.py`` of this install: the one schema of a run's ``manifest.json``
+    (read, check, write, merge), loaded by path with the contract above and
+    ``remote/fsutil.py`` (atomic writes; stdlib only) as the two modules it uses.
+    """
+    return _load_remote("manifest", contract=remote_contract(), fsutil=_load_remote("fsutil"))

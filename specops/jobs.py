@@ -33,7 +33,7 @@ from typing import Callable
 
 from rich.table import Table
 
-from specops.assets import remote_contract, remote_protocol
+from specops.assets import remote_contract, remote_manifest, remote_protocol
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload
@@ -230,11 +230,15 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
 
 
 def fetch_tensors(host: Host, dest: Path):
-    manifest_path = dest / remote_contract().MANIFEST
-    if not manifest_path.exists():
+    manifests = remote_manifest()
+    try:
+        manifest = manifests.read(dest / remote_contract().MANIFEST, manifests.FOR_FETCH)
+    except FileNotFoundError:
         return _rec("fetch.tensors", "fail", "the run has no manifest yet: nothing to check tensors against",
                     {}, fix="wait for the run to finish (specops status), then fetch --tensors")
-    manifest = json.loads(manifest_path.read_text())
+    except manifests.ManifestError as exc:
+        return _rec("fetch.tensors", "fail", f"the run's manifest cannot be used: {exc}", {"field": exc.field},
+                    fix="the manifest was not written by this specops: re-run the extraction")
     out_dir = host.remote_path(manifest["params"].get("output_dir") or "")
     entries = list(manifest["files"])
     if manifest.get("dataset_files"):

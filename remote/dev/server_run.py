@@ -10,9 +10,9 @@ dataset, supervisor) would add nothing but time::
 
 Token ids are random ids of the model's vocabulary (seeded), or the ``token_ids`` rows
 of ``--samples-file``. The layout is the one an ``extract`` run leaves:
-``<run-dir>/output/hidden_states/hs_{i}.safetensors``, ``<run-dir>/manifest.json`` with
-``layer_convention: input``, the engine's ``file_layer_ids`` and one ``files`` entry per
-sample (path relative to the output dir, index, sha256, tokens), and
+``<run-dir>/output/hidden_states/hs_{i}.safetensors``, ``<run-dir>/manifest.json``
+(:func:`remote.manifest.build`: ``layer_convention: input``, the engine's
+``file_layer_ids``, one ``files`` entry per sample), and
 ``<run-dir>/status.json`` in state ``done``. Prints one JSON object: the engine's
 description, start and extraction seconds, tokens/s, or the error.
 """
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from remote import layers, modelconfig, samples
+from remote import manifest as run_manifest
 
 OUTPUT = "output"
 HS_DIR = "hidden_states"
@@ -40,27 +41,19 @@ def token_samples(vocab_size: int, count: int, lengths, seed: int) -> list[tuple
 def write_run(run_dir: Path, model: str, layer_ids, engine_info: dict, records: list[dict]) -> dict:
     """``status.json`` (done) and ``manifest.json`` for the ``hs`` files in ``run_dir/output``."""
     output = run_dir / OUTPUT
-    manifest = {
-        "run_id": run_dir.name,
-        "format": samples.FORMATS[samples.HS][2],
-        "format_name": samples.HS,
-        "engine": engine_info,
-        "file_layer_ids": engine_info.get("file_layer_ids") or sorted(layer_ids),
-        "model": {"path": str(model), "config": modelconfig.summary(modelconfig.read(model))},
-        "layer_ids": list(layer_ids),
-        "layer_convention": layers.INPUT,
-        "layer_convention_text": layers.CONVENTIONS[layers.INPUT],
-        "samples": len(records),
-        "tokens": sum(r["tokens"] for r in records),
-        "files": [{"path": f"{HS_DIR}/{r['file']}", "index": r["index"],
-                   "sha256": samples.sha256_file(output / HS_DIR / r["file"]),
-                   "bytes": r["bytes"], "tokens": r["tokens"]} for r in records],
-        "params": {"trust_remote_code": False},
-    }
-    samples.write_json_atomic(run_dir / samples.MANIFEST, manifest)
-    samples.write_json_atomic(output / samples.MANIFEST, manifest)
+    doc = run_manifest.build(
+        run_id=run_dir.name, fmt=samples.HS, engine=engine_info,
+        model={"path": str(model), "config": modelconfig.summary(modelconfig.read(model))},
+        layer_ids=layer_ids, convention=layers.INPUT, sample_range=[0, len(records)], dataset_samples=len(records),
+        tokens=sum(r["tokens"] for r in records),
+        files=[{"path": f"{HS_DIR}/{r['file']}", "index": r["index"],
+                "sha256": samples.sha256_file(output / HS_DIR / r["file"]),
+                "bytes": r["bytes"], "tokens": r["tokens"]} for r in records],
+        params={"trust_remote_code": False}, file_layer_ids=engine_info.get("file_layer_ids"))
+    for target in (run_dir, output):
+        run_manifest.write_atomic(target / samples.MANIFEST, doc)
     samples.write_json_atomic(run_dir / "status.json", {"state": "done", "output_dir": str(output)})
-    return manifest
+    return doc
 
 
 def main(argv=None) -> int:

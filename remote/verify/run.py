@@ -14,7 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote import layers, protocol, samples
+from remote import manifest as run_manifest
+from remote import protocol, samples
+from remote.contract import STATUS_FILE, RunState
 
 DEFAULT_SAMPLES = 3
 #: the ``hs_{i}.safetensors`` format's suffix; anything else is read as ``data_{i}.pt``.
@@ -41,15 +43,11 @@ def open_run(params: dict) -> Run:
     """The run named by ``params`` (``run_dir``, or ``run_id`` + ``work_dir``).
 
     :raises VerifyError: no such run, a run that is not done, no manifest, or a manifest
-        without a known layer convention.
+        that lacks what verify reads (:data:`remote.manifest.FOR_VERIFY`), the field named.
     """
     found = locate_run(params)
-    manifest = found["manifest"]
-    convention = manifest.get("layer_convention")
-    if convention not in layers.CONVENTIONS:
-        raise VerifyError("verify.convention", f"the manifest records no known layer convention ({convention!r})",
-                          "re-run the extraction with a specops version that records layer_convention")
-    return Run(layer_ids=[int(x) for x in manifest["layer_ids"]], convention=convention, **found)
+    doc = found["manifest"]
+    return Run(layer_ids=[int(x) for x in doc["layer_ids"]], convention=doc["layer_convention"], **found)
 
 
 def locate_run(params: dict) -> dict:
@@ -61,20 +59,29 @@ def locate_run(params: dict) -> dict:
             raise VerifyError("verify.run", "run_id and work_dir are required",
                               "pass --run-id; work_dir comes from the inventory")
         run_dir = Path(params["work_dir"]).expanduser() / "runs" / str(params["run_id"])
-    status = _read_json(run_dir / "status.json")
+    status = _read_json(run_dir / STATUS_FILE)
     if status is None:
         raise VerifyError("verify.run", f"no run at {run_dir}",
                           "check the run id (specops status --run-id ...)")
-    if status.get("state") != "done":
+    if status.get("state") != RunState.DONE:
         raise VerifyError("verify.run", f"run {run_dir.name} is {status.get('state')!r}, not done",
                           "verify needs a finished run: wait for it (specops status) or fix and resume it")
-    manifest = _read_json(run_dir / samples.MANIFEST)
-    if manifest is None:
+    try:
+        doc = run_manifest.read(run_dir / samples.MANIFEST, run_manifest.FOR_VERIFY)
+    except FileNotFoundError:
         raise VerifyError("verify.run", f"run {run_dir.name} has no manifest.json",
-                          "the run did not finish writing; start the same run id again to finalize it")
-    output_dir = Path(status.get("output_dir") or (manifest.get("params") or {}).get("output_dir")
+                          "the run did not finish writing; start the same run id again to finalize it") from None
+    except run_manifest.ManifestError as exc:
+        if exc.field == "layer_convention":
+            raise VerifyError("verify.convention",
+                              f"the manifest records no known layer convention ({exc.value!r})",
+                              "re-run the extraction with a specops version that records layer_convention") from None
+        raise VerifyError("verify.run", f"run {run_dir.name}: {exc}",
+                          "the manifest was not written by this specops; re-run the extraction",
+                          detail={"field": exc.field}) from None
+    output_dir = Path(status.get("output_dir") or (doc.get("params") or {}).get("output_dir")
                       or run_dir / "samples")
-    return {"run_dir": run_dir, "status": status, "manifest": manifest, "output_dir": output_dir}
+    return {"run_dir": run_dir, "status": status, "manifest": doc, "output_dir": output_dir}
 
 
 def trust_remote_code(params: dict, manifest: dict) -> bool:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from specops import jobs
 from specops import storage
+from specops.assets import remote_contract
 from specops.exit_codes import ExitCode
 from specops.host import Host
 from specops.inventory import Inventory
@@ -81,7 +82,8 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
     absent = [f["path"] for f in merged["files"] if tensors and not _local_copy_ok(root / "samples", f)]
     # a dir the shards share gets its merged manifest there, made on a host of it (no tensor moves)
     reports += storage.host_merges(manifest, conns, root)
-    group = HostReport(host=GROUP, task="fetch", data={"dest": str(root), "manifest": str(root / "manifest.json")})
+    merged_path = root / remote_contract().MANIFEST
+    group = HostReport(host=GROUP, task="fetch", data={"dest": str(root), "manifest": str(merged_path)})
     if absent:
         group.records.append(Record(
             name="fleet.merge", status="fail",
@@ -92,8 +94,8 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
     elif merged["complete"]:
         group.records.append(Record(name="fleet.merge", status="ok",
                                     summary=f"{merged['samples']} sample(s) of {manifest.total} in one manifest "
-                                            f"({root / 'manifest.json'})" + (f", files in {root / 'samples'}"
-                                                                             if tensors else "")))
+                                            f"({merged_path})"
+                                            + (f", files in {root / 'samples'}" if tensors else "")))
     else:
         group.records.append(Record(
             name="fleet.merge", status="warn",

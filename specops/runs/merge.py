@@ -1,44 +1,43 @@
-"""The merged manifest of a group run, ``runs/R/manifest.json``: every sample once, by global index."""
+"""The merged manifest of a group run, ``runs/R/manifest.json``: every sample once, by global index.
+
+Its schema and the merge of the shards' files are the host's (``remote/manifest.py``, the
+``group`` document), loaded by path (:func:`specops.assets.remote_manifest`).
+"""
 from __future__ import annotations
 
-import json
-import os
-import time
-
+from specops.assets import remote_contract, remote_manifest
 from specops.result import HostReport
 from specops.runs.store import run_root
 from specops.shards import FleetManifest
 
 
 def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dict:
-    """``runs/R/manifest.json``: every sample once, by global index, from the shard that owns it."""
-    files, missing = [], []
+    """``runs/R/manifest.json``: every sample once, by global index, from the shard that owns it.
+
+    A shard's listing entry outside its range (a cut shard's samples past its cut, made
+    before it was stopped) is never used.
+    """
+    schema, name = remote_manifest(), remote_contract().MANIFEST
+    ranges = []
     for shard in manifest.shards:
         if shard.empty:
             continue
         report = reports.get(shard.id)
         listing = (report.data.get("listing") if report is not None and report.error is None else None) or {}
-        by_index = {int(e["index"]): e for e in listing.get("files") or []}
-        for index in range(shard.start, shard.stop):
-            entry = by_index.get(index)
-            if entry is None:
-                missing.append(index)
-                continue
-            files.append({**entry, "index": index, "shard": shard.id, "host": shard.head})
+        ranges.append(schema.Range(shard.id, shard.start, shard.stop, listing.get("files") or [],
+                                   {"shard": shard.id, "host": shard.head}))
     per_host = {}
     for shard in manifest.shards:
-        path = run_root(manifest.run_id) / "hosts" / shard.head / shard.run_id / "manifest.json"
-        if path.is_file():
-            per_host[shard.id] = json.loads(path.read_text())
+        # a shard's own manifest, fetched: one that is not there (or not usable) adds nothing
+        found = schema.read_quietly(run_root(manifest.run_id) / "hosts" / shard.head / shard.run_id / name)
+        if found is not None:
+            per_host[shard.id] = found
     some = next(iter(per_host.values()), {})
     merged = {
         "run_id": manifest.run_id,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created_at": schema.utc_now(),
         "total": manifest.total,
-        "samples": len(files),
-        "complete": not missing,
-        "missing": missing,
-        "tokens": sum(int(f.get("tokens") or 0) for f in files),
+        **schema.merge(ranges, strict=False),
         "format": some.get("format") or manifest.stack.get("format_text"),
         "format_name": manifest.stack.get("format"),
         "layer_ids": manifest.stack.get("layer_ids"),
@@ -53,11 +52,6 @@ def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dic
         "engines": {sid: m.get("engine") for sid, m in per_host.items()},
         "file_layer_ids": some.get("file_layer_ids"),
         "dataset_files": some.get("dataset_files") or [],
-        "files": files,
     }
-    path = run_root(manifest.run_id) / "manifest.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=2))
-    os.replace(tmp, path)
+    schema.write_atomic(run_root(manifest.run_id) / name, merged, mode=0o644)
     return merged
