@@ -79,4 +79,11 @@ def remote_manifest():
     (read, check, write, merge), loaded by path with the contract above and
     ``remote/fsutil.py`` (atomic writes; stdlib only) as the two modules it uses.
     """
-    return _load_remote("manifest", contract=remote_contract(), fsutil=_load_remote("fsutil"))
+    return _load_remote("manifest", contract=remote_contract(), fsutil=remote_fsutil())
+
+
+@lru_cache(maxsize=None)
+def remote_fsutil():
+    """``remote/fsutil.py`` of this install: the one atomic write (temp file, fsync, rename) both
+    sides use, for the laptop's fetched run files, fleet maps and merged manifests too."""
+    return _load_remote("fsutil")

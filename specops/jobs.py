@@ -33,7 +33,7 @@ from typing import Callable
 
 from rich.table import Table
 
-from specops.assets import remote_contract, remote_manifest, remote_protocol
+from specops.assets import remote_contract, remote_fsutil, remote_manifest, remote_protocol
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload
@@ -211,14 +211,14 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     for name in RUN_FILES:
         data = read_remote(host, f"{run_dir}/{name}")
         if data is not None:
-            _write_atomic(dest / name, data)
+            remote_fsutil().atomic_write(dest / name, data, mode=0o644)
             fetched.append(name)
     for sub in ("logs", "errors"):
         for name in list_remote(host, f"{run_dir}/{sub}"):
             data = read_remote(host, f"{run_dir}/{sub}/{name}")
             if data is not None:
                 (dest / sub).mkdir(exist_ok=True)
-                _write_atomic(dest / sub / name, data)
+                remote_fsutil().atomic_write(dest / sub / name, data, mode=0o644)
                 fetched.append(f"{sub}/{name}")
     report = HostReport(host=host.name, task="fetch", data={"dest": str(dest), "files": fetched,
                                                             "state": state.state})
@@ -339,10 +339,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def wait_final(host: Host, run_id: str, timeout: float) -> RunState:

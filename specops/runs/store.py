@@ -5,12 +5,12 @@ Its presence is what makes a run id a group run for every command (``status``, `
 """
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 from specops import jobs
 from specops import shards as shardmap
+from specops.assets import remote_fsutil
 from specops.errors import SpecopsError, UsageError
 from specops.shards import FleetManifest
 
@@ -51,9 +51,7 @@ def save_manifest(manifest: FleetManifest) -> None:
     path = manifest_path(manifest.run_id)
     with _save_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(manifest.model_dump_json(indent=2))
-        os.replace(tmp, path)
+        remote_fsutil().atomic_write(path, manifest.model_dump_json(indent=2), mode=0o644)
 
 
 def is_fleet_run(run_id: str | None) -> bool:
