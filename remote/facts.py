@@ -3,7 +3,8 @@
 Returns the python that ran us, the OS, CPUs and memory, the versions of the
 packages extraction needs (read from package metadata, nothing imported), the GPUs
 nvidia-smi reports, and -- so the controller can prove values travel intact -- the
-inventory values exactly as they arrived, and the work dir it made from them.
+parameters it was sent, as they arrived (``inventory.work_dir`` expanded), and the work
+dir it made from them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import subprocess
 import sys
 
 from remote import protocol, versions
+from remote.argspec import Arg, Spec
+
+SPEC = Spec("facts", {
+    # the host's inventory entry as the laptop has it; only these keys are read here, the rest is echoed
+    "inventory": Arg("dict", {}, open=True, options={"work_dir": Arg("path", "~/.specops"), "env": Arg("env", {})}),
+    "cli": Arg("any", hook=True, doc="echoed back in data.received (tests: values travel intact)"),
+})
 
 
 def memory_bytes() -> int | None:
@@ -39,11 +47,12 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+@SPEC.task
 def main(params: dict) -> dict:
-    inventory = params.get("inventory", {})
-    work_dir = os.path.expanduser(inventory.get("work_dir", "~/.specops"))
+    inventory = params["inventory"]
+    work_dir = inventory["work_dir"]
     os.makedirs(work_dir, exist_ok=True)
-    env = inventory.get("env", {})
+    env = inventory["env"]
     os.environ.update(env)
     facts = {
         "python": {"executable": sys.executable, "version": platform.python_version()},
@@ -54,7 +63,7 @@ def main(params: dict) -> dict:
         "packages": versions.installed_versions(),
         "gpus": gpu_names(),
         "work_dir": work_dir,
-        "received": {k: v for k, v in params.items() if not k.startswith("_")},
+        "received": {k: params[k] for k in sorted(params.given)},
         "env_seen": {k: os.environ.get(k) for k in env},
     }
     pk = facts["packages"]

@@ -29,17 +29,13 @@ Verbs:
             ``timeout_s``. When the SSH channel closes (the laptop detached or vanished) it
             exits at once, printing nothing more; the run never depends on it.
 
-Start parameters: ``run_id``, ``work_dir``, ``model_path``, ``dataset`` (required);
-``output_dir`` (default ``RUN_DIR/samples``), ``engine`` (``speculators-0.3`` |
-``hf-reference``), ``tp``, ``layer_ids`` (+ ``layer_convention``), ``max_samples``,
-``seq_len``, ``batch_size``, ``env`` (exported to the job), ``python`` (default: this
-interpreter), ``force``, ``worker_error_grace_s`` (how long a rank's recorded error may go
-unanswered by the driver, default 20), ``gpu_memory_utilization``, ``trust_remote_code``,
-``write_queue_batches`` (extracted batches that may wait for the sample writer, default 1;
-0 writes each batch before extracting the next, without the writer thread).
-Test hooks: ``inject_failure`` ({"rank", "at": load|extract|crash, "message"}) and
-``batch_delay_s`` (a pause after each batch, to act mid-run; ``SPECOPS_BATCH_DELAY_S`` in the
-job's ``env`` does the same without changing the run's parameters).
+Parameters: :data:`SPEC`. ``run_id`` and ``work_dir`` always; ``start`` also needs
+``model_path`` and ``dataset``, and takes a run's parameters (:data:`remote.argspec.RUN_ARGS`:
+``output_dir``, default ``RUN_DIR/samples``; ``engine``, ``tp``, ``layer_ids``, ``seq_len``,
+``env`` exported to the job, the engines' knobs, the test hooks ``inject_failure`` and
+``batch_delay_s``), which it records in ``params.json`` as they were sent. The parameters
+marked ``call`` steer one call, not the run (``python``, default this interpreter;
+``force``; the verbs' own), and may differ between calls for one run id.
 
 An output dir belongs to one run: the supervisor refuses one that holds another run's
 samples, or samples of another dataset/model/layers under the same run id.
@@ -60,15 +56,35 @@ import time
 from pathlib import Path
 
 from remote import protocol, samples, signals
+from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
 from remote.rootcause import last_traceback
 from remote.rundir import (RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
                            run_alive, run_busy, signal_group, tail_text, utc_now)
 
-#: keys that steer one call, not the run; they may differ between calls for one run id.
-CALL_KEYS = {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python"}
-REQUIRED = ("run_id", "work_dir", "model_path", "dataset")
+VERBS = ("start", "status", "logs", "abort", "follow")
+#: a run's parameters (recorded by ``start``; the others take them and ignore them), and the
+#: parameters of one call (``call=True``: never recorded, may differ between calls for one run id).
+SPEC = Spec("job", RUN_ARGS, {
+    "action": Arg("str", "status", choices=VERBS, call=True),
+    "run_id": Arg("str", required=True, doc="checked by run_dir_of (remote.contract.run_id_problem)"),
+    "work_dir": RUN_ARGS["work_dir"].but(required=True),
+    "python": RUN_ARGS["python"].but(call=True, doc="the supervisor's python (default: this one)"),
+    "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    "offsets": Arg("dict", call=True, doc="logs/follow: {file: byte offset} to go on from"),
+    "tail_bytes": Arg("int", 16384, min=0, call=True, doc="logs/follow: how much of a log a first look shows"),
+    "max_bytes": Arg("int", 262144, min=1, call=True, doc="logs/follow: at most this much of one log per read"),
+    "grace_s": Arg("float", 10.0, min=0, call=True, doc="abort: SIGKILL this long after SIGTERM"),
+    "logs": Arg("bool", False, call=True, doc="follow: stream new log lines too"),
+    "until": Arg("str", "final", choices=("final", "exited"), call=True),
+    "timeout_s": Arg("float", min=0, call=True, doc="follow: give up after this long (default, or 0: never)"),
+    "poll_s": Arg("float", 0.5, above=0, call=True),
+    "heartbeat_s": Arg("float", 2.0, above=0, call=True),
+    "exit_grace_s": Arg("float", 60.0, min=0, call=True),
+}, required_if=[("action", "start", ("model_path", "dataset"))])
+#: what steers one call, not the run.
+CALL_KEYS = frozenset(SPEC.names(call=True))
 STARTING_GRACE_S = 15.0
 
 
@@ -76,15 +92,11 @@ class JobError(protocol.TaskError):
     """A refusal with a fix hint; becomes one failed record."""
 
 
+@SPEC.task
 def main(params: dict) -> dict:
-    action = params.get("action", "status")
     verbs = {"start": start, "status": status, "logs": logs, "abort": abort, "follow": follow}
-    if action not in verbs:
-        rec = protocol.record("job.action", protocol.FAIL, f"unknown action {action!r}",
-                              fix=f"use one of {sorted(verbs)}")
-        return protocol.payload([rec])
     try:
-        return verbs[action](params)
+        return verbs[params["action"]](params)
     except JobError as exc:
         return exc.payload()
 
@@ -94,7 +106,7 @@ def main(params: dict) -> dict:
 def runs_root(params: dict) -> Path:
     if not params.get("work_dir"):
         raise JobError("job.params", "work_dir is missing", "set work_dir for the host in the inventory")
-    return Path(params["work_dir"]).expanduser() / "runs"
+    return Path(params["work_dir"]) / "runs"
 
 
 def run_dir_of(params: dict) -> Path:
@@ -111,16 +123,14 @@ def _RunsLock(root: Path):
 
 
 def job_params(params: dict) -> dict:
-    return {k: v for k, v in params.items() if k not in CALL_KEYS and not k.startswith("_")}
+    """What ``params.json`` records: the run's parameters as the caller sent them (checked), not the defaults."""
+    given = getattr(params, "given", params.keys())
+    return {k: v for k, v in params.items() if k in given and k not in CALL_KEYS and not k.startswith("_")}
 
 
 # --------------------------------------------------------------------------- start
 
 def start(params: dict) -> dict:
-    missing = [k for k in REQUIRED if params.get(k) in (None, "")]
-    if missing:
-        raise JobError("job.params", f"missing parameter(s): {', '.join(missing)}",
-                       "set them in the inventory or pass them as flags")
     run_dir = run_dir_of(params)
     wanted = job_params(params)
     with _RunsLock(run_dir.parent):
@@ -172,7 +182,7 @@ def _missing_on_disk(run_dir: Path, st: dict, wanted: dict) -> list[int]:
     bounds = st.get("sample_range")
     if not (isinstance(bounds, list) and len(bounds) == 2):
         return []
-    out_dir = Path(os.path.expanduser(str(st.get("output_dir") or wanted.get("output_dir") or run_dir / "samples")))
+    out_dir = Path(str(st.get("output_dir") or wanted.get("output_dir") or run_dir / "samples"))
     have = present(out_dir, int(bounds[0]), int(bounds[1]))
     return [i for i in range(int(bounds[0]), int(bounds[1])) if i not in have]
 
@@ -203,7 +213,7 @@ def _spawn(run_dir: Path, params: dict) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bundle, env.get("PYTHONPATH", "")) if p)
     env["SPECOPS_RUN_DIR"] = str(run_dir)
     env["PYTHONUNBUFFERED"] = "1"
-    if params.get("inject_failure"):
+    if params.get("inject_failure"):  # a test hook (remote/argspec.py)
         env["SPECOPS_INJECT_FAILURE"] = json.dumps(params["inject_failure"])
     else:
         env.pop("SPECOPS_INJECT_FAILURE", None)
@@ -341,8 +351,7 @@ def logs(params: dict) -> dict:
     if not paths.logs.is_dir():
         raise JobError("job.logs", f"no run {params.get('run_id')} on this host ({run_dir})",
                        "check the run id")
-    reader = LogReader(paths, params.get("offsets"), params.get("tail_bytes", 16384),
-                       params.get("max_bytes", 262144))
+    reader = LogReader(paths, params["offsets"], params["tail_bytes"], params["max_bytes"])
     out = reader.read()
     st = current_status(run_dir) or {}
     rec = protocol.record("job.logs", protocol.OK, f"{len(out)} log file(s) of run {params['run_id']}",
@@ -406,17 +415,11 @@ def follow(params: dict) -> dict:
     st = current_status(run_dir)
     if st is None:
         raise _no_such_run("job.follow", params, run_dir)
-    until = params.get("until") or "final"
-    if until not in ("final", "exited"):
-        raise JobError("job.follow", f"until={until!r} is not known", "use 'final' or 'exited'")
-    poll_s = float(params.get("poll_s") or 0.5)
-    heartbeat_s = float(params.get("heartbeat_s") or 2.0)
-    exit_grace_s = float(params.get("exit_grace_s") or 60.0)
-    deadline = time.monotonic() + float(params["timeout_s"]) if params.get("timeout_s") else None
+    until, poll_s, heartbeat_s, exit_grace_s = (params[k] for k in ("until", "poll_s", "heartbeat_s", "exit_grace_s"))
+    deadline = time.monotonic() + params["timeout_s"] if params["timeout_s"] else None
     reader = None
-    if params.get("logs"):
-        reader = LogReader(RunPaths(run_dir), params.get("offsets"), params.get("tail_bytes", 16384),
-                           params.get("max_bytes", 262144))
+    if params["logs"]:
+        reader = LogReader(RunPaths(run_dir), params["offsets"], params["tail_bytes"], params["max_bytes"])
     channel = EventChannel(sys.__stdout__.fileno())
     channel.send("hello", pid=os.getpid(), run_dir=str(run_dir))
     sent_status, final_since, timed_out = None, None, False
@@ -480,7 +483,7 @@ def abort(params: dict) -> dict:
         return _payload("job.abort", protocol.FAIL if left else protocol.CHANGED,
                         f"run {params['run_id']} was not running ({st.get('state')}); {how}", run_dir, st,
                         swept=swept, left=left, fix="kill the pids left by hand" if left else None)
-    grace = float(params.get("grace_s", 10))
+    grace = params["grace_s"]
     signalled = signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and pid_alive(pid, run_dir):

@@ -21,8 +21,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from remote import manifest, protocol, samples
+from remote.argspec import Arg, Spec
+
+SPEC = Spec("merge", {"output_dir": Arg("path", required=True), "run_id": Arg("str", required=True),
+                      "ranges": Arg("list", doc="[[lo, hi], ...]: the ranges the group expects in this dir")})
 
 
+@SPEC.task
 def main(params: dict) -> dict:
     try:
         return merge(params)
@@ -35,8 +40,8 @@ def _fail(summary: str, fix: str, **detail) -> protocol.TaskError:
 
 
 def merge(params: dict) -> dict:
-    out = Path(str(params.get("output_dir") or "")).expanduser()
-    run_id = params.get("run_id")
+    out = Path(params["output_dir"])
+    run_id = params["run_id"]
     if not out.is_dir():
         raise _fail(f"output dir {out} does not exist on this host", "pass the output dir the shards wrote to")
     claims = samples.read_claims(out)

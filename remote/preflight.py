@@ -14,34 +14,42 @@ transformers (AutoConfig + AutoTokenizer) runs in a child python started first, 
 loads while the static checks run, and is timed on its own. API drift and patch status
 are :func:`remote.drift.check` and :func:`remote.patcher.status_records`, run last.
 
-Params (missing keys get :data:`DEFAULTS`; a wrong type or value is a ``params.values``
-fail, and the checks go on with the default):
-``model_path`` (required), ``output_dir``, ``work_dir``, ``device`` (cuda|cpu), ``tp``,
-``engine``, ``layer_ids`` (null = engine default), ``dataset``, ``max_samples``,
-``seq_len``, ``gpu_memory_utilization``, ``trust_remote_code``, ``autoconfig_timeout``,
-``skip_autoconfig``, ``hidden_dtype_bytes``, ``env`` (the job's extra environment),
-``skip_drift``, ``skip_patch``, ``patches_root``.
+Params: :data:`SPEC` (``model_path`` required; the run's parameters, the packages to check,
+``autoconfig_timeout``, ``skip_autoconfig``, ``hidden_dtype_bytes``, ``skip_drift``,
+``skip_patch``). Unset ones get their defaults; an unknown key, or a value of the wrong
+type or range, is a ``params.values`` fail and the checks go on with the default.
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 
-from remote import drift, patcher, protocol
+from remote import contract, drift, patcher, protocol
+from remote.argspec import RUN_ARGS, STACK_ARGS, Arg, Spec
 from remote.engines import resolve_engine
 from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
 from remote.probes import (Context, Malformed, capacity, checkpoint, cpu_kernels, gpu, hf_load, host, layer_ids,
                            model, packages, parallel, tokenizer_data)
 
-DEFAULTS = {
-    "model_path": None, "output_dir": None, "work_dir": None, "device": "cuda", "tp": 1,
-    "engine": "auto", "layer_ids": None, "layer_convention": None, "dataset": None, "max_samples": 1000, "seq_len": 2048,
-    "gpu_memory_utilization": 0.9, "trust_remote_code": False, "autoconfig_timeout": 60.0,
-    "skip_autoconfig": False, "hidden_dtype_bytes": 2, "env": {}, "skip_drift": False, "skip_patch": False,
-    "patches_root": None,
-}
-PATH_KEYS = ("model_path", "output_dir", "work_dir", "dataset", "patches_root")
+#: what preflight takes: a run's parameters (defaults from :data:`remote.contract.DEFAULTS`), which
+#: packages to check (the drift and patch checks read those), and its own switches.
+SPEC = Spec("preflight", RUN_ARGS, STACK_ARGS, {
+    "model_path": RUN_ARGS["model_path"].but(required=True),
+    "device": RUN_ARGS["device"].but(default="cuda"),
+    "trust_remote_code": RUN_ARGS["trust_remote_code"].but(default=False),
+    "env": RUN_ARGS["env"].but(default={}),
+    "hidden_dtype_bytes": Arg("int", 2, min=1, doc="bytes per hidden-state value, for the disk estimate"),
+    "autoconfig_timeout": Arg("float", 60.0, above=0, max=3600, doc="seconds for the AutoConfig child"),
+    "skip_autoconfig": Arg("bool", False),
+    "skip_drift": Arg("bool", False),
+    "skip_patch": Arg("bool", False),
+    "data_check_bytes": Arg("int", min=1, doc="how much of the dataset the data probe reads"),
+    # a pipeline size would reach the vLLM server: declared so the parallel probe can refuse it by name
+    "pp": Arg("int"),
+    "pipeline_parallel_size": Arg("int"),
+}, defaults=contract.DEFAULTS, lenient=True)
+#: what an unset parameter means here.
+DEFAULTS = SPEC.defaults
 #: Order in which areas are reported (the controller groups by area in this order).
 AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "gpu", "tokenizer", "data",
          "capacity", "drift", "patch")
@@ -55,60 +63,6 @@ OWNED_CHECKS = {
     "drift": (drift.check, "skip_drift"),
     "patch": (patcher.status_records, "skip_patch"),
 }
-
-
-def _check(key, value, problems):
-    """The value coerced to the default's kind, or the default with a problem noted."""
-    default = DEFAULTS[key]
-    try:
-        if key == "device":
-            if value not in ("cuda", "cpu"):
-                raise ValueError("must be 'cuda' or 'cpu'")
-            return value
-        if key in ("tp", "seq_len", "hidden_dtype_bytes", "max_samples"):
-            if isinstance(value, bool) or int(value) != float(value):
-                raise ValueError("must be a whole number")
-            if int(value) < (0 if key == "max_samples" else 1):
-                raise ValueError("must be positive")
-            return int(value)
-        if key in ("gpu_memory_utilization", "autoconfig_timeout"):
-            if isinstance(value, bool) or not 0 < float(value) <= (1 if key == "gpu_memory_utilization" else 3600):
-                raise ValueError("out of range")
-            return float(value)
-        if key in ("trust_remote_code", "skip_autoconfig", "skip_drift", "skip_patch"):
-            if not isinstance(value, bool):
-                raise ValueError("must be true or false")
-            return value
-        if key == "layer_ids":
-            if value is not None and not isinstance(value, (list, tuple)):
-                raise ValueError("must be a list of integers or null")
-            return None if value is None else list(value)
-        if key == "env":
-            if not isinstance(value, dict):
-                raise ValueError("must be a mapping of names to values")
-            return {str(k): str(v) for k, v in value.items()}
-        if value is not None and not isinstance(value, str):
-            raise ValueError("must be a string")
-        return value
-    except (TypeError, ValueError) as exc:
-        problems.append(f"{key}={value!r}: {exc}")
-        return default
-
-
-def normalize_params(raw: dict) -> tuple:
-    """``(params, problems)``: every key of :data:`DEFAULTS` present and of the right kind."""
-    raw = dict(raw or {})
-    problems = []
-    params = dict(raw)  # unknown keys pass through (the drift/patch modules may read them)
-    for key, default in DEFAULTS.items():
-        params[key] = _check(key, raw[key], problems) if raw.get(key) is not None else default
-    for key in PATH_KEYS:  # the inventory may say ~/...; it means this host's home
-        if isinstance(params[key], str) and params[key].startswith("~"):
-            params[key] = os.path.expanduser(params[key])
-    if not params["model_path"]:
-        problems.append("model_path is missing")
-        params["model_path"] = ""
-    return params, problems
 
 
 def _guarded(probe, ctx):
@@ -164,10 +118,11 @@ def _resolve_engine(params: dict) -> dict:
                   detail={"asked": asked, "engine": params["engine"], "why": why})
 
 
-def main(params: dict) -> dict:
+@SPEC.task
+def main(params: dict, problems: list) -> dict:
     """Run every preflight check once; see the module docstring for params and payload."""
     t_start = time.perf_counter()
-    params, problems = normalize_params(params)
+    params["model_path"] = params["model_path"] or ""  # missing: a params.values fail, the probes say the rest
     records = []
     if problems:
         records.append(record("params.values", FAIL, f"bad params: {problems[0]}", detail={"problems": problems},

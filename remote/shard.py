@@ -15,6 +15,9 @@ A task module (``main(params) -> payload``); ``params["action"]`` picks the verb
            the file, computed otherwise), the first index of the range not on disk, and
            the token dataset an ``hs`` run writes beside its samples. Temp files of a
            killed writer never count.
+
+Parameters: :data:`SPEC` (a run's parameters for ``probe``, ``output_dir``/``start``/``stop``
+for ``files``).
 """
 from __future__ import annotations
 
@@ -23,18 +26,29 @@ import os
 from pathlib import Path
 
 from remote import layers, modelconfig, protocol, samples
+from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import param
 from remote.fsutil import sha256_file
 
+#: ``probe`` takes a run's parameters (as preflight does); ``files`` one range of an output dir.
+SPEC = Spec("shard", RUN_ARGS, {
+    "action": Arg("str", "probe", choices=("probe", "files")),
+    "device": RUN_ARGS["device"].but(default="cuda"),
+    # probe: the plan's shared-storage probe for this host (specops/storage.py probe_params)
+    "storage_probe": Arg("dict", options={
+        "dir": Arg("path", doc="the run's output dir on this host"), "work_dir": Arg("path"),
+        "token": Arg("str", required=True, doc="this host's marker name"),
+        "others": Arg("dict", {}, doc="host -> its token")}),
+    "start": Arg("int", min=0), "stop": Arg("int", min=0),
+    "sha256": Arg("bool", True, doc="files: hash the files no manifest lists"),
+}, required_if=[("action", "files", ("output_dir", "start", "stop"))])
 
+
+@SPEC.task
 def main(params: dict) -> dict:
-    action = params.get("action", "probe")
     verbs = {"probe": probe, "files": files}
-    if action not in verbs:
-        return protocol.payload([protocol.record("shard.action", protocol.FAIL, f"unknown action {action!r}",
-                                                 fix=f"use one of {sorted(verbs)}")])
     try:
-        return verbs[action](params)
+        return verbs[params["action"]](params)
     except protocol.TaskError as exc:
         return exc.payload()
 
@@ -82,13 +96,13 @@ def _devices(params: dict) -> dict:
 def probe(params: dict) -> dict:
     protocol.apply_job_env(params)
     records, data = [], {}
-    dataset = params.get("dataset")
-    if not dataset or not os.path.isfile(os.path.expanduser(dataset)):
+    dataset = params["dataset"]
+    if not dataset or not os.path.isfile(dataset):
         records.append(protocol.record("shard.dataset", protocol.FAIL, f"dataset {dataset} does not exist",
                                        detail={"dataset": dataset},
                                        fix="copy the dataset to the host, or fix 'dataset' for this host"))
     else:
-        path = os.path.expanduser(dataset)
+        path = dataset
         rows, digest = count_rows(path, params.get("max_samples"))
         data["dataset"] = {"path": path, "samples": rows, "sha256": digest, "bytes": os.path.getsize(path),
                            "max_samples": params.get("max_samples")}
@@ -177,7 +191,7 @@ def _storage(asked: dict, data: dict) -> dict:
     for key, field in (("dir", "output_dir"), ("work_dir", "work_dir")):
         if not asked.get(key):
             continue
-        where = Path(os.path.expanduser(str(asked[key])))
+        where = Path(str(asked[key]))
         try:
             where.mkdir(parents=True, exist_ok=True)
             if key == "work_dir":
@@ -235,14 +249,14 @@ def files(params: dict) -> dict:
     sha256 the manifest gives), not in ``files``, and ends the gap-free prefix
     (``first_missing``): it is not the sample the run made.
     """
-    out_dir = Path(os.path.expanduser(str(params.get("output_dir") or "")))
-    start, stop = int(params["start"]), int(params["stop"])
+    out_dir = Path(params["output_dir"])
+    start, stop = params["start"], params["stop"]
     # the dir's manifest and every range's own (a dir the shards of a run share holds several)
     manifest = samples.manifest_entries(out_dir)
     listed = {e["path"]: e for e in manifest.get("files") or [] if isinstance(e, dict) and e.get("path")}
     found = present(out_dir, start, stop)
     entries, changed, hashed = [], [], 0
-    want_hash = bool(params.get("sha256", True))
+    want_hash = params["sha256"]
     for index in sorted(found):
         path = found[index]
         rel = str(path.relative_to(out_dir))

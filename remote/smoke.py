@@ -47,9 +47,10 @@ GPU run exercises the MLA kernels the real model will (FLASH_ATTN_MLA on Hopper)
 Everything else stays tiny (the DeepSeek-V3 twin: 21.5 MB instead of 9.9 MB), and the
 choice is part of the twin's hash only where it changes the twin.
 
-Parameters: ``model_path``, ``work_dir`` (required); ``dataset``, ``samples`` (4),
-``seq_len`` (capped at ``SMOKE_SEQ_LEN``), ``layers`` (8), ``rebuild`` (false),
-``device`` (the run's; ``cuda`` keeps MLA head dims), ``trust_remote_code``, ``env``.
+Parameters (:data:`SPEC`): the run's own (:data:`remote.argspec.RUN_ARGS`), of which it
+reads ``model_path``, ``work_dir`` (both required), ``dataset``, ``seq_len`` (capped at
+``SMOKE_SEQ_LEN``), ``device`` (the run's; ``cuda`` keeps MLA head dims) and ``env``; and
+``samples`` (4), ``layers`` (8), ``rebuild`` (false).
 
 Stdlib only at import; torch and transformers are imported by the builder.
 """
@@ -63,6 +64,7 @@ import time
 from pathlib import Path
 
 from remote import fsutil, modelconfig, protocol
+from remote.argspec import RUN_ARGS, Arg, Spec
 
 #: Bump when the recipe below changes in a way the hashed inputs do not show.
 TWIN_RECIPE = "1"
@@ -76,7 +78,18 @@ DEFAULT_SAMPLES = 4
 Q_PROJ_SUFFIXES = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")
 ROUTER_BIAS_SUFFIX = "e_score_correction_bias"
 
+#: the run's parameters (the laptop sends the real run's), and the twin's own.
+SPEC = Spec("smoke", RUN_ARGS, {
+    "model_path": RUN_ARGS["model_path"].but(required=True, doc="the target model: the twin copies its config"),
+    "work_dir": RUN_ARGS["work_dir"].but(required=True),
+    "seq_len": RUN_ARGS["seq_len"].but(default=SMOKE_SEQ_LEN, doc=f"capped at {SMOKE_SEQ_LEN}"),
+    "samples": Arg("int", DEFAULT_SAMPLES, min=1, doc="rows of the target's dataset to extract"),
+    "layers": Arg("int", 8, min=1, doc="the twin's depth"),
+    "rebuild": Arg("bool", False, doc="build the twin again even when its hash is unchanged"),
+})
 
+
+@SPEC.task
 def main(params: dict) -> dict:
     protocol.apply_job_env(params)
     try:
@@ -267,16 +280,12 @@ def write_samples(dataset, dest: Path, count: int) -> dict:
 # --------------------------------------------------------------------------- task
 
 def prepare(params: dict) -> dict:
-    if not params.get("model_path"):
-        raise SmokeError("smoke.twin", "model_path is missing", "set model_path in the inventory or pass --model")
-    if not params.get("work_dir"):
-        raise SmokeError("smoke.twin", "work_dir is missing", "set work_dir for the host in the inventory")
-    model_path = Path(params["model_path"]).expanduser()
-    root = Path(params["work_dir"]).expanduser() / "smoke"
-    count = max(1, int(params.get("samples") or DEFAULT_SAMPLES))
-    num_layers = int(params.get("layers") or 8)
+    """The twin and its samples (``params``: :data:`SPEC`, checked)."""
+    model_path = Path(params["model_path"])
+    root = Path(params["work_dir"]) / "smoke"
+    count = params["samples"]
     try:
-        twin = ensure_twin(model_path, root, num_layers, bool(params.get("rebuild")), params.get("device"))
+        twin = ensure_twin(model_path, root, params["layers"], params["rebuild"], params["device"])
     except SmokeError:
         raise
     except Exception as exc:
@@ -287,8 +296,8 @@ def prepare(params: dict) -> dict:
                          "the target's config.json has keys the twin builder cannot shrink; see "
                          "detail.traceback (remote/tinymodel.py) and report it",
                          detail={"traceback": traceback.format_exc()}) from None
-    data = write_samples(params.get("dataset"), Path(twin["root"]) / "samples.jsonl", count)
-    seq_len = min(int(params.get("seq_len") or SMOKE_SEQ_LEN), SMOKE_SEQ_LEN)
+    data = write_samples(params["dataset"], Path(twin["root"]) / "samples.jsonl", count)
+    seq_len = min(params["seq_len"], SMOKE_SEQ_LEN)
     how = "built" if twin["built"] else "reused"
     summary = (f"tiny twin {how} in {twin['seconds']:.1f}s: {twin['model_type']} "
                f"{'/'.join(twin['architectures'] or [])}, {twin['layers']} layers, hidden "

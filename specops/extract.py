@@ -66,7 +66,7 @@ def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.s
 
 
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
-               skip_smoke: bool = False, inject_failure: dict | None = None) -> HostReport:
+               skip_smoke: bool = False) -> HostReport:
     """Preflight, smoke, then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
     if jobs.run_state(host, run_id).found:
@@ -91,8 +91,6 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
     params = run_params(host.spec, **overrides)
     # each run owns its own output dir: a new run never "resumes" from another's samples
     params.update(force=force, output_dir=f"{params['output_dir'].rstrip('/')}/{run_id}")
-    if inject_failure:
-        params["inject_failure"] = inject_failure
     payload = jobs.job_call(host, "start", run_id, **params)
     started = report_from_payload(host.name, "extract", payload)
     report.records.extend(started.records)
@@ -142,9 +140,8 @@ def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
             detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
-            accept_new_host_key: bool = False, inject_failure: dict | None = None,
-            skip_smoke: bool = False, shard_by: str | None = None, allow_partial: bool = False,
-            reassign: str | None = None) -> ExitCode:
+            accept_new_host_key: bool = False, skip_smoke: bool = False, shard_by: str | None = None,
+            allow_partial: bool = False, reassign: str | None = None) -> ExitCode:
     """Run the whole extraction flow; returns the exit code.
 
     More than one host (or a run id this laptop knows as a group run, or a group flag)
@@ -157,8 +154,6 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
     if len(specs) > 1 or is_fleet_run(run_id) or shard_by or allow_partial or reassign:
-        if inject_failure:
-            raise UsageError("inject_failure is a single-host test hook", "run it against one host")
         return group.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
                              skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
                              accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke,
@@ -167,18 +162,17 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     try:
         return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,
                            skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
-                           inject_failure=inject_failure, skip_smoke=skip_smoke)
+                           skip_smoke=skip_smoke)
     finally:
         for host in hosts.values():
             host.close()
 
 
 def _extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,
-                force: bool, skip_preflight: bool, as_json: bool, tensors: bool,
-                inject_failure: dict | None, skip_smoke: bool) -> ExitCode:
+                force: bool, skip_preflight: bool, as_json: bool, tensors: bool, skip_smoke: bool) -> ExitCode:
     reports = _on_hosts(inventory, list(hosts), "extract", hosts,
                         lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight, force=force,
-                                             skip_smoke=skip_smoke, inject_failure=inject_failure))
+                                             skip_smoke=skip_smoke))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)

@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Callable
 
-from specops.errors import SpecopsError
+from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.host import Host
 from specops.inventory import Inventory
@@ -26,17 +26,36 @@ from specops.result import HostReport, Record
 #: at most this many hosts are worked on at once (fabric's ThreadingGroup has no cap).
 MAX_PARALLEL = int(os.environ.get("SPECOPS_MAX_PARALLEL", "16"))
 #: per task, the longest one host's step may take before that host is reported as hung
-#: (seconds). Generous: a preflight's AutoConfig child has 60 s of its own. Tasks not named
-#: here (smoke, verify, extract, fetch) are long by nature and bound themselves (their own
-#: run timeouts, a follow's silence limit, a download's idle limit).
-TASK_TIMEOUTS = {"facts": 120.0, "preflight": 600.0, "patch": 600.0, "status": 120.0, "abort": 120.0}
+#: (seconds). Generous: a preflight's AutoConfig child has 60 s of its own. ``quick`` is a
+#: group run's short steps on one shard (start a job, look at it, abort it, read its logs,
+#: list its files). Tasks not named here (smoke, verify, extract, fetch) are long by nature
+#: and bound themselves (their own run timeouts, a follow's silence limit, a download's idle
+#: limit).
+TASK_TIMEOUTS = {"facts": 120.0, "preflight": 600.0, "patch": 600.0, "status": 120.0, "abort": 120.0,
+                 "quick": 180.0}
+#: ``SPECOPS_STEP_TIMEOUT=<seconds>`` replaces every limit of :data:`TASK_TIMEOUTS` (a slow
+#: link, or a test that wants a hung host reported sooner); the steps that bound themselves
+#: stay unbounded here. Its one reader is :func:`step_timeout`.
+STEP_TIMEOUT_ENV = "SPECOPS_STEP_TIMEOUT"
 
 
 def step_timeout(task: str) -> float:
-    """``task``'s per-host limit in seconds (0: none); ``SPECOPS_STEP_TIMEOUT`` replaces every limit."""
-    if os.environ.get("SPECOPS_STEP_TIMEOUT"):
-        return float(os.environ["SPECOPS_STEP_TIMEOUT"])
-    return TASK_TIMEOUTS.get(task, 0.0)
+    """``task``'s per-host limit in seconds (0: none): :data:`TASK_TIMEOUTS`, or :data:`STEP_TIMEOUT_ENV`.
+
+    :raises UsageError: ``SPECOPS_STEP_TIMEOUT`` is set to something other than a positive number.
+    """
+    limit = TASK_TIMEOUTS.get(task, 0.0)
+    text = os.environ.get(STEP_TIMEOUT_ENV, "").strip()
+    if not text or not limit:
+        return limit
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise UsageError(f"{STEP_TIMEOUT_ENV}={text!r} is not a number of seconds",
+                         f"set {STEP_TIMEOUT_ENV} to a positive number (e.g. 300), or unset it")
+    return seconds
 
 
 def report_from_payload(host: str, task: str, payload: dict) -> HostReport:

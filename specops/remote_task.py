@@ -32,10 +32,6 @@ from specops.render import heredoc_command, render_entry
 if TYPE_CHECKING:
     from specops.host import Host
 
-#: test-only: demand this python version from the entry script instead of its own minimum, so
-#: that a modern interpreter takes the real "too old" path (tests/test_bad_input.py).
-PYTHON_MIN_OVERRIDE: tuple[int, int] | None = None
-
 _bundle_lock = threading.Lock()
 _bundle_cache: dict[str, Bundle] = {}
 
@@ -133,12 +129,11 @@ class RemoteTask:
 
         The first try carries no bundle (the common case: the host has it by hash); the
         entry script answers "need bundle" when it does not, and the second try brings it
-        over SFTP, or inside the heredoc for hosts without SFTP.
+        over SFTP, or inside the heredoc for hosts without SFTP. ``params`` go as they are: the
+        task checks them against its declared spec on the host (``remote/argspec.py``).
         """
         bundle = bundle or current_bundle()
         params = {**params, "_bundle_dir": self.host.bundle_dir(bundle)}
-        if PYTHON_MIN_OVERRIDE is not None:
-            params["_python_min"] = list(PYTHON_MIN_OVERRIDE)
         result = execute(render_entry(module, params))
         if needs_bundle(result):
             if self.spec.delivery == "heredoc":

@@ -80,6 +80,7 @@ from pathlib import Path
 
 from remote.contract import VLLM_SERVER
 from remote import patchsets, protocol
+from remote.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
 from remote.drift.pyindex import PackageIndex
 from remote.drift.rules import Context, bound_model, calls, gates, imports, model_object, runtime
 from remote.drift.source import SPECULATORS_DIR, file_digests, package_versions, site_packages, speculators_files
@@ -253,6 +254,11 @@ def check(params: dict) -> list:
     return records
 
 
+#: the patcher's params: ``specops patch`` re-checks with the very params it patched with.
+SPEC = Spec("drift", RUN_ARGS, STACK_ARGS, PATCH_ARGS)
+
+
+@SPEC.task
 def main(params: dict) -> dict:
     """The task entry: :func:`check` plus wall and CPU seconds (CPU time is what a
     loaded host cannot inflate; wall time is what the user waits)."""

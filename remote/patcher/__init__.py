@@ -4,13 +4,15 @@ A *patch set* is a folder under ``patches/`` with unified diffs against files of
 installed package and a ``manifest.json`` (its schema, the choice of the set that fits
 the installed versions, and its revision live in :mod:`remote.patchsets`).
 
-``main(params)`` runs one action (the controller's ``fab patch`` calls it)::
+``main(params)`` runs one action (the controller's ``fab patch`` calls it); :data:`SPEC`
+declares its params, a run's parameters among them (``engine`` decides whether a patch
+is needed at all)::
 
     {"action": "check" | "apply" | "revert" | "status",
      "patches_root": "<dir>",        # default: <_bundle_dir>/patches
      "site_packages": "<dir>",       # default: where speculators is installed
-     "inject_failure_after": 1,      # tests: fail after writing this many files
-     "hold_lock_s": 5}               # tests: keep the lock this long after the action
+     "inject_failure_after": 1,      # test hook: fail after writing this many files
+     "hold_lock_s": 5}               # test hook: keep the lock this long after the action
 
 Guarantees, in the spirit of Ansible's file modules:
 
@@ -52,6 +54,7 @@ import time
 from pathlib import Path
 
 from remote import patchsets, protocol, versions
+from remote.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
 from remote.fsutil import atomic_write, sha256_bytes
 # The names below are the patcher's public surface: callers and tests use them as
 # ``patcher.<name>``, whichever module of the package defines them.
@@ -61,7 +64,9 @@ from remote.patcher.target import (BACKUP_DIR, EARLIER, MISSING, MODIFIED, PATCH
 from remote.patcher.transaction import LOCK_FILE, InjectedFailure, patch_lock
 from remote.patcher import transaction
 
-ACTIONS = ("check", "apply", "revert", "status")
+#: a run's parameters, the packages to patch and the verb (``specops patch`` sends the drift check the same).
+SPEC = Spec("patcher", RUN_ARGS, STACK_ARGS, PATCH_ARGS)
+ACTIONS = PATCH_ARGS["action"].choices
 #: In ``<site>/.specops-backup/<set>/``: the revision applied and the sha256 of each file written.
 APPLIED_FILE = "applied.json"
 
@@ -306,20 +311,17 @@ def status_records(params: dict) -> list[dict]:
         return [rec]
 
 
+@SPEC.task
 def main(params: dict) -> dict:
     """Run one action; see the module docstring for ``params``."""
-    action = params.get("action", "status")
-    if action not in ACTIONS:
-        rec = protocol.record("patch.action", protocol.FAIL, f"unknown action {action!r}",
-                              fix=f"use one of {', '.join(ACTIONS)}")
-        return protocol.payload([rec], action=action)
+    action = params["action"]
     skip = no_patch_record(params)
     if skip is not None:  # every action: nothing to check, apply or revert on this engine
         return protocol.payload([skip], action=action, set=None, engine=skip["detail"]["engine"],
                                 needs_patch=False, versions=skip["detail"]["versions"])
     root = patchsets.patches_root(params)
     try:
-        patcher = Patcher(root, params.get("site_packages"), params.get("inject_failure_after"))
+        patcher = Patcher(root, params["site_packages"], params["inject_failure_after"])
     except protocol.TaskError as exc:
         return protocol.payload([exc.record()], action=action)
     data = {"action": action, "set": patcher.patch_set["name"],
@@ -335,7 +337,7 @@ def main(params: dict) -> dict:
                 # Re-read the files under the lock: another run may have just finished.
                 patcher.load_targets()
                 records = getattr(patcher, action)()
-                time.sleep(float(params.get("hold_lock_s") or 0))
+                time.sleep(params["hold_lock_s"] or 0)
     except protocol.TaskError as exc:
         records = [exc.record()]
     return protocol.payload([patcher.set_record()] + records, **data)

@@ -103,7 +103,7 @@ def field(mapping: dict, key: str, kind: str, file: str, where: str = "", requir
 class Context:
     """What the probes of one preflight run share.
 
-    :param params: the normalized params (see ``remote.preflight.normalize_params``).
+    :param params: the checked params (``remote.preflight.SPEC``).
     """
 
     def __init__(self, params: dict):

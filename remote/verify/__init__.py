@@ -16,8 +16,8 @@ Records, in this order: ``verify.run``, ``verify.reference``, ``verify.layer.<id
 per layer, ``verify.routing`` (models with a DeepSeek-V3-style router),
 ``verify.convention``, ``verify.llama_4_scaling`` (models with the scaling).
 
-Parameters: ``run_id`` + ``work_dir`` (or ``run_dir``); ``samples`` (3; the longest
-samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf),
+Parameters (:data:`SPEC`): ``run_id`` + ``work_dir`` (or ``run_dir``); ``samples`` (3; the
+longest samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf),
 ``model_path`` (default: the model the run recorded), ``trust_remote_code`` (default,
 or None: what the run recorded), ``env``. Stdlib only at import.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from remote import protocol
+from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL,
                                    WARN_SHARE, beyond_rounding, convention_record, expected_indices,
                                    layer_numbers, layer_record, merge, nrmse_by_index,
@@ -47,8 +48,19 @@ __all__ = [
 ]
 
 REFERENCES = ("hf",)
+#: which run (by ``run_id`` in ``work_dir``, or its ``run_dir``), and how to check it.
+SPEC = Spec("verify", {
+    "run_id": Arg("str"), "work_dir": RUN_ARGS["work_dir"], "run_dir": Arg("path", doc="instead of run_id + work_dir"),
+    "samples": Arg("int", DEFAULT_SAMPLES, min=1, doc="how many of the run's samples (the longest) to recompute"),
+    "dtype": Arg("str", "float32", doc="the reference's dtype"),
+    "reference": Arg("str", "hf", choices=REFERENCES),
+    "model_path": RUN_ARGS["model_path"].but(doc="default: the model the run recorded"),
+    "trust_remote_code": RUN_ARGS["trust_remote_code"].but(doc="default: what the run recorded"),
+    "env": RUN_ARGS["env"],
+})
 
 
+@SPEC.task
 def main(params: dict) -> dict:
     protocol.apply_job_env(params)
     try:
@@ -60,16 +72,15 @@ def main(params: dict) -> dict:
 def verify(params: dict) -> dict:
     """Verify the run ``params`` names; the payload's records are listed in the module docstring.
 
-    :raises VerifyError: an unknown reference, a run that cannot be verified, sample
-        files that do not match the manifest, layer ids the model does not have.
+    :raises VerifyError: a run that cannot be verified, sample files that do not match the
+        manifest, layer ids the model does not have.
     """
-    check_reference(params)
     run = open_run(params)
-    chosen = choose_samples(run.manifest, int(params.get("samples") or DEFAULT_SAMPLES))
+    chosen = choose_samples(run.manifest, params["samples"])
     records = [check_files(run, chosen)]
 
-    model_path = params.get("model_path") or run.manifest["model"]["path"]
-    dtype = params.get("dtype") or "float32"
+    model_path = params["model_path"] or run.manifest["model"]["path"]
+    dtype = params["dtype"]
     trust = trust_remote_code(params, run.manifest)
     reference = load_reference(model_path, dtype, trust)
     recorder = StreamRecorder(reference.model)
@@ -96,14 +107,6 @@ def verify(params: dict) -> dict:
         recorder.close()
     return protocol.payload(records, per_sample=found.per_sample, layer_ids=run.layer_ids,
                             convention=run.convention, run_dir=str(run.run_dir))
-
-
-def check_reference(params: dict) -> None:
-    """:raises VerifyError: a ``reference`` this host does not know."""
-    reference = params.get("reference") or "hf"
-    if reference not in REFERENCES:
-        raise VerifyError("verify.reference", f"unknown reference {reference!r}",
-                          f"use one of: {', '.join(REFERENCES)}")
 
 
 @dataclass

@@ -53,12 +53,12 @@ def open_run(params: dict) -> Run:
 def locate_run(params: dict) -> dict:
     """The run's dir, status, manifest and output dir; refuses runs that are not done."""
     if params.get("run_dir"):
-        run_dir = Path(params["run_dir"]).expanduser()
+        run_dir = Path(params["run_dir"])  # ~ expanded by the task's spec (remote.verify.SPEC)
     else:
         if not params.get("work_dir") or not params.get("run_id"):
             raise VerifyError("verify.run", "run_id and work_dir are required",
                               "pass --run-id; work_dir comes from the inventory")
-        run_dir = Path(params["work_dir"]).expanduser() / "runs" / str(params["run_id"])
+        run_dir = Path(params["work_dir"]) / "runs" / str(params["run_id"])
     status = _read_json(run_dir / STATUS_FILE)
     if status is None:
         raise VerifyError("verify.run", f"no run at {run_dir}",

@@ -1,19 +1,20 @@
 """The connections of a group run, one per shard, and steps over every shard in parallel."""
 from __future__ import annotations
 
-import os
 import threading
 
 from specops.errors import UsageError
 from specops.host import Host
 from specops.inventory import Inventory
-from specops.parallel import run_steps
+from specops.parallel import run_steps, step_timeout
 from specops.result import HostReport
 from specops.shards import FleetManifest, Shard
 
-#: seconds for the quick per-host steps (start a job, look at it, abort it, read its logs);
-#: the plan takes preflight's limit, and a fetch is bounded by its downloads' idle limit.
-QUICK_TIMEOUT_S = float(os.environ.get("SPECOPS_STEP_TIMEOUT") or 180)
+#: seconds for the quick per-shard steps (start a job, look at it, abort it, read its logs):
+#: ``step_timeout("quick")``, so ``SPECOPS_STEP_TIMEOUT`` means here what it means for every
+#: step (read once, when the group run's code is imported). The plan takes preflight's
+#: limit, and a fetch is bounded by its downloads' idle limit.
+QUICK_TIMEOUT_S = step_timeout("quick")
 #: seconds for listing (and, where no manifest has them, hashing) one shard's files on its host.
 FILES_TIMEOUT_S = 3600.0
 
