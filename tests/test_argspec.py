@@ -186,7 +186,7 @@ def test_every_key_the_laptop_sends_is_declared():
     from specops.preflight import preflight_step
     from specops.runs import plan, pool
     from specops.runs import start as group_start
-    from specops.shards import Shard
+    from specops.runs.shardmap import Shard
     from specops.smoke import smoke_step
     from specops.verify import verify_step
 

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from specops import shards
+from specops.runs import shardmap as shards
 from specops.errors import UsageError
 from specops.parallel import run_steps
 from specops.runs.plan import agreement, check_shared_params
 from specops.result import HostReport
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 def sizes(ranges):

@@ -12,7 +12,7 @@
    each ready host rehearses on a tiny twin of the model (``specops smoke``; unless
    ``--skip-smoke``), and a host whose rehearsal fails is not ready. The dataset's
    ``[0, total)`` is split into contiguous ranges sized by capacity
-   (:mod:`specops.shards`), and the map is written to ``runs/R/fleet.json`` before
+   (:mod:`specops.runs.shardmap`), and the map is written to ``runs/R/fleet.json`` before
    anything starts.
 2. **start** -- each shard's run is started detached on its host (``remote/job.py``,
    ``sample_range`` in its parameters; run id ``R`` on every host, so the host's run

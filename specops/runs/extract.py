@@ -14,7 +14,7 @@ from specops.runs.reassign import parse_reassign, reassign
 from specops.runs.start import lanes_of, remake_gaps, settle_closed, start_lane
 from specops.runs.store import GROUP, load_manifest, manifest_path, save_manifest
 from specops.runs.view import NotStarted, follow, print_fleet, shard_table
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str, detach: bool, force: bool,

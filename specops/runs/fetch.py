@@ -15,7 +15,7 @@ from specops.runs.merge import merge
 from specops.runs.pool import FILES_TIMEOUT_S, QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import GROUP, load_manifest, run_root, save_manifest
 from specops.runs.view import print_fleet, shard_table
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list[HostReport]:

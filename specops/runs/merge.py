@@ -8,7 +8,7 @@ from __future__ import annotations
 from specops.assets import remote_contract, remote_manifest
 from specops.result import HostReport
 from specops.runs.store import run_root
-from specops.shards import FleetManifest
+from specops.runs.shardmap import FleetManifest
 
 
 def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dict:

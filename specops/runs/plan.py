@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from specops import shards as shardmap
+from specops.runs import shardmap
 from specops import storage
 from specops.errors import UsageError
 from specops.host import Host
@@ -13,7 +13,7 @@ from specops.preflight import preflight_step
 from specops.result import HostReport, Record
 from specops.runs.pool import Connections
 from specops.runs.store import GROUP, save_manifest
-from specops.shards import FleetManifest
+from specops.runs.shardmap import FleetManifest
 
 #: run parameters that decide what sample i is: every host must have the same value.
 SHARED_PARAMS = {"max_samples": "--max-samples", "seq_len": "--seq-len", "layer_ids": "--layer-ids",

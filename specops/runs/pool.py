@@ -8,7 +8,7 @@ from specops.host import Host
 from specops.inventory import Inventory
 from specops.parallel import run_steps, step_timeout
 from specops.result import HostReport
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 #: seconds for the quick per-shard steps (start a job, look at it, abort it, read its logs):
 #: ``step_timeout("quick")``, so ``SPECOPS_STEP_TIMEOUT`` means here what it means for every

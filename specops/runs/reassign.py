@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from specops import jobs
-from specops import shards as shardmap
+from specops.runs import shardmap
 from specops.errors import UsageError
 from specops.parallel import run_steps, step_timeout
 from specops.result import HostReport, Record
 from specops.runs.plan import agreement, probe_step, rehearse_hosts, shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
 from specops.runs.store import GROUP, save_manifest
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 def parse_reassign(text: str) -> list[tuple[str, str]]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specops import jobs
-from specops import shards as shardmap
+from specops.runs import shardmap
 from specops.errors import SpecopsError
 from specops.host import Host
 from specops.params import run_params
@@ -10,7 +10,7 @@ from specops.parallel import report_from_payload
 from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dict, force: bool) -> HostReport:

@@ -17,7 +17,7 @@ from specops.result import STATE, HostReport, Record, RunState, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import load_manifest, save_manifest
 from specops.runs.view import INCOMPLETE, print_fleet, shard_state, shard_table
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 
 class UnreachableMarker(Exception):

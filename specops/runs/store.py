@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 
 from specops import jobs
-from specops import shards as shardmap
+from specops.runs import shardmap
 from specops.assets import remote_fsutil
 from specops.errors import SpecopsError, UsageError
-from specops.shards import FleetManifest
+from specops.runs.shardmap import FleetManifest
 
 #: the name of the group's own report (its plan, merge and verdict records), beside the shards'.
 GROUP = "fleet"

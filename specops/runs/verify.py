@@ -7,7 +7,7 @@ from specops.inventory import Inventory
 from specops.result import STATE, HostReport, Record
 from specops.runs.pool import Connections, per_shard
 from specops.runs.store import GROUP, load_manifest
-from specops.shards import Shard
+from specops.runs.shardmap import Shard
 
 
 def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,

@@ -17,7 +17,7 @@ from specops.result import STATE, HostReport, RunState
 from specops.runs.pool import Connections
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
-from specops.shards import FleetManifest, Shard
+from specops.runs.shardmap import FleetManifest, Shard
 
 #: how often the follow view writes last seen progress to fleet.json (seconds).
 SAVE_EVERY_S = 2.0
