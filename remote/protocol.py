@@ -109,6 +109,17 @@ def apply_job_env(params) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def run_in_job_env(body, params) -> dict:
+    """``body(params)`` with the inventory's ``env`` exported (:func:`apply_job_env`); a
+    :class:`TaskError` it raises becomes its one failed record: what a task that loads a
+    model (smoke, verify) does in ``main``."""
+    apply_job_env(params)
+    try:
+        return body(params)
+    except TaskError as exc:
+        return exc.payload()
+
+
 def payload(records, **data):
     return {"records": list(records), "data": data}
 

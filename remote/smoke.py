@@ -91,11 +91,7 @@ SPEC = Spec("smoke", RUN_ARGS, {
 
 @SPEC.task
 def main(params: dict) -> dict:
-    protocol.apply_job_env(params)
-    try:
-        return prepare(params)
-    except SmokeError as exc:
-        return exc.payload()
+    return protocol.run_in_job_env(prepare, params)
 
 
 class SmokeError(protocol.TaskError):

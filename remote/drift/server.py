@@ -164,16 +164,9 @@ def method_record(index: PackageIndex, params: dict):
     detail["aux_ids_read_in"] = readers
     if not readers:
         problems.append(f"nothing in this vLLM reads '{AUX_IDS_KEY}': the layer ids would be ignored")
-    config = _class_ref(index, SPECULATIVE, "SpeculativeConfig")
     passed = vllm_server.speculative_config([0])
-    detail["passed_keys"] = sorted(passed)
-    if config is None:
-        problems.append(f"SpeculativeConfig is not in {index.rel(path)}")
-    else:
-        missing = [k for k in passed if index.class_member(config, k) is None]
-        if missing:
-            problems.append(f"SpeculativeConfig ({config.where}) has no field {', '.join(missing)}, which the "
-                            f"engine passes")
+    config = _config_takes(index, SPECULATIVE, "SpeculativeConfig", passed, detail, problems)
+    if config is not None:
         if "draft_model_config" in passed and "hf_config" not in _constants(tree):
             problems.append("SpeculativeConfig never reads draft_model_config['hf_config'], where the engine "
                             "puts the layer ids")
@@ -298,15 +291,8 @@ def connector_record(index: PackageIndex, params: dict):
                 problems.append(f"{source.name} never reads kv_connector_extra_config['{key}']")
         if "hidden_states_path" not in texts:
             problems.append(f"{source.name} does not answer with kv_transfer_params['hidden_states_path']")
-    kv_config = _class_ref(index, KV_TRANSFER, "KVTransferConfig")
     passed = vllm_server.kv_transfer_config("/tmp", (name, module_path))
-    detail["passed_keys"] = sorted(passed)
-    if kv_config is None:
-        problems.append(f"KVTransferConfig is not in {KV_TRANSFER}")
-    else:
-        missing = [k for k in passed if index.class_member(kv_config, k) is None]
-        if missing:
-            problems.append(f"KVTransferConfig ({kv_config.where}) has no field {', '.join(missing)}")
+    if _config_takes(index, KV_TRANSFER, "KVTransferConfig", passed, detail, problems) is not None:
         tree, _ = index.tree(KV_TRANSFER)
         if passed.get("kv_role") not in _constants(tree):
             problems.append(f"kv_role {passed.get('kv_role')!r} is not a role of this vLLM")
@@ -315,6 +301,20 @@ def connector_record(index: PackageIndex, params: dict):
                    f"returns hidden_states_path; KVTransferConfig takes {', '.join(sorted(passed))}", detail,
                    "install a vLLM >= 0.17 with ExampleHiddenStatesConnector (and, on a CPU test host, a CPU "
                    "connector built for it), or set kv_connector to one this vLLM has")
+
+
+def _config_takes(index, module: str, cls_name: str, passed: dict, detail: dict, problems: list):
+    """The config class ``cls_name`` of ``module``, after noting in ``problems`` each key of
+    ``passed`` (what the engine gives it) that it has no field for; None when it is not there."""
+    detail["passed_keys"] = sorted(passed)
+    config = _class_ref(index, module, cls_name)
+    if config is None:
+        problems.append(f"{cls_name} is not in {module}")
+        return None
+    missing = [k for k in passed if index.class_member(config, k) is None]
+    if missing:
+        problems.append(f"{cls_name} ({config.where}) has no field {', '.join(missing)}, which the engine passes")
+    return config
 
 
 # ---------------------------------------------------------------------------- the command
