@@ -71,7 +71,7 @@ from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, LOOPBACK, MARKE
                       kv_transfer_config, pick_connector, server_command, server_env, speculative_config)
 from .engine import VllmServerEngine
 from .landing import (SAMPLE_FILE, SampleRejected, default_digest_workers, land_sample, move_into_place,
-                      sample_problems, wait_for_file)
+                      wait_for_file)
 from .logs import SERVER_LOG, ServerFailed, log_death, log_failure, read_tail, split_rank_logs
 from .process import DIE_WITH_PARENT, VllmServer, die_with_parent, leftover_pids
 
@@ -80,6 +80,6 @@ __all__ = [
     "MIN_BATCHED_TOKENS", "SAMPLE_FILE", "SERVED_MODEL_NAME", "SERVER_LOG", "SERVER_MODULE", "STOCK_CONNECTOR",
     "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "cuda_available", "default_digest_workers",
     "die_with_parent", "free_port", "kv_transfer_config", "land_sample", "layers", "leftover_pids", "log_death",
-    "log_failure", "modelconfig", "move_into_place", "pick_connector", "read_tail", "sample_problems",
+    "log_failure", "modelconfig", "move_into_place", "pick_connector", "read_tail",
     "server_command", "server_env", "speculative_config", "split_rank_logs", "wait_for_file",
 ]

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 from remote.contract import VLLM_SERVER
-from remote import contract, layers, modelconfig
+from remote import contract, layers, modelconfig, samples
 from remote.engines import Engine
 
 from .command import SERVED_MODEL_NAME
-from .landing import SampleRejected, default_digest_workers, land_sample, sample_problems, wait_for_file
+from .landing import SampleRejected, default_digest_workers, land_sample, wait_for_file
 from .logs import ServerFailed
 from .process import VllmServer
 
@@ -94,11 +94,12 @@ class VllmServerEngine(Engine):
     def _load_checked(self, index: int, token_ids, path: str) -> dict:
         from safetensors.torch import load_file
 
-        data = load_file(path)
-        problems = sample_problems(data, token_ids, len(self.file_layer_ids), self.hidden_size)
+        # the one checker of a connector file (structure, ids echo, [T, L, H], NaN/Inf), as a run lands it
+        problems = samples.digest_hs_file(path, self.file_layer_ids, self.file_layer_ids, token_ids=token_ids,
+                                          hidden_size=self.hidden_size)["problems"]
         if problems:
             raise SampleRejected(index, problems)
-        return data
+        return load_file(path)
 
     def _land(self, index: int, token_ids, path: str, out_dir) -> dict:
         """Check, digest and rename the server's file into ``out_dir`` (:func:`~.landing.land_sample`)."""

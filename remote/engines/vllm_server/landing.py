@@ -30,31 +30,6 @@ class SampleRejected(RuntimeError):
         super().__init__(f"sample {index}: " + "; ".join(problems))
 
 
-def sample_problems(data: dict, token_ids, num_layers: int, hidden_size: int | None) -> list[str]:
-    """Every reason a returned sample is not ``token_ids`` x ``num_layers`` x hidden, finite."""
-    import torch
-
-    problems = []
-    missing = {"token_ids", "hidden_states"} - set(data)
-    if missing:
-        return [f"file lacks {sorted(missing)} (has {sorted(data)})"]
-    got_ids = data["token_ids"]
-    if got_ids.dtype != torch.int64 or got_ids.dim() != 1:
-        problems.append(f"token_ids is {got_ids.dtype} {list(got_ids.shape)}, expected int64 [T]")
-    if got_ids.tolist() != list(token_ids):
-        problems.append(f"token_ids do not echo the request ({got_ids.numel()} ids back, "
-                        f"{len(token_ids)} sent)")
-    states = data["hidden_states"]
-    want = [len(token_ids), num_layers, hidden_size if hidden_size else "H"]
-    if states.dim() != 3 or list(states.shape[:2]) != want[:2] or (
-            hidden_size and states.shape[2] != hidden_size):
-        problems.append(f"hidden_states shape {list(states.shape)}, expected {want} [T, L, H]")
-    elif not bool(torch.isfinite(states).all()):
-        bad = int((~torch.isfinite(states)).sum())
-        problems.append(f"hidden_states has {bad} NaN/Inf values")
-    return problems
-
-
 def wait_for_file(path: str, timeout: float) -> None:
     """Wait until the connector's writer released ``path + ".lock"``; then remove the lock."""
     lock_path = path + ".lock"
