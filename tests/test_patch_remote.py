@@ -8,7 +8,9 @@ read from that env's metadata).
 
 The ``vllm`` tests then run the real ``VllmHiddenStatesGenerator`` from the patched
 copy (``PYTHONPATH`` puts it first) on the tiny Llama and DeepSeek-V3 at TP=1 and TP=2,
-and check its states against HF transformers and vLLM's own model forward.
+and check its states against HF transformers and vLLM's own model forward. Those cases run
+one after the other in one host-env process (``generator_runs``), each with its own generator
+and ranks, each asserted by its own test.
 """
 from __future__ import annotations
 
@@ -77,11 +79,9 @@ def host_site_packages(hostenv_python) -> Path:
     return Path(out.stdout.strip())
 
 
-@pytest.fixture
-def site(tmp_path, hostenv_python, host_site_packages) -> Path:
-    """A pristine copy of speculators 0.3.0 in its own site-packages dir."""
-    site = tmp_path / "site-packages"
-    site.mkdir()
+def pristine_site(site: Path, hostenv_python: Path, host_site_packages: Path) -> Path:
+    """``site`` made a site-packages dir holding a pristine copy of speculators 0.3.0."""
+    site.mkdir(parents=True)
     shutil.copytree(host_site_packages / "speculators", site / "speculators",
                     ignore=shutil.ignore_patterns("__pycache__"))
     for dist_info in host_site_packages.glob("speculators-*.dist-info"):
@@ -94,6 +94,12 @@ def site(tmp_path, hostenv_python, host_site_packages) -> Path:
     for f in MANIFEST["files"]:
         assert sha(site / f["path"]) == f["sha256_pristine"], f"{f['path']} is not pristine"
     return site
+
+
+@pytest.fixture
+def site(tmp_path, hostenv_python, host_site_packages) -> Path:
+    """A pristine copy of speculators 0.3.0 in its own site-packages dir."""
+    return pristine_site(tmp_path / "site-packages", hostenv_python, host_site_packages)
 
 
 def patch_set_copy(tmp_path: Path, **manifest_changes) -> Path:
@@ -413,34 +419,127 @@ SMOKE_CASES = [
 ]
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("model,tp,reference,order,all_experts", SMOKE_CASES,
-                         ids=[f"{m}-tp{tp}" + ("-all-experts" if a else "")
-                              for m, tp, _, _, a in SMOKE_CASES])
-def test_patched_generator_extracts_correct_states(model, tp, reference, order, all_experts,
-                                                   site, hostenv_python, tiny_models):
-    applied = run_patcher(hostenv_python, action="apply", site_packages=str(site))
-    assert protocol_worst(applied) == "changed", applied
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_MLA_DISABLE="1")
-    if tp == 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    config = json.loads((Path(tiny_models[model]) / "config.json").read_text())
+def smoke_case_id(model, tp, all_experts) -> str:
+    return f"{model}-tp{tp}" + ("-all-experts" if all_experts else "")
+
+
+def smoke_layer_ids(model_dir: Path, order: str) -> list:
+    config = json.loads((model_dir / "config.json").read_text())
     n = config.get("text_config", config)["num_hidden_layers"]
     layer_ids = [2, n // 2, n - 3, n - 1]  # speculators 0.3.0's default, output convention
-    if order == "reversed":
-        layer_ids.reverse()
-    proc = subprocess.run(
-        [str(hostenv_python), "-m", "remote.dev.smoke_generator", "--model", str(tiny_models[model]),
-         "--tp", str(tp), "--reference", reference, "--layers", ",".join(map(str, layer_ids))]
-        + (["--all-experts"] if all_experts else []),
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)  # a hang guard: loaded 2-core runs took 600+ s
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("SMOKE-JSON ")]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    report = json.loads(lines[-1][len("SMOKE-JSON "):])
-    assert report["speculators_file"].startswith(str(site))  # the patched copy ran
+    return layer_ids[::-1] if order == "reversed" else layer_ids
+
+
+#: One host-env process runs every generator case of this module, one after the other, on
+#: one patched copy: importing torch, transformers, vLLM and speculators is paid once, not
+#: five times. Each case is ``remote.dev.smoke_generator.run`` as its command line runs it
+#: (its own generator, its own vLLM ranks, spawned with that case's environment), and each
+#: case's ranks are shut down before the next one starts. Every case prints its own line.
+GENERATOR_CASES = textwrap.dedent('''
+    import gc, json, os, sys, traceback
+
+    def refuse_duplicates(model):
+        from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
+        try:
+            VllmHiddenStatesGenerator(model, layer_ids=[2, 2, 5, 7])
+        except ValueError as exc:
+            return f"REFUSED {exc}"
+        return "ACCEPTED"
+
+    def smoke(case):
+        from remote.dev import smoke_generator
+        return smoke_generator.run(case["model"], tp=case["tp"], layer_ids=case["layer_ids"],
+                                   reference=case["reference"], all_experts=case["all_experts"])
+
+    def shut_down_ranks():
+        """The ranks of the generator a case made (its executor's finalizer would run only at exit)."""
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+        gc.collect()
+        for executor in [o for o in gc.get_objects() if isinstance(o, MultiprocExecutor)]:
+            executor.shutdown()
+
+    def report(case_id, env, fn, *args):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the case's ranks are spawned with it
+        try:
+            out = {"id": case_id, "result": fn(*args)}
+        except BaseException as exc:  # reported per case: the next case still runs
+            out = {"id": case_id, "error": f"{type(exc).__name__}: {exc}\\n{traceback.format_exc()[-6000:]}"}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            shut_down_ranks()
+        except BaseException as exc:
+            out.setdefault("shutdown_error", f"{type(exc).__name__}: {exc}")
+        print("CASE " + json.dumps(out, default=str), flush=True)
+
+    if __name__ == "__main__":  # vLLM spawns its ranks from this file: the guard is required
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        args = json.loads(sys.argv[1])
+        report("duplicate-layer-ids", {}, refuse_duplicates, args["duplicate_model"])
+        for case in args["cases"]:
+            # TP=2 ranks each need their own core: else "Not enough allowed NUMA nodes"
+            report(case["id"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if case["tp"] == 2 else {}, smoke, case)
+''')
+
+
+@pytest.fixture(scope="module")
+def generator_runs(hostenv_python, host_site_packages, tiny_models, tmp_path_factory) -> dict:
+    """Every generator case (:data:`SMOKE_CASES` and the duplicate-id refusal) on one patched copy,
+    in one process. Returns ``site``, ``applied`` (the patcher's payload), ``cases`` (by id: the
+    case's report, or its error) and ``tail`` (the process's output, for failures)."""
+    work = tmp_path_factory.mktemp("generator")
+    site = pristine_site(work / "site-packages", hostenv_python, host_site_packages)
+    applied = run_patcher(hostenv_python, action="apply", site_packages=str(site))
+    script = work / "generator_cases.py"
+    script.write_text(GENERATOR_CASES)
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_MLA_DISABLE="1")
+    cases = [{"id": smoke_case_id(model, tp, all_experts), "model": str(tiny_models[model]), "tp": tp,
+              "reference": reference, "layer_ids": smoke_layer_ids(Path(tiny_models[model]), order),
+              "all_experts": all_experts}
+             for model, tp, reference, order, all_experts in SMOKE_CASES]
+    started = time.monotonic()
+    proc = subprocess.run([str(hostenv_python), str(script),
+                           json.dumps({"duplicate_model": str(tiny_models["llama"]), "cases": cases})],
+                          cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=3600)  # a hang guard: one loaded 2-core case took 600+ s
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            case = json.loads(line[len("CASE "):])
+            found[case["id"]] = case
+    print(f"\ngenerator cases, one process: {time.monotonic() - started:.0f} s; "
+          + ", ".join(f"{i} load {c['result'].get('load_s')} s" for i, c in found.items()
+                      if isinstance(c.get("result"), dict)))
+    return {"site": site, "applied": applied, "cases": found,
+            "tail": f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"}
+
+
+def generator_case(runs: dict, case_id: str):
+    """That case's result; its own error (or the process's tail) when it has none."""
+    case = runs["cases"].get(case_id)
+    assert case is not None and "result" in case, (case or {}).get("error", "never reported") + runs["tail"]
+    assert "shutdown_error" not in case, case["shutdown_error"]
+    return case["result"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model,tp,reference,order,all_experts", SMOKE_CASES,
+                         ids=[smoke_case_id(m, tp, a) for m, tp, _, _, a in SMOKE_CASES])
+def test_patched_generator_extracts_correct_states(model, tp, reference, order, all_experts,
+                                                   generator_runs, tiny_models):
+    assert protocol_worst(generator_runs["applied"]) == "changed", generator_runs["applied"]
+    config = json.loads((Path(tiny_models[model]) / "config.json").read_text())
+    layer_ids = smoke_layer_ids(Path(tiny_models[model]), order)
+    report = generator_case(generator_runs, smoke_case_id(model, tp, all_experts))
+    assert report["speculators_file"].startswith(str(generator_runs["site"]))  # the patched copy ran
     assert report["checks"] and report["ok"], json.dumps(report["checks"])
-    assert proc.returncode == 0
     assert report["layer_ids"] == layer_ids
     assert len(report["samples"]) == len(report["prompt_tokens"]) > 10  # text-sorted ids would bite
     assert report["chunked_requests"], "the batch must span a chunked prefill"
@@ -457,23 +556,11 @@ def test_patched_generator_extracts_correct_states(model, tp, reference, order, 
         assert report["checks"]["hf_reference"] and report["hf_reference_min_agreement"] >= 0.9
 
 
-def test_patched_generator_refuses_duplicate_layer_ids(site, hostenv_python, tiny_models):
+def test_patched_generator_refuses_duplicate_layer_ids(generator_runs):
     """Upstream keeps a set of ids and silently returns fewer layers; patched, it refuses."""
-    run_patcher(hostenv_python, action="apply", site_packages=str(site))
-    code = textwrap.dedent("""
-        import sys
-        from speculators.data_generation.vllm_hidden_states_generator import (
-            VllmHiddenStatesGenerator)
-        try:
-            VllmHiddenStatesGenerator(sys.argv[1], layer_ids=[2, 2, 5, 7])
-        except ValueError as exc:
-            print("REFUSED", exc)
-        """)
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO}", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([str(hostenv_python), "-c", code, str(tiny_models["llama"])],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert "REFUSED Duplicate layer ids [2, 2, 5, 7]" in proc.stdout, proc.stderr[-3000:]
+    assert protocol_worst(generator_runs["applied"]) == "changed", generator_runs["applied"]
+    said = generator_case(generator_runs, "duplicate-layer-ids")
+    assert "REFUSED Duplicate layer ids [2, 2, 5, 7]" in said, said
 
 
 def test_all_experts_view_keeps_weights_and_selects_every_expert(tiny_models, tmp_path):
