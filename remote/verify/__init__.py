@@ -64,11 +64,7 @@ SPEC = Spec("verify", {
 
 @SPEC.task
 def main(params: dict) -> dict:
-    protocol.apply_job_env(params)
-    try:
-        return verify(params)
-    except VerifyError as exc:
-        return exc.payload()
+    return protocol.run_in_job_env(verify, params)
 
 
 def verify(params: dict) -> dict:
