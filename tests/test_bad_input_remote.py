@@ -20,7 +20,7 @@ import pytest
 
 from test_patch_remote import (MANIFEST, WORKER, by_name, host_site_packages, run_patcher,  # noqa: F401
                                site, snapshot)
-from test_preflight_remote import base_params, run_preflight
+from test_preflight_remote import base_params, host_preflight
 
 REPO = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -101,7 +101,7 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("edit,parts,skipped", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
 def test_malformed_config_is_a_fail_naming_the_key(hostenv_python, llama, tmp_path, edit, parts, skipped):
     edit_json(llama / "config.json", edit)
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     assert_no_crash(res)
     assert_names(res["model.config"], *parts)
     if skipped:  # what depends on the bad value skips instead of computing with it
@@ -113,7 +113,7 @@ def test_text_config_counts_as_strings_name_the_wrapped_key(hostenv_python, tiny
     kimi = tmp_path / "kimi"
     shutil.copytree(tiny_models["kimi_k25"], kimi)
     edit_json(kimi / "config.json", lambda cfg: cfg["text_config"].update(num_attention_heads="4"))
-    res = run_preflight(hostenv_python, base_params(kimi, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(kimi, tmp_path, skip_patch=True))
     assert_no_crash(res)
     rec = res["model.config"]
     assert_names(rec, "config.json: text_config.num_attention_heads", "the string '4'")
@@ -140,7 +140,7 @@ INDEX_CASES = [
 @pytest.mark.parametrize("edit,parts", [c[1:] for c in INDEX_CASES], ids=[c[0] for c in INDEX_CASES])
 def test_malformed_index_is_a_fail_naming_the_key(hostenv_python, llama, tmp_path, edit, parts):
     edit_json(llama / INDEX, edit)
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     assert_no_crash(res)
     assert_names(res["checkpoint.files"], *parts)
     assert res["checkpoint.files"]["detail"]["file"] == INDEX
@@ -175,7 +175,7 @@ HEADER_CASES = [
 def test_malformed_shard_header_is_a_fail_naming_shard_and_tensor(hostenv_python, llama, tmp_path, edit, parts):
     shard = sorted(llama.glob("*.safetensors"))[0]
     tensor = rewrite_header(shard, edit)
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     assert_no_crash(res)
     rec = res["checkpoint.headers"]
     assert_names(rec, shard.name, *parts)
@@ -199,7 +199,7 @@ TOKENIZER_CASES = [
 @pytest.mark.parametrize("text,parts", [c[1:] for c in TOKENIZER_CASES], ids=[c[0] for c in TOKENIZER_CASES])
 def test_malformed_tokenizer_config_is_a_fail(hostenv_python, llama, tmp_path, text, parts):
     (llama / "tokenizer_config.json").write_text(text)
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     assert_no_crash(res)
     assert_names(res["tokenizer.chat_template"], *parts)
 
@@ -219,7 +219,7 @@ def test_dataset_lines_that_are_json_but_not_records_fail_with_line_numbers(host
     ]
     dataset = tmp_path / "chat.jsonl"
     dataset.write_text("\n".join(lines) + "\n")
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, dataset=str(dataset), skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, dataset=str(dataset), skip_patch=True))
     assert_no_crash(res)
     rec = res["data.records"]
     assert rec["status"] == "fail" and rec["fix"]
@@ -233,7 +233,7 @@ def test_dataset_lines_that_are_json_but_not_records_fail_with_line_numbers(host
 
 
 def test_layer_ids_that_are_not_numbers_fail_without_a_crash(hostenv_python, llama, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, layer_ids=[[2], 4, {"a": 1}, 4],
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, layer_ids=[[2], 4, {"a": 1}, 4],
                                                     skip_patch=True))
     assert_no_crash(res)
     rec = res["layers.ids"]
@@ -261,7 +261,7 @@ def read_only_fs(tmp_path) -> Path:
 def test_output_and_work_dir_on_a_read_only_filesystem_fail(hostenv_python, llama, tmp_path, read_only_fs):
     params = base_params(llama, tmp_path, output_dir=str(read_only_fs / "out"), work_dir=str(read_only_fs / "work"),
                          skip_patch=True)
-    res = run_preflight(hostenv_python, params)
+    res = host_preflight(hostenv_python, params)
     # free space alone says this dir is fine: that is what let the run start and die with EROFS
     assert res["host.disk_output"]["status"] == "ok" and res["host.disk_output"]["detail"]["free_bytes"] > 0
     assert res["capacity.output"]["status"] == "ok"
@@ -274,7 +274,7 @@ def test_output_and_work_dir_on_a_read_only_filesystem_fail(hostenv_python, llam
 
 
 def test_existing_dir_on_a_read_only_filesystem_fails(hostenv_python, llama, tmp_path, read_only_fs):
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(read_only_fs), skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(read_only_fs), skip_patch=True))
     assert_names(res["host.output_writable"], str(read_only_fs), "read-only filesystem")
 
 
@@ -283,7 +283,7 @@ def test_writable_dirs_pass_and_keep_nothing(hostenv_python, llama, tmp_path):
     out.mkdir()
     (out / "earlier.txt").write_text("kept\n")
     before_out, before_tmp = sorted(os.listdir(out)), sorted(os.listdir(tmp_path))
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(out),
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(out),
                                                     work_dir=str(tmp_path / "not" / "yet"), skip_patch=True))
     assert res["host.output_writable"]["status"] == "ok"
     assert res["host.output_writable"]["detail"]["tested_at"] == str(out)
@@ -297,7 +297,7 @@ def test_writable_dirs_pass_and_keep_nothing(hostenv_python, llama, tmp_path):
 def test_output_dir_under_a_file_fails(hostenv_python, llama, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(blocker / "out"),
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, output_dir=str(blocker / "out"),
                                                     skip_patch=True))
     assert_names(res["host.output_writable"], "is not a directory")
 
@@ -381,7 +381,7 @@ FAMILY_CASES = [
 @pytest.mark.parametrize("arch,family,text", FAMILY_CASES, ids=[c[0] for c in FAMILY_CASES])
 def test_family_is_read_from_vllms_decoder_layer(hostenv_python, llama, tmp_path, arch, family, text):
     edit_json(llama / "config.json", lambda cfg: cfg.update(architectures=[arch], model_type="specops_unlisted"))
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     rec = res["model.family"]
     assert rec["detail"]["family"] == family and res["model.config"]["detail"]["family"] == family
     assert rec["status"] == ("ok" if family else "warn") and text in rec["summary"], rec["summary"]
@@ -392,7 +392,7 @@ def test_qwen3_moe_config_is_llama_like(hostenv_python, llama, tmp_path):
     edit_json(llama / "config.json", lambda cfg: cfg.update(
         model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=128, decoder_sparse_step=1, norm_topk_prob=True))
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_patch=True))
     rec = res["model.family"]
     assert rec["status"] == "ok" and rec["summary"].startswith("Llama-like per vLLM's Qwen3MoeDecoderLayer")
     assert rec["detail"]["parameters"] == ["positions", "hidden_states", "residual"]
@@ -419,7 +419,7 @@ def test_family_follows_the_code_not_the_name(hostenv_python, host_site_packages
         call, "layer(positions, hidden_states, residual, llama_4_scaling)"))
     edit_json(llama / "config.json", lambda cfg: cfg.update(architectures=["Qwen3MoeForCausalLM"]))
     params = base_params(llama, tmp_path, skip_patch=True, site_packages=str(tmp_path / "vllm-copy"))
-    rec = run_preflight(hostenv_python, params)["model.family"]
+    rec = host_preflight(hostenv_python, params)["model.family"]
     assert rec["status"] == "ok" and rec["detail"]["family"] == "deepseek_v2", rec
     assert rec["detail"]["passed"] == ["positions", "hidden_states", "residual", "llama_4_scaling"]
 
@@ -428,7 +428,7 @@ def test_config_only_model_dir_skips_the_tokenizer_load_clearly(hostenv_python, 
     for name in os.listdir(llama):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             os.unlink(llama / name)
-    res = run_preflight(hostenv_python, base_params(llama, tmp_path, skip_autoconfig=False, skip_patch=True))
+    res = host_preflight(hostenv_python, base_params(llama, tmp_path, skip_autoconfig=False, skip_patch=True))
     assert_no_crash(res)
     assert res["model.autoconfig"]["status"] == "ok"
     assert res["tokenizer.files"]["status"] == "fail" and "no tokenizer files" in res["tokenizer.files"]["summary"]

@@ -4,7 +4,9 @@ Every case runs the real pieces: the host code in the test host's own python env
 shard probe a fleet plan is built from, ``remote.preflight.main``, the supervisor's
 dataset reader), and ``specops`` over the real sshd where the run itself is the point.
 A run that must refuse its input does so before any model loads (it fails while
-tokenizing), so no case here waits for vLLM.
+tokenizing), so no case here waits for vLLM. The host-side cases are answered by the env's
+long-lived host python (``tests/hostcall.py``): one interpreter and one transformers import
+for all of them, each case still its own call with its own input and assertions.
 """
 from __future__ import annotations
 
@@ -17,36 +19,30 @@ from pathlib import Path
 
 import pytest
 
-from test_preflight_remote import base_params, run_preflight
+import hostcall
+from test_preflight_remote import base_params, host_preflight
 
 REPO = Path(__file__).resolve().parents[1]
 SPECOPS = Path(sys.executable).parent / "specops"
-MARK = "@@INPUTS@@"
-#: one process per case: the shard probe, preflight's data records and the supervisor's reader
-AGREE = f"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from remote import dataset, modelconfig, preflight, shard
-params = json.loads(sys.argv[2])
-out = {{"plan": shard.count_rows(params["dataset"], params.get("max_samples"))[0]}}
-pf = preflight.main(params)
-out["preflight"] = {{r["name"]: r for r in pf["records"] if r["area"] == "data"}}
-try:
-    out["run"] = len(dataset.load_token_samples(params, params["model_path"], vocab_size=modelconfig.text_value(
-        modelconfig.read(params["model_path"]), "vocab_size")))
-except ValueError as exc:
-    out["run_error"] = str(exc)
-print({MARK!r} + json.dumps(out))
+#: the shard probe a fleet plan is built from, preflight's data records and the supervisor's reader, on one
+#: input; run by the host env's long-lived python (tests/hostcall.py), so the cases share its imports
+AGREE = """
+def main(params):
+    from remote import dataset, modelconfig, preflight, shard
+    out = {"plan": shard.count_rows(params["dataset"], params.get("max_samples"))[0]}
+    pf = preflight.main(params)
+    out["preflight"] = {r["name"]: r for r in pf["records"] if r["area"] == "data"}
+    try:
+        out["run"] = len(dataset.load_token_samples(params, params["model_path"], vocab_size=modelconfig.text_value(
+            modelconfig.read(params["model_path"]), "vocab_size")))
+    except ValueError as exc:
+        out["run_error"] = str(exc)
+    return out
 """
 
 
 def agree(python: Path, params: dict) -> dict:
-    proc = subprocess.run([str(python), "-c", AGREE, str(REPO), json.dumps(params)], capture_output=True, text=True,
-                          timeout=240, cwd=str(REPO), env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(line[-1][len(MARK):])
+    return hostcall.run_code(python, AGREE, params, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
 def tok(*ids, **extra) -> bytes:
@@ -156,6 +152,20 @@ def test_output_minus_one_is_refused_by_the_run_as_by_preflight(modern_make_inve
     assert not list((tmp_path / "out").rglob("*.safetensors")), "no sample may be written"
 
 
+#: the supervisor's layer-id resolution and the shard probe's stack record, on one set of params
+LAYER_REFUSAL = """
+def main(params, engine):
+    from remote import shard
+    from remote.supervisor import resolve_layer_ids
+    try:
+        resolve_layer_ids(params, engine, 8)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return {"refused": refused, "stack": shard._stack(params, {})}
+"""
+
+
 @pytest.mark.parametrize("engine,given,asked,says", [
     ("vllm-server", [-1], "output", "output:-1 is out of range 0..7"),
     ("vllm-server", [8], "output", "output:8 is out of range 0..7"),
@@ -164,31 +174,16 @@ def test_output_minus_one_is_refused_by_the_run_as_by_preflight(modern_make_inve
 ])
 def test_the_supervisor_and_the_shard_probe_refuse_what_preflight_refuses(hostenv_python, tiny_models, tmp_path,
                                                                           engine, given, asked, says):
-    code = f"""
-import json, sys
-sys.path.insert(0, {str(REPO)!r})
-from remote import shard
-from remote.supervisor import resolve_layer_ids
-params = {{"layer_ids": {given!r}, "layer_convention": {asked!r}, "engine": {engine!r},
-          "model_path": {str(tiny_models["llama"])!r}, "dataset": "/none", "device": "cpu"}}
-try:
-    resolve_layer_ids(params, {engine!r}, 8)
-    print("ACCEPTED")
-except ValueError as exc:
-    print("REFUSED", exc)
-stack = shard._stack(params, {{}})
-print("STACK", json.dumps(stack))
-"""
-    proc = subprocess.run([str(hostenv_python), "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith("REFUSED") and says in lines[0], lines[0]
-    stack = json.loads(next(ln for ln in lines if ln.startswith("STACK "))[6:])
+    got = hostcall.run_code(hostenv_python, LAYER_REFUSAL, {
+        "layer_ids": given, "layer_convention": asked, "engine": engine,
+        "model_path": str(tiny_models["llama"]), "dataset": "/none", "device": "cpu"}, engine)
+    assert got["refused"] is not None and says in got["refused"], got
+    stack = got["stack"]
     if engine == "speculators-0.3":  # the seed env resolves this engine: its stack record is the one to judge
         assert stack["status"] == "fail" and says in stack["summary"], stack
     params = base_params(Path(tiny_models["llama"]), tmp_path, engine=engine, layer_ids=given, layer_convention=asked)
     if engine == "speculators-0.3":
-        rec = run_preflight(hostenv_python, params)["layers.ids"]
+        rec = host_preflight(hostenv_python, params)["layers.ids"]
         assert rec["status"] == "fail" and says in rec["summary"], rec
 
 
@@ -238,14 +233,14 @@ def test_preflight_says_how_many_rows_it_checked_when_it_samples(hostenv_python,
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"".join(tok(i, i + 1) + b"\n" for i in range(1, 41)) + tok(1, 99999999) + b"\n")
     params = base_params(Path(tiny_models["llama"]), tmp_path, dataset=str(path), max_samples=100)
-    whole = run_preflight(hostenv_python, params)["data.records"]
+    whole = host_preflight(hostenv_python, params)["data.records"]
     assert whole["status"] == "fail" and "line 41" in whole["summary"] and "all 41 rows" in whole["summary"]
-    part = run_preflight(hostenv_python, dict(params, data_check_bytes=200))["data.records"]
+    part = host_preflight(hostenv_python, dict(params, data_check_bytes=200))["data.records"]
     assert part["status"] == "ok" and part["detail"]["checked"] < 41 == part["detail"]["rows"]
     assert f"the first {part['detail']['checked']} of 41 rows" in part["summary"]
     assert "the run checks the rest" in part["summary"]
     # max_samples is the rows the run sends: the bad 41st is not one of the first 40
-    capped = run_preflight(hostenv_python, dict(params, max_samples=40))
+    capped = host_preflight(hostenv_python, dict(params, max_samples=40))
     assert capped["data.records"]["status"] == "ok" and capped["data.file"]["detail"]["records"] == 40
 
 
@@ -256,7 +251,7 @@ def test_a_dataset_file_name_is_no_reason_to_refuse_and_a_hub_name_is_no_file(ho
     got = agree(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset=str(path)))
     assert got["run"] == 2 and got["preflight"]["data.file"]["status"] == "ok", got["preflight"]
     assert got["preflight"]["data.records"]["status"] == "ok"
-    rec = run_preflight(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset="sharegpt"))
+    rec = host_preflight(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset="sharegpt"))
     assert rec["data.file"]["status"] == "fail" and "hub name 'sharegpt'" in rec["data.file"]["summary"]
     assert "local .jsonl" in rec["data.file"]["fix"]
 
@@ -272,10 +267,10 @@ def test_no_chat_template_fails_only_a_dataset_with_chat_rows(hostenv_python, ti
         (model / name).unlink(missing_ok=True)
     path = tmp_path / "tok.jsonl"
     path.write_bytes(tok(1, 2) + b"\n" + tok(3) + b"\n")
-    res = run_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))
+    res = host_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))
     assert res["tokenizer.chat_template"]["status"] == "warn" and res["data.records"]["status"] == "ok"
     assert res.failed(ignore_areas=("drift", "patch")) == {}
     path.write_bytes(tok(1, 2) + b"\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n")
-    rec = run_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))["data.records"]
+    rec = host_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))["data.records"]
     assert rec["status"] == "fail" and "1 chat row(s) (line 2 first)" in rec["summary"] and "no chat template" in \
         rec["summary"]

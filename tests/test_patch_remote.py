@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import hostcall
 from specops.testhost.hostenv import own_vllm_metadata
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +58,16 @@ def expected(rel: str, state: str) -> str:
 
 
 def run_patcher(python: Path, **params) -> dict:
-    """``remote.patcher.main(params)`` in the host env's python; returns the payload."""
+    """``remote.patcher.main(params)`` in the host env's python (its long-lived host process,
+    ``tests/hostcall.py``); returns the payload."""
     params.setdefault("patches_root", str(REPO / "patches"))
-    code = "import json, sys; from remote import patcher; " \
-           "print(json.dumps(patcher.main(json.loads(sys.argv[1]))))"
-    proc = subprocess.run([str(python), "-c", code, json.dumps(params)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return hostcall.call(python, "remote.patcher:main", params, timeout=120)
+
+
+def status_records(python: Path, patches_root: Path, site: Path) -> list:
+    """``remote.patcher.status_records`` (what preflight reports) in the host env's python."""
+    return hostcall.call(python, "remote.patcher:status_records",
+                         {"patches_root": str(patches_root), "site_packages": str(site)})
 
 
 def by_name(payload: dict) -> dict:
@@ -216,11 +219,7 @@ def test_range_form_manifest_is_refused_by_patch_and_preflight_alike(site, hoste
     assert refused["status"] == "fail" and "manifest.json: vllm:" in refused["summary"]
     assert "'>=0.12,<0.17'" in refused["summary"] and refused["fix"]
     assert snapshot(site) == before
-    code = ("import json, sys; from remote import patcher; "
-            "print(json.dumps(patcher.status_records({'patches_root': sys.argv[1], 'site_packages': sys.argv[2]})))")
-    proc = subprocess.run([str(hostenv_python), "-c", code, str(root), str(site)],
-                          cwd=REPO, capture_output=True, text=True, check=True)
-    [status] = json.loads(proc.stdout)
+    [status] = status_records(hostenv_python, root, site)
     assert status["summary"] == refused["summary"]
 
 
@@ -381,11 +380,7 @@ def test_no_matching_patch_set_is_refused_clearly(site, hostenv_python, tmp_path
 
 
 def test_status_records_for_preflight(site, hostenv_python, tmp_path):
-    code = ("import json, sys; from remote import patcher; "
-            "print(json.dumps(patcher.status_records({'patches_root': sys.argv[1], 'site_packages': sys.argv[2]})))")
-    proc = subprocess.run([str(hostenv_python), "-c", code, str(REPO / "patches"), str(site)],
-                          cwd=REPO, capture_output=True, text=True, check=True)
-    records = {r["name"]: r for r in json.loads(proc.stdout)}
+    records = {r["name"]: r for r in status_records(hostenv_python, REPO / "patches", site)}
     assert records["patch.set"]["detail"]["set"] == MANIFEST["name"]
     assert records["patch.state"]["detail"]["applied"] is False
     assert records["patch.state"]["status"] == "warn" and records["patch.state"]["fix"]
@@ -395,9 +390,7 @@ def test_status_records_for_preflight(site, hostenv_python, tmp_path):
     manifest = json.loads((root / SET_DIR.name / "manifest.json").read_text())
     manifest["speculators"] = "==0.4.0"
     (root / SET_DIR.name / "manifest.json").write_text(json.dumps(manifest))
-    proc = subprocess.run([str(hostenv_python), "-c", code, str(root), str(site)],
-                          cwd=REPO, capture_output=True, text=True, check=True)
-    [only] = json.loads(proc.stdout)
+    [only] = status_records(hostenv_python, root, site)
     assert only["name"] == "patch.set" and only["status"] == "warn"
     assert "no patch set for speculators 0.3.0" in only["summary"]
 

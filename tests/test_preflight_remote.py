@@ -8,6 +8,7 @@ The nvidia-smi parsers are tested on output recorded on a real H200
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import hostcall
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "nvidia-smi"
@@ -48,18 +51,32 @@ class Result:
                 if r["status"] == "fail" and r["area"] not in ignore_areas}
 
 
+def checked(payload: dict) -> Result:
+    """The payload as a :class:`Result`, after checking the result contract on every record."""
+    result = Result(payload)
+    for r in result.records:  # the result contract holds for every record
+        assert r["status"] in ("ok", "changed", "skipped", "warn", "fail"), r
+        assert r["status"] != "fail" or r["fix"], f"fail without fix: {r}"
+    return result
+
+
 def run_preflight(python: Path, params: dict, *, bundle: Path = REPO, env: dict | None = None) -> Result:
+    """``remote.preflight.main(params)`` in a fresh process of ``python`` (for tests where a fresh
+    interpreter is the point, such as a never-imported env); :func:`host_preflight` otherwise."""
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     proc = subprocess.run([str(python), "-c", RUNNER, str(bundle), json.dumps(params)], capture_output=True,
                           text=True, timeout=240, env=full_env, cwd=str(bundle))
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     assert line, f"no payload; stdout tail: {proc.stdout[-2000:]} stderr tail: {proc.stderr[-2000:]}"
-    result = Result(json.loads(line[-1][len(MARK):]))
-    for r in result.records:  # the result contract holds for every record
-        assert r["status"] in ("ok", "changed", "skipped", "warn", "fail"), r
-        assert r["status"] != "fail" or r["fix"], f"fail without fix: {r}"
-    return result
+    return checked(json.loads(line[-1][len(MARK):]))
+
+
+def host_preflight(python: Path, params: dict, *, env: dict | None = None) -> Result:
+    """:func:`run_preflight`, answered by the env's long-lived host python (``tests/hostcall.py``):
+    the same call, the same process environment, without a new interpreter and import per call."""
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
+    return checked(hostcall.call(python, "remote.preflight:main", params, env=full_env, timeout=240))
 
 
 def base_params(model_dir: Path, tmp_path: Path, **overrides) -> dict:
@@ -95,7 +112,7 @@ def _edit_json(path: Path, edit) -> None:
 def test_healthy_llama_passes_with_no_fail(hostenv_python, tiny_models, llama_copy, tmp_path):
     params = base_params(llama_copy, tmp_path, tp=min(2, len(os.sched_getaffinity(0))),
                          dataset=str(tiny_models["dataset"]), skip_autoconfig=False, skip_drift=False)
-    res = run_preflight(hostenv_python, params)
+    res = host_preflight(hostenv_python, params)
     # drift findings on the unpatched env are expected fails (the drift check's own tests cover them)
     assert res.failed(ignore_areas=("drift", "patch")) == {}
     areas = {r["area"] for r in res.records}
@@ -122,7 +139,7 @@ def test_healthy_llama_passes_with_no_fail(hostenv_python, tiny_models, llama_co
 def test_missing_shard_fails(hostenv_python, llama_copy, tmp_path):
     gone = _shards(llama_copy)[1]
     gone.unlink()
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     rec = res["checkpoint.files"]
     assert rec["status"] == "fail"
     assert rec["detail"]["missing"] == [gone.name] and gone.name in rec["summary"]
@@ -132,7 +149,7 @@ def test_missing_shard_fails(hostenv_python, llama_copy, tmp_path):
 
 def test_extra_shard_warns(hostenv_python, llama_copy, tmp_path):
     shutil.copy(_shards(llama_copy)[0], llama_copy / "stray.safetensors")
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     assert res["checkpoint.files"]["status"] == "warn"
     assert res["checkpoint.files"]["detail"]["extra"] == ["stray.safetensors"]
 
@@ -145,7 +162,7 @@ def test_truncated_shard_fails(hostenv_python, llama_copy, tmp_path, keep):
     new_size = {"most": size - 1000, "header-only": 8 + header_len, "4-bytes": 4}[keep]
     with open(shard, "r+b") as fh:
         fh.truncate(new_size)
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     rec = res["checkpoint.headers"]
     assert rec["status"] == "fail"
     assert shard.name in rec["detail"]["bad"]
@@ -161,7 +178,7 @@ def test_index_pointing_at_wrong_shard_fails(hostenv_python, llama_copy, tmp_pat
         tensor = next(t for t, s in index["weight_map"].items() if s == shards[0])
         index["weight_map"][tensor] = shards[1]
     _edit_json(llama_copy / "model.safetensors.index.json", move_one)
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     assert res["checkpoint.headers"]["status"] == "fail"
     assert "not in the shard the index names" in res["checkpoint.headers"]["summary"]
 
@@ -205,7 +222,7 @@ def test_a_layer_missing_from_shards_and_index_fails_naming_it(hostenv_python, l
     """vLLM would load the rest and fail after the load ("weights were not initialized from checkpoint")."""
     dropped = _drop_everywhere(llama_copy, lambda name: name.startswith("model.layers.3."))
     assert dropped
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     rec = res["checkpoint.layers"]
     assert rec["status"] == "fail" and "1 of 8 decoder layers" in rec["summary"] and "layers 3)" in rec["summary"]
     assert "model.layers.3.input_layernorm.weight" in rec["summary"]
@@ -219,7 +236,7 @@ def test_a_layer_missing_one_module_fails_naming_its_tensors(hostenv_python, tin
     shutil.copytree(tiny_models["deepseek_v3"], model)  # dense layer 0, MoE layers after it: both kinds
     dropped = _drop_everywhere(model, lambda name: name.startswith("model.layers.5.self_attn.kv_b_proj.")
                                or name.startswith("model.layers.6.mlp.experts.1."))
-    res = run_preflight(hostenv_python, base_params(model, tmp_path, env=dict(CPU_ENV)))
+    res = host_preflight(hostenv_python, base_params(model, tmp_path, env=dict(CPU_ENV)))
     rec = res["checkpoint.layers"]
     assert rec["status"] == "fail" and "2 of 8 decoder layers" in rec["summary"], rec["summary"]
     assert rec["detail"]["incomplete"]["5"] == ["model.layers.5.self_attn.kv_b_proj.weight"]
@@ -228,7 +245,7 @@ def test_a_layer_missing_one_module_fails_naming_its_tensors(hostenv_python, tin
 
 @pytest.mark.parametrize("model", ["llama", "deepseek_v3", "kimi_k25"])
 def test_whole_checkpoints_pass_the_layer_check(hostenv_python, tiny_models, tmp_path, model):
-    res = run_preflight(hostenv_python, base_params(Path(tiny_models[model]), tmp_path,
+    res = host_preflight(hostenv_python, base_params(Path(tiny_models[model]), tmp_path,
                                                     trust_remote_code=model == "kimi_k25"))
     rec = res["checkpoint.layers"]
     assert rec["status"] == "ok" and "all 8 decoder layers" in rec["summary"], rec
@@ -243,7 +260,7 @@ def test_a_layer_left_unquantized_or_past_the_count_is_no_gap(hostenv_python, ll
     rewrite_shard(shard, lambda name: True, add=scales)
     _edit_json(llama_copy / "model.safetensors.index.json",
                lambda index: index["weight_map"].update({k: shard.name for k in scales}))
-    rec = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))["checkpoint.layers"]
+    rec = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))["checkpoint.layers"]
     assert rec["status"] == "ok", rec
 
 
@@ -252,7 +269,7 @@ def test_a_layer_left_unquantized_or_past_the_count_is_no_gap(hostenv_python, ll
 def test_text_config_wrapped_model_is_unwrapped_and_reported(hostenv_python, tiny_models, tmp_path):
     kimi = tmp_path / "kimi_k25"
     shutil.copytree(tiny_models["kimi_k25"], kimi)
-    res = run_preflight(hostenv_python, base_params(kimi, tmp_path, tp=1))
+    res = host_preflight(hostenv_python, base_params(kimi, tmp_path, tp=1))
     rec = res["model.config"]
     assert rec["status"] == "ok"
     assert rec["detail"]["wrapped_in_text_config"] is True
@@ -269,7 +286,7 @@ def test_text_config_wrapped_model_is_unwrapped_and_reported(hostenv_python, tin
 
 
 def test_llama_4_scaling_and_mla_reported(hostenv_python, tiny_models, tmp_path):
-    res = run_preflight(hostenv_python, base_params(tiny_models["deepseek_v3"], tmp_path, env={}))
+    res = host_preflight(hostenv_python, base_params(tiny_models["deepseek_v3"], tmp_path, env={}))
     assert res["model.llama_4_scaling"]["detail"]["set"] is True
     assert res["model.family"]["detail"]["family"] == "deepseek_v2"
     # CPU engine without VLLM_MLA_DISABLE: vLLM says "MLA is not supported on CPU"
@@ -293,7 +310,7 @@ def _make_remote_code_model(model_dir: Path, with_code: bool) -> None:
 
 def test_remote_code_model_type_without_code_fails(hostenv_python, llama_copy, tmp_path):
     _make_remote_code_model(llama_copy, with_code=False)
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False,
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False,
                                                     trust_remote_code=True),
                         env={"HF_MODULES_CACHE": str(tmp_path / "hf_modules")})
     rec = res["model.remote_code"]
@@ -309,13 +326,13 @@ def test_remote_code_model_type_without_code_fails(hostenv_python, llama_copy, t
 def test_remote_code_present_but_not_allowed_fails_then_allowed_passes(hostenv_python, llama_copy, tmp_path):
     _make_remote_code_model(llama_copy, with_code=True)
     env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False), env=env)
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False), env=env)
     assert res["model.remote_code"]["status"] == "fail"
     assert "trust_remote_code" in res["model.remote_code"]["fix"]
     assert res["model.autoconfig"]["status"] == "fail"
     assert "trust_remote_code" in res["model.autoconfig"]["fix"]
 
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False,
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, skip_autoconfig=False,
                                                     trust_remote_code=True), env=env)
     assert res["model.remote_code"]["status"] == "ok"
     assert res["model.autoconfig"]["status"] == "ok"
@@ -323,14 +340,14 @@ def test_remote_code_present_but_not_allowed_fails_then_allowed_passes(hostenv_p
 
 
 def test_seq_len_beyond_max_positions_fails(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, seq_len=4096))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, seq_len=4096))
     assert res["model.seq_len"]["status"] == "fail"
     assert "2048" in res["model.seq_len"]["fix"]
 
 
 def test_missing_config_fails_and_dependent_checks_skip(hostenv_python, llama_copy, tmp_path):
     (llama_copy / "config.json").unlink()
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     assert res["model.config"]["status"] == "fail"
     assert res["layers.ids"]["status"] == "skipped" and res["parallel.heads"]["status"] == "skipped"
 
@@ -338,7 +355,7 @@ def test_missing_config_fails_and_dependent_checks_skip(hostenv_python, llama_co
 # -- parallelism and layers -------------------------------------------------------------------
 
 def test_tp_that_does_not_divide_heads_fails(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp=3))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp=3))
     rec = res["parallel.heads"]
     assert rec["status"] == "fail"
     assert "4 attention heads do not divide by TP 3" in rec["summary"]
@@ -347,14 +364,14 @@ def test_tp_that_does_not_divide_heads_fails(hostenv_python, llama_copy, tmp_pat
 
 def test_more_tp_than_cpu_cores_fails(hostenv_python, llama_copy, tmp_path):
     cores = len(os.sched_getaffinity(0))
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp=cores * 2))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp=cores * 2))
     rec = res["parallel.devices"]
     assert rec["status"] == "fail" and f"at most {cores}" in rec["fix"]
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this host has a GPU")
 def test_cuda_without_gpus_fails(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=2))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=2))
     assert res["host.gpus"]["status"] == "fail" and "nvidia-smi" in res["host.gpus"]["summary"]
     assert res["parallel.devices"]["status"] == "fail"
     assert "TP 2 needs 2 GPUs, 0 usable" in res["parallel.devices"]["summary"]
@@ -365,7 +382,7 @@ def test_cuda_without_gpus_fails(hostenv_python, llama_copy, tmp_path):
 @pytest.mark.parametrize("ids,why", [([2, 4, 8], "out of range 0..7"), ([2, 4, 4, 7], "duplicate layer ids"),
                                      ([2, "4", 7], "not an integer")])
 def test_bad_layer_ids_fail(hostenv_python, llama_copy, tmp_path, ids, why):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, layer_ids=ids))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, layer_ids=ids))
     rec = res["layers.ids"]
     assert rec["status"] == "fail" and why in rec["summary"]
     assert rec["detail"]["source"] == "given" and rec["detail"]["convention"] == "output"
@@ -374,7 +391,7 @@ def test_bad_layer_ids_fail(hostenv_python, llama_copy, tmp_path, ids, why):
 def test_engine_default_ids_that_collide_fail(hostenv_python, llama_copy, tmp_path):
     # FACTS.md: 6 layers give [2, 3, 3, 5] and the engine would silently capture 3 layers
     _edit_json(llama_copy / "config.json", lambda cfg: cfg.update(num_hidden_layers=6))
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     rec = res["layers.ids"]
     assert rec["status"] == "fail" and rec["detail"]["layer_ids"] == [2, 3, 3, 5]
     assert "layer_ids" in rec["fix"]
@@ -386,7 +403,7 @@ def test_tokenizer_without_chat_template_fails(hostenv_python, llama_copy, tmp_p
     _edit_json(llama_copy / "tokenizer_config.json", lambda cfg: cfg.pop("chat_template", None))
     for name in ("chat_template.jinja", "chat_template.json"):
         (llama_copy / name).unlink(missing_ok=True)
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     rec = res["tokenizer.chat_template"]
     assert rec["status"] == "fail" and "chat template" in rec["summary"]
     assert "chat_template" in rec["fix"]
@@ -394,7 +411,7 @@ def test_tokenizer_without_chat_template_fails(hostenv_python, llama_copy, tmp_p
 
 def test_missing_tokenizer_files_fail(hostenv_python, llama_copy, tmp_path):
     (llama_copy / "tokenizer.json").unlink()
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
     assert res["tokenizer.files"]["status"] == "fail"
 
 
@@ -411,7 +428,7 @@ def test_dataset_with_bad_records_fails_with_line_numbers(hostenv_python, llama_
     ]
     dataset = tmp_path / "chat.jsonl"
     dataset.write_text("\n".join(lines) + "\n")
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
     assert rec["status"] == "fail"
     assert [b["line"] for b in rec["detail"]["bad"]] == [2, 4, 6]
@@ -428,26 +445,26 @@ def test_dataset_roles_from_value_format_pass_and_unknown_roles_fail_as_in_the_r
     dataset.write_text(
         json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}) + "\n"
         + json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "tool", "value": "b"}]}) + "\n")
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
     assert rec["status"] == "fail" and [d["line"] for d in rec["detail"]["bad"]] == [2]
     assert "'tool'" in rec["summary"] and "user/assistant/system" in rec["fix"]
     dataset.write_text(dataset.read_text().splitlines()[0] + "\n"
                        + json.dumps({"conversations": [{"from": "human", "value": "a"}]}) + "\n")
-    rec = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))["data.records"]
+    rec = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))["data.records"]
     assert rec["status"] == "warn" and [d["line"] for d in rec["detail"]["degraded"]] == [2]
     assert "no assistant turn" in rec["summary"]
 
 
 def test_missing_dataset_file_fails(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(tmp_path / "nope.jsonl")))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(tmp_path / "nope.jsonl")))
     assert res["data.file"]["status"] == "fail" and "does not exist" in res["data.file"]["summary"]
 
 
 # -- capacity ---------------------------------------------------------------------------------
 
 def test_output_larger_than_free_disk_fails(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, max_samples=10 ** 9, seq_len=2048))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, max_samples=10 ** 9, seq_len=2048))
     rec = res["capacity.output"]
     assert rec["status"] == "fail"
     assert rec["detail"]["bytes"] > rec["detail"]["free_bytes"]
@@ -456,7 +473,7 @@ def test_output_larger_than_free_disk_fails(hostenv_python, llama_copy, tmp_path
 
 
 def test_capacity_counts_no_more_samples_than_the_dataset_has(hostenv_python, llama_copy, tiny_models, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, max_samples=10 ** 9,
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, max_samples=10 ** 9,
                                                     dataset=str(tiny_models["dataset"])))
     rec = res["capacity.output"]
     assert rec["status"] == "ok" and rec["detail"]["samples"] == res["data.file"]["detail"]["records"]
@@ -465,7 +482,7 @@ def test_capacity_counts_no_more_samples_than_the_dataset_has(hostenv_python, ll
 # -- params, composition ----------------------------------------------------------------------
 
 def test_bad_params_are_a_fail_not_a_crash(hostenv_python, llama_copy, tmp_path):
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp="two", device="tpu"))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, tp="two", device="tpu"))
     rec = res["params.values"]
     assert rec["status"] == "fail" and len(rec["detail"]["problems"]) == 2
     assert res["parallel.heads"]["detail"]["tp"] == 1  # the checks go on with the default
@@ -481,7 +498,7 @@ def test_a_crashing_drift_check_is_one_fail_record(hostenv_python, llama_copy, t
     (models / "registry.py").write_text("_TEXT_GENERATION_MODELS = {\n")  # truncated mid-file
     params = base_params(llama_copy, tmp_path, skip_drift=False, skip_patch=True,
                          site_packages=str(tmp_path / "vllm-copy"))
-    res = run_preflight(hostenv_python, params)
+    res = host_preflight(hostenv_python, params)
     crash = res["drift.crash"]
     assert crash["status"] == "fail" and "SyntaxError" in crash["summary"], crash
     assert "registry.py" in crash["detail"]["traceback"] and crash["fix"]
@@ -556,26 +573,44 @@ esac
 """)
     fake.chmod(0o755)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=1, env={}), env=env)
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=1, env={}), env=env)
     assert res["host.gpus"]["status"] == "ok" and res["host.gpus"]["detail"]["visible"] == [0]
     assert res["host.gpu_processes"]["status"] == "warn"
     assert res["parallel.devices"]["status"] == "ok"
     # 138534 MiB free < 0.99 x 143771 MiB asked: vLLM would refuse to start
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=2,
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, device="cuda", tp=2,
                                                     gpu_memory_utilization=0.99, env={}), env=env)
     assert res["checkpoint.fit"]["status"] == "fail" and "gpu_memory_utilization" in res["checkpoint.fit"]["fix"]
     assert res["parallel.devices"]["status"] == "fail" and "TP 2 needs 2 GPUs, 1 usable" in \
         res["parallel.devices"]["summary"]
 
 
-def test_autoconfig_that_hangs_times_out_as_a_fail(hostenv_python, llama_copy, tmp_path):
-    """Remote code that blocks (a network call, a huge import) costs the timeout, not the preflight."""
+HANGS = "test_autoconfig_that_hangs_times_out_as_a_fail"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hanging_autoconfig(request, hostenv_python, tiny_models, tmp_path_factory):
+    """The preflight of :func:`test_autoconfig_that_hangs_times_out_as_a_fail`, started before this
+    module's first test in a process of its own: its AutoConfig child sleeps out the 30-s timeout
+    while the other tests run, and the test collects it. None when that test is not selected."""
+    if not any(item.name == HANGS and item.module is request.module for item in request.session.items):
+        yield None
+        return
+    tmp_path = tmp_path_factory.mktemp("hangs")
+    llama_copy = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], llama_copy)
     _make_remote_code_model(llama_copy, with_code=True)
     with open(llama_copy / "configuration_specops_tiny.py", "a") as fh:
         fh.write("\nimport time\ntime.sleep(3600)\n")
     params = base_params(llama_copy, tmp_path, skip_autoconfig=False, trust_remote_code=True,
                          autoconfig_timeout=30, env=dict(CPU_ENV, HF_MODULES_CACHE=str(tmp_path / "hf_modules")))
-    res = run_preflight(hostenv_python, params)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_preflight, hostenv_python, params)
+
+
+def test_autoconfig_that_hangs_times_out_as_a_fail(hanging_autoconfig):
+    """Remote code that blocks (a network call, a huge import) costs the timeout, not the preflight."""
+    res = hanging_autoconfig.result(timeout=300)
     rec = res["model.autoconfig"]
     assert rec["status"] == "fail" and "did not finish in 30 s" in rec["summary"]
     assert "autoconfig_timeout" in rec["fix"]
@@ -589,7 +624,7 @@ def test_json_array_dataset_fails_at_line_1_with_the_jsonl_fix(hostenv_python, l
     good = {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     dataset = tmp_path / "chat.json"
     dataset.write_text(json.dumps([good, {"text": "no conversations"}, good], indent=1))
-    res = run_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, dataset=str(dataset)))
     rec = res["data.records"]
     assert rec["status"] == "fail" and rec["detail"]["bad"][0]["line"] == 1
     assert "one JSON array" in rec["fix"] and "json.dumps" in rec["fix"]
