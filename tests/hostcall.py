@@ -14,9 +14,10 @@ of a test session, one call at a time, each as a fresh one-shot process would ru
   the calling test.
 
 A call whose env changes what only an interpreter's start reads (``PYTHON*``,
-``LD_*``) gets a one-shot process instead. ``remote`` keeps no state between calls
-(no module caches; nothing writes ``os.environ`` or ``sys.path``), so a long-lived
-process answers what a fresh one would.
+``LD_*``) gets a one-shot process instead. ``remote`` writes neither ``os.environ`` nor
+``sys.path`` in these calls, and its one per-process cache (drift's parsed trees) is keyed
+by path, size and mtime, so a long-lived process answers what a fresh one would; only the
+CPU time of a first, cold call differs, and a test that measures it runs one-shot.
 
 Stdlib only: this file is imported by the controller's tests and run, as the server,
 by the host env's python (``python hostcall.py BUNDLE``).
