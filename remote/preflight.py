@@ -24,9 +24,8 @@ from __future__ import annotations
 import time
 import traceback
 
-from remote import contract, drift, patcher, protocol
+from remote import contract, drift, patcher, protocol, runplan
 from remote.argspec import RUN_ARGS, STACK_ARGS, Arg, Spec
-from remote.engines import resolve_engine
 from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
 from remote.probes import (Context, Malformed, capacity, checkpoint, cpu_kernels, gpu, hf_load, host, layer_ids,
                            model, packages, parallel, tokenizer_data)
@@ -105,17 +104,19 @@ def _owned(area, params) -> list:
     return found
 
 
-def _resolve_engine(params: dict) -> dict:
-    """``params.engine`` made concrete (``auto`` -> what the installed speculators needs); its record."""
+def _resolve_engine(params: dict) -> tuple[dict, tuple | None]:
+    """``params.engine`` made concrete (``auto`` -> what the installed speculators needs): its
+    record, and ``(engine, why)`` for the run's plan (None when no engine fits)."""
     asked = params.get("engine") or "auto"
     try:
-        params["engine"], why = resolve_engine(asked)
-    except ValueError as exc:
+        params["engine"], why = runplan.resolve_engine(asked)
+    except runplan.PlanError as exc:
         params["engine"] = "speculators-0.3"  # the probes still run; the record says why none fits
         return record("params.engine", FAIL, str(exc), detail={"asked": asked},
-                      fix="install the speculators that matches the host's vLLM, or set engine in the inventory")
+                      fix="install the speculators that matches the host's vLLM, or set engine in the "
+                          "inventory"), None
     return record("params.engine", OK, f"engine {params['engine']} ({why})",
-                  detail={"asked": asked, "engine": params["engine"], "why": why})
+                  detail={"asked": asked, "engine": params["engine"], "why": why}), (params["engine"], why)
 
 
 @SPEC.task
@@ -127,8 +128,10 @@ def main(params: dict, problems: list) -> dict:
     if problems:
         records.append(record("params.values", FAIL, f"bad params: {problems[0]}", detail={"problems": problems},
                               fix="fix these values in the inventory or on the command line"))
-    records.append(_resolve_engine(params))
+    engine_record, engine = _resolve_engine(params)
+    records.append(engine_record)
     ctx = Context(params)
+    ctx.engine = engine
     try:
         child = hf_load.start(ctx)  # loads transformers while the static checks run
     except OSError as exc:
@@ -159,4 +162,5 @@ def main(params: dict, problems: list) -> dict:
     order = {area: i for i, area in enumerate(AREAS)}
     records.sort(key=lambda r: order.get(r["area"], len(AREAS)))  # stable: probe order kept inside an area
     return protocol.payload(records, host=ctx.host, model=ctx.model, layers=ctx.layers,
+                            plan=ctx.plan.as_dict() if ctx.plan is not None else None,
                             checkpoint=ctx.checkpoint, seconds=seconds)

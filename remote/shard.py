@@ -25,7 +25,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from remote import layers, modelconfig, protocol, samples
+from remote import contract, layers, modelconfig, protocol, runplan, samples
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import param
 from remote.fsutil import sha256_file
@@ -125,30 +125,29 @@ def _python_version() -> str:
 
 
 def _stack(params: dict, data: dict) -> dict:
-    """Engine, layer convention, layer ids (in the output convention too) and file format."""
-    from remote.engines import resolve_engine
-
+    """Engine, layer convention, layer ids (in the output convention too) and file format: the
+    run's plan (:func:`remote.runplan.resolve`, as the supervisor will resolve it)."""
     try:
-        engine, why = resolve_engine(params.get("engine"))
-    except ValueError as exc:
+        engine = runplan.resolve_engine(params.get("engine"))
+    except runplan.PlanError as exc:
         return protocol.record("shard.stack", protocol.FAIL, str(exc), detail={"asked": params.get("engine")},
                                fix="install the speculators that fits the host's vLLM, or set engine")
-    fmt = samples.ENGINE_FORMAT[engine]
-    stack = {"engine": engine, "engine_why": why, "convention": layers.ENGINE_CONVENTION[engine],
+    name, why = engine
+    fmt = contract.ENGINES[name].sample_format
+    stack = {"engine": name, "engine_why": why, "convention": contract.ENGINES[name].convention,
              "format": fmt, "format_text": samples.FORMATS[fmt][2]}
     data["stack"] = stack
     try:
         config = modelconfig.read(params["model_path"])
         data["model"] = modelconfig.summary(config)
-        from remote.supervisor import run_layer_ids
-
-        ids, convention = run_layer_ids(params, engine, config)
+        plan = runplan.resolve(params, config, engine=engine).require()
     except Exception as exc:  # the model is preflight's to judge; here only what the plan needs
         return protocol.record("shard.stack", protocol.FAIL, f"cannot resolve the layer ids: {exc}",
                                detail=stack, fix="run specops preflight on this host; it names the cause")
-    stack.update(layer_ids=ids, layer_ids_output=layers.convert(ids, convention, layers.OUTPUT))
+    data["plan"] = plan.as_dict()
+    stack.update(layer_ids=plan.layer_ids, layer_ids_output=plan.ids(layers.OUTPUT))
     return protocol.record("shard.stack", protocol.OK,
-                           f"{engine}: layers {ids} ({convention} of layer i), files {stack['format']}",
+                           f"{name}: layers {plan.layer_ids} ({plan.convention} of layer i), files {fmt}",
                            detail=stack)
 
 

@@ -39,11 +39,11 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import fsutil, layers, modelconfig, samples
+from remote import fsutil, modelconfig, runplan, samples
 from remote import manifest as run_manifest
 from remote.contract import RunState, param
 from remote.dataset import load_token_samples
-from remote.engines import engine_class, resolve_engine
+from remote.engines import engine_class
 from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
 from remote.procgroup import kill_own_group_and_exit, stop_leftovers
 from remote.rundir import RunPaths, StatusFile, utc_now
@@ -83,22 +83,6 @@ def model_config(model_path: str) -> dict:
         raise ValueError(f"{exc.summary}; {exc.fix}") from None
 
 
-def resolve_layer_ids(params: dict, engine: str, num_layers: int) -> tuple[list[int], str]:
-    """The run's layer ids and their convention (:func:`remote.layers.resolve`, preflight's rule)."""
-    plan = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), engine, num_layers)
-    problems = plan["refused"] + plan["problems"]
-    if problems:
-        raise ValueError(f"layer ids {plan['ids']} ({plan['source']}, {plan['convention']} convention): "
-                         + "; ".join(problems))
-    return plan["ids"], plan["convention"]
-
-
-def run_layer_ids(params: dict, engine: str, config: dict) -> tuple[list[int], str]:
-    """:func:`resolve_layer_ids` for a model's config, counting its layers as preflight does
-    (:func:`remote.modelconfig.num_layers`): what the supervisor and the shard probe capture."""
-    return resolve_layer_ids(params, engine, modelconfig.decoder_layers(config))
-
-
 # --------------------------------------------------------------------------- the run
 
 class Supervisor:
@@ -108,7 +92,7 @@ class Supervisor:
         self.paths = RunPaths(run_dir)
         self.params = json.loads(self.paths.params.read_text())
         self.run_id = self.params.get("run_id") or self.paths.run_dir.name
-        self.output_dir = Path(self.params.get("output_dir") or self.paths.run_dir / "samples")
+        self.output_dir = Path(runplan.output_dir(self.params, self.paths.run_dir))
         previous = {}
         if self.paths.status.exists():
             try:
@@ -220,18 +204,18 @@ class Supervisor:
     def _run(self) -> None:
         p = self.params
         t0 = time.monotonic()
-        engine_name, engine_why = resolve_engine(p.get("engine"))
-        fmt = samples.ENGINE_FORMAT[engine_name]
+        engine = runplan.resolve_engine(p.get("engine"))  # an engine that does not fit fails before any read
         model_path = p["model_path"]
         config = model_config(model_path)
-        layer_ids, convention = run_layer_ids(p, engine_name, config)
+        self.plan = plan = runplan.resolve(p, config, run_dir=self.paths.run_dir, engine=engine).require()
+        engine_name, fmt, layer_ids, convention = plan.engine, plan.format, plan.layer_ids, plan.convention
         self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
-                           engine=engine_name, engine_why=engine_why, format=fmt)
+                           engine=engine_name, engine_why=plan.engine_why, format=fmt)
 
         t = time.monotonic()
         dataset = load_token_samples(p, model_path, vocab_size=modelconfig.text_value(config, "vocab_size"))
         self._timed("tokenize", time.monotonic() - t)
-        lo, hi = sample_range(p.get("sample_range"), len(dataset))
+        lo, hi = plan.bounds(len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
                                              layer_ids=layer_ids, layer_convention=convention)
@@ -259,7 +243,7 @@ class Supervisor:
                            phase_seconds=dict(self.phase_seconds))
         shard = f" (samples {lo}..{hi - 1} of {len(dataset)})" if (lo, hi) != (0, len(dataset)) else ""
         print(f"[specops] run {self.run_id}: {hi - lo} samples{shard}, {total_tokens} tokens; "
-              f"{done} already on disk; engine {engine_name} ({engine_why}); layers {layer_ids} ({convention})",
+              f"{done} already on disk; engine {engine_name} ({plan.engine_why}); layers {layer_ids} ({convention})",
               flush=True)
 
         if todo:
@@ -285,7 +269,7 @@ class Supervisor:
         tp = int(param(p, "tp"))
         self.status.update(state=RunState.LOADING.value, phase=f"loading model ({engine_name}, tp={tp})")
         cls = engine_class(engine_name)
-        self.engine = cls(model_path, tp, layer_ids, self._engine_params(engine_name))
+        self.engine = cls(model_path, tp, layer_ids, self._engine_params(engine_name), plan=self.plan)
         t = time.monotonic()
         self._busy_since = t
         self.engine.load()
@@ -469,21 +453,6 @@ class Supervisor:
             raise exc
         self.status.update(state=RunState.DONE.value, phase="done", samples_done=count, eta_s=0,
                            tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds))
-
-
-def sample_range(asked, size: int) -> tuple[int, int]:
-    """``(start, stop)`` of the samples this run extracts: ``asked`` (a shard's range) clipped to the dataset.
-
-    :raises ValueError: a range that is not two whole numbers ``0 <= start <= stop``.
-    """
-    if asked is None:
-        return 0, size
-    if (not isinstance(asked, (list, tuple)) or len(asked) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in asked)
-            or not 0 <= asked[0] <= asked[1]):
-        raise ValueError(f"sample_range {asked!r} must be [start, stop] with 0 <= start <= stop "
-                         f"(global dataset indices, stop exclusive)")
-    return min(asked[0], size), min(asked[1], size)
 
 
 def _contiguous_runs(indices) -> list[list[int]]:

@@ -613,7 +613,11 @@ def test_logs_tail_first_then_follow_new_files_from_their_start(tmp_path):
 
 def test_layer_ids_resolve_with_their_convention():
     """Defaults are the engine's own; ids given in the other convention are converted, never mixed."""
-    from remote.supervisor import resolve_layer_ids
+    from remote import runplan
+
+    def resolve_layer_ids(params, engine, n):  # the run's plan for a model of n layers
+        plan = runplan.resolve(params, {"num_hidden_layers": n}, engine=(engine, "given")).require()
+        return plan.layer_ids, plan.convention
 
     assert resolve_layer_ids({}, "speculators-0.3", 8) == ([2, 4, 5, 7], "output")
     assert resolve_layer_ids({"layer_ids": [3, 5, 6, 8], "layer_convention": "input"},

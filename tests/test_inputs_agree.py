@@ -156,9 +156,9 @@ def test_output_minus_one_is_refused_by_the_run_as_by_preflight(modern_make_inve
 LAYER_REFUSAL = """
 def main(params, engine):
     from remote import shard
-    from remote.supervisor import resolve_layer_ids
+    from remote import runplan
     try:
-        resolve_layer_ids(params, engine, 8)
+        runplan.resolve(params, {"num_hidden_layers": 8}, engine=(engine, "given")).require()
         refused = None
     except ValueError as exc:
         refused = str(exc)

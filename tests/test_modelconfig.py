@@ -83,7 +83,7 @@ VL2_CONFIG = {
 def test_preflight_default_ids_are_the_runs_for_a_language_config_wrapper(tmp_path, engine):
     """Preflight (model probe -> layers probe) and the run (the shard probe's and the supervisor's
     rule) count the language model's 30 layers, never the wrapper's 12."""
-    from remote import layers, shard, supervisor
+    from remote import layers, runplan, shard
     from remote.probes import Context, layer_ids, model as model_probe
 
     model = tmp_path / "vl2"
@@ -101,7 +101,7 @@ def test_preflight_default_ids_are_the_runs_for_a_language_config_wrapper(tmp_pa
     run = shard._stack(params, {})
     assert run["status"] == "ok", run
     expected, _ = layers.default_layer_ids(engine, 30)
-    assert ctx.layers["ids"] == run["detail"]["layer_ids"] == supervisor.run_layer_ids(params, engine, config)[0] \
+    assert ctx.layers["ids"] == run["detail"]["layer_ids"] == runplan.resolve(params, config).layer_ids \
         == expected
     assert modelconfig.num_layers(config) == modelconfig.decoder_layers(config) == 30
     assert modelconfig.summary(config)["language_config"]["num_hidden_layers"] == 30

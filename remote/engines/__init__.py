@@ -2,13 +2,16 @@
 
 Every engine has one life cycle::
 
-    engine = engine_class(name)(model_path, tp, layer_ids, params)
+    engine = engine_class(name)(model_path, tp, layer_ids, params, plan=plan)
     engine.load()                                  # slow: model load, workers start
     states = engine.extract([[1, 5, 9], [1, 7]])   # per sample, per layer: Tensor[tokens, hidden]
     engine.close()
 
 ``layer_ids`` are already validated by the supervisor and are in the engine's own
-convention (``remote.layers.ENGINE_CONVENTION[name]``); ``extract`` returns the layers
+convention (``remote.layers.ENGINE_CONVENTION[name]``); ``plan`` is the run's
+:class:`remote.runplan.Plan` (the model's layer count, the format), resolved once by the
+supervisor (an engine built without one resolves it from the model's config, as a
+benchmark does); ``extract`` returns the layers
 in the order of ``layer_ids``. An engine raises on anything it cannot do; the
 supervisor turns the exception (and, for multi-process engines, the failing rank's
 own traceback) into the run's error.
@@ -105,6 +108,8 @@ class Engine:
     :param tp: tensor-parallel size (engines that cannot shard ignore it and say so).
     :param layer_ids: layer ids in this engine's convention.
     :param params: the run parameters (``seq_len``, ``inject_failure``, ... ).
+    :param plan: the run's :class:`remote.runplan.Plan`; None: resolved here from the model's
+        config for ``layer_ids`` (an engine built outside a run), when first read.
     """
 
     #: registry name; also the key of ``remote.layers.ENGINE_CONVENTION``.
@@ -112,11 +117,21 @@ class Engine:
     #: True when the engine computes in the supervisor's own process (its errors are rank 0's).
     in_process = False
 
-    def __init__(self, model_path, tp: int, layer_ids, params: dict):
+    def __init__(self, model_path, tp: int, layer_ids, params: dict, plan=None):
         self.model_path = str(model_path)
         self.tp = int(tp)
         self.layer_ids = list(layer_ids)
         self.params = dict(params)
+        self._plan = plan
+
+    @property
+    def plan(self):
+        """The run's plan (:mod:`remote.runplan`): what N and the format are for this engine."""
+        if self._plan is None:
+            from remote import runplan
+
+            self._plan = runplan.for_engine(self.name, self.model_path, self.layer_ids, self.params)
+        return self._plan
 
     def load(self) -> None:
         raise NotImplementedError

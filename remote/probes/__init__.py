@@ -118,6 +118,10 @@ class Context:
         self.layers: dict = {}
         #: dataset facts: record count when cheap to count (filled by ``tokenizer_data``).
         self.data: dict = {}
+        #: ``(engine, why)`` as preflight resolved ``params["engine"]`` (None: the name as given).
+        self.engine: tuple | None = None
+        #: the run's :class:`remote.runplan.Plan` (filled by ``layer_ids``); None when none could be made.
+        self.plan = None
 
     def env(self, name: str, default=None):
         """A variable as the extraction job will see it: the inventory's ``env`` wins over ours."""

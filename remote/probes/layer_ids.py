@@ -3,7 +3,8 @@
 The convention follows the engine (``remote.layers.ENGINE_CONVENTION``): ``output`` of
 layer i for speculators-0.3, ``input`` of layer i for vllm-server. The engine's default
 ids are computed from the model's layer count; ids the user gave are validated with
-:func:`remote.layers.resolve` (the one rule the supervisor and the shard probe use too). Ids given in the other convention
+:func:`remote.runplan.resolve` (the run's plan, as the supervisor and the shard probe resolve it; the
+probe leaves it in ``ctx.plan``). Ids given in the other convention
 (``params["layer_convention"]``, ``--layer-ids output:2,4,5,7``) name the same tensors
 under other numbers: they are translated (``output:i`` == ``input:i+1``) and the record
 shows the mapping, or refused with the mapping when one has no counterpart
@@ -12,7 +13,7 @@ thing this probe exists to prevent.
 """
 from __future__ import annotations
 
-from remote import layers
+from remote import layers, modelconfig, runplan
 from remote.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
@@ -37,7 +38,16 @@ def probe(ctx: Context) -> list:
                        detail={"layer_convention": asked},
                        fix=f"set layer_convention to one of {sorted(layers.CONVENTIONS)} (or leave it out: the "
                            f"engine's own, {convention})")]
-    plan = layers.resolve(given, asked, engine, n)
+    try:
+        resolved = runplan.resolve(ctx.params, modelconfig.read(ctx.params["model_path"]),
+                                   engine=ctx.engine or (engine, "given"))
+    except (runplan.PlanError, modelconfig.ConfigError) as exc:
+        return [record("layers.ids", FAIL, f"no run plan: {exc}", detail={"engine": engine, "num_layers": n},
+                       fix="fix the value named above in the inventory or on the command line")]
+    ctx.plan = resolved
+    plan = {"ids": resolved.layer_ids, "source": resolved.source, "default": resolved.default,
+            "mapping": resolved.mapping, "refused": resolved.refused, "problems": resolved.problems}
+    n = resolved.num_layers
     ids, source, default = plan["ids"], plan["source"], plan["default"]
     detail = {"layer_ids": ids, "source": source, "convention": convention,
               "convention_meaning": layers.CONVENTIONS[convention], "engine": engine, "num_layers": n,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote import manifest as run_manifest
-from remote import protocol, samples
+from remote import protocol, runplan, samples
 from remote.contract import STATUS_FILE, RunState
 
 DEFAULT_SAMPLES = 3
@@ -29,14 +29,22 @@ class VerifyError(protocol.TaskError):
 
 @dataclass
 class Run:
-    """A finished run as verify reads it; ``layer_ids`` and ``convention`` as its manifest records them."""
+    """A finished run as verify reads it: its plan (:func:`remote.runplan.from_manifest`) as its
+    manifest records it."""
 
     run_dir: Path
     status: dict
     manifest: dict
     output_dir: Path
-    layer_ids: list[int]
-    convention: str
+    plan: runplan.Plan
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.plan.layer_ids
+
+    @property
+    def convention(self) -> str:
+        return self.plan.convention
 
 
 def open_run(params: dict) -> Run:
@@ -46,8 +54,7 @@ def open_run(params: dict) -> Run:
         that lacks what verify reads (:data:`remote.manifest.FOR_VERIFY`), the field named.
     """
     found = locate_run(params)
-    doc = found["manifest"]
-    return Run(layer_ids=[int(x) for x in doc["layer_ids"]], convention=doc["layer_convention"], **found)
+    return Run(plan=runplan.from_manifest(found["manifest"], found["output_dir"]), **found)
 
 
 def locate_run(params: dict) -> dict:
@@ -79,8 +86,7 @@ def locate_run(params: dict) -> dict:
         raise VerifyError("verify.run", f"run {run_dir.name}: {exc}",
                           "the manifest was not written by this specops; re-run the extraction",
                           detail={"field": exc.field}) from None
-    output_dir = Path(status.get("output_dir") or (doc.get("params") or {}).get("output_dir")
-                      or run_dir / "samples")
+    output_dir = Path(status.get("output_dir") or runplan.output_dir(doc.get("params") or {}, run_dir))
     return {"run_dir": run_dir, "status": status, "manifest": doc, "output_dir": output_dir}
 
 

@@ -9,7 +9,7 @@ import json
 import time
 
 from remote.contract import VLLM_SERVER
-from remote import layers, modelconfig
+from remote import layers, modelconfig, runplan
 
 from .engine import VllmServerEngine
 from .landing import SampleRejected
@@ -44,11 +44,10 @@ def main(argv=None) -> int:
             if line.strip():
                 row = json.loads(line)
                 samples.append((int(row.get("index", n)), row["token_ids"]))
-    if args.layer_ids:
-        layer_ids = [int(x) for x in args.layer_ids.split(",")]
-    else:
-        layer_ids, _ = layers.default_layer_ids(VLLM_SERVER, modelconfig.num_layers(modelconfig.read(args.model)))
-    engine = VllmServerEngine(args.model, args.tp, layer_ids, params)
+    given = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None  # None: the engine's default
+    plan = runplan.resolve({"layer_ids": given}, modelconfig.read(args.model), engine=(VLLM_SERVER, "given"))
+    layer_ids = plan.layer_ids
+    engine = VllmServerEngine(args.model, args.tp, layer_ids, params, plan=plan)
     result = {"layer_ids": layer_ids, "layer_convention": layers.INPUT}
     try:
         t0 = time.monotonic()

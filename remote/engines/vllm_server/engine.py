@@ -22,6 +22,7 @@ from .command import SERVED_MODEL_NAME
 from .landing import SampleRejected, default_digest_workers, land_sample, wait_for_file
 from .logs import ServerFailed
 from .process import VllmServer
+from .prompt_logprobs import PromptLogprobs
 
 
 class VllmServerEngine(Engine):
@@ -38,7 +39,7 @@ class VllmServerEngine(Engine):
     def load(self) -> None:
         """Start the server and wait until it answers; one retry if another process took the port."""
         self.config = modelconfig.read(self.model_path)
-        self.num_model_layers = modelconfig.num_layers(self.config)
+        self.num_model_layers = self.plan.num_layers  # the run's N (remote.runplan)
         self.hidden_size = modelconfig.text_value(self.config, "hidden_size")
         problems = layers.layer_id_problems(self.layer_ids, self.num_model_layers, layers.INPUT)
         if problems:
@@ -52,6 +53,9 @@ class VllmServerEngine(Engine):
         if "language_model_only" not in self.params and modelconfig.is_wrapped(self.config):
             # a multimodal wrapper (Kimi-K2.5): extraction feeds text only
             self.params["language_model_only"] = True
+        #: the canary samples' prompt logprobs (the first few samples), and their check as they land
+        self.logprobs = PromptLogprobs(self.params, work_dir)
+        self.canary = None
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
                                  work_dir=work_dir, max_model_len=self._max_model_len(),
                                  params=self.params, python=self.params.get("python") or sys.executable)
@@ -72,13 +76,25 @@ class VllmServerEngine(Engine):
     def _max_model_len(self) -> int:
         return self.model_len(self.config)
 
-    def _request(self, token_ids) -> str:
-        """One request; the path of the (complete) file the server wrote for it."""
+    def _request(self, token_ids, index: int | None = None, logprobs: bool = False) -> str:
+        """One request; the path of the (complete) file the server wrote for it. ``logprobs``: a
+        canary sample, which also asks for its prompt logprobs (:mod:`.prompt_logprobs`)."""
         ids = [int(t) for t in token_ids]
-        reply = self.server.post_json("/v1/completions", {
-            "model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-            "return_token_ids": True,
-        }, timeout=float(self.params.get("request_timeout_s") or 600))
+        body = {"model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True}
+        timeout = float(self.params.get("request_timeout_s") or 600)
+        reply = None
+        if logprobs and not self.logprobs.unavailable:
+            try:
+                reply = self.server.post_json("/v1/completions", dict(body, **self.logprobs.fields()), timeout=timeout)
+            except RuntimeError as exc:
+                if " HTTP 4" not in str(exc):
+                    raise
+                self.logprobs.refused(f"the server refused prompt_logprobs: {exc}")
+            if reply is not None:
+                self.logprobs.keep(index, ids, reply)
+        if reply is None:
+            reply = self.server.post_json("/v1/completions", body, timeout=timeout)
         choices = reply.get("choices") or [{}]
         echoed = choices[0].get("prompt_token_ids")
         if echoed is not None and list(echoed) != ids:
@@ -134,16 +150,19 @@ class VllmServerEngine(Engine):
         # only spins (measured on the H200 host: 4.1 vs 3.1 GB/s digested with 8 vs 4 threads)
         torch.set_num_threads(1)
         in_flight, digesting = threading.BoundedSemaphore(workers), threading.BoundedSemaphore(digesters)
+        canary = self.logprobs.claim(int(i) for i, _ in samples_)
 
         def one(index, ids):
             t0 = time.monotonic()
             with in_flight:
                 try:
-                    path = self._request(ids)
+                    path = self._request(ids, index, index in canary)
                 except SampleRejected as exc:
                     raise SampleRejected(index, exc.problems) from None
             with digesting:
                 record = self._land(index, ids, path, out_dir)
+            if index in canary:
+                self._check_canary(index, out_dir / record["file"])
             record["seconds"] = round(time.monotonic() - t0, 4)
             return record
 
@@ -164,6 +183,16 @@ class VllmServerEngine(Engine):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return sorted(records, key=lambda r: r["index"])
+
+    def _check_canary(self, index: int, path) -> None:
+        """The logits check of a landed canary sample (:mod:`remote.canary`); raises
+        :class:`remote.canary.CanaryFailed` to stop the run."""
+        from remote import canary
+
+        if self.canary is None:
+            self.canary = canary.Canary(self.model_path, self.layer_ids, layers.INPUT, self.params,
+                                        self.logprobs.dir)
+        self.canary.check(index, path)
 
     def extract(self, batch):
         """The base contract: per sample, per layer (order of ``layer_ids``) a ``[T, H]`` tensor.
@@ -191,6 +220,8 @@ class VllmServerEngine(Engine):
         """A dead server's own exception (from its log, with the rank that raised it) as the run's error."""
         failure = exc if isinstance(exc, ServerFailed) else exc.__cause__ if isinstance(
             exc.__cause__, ServerFailed) else None
+        if failure is None and getattr(exc, "record", None) is not None:  # remote.canary.CanaryFailed
+            return exc.error()
         if failure is None:
             return None
         if failure.death:

@@ -1,0 +1,95 @@
+"""remote/runplan.py: a run's parameters resolved once; preflight, the shard probe, the supervisor,
+the engines and verify read the same plan."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remote import contract, runplan
+from remote.contract import HF_REFERENCE, INPUT, OUTPUT, SPECULATORS_03, VLLM_SERVER
+
+LLAMA8 = {"num_hidden_layers": 8}
+
+
+def test_a_plan_names_its_ids_in_both_conventions_with_the_engine_facts():
+    plan = runplan.resolve({"layer_ids": [1, 3, 7], "layer_convention": OUTPUT}, LLAMA8,
+                           engine=(VLLM_SERVER, "given"))
+    facts = contract.ENGINES[VLLM_SERVER]
+    assert (plan.engine, plan.convention, plan.format, plan.num_layers) == \
+        (VLLM_SERVER, facts.convention, facts.sample_format, 8)
+    assert plan.layer_ids == plan.ids(INPUT) == [2, 4, 8] and plan.ids(OUTPUT) == [1, 3, 7]
+    assert plan.mapping == ["output:1=input:2", "output:3=input:4", "output:7=input:8"]
+    data = plan.as_dict()
+    assert data["layer_ids_output"] == [1, 3, 7] and data["layer_ids_input"] == [2, 4, 8]
+    assert json.loads(json.dumps(data)) == data
+
+
+@pytest.mark.parametrize("engine", [SPECULATORS_03, VLLM_SERVER, HF_REFERENCE])
+def test_the_default_ids_count_the_language_model_of_a_wrapper(engine):
+    from remote import layers
+
+    wrapped = {"num_hidden_layers": 2, "language_config": {"num_hidden_layers": 30}}
+    plan = runplan.resolve({}, wrapped, engine=(engine, "given"))
+    assert plan.num_layers == 30 and plan.source == "engine default"
+    assert plan.layer_ids == plan.default == layers.default_layer_ids(engine, 30)[0]
+
+
+def test_unusable_ids_stay_a_plan_until_the_run_requires_them():
+    plan = runplan.resolve({"layer_ids": [0, 4], "layer_convention": INPUT}, LLAMA8, engine=(SPECULATORS_03, "x"))
+    assert plan.refused == ["input:0 (the embeddings) has no output id"]
+    assert plan.as_dict()["layer_ids_output"] is None
+    with pytest.raises(ValueError, match=r"input:0 \(the embeddings\)"):
+        plan.require()
+
+
+def test_what_no_plan_can_be_made_from_is_named():
+    with pytest.raises(runplan.PlanError) as got:
+        runplan.resolve({"engine": "nonesuch"}, LLAMA8)
+    assert got.value.field == "engine" and "unknown engine 'nonesuch'" in str(got.value)
+    with pytest.raises(runplan.PlanError) as got:
+        runplan.resolve({"sample_range": [5, 2]}, LLAMA8, engine=(VLLM_SERVER, "given"))
+    assert got.value.field == "sample_range"
+    with pytest.raises(runplan.PlanError) as got:
+        runplan.resolve({}, {"hidden_size": 8}, engine=(VLLM_SERVER, "given"))
+    assert got.value.field == "num_layers" and "num_hidden_layers" in str(got.value)
+
+
+def test_output_dir_and_sample_range():
+    plan = runplan.resolve({"sample_range": [3, 10]}, LLAMA8, engine=(VLLM_SERVER, "given"), run_dir="/w/runs/r")
+    assert plan.output_dir == "/w/runs/r/samples" and plan.bounds(100) == (3, 10) and plan.bounds(5) == (3, 5) and plan.bounds(2) == (2, 2)
+    plan = runplan.resolve({"output_dir": "/data/out/r"}, LLAMA8, engine=(VLLM_SERVER, "given"), run_dir="/w")
+    assert plan.output_dir == "/data/out/r" and plan.bounds(7) == (0, 7)
+
+
+def test_verify_reads_the_plan_the_manifest_records(tmp_path):
+    doc = {"engine": {"name": VLLM_SERVER, "tp": 1}, "layer_ids": [2, 4, 8], "layer_convention": INPUT,
+           "format_name": contract.HS, "sample_range": [0, 4],
+           "model": {"config": {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 8}}}}
+    plan = runplan.from_manifest(doc, tmp_path)
+    assert (plan.engine, plan.convention, plan.layer_ids, plan.format, plan.num_layers, plan.output_dir) == \
+        (VLLM_SERVER, INPUT, [2, 4, 8], contract.HS, 8, str(tmp_path))
+    assert plan.ids(OUTPUT) == [1, 3, 7]
+
+
+def test_preflight_and_the_shard_probe_report_one_plan(tmp_path):
+    """The layers probe leaves the plan in its context; the shard probe hands the same one to the laptop."""
+    from remote import shard
+    from remote.probes import Context, layer_ids, model as model_probe
+    from remote import modelconfig
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 12,
+                                                   "hidden_size": 64, "num_attention_heads": 4}))
+    params = {"model_path": str(model), "engine": SPECULATORS_03, "layer_ids": [3, 6, 12],
+              "layer_convention": INPUT}
+    ctx = Context(dict(params))
+    ctx.model, _ = model_probe.summarize(modelconfig.read(model))
+    ctx.engine = (SPECULATORS_03, "given")
+    (rec,) = layer_ids.probe(ctx)
+    assert rec["status"] == "ok", rec
+    data = {}
+    assert shard._stack(dict(params), data)["status"] == "ok"
+    assert ctx.plan.as_dict() == data["plan"] and data["plan"]["layer_ids"] == [2, 5, 11]
+    assert data["stack"]["layer_ids_output"] == ctx.plan.ids(OUTPUT)
