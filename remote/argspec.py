@@ -410,6 +410,10 @@ RUN_ARGS = {
     "worker_error_grace_s": Arg("float", min=0,
                                 doc="how long a rank's recorded error may go unanswered by the driver (20)"),
     "write_queue_batches": Arg("int", min=0, doc="batches that may wait for the sample writer (1; 0: no writer thread)"),
+    "canary_samples": Arg("int", min=0, doc="the run's first N samples also ask the engine for their prompt logprobs "
+                          "(vllm-server; contract.CANARY_SAMPLES) and are checked as they land (remote/canary.py); 0: none"),
+    "prompt_logprobs_top": Arg("int", min=1, max=20, doc="top tokens kept per position (contract.PROMPT_LOGPROBS_TOP)"),
+    "canary": Arg("bool", doc="stop the run when a canary sample fails its logits check (default true)"),
     # test hooks (the module docstring says what each does)
     "inject_failure": Arg("dict", hook=True, doc="{rank, at: load|extract|crash, message}"),
     "batch_delay_s": Arg("float", min=0, hook=True, doc="a pause after each batch"),

@@ -164,6 +164,26 @@ SUMMARY = "summary.json"
 PARAMS_FILE, STATUS_FILE = "params.json", "status.json"
 RUN_FILES = (PARAMS_FILE, STATUS_FILE, MANIFEST, SUMMARY)
 
+#: the engine's own prompt logprobs of a run's first samples (the canary samples), one JSON file per
+#: sample in this subdir of the run dir: what ``verify --reference logits`` and the canary compare
+#: the captured last state with (:mod:`remote.verify.logits`). ``unavailable.json`` there says why an
+#: engine gave none.
+PROMPT_LOGPROBS_DIR = "prompt_logprobs"
+PROMPT_LOGPROBS_UNAVAILABLE = "unavailable.json"
+#: the canary's records (:mod:`remote.canary`), in the same subdir.
+CANARY_FILE = "canary.json"
+#: how many of a run's first samples ask for their prompt logprobs, and how many top tokens each
+#: position keeps (vLLM's ``max_logprobs`` is 20 by default), unless the run's params say otherwise.
+CANARY_SAMPLES, PROMPT_LOGPROBS_TOP = 2, 5
+
+
+def prompt_logprobs_name(index) -> str:
+    """The file (in :data:`PROMPT_LOGPROBS_DIR`) of sample ``index``'s prompt logprobs."""
+    return f"prompt_logprobs_{index}.json"
+
+
+PROMPT_LOGPROBS_RE = re.compile(r"^prompt_logprobs_(\d+)\.json$")
+
 
 def sample_name(index, fmt: str = PT) -> str:
     """The file name of sample ``index`` (no directory): ``data_3.pt`` / ``hs_3.safetensors``."""

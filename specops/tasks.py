@@ -316,8 +316,10 @@ def smoke(target, model=None, tp=None, layer_ids=None, engine=None, samples=4):
 
 
 @host_task(help={**JOB_HELP, "samples": "how many samples to recompute with the reference",
-                 "reference": "reference: hf (the whole model in transformers) or layer (each captured "
-                              "decoder layer alone, one layer of weights in memory: needs two consecutive ids)"})
+                 "reference": "reference: hf (the whole model in transformers), layer (each captured "
+                              "decoder layer alone, one layer of weights in memory: needs two consecutive ids) or "
+                              "logits (the last state through the final norm and lm_head against the engine's "
+                              "prompt logprobs of the run's canary samples)"})
 def verify(target, run_id=None, samples=3, reference="hf"):
     """Recompute a few samples of a finished run with an independent reference; compare each layer."""
     from specops.verify import verify as run

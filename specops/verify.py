@@ -51,8 +51,10 @@ from specops.inventory import Inventory
 from specops.result import HostReport
 
 #: ``hf``: the whole model in transformers (twins, small models); ``layer``: each captured
-#: decoder layer alone, one layer of weights in memory (``remote/verify/layer.py``).
-REFERENCES = ("hf", "layer")
+#: decoder layer alone, one layer of weights in memory (``remote/verify/layer.py``); ``logits``: the last
+#: captured state through the final norm and lm_head against the engine's prompt logprobs
+#: (``remote/verify/logits.py``).
+REFERENCES = ("hf", "layer", "logits")
 
 
 def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> dict:

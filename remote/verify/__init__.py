@@ -18,7 +18,8 @@ per layer, ``verify.routing`` (models with a DeepSeek-V3-style router),
 
 Parameters (:data:`SPEC`): ``run_id`` + ``work_dir`` (or ``run_dir``); ``samples`` (3; the
 longest samples of the run, most positions), ``dtype`` (float32), ``reference`` (hf;
-``layer``: each captured decoder layer alone, :mod:`remote.verify.layer`),
+``layer``: each captured decoder layer alone, :mod:`remote.verify.layer`; ``logits``: the last
+captured state against the engine's own prompt logprobs, :mod:`remote.verify.logits`),
 ``model_path`` (default: the model the run recorded), ``trust_remote_code`` (default,
 or None: what the run recorded), ``env``. Stdlib only at import.
 """
@@ -48,8 +49,10 @@ __all__ = [
     "rounding_floor", "router_spec", "token_errors", "verify",
 ]
 
-#: ``hf``: the whole model in transformers; ``layer``: one decoder layer at a time (:mod:`remote.verify.layer`).
-REFERENCES = ("hf", "layer")
+#: ``hf``: the whole model in transformers; ``layer``: one decoder layer at a time (:mod:`remote.verify.layer`);
+#: ``logits``: the last state through the final norm and lm_head against the engine's prompt logprobs
+#: (:mod:`remote.verify.logits`).
+REFERENCES = ("hf", "layer", "logits")
 #: which run (by ``run_id`` in ``work_dir``, or its ``run_dir``), and how to check it.
 SPEC = Spec("verify", {
     "run_id": Arg("str"), "work_dir": RUN_ARGS["work_dir"], "run_dir": Arg("path", doc="instead of run_id + work_dir"),
@@ -77,6 +80,10 @@ def verify(params: dict) -> dict:
         from remote.verify.layer import verify_layers
 
         return verify_layers(params)
+    if params.get("reference") == "logits":
+        from remote.verify.logits import verify_logits
+
+        return verify_logits(params)
     run = open_run(params)
     chosen = choose_samples(run.manifest, params["samples"])
     records = [check_files(run, chosen)]

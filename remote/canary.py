@@ -1,0 +1,118 @@
+"""The canary inside ``extract``: the run's first samples checked while the run goes on.
+
+The ``vllm-server`` engine asks the server for the prompt logprobs of the run's first
+``canary_samples`` samples in the same request that captures their states
+(:mod:`remote.engines.vllm_server.prompt_logprobs`). As each of them lands, the engine
+calls :meth:`Canary.check`: the logits check of :mod:`remote.verify.logits` on that one
+file -- the captured last state through the checkpoint's final norm and ``lm_head`` (only
+those two tensors, read once per run), against the engine's own logprobs. A fail raises
+:class:`CanaryFailed`: the run stops with that check named as its error (the engine's
+``error_record``), minutes after the server is ready instead of after the whole dataset.
+``canary: false`` in the run's params keeps the records but never stops the run.
+
+Each check's record goes to ``<run_dir>/prompt_logprobs/canary.json`` (a list, one record
+per checked sample). A run whose ids lack the last state (``input:N``) records a
+``skipped`` canary and goes on. Stdlib only at import.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from remote import contract, fsutil, layers, modelconfig, protocol
+
+
+class CanaryFailed(RuntimeError):
+    """A canary sample failed the logits check; :attr:`record` is the check's record."""
+
+    def __init__(self, record: dict):
+        self.record = record
+        super().__init__(f"canary: {record['name']} {record['status']}: {record['summary']}")
+
+    def error(self) -> dict:
+        """The run's error (``status.json``): the check named, its cause and fix."""
+        return {"rank": None, "type": "CanaryFailed", "where": "canary", "check": self.record["name"],
+                "message": self.record["summary"], "fix": self.record.get("fix"), "traceback": "",
+                "detail": self.record.get("detail"), "source": str(contract.PROMPT_LOGPROBS_DIR + "/" +
+                                                                  contract.CANARY_FILE)}
+
+
+class Canary:
+    """The logits check of single landed samples, the final norm and ``lm_head`` loaded on first use.
+
+    :param layer_ids: the run's ids in ``convention``; :param folder: the run's prompt logprobs dir.
+    """
+
+    def __init__(self, model_path: str, layer_ids, convention: str, params: dict, folder):
+        self.model_path, self.layer_ids, self.convention = str(model_path), list(layer_ids), convention
+        self.stop = params.get("canary") is not False
+        self.folder = Path(folder)
+        self.config = modelconfig.read(self.model_path)
+        self.num_layers = modelconfig.decoder_layers(self.config)
+        top = self.num_layers if convention == layers.INPUT else self.num_layers - 1
+        self.last = top if top in self.layer_ids else None
+        self.head = None
+        self.records: list[dict] = []
+        self._lock = threading.Lock()
+
+    def check(self, index: int, path) -> dict:
+        """Check landed sample ``index`` (its file at ``path``); its record.
+
+        :raises CanaryFailed: the check failed and the run's ``canary`` is on.
+        """
+        with self._lock:  # one check at a time: the head is loaded once, the checks share it
+            t0 = time.monotonic()
+            try:
+                record = self._check(index, Path(path))
+            except Exception as exc:  # the canary's own failure never stops a run: it says so instead
+                traceback.print_exc()
+                record = protocol.record("canary.logits", protocol.WARN, f"the canary check of sample {index} "
+                                         f"could not run: {type(exc).__name__}: {exc}",
+                                         detail={"index": index, "error": f"{type(exc).__name__}: {exc}"},
+                                         fix="verify the run with specops verify --reference logits")
+            record["detail"]["seconds"] = round(time.monotonic() - t0, 3)
+            self.records.append(record)
+            fsutil.write_json(self.folder / contract.CANARY_FILE, self.records)
+        if record["status"] == protocol.FAIL and self.stop:
+            raise CanaryFailed(record)
+        return record
+
+    def _check(self, index: int, path: Path) -> dict:
+        from remote.verify import logits
+        from remote.verify.run import load_sample
+
+        name = "canary.logits"
+        if self.last is None:
+            return protocol.record(name, protocol.SKIPPED, f"skipped: the run does not capture the last state "
+                                   f"({self.convention}:{self.num_layers}); ids {self.layer_ids}",
+                                   detail={"index": index})
+        found = self.folder / contract.prompt_logprobs_name(index)
+        if not found.exists():
+            why = logits.unavailable_why(self.folder.parent) or f"no prompt logprobs were recorded for sample {index}"
+            return protocol.record(name, protocol.SKIPPED, f"skipped: {why}", detail={"index": index, "why": why})
+        import json
+
+        if self.head is None:
+            self.head = logits.Head(self.model_path, self.config, self.num_layers)
+        manifest = {"layer_ids": self.layer_ids, "file_layer_ids": sorted(self.layer_ids)}
+        data = load_sample(path, manifest)
+        states = dict(zip(self.layer_ids, data["hidden_states"]))
+        sample = logits.Sample(index, path.name, data["input_ids"], states, json.loads(found.read_text()))
+        sample.result = logits.compare(self.head, states[self.last], sample.ids, sample.logprobs)
+        if sample.result["status"] == protocol.FAIL:
+            run = _RunView(self.convention)
+            sample.cause = logits.find_cause(self.head, sample, [sample], self.last, run, self.num_layers,
+                                             self.model_path, self.config)
+        record = logits.logits_record([sample], _RunView(self.convention), self.last)
+        record["name"] = name
+        record["detail"]["index"] = index
+        return record
+
+
+class _RunView:
+    """What :func:`remote.verify.logits.logits_record` reads of a run."""
+
+    def __init__(self, convention: str):
+        self.convention = convention
