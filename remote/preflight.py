@@ -16,7 +16,8 @@ are :func:`remote.drift.check` and :func:`remote.patcher.status_records`, run la
 
 Params: :data:`SPEC` (``model_path`` required; the run's parameters, the packages to check,
 ``autoconfig_timeout``, ``skip_autoconfig``, ``hidden_dtype_bytes``, ``skip_drift``,
-``skip_patch``). Unset ones get their defaults; an unknown key, or a value of the wrong
+``skip_patch``; ``shard_probe`` for a group run's plan: :func:`remote.shard.probe` runs in this
+process too, from the same plan, its records and ``data.shard`` in the payload). Unset ones get their defaults; an unknown key, or a value of the wrong
 type or range, is a ``params.values`` fail and the checks go on with the default.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import time
 import traceback
 
-from remote import contract, drift, patcher, protocol, runplan
+from remote import contract, drift, patcher, protocol, runplan, shard
 from remote.argspec import RUN_ARGS, STACK_ARGS, Arg, Spec
 from remote.protocol import FAIL, OK, SKIPPED, STATUSES, record
 from remote.probes import (Context, Malformed, capacity, checkpoint, cpu_kernels, gpu, hf_load, host, layer_ids,
@@ -46,12 +47,15 @@ SPEC = Spec("preflight", RUN_ARGS, STACK_ARGS, {
     # a pipeline size would reach the vLLM server: declared so the parallel probe can refuse it by name
     "pp": Arg("int"),
     "pipeline_parallel_size": Arg("int"),
+    # a group run's plan: the shard probe's facts from this same process (one host python per host)
+    "shard_probe": Arg("dict", options={"storage_probe": shard.STORAGE_PROBE},
+                       doc="also run remote.shard's probe; its records and data.shard join the payload"),
 }, defaults=contract.DEFAULTS, lenient=True)
 #: what an unset parameter means here.
 DEFAULTS = SPEC.defaults
 #: Order in which areas are reported (the controller groups by area in this order).
 AREAS = ("params", "host", "packages", "model", "layers", "parallel", "checkpoint", "gpu", "tokenizer", "data",
-         "capacity", "drift", "patch")
+         "capacity", "drift", "patch", "shard")
 
 #: The static probes, in the order they run; later ones read facts earlier ones left on the context.
 STATIC_PROBES = (host.probe, packages.probe, model.probe, cpu_kernels.probe, layer_ids.probe, parallel.probe,
@@ -128,6 +132,7 @@ def main(params: dict, problems: list) -> dict:
     if problems:
         records.append(record("params.values", FAIL, f"bad params: {problems[0]}", detail={"problems": problems},
                               fix="fix these values in the inventory or on the command line"))
+    asked_engine = params.get("engine")
     engine_record, engine = _resolve_engine(params)
     records.append(engine_record)
     ctx = Context(params)
@@ -157,10 +162,20 @@ def main(params: dict, problems: list) -> dict:
         t0 = time.perf_counter()
         records += _owned(area, ctx.params)
         seconds[area] = round(time.perf_counter() - t0, 3)
+    shard_data = None
+    if ctx.params.get("shard_probe") is not None:
+        t0 = time.perf_counter()
+        # the engine as asked: where none fits, the shard probe's stack record says so too
+        probed = shard.probe(dict(ctx.params, engine=asked_engine, **ctx.params["shard_probe"]),
+                             plan=ctx.plan if engine is not None else None)
+        records += probed["records"]
+        shard_data = probed["data"]
+        seconds["shard"] = round(time.perf_counter() - t0, 3)
     seconds["total"] = round(time.perf_counter() - t_start, 3)
 
     order = {area: i for i, area in enumerate(AREAS)}
     records.sort(key=lambda r: order.get(r["area"], len(AREAS)))  # stable: probe order kept inside an area
     return protocol.payload(records, host=ctx.host, model=ctx.model, layers=ctx.layers,
                             plan=ctx.plan.as_dict() if ctx.plan is not None else None,
-                            checkpoint=ctx.checkpoint, seconds=seconds)
+                            checkpoint=ctx.checkpoint, seconds=seconds,
+                            **({"shard": shard_data} if shard_data is not None else {}))

@@ -30,15 +30,16 @@ from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import param
 from remote.fsutil import sha256_file
 
+#: probe: the plan's shared-storage probe for this host (specops/storage.py probe_params).
+STORAGE_PROBE = Arg("dict", options={
+    "dir": Arg("path", doc="the run's output dir on this host"), "work_dir": Arg("path"),
+    "token": Arg("str", required=True, doc="this host's marker name"),
+    "others": Arg("dict", {}, doc="host -> its token")})
 #: ``probe`` takes a run's parameters (as preflight does); ``files`` one range of an output dir.
 SPEC = Spec("shard", RUN_ARGS, {
     "action": Arg("str", "probe", choices=("probe", "files")),
     "device": RUN_ARGS["device"].but(default="cuda"),
-    # probe: the plan's shared-storage probe for this host (specops/storage.py probe_params)
-    "storage_probe": Arg("dict", options={
-        "dir": Arg("path", doc="the run's output dir on this host"), "work_dir": Arg("path"),
-        "token": Arg("str", required=True, doc="this host's marker name"),
-        "others": Arg("dict", {}, doc="host -> its token")}),
+    "storage_probe": STORAGE_PROBE,
     "start": Arg("int", min=0), "stop": Arg("int", min=0),
     "sha256": Arg("bool", True, doc="files: hash the files no manifest lists"),
 }, required_if=[("action", "files", ("output_dir", "start", "stop"))])
@@ -93,7 +94,12 @@ def _devices(params: dict) -> dict:
             "names": sorted({g["name"] for g in visible})}
 
 
-def probe(params: dict) -> dict:
+def probe(params: dict, plan=None) -> dict:
+    """The facts a shard map is planned from (see the module docstring).
+
+    :param plan: the run's plan when the caller made it already (preflight, which runs this
+        probe in its own process for a group plan); else resolved here.
+    """
     protocol.apply_job_env(params)
     records, data = [], {}
     dataset = params["dataset"]
@@ -110,7 +116,7 @@ def probe(params: dict) -> dict:
         records.append(protocol.record("shard.dataset", status, f"{rows} samples in {path} (after max_samples)",
                                        detail=data["dataset"],
                                        fix=None if rows else "fill the dataset, or raise max_samples"))
-    records.append(_stack(params, data))
+    records.append(_stack(params, data, plan))
     records.append(_width(params, data))
     if params.get("storage_probe"):
         records.append(_storage(params["storage_probe"], data))
@@ -124,11 +130,11 @@ def _python_version() -> str:
     return platform.python_version()
 
 
-def _stack(params: dict, data: dict) -> dict:
+def _stack(params: dict, data: dict, plan=None) -> dict:
     """Engine, layer convention, layer ids (in the output convention too) and file format: the
     run's plan (:func:`remote.runplan.resolve`, as the supervisor will resolve it)."""
     try:
-        engine = runplan.resolve_engine(params.get("engine"))
+        engine = (plan.engine, plan.engine_why) if plan is not None else runplan.resolve_engine(params.get("engine"))
     except runplan.PlanError as exc:
         return protocol.record("shard.stack", protocol.FAIL, str(exc), detail={"asked": params.get("engine")},
                                fix="install the speculators that fits the host's vLLM, or set engine")
@@ -140,7 +146,7 @@ def _stack(params: dict, data: dict) -> dict:
     try:
         config = modelconfig.read(params["model_path"])
         data["model"] = modelconfig.summary(config)
-        plan = runplan.resolve(params, config, engine=engine).require()
+        plan = (plan or runplan.resolve(params, config, engine=engine)).require()
     except Exception as exc:  # the model is preflight's to judge; here only what the plan needs
         return protocol.record("shard.stack", protocol.FAIL, f"cannot resolve the layer ids: {exc}",
                                detail=stack, fix="run specops preflight on this host; it names the cause")

@@ -14,9 +14,12 @@ from specops.result import HostReport
 
 
 def preflight_params(host: Host, overrides: dict, *, skip_autoconfig: bool = False,
-                     autoconfig_timeout: int = 60) -> dict:
+                     autoconfig_timeout: int = 60, shard_probe: dict | None = None) -> dict:
+    """:param shard_probe: a group run's plan: the shard probe runs in the same host python."""
     params = run_params(host.spec, **overrides)
     params.update(skip_autoconfig=skip_autoconfig, autoconfig_timeout=autoconfig_timeout)
+    if shard_probe is not None:
+        params["shard_probe"] = shard_probe
     return params
 
 

@@ -208,8 +208,9 @@ def test_every_key_the_laptop_sends_is_declared():
     shard_ = Shard(id="s0", hosts=["h"], start=0, stop=4, run_id="R", output_dir="/o/R")
     group_start.start_step(None, shard_, host, overrides, False)
     pool.shard_files(host, shard_, sha256=True, timeout=5)
-    plan.probe_step(host, overrides, preflight=False,
-                    storage_probe={"dir": "/o/R", "token": "t", "work_dir": "~/.specops", "others": {"g": "u"}})
+    for preflight in (False, True):  # the shard probe alone, or inside the plan's one preflight call
+        plan.probe_step(host, overrides, preflight=preflight,
+                        storage_probe={"dir": "/o/R", "token": "t", "work_dir": "~/.specops", "others": {"g": "u"}})
     host.run_task("merge", {"output_dir": "/o/R", "run_id": "R", "ranges": [[0, 2], [2, 4]]})  # specops/storage.py
     assert {module for module, _ in host.calls} == set(TASKS), host.calls
 

@@ -93,3 +93,47 @@ def test_preflight_and_the_shard_probe_report_one_plan(tmp_path):
     assert shard._stack(dict(params), data)["status"] == "ok"
     assert ctx.plan.as_dict() == data["plan"] and data["plan"]["layer_ids"] == [2, 5, 11]
     assert data["stack"]["layer_ids_output"] == ctx.plan.ids(OUTPUT)
+
+
+def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(tmp_path, monkeypatch):
+    """Preflight with ``shard_probe`` runs the shard probe in its own process, from its own plan; the
+    laptop's plan step makes that one call per host and reads the probe's facts from it."""
+    from remote import preflight
+    from specops.result import HostReport
+    from specops.runs import plan as group_plan
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 12,
+                                                   "hidden_size": 64, "num_attention_heads": 4}))
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
+    params = {"model_path": str(model), "dataset": str(dataset), "device": "cpu", "engine": SPECULATORS_03,
+              "skip_autoconfig": True, "skip_drift": True, "skip_patch": True,
+              "shard_probe": {"storage_probe": {"dir": str(tmp_path / "out"), "token": "t"}}}
+    payload = preflight.main(params)
+    data = payload["data"]
+    assert data["shard"]["plan"] == data["plan"] and data["plan"]["layer_ids"] == [2, 6, 9, 11]
+    assert data["shard"]["dataset"]["samples"] == 2 and data["shard"]["storage"]["dir"] == str(tmp_path / "out")
+    assert [r["name"] for r in payload["records"] if r["name"].startswith("shard.")] == \
+        ["shard.dataset", "shard.stack", "shard.capacity", "shard.storage"]
+
+    class OneHost:
+        name, spec = "h", None
+        calls = []
+
+        def run_task(self, module, sent):
+            self.calls.append((module, sent))
+            return payload
+
+    host = OneHost()
+    monkeypatch.setattr("specops.runs.plan.run_params", lambda spec, **overrides: {})
+    monkeypatch.setattr("specops.preflight.run_params", lambda spec, **overrides: {})
+    report = group_plan.probe_step(host, {}, preflight=True, storage_probe={"dir": "/o", "token": "t"})
+    assert [module for module, _ in host.calls] == ["preflight"]
+    assert host.calls[0][1]["shard_probe"] == {"storage_probe": {"dir": "/o", "token": "t"}}
+    assert isinstance(report, HostReport) and report.data["probe"] == data["shard"]
+    names = [r.name for r in report.records]
+    cut = names.index("fleet.preflight")
+    assert all(r.status == "fail" for r in report.records[:cut])  # preflight's failures only, then its verdict
+    assert names[cut + 1:] == ["shard.dataset", "shard.stack", "shard.capacity", "shard.storage"], names

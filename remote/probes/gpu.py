@@ -204,7 +204,7 @@ def kv_bytes_per_token(text_cfg: dict, tp: int, dtype_bytes: int = 2) -> int:
     layer, replicated on every rank; grouped-query attention keeps K and V of its KV
     heads, split over TP (replicated when there are fewer KV heads than ranks).
     """
-    layers = int(text_cfg.get("num_hidden_layers") or text_cfg.get("n_layers") or text_cfg.get("num_layers") or 0)
+    layers = int(modelconfig.num_layers(text_cfg) or 0)
     if text_cfg.get("kv_lora_rank") is not None:
         return layers * (int(text_cfg["kv_lora_rank"]) + int(text_cfg.get("qk_rope_head_dim") or 0)) * dtype_bytes
     heads = int(text_cfg.get("num_attention_heads") or 1)

@@ -33,26 +33,36 @@ def check_shared_params(specs, overrides: dict) -> dict[str, dict]:
     return params
 
 
+#: the names of the shard probe's records (``remote/shard.py``), which a preflight of a plan carries too.
+SHARD_RECORDS = "shard."
+
+
 def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: dict | None = None) -> HostReport:
-    """Preflight (failures only) and the shard probe of one host; ``data["probe"]`` holds its facts.
+    """Preflight (failures only) and the shard probe of one host, in one host python; ``data["probe"]``
+    holds its facts.
 
     :param storage_probe: the plan's shared-storage probe for this host (:mod:`specops.storage`).
     """
     report = HostReport(host=host.name, task="extract")
-    if preflight:
-        pre = preflight_step(host, overrides, skip_autoconfig=True)
-        failed = [r for r in pre.records if r.status == "fail"]
-        report.records.extend(failed)
-        report.records.append(Record(
-            name="fleet.preflight", status="fail" if failed else "ok",
-            summary=(f"preflight found {len(failed)} failure(s)" if failed
-                     else f"preflight passed ({len(pre.records)} checks)"),
-            fix=("fix the failures above (specops preflight --on HOST shows every check), or leave this host out "
-                 "(--allow-partial starts on the ready hosts)") if failed else None))
-    payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe",
-                                      **({"storage_probe": storage_probe} if storage_probe else {})})
-    report.records.extend(report_from_payload(host.name, "extract", payload).records)
-    report.data["probe"] = payload.get("data") or {}
+    asked = {"storage_probe": storage_probe} if storage_probe else {}
+    if not preflight:
+        payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe", **asked})
+        report.records.extend(report_from_payload(host.name, "extract", payload).records)
+        report.data["probe"] = payload.get("data") or {}
+        return report
+    # one host python: preflight runs the shard probe too, from the run's plan it made
+    pre = preflight_step(host, overrides, skip_autoconfig=True, shard_probe=asked)
+    checks = [r for r in pre.records if not r.name.startswith(SHARD_RECORDS)]
+    failed = [r for r in checks if r.status == "fail"]
+    report.records.extend(failed)
+    report.records.append(Record(
+        name="fleet.preflight", status="fail" if failed else "ok",
+        summary=(f"preflight found {len(failed)} failure(s)" if failed
+                 else f"preflight passed ({len(checks)} checks)"),
+        fix=("fix the failures above (specops preflight --on HOST shows every check), or leave this host out "
+             "(--allow-partial starts on the ready hosts)") if failed else None))
+    report.records.extend(r for r in pre.records if r.name.startswith(SHARD_RECORDS))
+    report.data["probe"] = pre.data.get("shard") or {}
     return report
 
 
