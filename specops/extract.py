@@ -24,10 +24,10 @@ from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
 from specops.inventory import Inventory
-from specops.params import run_params
 from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunState
+from specops.runs.start import start_job
 
 
 
@@ -88,10 +88,7 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
         report.records.extend(rehearse(host, overrides, force=force))
         if report.failed:
             return report
-    params = run_params(host.spec, **overrides)
-    # each run owns its own output dir: a new run never "resumes" from another's samples
-    params.update(force=force, output_dir=f"{params['output_dir'].rstrip('/')}/{run_id}")
-    payload = jobs.job_call(host, "start", run_id, **params)
+    payload = start_job(host, run_id, overrides, force=force)
     started = report_from_payload(host.name, "extract", payload)
     report.records.extend(started.records)
     report.data.update(payload.get("data") or {})
@@ -144,32 +141,25 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
             allow_partial: bool = False, reassign: str | None = None) -> ExitCode:
     """Run the whole extraction flow; returns the exit code.
 
-    More than one host (or a run id this laptop knows as a group run, or a group flag)
-    makes one group run, the dataset sharded over the hosts (:mod:`specops.runs`);
-    one host runs the whole dataset, as before.
+    The run is :func:`specops.runs.run.open_run`'s: more than one host (or a run id this
+    laptop knows as a group run, or a group flag) makes one group run, the dataset sharded
+    over the hosts (:mod:`specops.runs`); one host runs the whole dataset as one shard.
     """
-    from specops.runs import extract as group
-    from specops.runs.store import is_fleet_run
+    from specops.runs.run import open_run
 
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
-    if len(specs) > 1 or is_fleet_run(run_id) or shard_by or allow_partial or reassign:
-        return group.extract(inventory, selector, overrides, run_id=run_id, detach=detach, force=force,
-                             skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
-                             accept_new_host_key=accept_new_host_key, skip_smoke=skip_smoke,
-                             shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
-    hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in specs}
-    try:
-        return _extract_on(inventory, hosts, overrides, run_id=run_id, detach=detach, force=force,
-                           skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
-                           skip_smoke=skip_smoke)
-    finally:
-        for host in hosts.values():
-            host.close()
+    run = open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key,
+                   as_group=len(specs) > 1 or bool(shard_by or allow_partial or reassign))
+    return run.extract(overrides, detach=detach, force=force, skip_preflight=skip_preflight, as_json=as_json,
+                       tensors=tensors, skip_smoke=skip_smoke, shard_by=shard_by, allow_partial=allow_partial,
+                       reassign=reassign)
 
 
-def _extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,
-                force: bool, skip_preflight: bool, as_json: bool, tensors: bool, skip_smoke: bool) -> ExitCode:
+def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,
+               force: bool, skip_preflight: bool, as_json: bool, tensors: bool, skip_smoke: bool) -> ExitCode:
+    """The run on each of ``hosts`` (one shard, the whole dataset): start, follow, fetch into
+    ``runs/<host>/<run-id>/``."""
     reports = _on_hosts(inventory, list(hosts), "extract", hosts,
                         lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight, force=force,
                                              skip_smoke=skip_smoke))

@@ -18,7 +18,7 @@ from specops import exit_codes
 from specops.errors import SpecopsError
 from specops.inventory import Inventory, load_inventory
 from specops.report import err_console, print_reports
-from specops.result import STATE, overall_exit
+from specops.result import overall_exit
 
 COMMON_HELP = {
     "on": "hosts or groups from the inventory, comma-separated (default: all)",
@@ -192,12 +192,14 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
                allow_partial=allow_partial, reassign=reassign)
 
 
-def _fleet(run_id) -> bool:
-    """Whether this laptop started ``run_id`` as a group run (its shard map is in runs/<run-id>/fleet.json):
-    then status, logs, abort and fetch act on every shard, on whichever host holds it."""
-    from specops.runs.store import is_fleet_run
+def _run(target, run_id):
+    """The run ``--run-id`` names on the selected hosts: a group run when this laptop holds its shard map
+    (``runs/<run-id>/fleet.json``: status, logs, abort and fetch act on every shard, on whichever host holds
+    it), else each selected host's run of that id (:func:`specops.runs.run.open_run`)."""
+    from specops.runs.run import open_run
 
-    return is_fleet_run(run_id)
+    return open_run(target.inventory, target.selector, _require_run_id(run_id),
+                    accept_new_host_key=target.accept_new_host_key)
 
 
 def _long_only(task_, *flags):
@@ -231,77 +233,26 @@ def _require_run_id(run_id):
 @host_task(help=JOB_HELP)
 def status(target, run_id=None):
     """Show a run's state; exits 0 done, 100 failed, 101 running, 102 not found, 103 aborted."""
-    from specops import jobs
-    from specops.parallel import run_on_hosts
-
-    rid = _require_run_id(run_id)
-    if _fleet(rid):
-        from specops.runs import status as group
-
-        return group.status(target.inventory, rid, as_json=target.as_json,
-                            accept_new_host_key=target.accept_new_host_key)
-    reports = run_on_hosts(target.inventory, target.selector, "status", lambda h: jobs.status_report(h, rid),
-                           target.accept_new_host_key)
-    print_reports(reports, as_json=target.as_json)
-    unreachable = [r for r in reports if r.error is not None]
-    if unreachable:
-        return overall_exit(unreachable)
-    return max(jobs.job_exit_code(r.data.get("state", STATE.MISSING)) for r in reports)
+    return _run(target, run_id).status(as_json=target.as_json)
 
 
 @host_task(help={**JOB_HELP, "follow": "keep printing new log lines until the run ends (Ctrl-C stops)",
                  "rank": "only this log file, e.g. rank1 or supervisor"})
 def logs(target, run_id=None, follow=False, rank=None):
     """Print a run's logs (supervisor and one per TP rank), optionally following them."""
-    from specops.logs import show_logs
-
-    rid = _require_run_id(run_id)
-    if _fleet(rid):
-        from specops.runs import status as group
-
-        return group.logs(target.inventory, rid, follow_logs=follow, only=rank, as_json=target.as_json,
-                          accept_new_host_key=target.accept_new_host_key)
-    return show_logs(target.hosts(), rid, follow=follow, only=rank, as_json=target.as_json)
+    return _run(target, run_id).logs(follow=follow, only=rank, as_json=target.as_json)
 
 
 @host_task(help=JOB_HELP)
 def abort(target, run_id=None):
     """Stop a run: SIGTERM to its process group, SIGKILL after a grace period."""
-    from specops import jobs
-    from specops.parallel import report_from_payload, run_on_hosts
-
-    rid = _require_run_id(run_id)
-    if _fleet(rid):
-        from specops.runs import status as group
-
-        return group.abort(target.inventory, rid, accept_new_host_key=target.accept_new_host_key)
-    return run_on_hosts(target.inventory, target.selector, "abort",
-                        lambda h: report_from_payload(h.name, "abort", jobs.job_call(h, "abort", rid)),
-                        target.accept_new_host_key)
+    return _run(target, run_id).abort()
 
 
 @host_task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by sha256"})
 def fetch(target, run_id=None, tensors=False):
     """Bring a run's logs, status, manifest and summary (and --tensors) into runs/<host>/<run-id>/."""
-    from pathlib import Path
-
-    from specops import jobs
-    from specops.parallel import run_on_hosts
-
-    rid = _require_run_id(run_id)
-    if _fleet(rid):
-        from specops.runs import fetch as group
-
-        return group.fetch_run_id(target.inventory, rid, tensors=tensors, as_json=target.as_json,
-                                  accept_new_host_key=target.accept_new_host_key)
-    reports = run_on_hosts(target.inventory, target.selector, "fetch",
-                           lambda h: jobs.fetch_run(h, rid, tensors=tensors), target.accept_new_host_key)
-    print_reports(reports, as_json=target.as_json)
-    if not target.as_json:
-        for report in reports:
-            if report.data.get("dest"):
-                jobs.show_summary(Path(report.data["dest"]))
-    return overall_exit(reports)
+    return _run(target, run_id).fetch(tensors=tensors, as_json=target.as_json)
 
 
 @host_task(help={**{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},

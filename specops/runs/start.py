@@ -13,11 +13,24 @@ from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
 from specops.runs.shardmap import FleetManifest, Shard
 
 
+def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_dir: str | None = None,
+              sample_range: list[int] | None = None) -> dict:
+    """Start (or re-attach to, or resume) one shard's run on ``host``: ``job start``'s payload.
+
+    :param output_dir: the shard's output dir (default: the run's own, :func:`shard_output_dir`).
+    :param sample_range: the shard's ``[start, stop)``; None: the whole dataset (a one-host run).
+    """
+    params = run_params(host.spec, **overrides)
+    params.update(force=force, output_dir=output_dir or shard_output_dir(host.spec, overrides, run_id))
+    if sample_range is not None:
+        params["sample_range"] = list(sample_range)
+    return jobs.job_call(host, "start", run_id, **params)
+
+
 def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dict, force: bool) -> HostReport:
     """Start (or re-attach to, or resume) one shard's run on its head host."""
-    params = run_params(host.spec, **overrides)
-    params.update(force=force, output_dir=shard.output_dir, sample_range=[shard.start, shard.stop])
-    payload = jobs.job_call(host, "start", shard.run_id, **params)
+    payload = start_job(host, shard.run_id, overrides, force=force, output_dir=shard.output_dir,
+                        sample_range=[shard.start, shard.stop])
     report = report_from_payload(shard.label, "extract", payload)
     status = (payload.get("data") or {}).get("status")
     if status:

@@ -1,0 +1,147 @@
+"""A run by its id, with one set of verbs whether it lives on one host or on a group of hosts.
+
+Every command that acts on a run (``extract``, ``status``, ``logs``, ``abort``, ``fetch``)
+asks :func:`open_run` for it and calls the verb; none of them asks "is this a group".
+The answer is given here, once:
+
+- a **group run** (:class:`GroupRun`) is one this laptop planned (its shard map,
+  ``runs/<run-id>/fleet.json``, exists), or an extraction asked to be one (several hosts,
+  or ``--shard-by``/``--allow-partial``/``--reassign``): one run, the dataset sharded, every
+  shard on the host that holds it now (:mod:`specops.runs`);
+- otherwise a **host run** (:class:`HostRun`): one shard that is the whole dataset, on
+  each selected host under the same run id; its files come back into
+  ``runs/<host>/<run-id>/``, the layout a one-host run has always had.
+
+On the host both are the same thing: ``remote/job.py`` starts one run per shard
+(:func:`specops.runs.start.start_job`), named by the run id, in ``<output_dir>/<run-id>``;
+a group's shard adds its ``sample_range``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specops.exit_codes import ExitCode
+from specops.inventory import Inventory
+from specops.result import STATE, HostReport, overall_exit
+
+
+class Run:
+    """A run id on the selected hosts of an inventory; the verbs are its kind's."""
+
+    #: whether the run is a group run (a shard map on this laptop).
+    group = False
+
+    def __init__(self, inventory: Inventory, selector: str | None, run_id: str, accept_new_host_key: bool = False):
+        self.inventory, self.selector, self.run_id = inventory, selector, run_id
+        self.accept_new_host_key = accept_new_host_key
+
+
+class HostRun(Run):
+    """A run of its own on each selected host (one shard each, the whole dataset)."""
+
+    def _hosts(self) -> list:
+        from specops.host import Host
+
+        return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
+
+    def _on_hosts(self, task: str, step) -> list[HostReport]:
+        from specops.parallel import run_on_hosts
+
+        return run_on_hosts(self.inventory, self.selector, task, step, self.accept_new_host_key)
+
+    def extract(self, overrides: dict, *, detach: bool, force: bool, skip_preflight: bool, as_json: bool,
+                tensors: bool, skip_smoke: bool, **_group_flags) -> ExitCode:
+        """Preflight, smoke, start, follow and fetch on the host (:func:`specops.extract.extract_on`)."""
+        from specops.extract import extract_on
+
+        hosts = {h.name: h for h in self._hosts()}
+        try:
+            return extract_on(self.inventory, hosts, overrides, run_id=self.run_id, detach=detach, force=force,
+                              skip_preflight=skip_preflight, as_json=as_json, tensors=tensors, skip_smoke=skip_smoke)
+        finally:
+            for host in hosts.values():
+                host.close()
+
+    def status(self, *, as_json: bool) -> ExitCode:
+        from specops import jobs
+        from specops.report import print_reports
+
+        reports = self._on_hosts("status", lambda h: jobs.status_report(h, self.run_id))
+        print_reports(reports, as_json=as_json)
+        unreachable = [r for r in reports if r.error is not None]
+        if unreachable:
+            return overall_exit(unreachable)
+        return max(jobs.job_exit_code(r.data.get("state", STATE.MISSING)) for r in reports)
+
+    def logs(self, *, follow: bool, only: str | None, as_json: bool) -> ExitCode:
+        from specops.logs import show_logs
+
+        return show_logs(self._hosts(), self.run_id, follow=follow, only=only, as_json=as_json)
+
+    def abort(self) -> list[HostReport]:
+        from specops import jobs
+        from specops.parallel import report_from_payload
+
+        return self._on_hosts("abort", lambda h: report_from_payload(h.name, "abort",
+                                                                     jobs.job_call(h, "abort", self.run_id)))
+
+    def fetch(self, *, tensors: bool, as_json: bool) -> ExitCode:
+        from specops import jobs
+        from specops.report import print_reports
+
+        reports = self._on_hosts("fetch", lambda h: jobs.fetch_run(h, self.run_id, tensors=tensors))
+        print_reports(reports, as_json=as_json)
+        if not as_json:
+            for report in reports:
+                if report.data.get("dest"):
+                    jobs.show_summary(Path(report.data["dest"]))
+        return overall_exit(reports)
+
+
+class GroupRun(Run):
+    """One run over a group of hosts: a shard map, every shard on the host that holds it now."""
+
+    group = True
+
+    def extract(self, overrides: dict, *, detach: bool, force: bool, skip_preflight: bool, as_json: bool,
+                tensors: bool, skip_smoke: bool, shard_by: str | None = None, allow_partial: bool = False,
+                reassign: str | None = None) -> ExitCode:
+        from specops.runs import extract as group
+
+        return group.extract(self.inventory, self.selector, overrides, run_id=self.run_id, detach=detach, force=force,
+                             skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
+                             accept_new_host_key=self.accept_new_host_key, skip_smoke=skip_smoke,
+                             shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
+
+    def status(self, *, as_json: bool) -> ExitCode:
+        from specops.runs import status as group
+
+        return group.status(self.inventory, self.run_id, as_json=as_json, accept_new_host_key=self.accept_new_host_key)
+
+    def logs(self, *, follow: bool, only: str | None, as_json: bool) -> ExitCode:
+        from specops.runs import status as group
+
+        return group.logs(self.inventory, self.run_id, follow_logs=follow, only=only, as_json=as_json,
+                          accept_new_host_key=self.accept_new_host_key)
+
+    def abort(self) -> list[HostReport]:
+        from specops.runs import status as group
+
+        return group.abort(self.inventory, self.run_id, accept_new_host_key=self.accept_new_host_key)
+
+    def fetch(self, *, tensors: bool, as_json: bool) -> ExitCode:
+        from specops.runs import fetch as group
+
+        return group.fetch_run_id(self.inventory, self.run_id, tensors=tensors, as_json=as_json,
+                                  accept_new_host_key=self.accept_new_host_key)
+
+
+def open_run(inventory: Inventory, selector: str | None, run_id: str, *, accept_new_host_key: bool = False,
+             as_group: bool = False) -> Run:
+    """The run called ``run_id``: a :class:`GroupRun` when this laptop holds its shard map or
+    ``as_group`` asks for one (an extraction over several hosts, or with a group flag), else a
+    :class:`HostRun` on the selected hosts."""
+    from specops.runs.store import is_fleet_run
+
+    kind = GroupRun if as_group or is_fleet_run(run_id) else HostRun
+    return kind(inventory, selector, run_id, accept_new_host_key)
