@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from remote import protocol, samples, signals
+from remote import protocol, runplan, samples, signals
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
@@ -182,7 +182,7 @@ def _missing_on_disk(run_dir: Path, st: dict, wanted: dict) -> list[int]:
     bounds = st.get("sample_range")
     if not (isinstance(bounds, list) and len(bounds) == 2):
         return []
-    out_dir = Path(str(st.get("output_dir") or wanted.get("output_dir") or run_dir / "samples"))
+    out_dir = Path(str(st.get("output_dir") or runplan.output_dir(wanted, run_dir)))
     have = present(out_dir, int(bounds[0]), int(bounds[1]))
     return [i for i in range(int(bounds[0]), int(bounds[1])) if i not in have]
 

@@ -3,6 +3,9 @@
 Started detached by :mod:`remote.job` (new session, stdin closed, output to
 ``RUN_DIR/logs/supervisor.log``). It reads ``RUN_DIR/params.json`` and:
 
+0. resolves the run's plan once (:func:`remote.runplan.resolve`: engine, layer ids and
+   their convention, format, the model's layer count, output dir, sample range), records
+   it in ``status.json`` (``plan``) and hands it to the engine;
 1. turns the dataset into token ids (chat JSONL through the model's chat template,
    with a loss mask of 1 on assistant tokens; or pre-tokenized JSONL with
    ``input_ids``), honouring ``max_samples`` and ``seq_len`` (:mod:`remote.dataset`);
@@ -210,7 +213,7 @@ class Supervisor:
         self.plan = plan = runplan.resolve(p, config, run_dir=self.paths.run_dir, engine=engine).require()
         engine_name, fmt, layer_ids, convention = plan.engine, plan.format, plan.layer_ids, plan.convention
         self.status.update(phase="tokenizing", layer_ids=layer_ids, layer_convention=convention,
-                           engine=engine_name, engine_why=plan.engine_why, format=fmt)
+                           engine=engine_name, engine_why=plan.engine_why, format=fmt, plan=plan.as_dict())
 
         t = time.monotonic()
         dataset = load_token_samples(p, model_path, vocab_size=modelconfig.text_value(config, "vocab_size"))

@@ -137,3 +137,16 @@ def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(
     cut = names.index("fleet.preflight")
     assert all(r.status == "fail" for r in report.records[:cut])  # preflight's failures only, then its verdict
     assert names[cut + 1:] == ["shard.dataset", "shard.stack", "shard.capacity", "shard.storage"], names
+
+
+def test_an_engine_takes_the_runs_plan_or_resolves_its_own_from_the_config(tmp_path):
+    from remote.engines import engine_class
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 30}, "num_hidden_layers": 2}))
+    cls = engine_class(VLLM_SERVER)
+    given = runplan.resolve({}, {"num_hidden_layers": 30}, engine=(VLLM_SERVER, "run"))
+    assert cls(model, 1, given.layer_ids, {}, plan=given).plan is given
+    built = cls(model, 1, [2, 15, 27], {}).plan  # a benchmark's engine: N from the config, never the wrapper's
+    assert (built.num_layers, built.layer_ids, built.convention, built.problems) == (30, [2, 15, 27], INPUT, [])

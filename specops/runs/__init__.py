@@ -2,10 +2,11 @@
 
 ``specops extract --on GROUP --run-id R`` with more than one host:
 
-1. **plan** -- every host at once, each bounded by a timeout: preflight (unless
-   skipped) and ``remote/shard.py probe`` (dataset sample count and sha256 of the rows
-   used, engine, layer convention and ids, sample format, versions, data-parallel
-   width). One recap says which hosts are ready; the run starts only when all are,
+1. **plan** -- every host at once, each bounded by a timeout, one host python each:
+   preflight (unless skipped), which runs ``remote/shard.py probe`` in the same process
+   from the run plan it made (``remote/runplan.py``: dataset sample count and sha256 of
+   the rows used, engine, layer convention and ids, sample format, versions,
+   data-parallel width). One recap says which hosts are ready; the run starts only when all are,
    or on the ready ones with ``--allow-partial``. Hosts must agree on the dataset
    (count and sha256), the model, and the stack (layer convention, layer ids, sample
    format): a mixed stack is refused, since mixed files are silent. Once they agree,
@@ -38,7 +39,11 @@ from a last seen status is unchecked), and a gap there becomes a new shard on th
 ``fetch`` refuses a file whose size differs from the host manifest, and says ok only when
 every merged file is in ``runs/R/samples``.
 
-One module per job: :mod:`~specops.runs.store` (``fleet.json`` on the laptop),
+Whether a run id is a group run or each host's own is decided once, by
+:func:`specops.runs.run.open_run`; the commands call its verbs.
+
+One module per job: :mod:`~specops.runs.run` (a run by its id, either kind),
+:mod:`~specops.runs.store` (``fleet.json`` on the laptop),
 :mod:`~specops.runs.pool` (one connection per shard), :mod:`~specops.runs.plan`,
 :mod:`~specops.runs.reassign`, :mod:`~specops.runs.start`, :mod:`~specops.runs.view`
 (the follow view and the shard table), :mod:`~specops.runs.extract` (the whole group run),
