@@ -45,7 +45,7 @@ checked and which no captured pair reaches. Quantized checkpoints are refused.
 """
 from __future__ import annotations
 
-from specops.parallel import report_from_payload, run_on_hosts
+from specops.parallel import report_from_payload
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport
@@ -84,11 +84,7 @@ def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int
         raise UsageError(f"--reference {reference!r} is not known", f"use one of: {', '.join(REFERENCES)}")
     if int(samples) < 1:
         raise UsageError(f"--samples {samples!r} must be a positive integer", "example: --samples 3")
-    from specops.runs import verify as group
-    from specops.runs.store import is_fleet_run
+    from specops.runs.run import open_run
 
-    if is_fleet_run(run_id):  # every shard, on the host that holds it now
-        return group.verify(inventory, run_id, samples=int(samples), reference=reference,
-                            accept_new_host_key=accept_new_host_key)
-    return run_on_hosts(inventory, selector, "verify", lambda h: verify_step(h, run_id, samples, reference),
-                        accept_new_host_key=accept_new_host_key)
+    return open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key).verify(
+        samples=int(samples), reference=reference)

@@ -1,6 +1,6 @@
 """A run by its id, with one set of verbs whether it lives on one host or on a group of hosts.
 
-Every command that acts on a run (``extract``, ``status``, ``logs``, ``abort``, ``fetch``)
+Every command that acts on a run (``extract``, ``status``, ``logs``, ``abort``, ``fetch``, ``verify``)
 asks :func:`open_run` for it and calls the verb; none of them asks "is this a group".
 The answer is given here, once:
 
@@ -98,6 +98,12 @@ class HostRun(Run):
         return overall_exit(reports)
 
 
+    def verify(self, *, samples: int, reference: str) -> list[HostReport]:
+        from specops.verify import verify_step
+
+        return self._on_hosts("verify", lambda h: verify_step(h, self.run_id, samples, reference))
+
+
 class GroupRun(Run):
     """One run over a group of hosts: a shard map, every shard on the host that holds it now."""
 
@@ -134,6 +140,14 @@ class GroupRun(Run):
 
         return group.fetch_run_id(self.inventory, self.run_id, tensors=tensors, as_json=as_json,
                                   accept_new_host_key=self.accept_new_host_key)
+
+
+    def verify(self, *, samples: int, reference: str) -> list[HostReport]:
+        """Every shard, on the host that holds it now."""
+        from specops.runs import verify as group
+
+        return group.verify(self.inventory, self.run_id, samples=samples, reference=reference,
+                            accept_new_host_key=self.accept_new_host_key)
 
 
 def open_run(inventory: Inventory, selector: str | None, run_id: str, *, accept_new_host_key: bool = False,
