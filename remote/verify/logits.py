@@ -105,6 +105,7 @@ def verify_logits(params: dict) -> dict:
     records = [check_files(run, entries)]
 
     model_path = str(params.get("model_path") or run.manifest["model"]["path"])
+    warm_up()  # torch's import and first kernels are the process's, not the reference's
     peak = PeakMemory()
     head = Head(model_path, config, num_layers)
     samples = []
@@ -125,6 +126,16 @@ def verify_logits(params: dict) -> dict:
                        **{k: v for k, v in s.result.items() if k != "status"}, status=s.result["status"])
                   for s in samples]
     return protocol.payload(records, per_sample=per_sample, memory=memory, **base)
+
+
+def warm_up() -> None:
+    """Import torch and safetensors and run the kernels the check uses once, on a few numbers."""
+    import safetensors.torch  # noqa: F401
+    import torch
+
+    x = torch.randn(8, 64)
+    torch.log_softmax((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ x.t(), dim=-1).topk(2, dim=-1)
+    (x.to(torch.bfloat16) @ x.to(torch.bfloat16).t()).float()
 
 
 def logprob_files(run_dir) -> dict:
@@ -414,8 +425,8 @@ def logits_record(samples: list, run, last: int) -> dict:
         cause = first.cause
         fixes = {"swapped": "the sample files do not belong to their indices: re-run the extraction (the engine "
                             "landed one request's file under another's index)",
-                 "shifted": "the last id holds the state one decoder layer before it: check the engine's layer ids "
-                            "and convention (remote/layers.py) against what it captures",
+                 "shifted": "the final id is shifted by one (it holds the state one decoder layer before it): check "
+                            "the engine's layer ids and convention (remote/layers.py) against what it captures",
                  "layer": "the file's layer axis does not follow the recorded ids: check file_layer_ids"}
         if cause and cause.get("kind"):
             text = f"DIFFERS: {sample_line(first)}: {cause['why']}"

@@ -55,7 +55,7 @@ class VllmServerEngine(Engine):
             self.params["language_model_only"] = True
         #: the canary samples' prompt logprobs (the first few samples), and their check as they land
         self.logprobs = PromptLogprobs(self.params, work_dir)
-        self.canary = None
+        self.canary, self._canary_lock = None, threading.Lock()
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
                                  work_dir=work_dir, max_model_len=self._max_model_len(),
                                  params=self.params, python=self.params.get("python") or sys.executable)
@@ -189,9 +189,10 @@ class VllmServerEngine(Engine):
         :class:`remote.canary.CanaryFailed` to stop the run."""
         from remote import canary
 
-        if self.canary is None:
-            self.canary = canary.Canary(self.model_path, self.layer_ids, layers.INPUT, self.params,
-                                        self.logprobs.dir)
+        with self._canary_lock:  # one canary (one head in memory, one canary.json) for every landing thread
+            if self.canary is None:
+                self.canary = canary.Canary(self.model_path, self.layer_ids, layers.INPUT, self.params,
+                                            self.logprobs.dir)
         self.canary.check(index, path)
 
     def extract(self, batch):
