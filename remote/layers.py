@@ -43,6 +43,11 @@ def default_layer_ids(engine: str, num_layers: int) -> tuple[list[int], str]:
     return [2, n // 2, n - 3, n], INPUT
 
 
+def top_id(convention: str, num_layers: int) -> int:
+    """The highest id ``convention`` has for ``num_layers`` layers: ``N-1`` (output), ``N`` (input, the final state)."""
+    return num_layers - 1 if convention == OUTPUT else num_layers
+
+
 def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
     """Every reason the ids cannot be captured as asked; empty when they are fine.
 
@@ -58,7 +63,7 @@ def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
         return [f"layer ids {layer_ids!r} are not a list of integers"]
     if not layer_ids:
         problems.append("no layer ids given")
-    top = num_layers - 1 if convention == OUTPUT else num_layers
+    top = top_id(convention, num_layers)
     ints = []
     for lid in layer_ids:
         if type(lid) is not int:  # True is an int to python, never a layer
@@ -89,7 +94,7 @@ def translate(ids: list, src: str, dst: str, num_layers: int) -> tuple[list, lis
     ['output:-1 is out of range 0..7 (8 layers)']
     """
     out, mapping, refused = [], [], []
-    top = {OUTPUT: num_layers - 1, INPUT: num_layers}
+    top = {c: top_id(c, num_layers) for c in CONVENTIONS}
     for lid in ids:
         if type(lid) is not int:
             out.append(lid)  # layer_id_problems names it

@@ -63,7 +63,7 @@ import shutil
 import time
 from pathlib import Path
 
-from remote import fsutil, modelconfig, protocol
+from remote import fsutil, layers, modelconfig, protocol, runplan
 from remote.argspec import RUN_ARGS, Arg, Spec
 
 #: Bump when the recipe below changes in a way the hashed inputs do not show.
@@ -308,4 +308,24 @@ def prepare(params: dict) -> dict:
                         detail=data),
     ]
     return protocol.payload(records, twin_dir=twin["twin_dir"], twin_hash=twin["hash"],
-                            dataset=data["path"], samples=count, seq_len=seq_len, twin=twin)
+                            dataset=data["path"], samples=count, seq_len=seq_len, twin=twin,
+                            layer_ids_note=twin_layer_ids_note(params, twin["layers"]))
+
+
+def twin_layer_ids_note(params: dict, twin_layers) -> str | None:
+    """Why the run's layer ids name no layers of the twin (its run then takes the engine's default
+    ids, which exercise the same capture code), or None when they fit: each id range-checked in
+    the convention it was typed in (``layer_convention``, else the engine's own, as the run's plan
+    reads it)."""
+    given = params.get("layer_ids")
+    if not given or type(twin_layers) is not int:
+        return None
+    try:
+        engine, _ = runplan.resolve_engine(params.get("engine"))
+    except runplan.PlanError:
+        return None  # the twin's run says why no engine fits
+    typed = params.get("layer_convention") or layers.ENGINE_CONVENTION[engine]
+    ints = [x for x in given if type(x) is int]
+    if not ints or max(ints) <= layers.top_id(typed, twin_layers):
+        return None  # ids that fit, or ids the twin's run refuses by name
+    return f"layer ids {list(given)} exceed the twin's {twin_layers} layers; the twin uses the engine's default ids"

@@ -150,3 +150,22 @@ def test_an_engine_takes_the_runs_plan_or_resolves_its_own_from_the_config(tmp_p
     assert cls(model, 1, given.layer_ids, {}, plan=given).plan is given
     built = cls(model, 1, [2, 15, 27], {}).plan  # a benchmark's engine: N from the config, never the wrapper's
     assert (built.num_layers, built.layer_ids, built.convention, built.problems) == (30, [2, 15, 27], INPUT, [])
+
+
+@pytest.mark.parametrize("engine,given,typed,note", [
+    (SPECULATORS_03, [2, 4, 7], None, False),
+    (SPECULATORS_03, [2, 4, 8], None, True),      # output:8 is past an 8-layer twin
+    (VLLM_SERVER, [2, 4, 8], None, False),        # input:8 is its final state
+    (VLLM_SERVER, [2, 4, 8], OUTPUT, True),
+    (SPECULATORS_03, [3, 5, 8], INPUT, False),
+    (VLLM_SERVER, [2, 30, 58], None, True),
+    (VLLM_SERVER, None, None, False),
+])
+def test_the_smoke_twin_keeps_the_runs_ids_where_they_name_its_layers(engine, given, typed, note):
+    """Range-checked in the convention the ids were typed in, else the engine's own (the plan's rule)."""
+    from remote import smoke
+
+    said = smoke.twin_layer_ids_note({"engine": engine, "layer_ids": given, "layer_convention": typed}, 8)
+    assert (said is not None) == note, said
+    if note:
+        assert said == f"layer ids {given} exceed the twin's 8 layers; the twin uses the engine's default ids"
