@@ -17,7 +17,9 @@ A task module (``main(params) -> payload``); ``params["action"]`` picks the verb
            killed writer never count.
 
 Parameters: :data:`SPEC` (a run's parameters for ``probe``, ``output_dir``/``start``/``stop``
-for ``files``).
+for ``files``). A group plan that preflights its hosts asks preflight instead
+(``shard_probe``): :func:`probe` then runs in preflight's process, from the run plan
+(:mod:`remote.runplan`) preflight made, so each host answers from one python.
 """
 from __future__ import annotations
 
