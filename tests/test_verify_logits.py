@@ -127,6 +127,21 @@ def test_a_healthy_run_passes_the_logits_check_and_its_canary(llama_run):
     print(f"\nlogits check: {logits.summary}\n{reference.summary}; verify {report.data['wall_s']} s")
 
 
+@pytest.mark.vllm
+def test_a_healthy_deepseek_v3_run_at_tp2_passes(modern_ssh_run):
+    """The session's shared DeepSeek-V3 run (TP=2: the engine's lm_head split over two ranks)."""
+    run = modern_ssh_run("deepseek_v3", 2)
+    report, recs = verify_logits_over_ssh(run["inventory"], run["run_id"])
+    assert not report.failed, summaries(recs)
+    logits = recs["verify.logits"]
+    assert logits.status == "ok" and logits.detail["layer_id"] == 8, logits.summary
+    for path, n in logits.detail["samples"].items():
+        assert n["top1_agree"] + n["top1_near_ties"] == n["positions"] and n["floor_ratio"] <= 2.0, (path, n)
+    canary = json.loads((run["run_dir"] / "prompt_logprobs" / "canary.json").read_text())
+    assert [r["status"] for r in canary] == ["ok", "ok"], canary
+    print(f"\nDeepSeek-V3 TP=2: {logits.summary}")
+
+
 # --------------------------------------------------------------------------- planted faults fail, named
 
 @pytest.mark.vllm
