@@ -43,8 +43,8 @@ actually sent (a run records those, not the defaults).
 **Test hooks.** Parameters only tests (and benchmarks) send are declared like any other,
 with ``hook=True``, so a misspelt one is refused too and :func:`hooks` lists them all:
 
-``inject_failure`` (job; ``{"rank", "at": load|extract|crash, "message"}``)
-    the engine raises (or a vLLM rank crashes) there, to prove a failure's root cause
+``inject_failure`` (job; ``{"rank", "at": load|extract, "message"}``)
+    the engine raises there, to prove a failure's root cause
     comes back (the job passes it to the engines as ``SPECOPS_INJECT_FAILURE``).
 ``batch_delay_s`` (job)
     a pause after each batch, to act mid-run. ``SPECOPS_BATCH_DELAY_S`` in the run's
@@ -415,7 +415,7 @@ RUN_ARGS = {
     "prompt_logprobs_top": Arg("int", min=1, max=20, doc="top tokens kept per position (contract.PROMPT_LOGPROBS_TOP)"),
     "canary": Arg("bool", doc="stop the run when a canary sample fails its logits check (default true)"),
     # test hooks (the module docstring says what each does)
-    "inject_failure": Arg("dict", hook=True, doc="{rank, at: load|extract|crash, message}"),
+    "inject_failure": Arg("dict", hook=True, doc="{rank, at: load|extract, message}"),
     "batch_delay_s": Arg("float", min=0, hook=True, doc="a pause after each batch"),
     "plain": Arg("bool", hook=True, doc="the server without extraction (the benchmarks' baseline)"),
 }

@@ -216,11 +216,18 @@ def modern_fixed_python(modern_hostenv_python, tmp_path_factory) -> Path:
                             rope_fix=True, hidden_states_connector=True)
 
 
+#: ids the shared runs capture where not the engine's default: the DeepSeek-V3 run holds two
+#: consecutive pairs and ``input:1`` so the layer-local check (test_verify_layer) reads the
+#: same run as the extract and whole-model verify tests (first, MoE and last layers at TP=2).
+SHARED_RUN_LAYER_IDS = {"deepseek_v3": [1, 4, 5, 7, 8]}
+
+
 @pytest.fixture(scope="session")
 def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory):
     """``get(model, tp)``: one ``specops extract --tensors --json`` of a tiny model on the modern
-    stack over SSH (preflight on, smoke off; 4 samples of up to 128 tokens), run once per
-    session and shared by every test that only reads it (a CPU server start is 40-300 s).
+    stack over SSH (preflight on, smoke off; 4 samples of up to 128 tokens; the engine's default
+    ids unless :data:`SHARED_RUN_LAYER_IDS` names others), run once per session and shared by
+    every test that only reads it (a CPU server start is 40-300 s).
 
     Returns a dict: ``inventory``, ``run_id``, ``run_dir`` (on the host), ``dest`` (what
     the laptop fetched), ``env`` (the ``SPECOPS_RUNS`` the run was fetched under) and
@@ -235,6 +242,10 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
 
     done: dict = {}
 
+    def layer_args(model: str) -> list:
+        ids = SHARED_RUN_LAYER_IDS.get(model)
+        return ["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []
+
     def get(model: str, tp: int) -> dict:
         key = (model, tp)
         if key not in done:
@@ -248,7 +259,8 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
             runs = {"SPECOPS_RUNS": str(tmp / "runs")}
             t0 = time.monotonic()
             proc = subprocess.run([str(Path(sys.executable).parent / "specops"), "extract", "--inventory",
-                                   str(inventory), "--run-id", run_id, "--skip-smoke", "--tensors", "--json"],
+                                   str(inventory), "--run-id", run_id, "--skip-smoke", "--tensors", "--json",
+                                   *layer_args(model)],
                                   capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
                                   env={**os.environ, "COLUMNS": "250", **runs}, timeout=1500)
             print(f"\nspecops extract {run_id} (modern, shared): {time.monotonic() - t0:.0f} s")

