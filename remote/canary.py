@@ -45,17 +45,25 @@ class Canary:
     :param layer_ids: the run's ids in ``convention``; :param folder: the run's prompt logprobs dir.
     """
 
-    def __init__(self, model_path: str, layer_ids, convention: str, params: dict, folder):
+    def __init__(self, model_path: str, layer_ids, convention: str, params: dict, folder, expected: int = 0):
         self.model_path, self.layer_ids, self.convention = str(model_path), list(layer_ids), convention
         self.stop = params.get("canary") is not False
         self.folder = Path(folder)
-        self.config = modelconfig.read(self.model_path)
-        self.num_layers = modelconfig.decoder_layers(self.config)
-        top = self.num_layers if convention == layers.INPUT else self.num_layers - 1
-        self.last = top if top in self.layer_ids else None
+        #: the head is dropped once this many samples were checked (a real lm_head is GBs in float32)
+        self.expected = int(expected)
         self.head = None
         self.records: list[dict] = []
         self._lock = threading.Lock()
+        self.config, self.num_layers, self.last = None, None, None
+        try:
+            self.config = modelconfig.read(self.model_path)
+            self.num_layers = modelconfig.decoder_layers(self.config)
+            top = self.num_layers if convention == layers.INPUT else self.num_layers - 1
+            self.last = top if top in self.layer_ids else None
+        except Exception as exc:  # checked in _check, where a record says so; never the run's failure
+            self.broken = f"{type(exc).__name__}: {exc}"
+        else:
+            self.broken = None
 
     def check(self, index: int, path) -> dict:
         """Check landed sample ``index`` (its file at ``path``); its record.
@@ -75,6 +83,8 @@ class Canary:
             record["detail"]["seconds"] = round(time.monotonic() - t0, 3)
             self.records.append(record)
             fsutil.write_json(self.folder / contract.CANARY_FILE, self.records)
+            if self.expected and len(self.records) >= self.expected:
+                self.head = None  # every canary sample is checked: the run needs the memory back
         if record["status"] == protocol.FAIL and self.stop:
             raise CanaryFailed(record)
         return record
@@ -84,6 +94,8 @@ class Canary:
         from remote.verify.run import load_sample
 
         name = "canary.logits"
+        if self.broken:
+            raise RuntimeError(f"the model's config could not be read: {self.broken}")
         if self.last is None:
             return protocol.record(name, protocol.SKIPPED, f"skipped: the run does not capture the last state "
                                    f"({self.convention}:{self.num_layers}); ids {self.layer_ids}",

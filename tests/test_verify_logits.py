@@ -233,3 +233,26 @@ def test_the_canary_stops_a_run_whose_server_computes_another_model(host_python,
     assert status["samples_done"] < status["samples_total"]
     canary = json.loads((tmp_path / "work" / "runs" / "canary" / "prompt_logprobs" / "canary.json").read_text())
     assert [r["status"] for r in canary] == ["fail"]
+
+
+# --------------------------------------------------------------------------- the engine's side, no server
+
+def test_prompt_logprobs_are_kept_compact_and_a_reply_without_them_is_recorded_as_unavailable(tmp_path):
+    from remote.engines.vllm_server.prompt_logprobs import PromptLogprobs
+
+    kept = PromptLogprobs({"canary_samples": 2, "prompt_logprobs_top": 2}, tmp_path)
+    assert kept.claim([7, 8, 9]) == {7, 8} and kept.claim([10]) == set()  # the first two samples only
+    assert kept.fields() == {"prompt_logprobs": 2}
+    reply = {"choices": [{"prompt_logprobs": [
+        None,
+        {"4": {"logprob": -1.5, "rank": 3, "decoded_token": "a"}, "2": {"logprob": -0.5, "rank": 1},
+         "9": {"logprob": -1.0, "rank": 2}},
+        {"6": {"logprob": -0.25, "rank": 1}, "3": {"logprob": -2.0, "rank": 2}}]}]}
+    path = kept.keep(7, [1, 4, 6], reply)
+    assert path.name == "prompt_logprobs_7.json" and path.parent.name == "prompt_logprobs"
+    assert json.loads(path.read_text())["positions"] == [[-1.5, 3, [[2, -0.5], [9, -1.0]]],
+                                                         [-0.25, 1, [[6, -0.25], [3, -2.0]]]]
+    assert kept.keep(8, [1, 4, 6], {"choices": [{"text": "x"}]}) is None
+    why = json.loads((tmp_path / "prompt_logprobs" / "unavailable.json").read_text())["why"]
+    assert why.startswith("the server's reply holds no prompt_logprobs") and kept.claim([11]) == set()
+    assert PromptLogprobs({}, tmp_path).count == 2 and PromptLogprobs({}, None).claim([0]) == set()

@@ -119,7 +119,8 @@ def verify_logits(params: dict) -> dict:
     for s in failed:
         s.cause = find_cause(head, s, samples, last[0], run, num_layers, model_path, config)
     memory = peak.report(head.fp32_bytes, sum(t.numel() * t.element_size() for s in samples
-                                              for t in s.states.values()), head.fp32_bytes)
+                                              for t in s.states.values()), head.checkpoint.whole_fp32_bytes())
+    memory["head_fp32_bytes"] = memory.pop("layer_fp32_bytes")
     records.append(reference_record(head, model_path, memory))
     records.append(logits_record(samples, run, last[0]))
     per_sample = [dict(sample=s.path, index=s.index, tokens=len(s.ids), cause=s.cause,
@@ -390,7 +391,8 @@ def reference_record(head: Head, model_path: str, memory: dict) -> dict:
     summary = (f"final norm + lm_head ({head.head_key}{', tied embeddings' if head.tied else ''}) of "
                f"{os.path.basename(model_path.rstrip('/'))} in float32 on CPU, only those tensors read; peak host "
                f"memory {memory['peak_rss_bytes'] / MiB:.1f} MiB (the two tensors in float32 "
-               f"{head.fp32_bytes / MiB:.1f} MiB)")
+               f"{head.fp32_bytes / MiB:.1f} MiB + checked samples {memory['samples_bytes'] / MiB:.1f} MiB; the whole "
+               f"model in float32 {memory['whole_model_fp32_bytes'] / MiB:.1f} MiB)")
     return protocol.record(
         "verify.reference", protocol.OK if head.model_type in PLAIN_NORM_TYPES else protocol.WARN, summary,
         detail={"reference": "logits", "model_path": model_path, "norm": head.norm_key, "lm_head": head.head_key,

@@ -192,7 +192,7 @@ class VllmServerEngine(Engine):
         with self._canary_lock:  # one canary (one head in memory, one canary.json) for every landing thread
             if self.canary is None:
                 self.canary = canary.Canary(self.model_path, self.layer_ids, layers.INPUT, self.params,
-                                            self.logprobs.dir)
+                                            self.logprobs.dir, expected=self.logprobs.count)
         self.canary.check(index, path)
 
     def extract(self, batch):
