@@ -402,13 +402,13 @@ def test_status_records_for_preflight(site, hostenv_python, tmp_path):
 #: HF (float32) and vLLM (bf16) route alike and the HF comparison is a strict check.
 #: Each case is one vLLM load (about a minute on 2 cores), so each covers a different
 #: path: dense at TP=2 against both references; MoE in-process (TP=1) against both,
-#: with the llama_4_scaling control; MoE's own top-k routing across two ranks; the
-#: text_config wrapper across two ranks (the workers unwrap it) against both.
+#: with the llama_4_scaling control; MoE's own top-k routing across two ranks. The
+#: text_config wrapper across two ranks through the same patched generator is
+#: test_smoke_verify's Kimi-K2.5 smoke (its twin's routing margins make the HF check strict).
 SMOKE_CASES = [
     ("llama", 2, "auto", "reversed", False),
     ("deepseek_v3", 1, "auto", "default", True),
     ("deepseek_v3", 2, "vllm", "reversed", False),
-    ("kimi_k25", 2, "auto", "default", True),
 ]
 
 

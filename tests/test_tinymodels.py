@@ -377,7 +377,8 @@ VLLM_CASES = CASE_LOOP + textwrap.dedent('''
 
 #: (case id, model, TP, extra ``LLM(...)`` kwargs). One load per path: Llama in-process (TP=1),
 #: DeepSeek-V3 over worker processes (TP=2), Kimi-K2.5 text-only, DeepSeek-V3 at TP=1 with and
-#: without llama_4_scaling; Llama/Kimi at TP=2 load in the generator checks of test_patch_remote.py.
+#: without llama_4_scaling; Llama at TP=2 loads in the generator checks of test_patch_remote.py,
+#: Kimi-K2.5 at TP=2 in test_smoke_verify.py's smoke.
 VLLM_CASES_RUN = [
     ("llama-tp1", "llama", 1, {}),
     ("kimi_k25-tp1-text-only", "kimi_k25", 1, {"limit_mm_per_prompt": {"vision_chunk": 0}}),
