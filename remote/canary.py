@@ -11,8 +11,10 @@ those two tensors, read once per run), against the engine's own logprobs. A fail
 ``canary: false`` in the run's params keeps the records but never stops the run.
 
 Each check's record goes to ``<run_dir>/prompt_logprobs/canary.json`` (a list, one record
-per checked sample). A run whose ids lack the last state (``input:N``) records a
-``skipped`` canary and goes on. Stdlib only at import.
+per checked sample). A check computes at most the first :data:`MAX_POSITIONS` positions of
+its sample (the landing already checked that the file holds the request's tokens). A run
+whose ids lack the last state (``input:N``) records a ``skipped`` canary and goes on; a
+canary that cannot run records a ``warn`` and the run goes on. Stdlib only at import.
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ import traceback
 from pathlib import Path
 
 from remote import contract, fsutil, layers, modelconfig, protocol
+
+
+#: positions a canary check computes at most (its first ones): a real ``lm_head`` is ~10 GFLOP a
+#: position in float32 and bf16, on a landing thread that the engine keeps at one torch thread.
+MAX_POSITIONS = 512
 
 
 class CanaryFailed(RuntimeError):
@@ -110,8 +117,11 @@ class Canary:
             self.head = logits.Head(self.model_path, self.config, self.num_layers)
         manifest = {"layer_ids": self.layer_ids, "file_layer_ids": sorted(self.layer_ids)}
         data = load_sample(path, manifest)
-        states = dict(zip(self.layer_ids, data["hidden_states"]))
-        sample = logits.Sample(index, path.name, data["input_ids"], states, json.loads(found.read_text()))
+        n = MAX_POSITIONS + 1  # tokens: positions + the first
+        states = {lid: h[:n] for lid, h in zip(self.layer_ids, data["hidden_states"])}
+        kept = json.loads(found.read_text())
+        kept = dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
+        sample = logits.Sample(index, path.name, data["input_ids"][:n], states, kept)
         sample.result = logits.compare(self.head, states[self.last], sample.ids, sample.logprobs)
         if sample.result["status"] == protocol.FAIL:
             run = _RunView(self.convention)
