@@ -8,8 +8,9 @@ the same request that captured them, and the canary checked them as they landed.
 faults damage a copy of that run, with real states computed in the host env: the last id
 holding ``input:7`` (the final id shifted by one), two samples' files swapped, and every
 state replaced by the tiny DeepSeek-V3's for the same tokens (states from another model).
-One more extraction shows the canary stopping a run (its check pointed at another
-checkpoint through a test hook).
+The session's shared DeepSeek-V3 run (TP=2) passes too. One more extraction shows the canary
+stopping a run whose server computes another model than the checkpoint (its norms' eps
+overridden with ``--hf-overrides``, a real run parameter: ``server_args``).
 """
 from __future__ import annotations
 
