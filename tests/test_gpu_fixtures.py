@@ -418,3 +418,48 @@ def test_round3_smoke_passes_on_the_gpu(host_name, backend):
     log = read(f"{R3}/smoke_runs/{run_id}/logs/server.log")
     assert f"Using {backend} attention backend" in log
     assert json.loads(read(f"{R3}/smoke_runs/{run_id}/status.json"))["state"] == "done"
+
+
+# ---------------------------------------------------------------------------- round 5: the canary on the H200
+
+ROUND5 = {"wide": "llama_wide", "deepseek": "deepseek_v3"}  # fixture dir -> model
+
+
+@pytest.mark.parametrize("name", sorted(ROUND5))
+def test_round5_vllm_025_gives_prompt_logprobs_with_extract_hidden_states(name):
+    """vLLM 0.25 on the H200 answered ``prompt_logprobs`` in the same request that captured the
+    states: each canary sample's file, read by the engine's own reader, holds one entry per prompt
+    position after the first (own logprob, rank, the top 5), consistent with its own top list."""
+    from remote import contract
+    from remote.engines.vllm_server import prompt_logprobs
+
+    for index in range(contract.CANARY_SAMPLES):
+        kept = prompt_logprobs.read(FIX / "round5" / name / contract.prompt_logprobs_name(index))
+        assert kept["engine"] == contract.VLLM_SERVER and kept["top"] == contract.PROMPT_LOGPROBS_TOP
+        assert len(kept["positions"]) == len(kept["token_ids"]) - 1 > 40
+        for (own, rank, top), token in zip(kept["positions"], kept["token_ids"][1:]):
+            assert len(top) == kept["top"] and own <= 0 and rank >= 1
+            best = top[0][1]
+            assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))  # ranked
+            assert own <= best + 1e-6 and (rank > 1 or own == pytest.approx(best, abs=1e-6))
+            if rank <= kept["top"]:
+                assert [t for t, _ in top][rank - 1] == token
+
+
+@pytest.mark.parametrize("name", sorted(ROUND5))
+def test_round5_canary_and_the_bounded_references_pass_on_the_gpu(name):
+    """The canary checked both canary samples as they landed (within the bf16 floor), and
+    ``verify --reference logits`` / ``layer`` read only the head / one layer of the real run."""
+    model = ROUND5[name]
+    canary = json.loads(read(f"round5/{name}/canary.json"))
+    assert [r["status"] for r in canary] == ["ok", "ok"] and {r["name"] for r in canary} == {"canary.logits"}
+    for rec in canary:
+        (sample,) = rec["detail"]["samples"].values()
+        assert sample["floor_ratio"] < 2 and sample["top1_agree"] + sample["top1_near_ties"] == sample["positions"]
+    logits = records(f"round5/{name}/verify_logits_{name}.json")
+    assert logits["verify.logits"]["status"] == "ok" and "only those tensors read" in logits["verify.reference"]["summary"]
+    layer = records(f"round5/{name}/verify_layer_{name}.json")
+    assert layer["verify.layer.4"]["status"] == "ok" and layer["verify.layer.4"]["detail"]["floor_ratio"] < 1
+    memory = layer["verify.reference"]["detail"]["memory"]
+    assert memory["peak_rss_bytes"] < memory["whole_model_fp32_bytes"] / 1.5, memory
+    assert model in layer["verify.reference"]["summary"]

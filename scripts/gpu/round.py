@@ -425,6 +425,14 @@ def extract_verify(host: str, rid: str, name: str, model: Path):
     out["status"] = specops(["status", "--on", host, "--run-id", rid, "--json"], f"status_{name}.json")
     out["verify"] = specops(["verify", "--on", host, "--run-id", rid, "--samples", "3", "--json"],
                             f"verify_{name}.json", timeout=400)
+    # the references that read one layer / the final norm and lm_head only (what a real-size run can afford)
+    for reference in ("logits", "layer"):
+        out[f"verify_{reference}"] = specops(["verify", "--on", host, "--run-id", rid, "--samples", "3",
+                                              "--reference", reference, "--json"],
+                                             f"verify_{reference}_{name}.json", timeout=400)
+    canary = WORK / "runs" / rid / "prompt_logprobs"
+    if canary.is_dir():  # the canary's records and the server's own prompt logprobs of the canary samples
+        shutil.copytree(canary, ROOT / "cli" / f"prompt_logprobs_{name}", dirs_exist_ok=True)
     out["fetch"] = specops(["fetch", "--on", host, "--run-id", rid], f"fetch_{name}.txt")
     keep_run(host, rid, rid)
     return out
