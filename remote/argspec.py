@@ -66,7 +66,7 @@ import functools
 import os
 import re
 
-from remote import protocol
+from remote import contract, protocol
 
 #: every type a parameter may declare; a tuple of them means any one of them (tried in order).
 TYPE_WORDS = {
@@ -392,6 +392,8 @@ RUN_ARGS = {
     "trust_remote_code": Arg("bool"),
     "env": Arg("env", doc="exported for the run's processes"),
     "sample_range": Arg("list", doc="[start, stop): the dataset range of a group run's shard"),
+    "format": Arg("str", choices=contract.STATE_FORMATS,
+                  doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only)"),
     # the engines' own knobs: read from the run's params (remote/engines, remote/supervisor)
     "dtype": Arg("str", doc="the engine's dtype (vLLM's --dtype; hf-reference: bfloat16)"),
     "enforce_eager": Arg("bool", doc="vLLM without graph compilation (default on CPU hosts)"),

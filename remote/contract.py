@@ -117,6 +117,29 @@ ENGINE_ALIASES = {"hf_reference": HF_REFERENCE, "hf": HF_REFERENCE,
                   "speculators_v03": SPECULATORS_03, "speculators": SPECULATORS_03,
                   "vllm_server": VLLM_SERVER, "server": VLLM_SERVER}
 
+# --------------------------------------------------------------------------- state formats
+
+#: the dtype a ``hs`` file stores the states in (the run parameter ``format``): ``bf16`` (the
+#: default) keeps what the model computes, unquantized; ``fp8`` is hs-connectors'
+#: ``FP8HiddenStatesConnector``: ``hidden_states`` float8_e4m3fn [T, L, H] with one float32 scale per
+#: token in ``hidden_states_scales`` [T, 1, 1] (value = fp8 * scale), about half the bytes. Only the
+#: ``vllm-server`` engine writes fp8.
+BF16, FP8 = "bf16", "fp8"
+STATE_FORMATS = (BF16, FP8)
+#: the tensor of an fp8 file that holds the per-token scales (hs-connectors' ``fp8_utils.SCALES_KEY``).
+FP8_SCALES_KEY = "hidden_states_scales"
+#: the engines that can write fp8 states.
+FP8_ENGINES = (VLLM_SERVER,)
+#: format -> the read backend speculators' trainer needs (``--hidden-states-backend``): its default
+#: ``file`` backend reads an fp8 file without its scales, silently wrong.
+READ_BACKENDS = {BF16: "file", FP8: "fp8"}
+
+
+def state_format(params: dict) -> str:
+    """The run's ``format`` parameter (bf16 when unset)."""
+    return params.get("format") or BF16
+
+
 # --------------------------------------------------------------------------- run ids
 
 #: a run id as a host takes it: a run dir's name (and an output dir's), at most RUN_ID_MAX characters.

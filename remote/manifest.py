@@ -47,6 +47,11 @@ FORMAT_TEXT = {
         "dtype[T, L, H] (layers in ascending id order)} + Arrow dataset {input_ids, loss_mask, seq_len}",
 }
 
+#: what an fp8 run's ``format`` text adds.
+FP8_TEXT = ("; fp8: hidden_states float8_e4m3fn [T, L, H] + hidden_states_scales float32 [T, 1, 1] per token "
+            "(value = fp8 x scale); read it through hs_connectors' FP8Transfer (speculators train "
+            "--hidden-states-backend fp8): the default file backend ignores the scales")
+
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -66,6 +71,7 @@ KINDS = {
     "ranges": (lambda v: isinstance(v, list) and all(KINDS["range"][0](r) for r in v), "a list of [start, stop]"),
     "format": (lambda v: v in FORMAT_TEXT, f"one of {sorted(FORMAT_TEXT)}"),
     "convention": (lambda v: v in contract.LAYER_CONVENTIONS, f"one of {list(contract.LAYER_CONVENTIONS)}"),
+    "state_format": (lambda v: v in contract.STATE_FORMATS, f"one of {list(contract.STATE_FORMATS)}"),
     "entries": (lambda v: isinstance(v, list), "a list of file entries"),
 }
 
@@ -85,6 +91,11 @@ FIELDS = {
     "format_name": Field("format", "the sample files' format: pt or hs"),
     "engine": Field("object", "the engine that wrote the samples: name, tp, what it reports", "run"),
     "model": Field("object", "the model: path and config summary"),
+    "state_format": Field("state_format", "hs: the states' dtype on disk: bf16 (as computed) or fp8 (+ per-token "
+                                          "scales); absent: bf16"),
+    "scales_key": Field("text", "fp8: the tensor of each file holding its per-token scales (float32 [T, 1, 1])"),
+    "hidden_states_backend": Field("text", "hs: the read backend speculators' trainer needs for these files "
+                                           "(--hidden-states-backend file|fp8)"),
     "layer_ids": Field("ids", "the captured layer ids, in layer_convention"),
     "layer_convention": Field("convention", "what a layer id means: output or input"),
     "layer_convention_text": Field("text", "layer_convention, described"),
@@ -123,7 +134,7 @@ ENTRY_FIELDS = {
     "shard": Field("text", "group: the shard that wrote it", "group"),
 }
 #: what a merged manifest takes over from its first range's (the same in every range of a run).
-INHERITED = ("run_id", "format", "format_name", "model", "layer_ids", "layer_convention", "layer_convention_text",
+INHERITED = ("run_id", "format", "format_name", "state_format", "scales_key", "hidden_states_backend", "model", "layer_ids", "layer_convention", "layer_convention_text",
              "file_layer_ids", "dataset_samples", "identity")
 #: what each reader needs (``require`` of :func:`read`); ``files[].x``: every entry has ``x``.
 FOR_VERIFY = ("layer_ids", "layer_convention", "files", "files[].sha256")
@@ -157,11 +168,13 @@ def utc_now() -> str:
 
 def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, convention: str, sample_range,
           files: list, tokens: int, dataset_samples: int | None = None, dataset_files=(), identity=None,
-          versions=None, params=None, file_layer_ids=None, dataset_writer=None, created_at=None) -> dict:
+          versions=None, params=None, file_layer_ids=None, dataset_writer=None, created_at=None,
+          state_format: str | None = None) -> dict:
     """A run's manifest (the ``run`` document), checked against :data:`FIELDS`.
 
     :param fmt: ``pt`` or ``hs``; an ``hs`` manifest also records ``file_layer_ids``
-        (default: ascending ``layer_ids``) and ``dataset_writer``.
+        (default: ascending ``layer_ids``), ``dataset_writer``, ``state_format`` (default bf16),
+        the read backend it needs and, for fp8, the scales' key.
     :param model: ``{"path": ..., "config": modelconfig.summary(...)}``.
     :param sample_range: ``[lo, hi)``; ``samples`` is its size.
     :param files: :data:`ENTRY_FIELDS` entries, path relative to the output dir.
@@ -194,6 +207,12 @@ def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, conven
         doc["file_layer_ids"] = list(file_layer_ids or sorted(layer_ids))
         # written by this range, found written by another, or (no files yet) being written by another
         doc["dataset_writer"] = dataset_writer
+        states = state_format or contract.BF16
+        doc["state_format"] = states
+        doc["hidden_states_backend"] = contract.READ_BACKENDS[states]
+        if states == contract.FP8:
+            doc["scales_key"] = contract.FP8_SCALES_KEY
+            doc["format"] += FP8_TEXT
     return check(doc, where="the built manifest")
 
 

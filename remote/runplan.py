@@ -57,6 +57,8 @@ class Plan:
     format: str
     #: the language model's decoder-layer count.
     num_layers: int
+    #: the states' dtype on disk (:data:`remote.contract.STATE_FORMATS`): ``bf16`` or ``fp8``.
+    state_format: str = contract.BF16
     #: where the samples go (None: not known to the caller; a run dir's ``samples/``).
     output_dir: str | None = None
     #: the ``[start, stop)`` of global sample indices asked for (None: the whole dataset).
@@ -125,6 +127,21 @@ def check_sample_range(asked) -> list | None:
     return [asked[0], asked[1]]
 
 
+def check_state_format(asked, engine: str) -> str:
+    """The run's ``format`` (bf16 when unset), when ``engine`` writes it.
+
+    :raises PlanError: an unknown format, or fp8 on an engine that writes no fp8 states.
+    """
+    fmt = asked or contract.BF16
+    if fmt not in contract.STATE_FORMATS:
+        raise PlanError("format", f"format {fmt!r} is not known; use one of {', '.join(contract.STATE_FORMATS)}")
+    if fmt == contract.FP8 and engine not in contract.FP8_ENGINES:
+        raise PlanError("format", f"format fp8 needs the {' or '.join(contract.FP8_ENGINES)} engine; engine {engine} "
+                                  f"writes its states unquantized. Fix: set format: bf16 (or drop --format fp8), "
+                                  f"or run on a host whose speculators >= 0.5 picks the vllm-server engine")
+    return fmt
+
+
 def resolve_engine(asked) -> tuple[str, str]:
     """``(engine, why)`` for the ``engine`` parameter (``auto``/None: what the host's speculators needs).
 
@@ -153,9 +170,10 @@ def resolve(params: dict, config: dict, *, run_dir=None, engine: tuple[str, str]
     except ValueError as exc:
         raise PlanError("num_layers", str(exc)) from None
     sample_range = check_sample_range(params.get("sample_range"))
+    state_format = check_state_format(params.get("format"), name)
     picked = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), name, n)
     return Plan(engine=name, engine_why=why, convention=facts.convention, layer_ids=picked["ids"],
-                format=facts.sample_format, num_layers=n, output_dir=output_dir(params, run_dir),
+                format=facts.sample_format, num_layers=n, state_format=state_format, output_dir=output_dir(params, run_dir),
                 sample_range=sample_range, source=picked["source"], default=list(picked["default"] or []),
                 mapping=picked["mapping"], refused=picked["refused"], problems=picked["problems"])
 
@@ -175,5 +193,6 @@ def from_manifest(doc: dict, output_dir) -> Plan:
     n = modelconfig.num_layers(config)
     return Plan(engine=str(name or ""), engine_why="recorded", convention=doc["layer_convention"],
                 layer_ids=[int(x) for x in doc["layer_ids"]], format=doc.get("format_name") or "",
-                num_layers=n if isinstance(n, int) else 0, output_dir=str(output_dir),
+                num_layers=n if isinstance(n, int) else 0, state_format=doc.get("state_format") or contract.BF16,
+                output_dir=str(output_dir),
                 sample_range=doc.get("sample_range"), source="recorded")

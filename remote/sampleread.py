@@ -110,7 +110,11 @@ def read_pt_sample(path, stats, layer_ids):
 
 #: safetensors dtype -> (bytes per element, torch dtype name)
 _ST_DTYPES = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float32"), "F64": (8, "float64"),
-              "I64": (8, "int64"), "I32": (4, "int32")}
+              "I64": (8, "int64"), "I32": (4, "int32"), "F8_E4M3": (1, "float8_e4m3fn")}
+#: the safetensors dtype of an fp8 file's states (hs-connectors' FP8HiddenStatesConnector)
+FP8_DTYPE = "F8_E4M3"
+#: the name of its per-token scales tensor (float32 [T, 1, 1]; :data:`remote.contract.FP8_SCALES_KEY`)
+SCALES_KEY = "hidden_states_scales"
 #: a safetensors header larger than this is not one the connector wrote
 _MAX_HEADER = 1 << 24
 
@@ -179,7 +183,7 @@ def layer_partial(x) -> dict:
                 nan=int(torch.isnan(d).sum()), inf=int(torch.isinf(d).sum()))
 
 
-def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=None) -> dict:
+def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=None, state_format=None) -> dict:
     """Everything a run keeps about one ``hs`` file, from a single read of it.
 
     Checks the safetensors structure and size, ``token_ids`` (int64 [T]; equal to
@@ -187,6 +191,12 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
     ``hidden_size`` when given), and NaN/Inf; hashes the bytes and computes each layer's
     statistics (:func:`layer_partial`, in ``layer_ids`` order). The file is memory-mapped
     once: hash, checks and statistics read the page cache in place, nothing is copied whole.
+
+    An fp8 file (``hidden_states`` float8_e4m3fn) must carry its per-token scales
+    (``hidden_states_scales`` float32 [T, 1, 1]); its statistics and NaN/Inf check are of the
+    dequantized values (fp8 x scale), what a reader through the fp8 backend gets.
+    ``state_format`` (``bf16``/``fp8``; None: either) is the format the run asked for: a file
+    of the other one is a problem.
 
     :returns: ``{"problems": [...], "tokens", "bytes", "sha256", "tensors", "layers"}``;
         with problems, the rest may be missing.
@@ -216,13 +226,31 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
             problems.append(f"token_ids do not echo the request ({n} ids back, {len(token_ids)} sent)")
         shape, want = [int(d) for d in hs["shape"]], [n, len(file_layer_ids)]
         if len(shape) != 3 or shape[:2] != want or (hidden_size and shape[2] != hidden_size) or \
-                hs["dtype"] not in ("BF16", "F16", "F32", "F64"):
+                hs["dtype"] not in ("BF16", "F16", "F32", "F64", FP8_DTYPE):
             problems.append(f"hidden_states {hs['dtype']} {shape}, expected a float [{want[0]}, {want[1]}, "
                             f"{hidden_size or 'H'}] [T, L, H] (layers {list(file_layer_ids)})")
             return {"problems": problems}
+        fp8 = hs["dtype"] == FP8_DTYPE
+        if state_format is not None and fp8 != (state_format == "fp8"):
+            problems.append(f"hidden_states is {hs['dtype']}, but the run asked for {state_format} states (is the "
+                            f"server's connector the one for format {state_format}?)")
+            return {"problems": problems}
+        scales = None
+        if fp8:
+            sc = header.get(SCALES_KEY)
+            if sc is None or sc["dtype"] != "F32" or [int(d) for d in sc["shape"]] != [n, 1, 1]:
+                found = f"{sc['dtype']} {sc['shape']}" if sc else "missing"
+                problems.append(f"fp8 hidden_states need {SCALES_KEY} float32 [{n}, 1, 1] (per-token scales): {found}")
+                return {"problems": problems}
+            scales = torch.frombuffer(mapped, dtype=torch.float32, count=n,
+                                      offset=data_start + sc["data_offsets"][0]).view(n, 1)
         states = torch.frombuffer(mapped, dtype=getattr(torch, _ST_DTYPES[hs["dtype"]][1]),
                                   count=math.prod(shape), offset=data_start + hs["data_offsets"][0]).view(shape)
-        layers = [layer_partial(states[:, list(file_layer_ids).index(lid)]) for lid in layer_ids]
+        if fp8:  # statistics of what a reader gets: fp8 x its token's scale, in float32
+            layers = [dict(layer_partial(states[:, list(file_layer_ids).index(lid)].float() * scales),
+                           dtype="float8_e4m3fn") for lid in layer_ids]
+        else:
+            layers = [layer_partial(states[:, list(file_layer_ids).index(lid)]) for lid in layer_ids]
         bad = [(lid, p["nan"], p["inf"]) for lid, p in zip(layer_ids, layers) if p["nan"] or p["inf"]]
         if bad:
             problems.append("hidden_states has NaN/Inf: " + ", ".join(
@@ -230,8 +258,10 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
         entry = {"token_ids": {"shape": [n], "dtype": "int64"},
                  "hidden_states": {"layer_ids": list(file_layer_ids), "shape": shape,
                                    "dtype": _ST_DTYPES[hs["dtype"]][1]}}
+        if fp8:
+            entry[SCALES_KEY] = {"shape": [n, 1, 1], "dtype": "float32"}
         digest = hashlib.sha256(mapped).hexdigest()
-        del ids, states
+        del ids, states, scales
         return {"problems": problems, "tokens": n, "bytes": size, "sha256": digest, "tensors": entry,
                 "layers": layers}
     finally:

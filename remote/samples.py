@@ -189,7 +189,10 @@ IDENTITY_FIELDS = {
     "format": "the sample file format",
     "layer_ids": "the layer ids",
     "layer_convention": "the layer convention",
+    "state_format": "the states' dtype on disk (inventory format / --format: bf16 or fp8)",
 }
+#: what an identity field means when an owner file of an older specops lacks it
+IDENTITY_UNSET = {"state_format": contract.BF16}
 
 
 def shard_tag(lo: int, hi: int) -> str:
@@ -209,21 +212,23 @@ def dataset_fingerprint(token_samples, **facts) -> str:
     return digest.hexdigest()
 
 
-def run_identity(token_samples, *, model: dict, fmt: str, layer_ids, layer_convention: str) -> dict:
+def run_identity(token_samples, *, model: dict, fmt: str, layer_ids, layer_convention: str,
+                 state_format: str = contract.BF16) -> dict:
     """What makes two writers of one output dir the same run's (:data:`IDENTITY_FIELDS`).
 
     Not the sample range (shards of one run differ in it), not the model's path (hosts
     hold copies at different paths), not the engine (two engines may write the same files).
     """
     return {"dataset_sha256": dataset_fingerprint(token_samples), "dataset_samples": len(token_samples),
-            "model": model, "format": fmt, "layer_ids": list(layer_ids), "layer_convention": layer_convention}
+            "model": model, "format": fmt, "layer_ids": list(layer_ids), "layer_convention": layer_convention,
+            "state_format": state_format}
 
 
 def identity_differences(had: dict, now: dict) -> list[str]:
     """Field by field, how ``now`` differs from ``had`` (empty: the same run's)."""
     said = []
     for key, what in IDENTITY_FIELDS.items():
-        a, b = had.get(key), now.get(key)
+        a, b = had.get(key, IDENTITY_UNSET.get(key)), now.get(key, IDENTITY_UNSET.get(key))
         if json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True):
             continue
         if key == "model" and isinstance(a, dict) and isinstance(b, dict):
@@ -315,10 +320,14 @@ def claim_output_dir(output_dir, run_id: str, identity: dict, sample_range, *, w
             differ = [] if owner.get("fingerprint") == legacy_fingerprint else [
                 "the dataset, model, engine or layer ids (an older specops recorded only their fingerprint)"]
         if differ:
+            had_format = owner.get("identity", {}).get("state_format", contract.BF16)
+            mixed = any(d.startswith("state_format ") for d in differ)
+            fix = (f" (format: {had_format}, or --format {had_format}; one output dir holds one format)"
+                   if mixed else "")
             raise ValueError(f"run {run_id!r}: output dir {output_dir} was first written with other inputs; "
                              f"writing into it would mix two datasets. What differs (first writer -> this one): "
                              + "; ".join(differ) + ". Give this run its own output dir or run id, or run it with "
-                             "the inputs it was started with")
+                             "the inputs it was started with" + fix)
     claims = read_claims(output_dir)
     tag = shard_tag(lo, hi)
     for other, claim in claims.items():
@@ -394,7 +403,8 @@ def manifest_entries(output_dir) -> dict:
     return {"files": list(files.values()), "dataset_files": dataset_files}
 
 
-def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=None, known=None):
+def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=None, known=None,
+                 state_format=None):
     """Manifest entries and per-layer statistics of every sample of ``indices``.
 
     Files are read back (rather than numbers kept in memory) so that the manifest and
@@ -405,6 +415,7 @@ def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=N
     :param indices: the sample indices of the run (an int ``n`` means ``range(n)``).
     :param file_layer_ids: ``hs`` only: the ids in the order of the file's layer axis
         (ascending); the statistics are reported in ``layer_ids`` order.
+    :param state_format: ``hs`` only: the run's bf16/fp8 (a file of the other is refused); None: either.
     :returns: ``(files, stats, tokens)``; ``files`` are manifest entries whose ``path``
         is relative to the output dir.
     :raises ValueError: a file that does not have the expected structure (named).
@@ -417,7 +428,8 @@ def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=N
     for idx in indices:
         path = sample_path(output_dir, idx, fmt)
         if fmt == HS:
-            digest = known.get(idx) or digest_hs_file(path, layer_ids, file_layer_ids or sorted(layer_ids))
+            digest = known.get(idx) or digest_hs_file(path, layer_ids, file_layer_ids or sorted(layer_ids),
+                                                      state_format=state_format)
             if digest["problems"]:
                 raise ValueError(f"{path}: " + "; ".join(digest["problems"]))
             for st, part in zip(stats, digest["layers"]):

@@ -153,7 +153,7 @@ def _stack(params: dict, data: dict, plan=None) -> dict:
         return protocol.record("shard.stack", protocol.FAIL, f"cannot resolve the layer ids: {exc}",
                                detail=stack, fix="run specops preflight on this host; it names the cause")
     data["plan"] = plan.as_dict()
-    stack.update(layer_ids=plan.layer_ids, layer_ids_output=plan.ids(layers.OUTPUT))
+    stack.update(layer_ids=plan.layer_ids, layer_ids_output=plan.ids(layers.OUTPUT), state_format=plan.state_format)
     return protocol.record("shard.stack", protocol.OK,
                            f"{name}: layers {plan.layer_ids} ({plan.convention} of layer i), files {fmt}",
                            detail=stack)

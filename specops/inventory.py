@@ -115,6 +115,9 @@ class HostSpec(BaseModel):
     batch_size: int = Field(default=DEFAULTS["batch_size"], ge=1)
     gpu_memory_utilization: float = Field(default=DEFAULTS["gpu_memory_utilization"], gt=0, le=1)
     trust_remote_code: bool = False
+    #: the states' dtype on disk: ``bf16`` (what the model computes) or ``fp8`` (hs-connectors'
+    #: FP8HiddenStatesConnector, about half the bytes; the vllm-server engine only).
+    format: Literal[CONTRACT.STATE_FORMATS] = CONTRACT.BF16
     #: run remote writes (``fab patch`` into a root-owned site-packages) through ``sudo -n``.
     sudo: bool = False
     #: exported for every job on this host.

@@ -89,11 +89,31 @@ def _path(name: str, value: Any) -> str | None:
     return value
 
 
+def check_state_format(fmt, engine, spec: HostSpec) -> str:
+    """The run's ``format`` (``--format`` over the inventory's), refused where the engine the
+    user named writes no fp8 (``engine: auto`` is judged on the host, by the run's plan).
+
+    :raises UsageError: an unknown format, or fp8 with an engine that cannot write it.
+    """
+    if fmt is not None and fmt not in CONTRACT.STATE_FORMATS:
+        raise UsageError(f"--format {fmt!r} is not known",
+                         f"use one of: {', '.join(CONTRACT.STATE_FORMATS)} (default {CONTRACT.BF16})")
+    chosen = fmt or spec.format
+    named = CONTRACT.ENGINE_ALIASES.get(engine or spec.engine, engine or spec.engine)
+    if chosen == CONTRACT.FP8 and named != CONTRACT.AUTO_ENGINE and named not in CONTRACT.FP8_ENGINES:
+        where = "--format fp8" if fmt else f"{spec.name}: format: fp8"
+        raise UsageError(f"{where}: engine {named} writes its states unquantized; fp8 states need the "
+                         f"{' or '.join(CONTRACT.FP8_ENGINES)} engine",
+                         "set format: bf16 (or drop --format fp8), or use engine vllm-server (speculators >= 0.5)")
+    return chosen
+
+
 def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=None, engine=None,
-               seq_len=None, max_samples=None, batch_size=None, output_dir=None) -> dict:
+               seq_len=None, max_samples=None, batch_size=None, output_dir=None, format=None) -> dict:
     """The parameters every remote step of a run sees (preflight, extract, smoke)."""
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is not known", f"use one of: {', '.join(ENGINES)}")
+    state_format = check_state_format(format, engine, spec)
     params = {
         "model_path": _path("model", model) or spec.model_path,
         "dataset": _path("dataset", dataset) or spec.dataset,
@@ -110,6 +130,7 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
         "batch_size": _positive("batch-size", batch_size) or spec.batch_size,
         "gpu_memory_utilization": spec.gpu_memory_utilization,
         "trust_remote_code": spec.trust_remote_code,
+        "format": state_format,
         "env": dict(spec.env),
         "python": spec.python,
     }

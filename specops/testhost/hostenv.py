@@ -173,6 +173,11 @@ ROPE_FIX_MODULE = "_specops_vllm_cpu_rope_fix"
 CPU_CONNECTOR = Path(__file__).with_name("cpu_hidden_states_connector.py")
 CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
 CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
+#: its fp8 sibling (format fp8: hs-connectors' FP8HiddenStatesConnector with the CPU copy), which
+#: imports the module above by that name.
+CPU_FP8_CONNECTOR = Path(__file__).with_name("cpu_fp8_hidden_states_connector.py")
+CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
+CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
 
 
 def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_fix: bool = True,
@@ -192,7 +197,10 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     With ``hidden_states_connector`` it carries :mod:`cpu_hidden_states_connector` as
     the module ``_specops_cpu_hidden_states_connector`` (vLLM's stock hidden-states
     connector needs CUDA to copy; the modern stack's engine loads this one by name on a
-    CPU host). No ``.pth`` is needed: vLLM imports it when the server starts.
+    CPU host). No ``.pth`` is needed: vLLM imports it when the server starts. Beside it goes
+    :mod:`cpu_fp8_hidden_states_connector` as ``_specops_cpu_fp8_hidden_states_connector``
+    (the connector of ``format: fp8`` on a CPU host; it needs hs-connectors, which the modern
+    stack carries).
 
     :returns: the overlay's python.
     """
@@ -208,6 +216,7 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
         (site / f"{ROPE_FIX_MODULE}.pth").write_text(f"import {ROPE_FIX_MODULE}\n")
     if hidden_states_connector:
         (site / f"{CPU_CONNECTOR_MODULE}.py").write_text(CPU_CONNECTOR.read_text())
+        (site / f"{CPU_FP8_CONNECTOR_MODULE}.py").write_text(CPU_FP8_CONNECTOR.read_text())
     for name in own:
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():

@@ -23,6 +23,12 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 #: overlay env writes the module under exactly this name).
 CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
 CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
+#: format fp8: hs-connectors' connector (its module is found in the installed package, see
+#: :func:`fp8_connector_module`), and the test host's CPU variant of it (the same file layout).
+FP8_CONNECTOR_PACKAGE = "hs_connectors"
+FP8_CONNECTOR_CLASS = "FP8HiddenStatesConnector"
+CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
+CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
 #: set in the server's environment; every process vLLM starts inherits it, which is how
 #: :func:`~.process.leftover_pids` finds them even when one left the process group.
 MARKER_ENV = "SPECOPS_VLLM_SERVER_ID"
@@ -59,12 +65,41 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def fp8_connector_module(search=None) -> str | None:
+    """The module of the installed hs-connectors that defines ``FP8HiddenStatesConnector``
+    (``hs_connectors.fp8_hidden_states_connector`` in 0.9.0), read from its files (nothing is
+    imported); None when hs-connectors is missing or has no such class.
+
+    :param search: dirs to look in first (a site-packages), else this python's ``sys.path``.
+    """
+    import importlib.machinery
+    import re
+    from pathlib import Path
+
+    spec = importlib.machinery.PathFinder.find_spec(FP8_CONNECTOR_PACKAGE, list(search) if search else None)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pattern = re.compile(rf"^class\s+{FP8_CONNECTOR_CLASS}\b", re.MULTILINE)
+    for root in spec.submodule_search_locations:
+        for path in sorted(Path(root).glob("*.py")):
+            try:
+                if pattern.search(path.read_text(encoding="utf-8", errors="replace")):
+                    return f"{FP8_CONNECTOR_PACKAGE}.{path.stem}"
+            except OSError:
+                continue
+    return None
+
+
 def pick_connector(params: dict) -> tuple[str, str | None]:
     """The hidden-states connector for this host: ``(class name, module path or None)``.
 
     ``params["kv_connector"]`` (``"Class"`` or ``"module:Class"``) wins. Otherwise the
     stock connector, except where the CPU connector module is installed and torch sees
-    no CUDA device (the test host): there the stock one cannot copy.
+    no CUDA device (the test host): there the stock one cannot copy. With ``format: fp8``
+    hs-connectors' ``FP8HiddenStatesConnector`` (module read from the installed package),
+    or on such a CPU host its CPU variant.
+
+    :raises ValueError: fp8 on a host whose hs-connectors has no fp8 connector (preflight says so first).
     """
     explicit = params.get("kv_connector")
     if explicit:
@@ -72,8 +107,16 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
         return name, module_path or None
     import importlib.util
 
-    if importlib.util.find_spec(CPU_CONNECTOR_MODULE) is not None and not cuda_available():
-        return CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE
+    fp8 = params.get("format") == "fp8"
+    cpu_module = CPU_FP8_CONNECTOR_MODULE if fp8 else CPU_CONNECTOR_MODULE
+    if importlib.util.find_spec(cpu_module) is not None and not cuda_available():
+        return (CPU_FP8_CONNECTOR_CLASS if fp8 else CPU_CONNECTOR_CLASS), cpu_module
+    if fp8:
+        module = fp8_connector_module()
+        if module is None:
+            raise ValueError(f"format fp8: this python has no {FP8_CONNECTOR_PACKAGE} with {FP8_CONNECTOR_CLASS}; "
+                             f"pip install 'hs-connectors>=0.9', or set format: bf16")
+        return FP8_CONNECTOR_CLASS, module
     return STOCK_CONNECTOR, None
 
 

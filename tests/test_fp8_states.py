@@ -1,0 +1,297 @@
+"""fp8 states on the vllm-server engine (issue 23, first slice): ``format: fp8`` / ``--format fp8``.
+
+hs-connectors 0.9's ``FP8HiddenStatesConnector`` writes ``hidden_states`` as float8_e4m3fn
+with one float32 scale per token (``hidden_states_scales`` [T, 1, 1]); its read side is
+``hs_connectors.transfer.FP8Transfer``, which speculators 0.9's trainer uses only with
+``--hidden-states-backend fp8`` (its default ``file`` backend reads the fp8 values without
+their scales, silently wrong).
+
+Light tests (no vLLM): the field and the flag, the seed engine's refusal, the digest and
+verify's reader on a file made by hs-connectors' own quantizer, resume refusing to mix
+formats, preflight's disk estimate and its fail when the host's hs-connectors has no fp8
+connector.
+
+Heavy tests (one CPU server start of ours, 1-2 min; marked ``vllm``): ``specops extract
+--format fp8`` over SSH on the modern test host (its overlay carries the CPU fp8 connector:
+the CPU copy of the bf16 one, hs-connectors' own write), against the session's shared bf16
+Llama run on the same ids (``modern_ssh_run("llama", 1)``: same dataset, seq_len 128, 4
+samples, the engine's default ids): speculators 0.9's own ``ArrowDataset`` through the fp8
+backend equals the bf16 states within fp8 rounding, the default backend does not (the
+trap), bytes per token bf16 vs fp8 are printed, and ``verify`` passes the fp8 run against
+fp8's rounding floor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+INPUT_DEFAULT = [2, 4, 5, 8]
+
+
+def run_python(python, code: str, *args, timeout: int = 600) -> dict:
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(python), "-c", code, *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+# --------------------------------------------------------------------------- light: the field and the flag
+
+
+def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8(tmp_path):
+    import yaml
+
+    from specops.errors import InventoryError, UsageError
+    from specops.exit_codes import ExitCode
+    from specops.inventory import load_inventory
+    from specops.params import run_params
+
+    def inventory(**fields):
+        spec = {"address": "127.0.0.1", "python": "python3", "model_path": "/m", "output_dir": "/o", **fields}
+        path = tmp_path / f"inv-{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump({"hosts": {"h": spec}}))
+        return load_inventory(path).hosts["h"]
+
+    assert run_params(inventory())["format"] == "bf16"  # the default: what the model computes
+    fp8 = inventory(format="fp8")
+    assert run_params(fp8)["format"] == "fp8"
+    assert run_params(fp8, format="bf16")["format"] == "bf16"  # the flag wins
+    assert run_params(inventory(), format="fp8")["format"] == "fp8"
+    with pytest.raises(InventoryError, match="format"):
+        inventory(format="fp9")
+    with pytest.raises(UsageError) as bad:
+        run_params(inventory(), format="fp9")
+    assert "--format 'fp9'" in str(bad.value) and "bf16, fp8" in str(bad.value)
+    # the seed engine writes no fp8: a usage error naming the field and the fix, before any host is asked
+    with pytest.raises(UsageError) as seed:
+        run_params(inventory(engine="speculators-0.3"), format="fp8")
+    assert seed.value.code == ExitCode.USAGE
+    assert "--format fp8" in str(seed.value) and "speculators-0.3" in str(seed.value) and "format: bf16" in str(seed.value)
+    with pytest.raises(UsageError, match=r"h: format: fp8: engine speculators-0.3"):
+        run_params(inventory(format="fp8"), engine="speculators-0.3")
+
+    # the CLI: exit 3, nothing ran (the host in this inventory does not exist)
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump({"hosts": {"h": {"address": "192.0.2.1", "python": "python3", "model_path": "/m",
+                                                    "output_dir": "/o", "engine": "speculators-0.3"}}}))
+    proc = specops("preflight", "--inventory", path, "--format", "fp8", timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "--format fp8: engine speculators-0.3" in said and "hint: set format: bf16" in said, said
+    assert "Traceback" not in said
+
+    # engine auto resolved on the host to the seed engine: the run's plan refuses it, naming the field
+    from remote import runplan
+
+    with pytest.raises(runplan.PlanError) as plan:
+        runplan.resolve({"format": "fp8"}, {"num_hidden_layers": 8}, engine=("speculators-0.3", "speculators 0.3.0"))
+    assert plan.value.field == "format" and "format: bf16" in str(plan.value)
+    ok = runplan.resolve({"format": "fp8"}, {"num_hidden_layers": 8}, engine=("vllm-server", "given"))
+    assert ok.state_format == "fp8" and ok.as_dict()["state_format"] == "fp8"
+    assert runplan.resolve({}, {"num_hidden_layers": 8}, engine=("vllm-server", "given")).state_format == "bf16"
+
+
+def test_resume_refuses_to_mix_formats_in_one_output_dir(tmp_path):
+    from remote import samples
+
+    rows = [([1, 2, 3], [0, 1, 1])]
+    bf16 = samples.run_identity(rows, model={"n": 8}, fmt="hs", layer_ids=[2, 4], layer_convention="input")
+    fp8 = samples.run_identity(rows, model={"n": 8}, fmt="hs", layer_ids=[2, 4], layer_convention="input",
+                               state_format="fp8")
+    samples.claim_output_dir(tmp_path, "r1", fp8, (0, 1))
+    samples.claim_output_dir(tmp_path, "r1", fp8, (0, 1))  # the same run again: a resume
+    with pytest.raises(ValueError) as mixed:
+        samples.claim_output_dir(tmp_path, "r1", bf16, (0, 1))
+    text = str(mixed.value)
+    assert "state_format" in text and "'fp8' -> 'bf16'" in text and "--format fp8" in text, text
+    # an owner file of an older specops (no state_format) is a bf16 run's: a bf16 resume goes on, fp8 does not
+    old = tmp_path / "old"
+    legacy = {k: v for k, v in bf16.items() if k != "state_format"}
+    samples.claim_output_dir(old, "r2", legacy, (0, 1))
+    samples.claim_output_dir(old, "r2", bf16, (0, 1))
+    with pytest.raises(ValueError, match="--format bf16"):
+        samples.claim_output_dir(old, "r2", fp8, (0, 1))
+
+
+def test_preflight_disk_estimate_halves_and_names_the_format():
+    from remote.probes import Context, capacity
+
+    def estimate(fmt, engine="vllm-server"):
+        ctx = Context({"max_samples": 1000, "seq_len": 8192, "engine": engine, "hidden_dtype_bytes": 2,
+                       **({"format": fmt} if fmt else {})})
+        ctx.model = {"hidden_size": 7168}
+        ctx.layers = {"ids": [2, 30, 58, 61]}
+        ctx.host = {"disk": {"output_dir": {"free_bytes": 1 << 50, "measured_at": "/out"}}}
+        record, = capacity.probe(ctx)
+        return record
+
+    bf16, fp8, default = estimate("bf16"), estimate("fp8"), estimate(None)
+    assert default["detail"]["bytes"] == bf16["detail"]["bytes"] and bf16["detail"]["format"] == "bf16"
+    ratio = fp8["detail"]["bytes"] / bf16["detail"]["bytes"]
+    assert 0.49 < ratio < 0.51, ratio
+    assert fp8["detail"]["format"] == "fp8" and "fp8" in fp8["summary"] and "0.50x bf16" in fp8["summary"]
+    assert "hidden_states_scales" in fp8["summary"] and "bf16" in bf16["summary"]
+    # a Kimi-K2.5-sized token: 57 KB bf16 -> 28.7 KB fp8 (4 layers x 7168 + the scale and the id)
+    print(f"\npreflight estimate per token (4 x 7168): bf16 {bf16['detail']['bytes'] / 1000 / 8192:.1f} kB, "
+          f"fp8 {fp8['detail']['bytes'] / 1000 / 8192:.1f} kB")
+
+
+# --------------------------------------------------------------------------- light: files made by hs-connectors
+
+
+DIGEST = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+from remote import samples
+from remote.sampleread import LayerStats
+from remote.verify.run import load_sample
+
+out = Path(sys.argv[1]) / "hidden_states"
+out.mkdir(parents=True)
+torch.manual_seed(0)
+T, ids = 37, [4, 9, 2, 7]
+x = (torch.randn(T, 4, 64) * torch.tensor([0.5, 2.0, 8.0, 60.0])[None, :, None]).to(torch.bfloat16)
+q, scale = quantize_tensor_to_fp8(x)
+token_ids = torch.arange(T, dtype=torch.long)
+save_file({"hidden_states": q, SCALES_KEY: scale, "token_ids": token_ids}, str(out / "hs_0.safetensors"))
+save_file({"hidden_states": x, "token_ids": token_ids}, str(out / "hs_1.safetensors"))
+save_file({"hidden_states": q, "token_ids": token_ids}, str(out / "hs_2.safetensors"))
+ids_sorted = sorted([2, 4, 5, 8])
+d = samples.digest_hs_file(out / "hs_0.safetensors", [8, 2, 4, 5], ids_sorted, token_ids=token_ids.tolist(),
+                           hidden_size=64, state_format="fp8")
+deq = q.float() * scale
+want = []
+for lid in [8, 2, 4, 5]:
+    st = LayerStats(lid)
+    st.add(deq[:, ids_sorted.index(lid)])
+    want.append(st.as_dict())
+got = []
+for lid, part in zip([8, 2, 4, 5], d["layers"]):
+    st = LayerStats(lid)
+    st.merge(part)
+    got.append(st.as_dict())
+wrong_format = samples.digest_hs_file(out / "hs_1.safetensors", ids_sorted, ids_sorted, state_format="fp8")
+wrong_format2 = samples.digest_hs_file(out / "hs_0.safetensors", ids_sorted, ids_sorted, state_format="bf16")
+no_scales = samples.digest_hs_file(out / "hs_2.safetensors", ids_sorted, ids_sorted)
+manifest = {"layer_ids": [2, 4, 5, 8], "file_layer_ids": ids_sorted}
+read = load_sample(out / "hs_0.safetensors", manifest)
+print(json.dumps({
+    "problems": d["problems"], "tensors": d["tensors"], "bytes": d["bytes"],
+    "stats": [[g["mean"], w["mean"], g["std"], w["std"], g["abs_max"], w["abs_max"], g["dtype"]] for g, w in zip(got, want)],
+    "wrong_format": wrong_format["problems"], "wrong_format2": wrong_format2["problems"], "no_scales": no_scales["problems"],
+    "present": sorted(samples.present_indices(out.parent, "hs")),
+    "read_equal": all(torch.equal(h, deq[:, ids_sorted.index(lid)]) for lid, h in zip([2, 4, 5, 8], read["hidden_states"])),
+    "read_format": read.get("state_format"), "read_scales": list(read["scales"].shape),
+}))
+"""
+
+
+def test_the_digest_and_verify_read_an_fp8_file_dequantized(modern_hostenv_python, tmp_path):
+    """A file written with hs-connectors' own quantizer: the manifest entry names fp8 and the scales,
+    the statistics are of fp8 x scale, a file of the other format (or without scales) is refused,
+    resume counts it, and verify's reader dequantizes it as FP8Transfer does."""
+    got = run_python(modern_hostenv_python, DIGEST, tmp_path)
+    assert got["problems"] == []
+    assert got["tensors"]["hidden_states"] == {"layer_ids": INPUT_DEFAULT, "shape": [37, 4, 64],
+                                               "dtype": "float8_e4m3fn"}
+    assert got["tensors"]["hidden_states_scales"] == {"shape": [37, 1, 1], "dtype": "float32"}
+    for g_mean, w_mean, g_std, w_std, g_max, w_max, dtype in got["stats"]:
+        assert g_mean == pytest.approx(w_mean, rel=1e-4, abs=1e-5) and g_std == pytest.approx(w_std, rel=1e-4)
+        assert g_max == pytest.approx(w_max, rel=1e-6) and dtype == "float8_e4m3fn"
+    assert any("asked for fp8" in p for p in got["wrong_format"]), got["wrong_format"]
+    assert any("asked for bf16" in p for p in got["wrong_format2"]), got["wrong_format2"]
+    assert any("hidden_states_scales" in p for p in got["no_scales"]), got["no_scales"]
+    assert got["present"] == [0, 1, 2]  # whole files by their headers, either format
+    assert got["read_equal"] and got["read_format"] == "fp8" and got["read_scales"] == [37, 1]
+
+
+CPU_FP8_CONNECTOR = r"""
+import json, sys, tempfile
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+import _specops_cpu_fp8_hidden_states_connector as cpu_fp8
+from _specops_cpu_hidden_states_connector import CpuHiddenStatesConnector, _CopyDone
+from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
+from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+from remote.engines import vllm_server
+
+cls = getattr(cpu_fp8, vllm_server.CPU_FP8_CONNECTOR_CLASS)
+# the CPU copy of the bf16 connector, the fp8 write of hs-connectors' own class
+path = Path(tempfile.mkdtemp()) / "hs.safetensors"
+x = (torch.randn(5, 3, 16) * 3).to(torch.bfloat16)
+cls._write_tensors({"hidden_states": x, "token_ids": torch.arange(5)}, _CopyDone(), str(path), None)
+got = load_file(str(path))
+q, s = quantize_tensor_to_fp8(x)
+print(json.dumps({
+    "copy_from": cls._submit_async_write.__qualname__, "write_from": cls._write_tensors.__qualname__,
+    "mro": [c.__name__ for c in cls.__mro__[:4]],
+    "keys": sorted(got), "dtype": str(got["hidden_states"].dtype), "scales": list(got["hidden_states_scales"].shape),
+    "same": torch.equal(got["hidden_states"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got["hidden_states_scales"], s),
+    "module_found": vllm_server.fp8_connector_module(),
+}))
+"""
+
+
+def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(modern_vllm_python):
+    """The test host's CPU fp8 connector adds no code of its own: the CPU connector's copy out of the
+    KV cache, then FP8HiddenStatesConnector's quantize + save_file, which runs on a CPU torch and
+    writes exactly what hs-connectors' quantizer makes (fp8 [T, L, H] + float32 scales [T, 1, 1])."""
+    from remote.engines import vllm_server
+    from specops.testhost import hostenv
+
+    assert hostenv.CPU_FP8_CONNECTOR_MODULE == vllm_server.CPU_FP8_CONNECTOR_MODULE
+    assert hostenv.CPU_FP8_CONNECTOR_CLASS == vllm_server.CPU_FP8_CONNECTOR_CLASS
+    got = run_python(modern_vllm_python, CPU_FP8_CONNECTOR)
+    assert got["copy_from"] == "CpuHiddenStatesConnector._submit_async_write"
+    assert got["write_from"] == "FP8HiddenStatesConnector._write_tensors"
+    assert got["mro"] == ["CpuFP8HiddenStatesConnector", "CpuHiddenStatesConnector", "FP8HiddenStatesConnector",
+                          "ExampleHiddenStatesConnector"]
+    assert got["keys"] == ["hidden_states", "hidden_states_scales", "token_ids"]
+    assert got["dtype"] == "torch.float8_e4m3fn" and got["scales"] == [5, 1, 1] and got["same"]
+    # on a GPU host the engine loads hs-connectors' own class, its module read from the installed package
+    assert got["module_found"] == "hs_connectors.fp8_hidden_states_connector"
+
+
+def test_preflight_fails_with_the_fix_when_hs_connectors_lacks_the_fp8_connector(modern_hostenv_python, tmp_path):
+    """An hs-connectors without FP8HiddenStatesConnector (an older release) in the host's python:
+    preflight's connector check fails, naming it and the fix; with bf16 the same host passes."""
+    from specops.testhost.hostenv import make_overlay_env, site_packages
+
+    python = make_overlay_env(modern_hostenv_python, tmp_path / "env", rope_fix=False, hidden_states_connector=False)
+    old = site_packages(python) / "hs_connectors"
+    old.mkdir()
+    (old / "__init__.py").write_text('"""an hs-connectors before fp8"""\n')
+    (old / "transfer.py").write_text("class FileTransfer:\n    pass\n")
+    code = r"""
+import json, sys
+from remote.drift import server
+out = {}
+for fmt in ("fp8", "bf16"):
+    rec = next(r for r in server.check({"model_path": "", "device": "cuda", "format": fmt})
+               if r["name"] == "drift.server-connector")
+    out[fmt] = {k: rec.get(k) for k in ("status", "summary", "fix")}
+print(json.dumps(out))
+"""
+    got = run_python(python, code)
+    assert got["fp8"]["status"] == "fail", got
+    assert "FP8HiddenStatesConnector" in got["fp8"]["summary"] and "format fp8" in got["fp8"]["summary"]
+    assert "pip install 'hs-connectors>=0.9'" in got["fp8"]["fix"] and "format: bf16" in got["fp8"]["fix"]
+    assert got["bf16"]["status"] == "ok", got
