@@ -42,6 +42,10 @@ def probe(ctx: Context) -> list:
         resolved = runplan.resolve(ctx.params, modelconfig.read(ctx.params["model_path"]),
                                    engine=ctx.engine or (engine, "given"))
     except (runplan.PlanError, modelconfig.ConfigError) as exc:
+        if getattr(exc, "field", None) == "format":  # fp8 on an engine that writes no fp8 (engine auto here)
+            return [record("params.format", FAIL, str(exc), detail={"engine": engine, "format": ctx.params.get("format")},
+                           fix="set format: bf16 (or drop --format fp8), or extract on a host whose speculators "
+                               ">= 0.5 picks the vllm-server engine")]
         return [record("layers.ids", FAIL, f"no run plan: {exc}", detail={"engine": engine, "num_layers": n},
                        fix="fix the value named above in the inventory or on the command line")]
     ctx.plan = resolved
