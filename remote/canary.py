@@ -121,8 +121,11 @@ class Canary:
         states = {lid: h[:n] for lid, h in zip(self.layer_ids, data["hidden_states"])}
         kept = json.loads(found.read_text())
         kept = dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
-        sample = logits.Sample(index, path.name, data["input_ids"][:n], states, kept)
-        sample.result = logits.compare(self.head, states[self.last], sample.ids, sample.logprobs)
+        scales = data.get("scales")
+        sample = logits.Sample(index, path.name, data["input_ids"][:n], states, kept,
+                               scales=scales[:n] if scales is not None else None)
+        sample.result = logits.compare(self.head, states[self.last], sample.ids, sample.logprobs,
+                                       scales=sample.scales)
         if sample.result["status"] == protocol.FAIL:
             run = _RunView(self.convention)
             sample.cause = logits.find_cause(self.head, sample, [sample], self.last, run, self.num_layers,

@@ -221,7 +221,8 @@ class Supervisor:
         lo, hi = plan.bounds(len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
-                                             layer_ids=layer_ids, layer_convention=convention)
+                                             layer_ids=layer_ids, layer_convention=convention,
+                                             state_format=plan.state_format)
         # the dir may be shared with the other shards of this run (one filesystem on every node)
         claimed = samples.claim_output_dir(
             self.output_dir, self.run_id, self.identity, (lo, hi),
@@ -405,7 +406,8 @@ class Supervisor:
         engine_info = getattr(self, "engine_info", {"name": engine_name, "tp": param(self.params, "tp")})
         file_layer_ids = engine_info.get("file_layer_ids") or sorted(layer_ids)
         files, stats, tokens = samples.scan_samples(self.output_dir, range(lo, hi), layer_ids, fmt,
-                                                    file_layer_ids=file_layer_ids, known=self.digests)
+                                                    file_layer_ids=file_layer_ids, known=self.digests,
+                                                    state_format=self.plan.state_format if fmt == samples.HS else None)
         token_dataset = samples.publish_token_dataset(self.output_dir, dataset, bounds,
                                                       self.identity["dataset_sha256"]) if fmt == samples.HS else {}
         dataset_files = token_dataset.get("files") or []
@@ -422,7 +424,8 @@ class Supervisor:
             layer_ids=layer_ids, convention=convention, sample_range=[lo, hi], dataset_samples=len(dataset),
             tokens=tokens, files=files, dataset_files=dataset_files, identity=self.identity,
             versions=dict(samples.package_versions(), python=sys.version.split()[0]), params=self.params,
-            file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"))
+            file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"),
+            state_format=self.plan.state_format)
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,
@@ -430,6 +433,7 @@ class Supervisor:
             "tokens": tokens,
             "layers": layer_summaries,
             "layer_convention": convention,
+            "state_format": self.plan.state_format,
             "sample_range": [lo, hi],
             "tokens_this_attempt": run_tokens,
             # engine time only / extraction loop (engine + writes) / whole attempt (load included)

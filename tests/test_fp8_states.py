@@ -26,9 +26,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from conftest import _inventory_writer
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -52,7 +55,7 @@ def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
 # --------------------------------------------------------------------------- light: the field and the flag
 
 
-def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8(tmp_path):
+def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8(tmp_path, tiny_models):
     import yaml
 
     from specops.errors import InventoryError, UsageError
@@ -80,7 +83,8 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     with pytest.raises(UsageError) as seed:
         run_params(inventory(engine="speculators-0.3"), format="fp8")
     assert seed.value.code == ExitCode.USAGE
-    assert "--format fp8" in str(seed.value) and "speculators-0.3" in str(seed.value) and "format: bf16" in str(seed.value)
+    said = str(seed.value)
+    assert "--format fp8" in said and "speculators-0.3" in said and "format: bf16" in said, said
     with pytest.raises(UsageError, match=r"h: format: fp8: engine speculators-0.3"):
         run_params(inventory(format="fp8"), engine="speculators-0.3")
 
@@ -100,6 +104,17 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     with pytest.raises(runplan.PlanError) as plan:
         runplan.resolve({"format": "fp8"}, {"num_hidden_layers": 8}, engine=("speculators-0.3", "speculators 0.3.0"))
     assert plan.value.field == "format" and "format: bf16" in str(plan.value)
+    # and preflight says so in its own record, before any load
+    from remote.probes import Context, layer_ids
+
+    ctx = Context({"format": "fp8", "model_path": str(tiny_models["llama"]), "engine": "speculators-0.3",
+                   "layer_ids": None, "layer_convention": None})
+    ctx.engine = ("speculators-0.3", "speculators 0.3.0 installed")
+    ctx.model = {"num_layers": 8}
+    found = {r["name"]: r for r in layer_ids.probe(ctx)}
+    assert found["params.format"]["status"] == "fail", found
+    assert "format fp8 needs the vllm-server engine" in found["params.format"]["summary"]
+    assert "format: bf16" in found["params.format"]["fix"]
     ok = runplan.resolve({"format": "fp8"}, {"num_hidden_layers": 8}, engine=("vllm-server", "given"))
     assert ok.state_format == "fp8" and ok.as_dict()["state_format"] == "fp8"
     assert runplan.resolve({}, {"num_hidden_layers": 8}, engine=("vllm-server", "given")).state_format == "bf16"
@@ -146,8 +161,8 @@ def test_preflight_disk_estimate_halves_and_names_the_format():
     assert fp8["detail"]["format"] == "fp8" and "fp8" in fp8["summary"] and "0.50x bf16" in fp8["summary"]
     assert "hidden_states_scales" in fp8["summary"] and "bf16" in bf16["summary"]
     # a Kimi-K2.5-sized token: 57 KB bf16 -> 28.7 KB fp8 (4 layers x 7168 + the scale and the id)
-    print(f"\npreflight estimate per token (4 x 7168): bf16 {bf16['detail']['bytes'] / 1000 / 8192:.1f} kB, "
-          f"fp8 {fp8['detail']['bytes'] / 1000 / 8192:.1f} kB")
+    per_token = {k: r["detail"]["bytes"] / (1000 * 8192) / 1000 for k, r in (("bf16", bf16), ("fp8", fp8))}
+    print(f"\npreflight estimate per token (4 x 7168): bf16 {per_token['bf16']:.1f} kB, fp8 {per_token['fp8']:.1f} kB")
 
 
 # --------------------------------------------------------------------------- light: files made by hs-connectors
@@ -194,10 +209,13 @@ manifest = {"layer_ids": [2, 4, 5, 8], "file_layer_ids": ids_sorted}
 read = load_sample(out / "hs_0.safetensors", manifest)
 print(json.dumps({
     "problems": d["problems"], "tensors": d["tensors"], "bytes": d["bytes"],
-    "stats": [[g["mean"], w["mean"], g["std"], w["std"], g["abs_max"], w["abs_max"], g["dtype"]] for g, w in zip(got, want)],
-    "wrong_format": wrong_format["problems"], "wrong_format2": wrong_format2["problems"], "no_scales": no_scales["problems"],
+    "stats": [[g["mean"], w["mean"], g["std"], w["std"], g["abs_max"], w["abs_max"], g["dtype"]]
+              for g, w in zip(got, want)],
+    "wrong_format": wrong_format["problems"], "wrong_format2": wrong_format2["problems"],
+    "no_scales": no_scales["problems"],
     "present": sorted(samples.present_indices(out.parent, "hs")),
-    "read_equal": all(torch.equal(h, deq[:, ids_sorted.index(lid)]) for lid, h in zip([2, 4, 5, 8], read["hidden_states"])),
+    "read_equal": all(torch.equal(h, deq[:, ids_sorted.index(lid)])
+                      for lid, h in zip([2, 4, 5, 8], read["hidden_states"])),
     "read_format": read.get("state_format"), "read_scales": list(read["scales"].shape),
 }))
 """
@@ -244,7 +262,8 @@ print(json.dumps({
     "copy_from": cls._submit_async_write.__qualname__, "write_from": cls._write_tensors.__qualname__,
     "mro": [c.__name__ for c in cls.__mro__[:4]],
     "keys": sorted(got), "dtype": str(got["hidden_states"].dtype), "scales": list(got["hidden_states_scales"].shape),
-    "same": torch.equal(got["hidden_states"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got["hidden_states_scales"], s),
+    "same": torch.equal(got["hidden_states"].view(torch.uint8), q.view(torch.uint8))
+            and torch.equal(got["hidden_states_scales"], s),
     "module_found": vllm_server.fp8_connector_module(),
 }))
 """
@@ -295,3 +314,228 @@ print(json.dumps(out))
     assert "FP8HiddenStatesConnector" in got["fp8"]["summary"] and "format fp8" in got["fp8"]["summary"]
     assert "pip install 'hs-connectors>=0.9'" in got["fp8"]["fix"] and "format: bf16" in got["fp8"]["fix"]
     assert got["bf16"]["status"] == "ok", got
+
+
+# --------------------------------------------------------------------------- heavy: a real fp8 run
+
+
+@pytest.fixture(scope="module")
+def modern_llama(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """An inventory of the modern test host set up exactly as the session's shared bf16 run (conftest
+    ``modern_ssh_run``): same env, dataset, seq_len, samples and ids; bf16 unless a flag says fp8."""
+    from specops.testhost.hostenv import cache_root
+
+    tmp = tmp_path_factory.mktemp("modern-llama-fp8")
+    env = {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+    inventory = _inventory_writer(tmp, testhost, modern_fixed_python, "inventory")(
+        model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]), tp=1,
+        seq_len=128, max_samples=4, batch_size=4, env=env)
+    return {"tmp": tmp, "inventory": inventory}
+
+
+def test_preflight_on_the_modern_host_checks_the_fp8_connector_and_halves_the_disk_estimate(modern_llama):
+    """``specops preflight --format fp8`` over SSH: the connector the run will load is hs-connectors' fp8
+    one (here the test host's CPU variant), and the disk estimate is about half the bf16 one, naming fp8."""
+    found = {}
+    for fmt in ("bf16", "fp8"):
+        proc = specops("preflight", "--inventory", modern_llama["inventory"], "--format", fmt, "--json",
+                       timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+        found[fmt] = {r["name"]: r for r in records_of(proc)}
+    fp8, bf16 = found["fp8"], found["bf16"]
+    assert fp8["drift.server-connector"]["status"] == "ok"
+    assert "CpuFP8HiddenStatesConnector" in fp8["drift.server-connector"]["summary"]
+    assert "CpuHiddenStatesConnector (" in bf16["drift.server-connector"]["summary"]
+    assert "fp8" in fp8["capacity.output"]["summary"] and "bf16" in bf16["capacity.output"]["summary"]
+    ratio = fp8["capacity.output"]["detail"]["bytes"] / bf16["capacity.output"]["detail"]["bytes"]
+    assert 0.49 < ratio < 0.52, ratio
+    print(f"\npreflight --format fp8: {fp8['capacity.output']['summary']}")
+
+
+@pytest.fixture(scope="module")
+def fp8_run(modern_llama) -> dict:
+    """``specops extract --format fp8 --tensors --json`` of the tiny Llama over SSH (preflight on, smoke off,
+    as the shared bf16 run)."""
+    tmp, inventory = modern_llama["tmp"], modern_llama["inventory"]
+    runs = {"SPECOPS_RUNS": str(tmp / "runs")}
+    t0 = time.monotonic()
+    proc = specops("extract", "--inventory", inventory, "--run-id", "llama-fp8", "--skip-smoke", "--tensors",
+                   "--json", "--format", "fp8", env=runs)
+    print(f"\nspecops extract llama-fp8 (modern, fp8): {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_dir = tmp / "work" / "runs" / "llama-fp8"
+    status = json.loads((run_dir / "status.json").read_text())
+    return {"inventory": inventory, "run_dir": run_dir, "status": status, "out": Path(status["output_dir"]),
+            "env": runs, "proc": proc, "dest": tmp / "runs" / "th" / "llama-fp8"}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(modern_ssh_run) -> dict:
+    run = modern_ssh_run("llama", 1)
+    status = json.loads((run["run_dir"] / "status.json").read_text())
+    return {**run, "status": status, "out": Path(status["output_dir"])}
+
+
+def records_of(proc) -> list:
+    """Every record of a ``--json`` run's output (preflight's and the run's)."""
+    doc = json.loads(proc.stdout)
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "name" in node and "status" in node and "summary" in node:
+                found.append(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    return found
+
+
+@pytest.mark.vllm
+def test_an_fp8_run_writes_fp8_files_and_says_so_everywhere(fp8_run):
+    st = fp8_run["status"]
+    assert st["state"] == "done" and st["engine"] == "vllm-server", st
+    assert st["plan"]["state_format"] == "fp8"
+    out, run_dir = fp8_run["out"], fp8_run["run_dir"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["state_format"] == "fp8" and manifest["scales_key"] == "hidden_states_scales"
+    assert manifest["hidden_states_backend"] == "fp8" and "--hidden-states-backend fp8" in manifest["format"]
+    assert manifest["params"]["format"] == "fp8" and manifest["engine"]["state_format"] == "fp8"
+    assert manifest["engine"]["connector"] == "_specops_cpu_fp8_hidden_states_connector:CpuFP8HiddenStatesConnector"
+    for entry in manifest["files"]:
+        assert entry["tensors"]["hidden_states"]["dtype"] == "float8_e4m3fn"
+        assert entry["tensors"]["hidden_states_scales"] == {"shape": [entry["tokens"], 1, 1], "dtype": "float32"}
+    owner = json.loads((out / ".specops-output.json").read_text())
+    assert owner["identity"]["state_format"] == "fp8"  # what a resume with another format is refused by
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["state_format"] == "fp8"
+    assert all(layer["dtype"] == "float8_e4m3fn" and layer["std"] > 0 for layer in summary["layers"])
+    # the laptop's copy keeps the format
+    fetched = json.loads((fp8_run["dest"] / "manifest.json").read_text())
+    assert fetched["state_format"] == "fp8" and fetched["scales_key"] == "hidden_states_scales"
+    # the canary judged the fp8 samples against fp8's floor, and passed
+    canary = json.loads((run_dir / "prompt_logprobs" / "canary.json").read_text())
+    assert len(canary) == 2 and all(r["status"] == "ok" for r in canary), [r["summary"] for r in canary]
+    assert "the fp8 floor" in json.dumps(canary) or '"floor_dtype": "fp8"' in json.dumps(canary), canary
+
+
+SPECULATORS_READ = r"""
+import argparse, json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from hs_connectors import HiddenStatesBackend
+from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+from speculators.train.data import ArrowDataset
+
+fp8_out, bf16_out = Path(sys.argv[1]), Path(sys.argv[2])
+# as `speculators train --hidden-states-backend fp8` builds it (speculators/train/cli.py)
+args = argparse.Namespace(hidden_states_path=None)
+fp8_backend = HiddenStatesBackend.registry["fp8"].from_train_args(args, str(fp8_out))
+through_fp8 = ArrowDataset(max_len=512, datapath=fp8_out, transfer=fp8_backend, on_missing="raise")
+through_default = ArrowDataset(max_len=512, datapath=fp8_out, on_missing="raise")   # the file backend
+rows = []
+for i in range(len(through_fp8)):
+    bf16 = load_file(bf16_out / "hidden_states" / f"hs_{i}.safetensors")
+    raw = load_file(fp8_out / "hidden_states" / f"hs_{i}.safetensors")
+    want = bf16["hidden_states"].float()                                  # [T, L, H]
+    a, b = through_fp8[i], through_default[i]
+    assert torch.equal(a["input_ids"], bf16["token_ids"]) and torch.equal(b["input_ids"], bf16["token_ids"])
+    got = torch.cat([a["hidden_states"].float(), a["verifier_last_hidden_states"].float()], dim=1)
+    trap = torch.cat([b["hidden_states"].float(), b["verifier_last_hidden_states"].float()], dim=1)
+    flat = want.flatten(1)
+    scale = raw["hidden_states_scales"].float().reshape(-1, 1)
+    err = (got - flat).abs()
+    # fp8 e4m3 rounding: half a step of 2**-3 of the value, or of the smallest subnormal step (2**-9 of the
+    # token's scale); the backend then returns bf16 (2**-8 of the value more)
+    bound = flat.abs() * (2.0 ** -4 + 2.0 ** -8) + scale * 2.0 ** -9 + 1e-6
+    q, s = quantize_tensor_to_fp8(bf16["hidden_states"])
+    rows.append({
+        "tokens": int(flat.shape[0]),
+        "within_fp8_rounding": float((err <= bound).float().mean()), "worst_over_bound": float((err / bound).max()),
+        "nrmse": float((got - flat).norm() / flat.norm()),
+        "same_bytes_as_quantizing_the_bf16_run": bool(torch.equal(q.view(torch.uint8),
+                                                                  raw["hidden_states"].view(torch.uint8))),
+        "default_nrmse": float((trap - flat).norm() / flat.norm()),
+        "default_dtype": str(b["hidden_states"].dtype), "fp8_dtype": str(a["hidden_states"].dtype),
+        "raw_dtype": str(raw["hidden_states"].dtype),
+    })
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.vllm
+def test_speculators_reads_fp8_through_the_fp8_backend_within_fp8_rounding_and_the_default_backend_is_wrong(
+        fp8_run, bf16_run, modern_fixed_python):
+    """speculators 0.9's own ArrowDataset: with the fp8 backend (FP8Transfer) the fp8 run's states equal
+    the bf16 run's on the same ids within fp8 rounding; with the default (file) backend it returns the
+    fp8 values without their scales -- the trap a draft would silently train on. Bytes per token printed."""
+    fp8_manifest = json.loads((fp8_run["out"] / "manifest.json").read_text())
+    bf16_manifest = json.loads((bf16_run["out"] / "manifest.json").read_text())
+    # the same samples: ids, lengths, layer ids
+    assert [(f["index"], f["tokens"]) for f in fp8_manifest["files"]] == \
+        [(f["index"], f["tokens"]) for f in bf16_manifest["files"]]
+    assert fp8_manifest["layer_ids"] == bf16_manifest["layer_ids"] == INPUT_DEFAULT
+    assert bf16_manifest.get("state_format", "bf16") == "bf16"
+
+    rows = run_python(modern_fixed_python, SPECULATORS_READ, fp8_run["out"], bf16_run["out"])
+    assert len(rows) == 4
+    for row in rows:
+        assert row["raw_dtype"] == "torch.float8_e4m3fn" and row["fp8_dtype"] == "torch.bfloat16"
+        # every value within fp8's rounding of the bf16 run's (allowing for a rare bf16 difference between two
+        # server runs of the same ids; the print says how many files are byte-equal to quantizing the bf16 run's)
+        assert row["within_fp8_rounding"] >= 0.999 and row["worst_over_bound"] < 4, row
+        assert row["nrmse"] < 0.05, row
+        assert row["default_nrmse"] > 0.5, row  # the trap: the file backend ignores the scales
+    exact = sum(r["same_bytes_as_quantizing_the_bf16_run"] for r in rows)
+
+    bf16_bytes = sum(f["bytes"] for f in bf16_manifest["files"])
+    fp8_bytes = sum(f["bytes"] for f in fp8_manifest["files"])
+    tokens = sum(f["tokens"] for f in fp8_manifest["files"])
+    per_bf16, per_fp8 = bf16_bytes / tokens, fp8_bytes / tokens
+    print(f"\nbytes per token on the same {tokens} tokens (tiny Llama, 4 layers x 256): bf16 {per_bf16:.1f}, "
+          f"fp8 {per_fp8:.1f} ({per_fp8 / per_bf16:.3f}x); fp8 nrmse vs bf16 "
+          f"{max(r['nrmse'] for r in rows):.2%} (fp8 backend), {min(r['default_nrmse'] for r in rows):.0%}+ "
+          f"(default file backend); {exact}/4 files byte-equal to quantizing the bf16 run's; extraction "
+          f"{bf16_run['status'].get('tokens_per_s')} tok/s bf16, {fp8_run['status'].get('tokens_per_s')} tok/s fp8 "
+          f"(one run each, a noisy 2-core box)")
+    assert 0.45 < per_fp8 / per_bf16 < 0.56, (per_bf16, per_fp8)
+
+
+@pytest.mark.vllm
+def test_verify_judges_an_fp8_run_against_fp8s_rounding_floor(fp8_run):
+    proc = specops("verify", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8", "--samples", "2",
+                   "--json", env=fp8_run["env"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    records = {r["name"]: r for r in records_of(proc)}
+    layers = [records[f"verify.layer.{lid}"] for lid in INPUT_DEFAULT]
+    assert all(r["status"] == "ok" for r in layers), [r["summary"] for r in layers]
+    floor = records["verify.reference"]["detail"]["rounding_floor"]
+    assert floor["dtype"] == "fp8" and floor["nrmse"], floor
+    for r in layers:
+        assert "the fp8 rounding floor" in r["summary"] and r["detail"]["cos_tol"] == 0.99, r["summary"]
+    print("\nverify fp8: " + "; ".join(f"{r['name']}: nrmse {r['detail']['nrmse']:.2%}, "
+                                       f"floor {r['detail']['floor_nrmse']:.2%} ({r['detail']['floor_ratio']:.2f}x)"
+                                       for r in layers))
+
+
+@pytest.mark.vllm
+def test_verify_layer_and_logits_judge_an_fp8_run_against_fp8s_floor(fp8_run):
+    """The two bounded references read fp8 samples dequantized and judge them against fp8's rounding:
+    decoder layer 4 (input:4 -> input:5) in bf16 on its input rounded once more, its output stored
+    with the token's scale; the logprobs of the last state against its fp8 re-rounding."""
+    for reference in ("layer", "logits"):
+        proc = specops("verify", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8", "--samples", "2",
+                       "--reference", reference, "--json", env=fp8_run["env"], timeout=900)
+        assert proc.returncode == 0, reference + "\n" + proc.stdout[-6000:] + proc.stderr[-3000:]
+        records = records_of(proc)
+        assert not [r["summary"] for r in records if r["status"] == "fail"], reference
+        judged = {r["name"]: r for r in records}["verify.layer.4" if reference == "layer" else "verify.logits"]
+        assert judged["status"] == "ok", judged["summary"]
+        assert "fp8" in judged["summary"] or "fp8" in json.dumps(judged["detail"]), judged
+        print(f"\nverify --reference {reference} (fp8): " + "; ".join(
+            r["summary"][:220] for r in records if r["name"].startswith(("verify.layer", "verify.logits"))))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from remote import protocol
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL,
-                                   WARN_SHARE, beyond_rounding, convention_record, expected_indices,
+                                   TOLERANCES, WARN_SHARE, beyond_rounding, convention_record, expected_indices,
                                    layer_numbers, layer_record, merge, nrmse_by_index,
                                    token_errors)
 from remote.verify.floor import rounding_floor
@@ -138,8 +138,10 @@ class Comparison:
 
     @property
     def capture_dtype(self) -> str:
-        """The dtype the engine stored its states in (``bfloat16``...)."""
-        return str(self.loaded[0][1]["hidden_states"][0].dtype).replace("torch.", "")
+        """The dtype the engine stored its states in (``bfloat16``..., ``fp8``: float8_e4m3fn with
+        per-token scales, read dequantized)."""
+        first = self.loaded[0][1]
+        return first.get("state_format") or str(first["hidden_states"][0].dtype).replace("torch.", "")
 
 
 def compare_samples(run: Run, chosen: list[dict], model, recorder: StreamRecorder, route: RouterControl,
@@ -161,7 +163,7 @@ def compare_samples(run: Run, chosen: list[dict], model, recorder: StreamRecorde
             flips = []
         row = {"sample": entry["path"], "tokens": len(ids), "layers": {}}
         for lid, captured in zip(run.layer_ids, data["hidden_states"]):
-            numbers = layer_numbers(captured, streams[expected[lid]])
+            numbers = layer_numbers(captured, streams[expected[lid]], tolerances(run))
             # tokens whose state here was computed with the engine's choice at an earlier router
             numbers["rerouted"] = len({f["token"] for f in flips if f["layer"] < expected[lid]})
             if route.routers:
@@ -180,5 +182,11 @@ def compare_samples(run: Run, chosen: list[dict], model, recorder: StreamRecorde
 
 def judge_layers(run: Run, found: Comparison, floor: dict, expected: dict) -> list[dict]:
     """One ``verify.layer.<id>`` record per captured layer."""
-    return [layer_record(lid, found.per_layer[lid], floor, run.convention, expected[lid], run.manifest)
+    return [layer_record(lid, found.per_layer[lid], floor, run.convention, expected[lid], run.manifest,
+                         tolerances(run))
             for lid in run.layer_ids]
+
+
+def tolerances(run: Run) -> tuple:
+    """The per-token tolerances of the run's state format (:data:`remote.verify.compare.TOLERANCES`)."""
+    return TOLERANCES.get(run.plan.state_format, TOLERANCES["bf16"])

@@ -40,16 +40,25 @@ FLOOR_FACTOR = 2.5
 #: The floor is never taken below one bf16 ulp: a nearly exact floor (embeddings, an fp32
 #: engine) would make storage rounding alone look like an error.
 FLOOR_MIN = BF16_REL
+#: fp8 states (``format: fp8``): float8_e4m3fn keeps 4 significant bits, so storing a value moves
+#: it by up to 2**-4 of itself (more for a layer much smaller than its token's largest value,
+#: which sets the token's one scale); the per-token tolerances widen by that much. Whether
+#: the run computed right is still judged against fp8's rounding floor (:mod:`remote.verify.floor`).
+FP8_REL = 2.0 ** -4
+#: state format -> (relative max-diff tolerance, cosine tolerance) of one token.
+TOLERANCES = {"bf16": (REL_TOL, COS_TOL), "fp8": (REL_TOL + 2 * FP8_REL, 0.99)}
 
 
-def _agreement(h, r):
-    """``(|h - r|, max |r|, per-token cosine, per-token agreement)`` of two float ``[tokens, hidden]``."""
+def _agreement(h, r, tol=(REL_TOL, COS_TOL)):
+    """``(|h - r|, max |r|, per-token cosine, per-token agreement)`` of two float ``[tokens, hidden]``;
+    ``tol``: (relative max diff, cosine) a token must keep (:data:`TOLERANCES`)."""
     import torch
 
+    rel_tol, cos_tol = tol
     diff = (h - r).abs()
     scale = float(r.abs().max()) or 1.0
     token_cos = torch.nn.functional.cosine_similarity(h, r, dim=-1)
-    agree = (diff.max(dim=-1).values / scale <= REL_TOL) & (token_cos >= COS_TOL)
+    agree = (diff.max(dim=-1).values / scale <= rel_tol) & (token_cos >= cos_tol)
     return diff, scale, token_cos, agree
 
 
@@ -61,10 +70,10 @@ def token_errors(captured, reference):
     return error, agree
 
 
-def layer_numbers(captured, reference) -> dict:
-    """Numbers for one layer of one sample (both ``[tokens, hidden]``)."""
+def layer_numbers(captured, reference, tol=(REL_TOL, COS_TOL)) -> dict:
+    """Numbers for one layer of one sample (both ``[tokens, hidden]``); ``tol``: :func:`_agreement`'s."""
     h, r = captured.float(), reference.float()
-    diff, scale, token_cos, agree = _agreement(h, r)
+    diff, scale, token_cos, agree = _agreement(h, r, tol)
     bad = (~agree).nonzero().flatten().tolist()
     return {
         "tokens": int(h.shape[0]),
@@ -119,7 +128,7 @@ def layer_status(numbers: dict) -> str:
 
 
 def layer_record(lid: int, per_sample: list[dict], floor: dict, convention: str, expected_index: int,
-                 manifest: dict) -> dict:
+                 manifest: dict, tol=(REL_TOL, COS_TOL)) -> dict:
     """The ``verify.layer.<lid>`` record: the layer's worst numbers over the samples, its
     distance to the rounding floor, and its verdict.
 
@@ -147,7 +156,7 @@ def layer_record(lid: int, per_sample: list[dict], floor: dict, convention: str,
     verdict = {protocol.OK: "agrees", protocol.FAIL: "DIFFERS"}.get(status, "mostly agrees")
     return protocol.record(
         f"verify.layer.{lid}", status, f"{where}: {verdict} with the reference: {text_numbers}",
-        detail=dict(numbers, expected_index=expected_index, rel_tol=REL_TOL, cos_tol=COS_TOL),
+        detail=dict(numbers, expected_index=expected_index, rel_tol=tol[0], cos_tol=tol[1]),
         fix=layer_fix(manifest) if status == protocol.FAIL else None)
 
 

@@ -37,9 +37,9 @@ import os
 from dataclasses import dataclass, field
 
 from remote import modelconfig, protocol
-from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, expected_indices, layer_fix,
+from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES, expected_indices, layer_fix,
                                    layer_numbers, layer_status, merge)
-from remote.verify.floor import LOW_PRECISION
+from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
 from remote.verify.layerload import (PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, cast_weights, forward,
                                      refuse_quantized)
 from remote.verify.routing import NEAR_TIE_SIGMAS, RouterControl, match_routing
@@ -186,8 +186,11 @@ class Sample:
     path: str
     ids: list
     streams: dict
+    #: the capture's dtype, or ``fp8`` (states read dequantized, float32)
     dtype: str
     nbytes: int
+    #: fp8 states: each token's scale ``[T, 1]``
+    scales: object = None
 
     @classmethod
     def load(cls, run, entry: dict, stream_of: dict, checkpoint) -> "Sample":
@@ -198,9 +201,9 @@ class Sample:
             rows = checkpoint.embedding_rows(data["input_ids"])
             if rows is not None:
                 streams[0] = rows.to(streams[1].dtype)
-        dtype = str(next(iter(streams.values())).dtype).replace("torch.", "")
+        dtype = data.get("state_format") or str(next(iter(streams.values())).dtype).replace("torch.", "")
         return cls(entry["path"], data["input_ids"], streams, dtype,
-                   sum(t.numel() * t.element_size() for t in streams.values()))
+                   sum(t.numel() * t.element_size() for t in streams.values()), data.get("scales"))
 
 
 class _OneLayer:
@@ -257,6 +260,7 @@ class LayerCheck:
         route = RouterControl([layer])
         rows, computed, flips, routing, used = [], [], [], [], []
         floor = {"dtype": samples[0].dtype, "nrmse": None}
+        tol = TOLERANCES.get(samples[0].dtype, TOLERANCES["bf16"])
         try:
             for s in samples:
                 x, captured = s.streams[j].float(), s.streams[j + 1]
@@ -270,15 +274,15 @@ class LayerCheck:
                     streams = raw = one.streams(None, s.ids)
                     found = []
                     used.append({})
-                numbers = layer_numbers(captured, streams[1])
+                numbers = layer_numbers(captured, streams[1], tol)
                 numbers["rerouted"] = len({f["token"] for f in found})
                 if route.routers and match:
-                    numbers["raw"] = layer_numbers(captured, raw[1])
+                    numbers["raw"] = layer_numbers(captured, raw[1], tol)
                     numbers["raw"].pop("bad_tokens")
                 numbers.pop("bad_tokens")
                 rows.append(numbers)
                 computed.append(streams[1])
-            if keep_floor and samples[0].dtype in LOW_PRECISION:
+            if keep_floor and (samples[0].dtype in LOW_PRECISION or samples[0].dtype == FP8):
                 floor = self._floor(layer, route, samples, j, computed, used)
         finally:
             route.close()
@@ -287,16 +291,25 @@ class LayerCheck:
         return facts, rows, computed, flips, routing, floor, bool(route.routers)
 
     def _floor(self, layer, route, samples, j, computed, used) -> dict:
-        """The same layer in the capture's dtype, same input, same experts: its nrmse against float32."""
+        """The same layer in the capture's dtype, same input, same experts: its nrmse against float32.
+
+        fp8 states: the layer in bf16 on its input rounded once more (:func:`remote.verify.floor.fp8_regrid`:
+        the captured input carries fp8's rounding, which a residual stream passes on), its output
+        stored as the connector stores it (the token's own scale, :func:`~remote.verify.floor.fp8_with_scales`).
+        """
         import torch
 
-        dtype = getattr(torch, samples[0].dtype)
+        fp8 = samples[0].dtype == FP8
+        dtype = torch.bfloat16 if fp8 else getattr(torch, samples[0].dtype)
         cast_weights(layer, dtype)
         worst = 0.0
         try:
             for s, reference, experts in zip(samples, computed, used):
                 route.forced = experts
-                rounded = forward(self.factory, layer, s.streams[j].to(dtype)).float()
+                x = fp8_regrid(s.streams[j], s.scales) if fp8 else s.streams[j]
+                rounded = forward(self.factory, layer, x.to(dtype)).float()
+                if fp8:
+                    rounded = fp8_with_scales(rounded, s.scales)
                 worst = max(worst, float((rounded - reference).norm() / (reference.norm() + 1e-12)))
         except Exception as exc:  # a dtype this CPU's kernels lack must not cost the fp32 verdict
             return {"dtype": samples[0].dtype, "nrmse": None, "why": f"{type(exc).__name__}: {exc}"}
@@ -328,8 +341,8 @@ class LayerCheck:
             if not 0 <= k < self.num_layers:
                 continue
             # layer k's weights on the pair that layer j should have made
-            shifted = [Sample(s.path, s.ids, {k: s.streams[result.j], k + 1: s.streams[result.j + 1]}, s.dtype, 0)
-                       for s in samples]
+            shifted = [Sample(s.path, s.ids, {k: s.streams[result.j], k + 1: s.streams[result.j + 1]}, s.dtype, 0,
+                              s.scales) for s in samples]
             _facts, rows, _computed, _flips, _routing, _floor, routed = self.run_layer(k, shifted, keep_floor=False,
                                                                                       match=False)
             nrmse = max(r["nrmse"] for r in rows)

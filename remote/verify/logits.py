@@ -112,9 +112,10 @@ def verify_logits(params: dict) -> dict:
     for i, entry in zip(chosen, entries):
         data = load_sample(run.output_dir / entry["path"], run.manifest)
         states = dict(zip(run.layer_ids, data["hidden_states"]))
-        samples.append(Sample(i, entry["path"], data["input_ids"], states, json.loads(found[i].read_text())))
+        samples.append(Sample(i, entry["path"], data["input_ids"], states, json.loads(found[i].read_text()),
+                              scales=data.get("scales")))
     for s in samples:
-        s.result = compare(head, s.states[last[0]], s.ids, s.logprobs)
+        s.result = compare(head, s.states[last[0]], s.ids, s.logprobs, scales=s.scales)
     failed = [s for s in samples if s.result["status"] == protocol.FAIL]
     for s in failed:
         s.cause = find_cause(head, s, samples, last[0], run, num_layers, model_path, config)
@@ -170,6 +171,8 @@ class Sample:
     logprobs: dict
     result: dict = field(default_factory=dict)
     cause: dict | None = None
+    #: fp8 states: each token's scale ``[T, 1]`` (the floor re-quantizes with it); None otherwise
+    scales: object = None
 
 
 class Head:
@@ -250,9 +253,10 @@ def engine_arrays(record: dict):
     return own_ids, own_lp, top_ids, top_lp
 
 
-def numbers(head: Head, state, record: dict, dtype=None) -> dict:
+def numbers(head: Head, state, record: dict, dtype=None, low_state=None) -> dict:
     """Our logprobs (float32, and in ``dtype`` for the floor) at the engine's recorded tokens: the
-    compared values and our own best two per position."""
+    compared values and our own best two per position. ``low_state``: the state the floor's
+    logprobs start from (default ``state``; fp8: ``state`` rounded once more)."""
     import torch
 
     own_ids, own_lp, top_ids, top_lp = engine_arrays(record)
@@ -269,7 +273,7 @@ def numbers(head: Head, state, record: dict, dtype=None) -> dict:
             out["best"].append(best.indices[:, 0])
             out["second"].append(best.values[:, 0] - best.values[:, 1])
             if dtype is not None:
-                low = head.logprobs(state[rows], dtype)
+                low = head.logprobs((state if low_state is None else low_state)[rows], dtype)
                 out["low_own"].append(low.gather(1, own_ids[rows, None])[:, 0])
                 out["low_top"].append(low.gather(1, safe_top[rows]))
     return {"own_ids": own_ids, "own_lp": own_lp, "top_ids": top_ids, "top_lp": top_lp,
@@ -294,8 +298,13 @@ def _kl(p_own, p_top, q_own, q_top, own_in_top) -> "object":
     return kl.clamp(min=0)
 
 
-def compare(head: Head, state, ids, record: dict) -> dict:
-    """One sample's numbers and status (see the module docstring)."""
+def compare(head: Head, state, ids, record: dict, scales=None) -> dict:
+    """One sample's numbers and status (see the module docstring).
+
+    ``scales``: the sample's per-token fp8 scales ``[T, 1]`` when its states are fp8 (dequantized in
+    ``state``): the floor is then fp8's -- the state quantized once more on an offset grid
+    (:func:`remote.verify.floor.fp8_regrid`), the head in bf16 -- not bf16's alone.
+    """
     import torch
 
     ids = [int(t) for t in ids]
@@ -308,7 +317,12 @@ def compare(head: Head, state, ids, record: dict) -> dict:
     if state.shape[0] != len(ids):
         return {"status": protocol.FAIL, "problem": "shape", "why": f"state {list(state.shape)} for {len(ids)} tokens"}
     low = state.dtype if state.dtype in (torch.bfloat16, torch.float16) else None
-    n = numbers(head, state, record, low)
+    low_state, label = None, str(low).replace("torch.", "")
+    if scales is not None:
+        from remote.verify.floor import fp8_regrid
+
+        low, low_state, label = torch.bfloat16, fp8_regrid(state, scales[:state.shape[0]]), "fp8"
+    n = numbers(head, state, record, low, low_state)
     valid = ~torch.isnan(n["top_lp"])
     diff = torch.cat([(n["own_lp"] - n["own"]).abs(), (n["top_lp"] - n["top"]).abs()[valid]])
     own_in_top = (n["top_ids"] == n["own_ids"][:, None]).any(1)
@@ -320,7 +334,7 @@ def compare(head: Head, state, ids, record: dict) -> dict:
         ldiff = torch.cat([(n["low_own"] - n["own"]).abs(), (n["low_top"] - n["top"]).abs()[valid]])
         lkl = _kl(n["low_own"], torch.where(valid, n["low_top"], n["top_lp"]), n["own"], n["top"], own_in_top)
         out.update(floor_max_abs_diff=float(ldiff.max()), floor_mean_abs_diff=float(ldiff.mean()),
-                   floor_kl_max=float(lkl.max()), floor_dtype=str(low).replace("torch.", ""))
+                   floor_kl_max=float(lkl.max()), floor_dtype=label)
     floor = max(out.get("floor_max_abs_diff", 0.0), MIN_LOGPROB_DIFF)
     out["floor_judged"] = floor
     out["floor_ratio"] = out["max_abs_diff"] / floor
@@ -349,13 +363,14 @@ def find_cause(head: Head, s: Sample, samples: list, last: int, run, num_layers:
             return {"kind": "swapped", "with": other.index, "with_path": other.path,
                     "why": f"{s.path} holds the tokens of sample {other.index}'s request"}
         if len(other.ids) == len(s.ids) and state.shape[0] == len(other.logprobs["token_ids"]):
-            if compare(head, state, other.logprobs["token_ids"], other.logprobs)["status"] != protocol.FAIL:
+            if compare(head, state, other.logprobs["token_ids"], other.logprobs,
+                       scales=s.scales)["status"] != protocol.FAIL:
                 return {"kind": "swapped", "with": other.index, "with_path": other.path,
                         "why": f"{s.path}'s states reproduce sample {other.index}'s prompt logprobs"}
     if s.result.get("problem") in ("tokens", "shape"):
         return None
     for lid, captured in s.states.items():
-        if lid != last and compare(head, captured, s.ids, s.logprobs)["status"] != protocol.FAIL:
+        if lid != last and compare(head, captured, s.ids, s.logprobs, scales=s.scales)["status"] != protocol.FAIL:
             return {"kind": "layer", "layer_id": lid,
                     "why": f"the states recorded as {run.convention}:{lid} reproduce the engine's logprobs"}
     try:

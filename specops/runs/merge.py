@@ -52,6 +52,10 @@ def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dic
         "engines": {sid: m.get("engine") for sid, m in per_host.items()},
         "file_layer_ids": some.get("file_layer_ids"),
         "dataset_files": some.get("dataset_files") or [],
+        # the states' dtype (bf16/fp8): every shard's plan agreed on it (fleet.stack)
+        "state_format": some.get("state_format") or manifest.stack.get("state_format"),
+        "scales_key": some.get("scales_key"),
+        "hidden_states_backend": some.get("hidden_states_backend"),
     }
     schema.write_atomic(run_root(manifest.run_id) / name, merged, mode=0o644)
     return merged

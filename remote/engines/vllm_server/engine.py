@@ -46,6 +46,9 @@ class VllmServerEngine(Engine):
             raise ValueError("; ".join(problems))
         #: vLLM captures a sorted set of ids: the order of the file's layer axis.
         self.file_layer_ids = sorted(self.layer_ids)
+        #: bf16 or fp8 (the run's ``format``): the connector the server loads, what each file must hold.
+        self.state_format = self.plan.state_format
+        self.params["format"] = self.state_format
         work_dir = self.params.get("work_dir")
         if not work_dir:
             import tempfile
@@ -112,15 +115,20 @@ class VllmServerEngine(Engine):
 
         # the one checker of a connector file (structure, ids echo, [T, L, H], NaN/Inf), as a run lands it
         problems = samples.digest_hs_file(path, self.file_layer_ids, self.file_layer_ids, token_ids=token_ids,
-                                          hidden_size=self.hidden_size)["problems"]
+                                          hidden_size=self.hidden_size, state_format=self.state_format)["problems"]
         if problems:
             raise SampleRejected(index, problems)
-        return load_file(path)
+        data = load_file(path)
+        scales = data.pop(contract.FP8_SCALES_KEY, None)
+        if scales is not None:  # fp8: what the fp8 read backend gives (float32 here: no second rounding)
+            data["hidden_states"] = data["hidden_states"].float() * scales
+        return data
 
     def _land(self, index: int, token_ids, path: str, out_dir) -> dict:
         """Check, digest and rename the server's file into ``out_dir`` (:func:`~.landing.land_sample`)."""
         return land_sample(index, token_ids, path, out_dir, layer_ids=self.layer_ids,
-                           file_layer_ids=self.file_layer_ids, hidden_size=self.hidden_size)
+                           file_layer_ids=self.file_layer_ids, hidden_size=self.hidden_size,
+                           state_format=self.state_format)
 
     def extract_files(self, samples_, out_dir, on_done=None) -> list[dict]:
         """Extract ``samples_`` (``(index, token_ids)`` pairs) into ``out_dir``, several in flight.
@@ -237,6 +245,7 @@ class VllmServerEngine(Engine):
         server = getattr(self, "server", None)
         return {"name": self.name, "tp": self.tp, "layer_convention": layers.INPUT,
                 "file_layer_ids": getattr(self, "file_layer_ids", None),
+                "state_format": getattr(self, "state_format", None),
                 "connector": ":".join(filter(None, reversed(server.connector))) if server and server.connector else None,
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
                 "command": server.command if server else None,

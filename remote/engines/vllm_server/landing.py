@@ -83,7 +83,7 @@ def default_digest_workers() -> int:
 
 
 def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_layer_ids,
-                hidden_size: int | None) -> dict:
+                hidden_size: int | None, state_format: str | None = None) -> dict:
     """Check the file the server wrote, digest it and rename it into ``out_dir``; its record.
 
     One read of the file (memory-mapped) gives the checks (structure, ids echo,
@@ -92,11 +92,12 @@ def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_la
 
     :param layer_ids: the run's ids, in the order the records list them;
         ``file_layer_ids``: the same ids in the order of the file's layer axis.
+    :param state_format: the run's ``format`` (bf16/fp8): a file in the other one is wrong.
     :raises SampleRejected: the file is wrong; it is deleted, never landed.
     """
     try:
         digest = samples.digest_hs_file(path, layer_ids, file_layer_ids, token_ids=token_ids,
-                                        hidden_size=hidden_size)
+                                        hidden_size=hidden_size, state_format=state_format)
         if digest["problems"]:
             raise SampleRejected(index, digest["problems"])
     except BaseException:
