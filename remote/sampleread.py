@@ -15,6 +15,8 @@ import json
 import math
 import os
 
+from remote.contract import FP8, FP8_SCALES_KEY
+
 
 class LayerStats:
     """Running statistics of one layer over all samples (float64 sums; exact NaN/Inf counts)."""
@@ -113,8 +115,6 @@ _ST_DTYPES = {"BF16": (2, "bfloat16"), "F16": (2, "float16"), "F32": (4, "float3
               "I64": (8, "int64"), "I32": (4, "int32"), "F8_E4M3": (1, "float8_e4m3fn")}
 #: the safetensors dtype of an fp8 file's states (hs-connectors' FP8HiddenStatesConnector)
 FP8_DTYPE = "F8_E4M3"
-#: the name of its per-token scales tensor (float32 [T, 1, 1]; :data:`remote.contract.FP8_SCALES_KEY`)
-SCALES_KEY = "hidden_states_scales"
 #: a safetensors header larger than this is not one the connector wrote
 _MAX_HEADER = 1 << 24
 
@@ -231,16 +231,16 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
                             f"{hidden_size or 'H'}] [T, L, H] (layers {list(file_layer_ids)})")
             return {"problems": problems}
         fp8 = hs["dtype"] == FP8_DTYPE
-        if state_format is not None and fp8 != (state_format == "fp8"):
+        if state_format is not None and fp8 != (state_format == FP8):
             problems.append(f"hidden_states is {hs['dtype']}, but the run asked for {state_format} states (is the "
                             f"server's connector the one for format {state_format}?)")
             return {"problems": problems}
         scales = None
         if fp8:
-            sc = header.get(SCALES_KEY)
+            sc = header.get(FP8_SCALES_KEY)
             if sc is None or sc["dtype"] != "F32" or [int(d) for d in sc["shape"]] != [n, 1, 1]:
                 found = f"{sc['dtype']} {sc['shape']}" if sc else "missing"
-                problems.append(f"fp8 hidden_states need {SCALES_KEY} float32 [{n}, 1, 1] (per-token scales): {found}")
+                problems.append(f"fp8 hidden_states need {FP8_SCALES_KEY} float32 [{n}, 1, 1] (per-token scales): {found}")
                 return {"problems": problems}
             scales = torch.frombuffer(mapped, dtype=torch.float32, count=n,
                                       offset=data_start + sc["data_offsets"][0]).view(n, 1)
@@ -259,7 +259,7 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
                  "hidden_states": {"layer_ids": list(file_layer_ids), "shape": shape,
                                    "dtype": _ST_DTYPES[hs["dtype"]][1]}}
         if fp8:
-            entry[SCALES_KEY] = {"shape": [n, 1, 1], "dtype": "float32"}
+            entry[FP8_SCALES_KEY] = {"shape": [n, 1, 1], "dtype": "float32"}
         digest = hashlib.sha256(mapped).hexdigest()
         del ids, states, scales
         return {"problems": problems, "tokens": n, "bytes": size, "sha256": digest, "tensors": entry,

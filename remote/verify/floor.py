@@ -19,12 +19,13 @@ far as the connector's own rounding did.
 """
 from __future__ import annotations
 
+from remote import contract
 from remote.verify.reference import StreamRecorder, load_reference
 from remote.verify.routing import RouterControl
 
 LOW_PRECISION = ("bfloat16", "float16")
 #: the capture dtype of an fp8 run's states (dequantized when read: float32 values on the fp8 grid)
-FP8 = "fp8"
+FP8 = contract.FP8
 #: what an fp8 capture was computed in before the connector quantized it
 FP8_COMPUTE_DTYPE = "bfloat16"
 #: float8_e4m3fn's largest finite value

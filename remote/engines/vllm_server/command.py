@@ -14,7 +14,7 @@ import json
 import os
 import socket
 
-from remote import cpu
+from remote import contract, cpu
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
@@ -107,7 +107,7 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
         return name, module_path or None
     import importlib.util
 
-    fp8 = params.get("format") == "fp8"
+    fp8 = params.get("format") == contract.FP8
     cpu_module = CPU_FP8_CONNECTOR_MODULE if fp8 else CPU_CONNECTOR_MODULE
     if importlib.util.find_spec(cpu_module) is not None and not cuda_available():
         return (CPU_FP8_CONNECTOR_CLASS if fp8 else CPU_CONNECTOR_CLASS), cpu_module
