@@ -2,10 +2,11 @@
 
 Three hosts as in :mod:`test_fleet_remote` (``a`` and ``b`` on the session's sshd, ``c`` on
 its own, so it can die), the transformers reference engine, 12 samples: ``a`` makes
-``[0, 4)``, ``b`` ``[4, 8)``, ``c`` ``[8, 12)``. Each test damages what a finished (or
+``[0, 4)``, ``b`` ``[4, 8)``, ``c`` ``[8, 12)``. Each stage damages what a finished (or
 half-finished) run left on a host's disk or on the laptop, and checks that the next
 command believes the disk: the sample is made again, or refused, with an exit code and a
-record that say so; a command that reports done never leaves a gap.
+record that say so; a command that reports done never leaves a gap. (The stages that start
+from a finished run share one: each leaves it whole again.)
 """
 from __future__ import annotations
 
@@ -51,127 +52,134 @@ def shard_map(runs: Path, run_id: str) -> list[tuple]:
 
 # ------------------------------------------------------------------- 1: a sample deleted after its shard finished
 
-def test_a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inventory, tmp_path):
+def test_a_finished_group_run_believes_its_disks(fast_inventory, tmp_path):
+    """One finished 3-host run (its samples fetched), damaged three ways in turn; each stage
+    leaves every sample whole again, on the hosts and on the laptop."""
+    runs = tmp_path / "runs"
+    done_run(fast_inventory, runs, "L", "--tensors")
+    a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inventory, tmp_path)
+    reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_does_nothing(fast_inventory, tmp_path)
+    fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_inventory, tmp_path)
+
+
+def a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inventory, tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
-    done_run(fast_inventory, runs, "L1")
-    gone = tmp_path / "b" / "out" / "L1" / "data_5.pt"
+    gone = tmp_path / "b" / "out" / "L" / "data_5.pt"
     gone.unlink()
 
-    looked = cli("status", "--inventory", inv, "--run-id", "L1", "--json", runs=runs, timeout=120)
+    looked = cli("status", "--inventory", inv, "--run-id", "L", "--json", runs=runs, timeout=120)
     assert looked.returncode == ExitCode.FAILED, looked.stdout[-3000:] + looked.stderr[-3000:]
     shown = {h["host"]: h for h in json.loads(looked.stdout)["hosts"]}
     assert shown["s1@b"]["data"]["state"] == "incomplete" and shown["s1@b"]["data"]["disk_first_missing"] == 5
     said = {r["name"]: r for r in shown["s1@b"]["records"]}["fleet.disk"]
-    assert said["status"] == "fail" and "extract --run-id L1" in said["fix"]
+    assert said["status"] == "fail" and "extract --run-id L" in said["fix"]
     assert shown["s0@a"]["data"]["state"] == shown["s2@c"]["data"]["state"] == "done"
 
     # the same command again believes b's disk, not its status file: b's run resumes and makes data_5 only
-    again = cli("extract", "--inventory", inv, "--run-id", "L1", "--tensors", "--json", runs=runs)
+    again = cli("extract", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert again.returncode == ExitCode.SUCCESS, again.stdout[-3000:] + again.stderr[-3000:]
-    b = status_file(tmp_path, "b", "L1")
+    b = status_file(tmp_path, "b", "L")
     assert b["state"] == "done" and b["attempt"] == 2 and b["resumed_from"] == 5
-    assert status_file(tmp_path, "a", "L1")["attempt"] == 1, "a shard whose disk is whole is not run again"
+    assert status_file(tmp_path, "a", "L")["attempt"] == 1, "a shard whose disk is whole is not run again"
     assert gone.is_file()
-    assert_merged(runs, "L1", 12, tmp_path)
+    assert_merged(runs, "L", 12, tmp_path)
 
     # --force believes the disk too
-    (tmp_path / "a" / "out" / "L1" / "data_1.pt").unlink()
-    forced = cli("extract", "--inventory", inv, "--run-id", "L1", "--force", "--json", runs=runs)
+    (tmp_path / "a" / "out" / "L" / "data_1.pt").unlink()
+    forced = cli("extract", "--inventory", inv, "--run-id", "L", "--force", "--json", runs=runs)
     assert forced.returncode == ExitCode.SUCCESS, forced.stdout[-3000:] + forced.stderr[-3000:]
-    assert status_file(tmp_path, "a", "L1")["resumed_from"] == 1
-    assert (tmp_path / "a" / "out" / "L1" / "data_1.pt").is_file()
+    assert status_file(tmp_path, "a", "L")["resumed_from"] == 1
+    assert (tmp_path / "a" / "out" / "L" / "data_1.pt").is_file()
 
     # nothing left to run: said so, and the files are still fetched (not "started detached (0 running)")
-    (runs / "L1" / "samples" / "data_9.pt").unlink()
-    idle = cli("extract", "--inventory", inv, "--run-id", "L1", "--tensors", "--json", runs=runs)
+    (runs / "L" / "samples" / "data_9.pt").unlink()
+    idle = cli("extract", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert idle.returncode == ExitCode.SUCCESS, idle.stdout[-3000:] + idle.stderr[-3000:]
     group = records_of(idle.stdout)["fleet"]
     assert group["fleet.run"]["status"] == "ok" and "nothing left to run" in group["fleet.run"]["summary"]
     assert group["fleet.merge"]["status"] == "ok" and "12 sample(s) of 12" in group["fleet.merge"]["summary"]
-    assert_merged(runs, "L1", 12, tmp_path)
-    human = cli("extract", "--inventory", inv, "--run-id", "L1", runs=runs)
+    assert_merged(runs, "L", 12, tmp_path)
+    human = cli("extract", "--inventory", inv, "--run-id", "L", runs=runs)
     assert human.returncode == ExitCode.SUCCESS and "started detached" not in human.stdout, human.stdout[-2000:]
     assert "nothing left to run" in human.stdout
 
 
-def test_reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_does_nothing(fast_inventory,
-                                                                                                  tmp_path):
+def reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_does_nothing(fast_inventory,
+                                                                                             tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
-    done_run(fast_inventory, runs, "L2")
-    (tmp_path / "b" / "out" / "L2" / "data_6.pt").unlink()
+    (tmp_path / "b" / "out" / "L" / "data_6.pt").unlink()
 
-    moved = cli("extract", "--inventory", inv, "--run-id", "L2", "--reassign", "b=a", "--tensors", "--json",
+    moved = cli("extract", "--inventory", inv, "--run-id", "L", "--reassign", "b=a", "--tensors", "--json",
                 runs=runs)
     assert moved.returncode == ExitCode.SUCCESS, moved.stdout[-3000:] + moved.stderr[-3000:]
     said = records_of(moved.stdout)["fleet"]["fleet.reassign"]
     assert said["status"] == "changed" and "[6, 8) moved from b to a" in said["summary"]
     assert "disk" in said["detail"]["how"]
-    assert shard_map(runs, "L2") == [("s0", ["a"], 0, 4, "L2"), ("s1", ["b"], 4, 6, "L2"),
-                                     ("s1m1", ["a"], 6, 8, "L2.s1m1"), ("s2", ["c"], 8, 12, "L2")]
-    merged = assert_merged(runs, "L2", 12, tmp_path)
+    assert shard_map(runs, "L") == [("s0", ["a"], 0, 4, "L"), ("s1", ["b"], 4, 6, "L"),
+                                     ("s1m1", ["a"], 6, 8, "L.s1m1"), ("s2", ["c"], 8, 12, "L")]
+    merged = assert_merged(runs, "L", 12, tmp_path)
     assert {f["index"]: f["shard"] for f in merged["files"]}[7] == "s1m1"
 
-    twice = cli("extract", "--inventory", inv, "--run-id", "L2", "--reassign", "b=a", "--json", runs=runs)
+    twice = cli("extract", "--inventory", inv, "--run-id", "L", "--reassign", "b=a", "--json", runs=runs)
     assert twice.returncode == ExitCode.SUCCESS, twice.stdout[-3000:] + twice.stderr[-3000:]
     again = records_of(twice.stdout)["fleet"]["fleet.reassign"]
     assert again["status"] == "skipped" and "nothing to move" in again["summary"] and "s1@b" in again["summary"]
-    assert len(shard_map(runs, "L2")) == 4, "a move asked twice changes nothing"
+    assert len(shard_map(runs, "L")) == 4, "a move asked twice changes nothing"
 
     for text, words in [(" , ", "names no move"), ("b=a,b=c", "moves 'b' twice")]:
-        bad = cli("extract", "--inventory", inv, "--run-id", "L2", "--reassign", text, runs=runs, timeout=120)
+        bad = cli("extract", "--inventory", inv, "--run-id", "L", "--reassign", text, runs=runs, timeout=120)
         assert bad.returncode == ExitCode.USAGE and "--reassign" in bad.stdout + bad.stderr, bad.stdout + bad.stderr
         assert words in bad.stdout + bad.stderr
-    assert len(shard_map(runs, "L2")) == 4
+    assert len(shard_map(runs, "L")) == 4
 
 
 # ------------------------------------------------------------------- 3, 13: a host file that changed; a junk .part
 
-def test_fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_inventory, tmp_path):
+def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_inventory, tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
-    done_run(fast_inventory, runs, "L3", "--tensors")
-    local = runs / "L3" / "samples" / "data_5.pt"
+    local = runs / "L" / "samples" / "data_5.pt"
     good = sha(local)
-    on_b = tmp_path / "b" / "out" / "L3" / "data_5.pt"
+    on_b = tmp_path / "b" / "out" / "L" / "data_5.pt"
     assert sha(on_b) == good
     with open(on_b, "r+b") as fh:
         fh.truncate(1000)
 
-    fetched = cli("fetch", "--inventory", inv, "--run-id", "L3", "--tensors", "--json", runs=runs)
+    fetched = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert fetched.returncode == ExitCode.FAILED, fetched.stdout[-3000:] + fetched.stderr[-3000:]
     said = records_of(fetched.stdout)["s1@b"]["fleet.changed"]
     assert said["status"] == "fail" and "data_5.pt" in said["summary"]
     assert said["detail"]["changed"][0]["manifest_sha256"] == good and said["detail"]["changed"][0]["bytes"] == 1000
     assert sha(local) == good, "the good local copy is never overwritten"
-    merged = json.loads((runs / "L3" / "manifest.json").read_text())
+    merged = json.loads((runs / "L" / "manifest.json").read_text())
     assert 5 in merged["missing"] and 5 not in {f["index"] for f in merged["files"]}
     assert records_of(fetched.stdout)["fleet"]["fleet.merge"]["status"] != "ok"
 
     # its fix works: remove the damaged copy on the host, resume, and the sample is made again
     on_b.unlink()
-    again = cli("extract", "--inventory", inv, "--run-id", "L3", "--tensors", "--json", runs=runs)
+    again = cli("extract", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert again.returncode == ExitCode.SUCCESS, again.stdout[-3000:] + again.stderr[-3000:]
-    assert_merged(runs, "L3", 12, tmp_path)
+    assert_merged(runs, "L", 12, tmp_path)
 
     # a laptop copy gone with a junk .part beside it: the fetch starts that file over, and says ok only then
-    (runs / "L3" / "samples" / "data_2.pt").unlink()
-    (runs / "L3" / "samples" / "data_2.pt.part").write_bytes(b"junk" * 16)
-    refetched = cli("fetch", "--inventory", inv, "--run-id", "L3", "--tensors", "--json", runs=runs)
+    (runs / "L" / "samples" / "data_2.pt").unlink()
+    (runs / "L" / "samples" / "data_2.pt.part").write_bytes(b"junk" * 16)
+    refetched = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert refetched.returncode == ExitCode.SUCCESS, refetched.stdout[-3000:] + refetched.stderr[-3000:]
     assert records_of(refetched.stdout)["fleet"]["fleet.merge"]["status"] == "ok"
-    assert not (runs / "L3" / "samples" / "data_2.pt.part").exists()
-    assert_merged(runs, "L3", 12, tmp_path)
+    assert not (runs / "L" / "samples" / "data_2.pt.part").exists()
+    assert_merged(runs, "L", 12, tmp_path)
 
     # a host file of the right size but other bytes cannot be fetched: the merge never says ok without it
-    flipped = tmp_path / "b" / "out" / "L3" / "data_6.pt"
+    flipped = tmp_path / "c" / "out" / "L" / "data_9.pt"  # (data_6 has moved to a)
     raw = bytearray(flipped.read_bytes())
     raw[-1] ^= 0xFF
     flipped.write_bytes(bytes(raw))
-    (runs / "L3" / "samples" / "data_6.pt").unlink()
-    broken = cli("fetch", "--inventory", inv, "--run-id", "L3", "--tensors", "--json", runs=runs)
+    (runs / "L" / "samples" / "data_9.pt").unlink()
+    broken = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
-    assert records_of(broken.stdout)["s1@b"]["fleet.tensors"]["status"] == "fail"
+    assert records_of(broken.stdout)["s2@c"]["fleet.tensors"]["status"] == "fail"
     merge = records_of(broken.stdout)["fleet"]["fleet.merge"]
-    assert merge["status"] == "fail" and "data_6.pt" in merge["summary"], merge
+    assert merge["status"] == "fail" and "data_9.pt" in merge["summary"], merge
 
 
 # ------------------------------------------------------------------- 2, 4: reassign away from a dead host with a hole
