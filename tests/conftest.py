@@ -79,6 +79,23 @@ def modern_vllm_python(modern_hostenv_python, tmp_path_factory) -> Path:
                             rope_fix=False, hidden_states_connector=True)
 
 
+@pytest.fixture(scope="module")  # a fresh one per module, as each module had its own
+def patched_python(hostenv_python, tmp_path_factory) -> Path:
+    """An overlay of the seed env whose own speculators copy has the repo's patch set applied
+    (as ``specops patch`` leaves a host); the shared env is never modified."""
+    import subprocess
+
+    from specops.testhost.hostenv import make_overlay_env
+
+    python = make_overlay_env(hostenv_python, tmp_path_factory.mktemp("patched") / "env")
+    proc = subprocess.run([str(python), "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
+                           "from remote import patcher; print(json.dumps(patcher.main({'action': 'apply', "
+                           "'patches_root': sys.argv[1] + '/patches'})))", str(REPO)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and '"fail"' not in proc.stdout, proc.stdout + proc.stderr
+    return python
+
+
 @pytest.fixture(scope="session")
 def tiny_models(hostenv_python) -> dict:
     """Paths of the tiny Llama / DeepSeek-V3 / Kimi-K2.5-style models and the chat dataset."""

@@ -150,20 +150,6 @@ def test_bad_run_id_is_a_usage_error(llama_inventory):
     assert proc.returncode == ExitCode.USAGE and "--run-id" in err
 
 
-@pytest.fixture(scope="module")
-def patched_python(hostenv_python, tmp_path_factory):
-    """An overlay env whose own speculators copy has the patch set applied."""
-    from specops.testhost.hostenv import make_overlay_env
-
-    python = make_overlay_env(hostenv_python, tmp_path_factory.mktemp("patched") / "env")
-    proc = subprocess.run([str(python), "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
-                           "from remote import patcher; print(json.dumps(patcher.main({'action': 'apply', "
-                           "'patches_root': sys.argv[1] + '/patches'})))", str(REPO_ROOT)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and '"fail"' not in proc.stdout, proc.stdout + proc.stderr
-    return python
-
-
 @pytest.mark.vllm
 def test_readme_extract_tp2_then_verify_over_ssh(make_inventory, tiny_models, patched_python, tmp_path):
     """README: ``specops extract`` (tiny DeepSeek-V3, TP=2, the real patched speculators 0.3.0

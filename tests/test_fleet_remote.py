@@ -325,20 +325,6 @@ def test_mixed_stacks_and_unready_hosts_start_nothing_until_allowed(tmp_path, te
 
 # --------------------------------------------------------------------------- the real engine, three hosts
 
-@pytest.fixture(scope="module")
-def patched_python(hostenv_python, tmp_path_factory):
-    """An overlay env whose own speculators copy has the patch set applied (as specops patch leaves a host)."""
-    from specops.testhost.hostenv import make_overlay_env
-
-    python = make_overlay_env(hostenv_python, tmp_path_factory.mktemp("fleet-patched") / "env")
-    proc = subprocess.run([str(python), "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); "
-                           "from remote import patcher; print(json.dumps(patcher.main({'action': 'apply', "
-                           "'patches_root': sys.argv[1] + '/patches'})))", str(REPO_ROOT)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and '"fail"' not in proc.stdout, proc.stdout + proc.stderr
-    return python
-
-
 @pytest.mark.vllm
 def test_three_hosts_extract_one_dataset_at_tp1_deepseek(tmp_path, testhost, c_up, patched_python, tiny_models):
     runs = tmp_path / "runs"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specops.exit_codes import ExitCode
-from test_fleet_remote import OFFLINE, cli, patched_python, records_of, sha, status_file, wait_for  # noqa: F401
+from test_fleet_remote import OFFLINE, cli, records_of, sha, status_file, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = {"dataset_sha256": "ab" * 32, "dataset_samples": 8, "model": {"model_type": "llama", "hidden_size": 256},
