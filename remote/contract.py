@@ -40,6 +40,8 @@ class RunState(str, enum.Enum):
     PENDING = "pending"
     LOADING = "loading"
     EXTRACTING = "extracting"
+    #: a training run's (remote/trainrun.py) working state
+    TRAINING = "training"
     WRITING = "writing"
     DONE = "done"
     FAILED = "failed"

@@ -221,7 +221,8 @@ def _spawn(run_dir: Path, params: dict) -> int:
     with open(run_dir / "logs" / "supervisor.log", "ab") as log:
         try:
             proc = subprocess.Popen(
-                [python, "-m", "remote.supervisor", str(run_dir)],
+                # ``_entry``: another run kind's supervisor (remote/train.py starts remote.trainrun)
+                [python, "-m", params.get("_entry") or "remote.supervisor", str(run_dir)],
                 cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )

@@ -30,6 +30,8 @@ STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
 RUN_ID_RE = contract.RUN_ID_RE  # one rule, shared with the laptop
 #: the supervisor's command line holds this; a recycled pid of another program does not.
 SUPERVISOR_MODULE = "remote.supervisor"
+#: every run kind's supervisor: extraction's, and training's (remote/trainrun.py)
+SUPERVISOR_MODULES = (SUPERVISOR_MODULE, "remote.trainrun")
 
 
 class RunPaths:
@@ -122,7 +124,7 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
         return False
     if not cmdline:
         return True  # seen for a moment right after exec: cannot tell, so not dead
-    if SUPERVISOR_MODULE.encode() not in cmdline:
+    if not any(module.encode() in cmdline for module in SUPERVISOR_MODULES):
         return False
     return run_dir is None or str(run_dir).encode() in cmdline
 

@@ -282,6 +282,40 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                reference=reference, accept_new_host_key=target.accept_new_host_key)
 
 
+@host_task(help={"run-id": "name the train run (the same id re-attaches, or resumes an aborted/failed run)",
+                 "from-run": "the finished extraction run whose states to train on (its manifest gives the model, "
+                             "layer ids, format and seq len)",
+                 "epochs": "training epochs (speculators' --epochs; each keeps a checkpoint)",
+                 "dry-run": "speculators' --dry-run: write an untrained checkpoint of the same shape and stop",
+                 "detach": "start and return at once",
+                 "force": "start even if the host already runs another run"})
+def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False):
+    """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
+    from specops.train import train as run
+
+    return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
+               detach=detach, force=force, as_json=target.as_json, accept_new_host_key=target.accept_new_host_key)
+
+
+@host_task(help={"draft": "a train run id on the host, or a draft checkpoint dir there",
+                 "from-run": "the extraction run whose states the draft is checked against (default: the one it "
+                             "trained on; required for a dir)",
+                 "k": "num_speculative_tokens (default: the draft config's, else 3)",
+                 "prompts": "held-out dataset rows to send (after the rows the extraction read)",
+                 "max-tokens": "tokens to generate per prompt",
+                 "baseline": "also serve the prompts without the draft: tokens/s of both (a second server start)"})
+def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False):
+    """Serve the target with a draft (eagle3) on held-out prompts; acceptance from vLLM's own metrics."""
+    from specops.draft_eval import evaluate
+
+    return evaluate(target.inventory, target.selector, draft=draft, from_run=from_run, k=k, prompts=prompts,
+                    max_tokens=max_tokens, baseline=baseline, accept_new_host_key=target.accept_new_host_key)
+
+
+_long_only(train, "from-run", "dry-run")
+_long_only(eval_, "from-run", "max-tokens", "baseline")
+
+
 @task(help={"name": "test host name (several can run side by side; default: 'default' for the seed stack, "
                     "'modern' for the modern one)",
             "json": "print the connection details as JSON",
@@ -323,8 +357,9 @@ testhost.add_task(testhost_up, "up")
 testhost.add_task(testhost_down, "down")
 testhost.add_task(testhost_status, "status")
 
-ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, smoke, verify, demo,
+ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, smoke, verify, train, demo,
                 testhost)
+ns.add_task(eval_, "eval")
 ns.configure({"run": {"pty": False}})
 
 __doc__ += "\n\nExit codes: " + exit_codes.ExitCode.help_text()

@@ -24,7 +24,7 @@ from remote import argspec, contract, job, preflight, shard  # noqa: E402
 from remote.argspec import Arg, Spec  # noqa: E402
 
 #: every task module the laptop runs (``host.run_task`` / ``stream_task``).
-TASKS = ("facts", "preflight", "patcher", "drift", "job", "smoke", "verify", "shard", "merge")
+TASKS = ("facts", "preflight", "patcher", "drift", "job", "smoke", "verify", "shard", "merge", "train", "draft_eval")
 
 
 def task(name: str):
@@ -212,6 +212,11 @@ def test_every_key_the_laptop_sends_is_declared():
         plan.probe_step(host, overrides, preflight=preflight,
                         storage_probe={"dir": "/o/R", "token": "t", "work_dir": "~/.specops", "others": {"g": "u"}})
     host.run_task("merge", {"output_dir": "/o/R", "run_id": "R", "ranges": [[0, 2], [2, 4]]})  # specops/storage.py
+    from specops.draft_eval import eval_step
+    from specops.train import start_step as train_start
+
+    train_start(host, "t1", "r1", epochs=2, dry_run=True, force=False)
+    eval_step(host, "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=True)
     assert {module for module, _ in host.calls} == set(TASKS), host.calls
 
 

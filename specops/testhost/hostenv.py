@@ -178,6 +178,9 @@ CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 CPU_FP8_CONNECTOR = Path(__file__).with_name("cpu_fp8_hidden_states_connector.py")
 CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
 CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
+#: speculators' trainer on a CPU host (``remote/trainplan.py`` CPU_LAUNCHER_MODULE): test hosts only
+CPU_TRAIN_LAUNCHER = Path(__file__).with_name("cpu_train_launcher.py")
+CPU_TRAIN_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 
 
 def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_fix: bool = True,
@@ -200,7 +203,8 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     CPU host). No ``.pth`` is needed: vLLM imports it when the server starts. Beside it goes
     :mod:`cpu_fp8_hidden_states_connector` as ``_specops_cpu_fp8_hidden_states_connector``
     (the connector of ``format: fp8`` on a CPU host; it needs hs-connectors, which the modern
-    stack carries).
+    stack carries), and :mod:`cpu_train_launcher` as ``_specops_cpu_train_launcher`` (speculators'
+    trainer assumes an accelerator in three places; ``specops train`` runs it on a CPU host).
 
     :returns: the overlay's python.
     """
@@ -217,6 +221,8 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     if hidden_states_connector:
         (site / f"{CPU_CONNECTOR_MODULE}.py").write_text(CPU_CONNECTOR.read_text())
         (site / f"{CPU_FP8_CONNECTOR_MODULE}.py").write_text(CPU_FP8_CONNECTOR.read_text())
+        # and the CPU launcher of speculators' trainer (``specops train`` runs it where torch has no CUDA)
+        (site / f"{CPU_TRAIN_LAUNCHER_MODULE}.py").write_text(CPU_TRAIN_LAUNCHER.read_text())
     for name in own:
         for src in [base_site / name, *base_site.glob(f"{name}-*.dist-info")]:
             if src.exists() and not (site / src.name).exists():

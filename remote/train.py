@@ -1,0 +1,148 @@
+"""``specops train``, host side: check, then start an EAGLE-3 training run detached (stdlib only).
+
+A task module (``main(params) -> payload``). ``action``:
+
+``check``  the training preflight, nothing started: the states run is done and its
+           samples are all there (size, and sha256 up to :data:`SHA256_LIMIT` bytes of
+           them), its manifest gives a plan (:func:`remote.trainplan.resolve`: ids,
+           backend, seq len, model), the installed trainer takes every flag the plan
+           passes (read from its schema, nothing imported), and the save path's disk holds
+           the checkpoints.
+``start``  ``check``, then the run through :mod:`remote.job`'s own start (the same lock,
+           re-attach, resume and "one run at a time" rules as an extraction), whose
+           supervisor is :mod:`remote.trainrun` instead of :mod:`remote.supervisor`. A
+           train run is an ordinary run dir (``<work_dir>/runs/<run_id>``): ``job``'s
+           status, logs, follow and abort work on it unchanged. Starting a finished run
+           again says so; an aborted or failed one resumes from its last checkpoint
+           (speculators resumes from its save path by itself).
+
+Parameters: :data:`SPEC`.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from remote import job, modelconfig, protocol, samples, trainplan
+from remote.argspec import RUN_ARGS, Arg, Spec
+from remote.trainplan import TrainError
+
+#: a states run up to this many bytes has every file's sha256 checked before training; above
+#: it, sizes only (a 540 GB run would take hours to hash), and the record says so.
+SHA256_LIMIT = 2 << 30
+#: bytes a checkpoint keeps per draft parameter: bf16 weights + AdamW's two fp32 moments.
+CHECKPOINT_BYTES_PER_PARAM = 10
+
+SPEC = Spec("train", {
+    "action": Arg("str", "check", choices=("check", "start"), call=True),
+    "run_id": Arg("str", required=True, doc="the train run's id (remote.contract.run_id_problem)"),
+    "work_dir": RUN_ARGS["work_dir"].but(required=True),
+    "from_run": Arg("str", required=True, doc="the finished extraction run whose states it trains on"),
+    "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
+    "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
+    "train_args": Arg("list", elements="str", doc="more trainer flags, appended as given"),
+    "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
+    "device": RUN_ARGS["device"],
+    "env": RUN_ARGS["env"],
+    "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+})
+
+
+@SPEC.task
+def main(params: dict) -> dict:
+    try:
+        records, plan = check(params)
+    except TrainError as exc:
+        return exc.payload()
+    if params["action"] == "check" or any(r["status"] == protocol.FAIL for r in records):
+        return protocol.payload(records, plan=plan.as_dict())
+    started = job.start({**params, "_entry": "remote.trainrun"})
+    return protocol.payload(records + started["records"], plan=plan.as_dict(), **started["data"])
+
+
+def check(params: dict) -> tuple[list[dict], trainplan.TrainPlan]:
+    """The training preflight's records and the plan (:raises TrainError: no plan can be made)."""
+    job.run_dir_of(params)  # the run id's own rule, before anything is read
+    plan = trainplan.resolve(params)
+    records = [protocol.record(
+        "train.plan", protocol.OK,
+        f"from run {plan.from_run}: {plan.samples} samples, {plan.tokens} tokens, {plan.state_format} states -> "
+        f"--hidden-states-backend {plan.backend}; ids {plan.layer_ids} (input) -> --target-layer-ids "
+        f"{plan.trainer_layer_ids}; --total-seq-len {plan.total_seq_len}",
+        detail=plan.as_dict())]
+    records.append(check_states(plan))
+    records.append(trainplan.check_api(plan, trainplan.trainer_api()))
+    records.append(check_disk(plan))
+    return records, plan
+
+
+def check_states(plan: trainplan.TrainPlan) -> dict:
+    """``train.states``: every sample file and token dataset file the manifest names is there and whole.
+
+    :raises TrainError: naming the files missing, cut short or changed.
+    """
+    from remote import manifest as run_manifest
+
+    doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+    out_dir = Path(plan.data_path)
+    entries = list(doc.get("files") or [])
+    total = sum(int(e.get("bytes") or 0) for e in entries)
+    hashed = total <= SHA256_LIMIT
+    missing, short, changed = [], [], []
+    for entry in entries:
+        path = out_dir / entry["path"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            missing.append(entry["path"])
+            continue
+        if size != int(entry["bytes"]):
+            short.append(entry["path"])
+        elif hashed and samples.sha256_file(path) != entry["sha256"]:
+            changed.append(entry["path"])
+    missing += [name for name in doc.get("dataset_files") or [] if not (out_dir / name).exists()]
+    if missing or short or changed:
+        parts = [f"{len(v)} {k}" for k, v in (("missing", missing), ("of another size", short),
+                                              ("with another sha256", changed)) if v]
+        raise TrainError("train.states", f"run {plan.from_run}'s states in {out_dir}: {', '.join(parts)} "
+                         f"(e.g. {(missing + short + changed)[0]})",
+                         f"resume the extraction (specops extract --run-id {plan.from_run}) to make them again",
+                         detail={"missing": missing, "short": short, "changed": changed})
+    how = "sha256 match" if hashed else f"sizes match (over {SHA256_LIMIT >> 30} GiB: sha256 not checked)"
+    return protocol.record("train.states", protocol.OK,
+                           f"{len(entries)} sample file(s) of run {plan.from_run} ({total} bytes) and the token "
+                           f"dataset present; {how}", detail={"output_dir": str(out_dir), "bytes": total,
+                                                               "sha256_checked": hashed})
+
+
+def draft_params(config: dict) -> int:
+    """About how many parameters an EAGLE-3 draft of this target has: embeddings and lm_head
+    (vocab x hidden each), the fc over 3 aux states, one decoder layer of 2 x hidden input."""
+    h = int(modelconfig.text_value(config, "hidden_size") or 0)
+    v = int(modelconfig.text_value(config, "vocab_size") or 0)
+    inter = int(modelconfig.text_value(config, "intermediate_size") or 4 * h)
+    return 2 * v * h + 3 * h * h + 8 * h * h + 3 * h * inter
+
+
+def check_disk(plan: trainplan.TrainPlan) -> dict:
+    """``train.disk``: the save path's filesystem holds a checkpoint per epoch (weights + optimizer).
+
+    :raises TrainError: when it does not, with both numbers.
+    """
+    try:
+        config = modelconfig.read(plan.model_path)
+    except modelconfig.ConfigError as exc:
+        raise TrainError("train.model", f"the states' model {plan.model_path}: {exc.summary}", exc.fix) from None
+    per = draft_params(config) * CHECKPOINT_BYTES_PER_PARAM
+    need = per * (1 if plan.dry_run else plan.epochs)
+    where = Path(plan.save_path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    detail = {"save_path": plan.save_path, "per_checkpoint_bytes": per, "need_bytes": need, "free_bytes": free}
+    if free < need:
+        raise TrainError("train.disk", f"{plan.save_path}: {free / 2**30:.1f} GiB free, the run keeps about "
+                         f"{need / 2**30:.1f} GiB of checkpoints ({plan.epochs} x {per / 2**30:.2f} GiB)",
+                         "free disk under work_dir, or train fewer epochs (each keeps a checkpoint)", detail=detail)
+    return protocol.record("train.disk", protocol.OK, f"{free / 2**30:.1f} GiB free for about "
+                           f"{need / 2**20:.0f} MiB of checkpoints", detail=detail)

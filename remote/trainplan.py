@@ -1,0 +1,271 @@
+"""An EAGLE-3 training run planned from an extraction run's manifest (stdlib only).
+
+Nothing a trainer needs is typed twice: the target model, the layer ids, the read
+backend, the sequence length and the data path all come from the finished extraction
+run ``from_run`` (its manifest, read through :mod:`remote.verify.run`, which refuses a run
+that is not done), resolved once into a :class:`TrainPlan` that the start's checks, the
+run (:mod:`remote.trainrun`) and eval (:mod:`remote.draft_eval`) all read::
+
+    >>> plan = resolve({"work_dir": "/w", "run_id": "t1", "from_run": "r1", "epochs": 2})
+    >>> plan.trainer_layer_ids, plan.backend, plan.argv(python="/env/python")[1:3]
+    ([2, 4, 5], 'file', ['-m', 'speculators.train'])
+
+* **layer ids.** speculators >= 0.5 and vLLM name the INPUT of a layer; the extraction
+  captures ``[aux..., N]`` (N: the last layer's output, the verifier's final state) and the
+  trainer's ``--target-layer-ids`` takes the aux ids alone: the extraction's ids minus the
+  last one (speculators' launch docs). A run in another convention is translated through
+  :meth:`remote.runplan.Plan.ids`; one whose last id is not N is refused (the trainer
+  would take an aux layer for the final state).
+* **backend.** :data:`remote.contract.READ_BACKENDS`: fp8 states need ``--hidden-states-backend
+  fp8`` (the default ``file`` backend reads them without their scales).
+* **flags.** Which flags the installed trainer takes is read from its own schema
+  (``speculators/train/config/schema.py``, every field a flag) by AST, nothing imported, as
+  the drift checks read APIs; :func:`trainer_api` returns them with the backends
+  hs-connectors registers.
+
+On a CPU host the trainer needs a launcher shim (:data:`CPU_LAUNCHER_MODULE`); only the
+test host's env carries it (``specops/testhost/cpu_train_launcher.py``), a GPU host runs
+``python -m speculators.train`` itself.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from remote import contract, layers, protocol
+
+#: what ``speculators train`` runs (``speculators/train/__main__.py``): one process, one device.
+TRAINER_MODULE = "speculators.train"
+#: the test host's CPU launcher: the same ``main(TrainConfig.resolve())`` behind three patches.
+CPU_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
+#: a train run dir's own parts: the trainer's save path, its log, the metrics the run parsed.
+CHECKPOINTS, TRAIN_LOG, METRICS_FILE = "checkpoints", "train.log", "metrics.jsonl"
+#: what every run passes: EAGLE-3, and the eager loss (the fused one fails under torch.compile
+#: on speculators 0.9.0: FACTS.md, the H200 check).
+FIXED = [("speculator_type", "eagle3"), ("loss_implementation", "eager")]
+#: a CPU host's flags: flex attention and dataloader workers need a GPU; Muon's step took 2.5 s
+#: of a 3.2 s step on the 2-core test host, AdamW's 6 ms (1.06 s a step).
+CPU_FLAGS = [("draft_attn_impl", "sdpa"), ("num_workers", "0"), ("optimizer", "adamw")]
+#: every flag this module may pass (checked against the installed trainer before a run starts).
+USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
+              "epochs", "save_path", "dry_run", *(k for k, _ in FIXED + CPU_FLAGS))
+_REGISTER_RE = re.compile(r"HiddenStatesBackend\.register\(\s*[\"'](\w+)[\"']")
+
+
+class TrainError(protocol.TaskError):
+    """A refusal of training (see protocol.TaskError)."""
+
+
+@dataclass
+class TrainPlan:
+    """One training run, resolved from its extraction run: every later step reads this."""
+
+    run_id: str
+    from_run: str
+    #: the extraction run's dir and its states (the trainer's ``--data-path``).
+    states_run_dir: str
+    data_path: str
+    model_path: str
+    #: the extraction's ids (input convention) and what the trainer takes.
+    layer_ids: list
+    trainer_layer_ids: list
+    num_layers: int
+    state_format: str
+    backend: str
+    total_seq_len: int
+    samples: int
+    tokens: int
+    sample_range: list
+    save_path: str
+    epochs: int
+    dry_run: bool = False
+    device: str = ""
+    extra_args: list = field(default_factory=list)
+
+    def flags(self) -> list[tuple[str, str | list | None]]:
+        """``(field, value)`` of every flag, in order (None: a switch)."""
+        out = [("verifier_name_or_path", self.model_path), ("data_path", self.data_path),
+               ("target_layer_ids", [str(i) for i in self.trainer_layer_ids]),
+               ("hidden_states_backend", self.backend), ("total_seq_len", str(self.total_seq_len)),
+               ("epochs", str(self.epochs)), ("save_path", self.save_path), *FIXED]
+        if self.device == "cpu":
+            out += CPU_FLAGS
+        if self.dry_run:
+            out.append(("dry_run", None))
+        return out
+
+    def argv(self, python: str, launcher: str = TRAINER_MODULE) -> list[str]:
+        """The trainer's command line (``launcher``: :data:`TRAINER_MODULE` or the CPU shim)."""
+        argv = [str(python), "-m", launcher]
+        for name, value in self.flags():
+            argv.append(flag(name))
+            if isinstance(value, list):
+                argv += value
+            elif value is not None:
+                argv.append(value)
+        return argv + [str(a) for a in self.extra_args]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def flag(name: str) -> str:
+    """A schema field's flag, as speculators' resolver makes it (``data_path`` -> ``--data-path``)."""
+    return "--" + name.replace("_", "-")
+
+
+def checkpoints_dir(run_dir) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def last_checkpoint(save_path) -> dict | None:
+    """The draft a train run's save path holds now: speculators' own rule, the highest numbered
+    epoch dir (what a resume loads, and what eval serves), else the untrained draft ``--dry-run``
+    writes into the save path itself (``epoch`` None); None when there is neither.
+
+    :returns: ``{"path", "epoch", "global_step", "interrupted_kept"}``.
+    """
+    save_path = Path(save_path)
+    if not save_path.is_dir():
+        return None
+    epochs = [int(d.name) for d in save_path.iterdir() if d.name.isdigit() and d.is_dir() and not d.is_symlink()]
+    interrupted = (save_path / "interrupted").is_dir()
+    if epochs:
+        last = save_path / str(max(epochs))
+        try:
+            state = json.loads((last / "training_state.json").read_text())
+        except (OSError, ValueError):
+            state = {}
+        return {"path": str(last), "epoch": max(epochs), "global_step": state.get("global_step"),
+                "interrupted_kept": interrupted}
+    if (save_path / "config.json").is_file():
+        return {"path": str(save_path), "epoch": None, "global_step": 0, "interrupted_kept": interrupted}
+    return None
+
+
+def resolve(params: dict) -> TrainPlan:
+    """The plan of train run ``params["run_id"]`` from extraction run ``params["from_run"]``.
+
+    :raises TrainError: the states run is missing, unfinished or has no usable manifest,
+        is not an ``hs`` run, or its last layer id is not the final state.
+    """
+    from remote.verify.run import VerifyError, open_run
+
+    work_dir = Path(params["work_dir"])
+    try:
+        run = open_run({"work_dir": str(work_dir), "run_id": params["from_run"]})
+    except VerifyError as exc:
+        raise TrainError("train.states", f"--from-run {params['from_run']}: {exc.summary}", exc.fix,
+                         detail=exc.detail) from None
+    doc, plan = run.manifest, run.plan
+    if plan.format != contract.HS:
+        raise TrainError("train.states", f"run {params['from_run']} wrote {plan.format!r} samples (engine "
+                         f"{plan.engine}); speculators >= 0.5 trains on hs_{{i}}.safetensors files",
+                         "extract on a host whose speculators >= 0.5 picks the vllm-server engine")
+    ids = plan.ids(layers.INPUT)
+    n = plan.num_layers
+    if n not in ids:
+        raise TrainError("train.layer_ids", f"run {params['from_run']}'s layer ids {ids} (input convention) do "
+                         f"not hold {n}, the final state: the trainer reads the last layer of each file "
+                         f"(ids ascending) as the verifier's final hidden state",
+                         f"extract again with the final state last, e.g. --layer-ids input:"
+                         f"{','.join(map(str, layers.default_layer_ids(contract.VLLM_SERVER, n)[0]))}",
+                         detail={"layer_ids": ids, "num_layers": n})
+    aux = sorted(i for i in ids if i != n)
+    recorded = doc.get("hidden_states_backend")
+    backend = contract.READ_BACKENDS[plan.state_format]
+    if recorded and recorded != backend:
+        raise TrainError("train.backend", f"the manifest says hidden_states_backend {recorded!r} but its "
+                         f"state_format {plan.state_format!r} needs {backend!r}",
+                         "the manifest was edited or written by another specops; re-run the extraction")
+    run_params = doc.get("params") or {}
+    run_dir = work_dir / "runs" / str(params["run_id"])
+    return TrainPlan(
+        run_id=str(params["run_id"]), from_run=str(params["from_run"]), states_run_dir=str(run.run_dir),
+        data_path=str(run.output_dir), model_path=str((doc.get("model") or {}).get("path") or ""),
+        layer_ids=ids, trainer_layer_ids=aux, num_layers=n, state_format=plan.state_format, backend=backend,
+        total_seq_len=int(contract.param(run_params, "seq_len")), samples=len(doc.get("files") or []),
+        tokens=int(doc.get("tokens") or 0), sample_range=list(doc.get("sample_range") or []),
+        save_path=str(checkpoints_dir(run_dir)), epochs=int(params.get("epochs") or 1),
+        dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
+        extra_args=list(params.get("train_args") or []))
+
+
+# --------------------------------------------------------------------------- the installed trainer
+
+def _package_dir(name: str, search=None) -> Path | None:
+    spec = importlib.machinery.PathFinder.find_spec(name, list(search) if search else None)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def schema_fields(path: Path) -> set[str]:
+    """Every field declared in a class body of ``path`` (speculators' TrainConfig groups), by AST."""
+    tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                        and not item.target.id.startswith("_"):
+                    names.add(item.target.id)
+    return names
+
+
+def trainer_api(search=None) -> dict:
+    """What the installed speculators' trainer offers, read from its files (nothing imported).
+
+    :returns: ``{"package": dir or None, "entry": bool (speculators/train/__main__.py), "fields":
+        set of flag fields, "backends": set of read backends hs-connectors registers, "schema": path}``.
+    """
+    pkg = _package_dir("speculators", search)
+    out = {"package": str(pkg) if pkg else None, "entry": False, "fields": set(), "backends": set(), "schema": None}
+    if pkg is None:
+        return out
+    out["entry"] = (pkg / "train" / "__main__.py").is_file()
+    schema = pkg / "train" / "config" / "schema.py"
+    if schema.is_file():
+        out["schema"] = str(schema)
+        out["fields"] = schema_fields(schema)
+    hs = _package_dir("hs_connectors", search)
+    if hs is not None:
+        for path in sorted(hs.glob("*.py")):
+            try:
+                out["backends"] |= set(_REGISTER_RE.findall(path.read_text(encoding="utf-8", errors="replace")))
+            except OSError:
+                continue
+    return out
+
+
+def check_api(plan: TrainPlan, api: dict) -> dict:
+    """The ``train.trainer`` record: the entry and every flag :meth:`TrainPlan.argv` passes exist.
+
+    :raises TrainError: naming what is missing.
+    """
+    if api["package"] is None:
+        raise TrainError("train.trainer", "this python has no speculators package",
+                         "pip install 'speculators>=0.5' into the host's env (the inventory's python)")
+    if not api["entry"] or not api["fields"]:
+        raise TrainError("train.trainer", f"speculators at {api['package']} has no trainer entry "
+                         f"(train/__main__.py and train/config/schema.py)",
+                         "pip install 'speculators>=0.9' (the `speculators train` command)",
+                         detail={"package": api["package"]})
+    used = [name for name, _ in plan.flags()]
+    missing = [flag(name) for name in used if name not in api["fields"]]
+    if missing:
+        raise TrainError("train.trainer", f"the installed trainer takes no {', '.join(missing)} "
+                         f"(read in {api['schema']})", "install speculators 0.9 (the version specops builds its "
+                         "training command for), or report the drift", detail={"missing": missing})
+    if api["backends"] and plan.backend not in api["backends"]:
+        raise TrainError("train.trainer", f"hs-connectors registers no {plan.backend!r} read backend "
+                         f"(has {', '.join(sorted(api['backends']))}); {plan.state_format} states need it",
+                         "pip install 'hs-connectors>=0.9'")
+    return protocol.record("train.trainer", protocol.OK,
+                           f"speculators' trainer takes every flag specops passes ({len(used)}); backend "
+                           f"{plan.backend!r} registered", detail={"package": api["package"], "flags": used,
+                                                                  "backends": sorted(api["backends"])})

@@ -1,0 +1,245 @@
+"""The supervisor of a training run: ``python -m remote.trainrun RUN_DIR`` (stdlib only at import).
+
+Started detached by :mod:`remote.job` (``remote/train.py`` passes it as the run's entry),
+like :mod:`remote.supervisor` for an extraction, and keeps the same run dir contract:
+``status.json`` (state, phase, heartbeat, error with traceback), ``logs/``, the pid file.
+It resolves the plan from the states run's manifest (:func:`remote.trainplan.resolve`),
+runs speculators' trainer as its child and reads the trainer's own log lines:
+
+* each step's metrics line (``train/loss_0=..., train/full_acc_0=..., ..., epoch=E,
+  global_step=S``) becomes the status's ``step``, ``epoch``, ``loss``, per-position
+  ``accuracy`` and tokens/s (the trainer's ``profile/tokens_per_s``), and one line of
+  ``metrics.jsonl`` in the run dir; each validation line (``val/...``) the same, marked ``val``;
+* its progress bar (``N/M``) gives the steps per epoch, so the total and an ETA;
+* the line goes to ``logs/train.log`` with its padding and bars shortened (the trainer
+  is given a wide terminal so that no record wraps).
+
+The trainer is ``python -m speculators.train`` on a GPU host, or the test host's CPU
+launcher shim where the env carries it and torch sees no CUDA device. On SIGTERM (``job
+abort``) the trainer, in the same process group, gets it too: speculators saves an
+``interrupted`` checkpoint and exits; the supervisor waits for that, then records
+``aborted``. Starting the same run again resumes: speculators loads the last numbered
+checkpoint in its save path (:func:`remote.trainplan.last_checkpoint`); the status says which
+(``resumed_from``: epoch, global step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from remote import samples, trainplan
+from remote.contract import RunState
+from remote.rootcause import error_record, last_traceback
+from remote.rundir import RunPaths, StatusFile, tail_text, utc_now
+
+HEARTBEAT_S = 5.0
+#: the terminal width the trainer's rich console is given: a metrics record stays on one line.
+TRAINER_COLUMNS = "4000"
+#: how long an aborted trainer may take to save its ``interrupted`` checkpoint
+#: (job abort SIGKILLs the group 10 s after its SIGTERM).
+ABORT_WAIT_S = 8.0
+_METRIC_RE = re.compile(r"([A-Za-z_][\w/]*)=([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))")
+_PROGRESS_RE = re.compile(r"(\d+)/(\d+)\s+\[")
+_BAR_RE = re.compile(r"━{8,}")
+_PAD_RE = re.compile(r" {8,}")
+
+
+def parse_metrics(line: str) -> dict | None:
+    """The numbers of one trainer metrics line (``train/...`` or ``val/...``), else None.
+
+    >>> parse_metrics("[12:00:01] INFO train/loss_0=0.004, train/full_acc_0=0.419, epoch=19, global_step=88  trainer.py:587")
+    {'train/loss_0': 0.004, 'train/full_acc_0': 0.419, 'epoch': 19.0, 'global_step': 88.0}
+    """
+    if "train/" not in line and "val/" not in line:
+        return None
+    found = {k: float(v) for k, v in _METRIC_RE.findall(line)}
+    return found if any(k.startswith(("train/", "val/")) for k in found) else None
+
+
+def summarize(metrics: dict) -> dict:
+    """Status fields from one metrics record: step, epoch, loss, per-position accuracy, tokens/s."""
+    kind = "val" if any(k.startswith("val/") for k in metrics) else "train"
+    suffix = "_epoch" if kind == "val" else ""
+    accs = sorted((int(m.group(1)), v) for k, v in metrics.items()
+                  if (m := re.fullmatch(rf"{kind}/full_acc_(\d+){suffix}", k)))
+    out = {"kind": kind, "epoch": int(metrics.get("epoch", 0)),
+           "loss": metrics.get(f"{kind}/loss{suffix}"), "accuracy": [round(v, 4) for _, v in accs]}
+    if kind == "train":
+        out["step"] = int(metrics.get("global_step", 0))
+        out["tokens_per_s"] = metrics.get("profile/tokens_per_s")
+    return out
+
+
+def pick_launcher() -> str:
+    """The CPU launcher shim where this env carries it and torch sees no CUDA device, else the trainer's own module."""
+    import importlib.util
+
+    if importlib.util.find_spec(trainplan.CPU_LAUNCHER_MODULE) is None:
+        return trainplan.TRAINER_MODULE
+    from remote.engines.vllm_server.command import cuda_available
+
+    return trainplan.TRAINER_MODULE if cuda_available() else trainplan.CPU_LAUNCHER_MODULE
+
+
+class TrainSupervisor:
+    def __init__(self, run_dir):
+        self.paths = RunPaths(run_dir)
+        self.params = json.loads(self.paths.params.read_text())
+        previous = samples.read_json_quietly(self.paths.status) or {}
+        self.status = StatusFile(self.paths.status, {
+            "run_id": self.params.get("run_id"), "kind": "train", "state": RunState.PENDING.value,
+            "phase": "starting", "started_at": utc_now(), "error": None, "pid": os.getpid(),
+            "attempt": int(previous.get("attempt", 0)) + 1,
+            "previous_error": previous.get("error") or previous.get("previous_error"),
+            "step": previous.get("step"), "steps_total": previous.get("steps_total"),
+        })
+        self.proc: subprocess.Popen | None = None
+        self.aborted = False
+        self._stop = threading.Event()
+        self.steps_per_epoch = None
+        self.in_validation = False
+        self.epoch_seen, self.epoch_start = None, 0
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.status.update()
+
+    def run(self) -> int:
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        try:
+            return self._run()
+        except Aborted:
+            self.status.update(state=RunState.ABORTED.value, phase="aborted", error={
+                "rank": None, "type": "Aborted", "where": "supervisor", "traceback": "",
+                "message": f"aborted by request (SIGTERM); the trainer saved {self.status.data.get('checkpoints')}"
+                           f"/interrupted; the same train command resumes from the last epoch checkpoint"})
+            return 143
+        except BaseException as exc:  # every failure ends in status.json
+            traceback.print_exc()
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=error_record(exc))
+            return 1
+        finally:
+            self._stop.set()
+
+    def _run(self) -> int:
+        plan = trainplan.resolve(self.params)
+        launcher = pick_launcher()
+        argv = plan.argv(self.params.get("python") or sys.executable, launcher)
+        found = trainplan.last_checkpoint(plan.save_path)
+        resumed = found if found and found["epoch"] is not None and not plan.dry_run else None
+        self.status.update(state=RunState.LOADING.value, phase="starting the trainer", plan=plan.as_dict(),
+                           launcher=launcher, command=argv, resumed_from=resumed,
+                           checkpoints=plan.save_path, epochs=plan.epochs)
+        print(f"[specops] train run {plan.run_id}: {' '.join(argv)}" +
+              (f"; resumes after epoch {resumed['epoch']} (global step {resumed['global_step']})" if resumed else ""),
+              flush=True)
+        env = dict(os.environ, COLUMNS=TRAINER_COLUMNS, PYTHONUNBUFFERED="1")
+        log_path = self.paths.log(trainplan.TRAIN_LOG)
+        t0 = time.monotonic()
+        with open(log_path, "a", encoding="utf-8") as log, \
+                open(self.paths.run_dir / trainplan.METRICS_FILE, "a", encoding="utf-8") as metrics_out:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
+                                         text=True, errors="replace", bufsize=1)
+            for raw in self.proc.stdout:
+                line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
+                log.write(line + "\n")
+                log.flush()
+                self._on_line(line, metrics_out, t0)
+            code = self.proc.wait()
+        if self.aborted:
+            raise Aborted("SIGTERM")
+        if code != 0:
+            tail = tail_text(log_path, 20000)
+            found = last_traceback(tail) or {}
+            self.status.update(state=RunState.FAILED.value, phase="failed", error={
+                "rank": 0, "where": "trainer", "type": found.get("type") or "TrainerExited",
+                "message": found.get("message") or f"the trainer exited with code {code}",
+                "traceback": found.get("traceback") or "", "log_tail": tail[-4000:], "exit_code": code})
+            return 1
+        final = trainplan.last_checkpoint(plan.save_path)
+        if final is None:
+            raise RuntimeError(f"the trainer exited 0 but left no checkpoint in {plan.save_path}")
+        done = {"steps_total": self.status.data.get("step")} if self.status.data.get("step") else {}
+        self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
+                           wall_s=round(time.monotonic() - t0, 1), **done)
+        return 0
+
+    def _on_line(self, line: str, metrics_out, t0: float) -> None:
+        progress = _PROGRESS_RE.search(line)
+        if progress and "Epoch" in line and not self.in_validation:
+            self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends
+        if "Validation epoch" in line:
+            self.in_validation = "started" in line
+        found = parse_metrics(line)
+        if not found:
+            if "Training epoch" in line and "started" in line:
+                self.status.update(state=RunState.TRAINING.value, phase=line.split("INFO", 1)[-1].split("  ")[0].strip())
+            return
+        summary = summarize(found)
+        metrics_out.write(json.dumps({"t": round(time.monotonic() - t0, 3), **summary, "metrics": found}) + "\n")
+        metrics_out.flush()
+        if summary["kind"] == "val":
+            self.status.update(val_loss=summary["loss"], val_accuracy=summary["accuracy"])
+            return
+        epochs = int(self.status.data.get("epochs") or 1)
+        step = summary["step"] + 1
+        if summary["epoch"] != self.epoch_seen:  # batches per epoch vary a little (packing): estimate per epoch
+            self.epoch_seen, self.epoch_start = summary["epoch"], step - 1
+        total = (max(step, self.epoch_start + self.steps_per_epoch * (epochs - summary["epoch"]))
+                 if self.steps_per_epoch else None)
+        rate = summary.get("tokens_per_s")
+        elapsed = time.monotonic() - t0
+        first = self.status.data.get("first_step_this_attempt") or step
+        eta = (total - step) * elapsed / max(1, step - first + 1) if total else None
+        self.status.update(state=RunState.TRAINING.value, phase=f"training (epoch {summary['epoch'] + 1}/{epochs})",
+                           step=step, steps_total=total, epoch=summary["epoch"], loss=summary["loss"],
+                           accuracy=summary["accuracy"], tokens_per_s=rate, first_step_this_attempt=first,
+                           eta_s=round(eta, 1) if eta is not None else None,
+                           samples_done=step, samples_total=total)
+
+
+class Aborted(BaseException):
+    """SIGTERM/SIGINT reached the supervisor (``job abort``)."""
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m remote.trainrun RUN_DIR", file=sys.stderr)
+        return 2
+    sup = TrainSupervisor(argv[0])
+    os.environ["SPECOPS_RUN_DIR"] = str(sup.paths.run_dir)
+
+    def on_signal(signum, _frame):
+        # the trainer is in our process group and got the same signal from job abort; it saves
+        # its interrupted checkpoint and exits, which ends the read loop
+        sup.aborted = True
+        if sup.proc is not None and sup.proc.poll() is None:
+            try:
+                sup.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                sup.proc.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                sup.proc.kill()
+        else:
+            raise Aborted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = sup.run()
+    print(f"[specops] supervisor exits {code} (state {sup.status.data.get('state')})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

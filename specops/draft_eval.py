@@ -1,0 +1,71 @@
+"""``specops eval``: a draft's acceptance on held-out prompts, served by vLLM with its target.
+
+The work happens on the host (``remote/draft_eval.py``), in the foreground: the draft's
+config checked against the states it belongs to before anything loads (aux layer ids,
+verifier, vocab: a mismatch is a fail showing both values and the fix), then vLLM started
+with the draft as ``eagle3`` and ``k`` speculative tokens, the dataset rows after the
+extraction's sent greedily, and acceptance read from the server's own /metrics: mean
+acceptance length, the rate per position, output tokens/s (``--baseline``: the plain
+server's too, a second start).
+
+    >>> evaluate(inventory, "modern", draft="d1", k=3)
+    eval.acceptance ok: train run d1, epoch 39, k=3: mean acceptance length 1.31, 61 of 243 draft tokens ...
+"""
+from __future__ import annotations
+
+from specops.errors import UsageError
+from specops.host import Host
+from specops.inventory import Inventory
+from specops.parallel import report_from_payload, run_on_hosts
+from specops.result import HostReport
+
+#: a CPU server start is 40-300 s, a second one with --baseline as long again.
+EVAL_TIMEOUT_S = 3600.0
+
+
+def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int | None = None, prompts: int = 8,
+                max_tokens: int = 32, baseline: bool = False) -> dict:
+    params = {"work_dir": host.spec.work_dir, "draft": draft, "prompts": int(prompts), "max_tokens": int(max_tokens),
+              "baseline": bool(baseline), "python": host.spec.python, "device": host.spec.device,
+              "env": dict(host.spec.env), "tp": host.spec.tp, "trust_remote_code": host.spec.trust_remote_code}
+    if from_run:
+        params["from_run"] = from_run
+    if k is not None:
+        params["k"] = int(k)
+    return params
+
+
+def eval_step(host: Host, draft: str, **options) -> HostReport:
+    payload = host.run_task("draft_eval", eval_params(host, draft, **options), timeout=EVAL_TIMEOUT_S)
+    report = report_from_payload(host.name, "eval", payload)
+    return report
+
+
+def _whole(name: str, value, low: int, high: int | None = None) -> int | None:
+    if value in (None, ""):
+        return None
+    flag = f"-{name}" if len(name) == 1 else f"--{name}"
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag} {value!r} is not a whole number", f"pass {flag} N") from None
+    if number < low or (high is not None and number > high):
+        raise UsageError(f"{flag} {number} is out of range",
+                         f"pass {flag} N with N >= {low}" + (f" and N <= {high}" if high is not None else ""))
+    return number
+
+
+def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, from_run: str | None = None,
+             k=None, prompts=8, max_tokens=32, baseline: bool = False,
+             accept_new_host_key: bool = False) -> list[HostReport]:
+    """Evaluate ``draft`` (a train run id or a checkpoint dir on the host) on every selected host."""
+    if not draft:
+        raise UsageError("--draft is required", "pass a train run id (specops train --run-id) or a draft dir on the host")
+    if from_run:
+        from specops.extract import check_run_id
+
+        check_run_id(from_run)
+    options = {"from_run": from_run, "k": _whole("k", k, 1, 16), "prompts": _whole("prompts", prompts, 1) or 8,
+               "max_tokens": _whole("max-tokens", max_tokens, 1) or 32, "baseline": bool(baseline)}
+    return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
+                        accept_new_host_key=accept_new_host_key)

@@ -1,0 +1,32 @@
+"""speculators' trainer on a CPU-only host: ``python -m _specops_cpu_train_launcher <train flags>``.
+
+Test hosts only (the test host's overlay env carries this file as the module
+``_specops_cpu_train_launcher``; a GPU host never gets it). speculators 0.9.0's trainer
+assumes an accelerator in three places, each patched here before the same
+``main(TrainConfig.resolve())`` that ``python -m speculators.train`` runs:
+
+* ``speculators.train.trainer.get_local_rank`` is the device the model moves to: "cpu";
+* ``Trainer.device_type`` falls back to "cuda" when torch has no accelerator (the
+  autocast and the batches' device): "cpu";
+* ``torch.accelerator.synchronize`` (the step timer) has no device to wait for: a no-op.
+"""
+import torch
+
+import speculators.train.trainer as _trainer
+from speculators.train.cli import main
+from speculators.train.config import TrainConfig
+
+_trainer.get_local_rank = lambda: "cpu"
+_setup_model = _trainer.Trainer.setup_model
+
+
+def _setup_model_on_cpu(self, *args, **kwargs):
+    self.device_type = "cpu"
+    return _setup_model(self, *args, **kwargs)
+
+
+_trainer.Trainer.setup_model = _setup_model_on_cpu
+torch.accelerator.synchronize = lambda *args, **kwargs: None
+
+if __name__ == "__main__":
+    main(TrainConfig.resolve())
