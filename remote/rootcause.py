@@ -35,6 +35,8 @@ TRACEBACK_HEAD = "Traceback (most recent call last):"
 # vLLM prefixes each worker's output with "(Worker_TP1 pid=123) "; dropped before parsing.
 _PREFIX_RE = re.compile(r"^\((?:\w|[-.])+ pid=\d+\) ")
 _FATAL_RE = re.compile(r"^Fatal Python error: (.*)$")
+#: the first line of a rank log (remote/engines/vllm_worker_hook.py)
+_RANK_LOG_HEAD_RE = re.compile(r"\[specops\] rank log of pid (\d+)(?: \(([\w.-]+)\))? started")
 
 
 def error_record(exc: BaseException, rank=None, where: str = "supervisor") -> dict:
@@ -147,11 +149,15 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths
     for log in sorted(paths.logs.glob("rank*.log")):
         with open(log, "rb") as fh:
             fh.seek(paths.log_offsets.get(log.name, 0))
-            found = last_traceback(fh.read().decode(errors="replace"))
+            text = fh.read().decode(errors="replace")
+        found = last_traceback(text)
         if not found:
             continue
         rank = int(re.search(r"rank(\d+)", log.name).group(1))
         found.update(rank=rank, where=f"logs/{log.name}", source=f"logs/{log.name}")
+        head = _RANK_LOG_HEAD_RE.search(text)
+        if head:
+            found.update(pid=int(head.group(1)), process=head.group(2))
         if found["type"] == "FatalError":
             fatal.append(found)
         elif rank not in recorded_ranks:
@@ -169,6 +175,13 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths
             source = dump["source"] if dump else dead.get("source") or "waitpid"
             named.append(signals.death_record(dead.get("name"), dead["exit_code"], pid=dead.get("pid"), rank=rank,
                                               source=source, fatal=dump))
+            fatal = [f for f in fatal if f is not dump]
+        # a rank whose faulthandler dumped a fault signal but whose end its parent had not
+        # seen yet (it died a moment after the first): named from its own log
+        for dump in [f for f in fatal if signals.FAULTHANDLER_NAMES.get(f["message"].strip()) in FAULT_SIGNALS]:
+            named.append(signals.death_record(dump.get("process"), signals.exit_code_of_fatal(dump["message"]),
+                                              pid=dump.get("pid"), rank=dump["rank"], source=dump["source"],
+                                              fatal=dump))
             fatal = [f for f in fatal if f is not dump]
         fatal = named + fatal
     ranked = fatal + own + from_logs + peer_loss

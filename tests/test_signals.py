@@ -272,6 +272,19 @@ def test_a_second_rank_that_faulted_is_named_beside_the_first_and_in_its_log(tmp
     assert "[specops] rank 1 (VllmWorker-1, pid 11) was killed by SIGBUS" in (paths.logs / "rank1.log").read_text()
     assert not (paths.logs / "rank2.log").exists(), "a peer stopped by SIGTERM is a consequence"
 
+    # the second rank's end not seen by its parent yet (it died a moment after the first):
+    # its own log names it (the header the worker hook writes, and faulthandler's dump)
+    late = RunPaths(tmp_path / "late")
+    late.logs.mkdir(parents=True)
+    late.errors.mkdir()
+    (late.logs / "rank1.log").write_text("[specops] rank log of pid 11 (VllmWorker-1) started 2026-12-02T10:00:00Z\n"
+                                         "Fatal Python error: Bus error\n\nCurrent thread 0x1 (most recent call "
+                                         "first):\n  File \"w.py\", line 3 in load_weights\n")
+    err = root_cause(late, RuntimeError("cancelled"), deaths=deaths[:1])
+    assert (err["rank"], err["signal"]) == (0, "SIGILL")
+    assert [(o["rank"], o["signal"], o["pid"]) for o in err["other_errors"]] == [(1, "SIGBUS", 11)]
+    assert err["other_errors"][0]["message"].startswith("rank 1 (VllmWorker-1, pid 11) was killed by SIGBUS")
+
 
 # ---------------------------------------------------------------------------- the modern engine, for real
 

@@ -191,7 +191,12 @@ class WorkerWatch:
             procs, died_at = list(self.procs), dict(self.died_at)
         for rank, proc in procs:
             if id(proc) not in died_at:
-                continue
+                try:  # ended, but its watch thread has not stamped it yet (two ranks dying at once)
+                    if proc.exitcode is None:
+                        continue
+                except ValueError:
+                    continue
+                died_at[id(proc)] = time.time()
             try:
                 code = proc.exitcode
                 if code is None:  # ended, not yet reaped by anyone: waitpid it now

@@ -144,8 +144,11 @@ def _redirect_output(path: str) -> None:
     os.dup2(_log_file.fileno(), 2)
     faulthandler.enable(file=_log_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=_log_file, all_threads=True)
-    print(f"[specops] rank log of pid {os.getpid()} started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
-          flush=True)
+    import multiprocessing
+
+    # root_cause reads who this is from here when the process dies before its parent saw it
+    print(f"[specops] rank log of pid {os.getpid()} ({multiprocessing.current_process().name}) started "
+          f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", flush=True)
 
 
 def _apply_injection(rank: int) -> None:
