@@ -237,6 +237,47 @@ def _find_module(name: str) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
+def class_chain(module: str, cls_name: str, depth: int = 0, seen=None) -> list:
+    """``[(path, ast.ClassDef), ...]`` of ``module.cls_name`` and its bases, nearest first
+    (depth first, as Python's MRO for the single-inheritance chains connectors have), read
+    from the installed files across packages (vLLM, hs-connectors, a test host's overlay).
+    A base that cannot be found ends its branch."""
+    seen = set() if seen is None else seen
+    path = _module_file(module) if module else None
+    if path is None or (path, cls_name) in seen or depth > 8:
+        return []
+    seen.add((path, cls_name))
+    tree = parse(path)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
+    if cls is None:
+        return []
+    imported = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+            imported.update({a.asname or a.name: (stmt.module, a.name) for a in stmt.names})
+    chain = [(path, cls)]
+    for base in cls.bases:
+        text = dotted(base) or ""
+        head, _, attr = text.partition(".")
+        if text in imported:
+            chain += class_chain(*imported[text], depth + 1, seen)
+        elif attr and head in imported:  # a module imported under a name: module.Class
+            chain += class_chain(".".join(imported[head]), attr, depth + 1, seen)
+        elif text:
+            chain += class_chain(module, text, depth + 1, seen)
+    return chain
+
+
+def connector_module(connector: tuple, index: PackageIndex | None = None) -> str | None:
+    """The module of a connector ``(class name, module path or None)``: the given path, or where
+    vLLM's factory registers the name."""
+    name, module = connector
+    if module is None and index is not None:
+        entry = registered_connectors(index).get(name)
+        module = entry[0] if entry else None
+    return module
+
+
 def registered_connectors(index: PackageIndex) -> dict:
     """``{name: (module, class)}`` of ``KVConnectorFactory.register_connector(...)`` calls in the factory."""
     tree, _ = index.tree(CONNECTOR_FACTORY)

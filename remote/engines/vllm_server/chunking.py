@@ -1,0 +1,86 @@
+"""Whether the installed hidden-states connector lets a prompt be prefilled in chunks (stdlib only).
+
+A connector that writes a request's states from a per-step hook (``save_kv_layer``,
+``wait_for_save``) sees one chunk of a chunked prompt at a time, so chunked prefill must be
+off and every prompt must fit one step. vLLM moved the write to ``get_finished`` (PR 43805:
+after the request's last chunk, read back from the KV cache); from there on a prompt longer
+than the step budget extracts whole. vLLM's own docs still say "off" (its issue 52074), so
+the answer is read from the connector's source, along its class chain, as the drift checks
+read APIs: nothing is imported.
+
+:func:`when_it_writes` answers from a class chain (nearest class first: a method defined
+nearer wins, as at run time); ``remote.engines.vllm_server.command`` walks the installed
+connector's chain.
+"""
+from __future__ import annotations
+
+import ast
+
+#: calls that put a sample on disk
+WRITE_CALLS = frozenset({"save_file", "save", "torch.save"})
+#: hooks vLLM calls on every forward step
+PER_STEP_HOOKS = ("save_kv_layer", "wait_for_save")
+#: the hook vLLM calls once a request is done
+FINISHED_HOOK = "get_finished"
+
+
+def _methods(chain) -> dict:
+    """``{name: FunctionDef}`` of the chain's methods, the nearest definition of each."""
+    found = {}
+    for _path, cls in chain:
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(node.name, node)
+    return found
+
+
+def _uses(func) -> tuple[set, set]:
+    """(names of the calls in ``func``, names of ``self.<method>`` it refers to, called or handed on)."""
+    calls, own = set(), set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call):
+            target = node.func
+            if isinstance(target, ast.Name):
+                calls.add(target.id)
+            elif isinstance(target, ast.Attribute):
+                calls.add(target.attr)
+                if isinstance(target.value, ast.Name):
+                    calls.add(f"{target.value.id}.{target.attr}")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            own.add(node.attr)  # self._write_tensors handed to an executor writes too
+    return calls, own
+
+
+def when_it_writes(chain) -> dict:
+    """Which of the connector's hooks write a sample file, and whether chunked prefill is safe.
+
+    :param chain: ``[(path, ast.ClassDef), ...]``, the connector's class first, then its bases.
+    :returns: ``{"safe": bool, "writes_in": [hook names], "why": str}``.
+    """
+    methods = _methods(chain)
+    memo: dict[str, bool] = {}
+
+    def writes(name: str, seen=()) -> bool:
+        if name in memo:
+            return memo[name]
+        func = methods.get(name)
+        if func is None or name in seen:
+            return False
+        calls, own = _uses(func)
+        memo[name] = bool(calls & WRITE_CALLS) or any(writes(m, seen + (name,)) for m in own if m in methods)
+        return memo[name]
+
+    writes_in = [hook for hook in PER_STEP_HOOKS + (FINISHED_HOOK,) if writes(hook)]
+    where = chain[0][1].name if chain else "the connector"
+    if not writes_in:
+        return {"safe": False, "writes_in": [],
+                "why": f"{where}: no hook of it writes a file that the source shows (read nothing to go on): "
+                       f"chunked prefill stays off"}
+    per_step = [hook for hook in writes_in if hook in PER_STEP_HOOKS]
+    if per_step:
+        return {"safe": False, "writes_in": writes_in,
+                "why": f"{where} writes from {', '.join(per_step)} (every step): a chunked prompt would land "
+                       f"chunk by chunk, so chunked prefill stays off"}
+    return {"safe": True, "writes_in": writes_in,
+            "why": f"{where} writes in {FINISHED_HOOK} (once the request's last chunk is done): "
+                   f"chunked prefill is safe"}

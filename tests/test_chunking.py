@@ -1,0 +1,82 @@
+"""When chunked prefill is safe for the hidden-states connector, read from its source (stdlib only).
+
+The installed connectors (vLLM 0.32 on the modern test host, its CPU and fp8 subclasses) are
+read for real in tests/test_long_samples.py; here, the rule on the shapes connectors have had.
+"""
+from __future__ import annotations
+
+import ast
+
+from remote.engines.vllm_server.chunking import when_it_writes
+
+
+def chain(source: str) -> list:
+    """The classes of ``source``, last first (a subclass is written after its base)."""
+    tree = ast.parse(source)
+    return [("x.py", node) for node in reversed(tree.body) if isinstance(node, ast.ClassDef)]
+
+
+WRITES_WHEN_FINISHED = '''
+class ExampleHiddenStatesConnector:
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass  # Extraction happens in get_finished once all tokens are done.
+
+    def _write_tensors(self, tensors, filename):
+        save_file(tensors, filename)
+
+    def _submit_async_write(self, pending):
+        self._executor.submit(self._write_tensors, {}, pending.path)
+
+    def get_finished(self, finished_req_ids):
+        for pending in self._meta.pending_saves:
+            self._submit_async_write(pending)
+        return None, None
+'''
+
+WRITES_EVERY_STEP = '''
+class ExampleHiddenStatesConnector:
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        self._stash(kv_layer)
+
+    def wait_for_save(self):
+        for path, tensors in self._stashed.items():
+            safetensors.torch.save_file(tensors, path)
+
+    def get_finished(self, finished_req_ids):
+        return None, None
+'''
+
+
+def test_a_connector_that_writes_in_get_finished_allows_chunked_prefill():
+    said = when_it_writes(chain(WRITES_WHEN_FINISHED))
+    assert said["safe"] and said["writes_in"] == ["get_finished"], said
+    assert "ExampleHiddenStatesConnector writes in get_finished" in said["why"]
+
+
+def test_a_connector_that_writes_every_step_keeps_chunked_prefill_off():
+    said = when_it_writes(chain(WRITES_EVERY_STEP))
+    assert not said["safe"] and said["writes_in"] == ["wait_for_save"], said
+    assert "chunk by chunk" in said["why"]
+
+
+def test_a_subclass_overriding_the_write_is_judged_by_its_own_method():
+    """The nearest definition wins, as at run time: a CPU subclass that writes synchronously from
+    the same place keeps the base's verdict; one that moves the write to every step loses it."""
+    same_place = WRITES_WHEN_FINISHED + '''
+class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def _submit_async_write(self, pending):
+        self._write_tensors({}, pending.path)
+'''
+    assert when_it_writes(chain(same_place))["safe"]
+    per_step = WRITES_WHEN_FINISHED + '''
+class EagerConnector(ExampleHiddenStatesConnector):
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        torch.save(kv_layer, self._path(layer_name))
+'''
+    said = when_it_writes(chain(per_step))
+    assert not said["safe"] and said["writes_in"] == ["save_kv_layer", "get_finished"], said
+
+
+def test_a_connector_whose_writes_cannot_be_seen_is_not_trusted():
+    said = when_it_writes(chain("class Opaque:\n    def get_finished(self, ids):\n        return self._impl(ids)\n"))
+    assert not said["safe"] and said["writes_in"] == [] and "stays off" in said["why"]
