@@ -6,8 +6,13 @@ read for real in tests/test_long_samples.py; here, the rule on the shapes connec
 from __future__ import annotations
 
 import ast
+from pathlib import Path
+
+import pytest
 
 from remote.engines.vllm_server.chunking import when_it_writes
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def chain(source: str) -> list:
@@ -80,3 +85,39 @@ class EagerConnector(ExampleHiddenStatesConnector):
 def test_a_connector_whose_writes_cannot_be_seen_is_not_trusted():
     said = when_it_writes(chain("class Opaque:\n    def get_finished(self, ids):\n        return self._impl(ids)\n"))
     assert not said["safe"] and said["writes_in"] == [] and "stays off" in said["why"]
+
+
+def test_what_a_run_asks_for_meets_what_the_connector_allows():
+    from remote.engines.vllm_server.chunking import resolve
+
+    safe, unsafe = when_it_writes(chain(WRITES_WHEN_FINISHED)), when_it_writes(chain(WRITES_EVERY_STEP))
+    assert resolve(None, safe)["on"] and resolve("auto", safe)["on"] and resolve("on", safe)["on"]
+    assert not resolve("auto", unsafe)["on"] and "chunk by chunk" in resolve("auto", unsafe)["why"]
+    assert not resolve("off", safe)["on"]
+    with pytest.raises(ValueError, match=r"chunked_prefill: on, but .* set chunked_prefill: auto or off"):
+        resolve("on", unsafe)
+    with pytest.raises(ValueError, match=r"chunked_prefill: 'yes' is not one of auto, on, off"):
+        resolve("yes", safe)
+
+
+def test_prefix_caching_is_refused_by_name():
+    from remote.engines.vllm_server.chunking import refused_flags
+
+    assert refused_flags(["--max-num-seqs", "4", "--enable-prefix-caching"]) == ["--enable-prefix-caching"]
+    assert refused_flags(["--enable-prefix-caching=true"]) == ["--enable-prefix-caching=true"]
+    assert refused_flags(["--no-enable-prefix-caching"]) == [] and refused_flags(None) == []
+
+
+def test_the_installed_connectors_of_the_modern_stack_write_when_a_request_is_done(modern_hostenv_python):
+    """vLLM 0.32's stock connector and hs-connectors' fp8 one, read where the modern env has them."""
+    import json
+    import subprocess
+
+    code = ("import json; from remote.engines.vllm_server import chunking, command; "
+            "print(json.dumps({'stock': chunking.installed_verdict((command.STOCK_CONNECTOR, None)), "
+            "'fp8': chunking.installed_verdict((command.FP8_CONNECTOR_CLASS, command.fp8_connector_module()))}))")
+    out = subprocess.run([str(modern_hostenv_python), "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("stock", "fp8"):
+        assert said[name]["safe"] and said[name]["writes_in"] == ["get_finished"], said

@@ -84,3 +84,49 @@ def when_it_writes(chain) -> dict:
     return {"safe": True, "writes_in": writes_in,
             "why": f"{where} writes in {FINISHED_HOOK} (once the request's last chunk is done): "
                    f"chunked prefill is safe"}
+
+
+#: what a run may ask for (``chunked_prefill``): auto = on where the connector allows it
+CHOICES = ("auto", "on", "off")
+#: server flags that would make the files wrong: with prefix caching on, a request's
+#: ``hidden_states`` and ``token_ids`` lengths differ (vLLM issue 44485)
+REFUSED_FLAGS = ("--enable-prefix-caching",)
+
+
+def installed_verdict(connector: tuple) -> dict:
+    """:func:`when_it_writes` for the connector ``(class name, module or None)`` as installed
+    (a name without a module is looked up in vLLM's connector factory)."""
+    from remote.drift.pyindex import PackageIndex
+    from remote.drift.server import class_chain, connector_module
+    from remote.drift.source import site_packages
+
+    name, module = connector
+    if module is None:
+        root = site_packages({})[1]
+        module = connector_module(connector, PackageIndex(root) if root else None)
+    return when_it_writes(class_chain(module, name) if module else [])
+
+
+def resolve(asked, verdict: dict) -> dict:
+    """Chunked prefill for a run: ``{"on", "asked", "why"}``.
+
+    :raises ValueError: naming the field and the fix, for a value not in :data:`CHOICES`, and
+        for ``on`` where the connector writes every step (its files would be partial).
+    """
+    asked = "auto" if asked in (None, "") else asked
+    if asked not in CHOICES:
+        raise ValueError(f"chunked_prefill: {asked!r} is not one of {', '.join(CHOICES)}; "
+                         f"set chunked_prefill: auto (on where the connector allows it)")
+    if asked == "off":
+        return {"on": False, "asked": asked, "why": "chunked_prefill: off, as asked: every sample is one step"}
+    if not verdict["safe"]:
+        if asked == "on":
+            raise ValueError(f"chunked_prefill: on, but {verdict['why']}; set chunked_prefill: auto or off "
+                             f"(every sample is then one step: max_num_batched_tokens covers the longest)")
+        return {"on": False, "asked": asked, "why": verdict["why"]}
+    return {"on": True, "asked": asked, "why": verdict["why"]}
+
+
+def refused_flags(server_args) -> list[str]:
+    """The flags of ``server_args`` that would make the extracted files wrong."""
+    return [a for a in (str(x) for x in server_args or ()) if a.split("=", 1)[0] in REFUSED_FLAGS]
