@@ -73,7 +73,25 @@ def check(params: dict) -> tuple[list[dict], trainplan.TrainPlan]:
     records.append(check_states(plan))
     records.append(trainplan.check_api(plan, trainplan.trainer_api()))
     records.append(check_disk(plan))
+    if plan.device == "cpu":
+        records.append(check_cpu_launcher())
     return records, plan
+
+
+def check_cpu_launcher() -> dict:
+    """``train.device``: a CPU host runs speculators' trainer only behind the launcher shim
+    (:data:`remote.trainplan.CPU_LAUNCHER_MODULE`: four accelerator assumptions patched), which
+    only the test host's env carries; elsewhere the trainer dies with "No accelerator found"."""
+    import importlib.util
+
+    if importlib.util.find_spec(trainplan.CPU_LAUNCHER_MODULE) is None:
+        return protocol.record("train.device", protocol.FAIL,
+                               "device cpu: speculators' trainer needs an accelerator, and this env has no CPU "
+                               f"launcher ({trainplan.CPU_LAUNCHER_MODULE})",
+                               fix="train on a GPU host (set device: cuda), or use a specops test host, whose env "
+                                   "carries the launcher (specops/testhost/cpu_train_launcher.py)")
+    return protocol.record("train.device", protocol.OK,
+                           f"device cpu: the trainer runs behind {trainplan.CPU_LAUNCHER_MODULE} (test host)")
 
 
 def check_states(plan: trainplan.TrainPlan) -> dict:

@@ -130,7 +130,9 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     fetched = run_on_hosts(inventory, ",".join(started), "fetch",
                            lambda h: fetch_step(hosts[h.name], run_id))
     codes = []
+    starts = {r.host: r for r in reports}
     for report in fetched:
+        report.records[:0] = starts[report.host].records  # one report per host: the checks, the start, the end
         result = final[report.host]
         if isinstance(result, Exception):
             report.records.append(Record(name="train.run", status="fail", summary=f"lost the follow: {result}",

@@ -2,21 +2,26 @@
 
 Test hosts only (the test host's overlay env carries this file as the module
 ``_specops_cpu_train_launcher``; a GPU host never gets it). speculators 0.9.0's trainer
-assumes an accelerator in three places, each patched here before the same
+assumes an accelerator in four places, each patched here before the same
 ``main(TrainConfig.resolve())`` that ``python -m speculators.train`` runs:
 
 * ``speculators.train.trainer.get_local_rank`` is the device the model moves to: "cpu";
 * ``Trainer.device_type`` falls back to "cuda" when torch has no accelerator (the
   autocast and the batches' device): "cpu";
-* ``torch.accelerator.synchronize`` (the step timer) has no device to wait for: a no-op.
+* ``torch.accelerator.synchronize`` (the step timer) has no device to wait for: a no-op;
+* ``speculators.train.checkpointer.get_current_device`` (where a resumed checkpoint is read
+  to) says "cuda:0" without an accelerator, and safetensors then asks for pinned memory:
+  "cpu".
 """
 import torch
 
+import speculators.train.checkpointer as _checkpointer
 import speculators.train.trainer as _trainer
 from speculators.train.cli import main
 from speculators.train.config import TrainConfig
 
 _trainer.get_local_rank = lambda: "cpu"
+_checkpointer.get_current_device = lambda: "cpu"
 _setup_model = _trainer.Trainer.setup_model
 
 

@@ -1,0 +1,223 @@
+"""``specops train`` and ``specops eval`` (issue 24, first slice) on the modern test host, over SSH.
+
+Light tests (no trainer, no vLLM): the trainer's flags read from the installed
+speculators' own schema, the trainer's log lines and vLLM's /metrics parsed, the
+usage errors naming their flag.
+
+Heavy test (marked ``vllm``; one training run, one server start per draft): on the
+session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``: 4 samples of the
+chat dataset, seq_len 128, ids ``input:2,4,5,8``):
+
+* ``specops train --detach`` builds the trainer's command from the run's manifest (ids
+  minus the final state, the ``file`` backend of bf16 states, seq len, data path) and
+  runs it detached through the test host's CPU launcher shim; ``abort`` mid-run ends it
+  with SIGTERM (``aborted``, exit 103) and the same ``train`` command resumes it from its
+  last epoch checkpoint to the end, the step count going on;
+* ``train --dry-run`` writes an untrained draft of the same shape;
+* eval refuses a copy of the trained draft whose aux ids are off by one, before any load,
+  naming both id lists;
+* eval serves the target with each draft on the dataset rows the extraction never read:
+  the trained draft's accepted tokens are above the untrained one's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import draft_eval, trainplan, trainrun  # noqa: E402
+
+EPOCHS = 40
+
+
+def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+def records(proc) -> dict:
+    doc = json.loads(proc.stdout)
+    return {r["name"]: r for host in doc["hosts"] for r in host["records"]}
+
+
+# --------------------------------------------------------------------------- light
+
+
+def test_the_trainer_takes_every_flag_specops_passes_read_from_its_own_schema(modern_hostenv_python):
+    site = next((modern_hostenv_python.parent.parent / "lib").glob("python3*/site-packages"))
+    api = trainplan.trainer_api([str(site)])
+    assert api["entry"] and {"file", "fp8"} <= api["backends"]
+    assert set(trainplan.USED_FLAGS) <= api["fields"], set(trainplan.USED_FLAGS) - api["fields"]
+    assert "no_such_flag" not in api["fields"]
+
+
+def test_the_trainers_log_lines_and_vllms_metrics_are_read():
+    line = ("[19:36:17] INFO     train/loss_0=0.004, train/full_acc_0=0.419, train/cond_acc_0=0.419, "
+            "train/loss_1=0.003, train/full_acc_1=0.349, train/loss=0.009, profile/tokens_per_s=62.479, "
+            "epoch=19, lr=0.00e+00, global_step=88      trainer.py:587")
+    got = trainrun.summarize(trainrun.parse_metrics(line))
+    assert got == {"kind": "train", "epoch": 19, "loss": 0.009, "accuracy": [0.419, 0.349], "step": 88,
+                   "tokens_per_s": 62.479}
+    assert trainrun.parse_metrics("INFO     Training epoch 3/20 started") is None
+    page = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.79e+09',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 4.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0'])
+    zero = draft_eval.read_metrics("")
+    acc = draft_eval.acceptance(zero, draft_eval.read_metrics(page), k=3)
+    assert acc["mean_acceptance_length"] == 1.6 and acc["acceptance_rate"] == 0.2
+    assert acc["per_position"] == [0.4, 0.2, 0.0]
+
+
+def _plan(**changes) -> trainplan.TrainPlan:
+    fields = dict(run_id="t1", from_run="r1", states_run_dir="/w/runs/r1", data_path="/w/out", model_path="/m/llama",
+                  layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16",
+                  backend="file", total_seq_len=128, samples=4, tokens=270, sample_range=[0, 4],
+                  save_path="/w/runs/t1/checkpoints", epochs=3, device="cpu")
+    return trainplan.TrainPlan(**{**fields, **changes})
+
+
+def test_the_trainer_command_carries_the_manifests_facts_and_cpu_flags_only_on_cpu():
+    argv = _plan().argv("/env/python", trainplan.CPU_LAUNCHER_MODULE)
+    text = " ".join(argv)
+    assert argv[:3] == ["/env/python", "-m", "_specops_cpu_train_launcher"]
+    assert "--target-layer-ids 2 4 5 --hidden-states-backend file --total-seq-len 128 --epochs 3" in text
+    assert "--verifier-name-or-path /m/llama --data-path /w/out" in text and "--speculator-type eagle3" in text
+    assert "--draft-attn-impl sdpa --num-workers 0 --optimizer adamw" in text and "--dry-run" not in text
+    gpu = " ".join(_plan(device="cuda", dry_run=True, state_format="fp8", backend="fp8").argv("py"))
+    assert "-m speculators.train" in gpu and "--hidden-states-backend fp8" in gpu and gpu.endswith("--dry-run")
+    assert "sdpa" not in gpu and "adamw" not in gpu
+
+
+def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
+    target = {"vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 256}
+    good = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {"vocab_size": 512},
+            "speculators_config": {"verifier": {"name_or_path": "/m/llama"}}}
+    assert [r["status"] for r in draft_eval.check_config(good, _plan(), target, "/d")] == ["ok", "ok", "ok"]
+    shifted = {**good, "eagle_aux_hidden_state_layer_ids": [3, 5, 6]}
+    ids, verifier, vocab = draft_eval.check_config(shifted, _plan(), target, "/d")
+    assert ids["status"] == "fail" and "[3, 5, 6]" in ids["summary"] and "[2, 4, 5]" in ids["summary"]
+    assert "every id +1" in ids["summary"] and "/d/config.json" in ids["fix"] and verifier["status"] == "ok"
+    other = {**good, "transformer_layer_config": {"vocab_size": 1024},
+             "speculators_config": {"verifier": {"name_or_path": "/m/other"}}}
+    _, verifier, vocab = draft_eval.check_config(other, _plan(), target, "/d")
+    assert verifier["status"] == vocab["status"] == "fail"
+    assert "/m/other" in verifier["summary"] and "/m/llama" in verifier["summary"]
+    assert "1024" in vocab["summary"] and "512" in vocab["summary"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train", "--run-id", "t1"], "--from-run is required"),
+    (["train", "--run-id", "t1", "--from-run", "r1", "--epochs", "0"], "--epochs 0 must be at least 1"),
+    (["train", "--run-id", "../x", "--from-run", "r1"], "--run-id"),
+    (["eval"], "--draft is required"),
+    (["eval", "--draft", "d1", "-k", "99"], "-k 99 is out of range"),
+])
+def test_bad_input_names_the_flag_and_nothing_runs(args, says, tmp_path):
+    (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, output_dir: /o}\n")
+    proc = specops(*args, "--inventory", tmp_path / "inv.yaml")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert says in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- heavy: over SSH
+
+
+def _status(inventory, run_id, env) -> tuple[int, dict]:
+    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env, timeout=120)
+    doc = json.loads(proc.stdout)
+    return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
+
+
+@pytest.mark.vllm
+def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_refused(modern_ssh_run, tmp_path):
+    run = modern_ssh_run("llama", 1)
+    inv, env, work = run["inventory"], run["env"], run["run_dir"].parent.parent
+    t0 = time.monotonic()
+
+    # the trained draft: started detached, aborted once it has a checkpoint, resumed by the same command
+    train_args = ["train", "--inventory", inv, "--run-id", "draft", "--from-run", run["run_id"], "--epochs", EPOCHS]
+    started = specops(*train_args, "--detach", "--json", env=env)
+    assert started.returncode == 0, started.stdout + started.stderr
+    recs = records(started)
+    plan = recs["train.plan"]["detail"]
+    assert plan["layer_ids"] == [2, 4, 5, 8] and plan["trainer_layer_ids"] == [2, 4, 5]
+    assert plan["backend"] == "file" and plan["total_seq_len"] == 128 and plan["state_format"] == "bf16"
+    assert recs["train.states"]["status"] == recs["train.trainer"]["status"] == recs["train.disk"]["status"] == "ok"
+    deadline = time.monotonic() + 600
+    while True:
+        code, st = _status(inv, "draft", env)
+        if (st.get("epoch") or 0) >= 2 or st.get("state") in ("done", "failed", "aborted"):
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(2)
+    assert st["state"] == "training", st
+    aborted_at = st["step"]
+    abort = specops("abort", "--inventory", inv, "--run-id", "draft", env=env, timeout=120)
+    assert abort.returncode == 0, abort.stdout + abort.stderr
+    code, st = _status(inv, "draft", env)
+    assert code == 103 and st["state"] == "aborted" and "SIGTERM" in st["error"]["message"], st
+    t_abort = time.monotonic() - t0
+
+    resumed = specops(*train_args, "--json", env=env)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    final = records(resumed)["train.run"]
+    assert final["status"] == "ok", final
+    resumed_from = final["detail"]["resumed_from"]
+    assert resumed_from and resumed_from["epoch"] >= 0 and resumed_from["global_step"] > 0, final
+    code, st = _status(inv, "draft", env)
+    assert code == 0 and st["step"] == st["steps_total"] > aborted_at and st["epoch"] == EPOCHS - 1, st
+    metrics = Path(env["SPECOPS_RUNS"]) / "th" / "draft" / "metrics.jsonl"
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
+    assert steps[-1] == st["steps_total"] - 1 and sorted(set(steps)) == list(range(steps[-1] + 1)), steps
+    t_train = time.monotonic() - t0
+
+    untrained = specops("train", "--inventory", inv, "--run-id", "untrained", "--from-run", run["run_id"],
+                        "--dry-run", "--json", env=env)
+    assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
+
+    # a copy of the trained draft with its aux ids off by one: refused before anything loads
+    last = work / "runs" / "draft" / "checkpoints" / str(st["checkpoint"]["epoch"])
+    shifted = tmp_path / "shifted-draft"
+    shutil.copytree(last, shifted)
+    config = json.loads((shifted / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(config))
+    refused = specops("eval", "--inventory", inv, "--draft", shifted, "--from-run", run["run_id"], "--json", env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    bad = records(refused)["eval.draft_layer_ids"]
+    assert bad["status"] == "fail" and "[3, 5, 6]" in bad["summary"] and "[2, 4, 5]" in bad["summary"], bad
+    assert "+1" in bad["summary"] and bad["fix"] and bad["detail"] == {
+        "draft": [3, 5, 6], "states": [2, 4, 5], "extraction_ids": [2, 4, 5, 8]}
+    # refused before anything loads: no server record, no acceptance
+    assert not [n for n in records(refused) if n in ("eval.server", "eval.acceptance")], list(records(refused))
+
+    results = {}
+    for draft in ("draft", "untrained"):
+        t = time.monotonic()
+        proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--json", env=env)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        recs = records(proc)
+        assert recs["eval.draft_layer_ids"]["status"] == "ok"
+        assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
+        results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
+    trained, chance = results["draft"], results["untrained"]
+    print(f"\ntrain (abort after step {aborted_at} at {t_abort:.0f}s, resume from {resumed_from}): {t_train:.0f}s, "
+          f"{st['tokens_per_s']} tok/s; eval trained: {trained}; untrained: {chance}")
+    assert trained["draft_tokens"] > 0 and chance["draft_tokens"] > 0
+    assert trained["accepted"] > chance["accepted"], (trained, chance)
+    assert trained["mean_acceptance_length"] > chance["mean_acceptance_length"]
