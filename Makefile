@@ -26,3 +26,4 @@ bench: bootstrap
 	.venv/bin/python scripts/bench_extract.py
 	.venv/bin/python scripts/bench_smoke.py
 	.venv/bin/python scripts/bench_follow.py
+	.venv/bin/python scripts/bench_states.py

@@ -386,6 +386,8 @@ RUN_ARGS = {
     "layer_ids": Arg("list", doc="None: the engine's default ids; each id is judged by preflight and the run"),
     "layer_convention": Arg("str", doc="what layer_ids mean (output/input); None: the engine's own"),
     "seq_len": Arg("int", min=1),
+    "long_samples": Arg("str", choices=contract.LONG_SAMPLES,
+                        doc="a sample longer than seq_len: truncate (keep its first seq_len tokens) or refuse"),
     "max_samples": Arg("int", min=0),
     "batch_size": Arg("int", min=1),
     "gpu_memory_utilization": Arg("float", above=0, max=1),
@@ -395,6 +397,11 @@ RUN_ARGS = {
     "format": Arg("str", choices=contract.STATE_FORMATS,
                   doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only)"),
     # the engines' own knobs: read from the run's params (remote/engines, remote/supervisor)
+    "writer_threads": Arg("int", min=1, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "
+                                             "capped at the host's usable cores)"),
+    "chunked_prefill": Arg("str", choices=contract.CHUNKED_PREFILL,
+                           doc="vllm-server: prefill a sample longer than the step budget in chunks; auto: on where "
+                               "the installed connector writes once a request is done (chunking.py)"),
     "dtype": Arg("str", doc="the engine's dtype (vLLM's --dtype; hf-reference: bfloat16)"),
     "enforce_eager": Arg("bool", doc="vLLM without graph compilation (default on CPU hosts)"),
     "server_args": Arg("list", elements="str", doc="more vLLM server flags, appended as given"),

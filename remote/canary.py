@@ -1,7 +1,9 @@
 """The canary inside ``extract``: the run's first samples checked while the run goes on.
 
 The ``vllm-server`` engine asks the server for the prompt logprobs of the run's first
-``canary_samples`` samples in the same request that captures their states
+``canary_samples`` samples (set on the laptop: the inventory field or ``--canary-samples N``,
+default :data:`remote.contract.CANARY_SAMPLES`, 0: no canary; resolved once into the run's
+:attr:`remote.runplan.Plan.canary_samples`) in the same request that captures their states
 (:mod:`remote.engines.vllm_server.prompt_logprobs`). As each of them lands, the engine
 calls :meth:`Canary.check`: the logits check of :mod:`remote.verify.logits` on that one
 file -- the captured last state through the checkpoint's final norm and ``lm_head`` (only
@@ -11,7 +13,7 @@ those two tensors, read once per run), against the engine's own logprobs. A fail
 ``canary: false`` in the run's params keeps the records but never stops the run.
 
 Each check's record goes to ``<run_dir>/prompt_logprobs/canary.json`` (a list, one record
-per checked sample). A check computes at most the first :data:`MAX_POSITIONS` positions of
+per checked sample); ``fetch`` brings that dir back with the logs (:data:`remote.contract.RUN_DIRS`). A check computes at most the first :data:`MAX_POSITIONS` positions of
 its sample (the landing already checked that the file holds the request's tokens). A run
 whose ids lack the last state (``input:N``) records a ``skipped`` canary and goes on; a
 canary that cannot run records a ``warn`` and the run goes on. Stdlib only at import.

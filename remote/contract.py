@@ -197,9 +197,25 @@ PROMPT_LOGPROBS_DIR = "prompt_logprobs"
 PROMPT_LOGPROBS_UNAVAILABLE = "unavailable.json"
 #: the canary's records (:mod:`remote.canary`), in the same subdir.
 CANARY_FILE = "canary.json"
-#: how many of a run's first samples ask for their prompt logprobs, and how many top tokens each
-#: position keeps (vLLM's ``max_logprobs`` is 20 by default), unless the run's params say otherwise.
+#: how many of a run's first samples ask for their prompt logprobs (the run parameter
+#: ``canary_samples``: inventory field and ``--canary-samples``; 0 turns the canary off), and how many
+#: top tokens each position keeps (vLLM's ``max_logprobs`` is 20 by default), unless the run's params
+#: say otherwise.
 CANARY_SAMPLES, PROMPT_LOGPROBS_TOP = 2, 5
+#: what a run does with a sample longer than ``seq_len`` (``long_samples``): keep its first
+#: ``seq_len`` tokens, or stop before the load naming the sample (remote/dataset.py).
+LONG_SAMPLES = ("truncate", "refuse")
+#: chunked prefill for the vllm-server engine (``chunked_prefill``): auto = on where the installed
+#: connector writes a request's states once it is done (remote/engines/vllm_server/chunking.py).
+CHUNKED_PREFILL = ("auto", "on", "off")
+#: the most canary samples a run may ask for: each is checked on a landing thread while the run goes
+#: on (a real ``lm_head`` is ~10 GFLOP a position), and ``fetch`` brings every kept file back.
+CANARY_SAMPLES_MAX = 32
+#: the engines that can give prompt logprobs with the states (the others run no canary).
+CANARY_ENGINES = (VLLM_SERVER,)
+#: a run dir's subdirs the laptop fetches whole with :data:`RUN_FILES` (small files): the logs, the
+#: errors, and the canary's records with the engine's prompt logprobs of the canary samples.
+RUN_DIRS = ("logs", "errors", PROMPT_LOGPROBS_DIR)
 
 
 def prompt_logprobs_name(index) -> str:
@@ -231,6 +247,8 @@ DEFAULTS = {
     "batch_size": 8,
     "max_samples": 1000,
     "gpu_memory_utilization": 0.9,
+    "canary_samples": CANARY_SAMPLES,
+    "long_samples": LONG_SAMPLES[0],
 }
 
 

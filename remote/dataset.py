@@ -185,7 +185,7 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
 
     Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered
     with the model tokenizer's chat template. ``max_samples`` keeps the first rows;
-    ``seq_len`` truncates each sample; ids at or past ``vocab_size`` (the model's, when
+    ``seq_len`` truncates each sample (``long_samples: refuse`` stops on the first longer one); ids at or past ``vocab_size`` (the model's, when
     given) are refused before any of them reaches an engine.
 
     :raises DatasetError: naming the sample index, the file and the line of a row that
@@ -193,6 +193,7 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
     """
     path = Path(params["dataset"])
     seq_len = int(param(params, "seq_len"))
+    refuse_long = param(params, "long_samples") == "refuse"
     vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
@@ -214,6 +215,10 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
                 ids, mask = tokenize_chat(tokenizer, ids, where=f"sample {index}, {path}:{lineno}")
                 if ids:
                     _token_ids(path, lineno, "the chat template's token ids", ids, vocab_size)
+            if len(ids) > seq_len and refuse_long:
+                raise DatasetError(path, lineno, f"the sample has {len(ids)} tokens, more than seq_len {seq_len} "
+                                   f"(long_samples: refuse)", f"raise seq_len to {len(ids)} or more, drop the row, "
+                                   f"or set long_samples: truncate to keep its first {seq_len} tokens")
             ids, mask = ids[:seq_len], mask[:seq_len]
             if not ids:
                 raise DatasetError(path, lineno, "the sample has no tokens", "drop the row")

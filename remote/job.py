@@ -295,7 +295,9 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
                                          "same run id again to resume", **extra)
     if state == RunState.ABORTED:
         return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}", run_dir, st, **extra)
-    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}", run_dir, st, **extra)
+    # the states' dtype once the run's plan is made (status.json's plan): bf16 or fp8
+    states = f", {st['plan']['state_format']} states" if (st.get("plan") or {}).get("state_format") else ""
+    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}", run_dir, st, **extra)
 
 
 # --------------------------------------------------------------------------- logs

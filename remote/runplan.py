@@ -4,7 +4,8 @@ What a run captures and where it writes is decided here, once, from its paramete
 the model's ``config.json``: the engine (``auto`` made concrete) and the layer convention
 it writes in, the layer ids in that convention and in both named ones, the sample file
 format, the model's decoder-layer count ``N`` (:func:`remote.modelconfig.decoder_layers`,
-the one rule), the output dir and the sample range. Preflight reports the plan, the
+the one rule), the output dir, the sample range and the canary (how many first samples
+are checked against the engine's own logprobs as they land). Preflight reports the plan, the
 shard probe plans a group run from it, the supervisor runs it and hands it to the
 engine, and verify reads a finished run's plan back from its manifest::
 
@@ -59,6 +60,9 @@ class Plan:
     num_layers: int
     #: the states' dtype on disk (:data:`remote.contract.STATE_FORMATS`): ``bf16`` or ``fp8``.
     state_format: str = contract.BF16
+    #: how many of the run's first samples also ask the engine for their prompt logprobs and are
+    #: checked as they land (:mod:`remote.canary`); 0: no canary (an engine without prompt logprobs).
+    canary_samples: int = contract.CANARY_SAMPLES
     #: where the samples go (None: not known to the caller; a run dir's ``samples/``).
     output_dir: str | None = None
     #: the ``[start, stop)`` of global sample indices asked for (None: the whole dataset).
@@ -142,6 +146,22 @@ def check_state_format(asked, engine: str) -> str:
     return fmt
 
 
+def check_canary_samples(asked, engine: str) -> int:
+    """The run's ``canary_samples`` (:data:`remote.contract.CANARY_SAMPLES` when unset); 0 on an engine
+    that gives no prompt logprobs (the seed engine computes no logits), whatever was asked.
+
+    :raises PlanError: not a whole number from 0 to :data:`remote.contract.CANARY_SAMPLES_MAX`.
+    """
+    count = contract.param({"canary_samples": asked}, "canary_samples")
+    top = contract.CANARY_SAMPLES_MAX
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= top:
+        raise PlanError("canary_samples", f"canary_samples {count!r} must be a whole number from 0 to {top} (the run's "
+                                          f"first samples checked against the engine's own logprobs as they land). "
+                                          f"Fix: set canary_samples: {contract.CANARY_SAMPLES} (the default) or "
+                                          f"--canary-samples N, 0 to run without a canary")
+    return count if engine in contract.CANARY_ENGINES else 0
+
+
 def resolve_engine(asked) -> tuple[str, str]:
     """``(engine, why)`` for the ``engine`` parameter (``auto``/None: what the host's speculators needs).
 
@@ -171,9 +191,11 @@ def resolve(params: dict, config: dict, *, run_dir=None, engine: tuple[str, str]
         raise PlanError("num_layers", str(exc)) from None
     sample_range = check_sample_range(params.get("sample_range"))
     state_format = check_state_format(params.get("format"), name)
+    canary_samples = check_canary_samples(params.get("canary_samples"), name)
     picked = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), name, n)
     return Plan(engine=name, engine_why=why, convention=facts.convention, layer_ids=picked["ids"],
-                format=facts.sample_format, num_layers=n, state_format=state_format, output_dir=output_dir(params, run_dir),
+                format=facts.sample_format, num_layers=n, state_format=state_format, canary_samples=canary_samples,
+                output_dir=output_dir(params, run_dir),
                 sample_range=sample_range, source=picked["source"], default=list(picked["default"] or []),
                 mapping=picked["mapping"], refused=picked["refused"], problems=picked["problems"])
 
@@ -194,5 +216,15 @@ def from_manifest(doc: dict, output_dir) -> Plan:
     return Plan(engine=str(name or ""), engine_why="recorded", convention=doc["layer_convention"],
                 layer_ids=[int(x) for x in doc["layer_ids"]], format=doc.get("format_name") or "",
                 num_layers=n if isinstance(n, int) else 0, state_format=doc.get("state_format") or contract.BF16,
-                output_dir=str(output_dir),
+                canary_samples=_recorded_canary(doc, str(name or "")), output_dir=str(output_dir),
                 sample_range=doc.get("sample_range"), source="recorded")
+
+
+def _recorded_canary(doc: dict, engine: str) -> int:
+    """The canary samples a finished run had: its engine's record, else its params (an older run: the
+    default), 0 for an engine that runs no canary."""
+    facts = doc.get("engine") if isinstance(doc.get("engine"), dict) else {}
+    if isinstance(facts.get("canary_samples"), int):
+        return facts["canary_samples"]
+    count = contract.param(doc.get("params") or {}, "canary_samples")
+    return int(count) if engine in contract.CANARY_ENGINES and isinstance(count, int) else 0

@@ -111,6 +111,14 @@ class HostSpec(BaseModel):
     #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
     layer_convention: Literal[CONTRACT.LAYER_CONVENTIONS] | None = None
     seq_len: int = Field(default=DEFAULTS["seq_len"], ge=1)
+    #: a sample longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens) or ``refuse``
+    #: (the run stops before the load naming the sample; preflight fails first).
+    long_samples: Literal[CONTRACT.LONG_SAMPLES] = DEFAULTS["long_samples"]
+    #: vllm-server: prefill a sample longer than the step budget in chunks; ``auto``: on where the
+    #: installed connector writes a request's states once it is done (vLLM >= the get_finished write).
+    chunked_prefill: Literal[CONTRACT.CHUNKED_PREFILL] = CONTRACT.CHUNKED_PREFILL[0]
+    #: vllm-server: the connector's ``num_writer_threads`` (None: its own 8, capped at the host's cores).
+    writer_threads: int | None = Field(default=None, ge=1, le=256)
     max_samples: int = Field(default=DEFAULTS["max_samples"], ge=1)
     batch_size: int = Field(default=DEFAULTS["batch_size"], ge=1)
     gpu_memory_utilization: float = Field(default=DEFAULTS["gpu_memory_utilization"], gt=0, le=1)
@@ -118,6 +126,9 @@ class HostSpec(BaseModel):
     #: the states' dtype on disk: ``bf16`` (what the model computes) or ``fp8`` (hs-connectors'
     #: FP8HiddenStatesConnector, about half the bytes; the vllm-server engine only).
     format: Literal[CONTRACT.STATE_FORMATS] = CONTRACT.BF16
+    #: the canary: how many of a run's first samples also ask the engine for their prompt logprobs and
+    #: are checked as they land (a fail stops the run); 0: none. The vllm-server engine only.
+    canary_samples: int = DEFAULTS["canary_samples"]
     #: run remote writes (``fab patch`` into a root-owned site-packages) through ``sudo -n``.
     sudo: bool = False
     #: exported for every job on this host.
@@ -139,6 +150,22 @@ class HostSpec(BaseModel):
                     f"{MAX_ARG_STRLEN:,} bytes (MAX_ARG_STRLEN: every program started with it fails "
                     f"with 'Argument list too long')", key, value)
         return env
+
+    @field_validator("chunked_prefill", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        # YAML 1.1 reads a bare on/off as true/false: take them for what was written
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("canary_samples")
+    @classmethod
+    def _canary_samples(cls, value: int) -> int:
+        top = CONTRACT.CANARY_SAMPLES_MAX
+        if not 0 <= value <= top:
+            raise ValueError(f"must be 0 (no canary) to {top}: the run's first samples checked against the "
+                             f"engine's own logprobs as they land; set canary_samples: {DEFAULTS['canary_samples']} "
+                             f"(the default), or 0 to run without a canary")
+        return value
 
     @field_validator("address", "user")
     @classmethod

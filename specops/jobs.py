@@ -41,8 +41,9 @@ from specops.host import Host
 from specops.report import console
 from specops.result import HostReport, RunState
 
-#: small files fetched for every run, relative to the run dir.
-RUN_FILES = remote_contract().RUN_FILES
+#: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
+#: errors, the canary's prompt logprobs and records).
+RUN_FILES, RUN_DIRS = remote_contract().RUN_FILES, remote_contract().RUN_DIRS
 #: the follower says something at least this often (seconds) ...
 FOLLOW_HEARTBEAT_S = 2.0
 #: ... so this long without a word from it means the connection is gone.
@@ -192,7 +193,7 @@ def list_remote(host: Host, directory: str) -> list[str]:
 
 def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | None = None,
               timeout: float | None = None) -> HostReport:
-    """Bring logs, status, params, manifest and summary into ``runs/<host>/<run-id>/``.
+    """Bring logs, status, params, manifest, summary and the canary's ``prompt_logprobs/`` into ``runs/<host>/<run-id>/``.
 
     With ``tensors``: every sample file too, resumed from a partial ``.part`` file and
     checked against the manifest's sha256. ``timeout`` bounds the look at the run's
@@ -213,7 +214,7 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
         if data is not None:
             remote_fsutil().atomic_write(dest / name, data, mode=0o644)
             fetched.append(name)
-    for sub in ("logs", "errors"):
+    for sub in RUN_DIRS:
         for name in list_remote(host, f"{run_dir}/{sub}"):
             data = read_remote(host, f"{run_dir}/{sub}/{name}")
             if data is not None:
@@ -304,7 +305,8 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
 
 def summary_table(summary: dict) -> Table:
     table = Table(title=f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
-                        f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s)",
+                        f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
+                        f"{summary.get('state_format') or remote_contract().BF16} states)",
                   title_justify="left")
     for col in ("layer", "shape", "dtype", "mean", "std", "abs max", "NaN", "Inf"):
         table.add_column(col, justify="right")

@@ -76,6 +76,22 @@ def _positive(name: str, value: Any) -> int | None:
     return number
 
 
+def check_canary_samples(value: Any, spec: HostSpec) -> int:
+    """The run's ``canary_samples``: ``--canary-samples`` over the inventory's (0 turns the canary off).
+
+    :raises UsageError: a flag that is not a whole number from 0 to ``CANARY_SAMPLES_MAX``.
+    """
+    if value is None or value == "":
+        return spec.canary_samples
+    top = CONTRACT.CANARY_SAMPLES_MAX
+    text = str(value).strip()
+    if isinstance(value, (bool, float)) or not text.isascii() or not text.isdigit() or int(text) > top:
+        raise UsageError(f"--canary-samples {value!r} must be a whole number from 0 to {top}",
+                         f"example: --canary-samples {CONTRACT.CANARY_SAMPLES} (the default; the run's first samples "
+                         f"are checked against the engine's own logprobs as they land), 0 for no canary")
+    return int(text)
+
+
 def _path(name: str, value: Any) -> str | None:
     """A path flag (``--model``, ``--dataset``), held to the same rules as the inventory's paths."""
     if value is None or value == "":
@@ -109,11 +125,16 @@ def check_state_format(fmt, engine, spec: HostSpec) -> str:
 
 
 def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=None, engine=None,
-               seq_len=None, max_samples=None, batch_size=None, output_dir=None, format=None) -> dict:
+               seq_len=None, max_samples=None, batch_size=None, output_dir=None, format=None,
+               canary_samples=None, long_samples=None) -> dict:
     """The parameters every remote step of a run sees (preflight, extract, smoke)."""
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is not known", f"use one of: {', '.join(ENGINES)}")
     state_format = check_state_format(format, engine, spec)
+    if long_samples is not None and long_samples not in CONTRACT.LONG_SAMPLES:
+        raise UsageError(f"--long-samples {long_samples!r} is not known",
+                         f"use one of: {', '.join(CONTRACT.LONG_SAMPLES)} (truncate keeps a sample's first "
+                         f"seq_len tokens; refuse stops the run before the load)")
     params = {
         "model_path": _path("model", model) or spec.model_path,
         "dataset": _path("dataset", dataset) or spec.dataset,
@@ -131,7 +152,12 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
         "gpu_memory_utilization": spec.gpu_memory_utilization,
         "trust_remote_code": spec.trust_remote_code,
         "format": state_format,
+        "canary_samples": check_canary_samples(canary_samples, spec),
+        "long_samples": long_samples or spec.long_samples,
+        "chunked_prefill": spec.chunked_prefill,
         "env": dict(spec.env),
         "python": spec.python,
     }
+    if spec.writer_threads:
+        params["writer_threads"] = spec.writer_threads
     return params

@@ -121,3 +121,26 @@ def test_the_installed_connectors_of_the_modern_stack_write_when_a_request_is_do
     said = json.loads(out.stdout.strip().splitlines()[-1])
     for name in ("stock", "fp8"):
         assert said[name]["safe"] and said[name]["writes_in"] == ["get_finished"], said
+
+
+def test_preflight_says_on_refuses_a_one_step_budget_below_seq_len_and_passes_off(modern_hostenv_python):
+    """``drift.server-chunking`` on the installed vLLM 0.32 (the stock connector, cuda host params): auto is on;
+    off with a step budget below seq_len fails naming both and the fix; off with room is ok."""
+    import json
+    import subprocess
+
+    code = ("import json, sys; from remote.drift import server; from remote.drift.pyindex import PackageIndex; "
+            "from remote.drift.source import site_packages; index = PackageIndex(site_packages({})[1]); "
+            "print(json.dumps([server.chunking_record(index, p) for p in json.loads(sys.argv[1])]))")
+    cases = [{"device": "cuda", "seq_len": 4096},
+             {"device": "cuda", "seq_len": 4096, "chunked_prefill": "off", "max_num_batched_tokens": 2048},
+             {"device": "cuda", "seq_len": 1024, "chunked_prefill": "off", "max_num_batched_tokens": 2048}]
+    out = subprocess.run([str(modern_hostenv_python), "-c", code, json.dumps(cases)], cwd=REPO, capture_output=True,
+                         text=True, check=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    auto, short, roomy = json.loads(out.stdout.strip().splitlines()[-1])
+    assert auto["status"] == "ok" and auto["detail"]["on"] and auto["detail"]["writes_in"] == ["get_finished"], auto
+    assert auto["summary"].startswith("chunked prefill on: ExampleHiddenStatesConnector writes in get_finished")
+    assert short["status"] == "fail", short
+    assert "max_num_batched_tokens 2048 is below a 4096-token sample and chunked prefill is off" in short["summary"]
+    assert "raise max_num_batched_tokens to 4097" in short["fix"]
+    assert roomy["status"] == "ok" and not roomy["detail"]["on"] and "off, as asked" in roomy["summary"], roomy

@@ -120,6 +120,23 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     assert runplan.resolve({}, {"num_hidden_layers": 8}, engine=("vllm-server", "given")).state_format == "bf16"
 
 
+def test_the_status_record_and_the_summary_table_name_the_state_format(tmp_path):
+    """``status`` (the host's ``job.status`` record, once the run's plan is made) and the summary table
+    ``extract``/``fetch`` print say bf16 or fp8; a run before its plan says nothing of it."""
+    from remote import job
+    from specops.jobs import summary_table
+
+    def said(**status):
+        return job._status_payload("job.status", "r1", tmp_path, {"samples_done": 4, "samples_total": 4, **status})[
+            "records"][0]["summary"]
+
+    assert said(state="done", plan={"state_format": "fp8"}) == "run r1 done: 4/4 samples, fp8 states"
+    assert said(state="extracting", plan={"state_format": "bf16"}).endswith("4/4 samples, bf16 states")
+    assert said(state="pending") == "run r1 pending: 4/4 samples"
+    assert "fp8 states)" in str(summary_table({"run_id": "r1", "state_format": "fp8"}).title)
+    assert "bf16 states)" in str(summary_table({"run_id": "r0"}).title)  # an older summary: bf16
+
+
 def test_resume_refuses_to_mix_formats_in_one_output_dir(tmp_path):
     from remote import samples
 
@@ -289,6 +306,43 @@ def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(
     assert got["module_found"] == "hs_connectors.fp8_hidden_states_connector"
 
 
+CONNECTOR_OPTIONS = r"""
+import json
+from remote.engines import vllm_server
+
+given = {"shared_storage_path": "/run/server/storage"}
+print(json.dumps({name: vllm_server.connector_options((name, module), given) for name, module in (
+    (vllm_server.STOCK_CONNECTOR, None),
+    (vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE),
+    (vllm_server.CPU_FP8_CONNECTOR_CLASS, vllm_server.CPU_FP8_CONNECTOR_MODULE),
+    (vllm_server.FP8_CONNECTOR_CLASS, vllm_server.fp8_connector_module()),
+    ("NoSuchConnector", None))}))
+"""
+
+
+def test_the_connectors_options_are_read_from_the_installed_source(modern_vllm_python):
+    """What the manifest records of the connector (``engine.connector_options``): every option vLLM 0.32's
+    ``ExampleHiddenStatesConnector`` reads from ``kv_connector_extra_config``, with the value given or the
+    connector's own default, found along the class's bases from its module (registered by name in vLLM,
+    or out of tree: the test host's CPU connectors, hs-connectors' fp8 one), nothing imported."""
+    got = run_python(modern_vllm_python, CONNECTOR_OPTIONS)
+    stock = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+    want = {"allow_custom_save_path": False, "num_writer_threads": 8, "shared_storage_path": "/run/server/storage",
+            "use_synchronization_lock": True}
+    for name, module in (("ExampleHiddenStatesConnector", stock),
+                         ("CpuHiddenStatesConnector", "_specops_cpu_hidden_states_connector"),
+                         ("CpuFP8HiddenStatesConnector", "_specops_cpu_fp8_hidden_states_connector"),
+                         ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector")):
+        found = got[name]
+        assert found["class"] == name and found["module"] == module, found
+        assert found["options"] == want and found["given"] == ["shared_storage_path"], found
+        assert [f.rsplit("/", 1)[-1] for f in found["read_from"]] == \
+            ["example_hidden_states_connector.py:ExampleHiddenStatesConnector"], found
+    # a connector this vLLM does not know: only what was given, and no source read
+    assert got["NoSuchConnector"]["options"] == {"shared_storage_path": "/run/server/storage"}
+    assert got["NoSuchConnector"]["module"] is None and got["NoSuchConnector"]["read_from"] == []
+
+
 def test_preflight_fails_with_the_fix_when_hs_connectors_lacks_the_fp8_connector(modern_hostenv_python, tmp_path):
     """An hs-connectors without FP8HiddenStatesConnector (an older release) in the host's python:
     preflight's connector check fails, naming it and the fix; with bf16 the same host passes."""
@@ -354,13 +408,13 @@ def test_preflight_on_the_modern_host_checks_the_fp8_connector_and_halves_the_di
 
 @pytest.fixture(scope="module")
 def fp8_run(modern_llama) -> dict:
-    """``specops extract --format fp8 --tensors --json`` of the tiny Llama over SSH (preflight on, smoke off,
-    as the shared bf16 run)."""
+    """``specops extract --format fp8 --canary-samples 3 --tensors --json`` of the tiny Llama over SSH
+    (preflight on, smoke off, as the shared bf16 run; one canary sample more than its default 2)."""
     tmp, inventory = modern_llama["tmp"], modern_llama["inventory"]
     runs = {"SPECOPS_RUNS": str(tmp / "runs")}
     t0 = time.monotonic()
     proc = specops("extract", "--inventory", inventory, "--run-id", "llama-fp8", "--skip-smoke", "--tensors",
-                   "--json", "--format", "fp8", env=runs)
+                   "--json", "--format", "fp8", "--canary-samples", "3", env=runs)
     print(f"\nspecops extract llama-fp8 (modern, fp8): {time.monotonic() - t0:.0f} s")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_dir = tmp / "work" / "runs" / "llama-fp8"
@@ -406,6 +460,21 @@ def test_an_fp8_run_writes_fp8_files_and_says_so_everywhere(fp8_run):
     assert manifest["hidden_states_backend"] == "fp8" and "--hidden-states-backend fp8" in manifest["format"]
     assert manifest["params"]["format"] == "fp8" and manifest["engine"]["state_format"] == "fp8"
     assert manifest["engine"]["connector"] == "_specops_cpu_fp8_hidden_states_connector:CpuFP8HiddenStatesConnector"
+    # the connector's class, module and every option that shaped the files: given, or its own default
+    options = manifest["engine"]["connector_options"]
+    assert options["class"] == "CpuFP8HiddenStatesConnector", options
+    assert options["module"] == "_specops_cpu_fp8_hidden_states_connector"
+    assert options["given"] == ["num_writer_threads", "shared_storage_path"], options
+    # the writer threads: the connector's own 8 capped at the host's cores (writer_threads unset)
+    assert options["options"]["num_writer_threads"] == min(8, len(os.sched_getaffinity(0)))
+    assert options["options"]["use_synchronization_lock"] is True
+    assert options["options"]["allow_custom_save_path"] is False
+    assert options["options"]["shared_storage_path"] == str(run_dir / "storage"), options
+    assert any(f.endswith("example_hidden_states_connector.py:ExampleHiddenStatesConnector")
+               for f in options["read_from"]), options
+    # the canary setting came from the laptop's flag and is in the plan, the params and the engine's record
+    assert st["plan"]["canary_samples"] == 3 and manifest["params"]["canary_samples"] == 3
+    assert manifest["engine"]["canary_samples"] == 3
     for entry in manifest["files"]:
         assert entry["tensors"]["hidden_states"]["dtype"] == "float8_e4m3fn"
         assert entry["tensors"]["hidden_states_scales"] == {"shape": [entry["tokens"], 1, 1], "dtype": "float32"}
@@ -419,8 +488,34 @@ def test_an_fp8_run_writes_fp8_files_and_says_so_everywhere(fp8_run):
     assert fetched["state_format"] == "fp8" and fetched["scales_key"] == "hidden_states_scales"
     # the canary judged the fp8 samples against fp8's floor, and passed
     canary = json.loads((run_dir / "prompt_logprobs" / "canary.json").read_text())
-    assert len(canary) == 2 and all(r["status"] == "ok" for r in canary), [r["summary"] for r in canary]
+    assert len(canary) == 3 and all(r["status"] == "ok" for r in canary), [r["summary"] for r in canary]
+    assert sorted(r["detail"]["index"] for r in canary) == [0, 1, 2]
     assert "the fp8 floor" in json.dumps(canary) or '"floor_dtype": "fp8"' in json.dumps(canary), canary
+    # fetch brought the canary's records and the engine's prompt logprobs back with the logs
+    kept = sorted(p.name for p in (run_dir / "prompt_logprobs").iterdir())
+    assert kept == ["canary.json", "prompt_logprobs_0.json", "prompt_logprobs_1.json", "prompt_logprobs_2.json"]
+    fetched_dir = fp8_run["dest"] / "prompt_logprobs"
+    assert sorted(p.name for p in fetched_dir.iterdir()) == kept
+    assert all((fetched_dir / n).read_bytes() == (run_dir / "prompt_logprobs" / n).read_bytes() for n in kept)
+    print(f"\nprompt_logprobs/ fetched: {sum((fetched_dir / n).stat().st_size for n in kept)} bytes in {len(kept)} "
+          f"files for {sum(f['tokens'] for f in manifest['files'][:3])} tokens")
+
+
+@pytest.mark.vllm
+def test_status_and_the_run_summary_say_fp8(fp8_run):
+    """``specops status`` names the run's state format in its record (people and --json), and the summary
+    table ``fetch`` prints says it too."""
+    said = specops("status", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8", env=fp8_run["env"],
+                   timeout=300)
+    assert said.returncode == 0 and "fp8 states" in said.stdout, said.stdout + said.stderr
+    as_json = specops("status", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8", "--json",
+                      env=fp8_run["env"], timeout=300)
+    (record,) = [r for r in records_of(as_json) if r["name"] == "job.status"]
+    assert record["summary"].endswith("4/4 samples, fp8 states"), record
+    fetched = specops("fetch", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8", env=fp8_run["env"],
+                      timeout=300)
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+    assert "summary of run llama-fp8" in fetched.stdout and "fp8 states)" in fetched.stdout, fetched.stdout
 
 
 SPECULATORS_READ = r"""

@@ -274,3 +274,27 @@ def test_no_chat_template_fails_only_a_dataset_with_chat_rows(hostenv_python, ti
     rec = host_preflight(hostenv_python, base_params(model, tmp_path, dataset=str(path)))["data.records"]
     assert rec["status"] == "fail" and "1 chat row(s) (line 2 first)" in rec["summary"] and "no chat template" in \
         rec["summary"]
+
+
+def test_a_row_longer_than_seq_len_is_truncated_or_refused_alike_by_preflight_and_the_run(hostenv_python, tiny_models,
+                                                                                          tmp_path):
+    """``data.lengths``: preflight measures every pre-tokenized row against ``seq_len`` and says what the run
+    does with a longer one: ``long_samples: truncate`` (the default) keeps its first seq_len tokens (a warn
+    naming the line), ``refuse`` fails here as the run fails before any load, naming the line and the fix."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(tok(*range(3, 13)) + b"\n" + tok(*range(3, 43)) + b"\n" + tok(5, 6) + b"\n")
+    params = base_params(Path(tiny_models["llama"]), tmp_path, dataset=str(path), seq_len=16)
+    kept = agree(hostenv_python, params)
+    lengths = kept["preflight"]["data.lengths"]
+    assert lengths["status"] == "warn" and kept["run"] == 3, kept
+    assert lengths["summary"].startswith("1 row(s) longer than seq_len 16 are truncated to 16 tokens (lines 2; "
+                                         "longest row 40 tokens (line 2))"), lengths
+    assert lengths["detail"]["over_lines"] == [{"line": 2, "tokens": 40}]
+    refused = agree(hostenv_python, dict(params, long_samples="refuse"))
+    lengths = refused["preflight"]["data.lengths"]
+    assert lengths["status"] == "fail" and "long_samples: refuse" in lengths["summary"], lengths
+    assert "raise seq_len to 40" in lengths["fix"] and "long_samples: truncate" in lengths["fix"]
+    assert "the sample has 40 tokens, more than seq_len 16 (long_samples: refuse)" in refused["run_error"], refused
+    assert ":2" in refused["run_error"] and "sample 1" in refused["run_error"], refused["run_error"]
+    whole = agree(hostenv_python, dict(params, seq_len=64))["preflight"]["data.lengths"]
+    assert whole["status"] == "ok" and whole["summary"].startswith("longest row 40 tokens (line 2) <= seq_len 64")

@@ -117,3 +117,57 @@ def test_unset_laptop_variable_names_the_field(tmp_path, monkeypatch):
         load_inventory(path)
     assert "hosts.gpu-a.model_path" in str(err.value) and "SPECOPS_TEST_UNSET" in str(err.value)
     assert err.value.code == ExitCode.USAGE
+
+
+def test_canary_samples_is_a_field_and_a_flag_checked_with_the_fix(tmp_path):
+    """The canary (the run's first samples checked against the engine's own logprobs) is set on the laptop:
+    the inventory's ``canary_samples`` (default 2), ``--canary-samples N`` over it, 0 turns it off; a value
+    out of range names the field or the flag and says what to set."""
+    from specops.params import run_params
+
+    assert load_inventory(write(tmp_path, host_block())).hosts["gpu-a"].canary_samples == 2
+    spec = load_inventory(write(tmp_path, host_block("canary_samples: 0\n"))).hosts["gpu-a"]
+    assert spec.canary_samples == 0 and run_params(spec)["canary_samples"] == 0
+    assert run_params(spec, canary_samples="5")["canary_samples"] == 5  # the flag wins
+    assert run_params(spec, canary_samples="0")["canary_samples"] == 0
+    for bad, said in (("canary_samples: -1\n", "must be 0 (no canary) to 32"),
+                      ("canary_samples: 33\n", "must be 0 (no canary) to 32"),
+                      ("canary_samples: two\n", "valid integer"),
+                      ("canary_samples: true\n", "valid integer")):
+        with pytest.raises(InventoryError) as err:
+            load_inventory(write(tmp_path, host_block(bad)))
+        text = str(err.value)
+        assert "host 'gpu-a': field 'canary_samples'" in text and said in text, text
+        assert err.value.code == ExitCode.USAGE
+    with pytest.raises(InventoryError, match="set canary_samples: 2 .the default., or 0"):
+        load_inventory(write(tmp_path, host_block("canary_samples: 99\n")))
+    for bad in ("-1", "33", "two", "1.5", "２"):
+        with pytest.raises(UsageError) as err:
+            run_params(spec, canary_samples=bad)
+        assert f"--canary-samples {bad!r} must be a whole number from 0 to 32" in str(err.value)
+        assert "--canary-samples 2" in err.value.hint and "0 for no canary" in err.value.hint
+
+
+def test_long_samples_chunked_prefill_and_writer_threads_are_fields_checked_with_the_fix(tmp_path):
+    """What a run does with a sample past seq_len (``long_samples``, also ``--long-samples``), chunked prefill
+    (``chunked_prefill``: auto|on|off) and the connector's writer threads reach the run's params; a bad value
+    names its field."""
+    from specops.params import run_params
+
+    spec = load_inventory(write(tmp_path, host_block())).hosts["gpu-a"]
+    params = run_params(spec)
+    assert (params["long_samples"], params["chunked_prefill"]) == ("truncate", "auto") and "writer_threads" not in params
+    spec = load_inventory(write(tmp_path, host_block("long_samples: refuse\nchunked_prefill: off\nwriter_threads: 4\n"
+                                                     ))).hosts["gpu-a"]
+    params = run_params(spec)
+    assert (params["long_samples"], params["chunked_prefill"], params["writer_threads"]) == ("refuse", "off", 4)
+    assert run_params(spec, long_samples="truncate")["long_samples"] == "truncate"  # the flag wins
+    with pytest.raises(UsageError) as err:
+        run_params(spec, long_samples="cut")
+    assert "--long-samples 'cut' is not known" in str(err.value) and "truncate, refuse" in err.value.hint
+    assert load_inventory(write(tmp_path, host_block("chunked_prefill: on\n"))).hosts["gpu-a"].chunked_prefill == "on"
+    for bad, field in (("long_samples: cut\n", "long_samples"), ("chunked_prefill: maybe\n", "chunked_prefill"),
+                       ("writer_threads: 0\n", "writer_threads")):
+        with pytest.raises(InventoryError) as err:
+            load_inventory(write(tmp_path, host_block(bad)))
+        assert f"host 'gpu-a': field '{field}'" in str(err.value), str(err.value)

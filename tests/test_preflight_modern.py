@@ -107,8 +107,13 @@ def test_modern_llama_preflight_is_clean_and_right(modern_make_inventory, tiny_m
     skipped = recs["drift.speculators"]
     assert skipped["status"] == "skipped" and "speculators-0.3 drift rules skipped" in skipped["summary"]
     assert "vllm-server" in skipped["summary"]
-    for name in ("drift.server-eagle3", "drift.server-method", "drift.server-connector", "drift.server-args"):
+    for name in ("drift.server-eagle3", "drift.server-method", "drift.server-connector", "drift.server-args",
+                 "drift.server-chunking"):
         assert recs[name]["status"] == "ok", recs[name]
+    # vLLM 0.32's connector (under the test host's CPU one) writes once a request is done: chunked prefill on
+    chunking = recs["drift.server-chunking"]
+    assert chunking["detail"]["on"] and chunking["detail"]["writes_in"] == ["get_finished"], chunking
+    assert chunking["summary"].startswith("chunked prefill on: CpuHiddenStatesConnector writes in get_finished")
     assert "LlamaForCausalLM" in recs["drift.server-eagle3"]["summary"]
     # the test host's overlay carries the CPU connector: the check reads that one, and its base
     connector = recs["drift.server-connector"]["detail"]

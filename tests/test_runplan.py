@@ -169,3 +169,39 @@ def test_the_smoke_twin_keeps_the_runs_ids_where_they_name_its_layers(engine, gi
     assert (said is not None) == note, said
     if note:
         assert said == f"layer ids {given} exceed the twin's 8 layers; the twin uses the engine's default ids"
+
+
+def test_the_canary_is_resolved_once_into_the_plan_and_read_back_from_the_manifest(tmp_path):
+    """``canary_samples`` (the laptop's field or flag) lands in the plan the supervisor records and the
+    engine reads; the seed engine computes no logits, so its plan runs no canary whatever was asked."""
+    assert runplan.resolve({}, LLAMA8, engine=(VLLM_SERVER, "given")).canary_samples == contract.CANARY_SAMPLES == 2
+    plan = runplan.resolve({"canary_samples": 5}, LLAMA8, engine=(VLLM_SERVER, "given"))
+    assert plan.canary_samples == 5 and plan.as_dict()["canary_samples"] == 5
+    assert runplan.resolve({"canary_samples": 0}, LLAMA8, engine=(VLLM_SERVER, "given")).canary_samples == 0
+    assert runplan.resolve({"canary_samples": 5}, LLAMA8, engine=(SPECULATORS_03, "given")).canary_samples == 0
+    for bad in (-1, 33, "2", True, 1.5):
+        with pytest.raises(runplan.PlanError) as got:
+            runplan.resolve({"canary_samples": bad}, LLAMA8, engine=(VLLM_SERVER, "given"))
+        assert got.value.field == "canary_samples" and "from 0 to 32" in str(got.value)
+        assert "Fix: set canary_samples: 2" in str(got.value)
+    # a finished run: the engine's own record, else its params, else the default (an older run)
+    doc = {"engine": {"name": VLLM_SERVER, "canary_samples": 3}, "layer_ids": [2, 8], "layer_convention": INPUT,
+           "params": {"canary_samples": 7}, "model": {"config": LLAMA8}}
+    assert runplan.from_manifest(doc, tmp_path).canary_samples == 3
+    assert runplan.from_manifest(dict(doc, engine={"name": VLLM_SERVER}), tmp_path).canary_samples == 7
+    assert runplan.from_manifest(dict(doc, engine={"name": VLLM_SERVER}, params={}), tmp_path).canary_samples == 2
+    assert runplan.from_manifest(dict(doc, engine={"name": SPECULATORS_03}), tmp_path).canary_samples == 0
+    # preflight says so in a record of its own, naming the field and the fix
+    from remote.probes import Context, layer_ids
+
+    config = tmp_path / "model"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "model_type": "llama"}))
+    ctx = Context({"canary_samples": 40, "model_path": str(config), "engine": VLLM_SERVER, "layer_ids": None,
+                   "layer_convention": None})
+    ctx.engine = (VLLM_SERVER, "given")
+    ctx.model = {"num_layers": 8}
+    found = {r["name"]: r for r in layer_ids.probe(ctx)}
+    record = found["params.canary_samples"]
+    assert record["status"] == "fail" and "canary_samples 40 must be a whole number from 0 to 32" in record["summary"]
+    assert record["fix"].startswith("set canary_samples: 2"), record

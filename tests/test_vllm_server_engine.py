@@ -233,9 +233,38 @@ def test_server_command_binds_loopback_and_turns_chunked_prefill_off(tmp_path):
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
     kv = json.loads(flag["--kv-transfer-config"])
+    threads = kv["kv_connector_extra_config"].get("num_writer_threads")
     assert kv == {"kv_connector": "CpuHiddenStatesConnector", "kv_role": "kv_producer",
                   "kv_connector_module_path": "_specops_cpu_hidden_states_connector",
-                  "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+                  "kv_connector_extra_config": {"shared_storage_path": str(tmp_path), "num_writer_threads": threads}}
+    # the connector's writer threads: its own 8 capped at this host's cores, or the run's writer_threads
+    assert threads == min(8, len(os.sched_getaffinity(0)))
+    given = vllm_server.server_command("p", "/m", port=1, tp=1, layer_ids=[2], storage_dir=tmp_path, max_model_len=9,
+                                       connector=(vllm_server.STOCK_CONNECTOR, None), params={"writer_threads": 3})
+    kv = json.loads(given[given.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["num_writer_threads"] == 3
+
+
+def test_server_command_chunks_prefill_when_the_engine_says_so_and_refuses_prefix_caching(tmp_path):
+    """The engine turns chunked prefill on where the connector writes once a request is done
+    (``chunked_prefill_on``, remote/engines/vllm_server/chunking.py): the budget is then 2048 whatever
+    max_model_len is (a longer sample takes several steps); prefix caching in server_args is refused by name."""
+    def argv(max_model_len, **params):
+        return vllm_server.server_command(
+            "/env/bin/python", "/m/llama", port=41234, tp=1, layer_ids=[2, 4], storage_dir=tmp_path,
+            connector=(vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE),
+            max_model_len=max_model_len, params=params)
+
+    def budget(got):
+        return got[got.index("--max-num-batched-tokens") + 1]
+
+    on = argv(8193, chunked_prefill_on=True)
+    assert "--enable-chunked-prefill" in on and "--no-enable-chunked-prefill" not in on and budget(on) == "2048"
+    off = argv(8193)
+    assert "--no-enable-chunked-prefill" in off and budget(off) == "8193"  # one step must hold the longest
+    assert budget(argv(8193, chunked_prefill_on=True, max_num_batched_tokens=64)) == "64"
+    with pytest.raises(ValueError, match="server_args: --enable-prefix-caching would make the extracted files wrong"):
+        argv(257, server_args=["--enable-prefix-caching"])
 
 
 def test_cpu_env_binds_each_rank_to_its_own_cores():

@@ -41,7 +41,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from remote.contract import FP8, VLLM_SERVER
+from remote.contract import FP8, VLLM_SERVER, param
 from remote import protocol, versions
 from remote.drift.pyindex import PackageIndex, dotted, parse
 from remote.drift.source import package_versions, site_packages
@@ -456,11 +456,18 @@ def server_args_record(index: PackageIndex, params: dict):
         if not guard:
             problems.append(f"{index.rel(path)} has no `if __name__ == \"__main__\"` entry: `python -m {module}` "
                             f"would do nothing")
+    from remote.engines.vllm_server import chunking
+
+    given = [str(a) for a in params.get("server_args") or []]
+    refused = chunking.refused_flags(given)
+    if refused:
+        problems.append(f"server_args: {' '.join(refused)} would make the extracted files wrong (a request's "
+                        f"states and token ids differ in length with prefix caching)")
     argv = vllm_server.server_command(
         "python", "/model", port=1, tp=1, layer_ids=[0], storage_dir="/tmp", max_model_len=2,
         connector=(vllm_server.STOCK_CONNECTOR, None),
         params={"enforce_eager": True, "trust_remote_code": True, "gpu_memory_utilization": 0.9, "max_num_seqs": 1,
-                "server_args": params.get("server_args") or []})
+                "server_args": [a for a in given if a not in refused]})
     fields = flag_fields(argv[3:])
     detail["flags"] = fields
     classes = [_class_ref(index, *ENGINE_ARGS)] + [_class_ref(index, *where) for where in FRONTEND_ARGS]
@@ -480,6 +487,35 @@ def server_args_record(index: PackageIndex, params: dict):
                    "vLLM's flags, or install the vLLM it was written for")
 
 
+def chunking_record(index: PackageIndex, params: dict):
+    """``drift.server-chunking``: whether the connector this host loads writes a request's states once it is
+    done (chunked prefill safe: a sample longer than the step budget extracts whole) or every step, and what
+    the run's ``chunked_prefill`` (auto|on|off) makes of it; ``on`` against a per-step writer fails here,
+    before the load, as it would at the engine's start."""
+    from remote.engines.vllm_server import chunking
+
+    connector = _connector_choice(params)
+    module = connector_module(connector, index)
+    verdict = chunking.when_it_writes(class_chain(module, connector[0]) if module else [])
+    detail = {"connector": connector[0], "module": module, "writes_in": verdict["writes_in"],
+              "asked": params.get("chunked_prefill") or "auto"}
+    try:
+        chunked = chunking.resolve(params.get("chunked_prefill"), verdict)
+    except ValueError as exc:
+        return _record("drift.server-chunking", [str(exc)], "", detail,
+                       "set chunked_prefill: auto (or off) in the inventory's params; every sample is then one "
+                       "step, so max_num_batched_tokens must cover the longest")
+    detail["on"] = chunked["on"]
+    budget, seq_len = params.get("max_num_batched_tokens"), int(param(params, "seq_len"))
+    if not chunked["on"] and budget and int(budget) <= seq_len:
+        # one step must hold a whole sample (seq_len plus the one generated token)
+        return _record("drift.server-chunking", [f"max_num_batched_tokens {budget} is below a {seq_len}-token sample "
+                                                 f"and chunked prefill is off ({chunked['why']})"], "", detail,
+                       f"raise max_num_batched_tokens to {seq_len + 1} or more, or lower seq_len")
+    return _record("drift.server-chunking", [], f"chunked prefill {'on' if chunked['on'] else 'off'}: {chunked['why']}",
+                   detail, "")
+
+
 # ---------------------------------------------------------------------------- entry
 
 
@@ -497,7 +533,8 @@ def skipped_v03_record(spec_root, versions_found) -> dict:
 
 #: record name -> the check that makes it (the name also labels a check that hits an unparsable file).
 CHECKS = {"drift.server-eagle3": eagle3_record, "drift.server-method": method_record,
-          "drift.server-connector": connector_record, "drift.server-args": server_args_record}
+          "drift.server-connector": connector_record, "drift.server-args": server_args_record,
+          "drift.server-chunking": chunking_record}
 
 
 def check(params: dict) -> list:

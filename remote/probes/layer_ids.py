@@ -46,6 +46,10 @@ def probe(ctx: Context) -> list:
             return [record("params.format", FAIL, str(exc), detail={"engine": engine, "format": ctx.params.get("format")},
                            fix="set format: bf16 (or drop --format fp8), or extract on a host whose speculators "
                                ">= 0.5 picks the vllm-server engine")]
+        if getattr(exc, "field", None) == "canary_samples":
+            summary, _, fix = str(exc).partition(" Fix: ")
+            return [record("params.canary_samples", FAIL, summary,
+                           detail={"canary_samples": ctx.params.get("canary_samples")}, fix=fix)]
         return [record("layers.ids", FAIL, f"no run plan: {exc}", detail={"engine": engine, "num_layers": n},
                        fix="fix the value named above in the inventory or on the command line")]
     ctx.plan = resolved

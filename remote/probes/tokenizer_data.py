@@ -14,7 +14,7 @@ import glob
 import json
 import os
 
-from remote.contract import SPECULATORS_03
+from remote.contract import SPECULATORS_03, param
 from remote import dataset as rows_reader
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import OBJECT, Context, Malformed, expect, human_bytes
@@ -139,7 +139,7 @@ def probe_data(ctx: Context) -> list:
     return [record("data.file", OK, f"{dataset} ({size} bytes, {total} rows to send{limited})",
                    detail={"dataset": dataset, "bytes": size, "records": total,
                            "max_samples": ctx.params.get("max_samples")}),
-            _records(ctx, dataset, found)]
+            _records(ctx, dataset, found), _lengths(ctx, dataset, found)]
 
 
 def _rows(ctx, dataset) -> dict:
@@ -150,7 +150,8 @@ def _rows(ctx, dataset) -> dict:
     limit = ctx.params.get("max_samples")
     found = {"rows": 0, "checked": 0, "checked_bytes": 0, "bad": [], "bad_count": 0, "degraded": [],
              "degraded_count": 0, "kinds": {}, "first_chat_line": None, "vocab_size": vocab, "budget_bytes": budget,
-             "limited": False, "fix": None}
+             "limited": False, "fix": None, "longest": 0, "longest_line": None, "over": 0, "over_lines": []}
+    seq_len = int(param(ctx.params, "seq_len"))
     for lineno, raw in rows_reader.rows(dataset, limit):
         found["rows"] += 1
         if found["checked_bytes"] >= budget:
@@ -167,6 +168,13 @@ def _rows(ctx, dataset) -> dict:
                 found["bad"].append({"line": lineno, "problem": exc.problem})
             continue
         found["kinds"][kind] = found["kinds"].get(kind, 0) + 1
+        if kind == "tokens":  # a chat row's length is known once the run renders it
+            if len(turns) > found["longest"]:
+                found["longest"], found["longest_line"] = len(turns), lineno
+            if len(turns) > seq_len:
+                found["over"] += 1
+                if len(found["over_lines"]) < REPORT_LINES:
+                    found["over_lines"].append({"line": lineno, "tokens": len(turns)})
         if kind == "chat":
             found["first_chat_line"] = found["first_chat_line"] or lineno
             if not any(t["role"] == "assistant" for t in turns):
@@ -176,6 +184,36 @@ def _rows(ctx, dataset) -> dict:
                                                                         "(empty loss mask)"})
     found["limited"] = limit is not None and found["rows"] >= int(limit)
     return found
+
+
+def _lengths(ctx, dataset, found) -> dict:
+    """``data.lengths``: the longest pre-tokenized row checked against ``seq_len``, and what the run does
+    with longer ones (``long_samples``: truncate to ``seq_len``, or refuse: fail here, as the run would)."""
+    seq_len, mode = int(param(ctx.params, "seq_len")), param(ctx.params, "long_samples")
+    chat = found["kinds"].get("chat", 0)
+    detail = {"seq_len": seq_len, "long_samples": mode, "longest": found["longest"],
+              "longest_line": found["longest_line"], "over": found["over"], "over_lines": found["over_lines"],
+              "chat_rows": chat, "checked": found["checked"]}
+    chat_note = f"; {chat} chat row(s) are measured once rendered (and {'refused' if mode == 'refuse' else 'truncated'}" \
+                f" past seq_len)" if chat else ""
+    if not found["longest"]:
+        return record("data.lengths", SKIPPED if not chat else OK,
+                      f"no pre-tokenized rows to measure{chat_note}", detail=detail)
+    longest = f"longest row {found['longest']} tokens (line {found['longest_line']})"
+    if not found["over"]:
+        return record("data.lengths", OK, f"{longest} <= seq_len {seq_len}: every row is sent whole{chat_note}",
+                      detail=detail)
+    lines = _lines(found["over_lines"], found["over"])
+    if mode == "refuse":
+        return record("data.lengths", FAIL, f"{found['over']} row(s) longer than seq_len {seq_len} (lines {lines}; "
+                      f"{longest}) and long_samples: refuse", detail=detail,
+                      fix=f"raise seq_len to {found['longest']} (the model allows "
+                          f"{ctx.model.get('max_position_embeddings') or 'its max_position_embeddings'}), drop those "
+                          f"rows from {dataset}, or set long_samples: truncate")
+    return record("data.lengths", WARN, f"{found['over']} row(s) longer than seq_len {seq_len} are truncated to "
+                  f"{seq_len} tokens (lines {lines}; {longest}){chat_note}", detail=detail,
+                  fix=f"raise seq_len to {found['longest']} to keep them whole, or set long_samples: refuse to stop "
+                      f"on them")
 
 
 def _lines(items, count) -> str:

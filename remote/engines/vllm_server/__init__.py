@@ -50,7 +50,8 @@ module (test hosts only) and torch sees no CUDA device, the engine loads that on
 The package, one job a module:
 
 * :mod:`.command`: the server's argv and environment (pure; :mod:`remote.drift.server`
-  checks them against the installed vLLM);
+  checks them against the installed vLLM), and the options the connector runs with, read
+  from its source (recorded in the manifest's ``engine.connector_options``);
 * :mod:`.logs`: reading ``server.log`` (the root-cause exception, deaths, :class:`ServerFailed`);
 * :mod:`.process`: :class:`VllmServer`, starting, readiness, stopping, survivors by marker;
 * :mod:`.landing`: waiting for, checking, digesting and renaming the connector's files;
@@ -68,7 +69,7 @@ from remote import layers, modelconfig
 
 from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
                       FP8_CONNECTOR_CLASS, FP8_CONNECTOR_PACKAGE, LOOPBACK, MARKER_ENV, MIN_BATCHED_TOKENS,
-                      SERVED_MODEL_NAME, SERVER_MODULE, STOCK_CONNECTOR, cuda_available, free_port,
+                      SERVED_MODEL_NAME, SERVER_MODULE, STOCK_CONNECTOR, connector_options, cuda_available, free_port,
                       fp8_connector_module, kv_transfer_config, pick_connector, server_command, server_env, speculative_config)
 from .engine import VllmServerEngine
 from .landing import (SAMPLE_FILE, SampleRejected, default_digest_workers, land_sample, move_into_place,
@@ -80,7 +81,7 @@ __all__ = [
     "CPU_CONNECTOR_CLASS", "CPU_CONNECTOR_MODULE", "CPU_FP8_CONNECTOR_CLASS", "CPU_FP8_CONNECTOR_MODULE",
     "DIE_WITH_PARENT", "FP8_CONNECTOR_CLASS", "FP8_CONNECTOR_PACKAGE", "LOOPBACK", "MARKER_ENV",
     "MIN_BATCHED_TOKENS", "SAMPLE_FILE", "SERVED_MODEL_NAME", "SERVER_LOG", "SERVER_MODULE", "STOCK_CONNECTOR",
-    "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "cuda_available", "default_digest_workers",
+    "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "connector_options", "cuda_available", "default_digest_workers",
     "die_with_parent", "fp8_connector_module", "free_port", "kv_transfer_config", "land_sample", "layers", "leftover_pids", "log_death",
     "log_failure", "modelconfig", "move_into_place", "pick_connector", "read_tail",
     "server_command", "server_env", "speculative_config", "split_rank_logs", "wait_for_file",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ast
 
+from remote import contract
+
 #: calls that put a sample on disk
 WRITE_CALLS = frozenset({"save_file", "save", "torch.save"})
 #: hooks vLLM calls on every forward step
@@ -87,7 +89,7 @@ def when_it_writes(chain) -> dict:
 
 
 #: what a run may ask for (``chunked_prefill``): auto = on where the connector allows it
-CHOICES = ("auto", "on", "off")
+CHOICES = contract.CHUNKED_PREFILL
 #: server flags that would make the files wrong: with prefix caching on, a request's
 #: ``hidden_states`` and ``token_ids`` lengths differ (vLLM issue 44485)
 REFUSED_FLAGS = ("--enable-prefix-caching",)

@@ -15,6 +15,7 @@ import os
 import socket
 
 from remote import contract, cpu
+from . import chunking
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 LOOPBACK = "127.0.0.1"
@@ -43,14 +44,30 @@ def speculative_config(layer_ids) -> dict:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
 
 
-def kv_transfer_config(storage_dir, connector: tuple[str, str | None]) -> dict:
+#: the connector's own ``num_writer_threads`` default (vLLM 0.32's ExampleHiddenStatesConnector)
+CONNECTOR_WRITER_THREADS = 8
+
+
+def writer_threads(params: dict) -> int:
+    """The connector's ``num_writer_threads``: the run's ``writer_threads``, else the connector's own 8
+    capped at the cores this process may use (each thread copies and writes one sample file; on a 2-core
+    host 8 of them only take turns with the ranks' compute)."""
+    if params.get("writer_threads"):
+        return int(params["writer_threads"])
+    return max(1, min(CONNECTOR_WRITER_THREADS, len(os.sched_getaffinity(0))))
+
+
+def kv_transfer_config(storage_dir, connector: tuple[str, str | None], threads: int | None = None) -> dict:
     """``--kv-transfer-config`` that stores every request's states under ``storage_dir``.
 
     :param connector: ``(class name, module path or None for one vLLM registers itself)``.
+    :param threads: the connector's ``num_writer_threads`` (None: its own default).
     """
     name, module_path = connector
     config = {"kv_connector": name, "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
+    if threads:
+        config["kv_connector_extra_config"]["num_writer_threads"] = int(threads)
     if module_path:
         config["kv_connector_module_path"] = module_path
     return config
@@ -90,6 +107,54 @@ def fp8_connector_module(search=None) -> str | None:
     return None
 
 
+#: how a connector reads one of its options: ``self._kv_transfer_config.get_from_extra_config(key, default)``.
+EXTRA_CONFIG_READER = "get_from_extra_config"
+
+
+def connector_options(connector: tuple[str, str | None], given: dict) -> dict:
+    """What the installed connector ran with: its class and module, and every option it reads from
+    ``kv_connector_extra_config`` (vLLM 0.32's ``ExampleHiddenStatesConnector``: ``shared_storage_path``,
+    ``num_writer_threads``, ``allow_custom_save_path``, ``use_synchronization_lock``) with the value it
+    had: the one given, else the connector's own default. Read from the installed source with
+    :mod:`ast` along the class's bases (nothing is imported), so a vLLM with other options or other
+    defaults is recorded as it is::
+
+        {"class": "ExampleHiddenStatesConnector", "module": "vllm.distributed...example_hidden_states_connector",
+         "options": {"shared_storage_path": "/run/server/storage", "num_writer_threads": 8, ...},
+         "given": ["shared_storage_path"],
+         "read_from": [".../example_hidden_states_connector.py:ExampleHiddenStatesConnector"]}
+
+    :param connector: ``(class name, module path or None)`` as :func:`pick_connector` gives it.
+    :param given: the ``kv_connector_extra_config`` the server was started with.
+    """
+    import ast
+
+    from remote.drift.pyindex import PackageIndex
+    from remote.drift.server import class_chain, connector_module
+    from remote.drift.source import site_packages
+
+    name, module = connector
+    if module is None:  # registered in vLLM's factory by name
+        vllm_root = site_packages({})[1]
+        module = connector_module(connector, PackageIndex(vllm_root) if vllm_root else None)
+    options, read_from = {}, []
+    for path, cls in class_chain(module, name) if module else []:
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == EXTRA_CONFIG_READER and node.args
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                try:
+                    default = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
+                except ValueError:
+                    default = ast.unparse(node.args[1])
+                options.setdefault(node.args[0].value, default)  # the class nearest the connector wins
+                if f"{path}:{cls.name}" not in read_from:
+                    read_from.append(f"{path}:{cls.name}")
+    options = {**options, **given}  # a key given that this connector never reads is still what it was given
+    return {"class": name, "module": module, "options": dict(sorted(options.items())),
+            "given": sorted(given), "read_from": read_from}
+
+
 def pick_connector(params: dict) -> tuple[str, str | None]:
     """The hidden-states connector for this host: ``(class name, module path or None)``.
 
@@ -126,8 +191,9 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
 
     ``params`` may set ``enforce_eager`` (no torch.compile: the CPU start drops from
     minutes to seconds), ``dtype``, ``gpu_memory_utilization``, ``max_num_seqs``,
-    ``max_num_batched_tokens`` (default: 2048 or one ``max_model_len``, whichever is
-    larger), ``trust_remote_code`` and ``server_args`` (a list appended as is).
+    ``max_num_batched_tokens`` (:func:`batched_tokens`), ``chunked_prefill_on`` (the engine's
+    verdict, :mod:`.chunking`), ``writer_threads`` (:func:`writer_threads`), ``trust_remote_code``
+    and ``server_args`` (a list appended as is; prefix caching refused).
     """
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_path),
             "--served-model-name", SERVED_MODEL_NAME,
@@ -138,7 +204,8 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
             "--dtype", str(params.get("dtype") or "auto")]
     if not params.get("plain"):  # plain: the same server without extraction (the benchmark's baseline)
         argv[-2:-2] = ["--speculative-config", json.dumps(speculative_config(layer_ids)),
-                       "--kv-transfer-config", json.dumps(kv_transfer_config(storage_dir, connector))]
+                       "--kv-transfer-config",
+                       json.dumps(kv_transfer_config(storage_dir, connector, writer_threads(params)))]
     if params.get("enforce_eager"):
         argv.append("--enforce-eager")
     if params.get("trust_remote_code"):
@@ -151,17 +218,30 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
     if params.get("max_num_seqs"):
         argv += ["--max-num-seqs", str(int(params["max_num_seqs"]))]
     extra = [str(a) for a in params.get("server_args") or []]
+    refused = chunking.refused_flags(extra)
+    if refused:
+        raise ValueError(f"server_args: {' '.join(refused)} would make the extracted files wrong (a request's "
+                         f"states and token ids differ in length with prefix caching); drop it from server_args")
+    if params.get("chunked_prefill_on"):
+        # the connector writes once a request's last chunk is done (remote/engines/vllm_server/chunking.py)
+        argv[argv.index("--no-enable-chunked-prefill")] = "--enable-chunked-prefill"
     if not any(a.startswith("--max-num-batched-tokens") for a in extra):
-        # Several prompts per step. Without chunked prefill vLLM's default budget is one
-        # max_model_len per step (one prompt at a time); with extraction it raises it to
-        # 2048 on its own, so a plain server needs the same flag to be comparable.
-        budget = int(params.get("max_num_batched_tokens") or max(MIN_BATCHED_TOKENS, int(max_model_len)))
-        argv += ["--max-num-batched-tokens", str(budget)]
+        argv += ["--max-num-batched-tokens", str(batched_tokens(params, max_model_len))]
     if params.get("device") == "cpu" and not any(a.startswith("--compilation-config") for a in extra):
         # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
         # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
         argv += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
     return argv + extra
+
+
+def batched_tokens(params: dict, max_model_len: int) -> int:
+    """The server's step budget (``--max-num-batched-tokens``): ``max_num_batched_tokens`` when given,
+    else 2048, or one ``max_model_len`` when larger and prefill is not chunked (each prompt is then one
+    step). Without it vLLM's budget is one ``max_model_len`` per step (one prompt at a time); with
+    extraction it raises it to 2048 on its own, so a plain server needs the same flag to be comparable."""
+    if params.get("max_num_batched_tokens"):
+        return int(params["max_num_batched_tokens"])
+    return MIN_BATCHED_TOKENS if params.get("chunked_prefill_on") else max(MIN_BATCHED_TOKENS, int(max_model_len))
 
 
 def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:

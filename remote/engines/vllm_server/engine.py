@@ -18,7 +18,9 @@ from remote.contract import VLLM_SERVER
 from remote import contract, layers, modelconfig, samples
 from remote.engines import Engine
 
-from .command import SERVED_MODEL_NAME
+from . import chunking
+from .command import (SERVED_MODEL_NAME, batched_tokens, connector_options, kv_transfer_config, pick_connector,
+                      writer_threads)
 from .landing import SampleRejected, default_digest_workers, land_sample, wait_for_file
 from .logs import ServerFailed
 from .process import VllmServer
@@ -57,8 +59,11 @@ class VllmServerEngine(Engine):
             # a multimodal wrapper (Kimi-K2.5): extraction feeds text only
             self.params["language_model_only"] = True
         #: the canary samples' prompt logprobs (the first few samples), and their check as they land
-        self.logprobs = PromptLogprobs(self.params, work_dir)
+        self.logprobs = PromptLogprobs(self.params, work_dir, self.plan.canary_samples)
         self.canary, self._canary_lock = None, threading.Lock()
+        #: chunked prefill: on where the installed connector writes once a request is done (chunking.py)
+        self.chunked = self._chunked_prefill()
+        self.params["chunked_prefill_on"] = self.chunked["on"]
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
                                  work_dir=work_dir, max_model_len=self._max_model_len(),
                                  params=self.params, python=self.params.get("python") or sys.executable)
@@ -67,6 +72,7 @@ class VllmServerEngine(Engine):
             self.server.start()
             try:
                 self.server.wait_ready(timeout=timeout)
+                self.connector_options = self._connector_options()
                 return
             except ServerFailed as exc:
                 if attempt == 1 and "address already in use" in (exc.log_tail or "").lower():
@@ -75,6 +81,34 @@ class VllmServerEngine(Engine):
                     continue
                 self.server.stop()
                 raise
+
+    def _chunked_prefill(self) -> dict:
+        """What the run asked (``chunked_prefill``: auto|on|off) against what the connector this host
+        loads allows, read from its source; ``{"on", "asked", "why", "writes_in", "max_num_batched_tokens"}``.
+
+        :raises ValueError: ``on`` against a connector that writes every step (naming the field).
+        """
+        try:
+            verdict = chunking.installed_verdict(pick_connector(self.params))
+        except Exception as exc:  # noqa: BLE001 -- unreadable source: the one-shot path, said
+            verdict = {"safe": False, "writes_in": [],
+                       "why": f"the connector's source could not be read ({type(exc).__name__}: {exc}): "
+                              f"chunked prefill stays off"}
+        chunked = chunking.resolve(self.params.get("chunked_prefill"), verdict)
+        budget = batched_tokens({**self.params, "chunked_prefill_on": chunked["on"]}, self._max_model_len())
+        return {**chunked, "writes_in": verdict["writes_in"], "max_num_batched_tokens": budget}
+
+    def _connector_options(self) -> dict:
+        """The connector the server loaded and the options it runs with (:func:`~.command.connector_options`);
+        what cannot be read is said, never the run's failure."""
+        given = kv_transfer_config(self.server.storage_dir, self.server.connector,
+                                   writer_threads(self.params))["kv_connector_extra_config"]
+        try:
+            return connector_options(self.server.connector, given)
+        except Exception as exc:  # noqa: BLE001 -- a record of the run, not a step of it
+            name, module = self.server.connector
+            return {"class": name, "module": module, "options": dict(given), "given": sorted(given),
+                    "error": f"the connector's own options could not be read: {type(exc).__name__}: {exc}"}
 
     def _max_model_len(self) -> int:
         return self.model_len(self.config)
@@ -247,6 +281,10 @@ class VllmServerEngine(Engine):
                 "file_layer_ids": getattr(self, "file_layer_ids", None),
                 "state_format": getattr(self, "state_format", None),
                 "connector": ":".join(filter(None, reversed(server.connector))) if server and server.connector else None,
+                # the connector's class, module and every option it ran with (given or its own default)
+                "connector_options": getattr(self, "connector_options", None),
+                "canary_samples": self.logprobs.count if getattr(self, "logprobs", None) else None,
+                "chunked_prefill": getattr(self, "chunked", None),
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
                 "command": server.command if server else None,
                 "log": str(server.log_path) if server else None}

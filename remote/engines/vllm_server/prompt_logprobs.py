@@ -1,7 +1,7 @@
 """The canary samples' prompt logprobs: the server's own log-probabilities of each prompt token.
 
-The first ``canary_samples`` samples a run extracts (:data:`remote.contract.CANARY_SAMPLES`
-unless the run's params say otherwise) ask the server for ``prompt_logprobs: k`` in the same
+The first ``canary_samples`` samples a run extracts (the run's plan: the inventory field or
+``--canary-samples``, :data:`remote.contract.CANARY_SAMPLES` when neither says) ask the server for ``prompt_logprobs: k`` in the same
 ``/v1/completions`` request that captures their states -- no second model load, no second
 prefill. vLLM computes them from the same forward pass (``compute_logits`` on the final,
 normed state, then log-softmax in float32), so the captured last state (``input:N``)
@@ -37,13 +37,13 @@ from remote import contract, fsutil
 class PromptLogprobs:
     """Which samples ask for prompt logprobs, what they ask, and where the answers go.
 
-    :param params: the run's params (``canary_samples``, ``prompt_logprobs_top``).
+    :param params: the run's params (``prompt_logprobs_top``).
     :param run_dir: the run dir (the supervisor's ``work_dir`` of the engine); None: no sample asks.
+    :param count: how many first samples ask (the run's :attr:`remote.runplan.Plan.canary_samples`).
     """
 
-    def __init__(self, params: dict, run_dir):
-        count = params.get("canary_samples")
-        self.count = contract.CANARY_SAMPLES if count in (None, "") else int(count)
+    def __init__(self, params: dict, run_dir, count: int = contract.CANARY_SAMPLES):
+        self.count = int(count)
         top = params.get("prompt_logprobs_top")
         self.top = contract.PROMPT_LOGPROBS_TOP if top in (None, "") else int(top)
         self.dir = Path(run_dir) / contract.PROMPT_LOGPROBS_DIR if run_dir else None
