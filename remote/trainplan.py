@@ -122,9 +122,42 @@ def checkpoints_dir(run_dir) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
+#: what a whole epoch checkpoint holds. speculators writes them one file after another into the
+#: numbered dir, so a SIGTERM or a kill mid-save leaves a dir without the last ones, and its own
+#: resume (the highest numbered dir) would then fail reading the optimizer state.
+CHECKPOINT_COMPLETE = ("model.safetensors", "optimizer_state_dict.pt", "training_state.json")
+#: the name a partial epoch dir is moved to (not a number: speculators' resume skips it)
+PARTIAL_PREFIX = "partial-"
+
+
+def epoch_dirs(save_path) -> list[tuple[int, Path, bool]]:
+    """``(epoch, dir, complete)`` of the numbered checkpoint dirs in ``save_path``, by epoch."""
+    save_path = Path(save_path)
+    if not save_path.is_dir():
+        return []
+    found = [(int(d.name), d) for d in save_path.iterdir() if d.name.isdigit() and d.is_dir() and not d.is_symlink()]
+    return [(n, d, all((d / f).is_file() for f in CHECKPOINT_COMPLETE)) for n, d in sorted(found)]
+
+
+def set_aside_partial(save_path) -> list[dict]:
+    """Move every partial epoch dir out of the way of a resume (``N`` -> ``partial-N``, numbered once more
+    when that name is taken); ``[{"epoch", "from", "to", "missing"}]``."""
+    moved = []
+    for epoch, path, complete in epoch_dirs(save_path):
+        if complete:
+            continue
+        dest, n = path.with_name(f"{PARTIAL_PREFIX}{epoch}"), 1
+        while dest.exists():
+            dest, n = path.with_name(f"{PARTIAL_PREFIX}{epoch}.{n}"), n + 1
+        path.rename(dest)
+        moved.append({"epoch": epoch, "from": str(path), "to": str(dest),
+                      "missing": [f for f in CHECKPOINT_COMPLETE if not (dest / f).is_file()]})
+    return moved
+
+
 def last_checkpoint(save_path) -> dict | None:
     """The draft a train run's save path holds now: speculators' own rule, the highest numbered
-    epoch dir (what a resume loads, and what eval serves), else the untrained draft ``--dry-run``
+    epoch dir that is whole (what a resume loads once :func:`set_aside_partial` ran, and what eval serves), else the untrained draft ``--dry-run``
     writes into the save path itself (``epoch`` None); None when there is neither.
 
     :returns: ``{"path", "epoch", "global_step", "interrupted_kept"}``.
@@ -132,7 +165,7 @@ def last_checkpoint(save_path) -> dict | None:
     save_path = Path(save_path)
     if not save_path.is_dir():
         return None
-    epochs = [int(d.name) for d in save_path.iterdir() if d.name.isdigit() and d.is_dir() and not d.is_symlink()]
+    epochs = [n for n, _, complete in epoch_dirs(save_path) if complete]
     interrupted = (save_path / "interrupted").is_dir()
     if epochs:
         last = save_path / str(max(epochs))

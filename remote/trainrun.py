@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 
-from remote import samples, trainplan
+from remote import samples, signals, trainplan
 from remote.contract import RunState
 from remote.rootcause import error_record, last_traceback
 from remote.rundir import RunPaths, StatusFile, tail_text, utc_now
@@ -132,15 +132,21 @@ class TrainSupervisor:
         plan = trainplan.resolve(self.params)
         launcher = pick_launcher()
         argv = plan.argv(self.params.get("python") or sys.executable, launcher)
+        # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
+        set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
+        for moved in set_aside:
+            print(f"[specops] epoch {moved['epoch']}'s checkpoint lacks {', '.join(moved['missing'])} (the last "
+                  f"attempt stopped while saving it): moved to {moved['to']}", flush=True)
         found = trainplan.last_checkpoint(plan.save_path)
         resumed = found if found and found["epoch"] is not None and not plan.dry_run else None
         self.status.update(state=RunState.LOADING.value, phase="starting the trainer", plan=plan.as_dict(),
-                           launcher=launcher, command=argv, resumed_from=resumed,
+                           launcher=launcher, command=argv, resumed_from=resumed, set_aside=set_aside,
                            checkpoints=plan.save_path, epochs=plan.epochs)
         print(f"[specops] train run {plan.run_id}: {' '.join(argv)}" +
               (f"; resumes after epoch {resumed['epoch']} (global step {resumed['global_step']})" if resumed else ""),
               flush=True)
-        env = dict(os.environ, COLUMNS=TRAINER_COLUMNS, PYTHONUNBUFFERED="1")
+        # faulthandler: a trainer that faults leaves its stacks in train.log
+        env = dict(os.environ, COLUMNS=TRAINER_COLUMNS, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         log_path = self.paths.log(trainplan.TRAIN_LOG)
         t0 = time.monotonic()
         with open(log_path, "a", encoding="utf-8") as log, \
@@ -159,10 +165,14 @@ class TrainSupervisor:
         if code != 0:
             tail = tail_text(log_path, 20000)
             found = last_traceback(tail) or {}
-            self.status.update(state=RunState.FAILED.value, phase="failed", error={
-                "rank": 0, "where": "trainer", "type": found.get("type") or "TrainerExited",
-                "message": found.get("message") or f"the trainer exited with code {code}",
-                "traceback": found.get("traceback") or "", "log_tail": tail[-4000:], "exit_code": code})
+            error = {"rank": 0, "where": "trainer", "type": found.get("type") or "TrainerExited",
+                     "message": found.get("message") or f"the trainer exited with code {code}",
+                     "traceback": found.get("traceback") or "", "exit_code": code}
+            if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means
+                error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
+                         "where": "trainer"}
+                error["message"] += "; the same train command resumes from the last epoch checkpoint"
+            self.status.update(state=RunState.FAILED.value, phase="failed", error={**error, "log_tail": tail[-4000:]})
             return 1
         final = trainplan.last_checkpoint(plan.save_path)
         if final is None:

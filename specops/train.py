@@ -147,18 +147,152 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
 
 
 def fetch_step(host: Host, run_id: str) -> HostReport:
-    """The run's status, params, logs and metrics into ``runs/<host>/<run-id>/``."""
+    """The run's status, params, logs and metrics (``metrics.jsonl``, ``metrics.csv``, ``curve.png``) and its
+    best checkpoint's config into ``runs/<host>/<run-id>/`` (:func:`specops.jobs.fetch_run`, which calls
+    :func:`fetch_artifacts` for a train run)."""
+    return jobs.fetch_run(host, run_id)
+
+
+#: what a train run's fetch writes beside ``metrics.jsonl``
+METRICS_JSONL, METRICS_CSV, CURVE_PNG, BEST_DIR = "metrics.jsonl", "metrics.csv", "curve.png", "best"
+#: the best checkpoint's small files fetched (the weights stay on the host, where ``eval`` serves them)
+CHECKPOINT_FILES = ("config.json", "training_state.json", "val_metrics.json")
+#: the dir speculators keeps its lowest-validation-loss checkpoint in, beside the numbered ones
+SPECULATORS_BEST = "checkpoint_best"
+
+
+def read_metrics(text: str) -> list[dict]:
+    """The records of ``metrics.jsonl`` (one per trainer metrics line: ``kind`` train or val, ``epoch``,
+    ``loss``, ``accuracy`` per position, train: ``step``, ``tokens_per_s``); a torn last line is skipped."""
+    import json
+
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("kind") in ("train", "val"):
+            rows.append(row)
+    return rows
+
+
+def metrics_csv(rows: list[dict]) -> str:
+    """One CSV row per metrics record: kind, epoch, step, loss, tokens/s, then acc_0..acc_{k-1}."""
+    import csv
+    import io
+
+    width = max((len(r.get("accuracy") or []) for r in rows), default=0)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["kind", "epoch", "step", "loss", "tokens_per_s"] + [f"acc_{i}" for i in range(width)])
+    for r in rows:
+        acc = list(r.get("accuracy") or [])
+        writer.writerow([r["kind"], r.get("epoch"), r.get("step", ""), r.get("loss"), r.get("tokens_per_s") or ""]
+                        + acc + [""] * (width - len(acc)))
+    return out.getvalue()
+
+
+def best_epoch(rows: list[dict], last_epoch) -> tuple[int | None, str]:
+    """The epoch whose checkpoint to keep: the lowest validation loss, else the last one; and why."""
+    val = [r for r in rows if r["kind"] == "val" and r.get("loss") is not None]
+    if val:
+        best = min(val, key=lambda r: (r["loss"], -r["epoch"]))
+        return best["epoch"], f"lowest validation loss {best['loss']:.4g} (epoch {best['epoch']})"
+    return last_epoch, "the last epoch (no validation loss in the trainer's log)"
+
+
+def draw_curve(rows: list[dict], path, title: str) -> str | None:
+    """Loss and per-position accuracy against the step, as a PNG at ``path``; None, or why it was not drawn."""
+    train = [r for r in rows if r["kind"] == "train" and r.get("step") is not None]
+    if not train:
+        return "no training step in the metrics yet"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a laptop's ssh session or in CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: pip install 'specops[plot]'"
+    steps = [r["step"] for r in train]
+    fig, (loss_ax, acc_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    loss_ax.plot(steps, [r["loss"] for r in train], label="train loss")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_yscale("log")
+    loss_ax.set_title(title)
+    for pos in range(max(len(r.get("accuracy") or []) for r in train)):
+        acc_ax.plot(steps, [(r.get("accuracy") or [None] * (pos + 1))[pos] if len(r.get("accuracy") or []) > pos
+                            else None for r in train], label=f"position {pos}")
+    acc_ax.set_ylabel("accuracy")
+    acc_ax.set_xlabel("step")
+    acc_ax.legend(loc="lower right")
+    loss_ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record]:
+    """A train run's ``metrics.jsonl`` with its CSV and curve, and the best checkpoint's config (``best/``)."""
+    from pathlib import Path
+
     from specops.assets import remote_fsutil
 
-    report = jobs.fetch_run(host, run_id)
-    dest = report.data.get("dest")
-    state = jobs.status_report(host, run_id)
-    run_dir = (state.data or {}).get("run_dir")
-    if dest and run_dir:
-        data = jobs.read_remote(host, f"{host.remote_path(run_dir)}/metrics.jsonl")
-        if data is not None:
-            from pathlib import Path
-
-            remote_fsutil().atomic_write(Path(dest) / "metrics.jsonl", data, mode=0o644)
-            report.data.setdefault("files", []).append("metrics.jsonl")
-    return report
+    write, dest = remote_fsutil().atomic_write, Path(dest)
+    data = jobs.read_remote(host, f"{run_dir}/{METRICS_JSONL}")
+    if data is None:
+        return [Record(name="fetch.metrics", status="skipped", summary="the trainer has logged no metrics yet")]
+    rows = read_metrics(data.decode("utf-8", "replace"))
+    write(dest / METRICS_JSONL, data, mode=0o644)
+    write(dest / METRICS_CSV, metrics_csv(rows).encode(), mode=0o644)
+    why_not = draw_curve(rows, dest / CURVE_PNG, f"{status.get('run_id')}: loss and accuracy per step")
+    steps = sum(r["kind"] == "train" for r in rows)
+    records = [Record(name="fetch.metrics", status="ok" if why_not is None else "warn",
+                      summary=f"{steps} step(s) in {METRICS_JSONL} and {METRICS_CSV}" + (
+                          f", the curve in {CURVE_PNG}" if why_not is None else f"; no curve: {why_not}"),
+                      detail={"files": [METRICS_JSONL, METRICS_CSV] + ([CURVE_PNG] if why_not is None else [])},
+                      fix="pip install 'specops[plot]' and fetch again" if why_not else None)]
+    final, save_path = status.get("checkpoint") or {}, status.get("checkpoints")
+    if not final:
+        return records
+    epoch, why = best_epoch(rows, final.get("epoch"))
+    candidates = [(f"{save_path}/{SPECULATORS_BEST}", "speculators' own checkpoint_best", None)] if save_path else []
+    if save_path and epoch is not None and final.get("epoch") is not None:
+        candidates.append((f"{save_path}/{epoch}", why, epoch))
+    candidates.append((str(final["path"]), "the last checkpoint", final.get("epoch")))
+    for remote_ckpt, why, epoch in candidates:
+        config = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/config.json")
+        if config is not None:
+            break
+    else:
+        records.append(Record(name="fetch.checkpoint", status="warn", summary=f"no checkpoint config.json found in "
+                              f"{', '.join(c[0] for c in candidates)}", detail={"tried": [c[0] for c in candidates]}))
+        return records
+    (dest / BEST_DIR).mkdir(parents=True, exist_ok=True)
+    write(dest / BEST_DIR / "config.json", config, mode=0o644)
+    got = ["config.json"]
+    for name in CHECKPOINT_FILES[1:]:
+        blob = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
+        if blob is not None:
+            write(dest / BEST_DIR / name, blob, mode=0o644)
+            got.append(name)
+    records.append(Record(name="fetch.checkpoint", status="ok",
+                          summary=f"best checkpoint {remote_ckpt} ({why}): {', '.join(got)} in {BEST_DIR}/; the "
+                                  f"weights stay on the host, where eval serves them",
+                          detail={"path": remote_ckpt, "epoch": epoch, "why": why, "files": got}))
+    return records
+    base = str(final["path"]).rsplit("/", 1)[0] if final.get("epoch") is not None else str(final["path"])
+    remote_ckpt = f"{base}/{epoch}" if epoch is not None and final.get("epoch") is not None else str(final["path"])
+    got = []
+    for name in CHECKPOINT_FILES:
+        blob = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
+        if blob is not None:
+            (dest / BEST_DIR).mkdir(parents=True, exist_ok=True)
+            write(dest / BEST_DIR / name, blob, mode=0o644)
+            got.append(name)
+    records.append(Record(name="fetch.checkpoint", status="ok" if "config.json" in got else "warn",
+                          summary=f"best checkpoint {remote_ckpt} ({why}): {', '.join(got) or 'nothing'} in "
+                                  f"{BEST_DIR}/; the weights stay on the host, where eval serves them",
+                          detail={"path": remote_ckpt, "epoch": epoch, "why": why, "files": got}))
+    return records

@@ -83,6 +83,43 @@ def test_the_trainers_log_lines_and_vllms_metrics_are_read():
     assert acc["per_position"] == [0.4, 0.2, 0.0]
 
 
+def test_fetch_turns_the_metrics_into_a_csv_a_curve_and_picks_the_best_epoch(tmp_path):
+    from specops import train
+
+    lines = [json.dumps({"kind": "train", "epoch": e, "step": e * 2 + i, "loss": 1.0 / (e * 2 + i + 1),
+                         "accuracy": [0.1 * e, 0.05 * e], "tokens_per_s": 60.0}) for e in range(3) for i in range(2)]
+    lines += [json.dumps({"kind": "val", "epoch": 0, "loss": 0.5, "accuracy": [0.1]}),
+              json.dumps({"kind": "val", "epoch": 1, "loss": 0.2, "accuracy": [0.2]}),
+              json.dumps({"kind": "val", "epoch": 2, "loss": 0.3, "accuracy": [0.3]}), '{"kind": "tra']  # torn
+    rows = train.read_metrics("\n".join(lines))
+    assert len(rows) == 9
+    csv_text = train.metrics_csv(rows).splitlines()
+    assert csv_text[0] == "kind,epoch,step,loss,tokens_per_s,acc_0,acc_1" and csv_text[1] == "train,0,0,1.0,60.0,0.0,0.0"
+    assert csv_text[-1] == "val,2,,0.3,,0.3,"
+    assert train.best_epoch(rows, 2) == (1, "lowest validation loss 0.2 (epoch 1)")
+    assert train.best_epoch(rows[:6], 2) == (2, "the last epoch (no validation loss in the trainer's log)")
+    assert train.draw_curve(rows, tmp_path / "c.png", "t") is None
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert train.draw_curve([], tmp_path / "none.png", "t") == "no training step in the metrics yet"
+
+
+def test_a_checkpoint_left_half_written_is_set_aside_so_the_resume_takes_the_last_whole_one(tmp_path):
+    """speculators writes an epoch dir file by file; an abort or a kill mid-save leaves one without its optimizer
+    state, which its own resume (the highest numbered dir) would then fail to read."""
+    for epoch, files in ((0, trainplan.CHECKPOINT_COMPLETE), (1, trainplan.CHECKPOINT_COMPLETE),
+                         (2, ("config.json", "model.safetensors"))):
+        (tmp_path / str(epoch)).mkdir()
+        for name in files:
+            (tmp_path / str(epoch) / name).write_text("{}")
+    (tmp_path / "partial-2").mkdir()  # an earlier attempt's
+    assert trainplan.last_checkpoint(tmp_path)["epoch"] == 1
+    moved = trainplan.set_aside_partial(tmp_path)
+    assert moved == [{"epoch": 2, "from": str(tmp_path / "2"), "to": str(tmp_path / "partial-2.1"),
+                      "missing": ["optimizer_state_dict.pt", "training_state.json"]}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "partial-2", "partial-2.1"]
+    assert trainplan.set_aside_partial(tmp_path) == [] and trainplan.last_checkpoint(tmp_path)["epoch"] == 1
+
+
 def _plan(**changes) -> trainplan.TrainPlan:
     fields = dict(run_id="t1", from_run="r1", states_run_dir="/w/runs/r1", data_path="/w/out", model_path="/m/llama",
                   layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16",
@@ -184,11 +221,40 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     metrics = Path(env["SPECOPS_RUNS"]) / "th" / "draft" / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert steps[-1] == st["steps_total"] - 1 and sorted(set(steps)) == list(range(steps[-1] + 1)), steps
+    # fetch brought the metrics as CSV, the curve as a PNG and the best checkpoint's config
+    fetched = records(resumed)
+    assert fetched["fetch.metrics"]["status"] == "ok" and "curve.png" in fetched["fetch.metrics"]["summary"]
+    assert (metrics.parent / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    csv_rows = (metrics.parent / "metrics.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("kind,epoch,step,loss,tokens_per_s,acc_0") and len(csv_rows) > len(steps)
+    best = fetched["fetch.checkpoint"]
+    assert best["status"] == "ok" and best["detail"]["path"].endswith("/checkpoint_best"), best
+    assert (metrics.parent / "best" / "val_metrics.json").is_file()
+    assert json.loads((metrics.parent / "best" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == \
+        [2, 4, 5]
     t_train = time.monotonic() - t0
 
     untrained = specops("train", "--inventory", inv, "--run-id", "untrained", "--from-run", run["run_id"],
                         "--dry-run", "--json", env=env)
     assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
+
+    # a trainer killed by SIGKILL (an OOM kill, a preemption) is named with its rank and what to do
+    killed = specops("train", "--inventory", inv, "--run-id", "killed", "--from-run", run["run_id"], "--epochs",
+                     EPOCHS, "--detach", "--json", env=env)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    deadline = time.monotonic() + 300
+    while (gone := _status(inv, "killed", env)[1]).get("state") != "training":
+        assert time.monotonic() < deadline and gone.get("state") not in ("done", "failed"), gone
+        time.sleep(1)
+    trainer = int(Path(f"/proc/{gone['pid']}/task/{gone['pid']}/children").read_text().split()[0])
+    os.kill(trainer, 9)
+    while (gone := _status(inv, "killed", env)[1]).get("state") not in ("failed", "done"):
+        assert time.monotonic() < deadline, gone
+        time.sleep(1)
+    error = gone["error"]
+    assert gone["state"] == "failed" and error["signal"] == "SIGKILL" and error["rank"] == 0, gone
+    assert error["pid"] == trainer and error["message"].startswith(f"rank 0 (trainer, pid {trainer}) was killed by SIGKILL")
+    assert "resumes from the last epoch checkpoint" in error["message"], error
 
     # a copy of the trained draft with its aux ids off by one: refused before anything loads
     last = work / "runs" / "draft" / "checkpoints" / str(st["checkpoint"]["epoch"])
