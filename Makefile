@@ -27,3 +27,4 @@ bench: bootstrap
 	.venv/bin/python scripts/bench_smoke.py
 	.venv/bin/python scripts/bench_follow.py
 	.venv/bin/python scripts/bench_states.py
+	.venv/bin/python scripts/bench_digest.py

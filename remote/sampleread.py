@@ -161,21 +161,41 @@ def hs_file_problem(path) -> str | None:
         return f"unreadable ({exc.strerror})"
 
 
-def layer_partial(x) -> dict:
+#: the float32 working set of one statistics step: small enough to stay in a core's L2 cache.
+#: One pass over a whole layer (a 4096-token, 4096-wide layer is 64 MB in float32) went to DRAM
+#: three times (sum, dot, min/max) and cost 3x per byte what a 1024-token one did
+#: (scripts/bench_digest.py prints both).
+STATS_BLOCK_BYTES = 2 << 20
+
+
+def layer_partial(x, scales=None) -> dict:
     """Mergeable statistics of one layer's ``[T, H]`` states (see :meth:`LayerStats.merge`).
 
-    Sums in float32 from one float32 copy of the layer (plenty for a summary, a quarter
-    of the float64 traffic); the exact NaN/Inf split only when a sum is not finite.
+    Sums in float32, a block of tokens at a time (:data:`STATS_BLOCK_BYTES`: each block's
+    float32 copy is summed, squared and ranged while it is still in cache), so the cost is
+    linear in the tokens. ``scales`` (``[T, 1]`` float32): an fp8 layer's per-token scales,
+    applied to each block (the statistics of what a reader dequantizes). The exact NaN/Inf
+    split only when a sum is not finite.
     """
     import torch
 
-    f = x.float().reshape(-1)
-    total, total_sq = float(f.sum()), float(torch.dot(f, f))
-    lo, hi = (float(v) for v in torch.aminmax(f))
-    part = {"tokens": int(x.shape[0]), "hidden": int(x.shape[-1]), "dtype": str(x.dtype).replace("torch.", "")}
-    if all(map(math.isfinite, (total, total_sq, lo, hi))):
-        return dict(part, count=f.numel(), total=total, total_sq=total_sq, abs_max=max(-lo, hi), nan=0, inf=0)
-    d = f.double()
+    n, width = int(x.shape[0]), int(x.shape[-1])
+    rows = max(1, STATS_BLOCK_BYTES // (4 * max(1, width)))
+    total = total_sq = 0.0
+    lo, hi = math.inf, -math.inf
+    for start in range(0, n, rows):
+        f = x[start:start + rows].float()
+        if scales is not None:
+            f = f * scales[start:start + rows]
+        f = f.reshape(-1)
+        total += float(f.sum())
+        total_sq += float(torch.dot(f, f))
+        low, high = torch.aminmax(f)
+        lo, hi = min(lo, float(low)), max(hi, float(high))
+    part = {"tokens": n, "hidden": width, "dtype": str(x.dtype).replace("torch.", "")}
+    if all(map(math.isfinite, (total, total_sq, lo, hi))) and n:
+        return dict(part, count=n * width, total=total, total_sq=total_sq, abs_max=max(-lo, hi), nan=0, inf=0)
+    d = (x.float() * scales if scales is not None else x).double().reshape(-1)
     finite = torch.isfinite(d)
     good = d[finite]
     return dict(part, count=good.numel(), total=float(good.sum()), total_sq=float((good * good).sum()),
@@ -247,7 +267,7 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
         states = torch.frombuffer(mapped, dtype=getattr(torch, _ST_DTYPES[hs["dtype"]][1]),
                                   count=math.prod(shape), offset=data_start + hs["data_offsets"][0]).view(shape)
         if fp8:  # statistics of what a reader gets: fp8 x its token's scale, in float32
-            layers = [dict(layer_partial(states[:, list(file_layer_ids).index(lid)].float() * scales),
+            layers = [dict(layer_partial(states[:, list(file_layer_ids).index(lid)], scales),
                            dtype="float8_e4m3fn") for lid in layer_ids]
         else:
             layers = [layer_partial(states[:, list(file_layer_ids).index(lid)]) for lid in layer_ids]

@@ -47,6 +47,16 @@ res["stats_close"] = all(
     m["shape"] == s["shape"] and m["dtype"] == s["dtype"] and m["abs_max"] == s["abs_max"]
     and math.isclose(m["std"], s["std"], rel_tol=1e-5) and abs(m["mean"] - s["mean"]) <= 1e-5 * s["std"]
     for m, s in zip(merged, direct))
+# the statistics go a block of tokens at a time (remote/sampleread.py STATS_BLOCK_BYTES): 7 rows a block here,
+# the last one short, give the same numbers as one block
+from remote import sampleread
+whole_block, sampleread.STATS_BLOCK_BYTES = sampleread.STATS_BLOCK_BYTES, 4 * H * 7
+blocked = samples.digest_hs_file(good, asked, file_ids)["layers"]
+sampleread.STATS_BLOCK_BYTES = whole_block
+res["blocks_agree"] = all(b["abs_max"] == p["abs_max"] and b["count"] == p["count"]
+                          and math.isclose(b["total_sq"], p["total_sq"], rel_tol=1e-5)
+                          and abs(b["total"] - p["total"]) <= 1e-4 * math.sqrt(p["total_sq"])
+                          for b, p in zip(blocked, d["layers"]))
 res["layer_order"] = [m["layer_id"] for m in merged]
 res["std_by_layer"] = [round(m["std"], 1) for m in merged]
 
@@ -56,6 +66,9 @@ res["layers"] = samples.digest_hs_file(good, asked, [2, 4, 5])["problems"]
 bad = states.clone(); bad[3, 1, 7] = float("nan"); bad[5, 1, 9] = float("inf"); bad[6, 1, 1] = float("-inf")
 nan = write("hs_1.safetensors", {"token_ids": ids, "hidden_states": bad})
 dn = samples.digest_hs_file(nan, asked, file_ids)
+sampleread.STATS_BLOCK_BYTES = 4 * H * 7
+res["nan_blocked"] = samples.digest_hs_file(nan, asked, file_ids)["problems"]
+sampleread.STATS_BLOCK_BYTES = whole_block
 res["nan"] = dn["problems"]
 res["nan_counts"] = [(p["nan"], p["inf"]) for p in dn["layers"]]
 res["lacks"] = samples.digest_hs_file(write("hs_2.safetensors", {"hidden_states": states}), asked, file_ids)["problems"]
@@ -90,12 +103,12 @@ def test_one_read_checks_hashes_and_summarises(modern_hostenv_python, tmp_path):
     assert res["tensors"] == {"token_ids": {"shape": [40], "dtype": "int64"},
                               "hidden_states": {"layer_ids": [2, 4, 5, 8], "shape": [40, 4, 48], "dtype": "bfloat16"}}
     # statistics in the order asked, each from its own slice of the file's layer axis
-    assert res["stats_close"] and res["layer_order"] == [8, 2, 5, 4]
+    assert res["stats_close"] and res["blocks_agree"] and res["layer_order"] == [8, 2, 5, 4]
     assert res["std_by_layer"] == pytest.approx([8.0, 1.0, 0.5, 3.0], rel=0.1)
     assert res["echo"] == ["token_ids do not echo the request (40 ids back, 40 sent)"]
     assert "expected a float [40, 4, 64]" in res["width"][0]
     assert "expected a float [40, 3, H]" in res["layers"][0]
-    assert res["nan"] == ["hidden_states has NaN/Inf: layer 4: 1 NaN, 2 Inf"]
+    assert res["nan"] == res["nan_blocked"] == ["hidden_states has NaN/Inf: layer 4: 1 NaN, 2 Inf"]
     assert res["nan_counts"] == [[0, 0], [0, 0], [0, 0], [1, 2]]
     assert res["lacks"] == ["file lacks ['token_ids'] (has ['hidden_states'])"]
     assert res["int32_ids"] == ["token_ids is I32 [40], expected int64 [T]"]

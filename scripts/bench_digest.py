@@ -1,0 +1,113 @@
+"""Benchmark: the landing digest's cost per byte, for 1024- and 4096-token sample files, on one core.
+
+Every sample file the vllm-server engine lands is read once for its checks, its sha256 and
+its per-layer statistics (``remote.sampleread.digest_hs_file``). On the H200 the digest was
+the limit of the run, and its cost per byte grew with the sample's length (a 2048-token
+file cost 3x per byte what a 1024-token one did). This prints, per core (one torch thread),
+for files of the ``llama_wide`` shape (4 layers x hidden 4096, bf16: 32 MB per 1024 tokens),
+measured side by side in one run, best of ``--repeat``:
+
+* the whole digest (``digest_hs_file``), its sha256 alone, its statistics alone;
+* the statistics as they were computed before (one float32 copy of the whole layer, then
+  three passes over it), for the ratio;
+* ``per-byte cost 4096 / 1024``: 1.0 is linear in the bytes.
+
+Run on the test host's modern env (torch and safetensors; brought up here when missing)::
+
+    .venv/bin/python scripts/bench_digest.py [--repeat 5] [--tokens 1024,4096] [--hidden 4096] [--layers 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+MEASURE = r"""
+import hashlib, json, math, sys, tempfile, time
+import torch
+from safetensors.torch import save_file
+from remote import sampleread
+
+torch.set_num_threads(1)
+args = json.loads(sys.argv[1])
+
+def stats_before(x):
+    # the previous layer_partial: one float32 copy of the whole layer, three passes over it
+    f = x.float().reshape(-1)
+    return float(f.sum()), float(torch.dot(f, f)), [float(v) for v in torch.aminmax(f)]
+
+def best(fn):
+    times = []
+    for _ in range(args["repeat"]):
+        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+    return min(times)
+
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for tokens in args["tokens"]:
+        torch.manual_seed(tokens)
+        states = torch.randn(tokens, args["layers"], args["hidden"]).to(torch.bfloat16)
+        ids = torch.arange(tokens, dtype=torch.int64)
+        path = f"{tmp}/hs_{tokens}.safetensors"
+        save_file({"token_ids": ids, "hidden_states": states}, path)
+        layer_ids = list(range(args["layers"]))
+        raw = open(path, "rb").read()  # the page cache holds it, as it does a file the connector just wrote
+        size = len(raw)
+        cols = [states[:, j] for j in layer_ids]
+        row = {"bytes": size,
+               "digest_s": best(lambda: sampleread.digest_hs_file(path, layer_ids, layer_ids)),
+               "sha256_s": best(lambda: hashlib.sha256(raw).hexdigest()),
+               "stats_s": best(lambda: [sampleread.layer_partial(c) for c in cols]),
+               "stats_before_s": best(lambda: [stats_before(c) for c in cols])}
+        out[tokens] = row
+print(json.dumps(out))
+"""
+
+
+def host_python() -> str:
+    from specops.testhost.hostenv import ensure_hostenv
+
+    return str(ensure_hostenv(quiet=True, stack="modern"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tokens", default="1024,4096")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    spec = {"repeat": args.repeat, "tokens": [int(t) for t in args.tokens.split(",")], "hidden": args.hidden,
+            "layers": args.layers}
+    python = host_python()
+    proc = subprocess.run([python, "-c", MEASURE, json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        return 1
+    rows = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"digest of one sample file, one core ({cpu}), {args.layers} layers x hidden {args.hidden} bf16, "
+          f"best of {args.repeat}")
+    gbps = lambda row, key: row["bytes"] / row[key] / 1e9  # noqa: E731
+    for tokens, row in rows.items():
+        print(f"{tokens:5d} tokens ({row['bytes'] / 1e6:6.1f} MB): digest {gbps(row, 'digest_s'):5.2f} GB/s  "
+              f"(sha256 {gbps(row, 'sha256_s'):5.2f}, statistics {gbps(row, 'stats_s'):5.2f}; "
+              f"statistics before {gbps(row, 'stats_before_s'):5.2f} GB/s)")
+    for tokens, row in rows.items():
+        print(f"ratio statistics now / before, {tokens} tokens:        {row['stats_before_s'] / row['stats_s']:.2f}x")
+    lo, hi = min(rows), max(rows)
+    if lo != hi:
+        per_byte = lambda key: (rows[hi][key] / rows[hi]["bytes"]) / (rows[lo][key] / rows[lo]["bytes"])  # noqa: E731
+        print(f"per-byte cost {hi} / {lo} tokens: digest {per_byte('digest_s'):.2f}, statistics "
+              f"{per_byte('stats_s'):.2f}, statistics before {per_byte('stats_before_s'):.2f}  (1.0 = linear)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
