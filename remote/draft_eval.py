@@ -54,6 +54,8 @@ SPEC = Spec("draft_eval", {
     "prompts": Arg("int", 8, min=1, doc="held-out rows to send"),
     "max_tokens": Arg("int", 32, min=1, doc="tokens to generate per prompt"),
     "baseline": Arg("bool", False, doc="also serve the prompts without the draft (a second server start)"),
+    "force": Arg("bool", False, doc="serve a draft whose config does not fit the states anyway (each misfit a warn): "
+                                    "to measure what the mismatch costs"),
     "name": Arg("str", doc="the eval's dir under <work_dir>/evals (default: draft and time)"),
     "python": RUN_ARGS["python"], "device": RUN_ARGS["device"], "env": RUN_ARGS["env"], "tp": RUN_ARGS["tp"],
     "trust_remote_code": RUN_ARGS["trust_remote_code"],
@@ -258,7 +260,11 @@ def evaluate(params: dict) -> dict:
     target = modelconfig.read(plan.model_path)
     records = check_config(draft, plan, target, str(path))
     if any(r["status"] == protocol.FAIL for r in records):
-        return protocol.payload(records, draft=str(path), from_run=from_run)
+        if not params.get("force"):
+            return protocol.payload(records, draft=str(path), from_run=from_run)
+        # --force: served as it is, each misfit kept as a warn beside the acceptance it costs
+        records = [dict(r, status=protocol.WARN, summary=f"forced: {r['summary']}") if r["status"] == protocol.FAIL
+                   else r for r in records]
     doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
     k = int(params.get("k") or _draft_k(draft) or DEFAULT_K)
     prompts, rows = held_out_prompts(params, plan, doc, target)

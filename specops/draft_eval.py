@@ -24,9 +24,9 @@ EVAL_TIMEOUT_S = 3600.0
 
 
 def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int | None = None, prompts: int = 8,
-                max_tokens: int = 32, baseline: bool = False) -> dict:
+                max_tokens: int = 32, baseline: bool = False, force: bool = False) -> dict:
     params = {"work_dir": host.spec.work_dir, "draft": draft, "prompts": int(prompts), "max_tokens": int(max_tokens),
-              "baseline": bool(baseline), "python": host.spec.python, "device": host.spec.device,
+              "baseline": bool(baseline), "force": bool(force), "python": host.spec.python, "device": host.spec.device,
               "env": dict(host.spec.env), "tp": host.spec.tp, "trust_remote_code": host.spec.trust_remote_code}
     if from_run:
         params["from_run"] = from_run
@@ -56,7 +56,7 @@ def _whole(name: str, value, low: int, high: int | None = None) -> int | None:
 
 
 def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, from_run: str | None = None,
-             k=None, prompts=8, max_tokens=32, baseline: bool = False,
+             k=None, prompts=8, max_tokens=32, baseline: bool = False, force: bool = False,
              accept_new_host_key: bool = False) -> list[HostReport]:
     """Evaluate ``draft`` (a train run id or a checkpoint dir on the host) on every selected host."""
     if not draft:
@@ -66,6 +66,7 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
 
         check_run_id(from_run)
     options = {"from_run": from_run, "k": _whole("k", k, 1, 16), "prompts": _whole("prompts", prompts, 1) or 8,
-               "max_tokens": _whole("max-tokens", max_tokens, 1) or 32, "baseline": bool(baseline)}
+               "max_tokens": _whole("max-tokens", max_tokens, 1) or 32, "baseline": bool(baseline),
+               "force": bool(force)}
     return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
                         accept_new_host_key=accept_new_host_key)

@@ -310,17 +310,20 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
                  "k": "num_speculative_tokens (default: the draft config's, else 3)",
                  "prompts": "held-out dataset rows to send (after the rows the extraction read)",
                  "max-tokens": "tokens to generate per prompt",
-                 "baseline": "also serve the prompts without the draft: tokens/s of both (a second server start)"})
-def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False):
+                 "baseline": "also serve the prompts without the draft: tokens/s of both (a second server start)",
+                 "force": "serve a draft whose config does not fit the states anyway (each misfit a warn), to "
+                          "measure what the mismatch costs"})
+def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False, force=False):
     """Serve the target with a draft (eagle3) on held-out prompts; acceptance from vLLM's own metrics."""
     from specops.draft_eval import evaluate
 
     return evaluate(target.inventory, target.selector, draft=draft, from_run=from_run, k=k, prompts=prompts,
-                    max_tokens=max_tokens, baseline=baseline, accept_new_host_key=target.accept_new_host_key)
+                    max_tokens=max_tokens, baseline=baseline, force=force,
+                    accept_new_host_key=target.accept_new_host_key)
 
 
 _long_only(train, "from-run", "dry-run")
-_long_only(eval_, "from-run", "max-tokens", "baseline")
+_long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 
 @task(help={"name": "test host name (several can run side by side; default: 'default' for the seed stack, "

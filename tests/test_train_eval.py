@@ -281,9 +281,21 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
         assert recs["eval.draft_layer_ids"]["status"] == "ok"
         assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
         results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
+    # forced, the off-by-one copy is served anyway: each misfit a warn, and the acceptance it costs
+    forced = specops("eval", "--inventory", inv, "--draft", shifted, "--from-run", run["run_id"], "-k", 3, "--force",
+                     "--json", env=env)
+    assert forced.returncode == 0, forced.stdout[-4000:] + forced.stderr[-4000:]
+    recs = records(forced)
+    assert recs["eval.draft_layer_ids"]["status"] == "warn" and recs["eval.draft_layer_ids"]["summary"].startswith(
+        "forced: "), recs["eval.draft_layer_ids"]
+    results["shifted"] = recs["eval.acceptance"]["detail"]
     trained, chance = results["draft"], results["untrained"]
     print(f"\ntrain (abort after step {aborted_at} at {t_abort:.0f}s, resume from {resumed_from}): {t_train:.0f}s, "
           f"{st['tokens_per_s']} tok/s; eval trained: {trained}; untrained: {chance}")
     assert trained["draft_tokens"] > 0 and chance["draft_tokens"] > 0
     assert trained["accepted"] > chance["accepted"], (trained, chance)
+    # forced, it is measured like any draft (on this tiny random Llama neighbouring layers differ little, so
+    # the ids off by one cost little: 22 vs 24 of ~680 once; the refusal above is what protects a real model)
+    assert results["shifted"]["draft_tokens"] > 0, results["shifted"]
+    print(f"forced off-by-one: {results['shifted']}")
     assert trained["mean_acceptance_length"] > chance["mean_acceptance_length"]
