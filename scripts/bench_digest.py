@@ -5,7 +5,7 @@ its per-layer statistics (``remote.sampleread.digest_hs_file``). On the H200 the
 the limit of the run, and its cost per byte grew with the sample's length (a 2048-token
 file cost 3x per byte what a 1024-token one did). This prints, per core (one torch thread),
 for files of the ``llama_wide`` shape (4 layers x hidden 4096, bf16: 32 MB per 1024 tokens),
-measured side by side in one run, best of ``--repeat``:
+measured side by side in one run (interleaved), best of ``--repeat``:
 
 * the whole digest (``digest_hs_file``), its sha256 alone, its statistics alone;
 * the statistics as they were computed before (one float32 copy of the whole layer, then
@@ -15,6 +15,9 @@ measured side by side in one run, best of ``--repeat``:
 Run on the test host's modern env (torch and safetensors; brought up here when missing)::
 
     .venv/bin/python scripts/bench_digest.py [--repeat 5] [--tokens 1024,4096] [--hidden 4096] [--layers 4]
+    python3 scripts/bench_digest.py --here     # a python with torch and safetensors (a GPU host's)
+
+With ``blake3`` importable (every host with vLLM has it), its one-thread GB/s is printed beside sha256's.
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ def stats_before(x):
     f = x.float().reshape(-1)
     return float(f.sum()), float(torch.dot(f, f)), [float(v) for v in torch.aminmax(f)]
 
-def best(fn):
-    times = []
+def best_of(fns):
+    # each of fns (name -> callable) `repeat` times, interleaved (a noisy box slows them alike); the best
+    times = {name: [] for name in fns}
     for _ in range(args["repeat"]):
-        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
-    return min(times)
+        for name, fn in fns.items():
+            t = time.perf_counter(); fn(); times[name].append(time.perf_counter() - t)
+    return {name: min(ts) for name, ts in times.items()}
 
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
@@ -59,11 +64,16 @@ with tempfile.TemporaryDirectory() as tmp:
         raw = open(path, "rb").read()  # the page cache holds it, as it does a file the connector just wrote
         size = len(raw)
         cols = [states[:, j] for j in layer_ids]
-        row = {"bytes": size,
-               "digest_s": best(lambda: sampleread.digest_hs_file(path, layer_ids, layer_ids)),
-               "sha256_s": best(lambda: hashlib.sha256(raw).hexdigest()),
-               "stats_s": best(lambda: [sampleread.layer_partial(c) for c in cols]),
-               "stats_before_s": best(lambda: [stats_before(c) for c in cols])}
+        fns = {"digest_s": lambda: sampleread.digest_hs_file(path, layer_ids, layer_ids),
+               "sha256_s": lambda: hashlib.sha256(raw).hexdigest(),
+               "stats_s": lambda: [sampleread.layer_partial(c) for c in cols],
+               "stats_before_s": lambda: [stats_before(c) for c in cols]}
+        try:  # the hash every vLLM host has (a vLLM dependency): one thread, as a digest worker would run it
+            import blake3
+            fns["blake3_s"] = lambda: blake3.blake3(raw).hexdigest()
+        except ImportError:
+            pass
+        row = {"bytes": size, **best_of(fns)}
         out[tokens] = row
 print(json.dumps(out))
 """
@@ -81,12 +91,15 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,4096")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--here", action="store_true",
+                        help="measure in this python (it has torch and safetensors), not the test host's env")
     args = parser.parse_args()
     spec = {"repeat": args.repeat, "tokens": [int(t) for t in args.tokens.split(",")], "hidden": args.hidden,
             "layers": args.layers}
-    python = host_python()
+    python = sys.executable if args.here else host_python()
     proc = subprocess.run([python, "-c", MEASURE, json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
         return 1
@@ -98,7 +111,8 @@ def main() -> int:
     for tokens, row in rows.items():
         print(f"{tokens:5d} tokens ({row['bytes'] / 1e6:6.1f} MB): digest {gbps(row, 'digest_s'):5.2f} GB/s  "
               f"(sha256 {gbps(row, 'sha256_s'):5.2f}, statistics {gbps(row, 'stats_s'):5.2f}; "
-              f"statistics before {gbps(row, 'stats_before_s'):5.2f} GB/s)")
+              f"statistics before {gbps(row, 'stats_before_s'):5.2f} GB/s)"
+              + (f"; blake3 {gbps(row, 'blake3_s'):5.2f} GB/s" if "blake3_s" in row else ""))
     for tokens, row in rows.items():
         print(f"ratio statistics now / before, {tokens} tokens:        {row['stats_before_s'] / row['stats_s']:.2f}x")
     lo, hi = min(rows), max(rows)

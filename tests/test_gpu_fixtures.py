@@ -463,3 +463,20 @@ def test_round5_canary_and_the_bounded_references_pass_on_the_gpu(name):
     memory = layer["verify.reference"]["detail"]["memory"]
     assert memory["peak_rss_bytes"] < memory["whole_model_fp32_bytes"] / 1.5, memory
     assert model in layer["verify.reference"]["summary"]
+
+
+def test_the_digest_on_the_h200_hosts_cpu_is_linear_and_blake3_outruns_sha256():
+    """``scripts/bench_digest.py --here`` on the H200 host (Intel Xeon, AVX-512/AMX): the block-wise statistics cost
+    the same per byte at 4096 tokens as at 1024, the old whole-layer pass did not; blake3 (vLLM's own dependency)
+    hashes ~3x faster than sha256 on one core, the case for it as the manifest's hash (issue 25)."""
+    import re
+
+    text = read("bench/digest-h200.txt")
+    assert "Intel(R) Xeon(R)" in text
+    rows = {int(t): dict(zip(("digest", "sha256", "stats", "before", "blake3"), map(float, vals)))
+            for t, *vals in re.findall(r"(\d+) tokens .*?digest +([\d.]+) GB/s +\(sha256 +([\d.]+), statistics +([\d.]+);"
+                                       r" statistics before +([\d.]+) GB/s\); blake3 +([\d.]+)", text)}
+    assert sorted(rows) == [1024, 2048, 4096]
+    assert rows[4096]["stats"] >= 0.9 * rows[1024]["stats"]      # linear now
+    assert rows[4096]["before"] < 0.5 * rows[1024]["before"]     # it was not
+    assert all(r["blake3"] > 3 * r["sha256"] for r in rows.values())
