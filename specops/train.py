@@ -17,6 +17,8 @@ from its last epoch checkpoint (speculators resumes from its save path).
 """
 from __future__ import annotations
 
+import time
+
 from specops import jobs
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
@@ -25,6 +27,10 @@ from specops.inventory import Inventory
 from specops.parallel import report_from_payload, run_on_hosts
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunState
+
+
+#: at most one progress line a host this often (seconds), besides one per state or epoch change
+PROGRESS_EVERY_S = 5.0
 
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
@@ -110,14 +116,20 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     if not as_json:
         print_reports(reports)
         console.print(f"Following train run [bold]{run_id}[/] on {', '.join(started)} (Ctrl-C detaches)")
-    shown: dict[str, str] = {}
+    shown: dict[str, tuple] = {}
 
     def on_event(name: str, event: dict) -> None:
-        if event["event"] == "status" and not as_json:
-            line = progress_line(name, event["status"])
-            if line != shown.get(name):
-                shown[name] = line
-                err_console.print(line)
+        # a line when the state or epoch changes, else at most every PROGRESS_EVERY_S: a run of 10k steps
+        # would otherwise print 10k lines
+        if event["event"] != "status" or as_json:
+            return
+        st = event["status"]
+        line, phase, now = progress_line(name, st), (st.get("state"), st.get("epoch")), time.monotonic()
+        last = shown.get(name)
+        if last is None or (phase != last[1] and line != last[0]) or (now - last[2] >= PROGRESS_EVERY_S
+                                                                     and line != last[0]):
+            shown[name] = (line, phase, now)
+            err_console.print(line)
 
     try:
         final = jobs.follow_runs([hosts[n] for n in started], run_id, on_event)
