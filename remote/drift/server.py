@@ -278,6 +278,16 @@ def connector_module(connector: tuple, index: PackageIndex | None = None) -> str
     return module
 
 
+def installed_connector_chain(connector: tuple) -> tuple[str | None, list]:
+    """``(module, class chain)`` of a connector ``(class name, module or None)`` as this python has it (a name
+    without a module is looked up in the installed vLLM's connector factory); ``[]`` when it is not found."""
+    name, module = connector
+    if module is None:
+        root = site_packages({})[1]
+        module = connector_module(connector, PackageIndex(root) if root else None)
+    return module, class_chain(module, name) if module else []
+
+
 def registered_connectors(index: PackageIndex) -> dict:
     """``{name: (module, class)}`` of ``KVConnectorFactory.register_connector(...)`` calls in the factory."""
     tree, _ = index.tree(CONNECTOR_FACTORY)

@@ -98,15 +98,9 @@ REFUSED_FLAGS = ("--enable-prefix-caching",)
 def installed_verdict(connector: tuple) -> dict:
     """:func:`when_it_writes` for the connector ``(class name, module or None)`` as installed
     (a name without a module is looked up in vLLM's connector factory)."""
-    from remote.drift.pyindex import PackageIndex
-    from remote.drift.server import class_chain, connector_module
-    from remote.drift.source import site_packages
+    from remote.drift.server import installed_connector_chain
 
-    name, module = connector
-    if module is None:
-        root = site_packages({})[1]
-        module = connector_module(connector, PackageIndex(root) if root else None)
-    return when_it_writes(class_chain(module, name) if module else [])
+    return when_it_writes(installed_connector_chain(connector)[1])
 
 
 def resolve(asked, verdict: dict) -> dict:

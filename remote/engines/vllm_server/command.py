@@ -129,16 +129,12 @@ def connector_options(connector: tuple[str, str | None], given: dict) -> dict:
     """
     import ast
 
-    from remote.drift.pyindex import PackageIndex
-    from remote.drift.server import class_chain, connector_module
-    from remote.drift.source import site_packages
+    from remote.drift.server import installed_connector_chain
 
-    name, module = connector
-    if module is None:  # registered in vLLM's factory by name
-        vllm_root = site_packages({})[1]
-        module = connector_module(connector, PackageIndex(vllm_root) if vllm_root else None)
+    name = connector[0]
+    module, chain = installed_connector_chain(connector)
     options, read_from = {}, []
-    for path, cls in class_chain(module, name) if module else []:
+    for path, cls in chain:
         for node in ast.walk(cls):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == EXTRA_CONFIG_READER and node.args

@@ -62,11 +62,13 @@ class VllmServerEngine(Engine):
         self.logprobs = PromptLogprobs(self.params, work_dir, self.plan.canary_samples)
         self.canary, self._canary_lock = None, threading.Lock()
         #: chunked prefill: on where the installed connector writes once a request is done (chunking.py)
-        self.chunked = self._chunked_prefill()
+        connector = pick_connector(self.params)  # once: the server loads the one its verdict read
+        self.chunked = self._chunked_prefill(connector)
         self.params["chunked_prefill_on"] = self.chunked["on"]
         self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
                                  work_dir=work_dir, max_model_len=self._max_model_len(),
                                  params=self.params, python=self.params.get("python") or sys.executable)
+        self.server.connector = connector
         timeout = float(self.params.get("ready_timeout_s") or 900)
         for attempt in (1, 2):
             self.server.start()
@@ -82,14 +84,14 @@ class VllmServerEngine(Engine):
                 self.server.stop()
                 raise
 
-    def _chunked_prefill(self) -> dict:
+    def _chunked_prefill(self, connector: tuple) -> dict:
         """What the run asked (``chunked_prefill``: auto|on|off) against what the connector this host
         loads allows, read from its source; ``{"on", "asked", "why", "writes_in", "max_num_batched_tokens"}``.
 
         :raises ValueError: ``on`` against a connector that writes every step (naming the field).
         """
         try:
-            verdict = chunking.installed_verdict(pick_connector(self.params))
+            verdict = chunking.installed_verdict(connector)
         except Exception as exc:  # noqa: BLE001 -- unreadable source: the one-shot path, said
             verdict = {"safe": False, "writes_in": [],
                        "why": f"the connector's source could not be read ({type(exc).__name__}: {exc}): "
