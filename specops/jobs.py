@@ -230,7 +230,13 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
         from specops.train import fetch_artifacts
 
         report.records += fetch_artifacts(host, run_dir, dest, status)
-    if tensors:
+        if tensors:
+            report.records.append(_rec("fetch.tensors", "skipped", "a train run has no sample files; its draft's "
+                                       "weights stay on the host, where eval serves them",
+                                       {"checkpoints": status.get("checkpoints")},
+                                       fix=f"copy {status.get('checkpoints')}/checkpoint_best with scp or rsync to "
+                                           f"take the draft elsewhere"))
+    elif tensors:
         report.records.append(fetch_tensors(host, dest))
     return report
 

@@ -221,7 +221,11 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     metrics = Path(env["SPECOPS_RUNS"]) / "th" / "draft" / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert steps[-1] == st["steps_total"] - 1 and sorted(set(steps)) == list(range(steps[-1] + 1)), steps
-    # fetch brought the metrics as CSV, the curve as a PNG and the best checkpoint's config
+    # fetch brought the metrics as CSV, the curve as a PNG and the best checkpoint's config; --tensors says the
+    # draft's weights stay on the host (a train run has no sample files)
+    again = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert records(again)["fetch.tensors"]["status"] == "skipped", records(again)
     fetched = records(resumed)
     assert fetched["fetch.metrics"]["status"] == "ok" and "curve.png" in fetched["fetch.metrics"]["summary"]
     assert (metrics.parent / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
