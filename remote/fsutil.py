@@ -77,6 +77,14 @@ def write_json(path, obj, mode: int | None = None, temp_prefix: str | None = Non
     return atomic_write(path, text, mode=mode, temp_prefix=temp_prefix)
 
 
+def read_json_quietly(path):
+    """A JSON file's document, None when it is missing or not JSON (a status read while it is replaced)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

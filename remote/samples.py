@@ -36,7 +36,7 @@ from pathlib import Path
 
 from remote import contract, fsutil, manifest, versions
 from remote.contract import HS, MANIFEST, PT, SUMMARY, sample_name
-from remote.fsutil import sha256_file
+from remote.fsutil import read_json_quietly, sha256_file
 # layer_partial too: scripts and benchmarks read it as samples.layer_partial
 from remote.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
 
@@ -374,13 +374,6 @@ def publish_token_dataset(output_dir, token_samples, sample_range, dataset_sha25
     finally:
         _unlink_quietly(lock)
     return {"files": names, "written": True, "writer": tag}
-
-
-def read_json_quietly(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def manifest_entries(output_dir) -> dict:

@@ -14,12 +14,11 @@ and exits with that step's code.
 """
 from __future__ import annotations
 
-import json
 import time
 
 from invoke import Exit
 
-from specops.assets import remote_contract
+from specops.assets import remote_contract, remote_fsutil
 from specops.exit_codes import ExitCode
 from specops.jobs import local_runs_root
 from specops.inventory import load_inventory
@@ -79,8 +78,5 @@ DEMO_EPOCHS = 10
 
 def _engine_of(host: str, run_id: str) -> str | None:
     """The engine that wrote ``run_id`` on ``host``, from its fetched manifest."""
-    try:
-        doc = json.loads((local_runs_root() / host / run_id / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return None
+    doc = remote_fsutil().read_json_quietly(local_runs_root() / host / run_id / "manifest.json")
     return (doc.get("engine") or {}).get("name") if isinstance(doc, dict) else None

@@ -225,7 +225,7 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
                                                             "state": state.state})
     report.records.append(_rec("fetch.run", "ok", f"{len(fetched)} file(s) of run {run_id} in {dest}",
                                {"files": fetched}))
-    status = _read_json(dest / remote_contract().STATUS_FILE)
+    status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
     if status.get("kind") == "train":  # a draft's training run: its metrics, curve and best checkpoint
         from specops.train import fetch_artifacts
 
@@ -239,14 +239,6 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     elif tensors:
         report.records.append(fetch_tensors(host, dest))
     return report
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def fetch_tensors(host: Host, dest: Path):

@@ -140,7 +140,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                           f"status: specops status --run-id {run_id}")
         return ExitCode.JOB_RUNNING
     fetched = run_on_hosts(inventory, ",".join(started), "fetch",
-                           lambda h: fetch_step(hosts[h.name], run_id))
+                           lambda h: jobs.fetch_run(hosts[h.name], run_id))  # calls fetch_artifacts
     codes = []
     starts = {r.host: r for r in reports}
     for report in fetched:
@@ -156,13 +156,6 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         codes.append(result.exit_code)
     print_reports(fetched, as_json=as_json)
     return max(codes + [r.exit_code for r in fetched], default=ExitCode.SUCCESS)
-
-
-def fetch_step(host: Host, run_id: str) -> HostReport:
-    """The run's status, params, logs and metrics (``metrics.jsonl``, ``metrics.csv``, ``curve.png``) and its
-    best checkpoint's config into ``runs/<host>/<run-id>/`` (:func:`specops.jobs.fetch_run`, which calls
-    :func:`fetch_artifacts` for a train run)."""
-    return jobs.fetch_run(host, run_id)
 
 
 #: what a train run's fetch writes beside ``metrics.jsonl``
@@ -233,8 +226,8 @@ def draw_curve(rows: list[dict], path, title: str) -> str | None:
     loss_ax.set_yscale("log")
     loss_ax.set_title(title)
     for pos in range(max(len(r.get("accuracy") or []) for r in train)):
-        acc_ax.plot(steps, [(r.get("accuracy") or [None] * (pos + 1))[pos] if len(r.get("accuracy") or []) > pos
-                            else None for r in train], label=f"position {pos}")
+        series = [r.get("accuracy") or [] for r in train]
+        acc_ax.plot(steps, [acc[pos] if len(acc) > pos else None for acc in series], label=f"position {pos}")
     acc_ax.set_ylabel("accuracy")
     acc_ax.set_xlabel("step")
     acc_ax.legend(loc="lower right")

@@ -144,3 +144,19 @@ def test_preflight_says_on_refuses_a_one_step_budget_below_seq_len_and_passes_of
     assert "max_num_batched_tokens 2048 is below a 4096-token sample and chunked prefill is off" in short["summary"]
     assert "raise max_num_batched_tokens to 4097" in short["fix"]
     assert roomy["status"] == "ok" and not roomy["detail"]["on"] and "off, as asked" in roomy["summary"], roomy
+
+
+def test_preflight_refuses_prefix_caching_in_server_args_with_the_fix(modern_hostenv_python):
+    import json
+    import subprocess
+
+    code = ("import json; from remote.drift import server; from remote.drift.pyindex import PackageIndex; "
+            "from remote.drift.source import site_packages; "
+            "print(json.dumps(server.server_args_record(PackageIndex(site_packages({})[1]), "
+            "{'server_args': ['--enable-prefix-caching']})))")
+    out = subprocess.run([str(modern_hostenv_python), "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["status"] == "fail" and "--enable-prefix-caching would make the extracted files wrong" in \
+        record["summary"], record
+    assert record["fix"] == "drop --enable-prefix-caching from the run's server_args"

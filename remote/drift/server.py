@@ -491,10 +491,11 @@ def server_args_record(index: PackageIndex, params: dict):
             problems.append(f"this vLLM's server takes no --{', --'.join(u.replace('_', '-') for u in unknown)} "
                             f"(not a field of {', '.join(c.name for c in classes)})")
     note = " (deprecated there, still runs)" if detail.get("deprecated") else ""
+    fix = (f"drop {' '.join(refused)} from the run's server_args" if refused else
+           "update remote/engines/vllm_server/command.py's server_command (or server_args) to this "
+           "vLLM's flags, or install the vLLM it was written for")
     return _record("drift.server-args", problems, f"`python -m {module}`{note} takes all {len(fields)} flags "
-                   f"the engine passes", detail,
-                   "update remote/engines/vllm_server/command.py's server_command (or server_args) to this "
-                   "vLLM's flags, or install the vLLM it was written for")
+                   f"the engine passes", detail, fix)
 
 
 def chunking_record(index: PackageIndex, params: dict):
