@@ -41,7 +41,9 @@ default. The checked dict is a :class:`Params`, which also knows the keys the ca
 actually sent (a run records those, not the defaults).
 
 **Test hooks.** Parameters only tests (and benchmarks) send are declared like any other,
-with ``hook=True``, so a misspelt one is refused too and :func:`hooks` lists them all:
+with ``hook=True``, so a misspelt one is refused too and :func:`hooks` lists them all. The
+fault points they arm are named in :mod:`remote.faults`; what an armed one does lives in
+``remote/dev/faults.py``, which no wheel holds:
 
 ``inject_failure`` (job; ``{"rank", "at": load|extract, "message"}``)
     the engine raises there, to prove a failure's root cause
@@ -52,7 +54,8 @@ with ``hook=True``, so a misspelt one is refused too and :func:`hooks` lists the
 ``inject_failure_after``, ``hold_lock_s`` (patcher, drift)
     fail after writing this many files (proves the rollback); keep the lock this long.
 ``plain`` (job)
-    the vLLM server without extraction: the benchmarks' baseline.
+    the vLLM server without extraction: the benchmarks' baseline (eval's baseline server
+    passes it in-process, :mod:`remote.draft_eval`).
 ``cli`` (facts)
     echoed back in ``data.received``: the wire carries any value intact.
 ``_python_min`` (any task; read by the entry preamble, not by a task)

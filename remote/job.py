@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from remote import protocol, runplan, samples, signals
+from remote import faults, protocol, runplan, samples, signals
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
@@ -213,10 +213,7 @@ def _spawn(run_dir: Path, params: dict) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bundle, env.get("PYTHONPATH", "")) if p)
     env["SPECOPS_RUN_DIR"] = str(run_dir)
     env["PYTHONUNBUFFERED"] = "1"
-    if params.get("inject_failure"):  # a test hook (remote/argspec.py)
-        env["SPECOPS_INJECT_FAILURE"] = json.dumps(params["inject_failure"])
-    else:
-        env.pop("SPECOPS_INJECT_FAILURE", None)
+    faults.job_env(params, env)
     python = params.get("python") or sys.executable
     with open(run_dir / "logs" / "supervisor.log", "ab") as log:
         try:

@@ -42,7 +42,7 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import fsutil, modelconfig, runplan, samples
+from remote import faults, fsutil, modelconfig, runplan, samples
 from remote import manifest as run_manifest
 from remote.contract import RunState, param
 from remote.dataset import load_token_samples
@@ -282,8 +282,7 @@ class Supervisor:
         self.engine_info = self.engine.describe()
 
         batch_size = max(1, int(param(p, "batch_size")))
-        # test knob: a pause after each batch widens the mid-run window (a param, or the job's env)
-        delay = float(p.get("batch_delay_s") or os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
+        delay = faults.batch_delay_s(p)  # a test's pause after each batch widens the mid-run window
         progress = {"done": done, "tokens_done": tokens_before, "run_tokens": 0}
         loop_t0 = time.monotonic()
         samples_total = self.status.data["samples_total"]

@@ -19,6 +19,10 @@ BUNDLE_DIRS = ("remote", "patches")
 #: no host gets them (tests and scripts run them from the checkout); pyproject.toml keeps
 #: them out of the wheel too.
 DEV_ONLY = ("remote/dev",)
+#: ...but for what an armed test hook does (``remote/faults.py``): tests arm hooks on their
+#: hosts, so a bundle built from a checkout carries it. The wheel has no ``remote/dev`` at all,
+#: so an installed program's hosts never get it.
+DEV_TRAVELS = ("remote/dev/__init__.py", "remote/dev/faults.py")
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # zip needs a date; a fixed one keeps bytes stable
 
@@ -37,8 +41,9 @@ class Bundle:
 
 
 def is_dev_only(rel: str) -> bool:
-    """Whether the repo path ``rel`` (posix, relative to the root) lies under :data:`DEV_ONLY`."""
-    return any(rel == d or rel.startswith(d + "/") for d in DEV_ONLY)
+    """Whether the repo path ``rel`` (posix, relative to the root) lies under :data:`DEV_ONLY`
+    and stays off hosts (not one of :data:`DEV_TRAVELS`)."""
+    return rel not in DEV_TRAVELS and any(rel == d or rel.startswith(d + "/") for d in DEV_ONLY)
 
 
 def build_bundle(root: Path | None = None, dirs: tuple[str, ...] = BUNDLE_DIRS) -> Bundle:

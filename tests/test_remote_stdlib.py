@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
-from specops.bundle import DEV_ONLY, build_bundle
+from specops.bundle import DEV_ONLY, DEV_TRAVELS, build_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +78,8 @@ def test_the_walk_catches_a_module_that_imports_an_installed_package(hostenv_pyt
 
 
 def test_the_bundle_leaves_the_development_tools_in_the_checkout(tmp_path):
-    """``remote/dev`` (tests' and scripts' tools) is in the checkout and in no bundle a host gets."""
+    """``remote/dev`` (tests' and scripts' tools) is in the checkout and in no bundle a host gets,
+    but for the test hooks' behaviour."""
     assert DEV_ONLY == ("remote/dev",)
     dev = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "remote" / "dev").rglob("*.py"))
     assert {"remote/dev/smoke_generator.py", "remote/dev/server_run.py", "remote/dev/bench_prefill.py"} <= set(dev)
@@ -84,7 +87,8 @@ def test_the_bundle_leaves_the_development_tools_in_the_checkout(tmp_path):
     with zipfile.ZipFile(io.BytesIO(bundle.data)) as zf:
         names = zf.namelist()
     assert names == list(bundle.files)
-    assert [n for n in names if n.startswith("remote/dev")] == []
+    # of remote/dev only what an armed test hook does travels (remote/faults.py); the tools stay
+    assert [n for n in names if n.startswith("remote/dev")] == list(DEV_TRAVELS)
     assert "remote/tinymodel.py" in names and "remote/protocol.py" in names
     # a file added under remote/dev changes nothing a host gets
     root = tmp_path / "tree"
@@ -94,3 +98,25 @@ def test_the_bundle_leaves_the_development_tools_in_the_checkout(tmp_path):
     before = build_bundle(root)
     (root / "remote" / "dev" / "new_tool.py").write_text("print('dev only')\n")
     assert build_bundle(root).digest == before.digest
+
+
+def test_an_armed_test_hook_without_its_behaviour_is_refused_by_name(tmp_path):
+    """A host task sent by an installed program (no ``remote/dev``) refuses an armed hook
+    instead of ignoring it; unarmed, every fault point is a no-op there."""
+    root = tmp_path / "tree"
+    for rel in ["remote/__init__.py", "remote/faults.py"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes((REPO / rel).read_bytes())
+    script = ("from remote import faults\n"
+              "faults.engine_step({}, 'load'); faults.file_written(3, None); faults.lock_held(0)\n"
+              "assert faults.batch_delay_s({}) == 0\n"
+              "faults.engine_step({'inject_failure': {'at': 'load'}}, 'load')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPECOPS_BATCH_DELAY_S")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "RuntimeError: a test hook is armed, but this program's bundle has no remote/dev/faults.py" in proc.stderr
+    # from the checkout the same call raises where the hook said
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert "InjectedFailure: injected failure at load on rank 0" in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""Developer tools kept in the checkout: no task of ``specops``, in no wheel and no bundle.
+"""Developer tools kept in the checkout: no task of ``specops``, in no wheel, in no bundle but one.
 
 ``smoke_generator`` proves a patch set on the real speculators generator against HF and
 vLLM references; ``bench_prefill`` times vLLM's own prefill as the baseline of
@@ -8,4 +8,7 @@ token ids and leaves a run dir ``specops verify`` reads. All start vLLM, so they
 working directory (or on ``PYTHONPATH``): the tests and scripts that use them run where the
 checkout is. ``specops/bundle.py`` (``DEV_ONLY``) and ``pyproject.toml`` keep them off hosts
 and out of installs; nothing under ``remote/`` imports them.
+
+One exception travels: ``faults`` (what an armed test hook does, :mod:`remote.faults`) is in
+every bundle built from a checkout, so tests reach it on their hosts; it is in no wheel.
 """

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 
 from remote.contract import HF_REFERENCE, SPECULATORS_03, VLLM_SERVER
-from remote import contract
+from remote import contract, faults
 
 #: engine name -> "module:Class" (module relative to this package).
 ENGINES = {
@@ -97,10 +97,6 @@ def engine_class(name: str):
     return getattr(module, cls_name)
 
 
-class InjectedFailure(RuntimeError):
-    """Raised on purpose by the ``inject_failure`` test hook (never in a real run)."""
-
-
 class Engine:
     """Base of the plugs: keeps the arguments and defines the life cycle.
 
@@ -166,7 +162,5 @@ class Engine:
         return None
 
     def _maybe_inject(self, at: str, rank: int = 0) -> None:
-        """Test hook for in-process engines: raise where ``params["inject_failure"]`` says."""
-        spec = self.params.get("inject_failure") or {}
-        if spec and spec.get("at") == at and int(spec.get("rank", 0)) == rank:
-            raise InjectedFailure(spec.get("message") or f"injected failure at {at} on rank {rank}")
+        """An in-process engine's fault point (``inject_failure``, :mod:`remote.faults`)."""
+        faults.engine_step(self.params, at, rank)

@@ -25,13 +25,12 @@ checked to come back whole (same token ids, one row per token).
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 
 from remote.contract import SPECULATORS_03
-from remote import cpu, modelconfig
+from remote import cpu, faults, modelconfig
 
 from . import Engine
 
@@ -46,9 +45,7 @@ class SpeculatorsV03Engine(Engine):
     def load(self) -> None:
         from remote.engines import vllm_worker_hook
 
-        spec = self.params.get("inject_failure")
-        if spec:
-            os.environ[vllm_worker_hook.ENV_INJECT] = json.dumps(spec)
+        faults.job_env(self.params, os.environ)  # its ranks read it (a run outside a job too)
         vllm_worker_hook.install()
         self.watch = WorkerWatch.install()
         if str(self.params.get("device") or "").lower() == "cpu":

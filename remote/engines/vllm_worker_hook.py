@@ -19,15 +19,13 @@ runs :func:`worker_main`, which, before handing over to vLLM's own ``worker_main
 * records the first exception this rank logs through vLLM's worker logger, or lets
   escape, as ``<run_dir>/errors/rank<k>.json`` (rank, type, message, traceback, time),
   which the supervisor reads to report the root cause instead of the generic message;
-* applies the ``inject_failure`` test hook when it targets this rank: ``load`` and
-  ``extract`` raise ``InjectedFailure`` inside vLLM's worker code path.
+* passes the rank to its fault point (:mod:`remote.faults`: a test's ``inject_failure``).
 
 Stdlib only at import: this module is imported in every worker before vLLM runs.
 """
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -35,10 +33,9 @@ import sys
 import time
 import traceback
 
-from remote import fsutil
+from remote import faults, fsutil
 
 ENV_RUN_DIR = "SPECOPS_RUN_DIR"
-ENV_INJECT = "SPECOPS_INJECT_FAILURE"
 #: vLLM's logger that reports worker exceptions ("WorkerProc hit an exception." ...).
 WORKER_LOGGER = "vllm.v1.executor.multiproc_executor"
 
@@ -69,7 +66,7 @@ def worker_main(*args, **kwargs):
         logging.getLogger(WORKER_LOGGER).addHandler(handler)
     else:
         recorder = None
-    _apply_injection(rank)
+    faults.rank_starts(rank)  # a test's inject_failure for this rank (remote/faults.py)
     original = _original_worker_main
     if original is None:
         from vllm.v1.executor import multiproc_executor as mpe
@@ -149,28 +146,3 @@ def _redirect_output(path: str) -> None:
     # root_cause reads who this is from here when the process dies before its parent saw it
     print(f"[specops] rank log of pid {os.getpid()} ({multiprocessing.current_process().name}) started "
           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", flush=True)
-
-
-def _apply_injection(rank: int) -> None:
-    """The ``inject_failure`` test hook: make this rank raise inside vLLM's own code path."""
-    raw = os.environ.get(ENV_INJECT)
-    if not raw:
-        return
-    spec = json.loads(raw)
-    if int(spec.get("rank", 0)) != rank:
-        return
-    from remote.engines import InjectedFailure
-    from vllm.v1.worker.worker_base import WorkerWrapperBase
-
-    message = spec.get("message") or f"injected failure at {spec.get('at')} on rank {rank}"
-
-    def fail(self, *args, **kwargs):
-        raise InjectedFailure(message)
-
-    if spec.get("at") == "load":
-        # WorkerProc.__init__ calls wrapper.load_model(); normally delegated via __getattr__.
-        WorkerWrapperBase.load_model = fail
-    elif spec.get("at") == "extract":
-        WorkerWrapperBase.execute_model = fail
-    else:  # a rank's hard death (a signal) is tested by sending it one: tests/test_signals.py
-        raise ValueError(f"inject_failure.at must be 'load' or 'extract', got {spec.get('at')!r}")

@@ -11,7 +11,7 @@ is needed at all)::
     {"action": "check" | "apply" | "revert" | "status",
      "patches_root": "<dir>",        # default: <_bundle_dir>/patches
      "site_packages": "<dir>",       # default: where speculators is installed
-     "inject_failure_after": 1,      # test hook: fail after writing this many files
+     "inject_failure_after": 1,      # test hooks (remote/faults.py): fail after writing this many files
      "hold_lock_s": 5}               # test hook: keep the lock this long after the action
 
 Guarantees, in the spirit of Ansible's file modules:
@@ -50,10 +50,9 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
-from remote import patchsets, protocol, versions
+from remote import faults, patchsets, protocol, versions
 from remote.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
 from remote.fsutil import atomic_write, sha256_bytes
 # The names below are the patcher's public surface: callers and tests use them as
@@ -61,7 +60,7 @@ from remote.fsutil import atomic_write, sha256_bytes
 from remote.patcher.hunks import HunkMismatch, apply_hunks, changed_lines, parse_unified_diff, unified_diff
 from remote.patcher.target import (BACKUP_DIR, EARLIER, MISSING, MODIFIED, PATCHED, PRISTINE, PatchError,
                                    Target)
-from remote.patcher.transaction import LOCK_FILE, InjectedFailure, patch_lock
+from remote.patcher.transaction import LOCK_FILE, patch_lock
 from remote.patcher import transaction
 
 #: a run's parameters, the packages to patch and the verb (``specops patch`` sends the drift check the same).
@@ -70,7 +69,7 @@ ACTIONS = PATCH_ARGS["action"].choices
 #: In ``<site>/.specops-backup/<set>/``: the revision applied and the sha256 of each file written.
 APPLIED_FILE = "applied.json"
 
-__all__ = ["ACTIONS", "APPLIED_FILE", "BACKUP_DIR", "EARLIER", "HunkMismatch", "InjectedFailure", "LOCK_FILE",
+__all__ = ["ACTIONS", "APPLIED_FILE", "BACKUP_DIR", "EARLIER", "HunkMismatch", "LOCK_FILE",
            "MISSING", "MODIFIED", "PATCHED", "PRISTINE", "PatchError", "Patcher", "Target", "apply_hunks",
            "changed_lines", "host_versions", "main", "no_patch_record", "parse_unified_diff", "patch_lock",
            "status_records", "unified_diff"]
@@ -337,7 +336,7 @@ def main(params: dict) -> dict:
                 # Re-read the files under the lock: another run may have just finished.
                 patcher.load_targets()
                 records = getattr(patcher, action)()
-                time.sleep(params["hold_lock_s"] or 0)
+                faults.lock_held(params["hold_lock_s"])
     except protocol.TaskError as exc:
         records = [exc.record()]
     return protocol.payload([patcher.set_record()] + records, **data)

@@ -21,17 +21,13 @@ import py_compile
 from contextlib import contextmanager
 from pathlib import Path
 
-from remote import fsutil, protocol
+from remote import faults, fsutil, protocol
 from remote.fsutil import atomic_write, sha256_bytes
 from remote.patcher.hunks import unified_diff
 from remote.patcher.target import EARLIER, PatchError
 
 #: In ``<site-packages>/``: held (``flock``) while apply or revert runs.
 LOCK_FILE = ".specops-patch.lock"
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by ``inject_failure_after`` to prove the rollback (tests only)."""
 
 
 @contextmanager
@@ -80,8 +76,7 @@ def write_files(targets, todo, planned, verb, *, backup, inject_failure_after=No
             for target in todo:
                 _backup(target)
         for target in todo:
-            if inject_failure_after is not None and len(written) >= int(inject_failure_after):
-                raise InjectedFailure(f"injected failure after {len(written)} file(s)")
+            faults.file_written(len(written), inject_failure_after)  # a test's rollback proof
             new = planned[target.rel]
             written.append(target)
             atomic_write(target.path, new, mode=target.mode)
