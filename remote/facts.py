@@ -16,6 +16,7 @@ import sys
 
 from remote import protocol, versions
 from remote.argspec import Arg, Spec
+from remote.probes.host import read_meminfo
 
 SPEC = Spec("facts", {
     # the host's inventory entry as the laptop has it; only these keys are read here, the rest is echoed
@@ -26,13 +27,9 @@ SPEC = Spec("facts", {
 
 def memory_bytes() -> int | None:
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+        return read_meminfo().get("MemTotal")
     except OSError:
-        pass
-    return None
+        return None
 
 
 def gpu_names() -> list[str]:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+from remote import cpu
 from remote.contract import VLLM_SERVER
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import GiB, MiB, Context, human_bytes, nearest_existing
@@ -125,6 +126,12 @@ def parse_meminfo(text: str) -> dict:
     return info
 
 
+def read_meminfo(path: str = "/proc/meminfo") -> dict:
+    """:func:`parse_meminfo` of this machine's; raises ``OSError`` when it cannot be read."""
+    with open(path) as fh:
+        return parse_meminfo(fh.read())
+
+
 def visible_gpus(gpus: list, cuda_visible_devices) -> list:
     """The GPUs a job sees under ``CUDA_VISIBLE_DEVICES`` (indices or UUID prefixes), in its order."""
     if cuda_visible_devices is None:
@@ -190,15 +197,7 @@ def _cpus(ctx):
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = set(cpu.read_cpuinfo()["flags"])
     facts = {"count": os.cpu_count(), "usable": usable,
              "isa": [f for f in CPU_ISA_FLAGS if f in flags]}
     ctx.host["cpus"] = facts
@@ -208,8 +207,7 @@ def _cpus(ctx):
 
 def _ram(ctx):
     try:
-        with open("/proc/meminfo") as fh:
-            info = parse_meminfo(fh.read())
+        info = read_meminfo()
     except OSError as exc:
         ctx.host["ram"] = {}
         return record("host.ram", WARN, f"cannot read /proc/meminfo: {exc}", detail={})
