@@ -167,10 +167,8 @@ def resolve_engine(asked) -> tuple[str, str]:
 
     :raises PlanError: an unknown name, or ``auto`` on a host where no engine fits.
     """
-    from remote.engines import resolve_engine as pick
-
     try:
-        return pick(asked)
+        return contract.resolve_engine(asked)
     except ValueError as exc:
         raise PlanError("engine", str(exc)) from None
 
