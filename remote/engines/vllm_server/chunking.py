@@ -98,7 +98,7 @@ REFUSED_FLAGS = ("--enable-prefix-caching",)
 def installed_verdict(connector: tuple) -> dict:
     """:func:`when_it_writes` for the connector ``(class name, module or None)`` as installed
     (a name without a module is looked up in vLLM's connector factory)."""
-    from remote.drift.server import installed_connector_chain
+    from remote.drift.connector_source import installed_connector_chain
 
     return when_it_writes(installed_connector_chain(connector)[1])
 

@@ -129,7 +129,7 @@ def connector_options(connector: tuple[str, str | None], given: dict) -> dict:
     """
     import ast
 
-    from remote.drift.server import installed_connector_chain
+    from remote.drift.connector_source import installed_connector_chain
 
     name = connector[0]
     module, chain = installed_connector_chain(connector)
