@@ -30,7 +30,7 @@ VLLM_SERVER = remote_contract().VLLM_SERVER
 
 
 def run_demo(inventory_path: str | None, selector: str | None) -> None:
-    from specops.extract import extract
+    from specops.runs.run import extract
     from specops.facts import facts
     from specops.patch import patch
     from specops.preflight import preflight

@@ -62,7 +62,7 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
     if not draft:
         raise UsageError("--draft is required", "pass a train run id (specops train --run-id) or a draft dir on the host")
     if from_run:
-        from specops.extract import check_run_id
+        from specops.runid import check_run_id
 
         check_run_id(from_run)
     options = {"from_run": from_run, "k": _whole("k", k, 1, 16), "prompts": _whole("prompts", prompts, 1) or 8,

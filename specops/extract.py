@@ -1,6 +1,7 @@
-"""``specops extract``: start the TP extraction detached, follow it, bring the proof back.
+"""``specops extract`` on one host: start the TP extraction detached, follow it, bring the proof back.
 
-Steps per host: preflight (stops on a fail unless skipped) -> smoke on a tiny twin of the
+:func:`specops.runs.run.extract` is the command: it opens the run (one host's, or a group's,
+:mod:`specops.runs`) and a host run comes here (:func:`extract_on`). Steps per host: preflight (stops on a fail unless skipped) -> smoke on a tiny twin of the
 model (the CLI runs it by default; stops on a fail) -> start the job detached
 (``remote/job.py``; the same run id re-attaches, never starts twice) -> follow it with a
 progress bar (one remote python streaming status changes over one channel) -> fetch
@@ -10,16 +11,13 @@ closes, the follower on the host exits with it, and the job goes on.
 """
 from __future__ import annotations
 
-import re
-import time
 from pathlib import Path
 from typing import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specops import jobs
-from specops.assets import remote_contract
-from specops.errors import SpecopsError, UsageError
+from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload, run_on_hosts
 from specops.host import Host
@@ -28,41 +26,8 @@ from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunState
 from specops.runs.start import start_job
+from specops.smoke import rehearse
 
-
-
-def default_run_id(model_path: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(model_path.rstrip("/")).name).strip("-.") or "run"
-    return f"{name[:60]}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def check_run_id(run_id: str) -> str:
-    """A run id a user gives: the host's rule, short enough for every suffix a group run appends."""
-    contract = remote_contract()
-    problem = contract.run_id_problem(run_id, contract.USER_RUN_ID_MAX)
-    if problem:
-        raise UsageError(f"--run-id: {problem}",
-                         f"{contract.run_id_fix(contract.USER_RUN_ID_MAX)} (the host takes {contract.RUN_ID_MAX} "
-                         f"and a moved shard appends up to {contract.MOVED_SUFFIX_MAX})")
-    return run_id
-
-
-def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.smoke") -> list[Record]:
-    """Smoke on one host before its real run: the smoke's failures and warnings, then one
-    verdict record called ``name`` (``fail``: the real run must not start there)."""
-    from specops.smoke import smoke_step
-
-    smoked = smoke_step(host, overrides, samples=4, force=force)
-    records = [r for r in smoked.records if r.status in ("fail", "warn")]
-    if smoked.failed:
-        records.append(Record(
-            name=name, status="fail",
-            summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
-            fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
-    else:
-        records.append(Record(name=name, status="ok",
-                              summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
-    return records
 
 
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
@@ -133,27 +98,6 @@ def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str
     connects (Hosts connect lazily), and every step goes over the one connection per host.
     """
     return run_on_hosts(inventory, ",".join(names), task, lambda throwaway: step(hosts[throwaway.name]))
-
-
-def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
-            detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
-            accept_new_host_key: bool = False, skip_smoke: bool = False, shard_by: str | None = None,
-            allow_partial: bool = False, reassign: str | None = None) -> ExitCode:
-    """Run the whole extraction flow; returns the exit code.
-
-    The run is :func:`specops.runs.run.open_run`'s: more than one host (or a run id this
-    laptop knows as a group run, or a group flag) makes one group run, the dataset sharded
-    over the hosts (:mod:`specops.runs`); one host runs the whole dataset as one shard.
-    """
-    from specops.runs.run import open_run
-
-    specs = inventory.select(selector)
-    run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
-    run = open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key,
-                   as_group=len(specs) > 1 or bool(shard_by or allow_partial or reassign))
-    return run.extract(overrides, detach=detach, force=force, skip_preflight=skip_preflight, as_json=as_json,
-                       tensors=tensors, skip_smoke=skip_smoke, shard_by=shard_by, allow_partial=allow_partial,
-                       reassign=reassign)
 
 
 def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,

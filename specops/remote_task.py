@@ -1,7 +1,7 @@
 """The remote-task protocol: render the entry script, bring the bundle, run it, read the result.
 
 ``host.run_task("facts", {})`` runs ``remote.facts.main({})`` in the host's python and
-returns its payload; :class:`RemoteTask` is what does it, over a :class:`~specops.host.Host`'s
+returns its payload; :class:`RemoteTask` is what does it, over a host's (:class:`TaskHost`)
 shell and SFTP (as Fabric's ``Transfer`` works over a ``Connection``):
 
     >>> RemoteTask(host).run("facts", {})["data"]["python"]["version"]
@@ -22,15 +22,30 @@ import shlex
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from specops.assets import remote_protocol
 from specops.bundle import Bundle, build_bundle
 from specops.errors import PythonTooOldError, RemoteError, UnreachableError, UsageError, WorkDirError
 from specops.render import heredoc_command, render_entry
 
-if TYPE_CHECKING:
-    from specops.host import Host
+
+
+class TaskHost(Protocol):
+    """What a task needs of its host (:class:`specops.host.Host` is one): its name and inventory
+    entry, a shell (``run``, ``run_heredoc``), SFTP into the work dir, and the connection for streams."""
+
+    name: str
+    spec: object
+    cxn: object
+    bundle_bytes_sent: int
+
+    def open(self) -> None: ...
+    def run(self, command: str, timeout=None): ...
+    def run_heredoc(self, command: str, script: str, timeout=None): ...
+    def put_in_work_dir(self, data: bytes, path: str) -> None: ...
+    def remote_path(self, path: str) -> str: ...
+    def bundle_dir(self, bundle: Bundle) -> str: ...
 
 _bundle_lock = threading.Lock()
 _bundle_cache: dict[str, Bundle] = {}
@@ -74,7 +89,7 @@ class RemoteTask:
     :param host: the host whose shell, SFTP and inventory entry carry the task.
     """
 
-    def __init__(self, host: "Host"):
+    def __init__(self, host: TaskHost):
         self.host = host
         self.spec = host.spec
 

@@ -16,7 +16,7 @@ the real load:
    message; the traceback in the record's detail);
 4. a finished run is verified (``remote/verify.py``) against a transformers forward.
 
-``smoke_step`` is what ``specops extract`` calls before starting the real run.
+``rehearse`` (a ``smoke_step`` and its verdict) is what ``specops extract`` runs before the real run.
 """
 from __future__ import annotations
 
@@ -124,3 +124,19 @@ def smoke(inventory: Inventory, selector: str | None, overrides: dict | None = N
     return run_on_hosts(inventory, selector, "smoke",
                         lambda h: smoke_step(h, overrides or {}, samples, **options),
                         accept_new_host_key=accept_new_host_key)
+
+
+def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.smoke") -> list[Record]:
+    """Smoke on one host before its real run: the smoke's failures and warnings, then one
+    verdict record called ``name`` (``fail``: the real run must not start there)."""
+    smoked = smoke_step(host, overrides, samples=4, force=force)
+    records = [r for r in smoked.records if r.status in ("fail", "warn")]
+    if smoked.failed:
+        records.append(Record(
+            name=name, status="fail",
+            summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
+            fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
+    else:
+        records.append(Record(name=name, status="ok",
+                              summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
+    return records

@@ -178,7 +178,7 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
                  "skip-preflight": "do not run preflight first",
                  "skip-smoke": "do not rehearse on a tiny twin of the model first",
                  "batch-size": "samples per engine call",
-                 "tensors": "also fetch every sample file at the end (checked by sha256)",
+                 "tensors": "also fetch every sample file at the end (checked by its manifest digest)",
                  "shard-by": "several hosts: size each host's range by capacity (devices / tp, the default), "
                              "equal, or HOST=WEIGHT,...",
                  "allow-partial": "several hosts: start on the hosts that passed preflight even if others did not",
@@ -190,7 +190,7 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
-    from specops.extract import extract as run
+    from specops.runs.run import extract as run
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size, format=format,
@@ -233,7 +233,7 @@ _long_only(preflight, "format", "canary-samples", "long-samples")
 
 def _require_run_id(run_id):
     from specops.errors import UsageError
-    from specops.extract import check_run_id
+    from specops.runid import check_run_id
 
     if not run_id:
         raise UsageError("--run-id is required", "pass the id printed when the run started")
@@ -259,7 +259,7 @@ def abort(target, run_id=None):
     return _run(target, run_id).abort()
 
 
-@host_task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by sha256"})
+@host_task(help={**JOB_HELP, "tensors": "also fetch every sample file, resumable, checked by its manifest digest"})
 def fetch(target, run_id=None, tensors=False):
     """Bring a run's logs, status, manifest and summary (and --tensors) into runs/<host>/<run-id>/."""
     return _run(target, run_id).fetch(tensors=tensors, as_json=target.as_json)
@@ -283,7 +283,7 @@ def smoke(target, model=None, tp=None, layer_ids=None, engine=None, samples=4):
                               "prompt logprobs of the run's canary samples)"})
 def verify(target, run_id=None, samples=3, reference="hf"):
     """Recompute a few samples of a finished run with an independent reference; compare each layer."""
-    from specops.verify import verify as run
+    from specops.runs.run import verify as run
 
     return run(target.inventory, target.selector, _require_run_id(run_id), samples=int(samples),
                reference=reference, accept_new_host_key=target.accept_new_host_key)

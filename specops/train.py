@@ -92,7 +92,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
           dry_run: bool = False, detach: bool = False, force: bool = False, as_json: bool = False,
           accept_new_host_key: bool = False) -> ExitCode:
     """Start (or resume) the train run on every selected host, follow it, fetch what it wrote."""
-    from specops.extract import check_run_id
+    from specops.runid import check_run_id
 
     if not run_id:
         raise UsageError("--run-id is required", "name the train run (the same id re-attaches or resumes)")
@@ -275,29 +275,106 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
                               f"{', '.join(c[0] for c in candidates)}", detail={"tried": [c[0] for c in candidates]}))
         return records
     (dest / BEST_DIR).mkdir(parents=True, exist_ok=True)
-    write(dest / BEST_DIR / "config.json", config, mode=0o644)
+    _keep_or_write(dest / BEST_DIR / "config.json", config)
     got = ["config.json"]
     for name in CHECKPOINT_FILES[1:]:
         blob = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
         if blob is not None:
-            write(dest / BEST_DIR / name, blob, mode=0o644)
+            _keep_or_write(dest / BEST_DIR / name, blob)
             got.append(name)
     records.append(Record(name="fetch.checkpoint", status="ok",
                           summary=f"best checkpoint {remote_ckpt} ({why}): {', '.join(got)} in {BEST_DIR}/; the "
-                                  f"weights stay on the host, where eval serves them",
+                                  f"weights stay on the host, where eval serves them (fetch --tensors brings them)",
                           detail={"path": remote_ckpt, "epoch": epoch, "why": why, "files": got}))
     return records
-    base = str(final["path"]).rsplit("/", 1)[0] if final.get("epoch") is not None else str(final["path"])
-    remote_ckpt = f"{base}/{epoch}" if epoch is not None and final.get("epoch") is not None else str(final["path"])
-    got = []
-    for name in CHECKPOINT_FILES:
-        blob = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
-        if blob is not None:
-            (dest / BEST_DIR).mkdir(parents=True, exist_ok=True)
-            write(dest / BEST_DIR / name, blob, mode=0o644)
-            got.append(name)
-    records.append(Record(name="fetch.checkpoint", status="ok" if "config.json" in got else "warn",
-                          summary=f"best checkpoint {remote_ckpt} ({why}): {', '.join(got) or 'nothing'} in "
-                                  f"{BEST_DIR}/; the weights stay on the host, where eval serves them",
-                          detail={"path": remote_ckpt, "epoch": epoch, "why": why, "files": got}))
-    return records
+
+
+def _keep_or_write(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically unless it holds exactly that already (a kept file keeps its inode)."""
+    from specops.assets import remote_fsutil
+
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    remote_fsutil().atomic_write(path, data, mode=0o644)
+
+
+#: a draft's files are hashed on the host (sha256 of every byte): bounded, not unbounded
+DRAFT_HASH_TIMEOUT_S = 1800.0
+
+
+def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
+    """``fetch --tensors`` of a train run: the best checkpoint's draft (config.json + model.safetensors) into
+    ``best/``, a dir ``vllm serve --speculative-config`` takes as it is.
+
+    The checkpoint is the one :func:`fetch_artifacts` picked (its ``fetch.checkpoint`` record). One host call
+    lists its files with sizes and sha256 (``remote/train.py`` ``files``); :func:`specops.jobs.download_files`
+    brings them over SFTP: a file already here with that sha256 stays as it is, a partial ``.part`` resumes,
+    each is checked before it takes its name.
+    """
+    import json
+    from pathlib import Path
+
+    dest = Path(dest)
+    best = next((r for r in records if r.name == "fetch.checkpoint" and r.status == "ok"), None)
+    if best is None:
+        return Record(name="fetch.tensors", status="fail", summary=f"train run {run_id} has no checkpoint yet: no "
+                      f"draft weights to fetch", fix=f"wait for its first epoch checkpoint (specops status --run-id "
+                                                      f"{run_id}), then fetch --tensors again")
+    payload = host.run_task("train", {"action": "files", "run_id": run_id, "work_dir": host.spec.work_dir,
+                                      "checkpoint": best.detail["path"]}, timeout=DRAFT_HASH_TIMEOUT_S)
+    listed = report_from_payload(host.name, "fetch", payload).records
+    data = payload.get("data") or {}
+    if not data.get("files"):
+        why = listed[0] if listed else None
+        return Record(name="fetch.tensors", status="fail",
+                      summary=f"the host listed no draft files in {best.detail['path']}"
+                              + (f": {why.summary}" if why else ""),
+                      detail={"path": best.detail["path"]}, fix=why.fix if why and why.fix else
+                      "fetch again; if it persists, look at the checkpoint dir on the host")
+    local = dest / BEST_DIR
+    local.mkdir(parents=True, exist_ok=True)
+    before = {e["path"]: _inode(local / e["path"]) for e in data["files"]}
+    done = jobs.download_files(host, data["dir"], data["files"], local, name="fetch.tensors")
+    names = [e["path"] for e in data["files"]]
+    total = sum(int(e["bytes"]) for e in data["files"])
+    kept = [n for n in names if before[n] is not None and before[n] == _inode(local / n)]
+    detail = {**done.detail, "dir": str(local.resolve()), "host_dir": data["dir"], "files": data["files"],
+              "kept": kept, "downloaded": [n for n in names if n not in kept] if done.status == "ok" else []}
+    if done.status != "ok":
+        return Record(name="fetch.tensors", status=done.status, summary=f"the draft of {data['dir']}: "
+                      f"{done.summary}", detail=detail, fix=done.fix)
+    # a former best's weights left beside these would be served with this config: only the listed ones stay
+    stale = [p.name for p in local.glob("*.safetensors*") if p.name not in names and not p.name.endswith(".part")]
+    for name in stale:
+        (local / name).unlink()
+    k = _speculative_tokens(local / "config.json")
+    serve = json.dumps({"method": "eagle3", "model": str(local.resolve()), "num_speculative_tokens": k})
+    detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
+    return Record(name="fetch.tensors", status="ok",
+                  summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
+                          f"({total / 2**20:.1f} MiB), sha256 checked; {len(kept)} kept, "
+                          f"{len(names) - len(kept)} downloaded ({done.detail.get('resumed', 0)} resumed); serve "
+                          f"it with --speculative-config '{serve}'", detail=detail)
+
+
+def _inode(path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _speculative_tokens(config_path) -> int:
+    """The draft's own number of speculative tokens (speculators' proposal method), else 3."""
+    import json
+
+    try:
+        config = json.loads(config_path.read_text())
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+        return int(methods[0].get("speculative_tokens") or 3)
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return 3

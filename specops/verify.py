@@ -41,7 +41,8 @@ input through the model's own transformers layer class, and compared with the ca
 output against that layer's bf16 rounding floor. A failing layer is tried with its
 neighbours' weights to name states shifted by one. ``verify.reference`` prints the peak
 host memory; ``verify.coverage`` says which layer kinds (first, last, dense, MoE) were
-checked and which no captured pair reaches. Quantized checkpoints are refused.
+checked and which no captured pair reaches. Quantized checkpoints (fp8 blocks, compressed-
+tensors pack-quantized) are dequantized as each layer loads; other quantizations are refused.
 """
 from __future__ import annotations
 
@@ -72,19 +73,3 @@ def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf"
     model has it)."""
     payload = host.run_task("verify", verify_params(host, run_id, samples, reference))
     return report_from_payload(host.name, "verify", payload)
-
-
-def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
-           accept_new_host_key: bool = False) -> list[HostReport]:
-    """Verify ``run_id`` on every selected host; a group run this laptop started (its
-    ``runs/<run-id>/fleet.json``) is verified shard by shard wherever each is now."""
-    from specops.errors import UsageError
-
-    if reference not in REFERENCES:
-        raise UsageError(f"--reference {reference!r} is not known", f"use one of: {', '.join(REFERENCES)}")
-    if int(samples) < 1:
-        raise UsageError(f"--samples {samples!r} must be a positive integer", "example: --samples 3")
-    from specops.runs.run import open_run
-
-    return open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key).verify(
-        samples=int(samples), reference=reference)

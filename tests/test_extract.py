@@ -19,7 +19,7 @@ import pytest
 
 from specops import jobs
 from specops.exit_codes import ExitCode
-from specops.extract import extract
+from specops.runs.run import extract
 from specops.host import Host
 from specops.inventory import load_inventory
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,13 @@ def sha(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def blake3_of(path):
+    """A file's BLAKE3: what a run's manifest names where the host has blake3 (the test host's env does)."""
+    import blake3
+
+    return blake3.blake3(Path(path).read_bytes()).hexdigest()
+
+
 def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECOPS_RUNS", str(tmp_path / "runs"))
     connects = []
@@ -69,8 +76,8 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
     assert manifest["layer_convention"] == "output" and manifest["layer_ids"] == [2, 4, 5, 7]
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
     for entry in manifest["files"]:
-        assert sha(tmp_path / "out" / "r1" / entry["path"]) == entry["sha256"]
-        assert sha(dest / "samples" / entry["path"]) == entry["sha256"]
+        assert blake3_of(tmp_path / "out" / "r1" / entry["path"]) == entry["blake3"] and "sha256" not in entry
+        assert blake3_of(dest / "samples" / entry["path"]) == entry["blake3"]
         assert [h["shape"][1] for h in entry["tensors"]["hidden_states"]] == [256] * 4
         assert {h["dtype"] for h in entry["tensors"]["hidden_states"]} == {"bfloat16"}
     assert all(layer["nan"] == 0 and layer["inf"] == 0 for layer in summary["layers"])
@@ -85,8 +92,55 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
     (victim.with_name(victim.name + ".part")).write_bytes(data[: len(data) // 2])
     with one_host(llama_inventory) as host:
         rec = jobs.fetch_run(host, "r1", tensors=True, dest_root=tmp_path / "runs").records[-1]
-    assert rec.status == "ok" and rec.detail["resumed"] == 1
-    assert sha(victim) == manifest["files"][0]["sha256"]
+    assert rec.status == "ok" and rec.detail["resumed"] == 1 and "verified by blake3" in rec.summary
+    assert blake3_of(victim) == manifest["files"][0]["blake3"]
+
+
+def test_an_older_runs_sha256_manifest_still_fetches_lists_and_verifies_and_blake3_catches_damage(
+        llama_inventory, tmp_path):
+    """A run made before BLAKE3 (its manifest's entries carry ``sha256``) still fetches (each file checked by
+    sha256), lists for a resume (the shard listing passes the manifest's sha256 on, nothing hashed again) and
+    verifies; under the BLAKE3 manifest a byte changed on the host (same size) fails fetch and verify."""
+    env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    common = ["--inventory", str(llama_inventory), "--run-id", "old"]
+    run = cli("extract", *common, "--skip-preflight", "--skip-smoke", "--json", "--max-samples", "3", env=env)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    out_dir, run_dir = tmp_path / "out" / "old", tmp_path / "work" / "runs" / "old"
+    new = json.loads((run_dir / "manifest.json").read_text())
+    older = dict(new, files=[{**{k: v for k, v in e.items() if k != "blake3"}, "sha256": sha(out_dir / e["path"])}
+                             for e in new["files"]])
+    manifests = [run_dir / "manifest.json", *out_dir.glob("**/manifest.json")]  # the run's, its range's, the dir's
+    for path in manifests:  # as an older specops wrote them
+        path.write_text(json.dumps(older))
+
+    with one_host(llama_inventory) as host:
+        fetched = jobs.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "runs").records[-1]
+        listing = host.run_task("shard", {"action": "files", "output_dir": str(out_dir), "start": 0, "stop": 3})
+    assert fetched.status == "ok" and "3 sample file(s) verified by sha256" in fetched.summary, fetched
+    assert [(f["path"], f["sha256"]) for f in listing["data"]["files"]] == [(e["path"], e["sha256"])
+                                                                           for e in older["files"]]
+    assert listing["data"]["hashed_here"] == 0 and not any("blake3" in f for f in listing["data"]["files"])
+    checked = cli("verify", *common, "--samples", "1", "--json", env=env)
+    said, err = checked.communicate(timeout=600)
+    recs = {r["name"]: r for r in json.loads(said)["hosts"][0]["records"]}
+    assert recs["verify.run"]["status"] == "ok" and "sha256 match" in recs["verify.run"]["summary"], said[-3000:]
+
+    for path in manifests:  # the run's own BLAKE3 manifests back; one byte of a sample changed
+        path.write_text(json.dumps(new))
+    victim = out_dir / new["files"][0]["path"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    with one_host(llama_inventory) as host:
+        caught = jobs.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "again").records[-1]
+    assert caught.status == "fail" and "1 sample file(s) do not match the manifest blake3" in caught.summary, caught
+    assert caught.detail["bad"] == [new["files"][0]["path"]]
+    checked = cli("verify", *common, "--samples", "3", "--json", env=env)
+    said, err = checked.communicate(timeout=600)
+    assert checked.returncode != 0
+    recs = {r["name"]: r for r in json.loads(said)["hosts"][0]["records"]}
+    assert "differ from the manifest blake3" in recs["verify.files"]["summary"], said[-3000:]
 
 
 def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
@@ -179,7 +233,7 @@ def test_readme_extract_tp2_then_verify_over_ssh(make_inventory, tiny_models, pa
     assert manifest["layer_ids"] == [2, 4, 5, 7] and manifest["layer_convention"] == "output"
     assert manifest["samples"] == 8
     for entry in manifest["files"]:
-        assert sha(tmp_path / "out" / "readme" / entry["path"]) == entry["sha256"]
+        assert blake3_of(tmp_path / "out" / "readme" / entry["path"]) == entry["blake3"]
         layers = entry["tensors"]["hidden_states"]
         assert len(layers) == 4
         assert all(h["shape"] == [entry["tokens"], 256] and h["dtype"] == "bfloat16" for h in layers)

@@ -234,6 +234,8 @@ def test_the_host_lists_a_ranges_files_in_either_format(tmp_path, remote_pkg):
     import hashlib
     import json
 
+    import blake3
+
     from remote import shard
 
     out = tmp_path / "out"
@@ -255,7 +257,8 @@ def test_the_host_lists_a_ranges_files_in_either_format(tmp_path, remote_pkg):
                                                                 (5, "hidden_states/hs_5.safetensors"),
                                                                 (6, "data_6.pt")]
     assert got["files"][0]["tokens"] == 17, "the manifest's entry is reused, not hashed again"
-    assert got["files"][1]["sha256"] == hashlib.sha256(b"xxxx").hexdigest()
+    assert got["files"][0]["sha256"] == listed, "an older run's sha256 entry keeps its own algorithm"
+    assert got["files"][1]["blake3"] == blake3.blake3(b"xxxx").hexdigest(), "one no manifest lists: BLAKE3 here"
     assert got["first_missing"] == 7 and got["missing"] == 1 and got["hashed_here"] == 3
 
 
@@ -291,7 +294,7 @@ def test_moved_ids_stay_bounded_and_fit_the_host_for_any_user_run_id(remote_pkg)
 
 
 def test_a_user_run_id_leaves_room_for_every_suffix():
-    from specops.extract import check_run_id
+    from specops.runid import check_run_id
 
     from specops.assets import remote_protocol
 

@@ -22,7 +22,7 @@ import pytest
 
 from specops import jobs
 from specops.exit_codes import ExitCode
-from specops.extract import extract
+from specops.runs.run import extract
 from specops.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params

@@ -22,13 +22,12 @@ def test_a_run_id_is_a_group_run_when_this_laptop_holds_its_shard_map(tmp_path, 
 
 
 def test_both_kinds_answer_every_verb_and_the_tasks_do_not_ask_which_kind():
-    from specops import extract, tasks
-
-    from specops import verify
+    from specops import tasks
+    from specops.runs import run
 
     verbs = ("extract", "status", "logs", "abort", "fetch", "verify")
     for kind in (HostRun, GroupRun):
         assert issubclass(kind, Run) and all(callable(getattr(kind, v)) for v in verbs)
-    for task in (tasks.status, tasks.logs, tasks.abort, tasks.fetch, extract.extract, verify.verify):
+    for task in (tasks.status, tasks.logs, tasks.abort, tasks.fetch, run.extract, run.verify):
         source = inspect.getsource(getattr(task, "body", task))
         assert "is_fleet_run" not in source and "len(specs) > 1 or is_fleet_run" not in source

@@ -148,7 +148,7 @@ def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force:
                    reports: list[HostReport]) -> list[str]:
     """Smoke on every named host at once (each host's records join its report in ``reports``);
     returns the hosts whose rehearsal failed."""
-    from specops.extract import rehearse
+    from specops.smoke import rehearse
 
     smoked = run_steps([conns.host(n) for n in names],
                        lambda h: HostReport(host=h.name, task="extract",

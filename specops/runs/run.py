@@ -159,3 +159,39 @@ def open_run(inventory: Inventory, selector: str | None, run_id: str, *, accept_
 
     kind = GroupRun if as_group or is_fleet_run(run_id) else HostRun
     return kind(inventory, selector, run_id, accept_new_host_key)
+
+
+def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
+            detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
+            accept_new_host_key: bool = False, skip_smoke: bool = False, shard_by: str | None = None,
+            allow_partial: bool = False, reassign: str | None = None) -> ExitCode:
+    """``specops extract``: the whole extraction flow; returns the exit code.
+
+    More than one host (or a run id this laptop knows as a group run, or a group flag) makes
+    one group run, the dataset sharded over the hosts (:mod:`specops.runs`); one host runs the
+    whole dataset as one shard (:func:`specops.extract.extract_on`).
+    """
+    from specops.runid import check_run_id, default_run_id
+
+    specs = inventory.select(selector)
+    run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
+    run = open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key,
+                   as_group=len(specs) > 1 or bool(shard_by or allow_partial or reassign))
+    return run.extract(overrides, detach=detach, force=force, skip_preflight=skip_preflight, as_json=as_json,
+                       tensors=tensors, skip_smoke=skip_smoke, shard_by=shard_by, allow_partial=allow_partial,
+                       reassign=reassign)
+
+
+def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
+           accept_new_host_key: bool = False) -> list[HostReport]:
+    """``specops verify``: ``run_id`` on every selected host; a group run this laptop started (its
+    ``runs/<run-id>/fleet.json``) shard by shard wherever each is now."""
+    from specops.errors import UsageError
+    from specops.verify import REFERENCES
+
+    if reference not in REFERENCES:
+        raise UsageError(f"--reference {reference!r} is not known", f"use one of: {', '.join(REFERENCES)}")
+    if int(samples) < 1:
+        raise UsageError(f"--samples {samples!r} must be a positive integer", "example: --samples 3")
+    return open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key).verify(
+        samples=int(samples), reference=reference)
