@@ -9,6 +9,7 @@ reference tokenizer of ``specops/testhost/reference_models.py``):
 * ``llama/``: the test host's tiny Llama (hidden 256, 8 layers), same config as on CPU;
 * ``llama_wide/``: a Llama of real width (hidden 4096, 32/8 heads, head_dim 128,
   intermediate 14336) with 8 layers: about 1.3B parameters, the benchmark model;
+* ``llama_8b/``: llama_wide with 32 layers (Llama-3-8B's shape, about 7B parameters);
 * ``llama_mid/``: hidden 1024, 8 layers, for the CPU benchmark (``scripts/bench_modern.py``);
 * ``deepseek_dense/``: the same with every layer dense (MLA without MoE routing);
 * ``deepseek_v3/``: DeepSeek-V3 architecture with the real MLA dims (kv_lora_rank 512,
@@ -56,7 +57,10 @@ def configs() -> dict:
     # CPU benchmarks (scripts/bench_modern.py): wide enough that prefill is compute, small enough for 2 cores
     mid = dict(reference_models.LLAMA_LIKE, hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
                num_key_value_heads=8, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
-    return {"llama": ref["llama"], "llama_wide": wide, "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid}
+    # Llama-3-8B's shape (32 layers of llama_wide's width): the benchmark's deep model
+    llama_8b = dict(wide, num_hidden_layers=32)
+    return {"llama": ref["llama"], "llama_wide": wide, "llama_8b": llama_8b, "deepseek_v3": ds,
+            "deepseek_dense": dense, "llama_mid": mid}
 
 
 def build_saved(config: dict, out_dir: Path, seed: int = 0) -> Path:
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="llama,llama_wide,deepseek_v3,deepseek_dense")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--bench", default="1024x1024", help="NxLEN of the benchmark ids")
+    parser.add_argument("--bench", default="1024x1024", help="NxLEN of the benchmark ids (comma: several)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -113,8 +117,9 @@ def main(argv=None) -> int:
         result[name] = str(path)
         result["seconds"][name] = round(time.monotonic() - t, 2)
     result["dataset"] = str(tinymodel.write_chat_dataset(out / "chat.jsonl"))
-    n, length = (int(x) for x in args.bench.split("x"))
-    result["bench_dataset"] = str(bench_dataset(out / f"bench_{n}x{length}.jsonl", n, length))
+    for shape in args.bench.split(","):
+        n, length = (int(x) for x in shape.split("x"))
+        result.setdefault("bench_datasets", []).append(str(bench_dataset(out / f"bench_{n}x{length}.jsonl", n, length)))
     print(json.dumps(result))
     return 0
 

@@ -127,7 +127,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"bench": 330, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
+EXPECTED_S = {"bench": 330, "bench_wide": 240, "bench_8b_4ids": 260, "bench_8b_8ids": 260, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
@@ -209,9 +209,9 @@ def do_env():
 # ============================================================================ call 2: models
 
 
-def do_models():
-    res = sh([PY, "scripts/gpu/models.py", "--out", str(MODELS)], ROOT / "models" / "models.txt", timeout=400,
-             env=VLLM_ENV, check=True)
+def do_models(only="llama,llama_wide,deepseek_v3,deepseek_dense", bench="1024x1024"):
+    res = sh([PY, "scripts/gpu/models.py", "--out", str(MODELS), "--only", only, "--bench", bench],
+             ROOT / "models" / "models.txt", timeout=400, env=VLLM_ENV, check=True)
     return last_json(res["text"])
 
 
@@ -377,6 +377,32 @@ def bench(n=512, reps=2, conc="32,64", kinds="plain,server_only,specops",
                                      "both_ready_s", "digest_profile", "rc", "tail") if k in got}
 
 
+#: the digest issue's three shapes: (label, model, ids file NxLEN, samples, layer ids); the ids of
+#: the 8B-like ones are the issue's (2,16,29,32 and eight of them)
+SHAPES = (("wide", "llama_wide", "1024x1024", 256, ""),
+          ("8b_4ids", "llama_8b", "256x2048", 128, "2,16,29,32"),
+          ("8b_8ids", "llama_8b", "256x2048", 96, "2,6,10,14,18,22,26,32"))
+
+
+def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, conc="32", reps=1,
+                once="keep@32") -> dict:
+    """One of :data:`SHAPES`: plain, server-only, specops (manifest done, durable) and keep at one concurrency."""
+    d = ROOT / f"bench_{label}"
+    out = Path(f"/tmp/gpu-bench-{label}")
+    args = [PY, "scripts/gpu/bench.py", "--model", str(MODELS / model), "--dataset", str(MODELS / f"bench_{ids}.jsonl"),
+            "--out", str(out), "--n", str(n), "--reps", str(reps), "--concurrency", conc,
+            "--kinds", "plain,server_only,specops", "--once", once, "--profile-digest", "16"]
+    if layer_ids:
+        args += ["--layer-ids", layer_ids]
+    res = sh(args, d / "bench_stdout.txt", timeout=560, env=VLLM_ENV)
+    if (out / "bench.json").exists():
+        shutil.copy(out / "bench.json", d / "bench.json")
+    shutil.rmtree(out, ignore_errors=True)
+    got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
+    return {k: got.get(k) for k in ("best_tok_per_s", "ratios_same_concurrency", "both_ready_s", "digest_profile",
+                                     "rc", "tail", "errors") if k in got}
+
+
 def keep_run(host: str, rid: str, name: str) -> None:
     """The run as ``fetch`` brought it back (``runs/<host>/<rid>``), sample tensors listed, not kept."""
     fetched = REPO / "runs" / host / rid
@@ -533,6 +559,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", default="ssh,preflight,engine_llama,engine_deepseek,bench")
     parser.add_argument("--deadline", type=float, default=540)
     parser.add_argument("--label", default="")
+    parser.add_argument("--only", default="llama,llama_wide,deepseek_v3,deepseek_dense", help="models: which")
+    parser.add_argument("--bench-ids", default="1024x1024", help="models: NxLEN of the benchmark ids (comma: several)")
     parser.add_argument("--skip-done", action="store_true",
                         help="leave out the steps an earlier call on this machine ran (see done.json)")
     args = parser.parse_args(argv)
@@ -541,7 +569,7 @@ def main(argv=None) -> int:
     if args.phase == "env":
         step("env")(do_env)()
     elif args.phase == "models":
-        step("models")(do_models)()
+        step("models")(do_models)(args.only, args.bench_ids)
     else:
         dl, again = args.deadline, args.skip_done
 
@@ -562,6 +590,7 @@ def main(argv=None) -> int:
                                          "deepseek", MODELS / "deepseek_v3"),
             "mla_diag": run_step("mla_diag", mla_diagnosis),
             "bench": run_step("bench", bench),
+            **{f"bench_{label}": run_step(f"bench_{label}", bench_shape, label, *rest) for label, *rest in SHAPES},
             "abort": run_step("abort", abort_flow),
             "smoke_llama": run_step("smoke_llama", smoke, "gpu-llama"),
             "smoke_wide": run_step("smoke_wide", smoke, "gpu-wide"),
