@@ -1,8 +1,14 @@
 """The one schema of a run's ``manifest.json``: build, write, read and merge (stdlib only).
 
 A manifest says what a run's output dir holds: one ``files`` entry per sample file
-(path relative to the output dir, index, sha256, bytes, tokens), the model, the layer
+(path relative to the output dir, index, digest, bytes, tokens), the model, the layer
 ids and their convention, the sample format, the engine, versions and parameters.
+
+An entry's digest is one key named by its algorithm (:data:`remote.fsutil.HASHES`):
+``"blake3": "<hex>"`` where the host that hashed it has the ``blake3`` package (every host
+with vLLM), else ``"sha256": "<hex>"``, as in every manifest before BLAKE3. Each entry is
+checked in its own algorithm (:func:`file_matches`), so a merge of ranges or shards hashed
+on different hosts keeps each file's digest as it was made, mixed algorithms and all.
 Three documents share the schema (:data:`FIELDS`, :data:`ENTRY_FIELDS`):
 
 ``run``    a run's own (or a range's: ``.specops-shards/<lo>-<hi>/``), made by :func:`build`
@@ -125,7 +131,8 @@ FIELDS = {
 ENTRY_FIELDS = {
     "path": Field("text", "the file, relative to the output dir"),
     "index": Field("int", "the sample's global dataset index"),
-    "sha256": Field("text", "the file's sha256, hex"),
+    "blake3": Field("text", "the file's BLAKE3 digest, hex (where the host has blake3)"),
+    "sha256": Field("text", "the file's sha256, hex (a host without blake3; manifests before BLAKE3)"),
     "bytes": Field("int", "the file's size"),
     "tokens": Field("int", "the sample's tokens"),
     "tensors": Field("object", "name -> dtype and shape of each tensor in the file"),
@@ -136,9 +143,10 @@ ENTRY_FIELDS = {
 #: what a merged manifest takes over from its first range's (the same in every range of a run).
 INHERITED = ("run_id", "format", "format_name", "state_format", "scales_key", "hidden_states_backend", "model", "layer_ids", "layer_convention", "layer_convention_text",
              "file_layer_ids", "dataset_samples", "identity")
-#: what each reader needs (``require`` of :func:`read`); ``files[].x``: every entry has ``x``.
-FOR_VERIFY = ("layer_ids", "layer_convention", "files", "files[].sha256")
-FOR_FETCH = ("files", "files[].sha256", "files[].bytes", "params")
+#: what each reader needs (``require`` of :func:`read`); ``files[].x``: every entry has ``x``
+#: (``files[].digest``: a digest of one of :data:`remote.fsutil.HASHES`).
+FOR_VERIFY = ("layer_ids", "layer_convention", "files", "files[].digest")
+FOR_FETCH = ("files", "files[].digest", "files[].bytes", "params")
 FOR_MERGE = ("run_id", "sample_range", "files", "files[].index")
 
 
@@ -239,11 +247,41 @@ def check(doc, require=(), where="manifest") -> dict:
         if not isinstance(entry, dict):
             raise ManifestError(where, f"files[{i}]", f"is {entry!r}, expected an object", entry)
         for key in ("path", *needed):
-            if entry.get(key) in (None, ""):
+            if key == "digest":
+                if entry_digest(entry) is None:
+                    raise ManifestError(where, f"files[{i}]", f"has no digest ({' or '.join(fsutil.HASHES)})")
+            elif entry.get(key) in (None, ""):
                 raise ManifestError(where, f"files[{i}].{key}", "is missing")
         for key, field in ENTRY_FIELDS.items():
             _check_value(where, f"files[{i}].{key}", entry.get(key), field)
     return doc
+
+
+def entry_digest(entry: dict):
+    """``(algorithm, hex)`` of the digest a ``files`` entry carries (the first of
+    :data:`remote.fsutil.HASHES` it has); None when it has none."""
+    return next(((name, entry[name]) for name in fsutil.HASHES if entry.get(name)), None)
+
+
+def file_matches(path, entry: dict) -> bool:
+    """The file at ``path`` has the digest its ``files`` entry carries, in that entry's algorithm.
+
+    :raises remote.fsutil.HashUnavailable: this python cannot compute the entry's algorithm
+        (BLAKE3 without the ``blake3`` package; its ``fix`` says so): never a silent pass.
+    :raises ManifestError: the entry carries no digest.
+    """
+    found = entry_digest(entry)
+    if found is None:
+        raise ManifestError("manifest", f"files entry {entry.get('path')!r}",
+                            f"has no digest ({' or '.join(fsutil.HASHES)})")
+    name, want = found
+    return fsutil.file_digest(path, name)[name] == want
+
+
+def digest_names(entries) -> str:
+    """The algorithms of ``entries``' digests, said (``blake3``, ``sha256``, ``blake3 and sha256``)."""
+    names = [n for n in fsutil.HASHES if any((entry_digest(e) or ("",))[0] == n for e in entries)]
+    return " and ".join(names) or "no digest"
 
 
 def _check_value(where, name: str, value, field: Field) -> None:

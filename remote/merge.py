@@ -110,7 +110,7 @@ def merge(params: dict) -> dict:
                           "finish or resume the unfinished shards (specops status --run-id RUN), then merge again")
     return protocol.payload([rec], path=str(path), samples=len(files), complete=not missing, missing=len(missing),
                             ranges=sorted(own), tokens=merged["tokens"], dataset_files=dataset_files,
-                            sha256=samples.sha256_file(path), bytes=path.stat().st_size)
+                            digest=samples.file_digest(path), bytes=path.stat().st_size)
 
 
 def shard_key(sample_range) -> str:

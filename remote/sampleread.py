@@ -1,4 +1,4 @@
-"""Reading a sample file back: its structure, its sha256 and its per-layer statistics (stdlib at import).
+"""Reading a sample file back: its structure, its digest and its per-layer statistics (stdlib at import).
 
 :func:`digest_hs_file` reads one ``hs_{i}.safetensors`` once (memory-mapped) for
 everything a manifest keeps; :func:`hs_file_problem` judges a file by its safetensors
@@ -10,11 +10,11 @@ torch is imported inside the functions that need it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 
+from remote import fsutil
 from remote.contract import FP8, FP8_SCALES_KEY
 
 
@@ -208,7 +208,8 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
 
     Checks the safetensors structure and size, ``token_ids`` (int64 [T]; equal to
     ``token_ids`` when given), ``hidden_states`` ([T, len(file_layer_ids), H], H =
-    ``hidden_size`` when given), and NaN/Inf; hashes the bytes and computes each layer's
+    ``hidden_size`` when given), and NaN/Inf; hashes the bytes (:func:`remote.fsutil.buffer_digest`:
+    BLAKE3 where this python has it, else sha256; one thread) and computes each layer's
     statistics (:func:`layer_partial`, in ``layer_ids`` order). The file is memory-mapped
     once: hash, checks and statistics read the page cache in place, nothing is copied whole.
 
@@ -218,7 +219,8 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
     ``state_format`` (``bf16``/``fp8``; None: either) is the format the run asked for: a file
     of the other one is a problem.
 
-    :returns: ``{"problems": [...], "tokens", "bytes", "sha256", "tensors", "layers"}``;
+    :returns: ``{"problems": [...], "tokens", "bytes", "hash", "tensors", "layers"}``, ``hash``
+        the manifest entry's ``{algorithm: hex}``;
         with problems, the rest may be missing.
     """
     import mmap
@@ -280,9 +282,9 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
                                    "dtype": _ST_DTYPES[hs["dtype"]][1]}}
         if fp8:
             entry[FP8_SCALES_KEY] = {"shape": [n, 1, 1], "dtype": "float32"}
-        digest = hashlib.sha256(mapped).hexdigest()
+        digest = fsutil.buffer_digest(mapped)
         del ids, states, scales
-        return {"problems": problems, "tokens": n, "bytes": size, "sha256": digest, "tensors": entry,
+        return {"problems": problems, "tokens": n, "bytes": size, "hash": digest, "tensors": entry,
                 "layers": layers}
     finally:
         try:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from remote import contract, fsutil, manifest, versions
 from remote.contract import HS, MANIFEST, PT, SUMMARY, sample_name
-from remote.fsutil import read_json_quietly, sha256_file
+from remote.fsutil import file_digest, read_json_quietly, sha256_file  # noqa: F401  (sha256_file: scripts, tests)
 # layer_partial too: scripts and benchmarks read it as samples.layer_partial
 from remote.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
 
@@ -427,12 +427,12 @@ def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=N
                 raise ValueError(f"{path}: " + "; ".join(digest["problems"]))
             for st, part in zip(stats, digest["layers"]):
                 st.merge(part)
-            n, entry, sha, size = digest["tokens"], digest["tensors"], digest["sha256"], digest["bytes"]
+            n, entry, hashed, size = digest["tokens"], digest["tensors"], digest["hash"], digest["bytes"]
         else:
             n, entry = read_pt_sample(path, stats, layer_ids)
-            sha, size = sha256_file(path), path.stat().st_size
+            hashed, size = file_digest(path), path.stat().st_size
         tokens += n
-        files.append({"path": str(path.relative_to(output_dir)), "index": idx, "sha256": sha,
+        files.append({"path": str(path.relative_to(output_dir)), "index": idx, **hashed,
                       "bytes": size, "tokens": n, "tensors": entry})
     return files, stats, tokens
 

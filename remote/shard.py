@@ -11,8 +11,8 @@ A task module (``main(params) -> payload``); ``params["action"]`` picks the verb
            versions, and the data-parallel width (devices // tp).
 ``files``  the sample files of one range ``[start, stop)`` in ``output_dir``, in either
            format (``data_{i}.pt``, or ``hidden_states/hs_{i}.safetensors``): global
-           index, path, bytes and sha256 (taken from the run's manifest where it lists
-           the file, computed otherwise), the first index of the range not on disk, and
+           index, path, bytes and digest (taken from the run's manifest where it lists
+           the file, in its algorithm; computed otherwise, BLAKE3 where the host has it), the first index of the range not on disk, and
            the token dataset an ``hs`` run writes beside its samples. Temp files of a
            killed writer never count.
 
@@ -27,10 +27,10 @@ import hashlib
 import os
 from pathlib import Path
 
-from remote import contract, layers, modelconfig, protocol, runplan, samples
+from remote import contract, layers, manifest as run_manifest, modelconfig, protocol, runplan, samples
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import param
-from remote.fsutil import sha256_file
+from remote.fsutil import file_digest
 
 #: probe: the plan's shared-storage probe for this host (specops/storage.py probe_params).
 STORAGE_PROBE = Arg("dict", options={
@@ -43,7 +43,8 @@ SPEC = Spec("shard", RUN_ARGS, {
     "device": RUN_ARGS["device"].but(default="cuda"),
     "storage_probe": STORAGE_PROBE,
     "start": Arg("int", min=0), "stop": Arg("int", min=0),
-    "sha256": Arg("bool", True, doc="files: hash the files no manifest lists"),
+    "sha256": Arg("bool", True, doc="files: hash the files no manifest lists (BLAKE3 where this host has "
+                                    "it, else sha256; the name is older than BLAKE3)"),
 }, required_if=[("action", "files", ("output_dir", "start", "stop"))])
 
 
@@ -253,8 +254,8 @@ def files(params: dict) -> dict:
     ``path`` is relative to the output dir, as in the run's manifest; so is each of
     ``dataset_files`` (the token dataset an ``hs`` run writes beside its samples).
     A file the run's manifest lists with another size is ``changed`` (with the size and
-    sha256 the manifest gives), not in ``files``, and ends the gap-free prefix
-    (``first_missing``): it is not the sample the run made.
+    digest the manifest gives: ``manifest_bytes``, ``manifest_<algorithm>``), not in ``files``,
+    and ends the gap-free prefix (``first_missing``): it is not the sample the run made.
     """
     out_dir = Path(params["output_dir"])
     start, stop = params["start"], params["stop"]
@@ -269,15 +270,18 @@ def files(params: dict) -> dict:
         rel = str(path.relative_to(out_dir))
         entry = {"index": index, "path": rel, "bytes": path.stat().st_size}
         known = listed.get(rel)
-        if known and known.get("sha256") and known.get("bytes") is not None and known["bytes"] != entry["bytes"]:
+        known_digest = run_manifest.entry_digest(known) if known else None
+        if known_digest and known.get("bytes") is not None and known["bytes"] != entry["bytes"]:
             # the run's manifest says what it wrote; a file of another size changed since (truncated,
             # overwritten): not the sample the run made, so it is flagged, never passed on as one
-            changed.append({**entry, "manifest_bytes": known["bytes"], "manifest_sha256": known["sha256"]})
+            name, value = known_digest
+            changed.append({**entry, "manifest_bytes": known["bytes"], f"manifest_{name}": value})
             continue
-        if known and known.get("bytes") == entry["bytes"] and known.get("sha256"):
+        if known_digest and known.get("bytes") == entry["bytes"]:
+            # the manifest's digest, in its own algorithm (an older run's sha256 stays sha256)
             entry.update({k: v for k, v in known.items() if k not in ("path", "index", "bytes")})
         elif want_hash:
-            entry["sha256"] = sha256_file(path)
+            entry.update(file_digest(path))
             hashed += 1
         entries.append(entry)
     good = {e["index"] for e in entries}
@@ -289,8 +293,7 @@ def files(params: dict) -> dict:
     for name in manifest.get("dataset_files") or []:
         path = out_dir / name
         if path.is_file():
-            extra.append({"path": name, "bytes": path.stat().st_size,
-                          "sha256": sha256_file(path) if want_hash else None})
+            extra.append({"path": name, "bytes": path.stat().st_size, **(file_digest(path) if want_hash else {})})
     rec = protocol.record("shard.files", protocol.OK,
                           f"{len(entries)} of {stop - start} sample(s) of [{start}, {stop}) in {out_dir}"
                           + (f"; {len(changed)} changed since the run wrote them" if changed else ""),

@@ -3,11 +3,12 @@
 A task module (``main(params) -> payload``). ``action``:
 
 ``check``  the training preflight, nothing started: the states run is done and its
-           samples are all there (size, and sha256 up to :data:`SHA256_LIMIT` bytes of
-           them), its manifest gives a plan (:func:`remote.trainplan.resolve`: ids,
-           backend, seq len, model), the installed trainer takes every flag the plan
-           passes (read from its schema, nothing imported), and the save path's disk holds
-           the checkpoints.
+           samples are all there (size, and digest up to :data:`DIGEST_LIMIT` bytes of
+           them, in each entry's algorithm: blake3, or an older run's sha256), its
+           manifest gives a plan (:func:`remote.trainplan.resolve`: ids, backend, seq
+           len, model), the installed trainer takes every flag the plan passes (read
+           from its schema, nothing imported), and the save path's disk holds the
+           checkpoints.
 ``start``  ``check``, then the run through :mod:`remote.job`'s own start (the same lock,
            re-attach, resume and "one run at a time" rules as an extraction), whose
            supervisor is :mod:`remote.trainrun` instead of :mod:`remote.supervisor`. A
@@ -27,9 +28,9 @@ from remote import job, modelconfig, protocol, samples, trainplan
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.trainplan import TrainError
 
-#: a states run up to this many bytes has every file's sha256 checked before training; above
+#: a states run up to this many bytes has every file's digest checked before training; above
 #: it, sizes only (a 540 GB run would take hours to hash), and the record says so.
-SHA256_LIMIT = 2 << 30
+DIGEST_LIMIT = 2 << 30
 #: bytes a checkpoint keeps per draft parameter: bf16 weights + AdamW's two fp32 moments.
 CHECKPOINT_BYTES_PER_PARAM = 10
 
@@ -105,7 +106,8 @@ def check_states(plan: trainplan.TrainPlan) -> dict:
     out_dir = Path(plan.data_path)
     entries = list(doc.get("files") or [])
     total = sum(int(e.get("bytes") or 0) for e in entries)
-    hashed = total <= SHA256_LIMIT
+    hashed = total <= DIGEST_LIMIT
+    hashes = run_manifest.digest_names(entries)
     missing, short, changed = [], [], []
     for entry in entries:
         path = out_dir / entry["path"]
@@ -116,21 +118,31 @@ def check_states(plan: trainplan.TrainPlan) -> dict:
             continue
         if size != int(entry["bytes"]):
             short.append(entry["path"])
-        elif hashed and samples.sha256_file(path) != entry["sha256"]:
+        elif hashed and not _matches(path, entry):
             changed.append(entry["path"])
     missing += [name for name in doc.get("dataset_files") or [] if not (out_dir / name).exists()]
     if missing or short or changed:
         parts = [f"{len(v)} {k}" for k, v in (("missing", missing), ("of another size", short),
-                                              ("with another sha256", changed)) if v]
+                                              (f"with another {hashes}", changed)) if v]
         raise TrainError("train.states", f"run {plan.from_run}'s states in {out_dir}: {', '.join(parts)} "
                          f"(e.g. {(missing + short + changed)[0]})",
                          f"resume the extraction (specops extract --run-id {plan.from_run}) to make them again",
                          detail={"missing": missing, "short": short, "changed": changed})
-    how = "sha256 match" if hashed else f"sizes match (over {SHA256_LIMIT >> 30} GiB: sha256 not checked)"
+    how = f"{hashes} match" if hashed else f"sizes match (over {DIGEST_LIMIT >> 30} GiB: {hashes} not checked)"
     return protocol.record("train.states", protocol.OK,
                            f"{len(entries)} sample file(s) of run {plan.from_run} ({total} bytes) and the token "
                            f"dataset present; {how}", detail={"output_dir": str(out_dir), "bytes": total,
-                                                               "sha256_checked": hashed})
+                                                               "digests_checked": hashed})
+
+
+def _matches(path, entry: dict) -> bool:
+    """:func:`remote.manifest.file_matches`; a digest this python cannot compute refuses the check."""
+    from remote import fsutil, manifest as run_manifest
+
+    try:
+        return run_manifest.file_matches(path, entry)
+    except fsutil.HashUnavailable as exc:
+        raise TrainError("train.states", f"cannot check {entry['path']}'s {exc.name} digest here", exc.fix) from None
 
 
 def draft_params(config: dict) -> int:

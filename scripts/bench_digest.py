@@ -1,13 +1,15 @@
 """Benchmark: the landing digest's cost per byte, for 1024- and 4096-token sample files, on one core.
 
-Every sample file the vllm-server engine lands is read once for its checks, its sha256 and
+Every sample file the vllm-server engine lands is read once for its checks, its digest and
 its per-layer statistics (``remote.sampleread.digest_hs_file``). On the H200 the digest was
 the limit of the run, and its cost per byte grew with the sample's length (a 2048-token
 file cost 3x per byte what a 1024-token one did). This prints, per core (one torch thread),
 for files of the ``llama_wide`` shape (4 layers x hidden 4096, bf16: 32 MB per 1024 tokens),
 measured side by side in one run (interleaved), best of ``--repeat``:
 
-* the whole digest (``digest_hs_file``), its sha256 alone, its statistics alone;
+* the whole digest (``digest_hs_file``: checks, statistics and the manifest's hash, BLAKE3
+  where the python has ``blake3``, else sha256: the hash is named on its own line), its
+  sha256 alone, its statistics alone;
 * the statistics as they were computed before (one float32 copy of the whole layer, then
   three passes over it), for the ratio;
 * ``per-byte cost 4096 / 1024``: 1.0 is linear in the bytes.
@@ -17,7 +19,8 @@ Run on the test host's modern env (torch and safetensors; brought up here when m
     .venv/bin/python scripts/bench_digest.py [--repeat 5] [--tokens 1024,4096] [--hidden 4096] [--layers 4]
     python3 scripts/bench_digest.py --here     # a python with torch and safetensors (a GPU host's)
 
-With ``blake3`` importable (every host with vLLM has it), its one-thread GB/s is printed beside sha256's.
+With ``blake3`` importable (every host with vLLM has it), its one-thread GB/s is printed beside sha256's,
+and the digest line's GB/s is the one a run lands files at: statistics + BLAKE3.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ MEASURE = r"""
 import hashlib, json, math, sys, tempfile, time
 import torch
 from safetensors.torch import save_file
-from remote import sampleread
+from remote import fsutil, sampleread
 
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
@@ -52,7 +55,7 @@ def best_of(fns):
             t = time.perf_counter(); fn(); times[name].append(time.perf_counter() - t)
     return {name: min(ts) for name, ts in times.items()}
 
-out = {}
+out = {"hash": fsutil.default_hash()}
 with tempfile.TemporaryDirectory() as tmp:
     for tokens in args["tokens"]:
         torch.manual_seed(tokens)
@@ -103,10 +106,14 @@ def main() -> int:
     if proc.returncode != 0:
         print(proc.stderr[-4000:], file=sys.stderr)
         return 1
-    rows = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    hashed_with = measured.pop("hash")
+    rows = {int(k): v for k, v in measured.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"digest of one sample file, one core ({cpu}), {args.layers} layers x hidden {args.hidden} bf16, "
           f"best of {args.repeat}")
+    print(f"digest = the manifest's path: checks + statistics + {hashed_with} (the hash a run's manifest names on "
+          f"this python{'' if hashed_with == 'blake3' else '; blake3 is not installed'})")
     gbps = lambda row, key: row["bytes"] / row[key] / 1e9  # noqa: E731
     for tokens, row in rows.items():
         print(f"{tokens:5d} tokens ({row['bytes'] / 1e6:6.1f} MB): digest {gbps(row, 'digest_s'):5.2f} GB/s  "

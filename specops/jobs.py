@@ -21,7 +21,6 @@ detached from SSH, goes on.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import queue
@@ -196,8 +195,9 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     """Bring logs, status, params, manifest, summary and the canary's ``prompt_logprobs/`` into ``runs/<host>/<run-id>/``.
 
     With ``tensors``: every sample file too, resumed from a partial ``.part`` file and
-    checked against the manifest's sha256. ``timeout`` bounds the look at the run's
-    state; reads stop after :data:`DOWNLOAD_IDLE_S` of silence from the host.
+    checked against the manifest's digest (BLAKE3, or an older run's sha256). ``timeout``
+    bounds the look at the run's state; reads stop after :data:`DOWNLOAD_IDLE_S` of
+    silence from the host.
     """
     payload = job_call(host, "status", run_id, timeout=timeout)
     if host.spec.delivery == "sftp":
@@ -262,12 +262,26 @@ def fetch_tensors(host: Host, dest: Path):
 
 
 def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: Path, name: str = "fetch.tensors"):
-    """Bring ``entries`` (``path``, ``bytes``, ``sha256``) from ``remote_dir`` into ``local_dir``; one record.
+    """Bring ``entries`` (``path``, ``bytes``, a digest) from ``remote_dir`` into ``local_dir``; one record.
 
-    A file already there with the right sha256 is kept; a partial ``.part`` file is
-    resumed where it stopped; every file is checked against its sha256 before it takes
-    its name. A host silent for :data:`DOWNLOAD_IDLE_S` ends the download with an error.
+    A file already there with the right digest is kept; a partial ``.part`` file is
+    resumed where it stopped; every file is checked against its entry's digest, in that
+    entry's algorithm (:func:`remote.manifest.file_matches`), before it takes its name. A
+    BLAKE3 digest on a laptop without ``blake3`` fails before anything is fetched, naming the
+    fix. A host silent for :data:`DOWNLOAD_IDLE_S` ends the download with an error.
     """
+    schema, fsutil = remote_manifest(), remote_fsutil()
+    hashes = schema.digest_names(entries)
+    bare = [e["path"] for e in entries if schema.entry_digest(e) is None]
+    if bare:
+        return _rec(name, "fail", f"{len(bare)} file(s) have no digest to check them by ({', '.join(bare[:3])})",
+                    {"bare": bare}, fix="fetch again once the run has finished (its manifest lists them)")
+    try:
+        for algorithm in {schema.entry_digest(e)[0] for e in entries}:
+            fsutil.new_hasher(algorithm)
+    except fsutil.HashUnavailable as exc:
+        return _rec(name, "fail", f"this python cannot check the manifest's {exc.name} digests", {"hash": exc.name},
+                    fix=exc.fix)
     local_dir.mkdir(parents=True, exist_ok=True)
     got, resumed, bad = 0, 0, []
     host.open()
@@ -276,7 +290,7 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
     for entry in entries:
         local = local_dir / entry["path"]  # a path may name a subdir (hidden_states/hs_3.safetensors)
         local.parent.mkdir(parents=True, exist_ok=True)
-        if local.exists() and _sha256(local) == entry["sha256"]:
+        if local.exists() and schema.file_matches(local, entry):
             got += 1
             continue
         part = local.with_name(local.name + ".part")
@@ -298,7 +312,7 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
                         fh.write(chunk)
             except socket.timeout:
                 raise _silent(host, f"downloading {entry['path']} ({got} of {len(entries)} done)") from None
-            if _sha256(part) == entry["sha256"]:
+            if schema.file_matches(part, entry):
                 break
         else:
             bad.append(entry["path"])
@@ -307,10 +321,10 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
         os.replace(part, local)
         got += 1
     if bad:
-        return _rec(name, "fail", f"{len(bad)} sample file(s) do not match the manifest sha256",
+        return _rec(name, "fail", f"{len(bad)} sample file(s) do not match the manifest {hashes}",
                     {"bad": bad}, fix="fetch again; if it persists the files changed on the host after "
                                       "the manifest was written")
-    return _rec(name, "ok", f"{got} sample file(s) verified by sha256 ({resumed} resumed)",
+    return _rec(name, "ok", f"{got} sample file(s) verified by {hashes} ({resumed} resumed)",
                 {"files": got, "resumed": resumed, "dir": str(local_dir)})
 
 
@@ -342,14 +356,6 @@ def _rec(name, status, summary, detail, fix=None):
     from specops.result import Record
 
     return Record(name=name, status=status, summary=summary, detail=detail, fix=fix)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 

@@ -111,7 +111,7 @@ def host_merges(manifest, conns, root: Path) -> list[HostReport]:
     """For each output dir shared by shards of the run: the merged manifest made there, and a copy here.
 
     Only shards of the group's own run id count (a moved range has a dir of its own).
-    The copy lands in ``runs/R/shared/<hosts>/manifest.json``, checked by sha256. One
+    The copy lands in ``runs/R/shared/<hosts>/manifest.json``, checked by its digest. One
     host per dir, all dirs at once; a host that does not answer is a report, not a crash.
     """
     jobs_by_group: dict[tuple[str, ...], list] = {}
@@ -139,7 +139,7 @@ def host_merges(manifest, conns, root: Path) -> list[HostReport]:
             remote = Path(data["path"])
             report.records.append(jobs.download_files(
                 host, host.remote_path(str(remote.parent)),
-                [{"path": remote.name, "bytes": data["bytes"], "sha256": data["sha256"]}], local,
+                [{"path": remote.name, "bytes": data["bytes"], **data["digest"]}], local,
                 name="fleet.shared_manifest"))
             data["local"] = str(local / remote.name)
         return report

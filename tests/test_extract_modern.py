@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHARED_RUN_LAYER_IDS
-from test_extract_remote import group_members, job, pid_gone, sha256, wait_final
+from test_extract_remote import blake3_of, group_members, job, pid_gone, wait_final
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -124,7 +124,7 @@ def test_auto_engine_extracts_through_the_server_in_speculators_own_format(moder
     assert manifest["versions"]["speculators"] == "0.9.0"
     assert [f["path"] for f in manifest["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(4)]
     for entry in manifest["files"]:
-        assert sha256(out / entry["path"]) == entry["sha256"]
+        assert blake3_of(out / entry["path"]) == entry["blake3"]
         assert entry["tensors"]["hidden_states"]["shape"] == [entry["tokens"], 4, LLAMA_HIDDEN]
         assert entry["tokens"] <= 128
     assert manifest["dataset_files"] and all((out / n).exists() for n in manifest["dataset_files"])
@@ -232,7 +232,7 @@ def test_specops_extract_status_logs_fetch_over_ssh(modern_ssh_run, model, tp):
     assert len(manifest["files"]) == 4
     for entry in manifest["files"]:
         local = dest / "samples" / entry["path"]
-        assert local.exists() and sha256(local) == entry["sha256"], entry["path"]
+        assert local.exists() and blake3_of(local) == entry["blake3"], entry["path"]
     assert (dest / "logs" / "supervisor.log").exists() and (dest / "logs" / "server.log").exists()
     assert sorted(p.name for p in (dest / "logs").glob("rank*.log")) == [f"rank{r}.log" for r in range(tp)]
 

@@ -17,7 +17,7 @@ import pytest
 
 from specops.exit_codes import ExitCode
 from test_fleet_remote import (OFFLINE, assert_merged, c_up, cli, host_c, kill_host, records_of,  # noqa: F401
-                               revive_host, sha, status_file, wait_for, write_inventory)
+                               revive_host, blake3_of, status_file, wait_for, write_inventory)
 
 
 @pytest.fixture
@@ -138,9 +138,9 @@ def reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_
 def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_inventory, tmp_path):
     runs, inv = tmp_path / "runs", str(fast_inventory)
     local = runs / "L" / "samples" / "data_5.pt"
-    good = sha(local)
+    good = blake3_of(local)
     on_b = tmp_path / "b" / "out" / "L" / "data_5.pt"
-    assert sha(on_b) == good
+    assert blake3_of(on_b) == good
     with open(on_b, "r+b") as fh:
         fh.truncate(1000)
 
@@ -148,8 +148,8 @@ def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_in
     assert fetched.returncode == ExitCode.FAILED, fetched.stdout[-3000:] + fetched.stderr[-3000:]
     said = records_of(fetched.stdout)["s1@b"]["fleet.changed"]
     assert said["status"] == "fail" and "data_5.pt" in said["summary"]
-    assert said["detail"]["changed"][0]["manifest_sha256"] == good and said["detail"]["changed"][0]["bytes"] == 1000
-    assert sha(local) == good, "the good local copy is never overwritten"
+    assert said["detail"]["changed"][0]["manifest_blake3"] == good and said["detail"]["changed"][0]["bytes"] == 1000
+    assert blake3_of(local) == good, "the good local copy is never overwritten"
     merged = json.loads((runs / "L" / "manifest.json").read_text())
     assert 5 in merged["missing"] and 5 not in {f["index"] for f in merged["files"]}
     assert records_of(fetched.stdout)["fleet"]["fleet.merge"]["status"] != "ok"

@@ -8,7 +8,6 @@ generator on vLLM at TP=1 on the tiny DeepSeek-V3.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -28,8 +27,11 @@ BIN = Path(sys.executable).parent
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def sha(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def blake3_of(path) -> str:
+    """A file's BLAKE3, the digest a run's manifest names where the host has blake3 (both test-host envs do)."""
+    import blake3
+
+    return blake3.blake3(Path(path).read_bytes()).hexdigest()
 
 
 def cli(*args, runs: Path, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -149,17 +151,17 @@ def assert_merged(runs: Path, run_id: str, total: int, tmp_path: Path) -> dict:
         out = Path(shard["output_dir"])
         for index in range(shard["start"], shard["stop"]):
             path = out / f"data_{index}.pt"
-            union.add((index, path.name, sha(path), shard["id"], shard["hosts"][0]))
+            union.add((index, path.name, blake3_of(path), shard["id"], shard["hosts"][0]))
         host_manifest = root / "hosts" / shard["hosts"][0] / shard["run_id"] / "manifest.json"
         if host_manifest.exists():  # what the host's own manifest says agrees with the files
-            listed = {e["path"]: e["sha256"] for e in json.loads(host_manifest.read_text())["files"]}
+            listed = {e["path"]: e["blake3"] for e in json.loads(host_manifest.read_text())["files"]}
             for index in range(shard["start"], shard["stop"]):
                 if f"data_{index}.pt" in listed:
-                    assert listed[f"data_{index}.pt"] == sha(out / f"data_{index}.pt")
-    got = {(f["index"], f["path"], f["sha256"], f["shard"], f["host"]) for f in merged["files"]}
+                    assert listed[f"data_{index}.pt"] == blake3_of(out / f"data_{index}.pt")
+    got = {(f["index"], f["path"], f["blake3"], f["shard"], f["host"]) for f in merged["files"]}
     assert got == union
     for f in merged["files"]:  # the merged dir holds exactly those bytes
-        assert sha(root / "samples" / f["path"]) == f["sha256"]
+        assert blake3_of(root / "samples" / f["path"]) == f["blake3"]
     assert sorted(p.name for p in (root / "samples").glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(total))
     assert merged["layer_convention"] == "output" and merged["format_name"] == "pt"
     return merged
@@ -385,7 +387,7 @@ def test_two_modern_hosts_merge_into_one_dir_speculators_trains_on(tmp_path, tes
     assert [f["host"] for f in merged["files"]] == ["a", "a", "b", "b"]
     samples = runs / "H2" / "samples"
     for f in merged["files"]:
-        assert sha(samples / f["path"]) == f["sha256"]
+        assert blake3_of(samples / f["path"]) == f["blake3"]
     assert merged["dataset_files"] and all((samples / name).is_file() for name in merged["dataset_files"])
     seen = speculators_reads(modern_vllm_python, samples)
     assert seen["existing"] == [0, 1, 2, 3] and seen["corrupt"] == [] and len(seen["items"]) == 4

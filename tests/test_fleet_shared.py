@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specops.exit_codes import ExitCode
-from test_fleet_remote import OFFLINE, cli, records_of, sha, status_file, wait_for
+from test_fleet_remote import OFFLINE, cli, records_of, blake3_of, status_file, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = {"dataset_sha256": "ab" * 32, "dataset_samples": 8, "model": {"model_type": "llama", "hidden_size": 256},
@@ -150,14 +150,14 @@ def assert_shared_run(tmp_path: Path, runs: Path, run_id: str, total: int) -> di
     on_host = json.loads((out / "manifest.json").read_text())  # made on the host: the dir's one manifest
     assert on_host["complete"] and [f["index"] for f in on_host["files"]] == list(range(total))
     for f in on_host["files"]:
-        assert sha(out / f["path"]) == f["sha256"]
+        assert blake3_of(out / f["path"]) == f["blake3"]
     group = "+".join(fleet["hosts"]["a"]["storage"]["shared_with"])
     fetched = runs / run_id / "shared" / group / "manifest.json"  # and brought back without a tensor
     assert json.loads(fetched.read_text()) == on_host
     assert not (runs / run_id / "samples").exists()
     laptop = json.loads((runs / run_id / "manifest.json").read_text())
-    assert laptop["complete"] and [(f["index"], f["sha256"]) for f in laptop["files"]] == [
-        (f["index"], f["sha256"]) for f in on_host["files"]]
+    assert laptop["complete"] and [(f["index"], f["blake3"]) for f in laptop["files"]] == [
+        (f["index"], f["blake3"]) for f in on_host["files"]]
     return on_host
 
 
@@ -219,7 +219,7 @@ def test_a_shared_dir_resumes_each_shard_in_its_own_range_and_refuses_another_da
         # its own range only: the other shard's files in the dir do not count as its progress
         assert st["attempt"] == 2 and st["resumed_from"] == lo + first[host]["samples_done"], (host, st, first)
     before = assert_shared_run(tmp_path, runs, "SH2", 8)
-    files = {p.name: sha(p) for p in (tmp_path / "shared" / "SH2").glob("data_*.pt")}
+    files = {p.name: blake3_of(p) for p in (tmp_path / "shared" / "SH2").glob("data_*.pt")}
 
     # the same run id from another laptop and work dirs (another team on the cluster), with another
     # dataset (12 samples) into the same shared dir: refused, naming what differs
@@ -236,7 +236,7 @@ def test_a_shared_dir_resumes_each_shard_in_its_own_range_and_refuses_another_da
         error = run["detail"]["error"]["message"]
         assert "dataset_samples (the number of samples in the dataset): 8 -> 12" in error, error
         assert "dataset_sha256 (the token rows" in error and "layer_ids" not in error.split("What differs")[1]
-    assert {p.name: sha(p) for p in (tmp_path / "shared" / "SH2").glob("data_*.pt")} == files, "nothing changed"
+    assert {p.name: blake3_of(p) for p in (tmp_path / "shared" / "SH2").glob("data_*.pt")} == files, "nothing changed"
     assert json.loads((tmp_path / "shared" / "SH2" / "manifest.json").read_text()) == before
 
 

@@ -27,7 +27,7 @@ IDENTITY = {"dataset_sha256": "ab" * 32, "dataset_samples": 8, "model": {"model_
 
 
 def entry(i: int, **more) -> dict:
-    return {"path": samples.sample_name(i), "index": i, "sha256": f"{i:064x}", "bytes": 10 + i, "tokens": 3, **more}
+    return {"path": samples.sample_name(i), "index": i, "blake3": f"{i:064x}", "bytes": 10 + i, "tokens": 3, **more}
 
 
 def built(fmt=contract.PT, **more) -> dict:
@@ -67,7 +67,8 @@ def test_a_built_manifest_round_trips_and_holds_only_the_run_fields(tmp_path):
     ({"layer_ids": "2,4"}, (), "layer_ids", 'is "2,4", expected a list of integers'),
     ({"layer_convention": "sideways"}, (), "layer_convention", "expected one of ['output', 'input']"),
     ({"sample_range": [4, 2]}, (), "sample_range", "expected [start, stop] with 0 <= start <= stop"),
-    ({"files": [entry(0), {"path": "data_1.pt"}], "params": {}}, schema.FOR_FETCH, "files[1].sha256", "is missing"),
+    ({"files": [entry(0), {"path": "data_1.pt"}], "params": {}}, schema.FOR_FETCH, "files[1]",
+     "has no digest (blake3 or sha256)"),
     ({"files": [entry(0, bytes="10")]}, (), "files[0].bytes", "expected a whole number >= 0"),
     ({"files": [entry(0, path="")]}, (), "files[0].path", "is missing"),
     ({"files": ["data_0.pt"]}, (), "files[0]", "expected an object"),
@@ -235,6 +236,80 @@ def test_the_dev_server_run_builds_with_the_schema(tmp_path):
     assert set(doc) <= fields_of("run") and doc["file_layer_ids"] == [2, 4, 5, 8]
     assert schema.read(run_dir / contract.MANIFEST, schema.FOR_VERIFY) == doc
     assert schema.read(run_dir / "output" / contract.MANIFEST) == doc
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def test_each_file_is_checked_in_its_own_entrys_algorithm_and_a_damaged_one_is_caught(tmp_path):
+    import hashlib
+
+    import blake3
+
+    from remote import fsutil
+
+    path = tmp_path / "hs_0.safetensors"
+    path.write_bytes(bytes(range(256)) * 4096)
+    data = path.read_bytes()
+    new = {"path": path.name, **fsutil.file_digest(path)}
+    older = {"path": path.name, "sha256": hashlib.sha256(data).hexdigest()}  # what a run before BLAKE3 wrote
+    assert new == {"path": path.name, "blake3": blake3.blake3(data).hexdigest()}, "this python has blake3"
+    assert fsutil.buffer_digest(data) == fsutil.file_digest(path, threads=1) == {"blake3": new["blake3"]}
+    assert schema.entry_digest(new) == ("blake3", new["blake3"]) and schema.entry_digest(older)[0] == "sha256"
+    assert schema.file_matches(path, new) and schema.file_matches(path, older)
+    with open(path, "r+b") as fh:  # one byte flipped, the size unchanged: only the digest sees it
+        fh.seek(123_456)
+        fh.write(bytes([data[123_456] ^ 1]))
+    assert not schema.file_matches(path, new) and not schema.file_matches(path, older)
+    with pytest.raises(schema.ManifestError, match="has no digest"):
+        schema.file_matches(path, {"path": path.name})
+    assert schema.digest_names([new]) == "blake3" and schema.digest_names([new, older]) == "blake3 and sha256"
+
+
+def test_a_merge_of_ranges_hashed_with_blake3_and_sha256_keeps_each_files_own(tmp_path):
+    """A host without blake3 (sha256, named) and one with it share an output dir: the merged
+    manifest lists each file with the digest its host made, and every reader checks it so."""
+    from remote import merge
+
+    out = tmp_path / "out"
+    older = [{**entry(i), "sha256": f"{i:064x}"} for i in range(2)]
+    for e in older:
+        del e["blake3"]
+    for lo, hi, files in ((0, 2, older), (2, 4, [entry(2), entry(3)])):
+        samples.write_json_atomic(samples.shard_dir(out, lo, hi) / samples.CLAIM,
+                                  {"run_id": "R", "sample_range": [lo, hi], "who": {"host": f"h{lo}"}})
+        schema.write_atomic(samples.shard_dir(out, lo, hi) / contract.MANIFEST,
+                            built(sample_range=[lo, hi], files=files))
+    rec, = merge.main({"output_dir": str(out), "run_id": "R"})["records"]
+    assert rec["status"] == "ok", rec
+    doc = schema.read(out / contract.MANIFEST, schema.FOR_VERIFY)
+    assert [schema.entry_digest(e)[0] for e in doc["files"]] == ["sha256", "sha256", "blake3", "blake3"]
+    assert remote_manifest().read(out / contract.MANIFEST, ("files[].digest",))["files"] == doc["files"], "the laptop too"
+
+
+FETCH_WITHOUT_BLAKE3 = """
+import json, sys
+from pathlib import Path
+sys.modules["blake3"] = None  # a laptop without the blake3 package: `import blake3` fails
+from specops.jobs import download_files
+from specops.assets import remote_fsutil
+dest = Path(sys.argv[1])
+rec = download_files(None, "/nowhere", [{"path": "hs_0.safetensors", "bytes": 3, "blake3": "0" * 64}], dest)
+older = download_files(None, "/nowhere", [{"path": "data_0.pt", "bytes": 3}], dest)
+print(json.dumps({"status": rec.status, "summary": rec.summary, "fix": rec.fix, "default": remote_fsutil().default_hash(),
+                  "bare": older.summary}))
+"""
+
+
+def test_fetch_of_a_blake3_manifest_on_a_laptop_without_blake3_fails_naming_the_fix(tmp_path):
+    """Never a silent pass: the download stops before any file moves (no host is touched), saying what to install."""
+    proc = subprocess.run([sys.executable, "-c", FETCH_WITHOUT_BLAKE3, str(tmp_path / "samples")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["status"] == "fail" and "cannot check the manifest's blake3 digests" in got["summary"], got
+    assert "pip install blake3" in got["fix"] and got["default"] == "sha256"
+    assert "have no digest" in got["bare"] and not (tmp_path / "samples").exists()
 
 
 # --------------------------------------------------------------------------- the laptop's copy

@@ -1,4 +1,4 @@
-"""The ``hs`` sample file's one read: checks, sha256 and layer statistics, and the resume rule.
+"""The ``hs`` sample file's one read: checks, digest (BLAKE3, else sha256) and layer statistics, and the resume rule.
 
 Runs ``remote/samples.py`` in the modern test-host env (torch 2.13 + safetensors), on
 files written by safetensors itself, the way vLLM's hidden-states connector writes them.
@@ -34,7 +34,16 @@ def write(name, tensors):
 good = write("hs_0.safetensors", {"token_ids": ids, "hidden_states": states})
 d = samples.digest_hs_file(good, asked, file_ids, token_ids=ids.tolist(), hidden_size=H)
 res["good_problems"] = d["problems"]
-res["sha_ok"] = d["sha256"] == hashlib.sha256(open(good, "rb").read()).hexdigest()
+import blake3
+res["hash"] = d["hash"] == {"blake3": blake3.blake3(open(good, "rb").read()).hexdigest()}
+# a host python without blake3 (no vLLM) names sha256 instead: the same one read, another digest
+from remote import fsutil
+sys.modules["blake3"] = None  # what an absent package looks like to `import`
+fsutil.default_hash.cache_clear()
+res["fallback"] = samples.digest_hs_file(good, asked, file_ids)["hash"] == {
+    "sha256": hashlib.sha256(open(good, "rb").read()).hexdigest()}
+del sys.modules["blake3"]
+fsutil.default_hash.cache_clear()
 res["tensors"] = d["tensors"]
 # the digest's statistics equal the float64 ones computed from the loaded tensors
 merged, direct = [], []
@@ -99,7 +108,8 @@ def test_one_read_checks_hashes_and_summarises(modern_hostenv_python, tmp_path):
     hs = tmp_path / "hidden_states"
     hs.mkdir()
     res = run_in_modern_env(modern_hostenv_python, hs)
-    assert res["good_problems"] == [] and res["sha_ok"]
+    assert res["good_problems"] == [] and res["hash"], "the manifest's digest, named: blake3 where the host has it"
+    assert res["fallback"], "a python without blake3 names sha256"
     assert res["tensors"] == {"token_ids": {"shape": [40], "dtype": "int64"},
                               "hidden_states": {"layer_ids": [2, 4, 5, 8], "shape": [40, 4, 48], "dtype": "bfloat16"}}
     # statistics in the order asked, each from its own slice of the file's layer axis

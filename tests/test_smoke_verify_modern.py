@@ -166,14 +166,15 @@ def copy_run(run: dict, run_id: str) -> Path:
 
 
 def rewrite_manifest(run_dir: Path, **changes) -> dict:
-    """Change manifest keys (and re-hash every listed file, so only the planted change differs)."""
-    from remote.fsutil import sha256_file
+    """Change manifest keys (and re-hash every listed file in its entry's own algorithm, so only the planted
+    change differs)."""
+    from remote import fsutil, manifest as schema
 
     out = Path(json.loads((run_dir / "status.json").read_text())["output_dir"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     manifest.update(changes)
     for entry in manifest["files"]:
-        entry["sha256"] = sha256_file(out / entry["path"])
+        entry.update(fsutil.file_digest(out / entry["path"], schema.entry_digest(entry)[0]))
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
@@ -393,9 +394,7 @@ out.mkdir(parents=True)
 ids = torch.arange(3, 40, dtype=torch.long)
 save_file({"token_ids": ids, "hidden_states": torch.zeros(len(ids), 3, 256, dtype=torch.bfloat16)},
           str(out / "hs_0.safetensors"))
-from remote.fsutil import sha256_file
-record = {"index": 0, "file": "hs_0.safetensors", "sha256": sha256_file(out / "hs_0.safetensors"),
-          "bytes": 1, "tokens": len(ids)}
+record = {"index": 0, "file": "hs_0.safetensors", "bytes": 1, "tokens": len(ids)}  # write_run hashes the file
 server_run.write_run(run_dir, model, [2, 4, 5, 8], {"name": "vllm-server", "file_layer_ids": [2, 4, 5, 8]},
                      [record])
 print(json.dumps({}))

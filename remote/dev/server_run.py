@@ -47,7 +47,7 @@ def write_run(run_dir: Path, model: str, layer_ids, engine_info: dict, records: 
         layer_ids=layer_ids, convention=layers.INPUT, sample_range=[0, len(records)], dataset_samples=len(records),
         tokens=sum(r["tokens"] for r in records),
         files=[{"path": f"{HS_DIR}/{r['file']}", "index": r["index"],
-                "sha256": samples.sha256_file(output / HS_DIR / r["file"]),
+                **samples.file_digest(output / HS_DIR / r["file"]),
                 "bytes": r["bytes"], "tokens": r["tokens"]} for r in records],
         params={"trust_remote_code": False}, file_layer_ids=engine_info.get("file_layer_ids"))
     for target in (run_dir, output):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote import manifest as run_manifest
-from remote import contract, protocol, runplan, samples
+from remote import contract, fsutil, protocol, runplan, samples
 from remote.contract import STATUS_FILE, RunState
 
 DEFAULT_SAMPLES = 3
@@ -119,19 +119,23 @@ def choose_samples(manifest: dict, count: int) -> list[dict]:
 def check_files(run: Run, chosen: list[dict]) -> dict:
     """The ``verify.run`` record: the chosen files are the ones the manifest describes.
 
-    :raises VerifyError: a file whose sha256 is not the manifest's.
+    :raises VerifyError: a file whose digest (each entry's own algorithm: blake3, or an older
+        run's sha256) is not the manifest's, or one this python cannot compute.
     """
     manifest = run.manifest
-    mismatched = [f["path"] for f in chosen
-                  if samples.sha256_file(run.output_dir / f["path"]) != f["sha256"]]
+    hashes = run_manifest.digest_names(chosen)
+    try:
+        mismatched = [f["path"] for f in chosen if not run_manifest.file_matches(run.output_dir / f["path"], f)]
+    except fsutil.HashUnavailable as exc:
+        raise VerifyError("verify.files", f"cannot check the manifest's {exc.name} digests here", exc.fix) from None
     if mismatched:
-        raise VerifyError("verify.files", f"{len(mismatched)} sample file(s) differ from the manifest sha256",
+        raise VerifyError("verify.files", f"{len(mismatched)} sample file(s) differ from the manifest {hashes}",
                           "the files changed after the run; re-run the extraction",
                           detail={"files": mismatched, "output_dir": str(run.output_dir)})
     return protocol.record(
         "verify.run", protocol.OK,
         f"run {run.run_dir.name}: {len(chosen)} of {len(manifest['files'])} sample(s) "
-        f"({sum(int(f['tokens']) for f in chosen)} tokens), sha256 match; layers {run.layer_ids} ({run.convention})",
+        f"({sum(int(f['tokens']) for f in chosen)} tokens), {hashes} match; layers {run.layer_ids} ({run.convention})",
         detail={"run_dir": str(run.run_dir), "output_dir": str(run.output_dir),
                 "samples": [f["path"] for f in chosen], "engine": manifest.get("engine")})
 

@@ -23,7 +23,7 @@
    in ``fleet.json``.
 4. **fetch** -- logs, status and manifests of every shard into ``runs/R/hosts/``, and
    once every shard is done, ``runs/R/manifest.json``: one manifest of every sample by
-   global index (``--tensors``: the files too, into ``runs/R/samples/``, sha256-checked).
+   global index (``--tensors``: the files too, into ``runs/R/samples/``, digest-checked).
 
 The same ``extract --run-id R`` again resumes what is unfinished (the map and the flags
 come from ``fleet.json``); ``--reassign FROM=TO`` moves an unfinished shard's remaining

@@ -109,7 +109,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
 
 
 def _local_copy_ok(local_dir: Path, entry: dict) -> bool:
-    """The fetched copy of a merged sample is there, whole (its sha256 was checked when it came)."""
+    """The fetched copy of a merged sample is there, whole (its digest was checked when it came)."""
     path = local_dir / entry["path"]
     try:
         return path.stat().st_size == int(entry["bytes"])

@@ -2,9 +2,10 @@
 
 The connector writes each request's states into the server's storage dir with a
 ``.lock`` held until the file is whole (:func:`wait_for_file`). :func:`land_sample`
-then reads it once (memory-mapped) for the checks, the sha256 and the per-layer
-statistics, and renames it into the output as ``hs_<index>.safetensors``; the digest
-travels in the sample's record to the manifest, so the run never reads the file again.
+then reads it once (memory-mapped) for the checks, the digest (BLAKE3 where the host has
+it, else sha256) and the per-layer statistics, and renames it into the output as
+``hs_<index>.safetensors``; the digest travels in the sample's record to the manifest, so
+the run never reads the file again.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_la
     """Check the file the server wrote, digest it and rename it into ``out_dir``; its record.
 
     One read of the file (memory-mapped) gives the checks (structure, ids echo,
-    ``[T, L, H]``, no NaN/Inf), the sha256 and the per-layer statistics the
+    ``[T, L, H]``, no NaN/Inf), the digest and the per-layer statistics the
     manifest and summary need, so the run never reads it again.
 
     :param layer_ids: the run's ids, in the order the records list them;
