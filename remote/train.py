@@ -24,7 +24,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from remote import job, modelconfig, protocol, samples, trainplan
+from remote import fsutil, job, modelconfig, protocol, samples, trainmem, trainplan
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.trainplan import TrainError
 
@@ -35,10 +35,10 @@ DIGEST_LIMIT = 2 << 30
 CHECKPOINT_BYTES_PER_PARAM = 10
 
 SPEC = Spec("train", {
-    "action": Arg("str", "check", choices=("check", "start"), call=True),
+    "action": Arg("str", "check", choices=("check", "start", "files"), call=True),
     "run_id": Arg("str", required=True, doc="the train run's id (remote.contract.run_id_problem)"),
     "work_dir": RUN_ARGS["work_dir"].but(required=True),
-    "from_run": Arg("str", required=True, doc="the finished extraction run whose states it trains on"),
+    "from_run": Arg("str", doc="check, start: the finished extraction run whose states it trains on"),
     "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
     "train_args": Arg("list", elements="str", doc="more trainer flags, appended as given"),
@@ -46,12 +46,19 @@ SPEC = Spec("train", {
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
-})
+    "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
+    "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
+}, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])
+#: what a draft dir needs to be served (``vllm serve --speculative-config``): speculators' config (and the
+#: config class it names in ``auto_map``) and weights
+DRAFT_FILES = ("config.json", "config.py", "*.safetensors", "*.safetensors.index.json")
 
 
 @SPEC.task
 def main(params: dict) -> dict:
     try:
+        if params["action"] == "files":
+            return draft_files(params)
         records, plan = check(params)
     except TrainError as exc:
         return exc.payload()
@@ -74,6 +81,7 @@ def check(params: dict) -> tuple[list[dict], trainplan.TrainPlan]:
     records.append(check_states(plan))
     records.append(trainplan.check_api(plan, trainplan.trainer_api()))
     records.append(check_disk(plan))
+    records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
     if plan.device == "cpu":
         records.append(check_cpu_launcher())
     return records, plan
@@ -146,12 +154,9 @@ def _matches(path, entry: dict) -> bool:
 
 
 def draft_params(config: dict) -> int:
-    """About how many parameters an EAGLE-3 draft of this target has: embeddings and lm_head
-    (vocab x hidden each), the fc over 3 aux states, one decoder layer of 2 x hidden input."""
-    h = int(modelconfig.text_value(config, "hidden_size") or 0)
-    v = int(modelconfig.text_value(config, "vocab_size") or 0)
-    inter = int(modelconfig.text_value(config, "intermediate_size") or 4 * h)
-    return 2 * v * h + 3 * h * h + 8 * h * h + 3 * h * inter
+    """How many parameters the EAGLE-3 draft of this target has (:func:`remote.trainmem.parameters`)."""
+    counts = trainmem.parameters(trainmem.draft_shape(config))
+    return counts["trainable"] + counts["frozen"]
 
 
 def check_disk(plan: trainplan.TrainPlan) -> dict:
@@ -176,3 +181,45 @@ def check_disk(plan: trainplan.TrainPlan) -> dict:
                          "free disk under work_dir, or train fewer epochs (each keeps a checkpoint)", detail=detail)
     return protocol.record("train.disk", protocol.OK, f"{free / 2**30:.1f} GiB free for about "
                            f"{need / 2**20:.0f} MiB of checkpoints", detail=detail)
+
+
+def draft_files(params: dict) -> dict:
+    """``files``: a checkpoint's draft files (:data:`DRAFT_FILES`, or ``globs``) with their sizes and sha256.
+
+    ``checkpoint`` must lie inside the run's save path once its links are followed
+    (speculators' ``checkpoint_best`` is a link to an epoch dir); the payload names that
+    real dir, so a download reads the files that were hashed even if the link moves.
+    """
+    import fnmatch
+
+    save = trainplan.checkpoints_dir(job.run_dir_of(params))
+    asked = Path(params.get("checkpoint") or save)
+    ckpt = asked if asked.is_absolute() else save / asked
+    try:
+        real, root = ckpt.resolve(strict=True), save.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError):
+        raise TrainError("fetch.draft", f"{ckpt} does not exist on the host",
+                         f"list the run's checkpoints: specops status --run-id {params['run_id']}") from None
+    if real != root and root not in real.parents:
+        raise TrainError("fetch.draft", f"{ckpt} is not inside run {params['run_id']}'s save path {save}",
+                         "name a checkpoint of this train run")
+    globs = params.get("globs") or DRAFT_FILES
+    entries = []
+    for path in sorted(real.iterdir()):
+        if not path.is_file() or not any(fnmatch.fnmatchcase(path.name, g) for g in globs):
+            continue
+        size = path.stat().st_size
+        digest = fsutil.sha256_file(path)
+        if path.stat().st_size != size:
+            raise TrainError("fetch.draft", f"{path} changed while it was hashed (a checkpoint being written)",
+                             "fetch again once the epoch's checkpoint is saved")
+        entries.append({"path": path.name, "bytes": size, "sha256": digest})
+    names = [e["path"] for e in entries]
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise TrainError("fetch.draft", f"{real} holds no draft (config.json and *.safetensors): "
+                         f"{', '.join(names) or 'none of ' + ', '.join(globs)}",
+                         "fetch again once the run has saved a checkpoint", detail={"files": names})
+    total = sum(e["bytes"] for e in entries)
+    return protocol.payload([protocol.record("fetch.draft", protocol.OK, f"{len(entries)} file(s) of {real}, "
+                                             f"{total} bytes, hashed on the host", detail={"dir": str(real)})],
+                            dir=str(real), files=entries)

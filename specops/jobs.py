@@ -227,15 +227,11 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
                                {"files": fetched}))
     status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
     if status.get("kind") == "train":  # a draft's training run: its metrics, curve and best checkpoint
-        from specops.train import fetch_artifacts
+        from specops.train import fetch_artifacts, fetch_draft
 
         report.records += fetch_artifacts(host, run_dir, dest, status)
-        if tensors:
-            report.records.append(_rec("fetch.tensors", "skipped", "a train run has no sample files; its draft's "
-                                       "weights stay on the host, where eval serves them",
-                                       {"checkpoints": status.get("checkpoints")},
-                                       fix=f"copy {status.get('checkpoints')}/checkpoint_best with scp or rsync to "
-                                           f"take the draft elsewhere"))
+        if tensors:  # no sample files: the best checkpoint's draft, servable as it lands in best/
+            report.records.append(fetch_draft(host, run_id, dest, report.records))
     elif tensors:
         report.records.append(fetch_tensors(host, dest))
     return report

@@ -181,6 +181,14 @@ def _status(inventory, run_id, env) -> tuple[int, dict]:
 
 
 @pytest.mark.vllm
+def _fetch_draft(inv, env) -> dict:
+    proc = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = records(proc)["fetch.tensors"]
+    assert rec["status"] == "ok" and "sha256 checked" in rec["summary"], rec
+    return rec
+
+
 def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_refused(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
     inv, env, work = run["inventory"], run["env"], run["run_dir"].parent.parent
@@ -195,6 +203,9 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert plan["layer_ids"] == [2, 4, 5, 8] and plan["trainer_layer_ids"] == [2, 4, 5]
     assert plan["backend"] == "file" and plan["total_seq_len"] == 128 and plan["state_format"] == "bf16"
     assert recs["train.states"]["status"] == recs["train.trainer"]["status"] == recs["train.disk"]["status"] == "ok"
+    memory = recs["train.memory"]  # the draft's weights, grads, AdamW and one batch against the RAM available
+    assert memory["status"] == "ok" and memory["detail"]["free"]["where"] == "RAM (MemAvailable)", memory
+    assert memory["detail"]["shape"]["hidden"] == 256 and memory["detail"]["total_seq_len"] == 128
     deadline = time.monotonic() + 600
     while True:
         code, st = _status(inv, "draft", env)
@@ -221,11 +232,24 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     metrics = Path(env["SPECOPS_RUNS"]) / "th" / "draft" / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
     assert steps[-1] == st["steps_total"] - 1 and sorted(set(steps)) == list(range(steps[-1] + 1)), steps
-    # fetch brought the metrics as CSV, the curve as a PNG and the best checkpoint's config; --tensors says the
-    # draft's weights stay on the host (a train run has no sample files)
-    again = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert records(again)["fetch.tensors"]["status"] == "skipped", records(again)
+    # fetch --tensors brings the best checkpoint's draft, hashed on the host, checked here; again: nothing moves;
+    # a download cut short (a .part of half the file) is resumed, never taken for the file
+    best_dir = metrics.parent / "best"
+    draft = _fetch_draft(inv, env)
+    host_best = (work / "runs" / "draft" / "checkpoints" / "checkpoint_best").resolve()
+    assert draft["detail"]["host_dir"] == str(host_best) and "model.safetensors" in draft["detail"]["downloaded"]
+    assert (best_dir / "model.safetensors").read_bytes() == (host_best / "model.safetensors").read_bytes()
+    assert "config.json" in draft["detail"]["kept"] and "vllm serve TARGET --speculative-config" in \
+        draft["detail"]["serve"] and not (best_dir / "optimizer_state_dict.pt").exists()
+    inode = (best_dir / "model.safetensors").stat().st_ino
+    again = _fetch_draft(inv, env)
+    assert again["detail"]["downloaded"] == [] and (best_dir / "model.safetensors").stat().st_ino == inode, again
+    whole = (best_dir / "model.safetensors").read_bytes()
+    (best_dir / "model.safetensors").unlink()
+    (best_dir / "model.safetensors.part").write_bytes(whole[:len(whole) // 2])
+    cut = _fetch_draft(inv, env)
+    assert cut["detail"]["resumed"] == 1 and cut["detail"]["downloaded"] == ["model.safetensors"], cut
+    assert (best_dir / "model.safetensors").read_bytes() == whole and not (best_dir / "model.safetensors.part").exists()
     fetched = records(resumed)
     assert fetched["fetch.metrics"]["status"] == "ok" and "curve.png" in fetched["fetch.metrics"]["summary"]
     assert (metrics.parent / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -260,10 +284,10 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert error["pid"] == trainer and error["message"].startswith(f"rank 0 (trainer, pid {trainer}) was killed by SIGKILL")
     assert "resumes from the last epoch checkpoint" in error["message"], error
 
-    # a copy of the trained draft with its aux ids off by one: refused before anything loads
-    last = work / "runs" / "draft" / "checkpoints" / str(st["checkpoint"]["epoch"])
+    # a copy of the fetched draft (best/, as fetch --tensors left it) with its aux ids off by one: refused before
+    # anything loads; forced below, vLLM serves it from that copy
     shifted = tmp_path / "shifted-draft"
-    shutil.copytree(last, shifted)
+    shutil.copytree(best_dir, shifted)
     config = json.loads((shifted / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
     (shifted / "config.json").write_text(json.dumps(config))
