@@ -33,10 +33,9 @@ from __future__ import annotations
 import os
 
 from remote import modelconfig
+from remote.probes import GiB, MiB, human_bytes
 from remote.protocol import FAIL, OK, SKIPPED, WARN, record
 
-GiB = 1024 ** 3
-MiB = 1024 ** 2
 #: fp32 master weights, fp32 grads, AdamW's exp_avg + exp_avg_sq in fp32.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_STATES, STATE_BYTES = 4, 4, 2, 4
 #: bf16: the states the dataloader hands over and the autocast activations.
@@ -175,39 +174,40 @@ def free_memory(device: str, env: dict | None = None, *, gpus: list | None = Non
             "total_bytes": (gpu["memory_total_mib"] or 0) * MiB, "gpu": gpu}
 
 
-def _gib(n) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / MiB:.0f} MiB"
+def _count(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 10e6 else f"{n / 1e6:.2f}M"
 
 
 def judge(est: dict, free: dict) -> dict:
     """The ``train.memory`` record: ok with :data:`HEADROOM` to spare, warn with less, fail when it does not fit."""
     parts, need = est["parts"], est["need_bytes"]
     s = est["shape"]
-    line = (f"{_gib(need)}: weights {_gib(parts['weights'])} ({est['params']['trainable'] / 1e6:.0f}M trainable + "
-            f"{est['params']['frozen'] / 1e6:.0f}M frozen, fp32), grads + AdamW {_gib(parts['grads'] + parts['optimizer'])}"
-            f", activations ~{_gib(parts['activations'])} ({est['total_seq_len']} tokens x {est['ttt_steps']} TTT "
-            f"steps, logits over {s['draft_vocab']} draft tokens {_gib(est['activations']['logits'])})")
+    p, logits = est["params"], est["activations"]["logits"]
+    line = (f"{human_bytes(need)}: weights {human_bytes(parts['weights'])} ({_count(p['trainable'])} trainable + "
+            f"{_count(p['frozen'])} frozen, fp32), grads + AdamW {human_bytes(parts['grads'] + parts['optimizer'])}, "
+            f"activations ~{human_bytes(parts['activations'])} ({est['total_seq_len']} tokens x {est['ttt_steps']} "
+            f"TTT steps, logits over {s['draft_vocab']} draft tokens {human_bytes(logits)})")
     detail = {**est, "free": {k: v for k, v in free.items() if k != "gpu"}}
     if free.get("free_bytes") is None:
         return record("train.memory", SKIPPED, f"needs about {line}; free memory unknown: {free.get('why')}",
                       detail=detail)
     have = int(free["free_bytes"])
-    where = f"{free['where']} has {_gib(have)} free"
+    where = f"{free['where']} has {human_bytes(have)} free"
     if need <= have * (1 - HEADROOM):
         return record("train.memory", OK, f"needs about {line}; {where}", detail=detail)
     acts = est["activations"]
     fixes = []
     if acts["logits"] >= max(acts["layers"], parts["weights"] / 2):
         fixes.append(f"a smaller draft vocabulary (speculators' --draft-vocab-size, e.g. 32000, with a token_freq.pt "
-                     f"in the data path: the logits over {s['draft_vocab']} tokens take {_gib(acts['logits'])})")
+                     f"in the data path: the logits over {s['draft_vocab']} tokens take {human_bytes(acts['logits'])})")
     if parts["activations"] > parts["weights"]:
         fixes.append(f"a shorter seq_len for the extraction (the trainer's --total-seq-len, now "
                      f"{est['total_seq_len']})")
     fixes.append("a GPU with more free memory (stop what else runs on it, or pick another: CUDA_VISIBLE_DEVICES "
                  "in the inventory's env)" if "gpu" in free else "a host with more available RAM")
     status = WARN if need <= have else FAIL
-    summary = (f"needs about {line}; {where}" + (f" ({_gib(have - need)} to spare, under {HEADROOM:.0%})"
-                                                  if status == WARN else f": {_gib(need - have)} short"))
+    summary = (f"needs about {line}; {where}" + (f" ({human_bytes(have - need)} to spare, under {HEADROOM:.0%})"
+                                                  if status == WARN else f": {human_bytes(need - have)} short"))
     return record("train.memory", status, summary, detail=detail, fix="; or ".join(fixes))
 
 
