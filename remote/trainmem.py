@@ -226,15 +226,42 @@ def flag_value(args, flag: str):
         return None
 
 
+def draft_vocab(extra_args, data_path) -> tuple[int | None, str | None]:
+    """The ``--draft-vocab-size`` the trainer will really use, and why one given is not.
+
+    speculators builds the vocab maps from ``d2t-<N>.npy``/``t2d-<N>.npy`` in the data path,
+    ``--d2t-path``/``--t2d-path``, or a token frequency file (``--token-freq-path``, else
+    ``<data>/token_freq.pt``); with none of them it warns in its log and trains over the
+    full vocab (``train/cli.py`` ``parse_vocab_mappings``), so that is what is sized.
+    """
+    from pathlib import Path
+
+    size = flag_value(extra_args, "--draft-vocab-size")
+    if size is None:
+        return None, None
+    args = [str(a) for a in extra_args or []]
+    data = Path(str(data_path or "."))
+    if any(a.split("=")[0] in ("--d2t-path", "--t2d-path", "--token-freq-path") for a in args) or \
+            (data / f"d2t-{size}.npy").is_file() and (data / f"t2d-{size}.npy").is_file() or \
+            (data / "token_freq.pt").is_file():
+        return size, None
+    return None, (f"--draft-vocab-size {size} has no vocab maps to use (no d2t-{size}.npy/t2d-{size}.npy or "
+                  f"token_freq.pt in {data}): speculators trains over the full vocab")
+
+
 def check(plan, config: dict, env: dict | None = None) -> dict:
     """``train.memory`` for a :class:`remote.trainplan.TrainPlan` on this host, now."""
     extra = plan.extra_args
+    vocab, ignored = draft_vocab(extra, plan.data_path)
     try:
         est = estimate(config, total_seq_len=flag_value(extra, "--total-seq-len") or plan.total_seq_len,
-                       device="cuda" if plan.device == "cuda" else "cpu",
-                       draft_vocab_size=flag_value(extra, "--draft-vocab-size"),
+                       device="cuda" if plan.device == "cuda" else "cpu", draft_vocab_size=vocab,
                        num_layers=flag_value(extra, "--num-layers"), ttt_steps=flag_value(extra, "--ttt-steps"),
                        num_aux=len(plan.trainer_layer_ids) or None)
     except ValueError as exc:
         return record("train.memory", SKIPPED, f"cannot size the draft from {plan.model_path}: {exc}", detail={})
-    return judge(est, free_memory("cuda" if plan.device == "cuda" else "cpu", env))
+    rec = judge(est, free_memory("cuda" if plan.device == "cuda" else "cpu", env))
+    if ignored:
+        rec["detail"]["draft_vocab_ignored"] = ignored
+        rec["summary"] += f" ({ignored})"
+    return rec

@@ -150,3 +150,34 @@ def test_the_host_refuses_a_dir_outside_the_run_and_a_dir_without_weights(tmp_pa
     # check and start still need the states run
     refused = train.main({"action": "check", "run_id": "t1", "work_dir": str(tmp_path / "w")})
     assert refused["records"][0]["name"] == "train.params" and "from_run" in refused["records"][0]["summary"]
+
+
+def _plan(tmp_path, extra_args, device="cpu"):
+    from remote.trainplan import TrainPlan
+
+    return TrainPlan(run_id="t1", from_run="r1", states_run_dir=str(tmp_path / "r1"), data_path=str(tmp_path / "out"),
+                     model_path=str(tmp_path / "model"), layer_ids=[2, 16, 29, 32], trainer_layer_ids=[2, 16, 29],
+                     num_layers=32, state_format="bf16", backend="file", total_seq_len=2048, samples=4, tokens=8192,
+                     sample_range=[0, 4], save_path=str(tmp_path / "ckpt"), epochs=1, device=device,
+                     extra_args=extra_args)
+
+
+def test_a_draft_vocab_size_without_vocab_maps_is_sized_as_the_full_vocab_speculators_then_trains(tmp_path):
+    """speculators 0.9 warns and trains over the full vocab when --draft-vocab-size finds no maps to build from."""
+    (tmp_path / "out").mkdir()
+    plan = _plan(tmp_path, ["--draft-vocab-size", "32000", "--total-seq-len", "4096"])
+    rec = trainmem.check(plan, LLAMA_LIKE)
+    assert rec["detail"]["shape"]["draft_vocab"] == 128256 and rec["detail"]["total_seq_len"] == 4096
+    assert "no d2t-32000.npy/t2d-32000.npy or token_freq.pt" in rec["detail"]["draft_vocab_ignored"]
+    assert rec["detail"]["free"]["where"] == "RAM (MemAvailable)"
+    import numpy as np
+
+    # the maps as speculators caches them beside the data: t2d a mask over the target vocab, d2t the offsets
+    t2d = np.zeros(128256, dtype=bool)
+    t2d[:32000] = True
+    np.save(tmp_path / "out" / "t2d-32000.npy", t2d)
+    np.save(tmp_path / "out" / "d2t-32000.npy", np.zeros(32000, dtype=np.int64))
+    rec = trainmem.check(plan, LLAMA_LIKE)
+    assert rec["detail"]["shape"]["draft_vocab"] == 32000 and "draft_vocab_ignored" not in rec["detail"]
+    assert trainmem.check(_plan(tmp_path, ["--draft-vocab-size=32000", "--token-freq-path", "/x.pt"]),
+                          LLAMA_LIKE)["detail"]["shape"]["draft_vocab"] == 32000
