@@ -147,11 +147,12 @@ def buffer_digest(data, name: str | None = None, threads: int = 1) -> dict:
     return {name: digest.hexdigest()}
 
 
-def file_digest(path, name: str | None = None, threads: int = 0, chunk: int = 1 << 22) -> dict:
+def file_digest(path, name: str | None = None, threads: int = 1, chunk: int = 1 << 22) -> dict:
     """``{name: hex}`` of the file at ``path``, read in ``chunk``-sized blocks (samples can be gigabytes).
 
     :param name: as for :func:`buffer_digest`.
-    :param threads: BLAKE3's threads (0: all cores: one file checked at a time).
+    :param threads: BLAKE3's threads (0: all cores); one by default: a host's listing or check may
+        run beside an extraction whose server needs the cores, and one core outruns most disks.
     :raises HashUnavailable: ``name`` cannot be computed here.
     """
     name = name or default_hash()
