@@ -184,18 +184,20 @@ def test_a_corrupted_layer_output_in_one_file_fails(deepseek_run, modern_fixed_p
 def test_quantized_checkpoints_and_runs_without_a_pair_are_refused(llama_run, modern_fixed_python, tmp_path):
     import shutil
 
-    model = tmp_path / "llama-fp8"
+    # fp8 blocks and compressed-tensors pack-quantized are dequantized (test_verify_dequant); others refused
+    model = tmp_path / "llama-awq"
     shutil.copytree(json.loads((llama_run["run_dir"] / "manifest.json").read_text())["model"]["path"], model)
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (model / "config.json").write_text(json.dumps(config))
-    quantized = copy_run(llama_run, "layer-fp8")
+    quantized = copy_run(llama_run, "layer-awq")
     manifest = json.loads((quantized / "manifest.json").read_text())
     rewrite_manifest(quantized, model=dict(manifest["model"], path=str(model)))
     recs = verify_layer_direct(modern_fixed_python, quantized)
     ref = recs["verify.reference"]
-    assert ref["status"] == "fail" and ref["detail"]["quantization"]["quant_method"] == "fp8", ref
-    assert "quantized (fp8, config.json quantization_config)" in ref["summary"] and ref["fix"]
+    assert ref["status"] == "fail" and ref["detail"]["quantization"]["quant_method"] == "awq", ref
+    assert "quantized (awq, config.json quantization_config)" in ref["summary"] and ref["fix"]
+    assert "dequantizes fp8 with weight_block_size" in ref["summary"], ref["summary"]
 
     unpaired = copy_run(llama_run, "layer-unpaired")
     rewrite_manifest(unpaired, layer_ids=[2, 4, 6, 8], file_layer_ids=[2, 4, 6, 8])

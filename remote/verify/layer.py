@@ -28,20 +28,23 @@ Records: ``verify.run``, ``verify.reference``, ``verify.layer.<j>`` per checked 
 layer ``j``, ``verify.routing`` (MoE layers checked), ``verify.convention``,
 ``verify.llama_4_scaling`` (models with the scaling), ``verify.coverage`` (which layer
 kinds -- first, last, dense, MoE, attention types -- were checked, and which no captured
-pair reaches). Quantized checkpoints are refused. Stdlib only at import.
+pair reaches). A quantized checkpoint's layer is dequantized to float32 as it loads (fp8
+blocks, compressed-tensors pack-quantized: :mod:`remote.verify.dequant`; ``verify.reference``
+names which), any other quantization refused naming it. Stdlib only at import.
 """
 from __future__ import annotations
 
 import gc
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from remote import modelconfig, protocol
 from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES, expected_indices, layer_fix,
                                    layer_numbers, layer_status, merge)
 from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
-from remote.verify.layerload import (PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, cast_weights, forward,
-                                     refuse_quantized)
+from remote.verify.dequant import activation_rounding, scheme_of
+from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, cast_weights, forward
 from remote.verify.routing import NEAR_TIE_SIGMAS, RouterControl, match_routing
 from remote.verify.run import DEFAULT_SAMPLES, VerifyError, check_files, choose_samples, load_sample, open_run
 
@@ -60,7 +63,7 @@ LAYER_WARN_FACTOR = 1.5
 def verify_layers(params: dict) -> dict:
     """The layer-local check of the run ``params`` names (see the module docstring).
 
-    :raises VerifyError: a run that cannot be verified, a quantized model, no decoder layer
+    :raises VerifyError: a run that cannot be verified, a quantization not dequantized, no decoder layer
         whose input and output were both captured.
     """
     run = open_run(params)
@@ -68,7 +71,7 @@ def verify_layers(params: dict) -> dict:
     records = [check_files(run, chosen)]
     model_path = params.get("model_path") or run.manifest["model"]["path"]
     config = modelconfig.read(model_path)
-    refuse_quantized(config, model_path)
+    quant = scheme_of(config, model_path)
     num_layers = modelconfig.decoder_layers(config)
     expected = expected_indices(run.layer_ids, run.convention, num_layers)
     stream_of = {k: lid for lid, k in expected.items()}  # stream index -> captured id
@@ -83,7 +86,7 @@ def verify_layers(params: dict) -> dict:
     import transformers
 
     setup_from = PeakMemory.rss()
-    check = LayerCheck(model_path, config, num_layers)
+    check = LayerCheck(model_path, config, num_layers, quant)
     warm_up(check.factory.hf_config)
     # what the check holds from here on: the samples, one layer at a time, its activations
     peak = PeakMemory()
@@ -237,9 +240,9 @@ class LayerResult:
 class LayerCheck:
     """The checkpoint, the layer factory, and the check of one decoder layer at a time."""
 
-    def __init__(self, model_path, config: dict, num_layers: int):
+    def __init__(self, model_path, config: dict, num_layers: int, quant=None):
         self.model_path, self.config, self.num_layers = str(model_path), config, num_layers
-        self.checkpoint = Checkpoint(model_path, num_layers)
+        self.checkpoint = Checkpoint(model_path, num_layers, quant)
         self.factory = LayerFactory(config)
         self.kinds = {j: self._kinds(j) for j in range(num_layers)}
 
@@ -261,6 +264,8 @@ class LayerCheck:
         rows, computed, flips, routing, used = [], [], [], [], []
         floor = {"dtype": samples[0].dtype, "nrmse": None}
         tol = TOLERANCES.get(samples[0].dtype, TOLERANCES["bf16"])
+        if activation_rounding(self.checkpoint.quant) is not None:  # fp8 activations move a token as fp8 states do
+            tol = TOLERANCES["fp8"]
         try:
             for s in samples:
                 x, captured = s.streams[j].float(), s.streams[j + 1]
@@ -291,7 +296,8 @@ class LayerCheck:
         return facts, rows, computed, flips, routing, floor, bool(route.routers)
 
     def _floor(self, layer, route, samples, j, computed, used) -> dict:
-        """The same layer in the capture's dtype, same input, same experts: its nrmse against float32.
+        """The same layer in the capture's dtype, same input, same experts: its nrmse against float32
+        (for an fp8 W8A8 checkpoint with each linear's input rounded as the engine rounds it).
 
         fp8 states: the layer in bf16 on its input rounded once more (:func:`remote.verify.floor.fp8_regrid`:
         the captured input carries fp8's rounding, which a residual stream passes on), its output
@@ -301,21 +307,28 @@ class LayerCheck:
 
         fp8 = samples[0].dtype == FP8
         dtype = torch.bfloat16 if fp8 else getattr(torch, samples[0].dtype)
+        # an fp8 W8A8 engine rounds each linear's input too (remote.verify.dequant.Fp8Activations)
+        rounding = activation_rounding(self.checkpoint.quant)
         cast_weights(layer, dtype)
-        worst = 0.0
+        worst = {"weights": 0.0, "activations": 0.0}
         try:
             for s, reference, experts in zip(samples, computed, used):
                 route.forced = experts
                 x = fp8_regrid(s.streams[j], s.scales) if fp8 else s.streams[j]
-                rounded = forward(self.factory, layer, x.to(dtype)).float()
-                if fp8:
-                    rounded = fp8_with_scales(rounded, s.scales)
-                worst = max(worst, float((rounded - reference).norm() / (reference.norm() + 1e-12)))
+                for kind in ("weights", "activations") if rounding else ("weights",):
+                    with rounding if kind == "activations" else nullcontext():
+                        rounded = forward(self.factory, layer, x.to(dtype)).float()
+                    if fp8:
+                        rounded = fp8_with_scales(rounded, s.scales)
+                    worst[kind] = max(worst[kind], float((rounded - reference).norm() / (reference.norm() + 1e-12)))
         except Exception as exc:  # a dtype this CPU's kernels lack must not cost the fp32 verdict
             return {"dtype": samples[0].dtype, "nrmse": None, "why": f"{type(exc).__name__}: {exc}"}
         finally:
             route.forced = {}
-        return {"dtype": samples[0].dtype, "nrmse": worst, "why": None}
+        if rounding:
+            return {"dtype": samples[0].dtype, "nrmse": worst["activations"], "why": None,
+                    "activations": rounding.describe(), "nrmse_weights_only": worst["weights"]}
+        return {"dtype": samples[0].dtype, "nrmse": worst["weights"], "why": None}
 
     def layer(self, j: int, samples: list) -> LayerResult:
         facts, rows, computed, flips, routing, floor, routed = self.run_layer(j, samples)
@@ -405,12 +418,15 @@ def reference_record(check: LayerCheck, model_path: str, version: str, memory: d
                f"{memory['whole_model_fp32_bytes'] / MiB:.1f} MiB)")
     if scaling is not None:
         summary += "; llama_4_scaling by " + ("specops attention hook" if factory.hook.active else "transformers")
+    quant = check.checkpoint.quant
+    if quant is not None:
+        summary += f"; weights dequantized to float32 from {quant.describe()}"
     return protocol.record(
         "verify.reference", protocol.OK, summary,
         detail={"reference": "layer", "model_path": model_path, "dtype": "float32", "transformers": version,
                 "layer_class": factory.layer_class.__name__, "attention": factory.attention,
                 "weights_root": check.checkpoint.root, "num_layers": check.num_layers, "memory": memory,
-                "llama_4_scaling": scaling,
+                "llama_4_scaling": scaling, "quantization": quant.detail() if quant is not None else None,
                 "thresholds": {"rel_tol": REL_TOL, "cos_tol": COS_TOL, "floor_factor": FLOOR_FACTOR,
                                "warn_factor": LAYER_WARN_FACTOR,
                                "floor_min": FLOOR_MIN, "near_tie_sigmas": NEAR_TIE_SIGMAS}})
@@ -436,7 +452,7 @@ def layer_record(result: LayerResult, run) -> dict:
             f"{n['agree']}/{n['tokens']} tokens agree")
     if "floor_ratio" in n:
         text += (f"; {n['floor_ratio']:.2f}x the {result.floor['dtype']} rounding floor of this layer "
-                 f"({n['floor_nrmse']:.3%})")
+                 f"({n['floor_nrmse']:.3%}{', fp8 activations' if result.floor.get('activations') else ''})")
         if n["floor_ratio"] > FLOOR_FACTOR:
             text += ": an error every token shares, beyond rounding"
         elif n["floor_ratio"] > LAYER_WARN_FACTOR:

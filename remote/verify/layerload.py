@@ -21,6 +21,7 @@ from contextlib import ExitStack, contextmanager
 
 from remote import modelconfig
 from remote.probes.checkpoint import ShardError, find_weights, read_header
+from remote.verify.dequant import LayerView, config_block, method_of
 from remote.verify.run import VerifyError
 from remote.verify.scaling import Llama4Scaling, hf_implements_llama4, scaling_config
 
@@ -38,35 +39,32 @@ PLAIN_EMBEDDING_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwe
 def quantization(config: dict):
     """``(where, method)`` of a quantized model's config (``quantization_config`` or
     ``compression_config``, at the top or in the text config), or None."""
-    text = modelconfig.text_config(config)
-    for holder, where in ((config, ""), (text, f"{modelconfig.wrapper_key(config)}.")):
-        for key in ("quantization_config", "compression_config"):
-            block = holder.get(key)
-            if isinstance(block, dict):
-                method = block.get("quant_method") or block.get("format") or "unknown method"
-                return f"{where if holder is not config else ''}{key}", str(method)
-    return None
+    found = config_block(config)
+    return (found[0], method_of(found[1])) if found else None
 
 
 def refuse_quantized(config: dict, model_path) -> None:
-    """:raises VerifyError: the model is quantized (this check reads float weights only)."""
+    """:raises VerifyError: the model is quantized (a check that reads float weights only: the logits
+    check; the layer-local check dequantizes what :mod:`remote.verify.dequant` supports)."""
     found = quantization(config)
     if found:
         where, method = found
         raise VerifyError(
             "verify.reference",
             f"{os.path.basename(str(model_path).rstrip('/'))} is quantized ({method}, config.json {where}): "
-            f"the layer-local reference reads float weights only and does not dequantize",
-            "verify this run with --reference hf on a host with the float model, or check the engine on an "
-            "unquantized twin (specops smoke); dequantizing one layer is not implemented yet",
+            f"this reference reads float weights only and does not dequantize",
+            "verify this run with --reference layer (it dequantizes fp8 block and compressed-tensors "
+            "pack-quantized layers) or --reference hf on a host with the float model",
             detail={"quantization": {"key": where, "quant_method": method}})
 
 
 class Checkpoint:
     """The model's safetensors: which shard holds each tensor, and reading a few of them."""
 
-    def __init__(self, model_path, num_layers: int):
+    def __init__(self, model_path, num_layers: int, quant=None):
         self.model_path = str(model_path)
+        #: the quantization its layers are dequantized by (:func:`remote.verify.dequant.scheme_of`), or None
+        self.quant = quant
         try:
             index, expected, on_disk, _others = find_weights(self.model_path)
         except (OSError, ValueError) as exc:
@@ -134,18 +132,20 @@ class Checkpoint:
 
     @contextmanager
     def reader(self, dtype):
-        """``get(key)``: one tensor read with ``safe_open`` and cast to ``dtype``; each shard opened once."""
+        """``get(key, raw=False)``: one tensor read with ``safe_open`` and cast to ``dtype`` (``raw``: as
+        stored); each shard opened once."""
         from safetensors import safe_open
 
         with ExitStack() as stack:
             handles = {}
 
-            def get(key):
+            def get(key, raw=False):
                 shard = self.where[key]
                 if shard not in handles:
                     handles[shard] = stack.enter_context(
                         safe_open(os.path.join(self.model_path, shard), framework="pt", device="cpu"))
-                return handles[shard].get_tensor(key).to(dtype)
+                tensor = handles[shard].get_tensor(key)
+                return tensor if raw else tensor.to(dtype)
             yield get
 
     def embedding_rows(self, ids) -> object:
@@ -166,11 +166,11 @@ class Checkpoint:
     def whole_fp32_bytes(self) -> int:
         """What every tensor of the checkpoint would take in float32 (the shards' headers, no data read)."""
         total = 0
-        for info in self.describe(list(self.where)).values():
+        for key, info in self.describe(list(self.where)).items():
             numel = 1
             for dim in info["shape"]:
                 numel *= dim
-            total += 4 * numel
+            total += 4 * (self.quant.fp32_numel(key, numel) if self.quant is not None else numel)
         return total
 
 
@@ -246,7 +246,9 @@ class LayerFactory:
         text = modelconfig.text_config(config)
         self.text = text
         config_cls = _hf_config_class(text)
-        fields = {k: v for k, v in text.items() if k != "model_type"}
+        # the quantization is undone while loading (remote.verify.dequant): the layers are plain float
+        fields = {k: v for k, v in text.items()
+                  if k not in ("model_type", "quantization_config", "compression_config")}
         self.hf_config = config_cls(**fields)
         self.scaling = scaling_config(text)
         self.hook = Llama4Scaling(self.scaling) if self.scaling is not None else None
@@ -285,24 +287,23 @@ class LayerFactory:
 
         keys = checkpoint.layer_keys(j)
         described = checkpoint.describe(list(keys.values()))
-        odd = sorted(f"{name} ({described[key]['dtype']})" for name, key in keys.items()
-                     if described[key]["dtype"] not in FLOAT_DTYPES)
-        if odd:
-            raise VerifyError("verify.reference", f"decoder layer {j} holds tensors that are not float weights: "
-                              f"{', '.join(odd[:3])}: a quantized layout the layer-local check cannot read",
-                              "verify with --reference hf, or on an unquantized twin (specops smoke)")
-        with torch.device("meta"):
-            layer = self.layer_class(self.hf_config, layer_idx=j)
-        shapes = {name: described[key]["shape"] for name, key in keys.items()}
-        plan, problems = plan_state(layer, shapes)
-        if problems:
-            raise VerifyError("verify.reference", f"decoder layer {j} ({self.layer_class.__name__}) does not fit "
-                              f"the checkpoint: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
-                                                                  else ""),
-                              "the checkpoint and config.json disagree, or transformers lays this model out "
-                              "otherwise; use --reference hf", detail={"problems": problems})
         with checkpoint.reader(torch.float32) as get:
-            state = fill_state(plan, shapes, keys, get, torch.float32)
+            view = LayerView(checkpoint.quant, keys, described, get)
+            odd = sorted(f"{name} ({dtype})" for name, dtype in view.plain.items() if dtype not in FLOAT_DTYPES)
+            if odd:
+                raise VerifyError("verify.reference", f"decoder layer {j} holds tensors that are not float weights: "
+                                  f"{', '.join(odd[:3])}: a quantized layout the layer-local check cannot read",
+                                  "verify with --reference hf, or on an unquantized twin (specops smoke)")
+            with torch.device("meta"):
+                layer = self.layer_class(self.hf_config, layer_idx=j)
+            plan, problems = plan_state(layer, view.shapes)
+            if problems:
+                raise VerifyError("verify.reference", f"decoder layer {j} ({self.layer_class.__name__}) does not "
+                                  f"fit the checkpoint: {problems[0]}" + (f" (+{len(problems) - 1} more)"
+                                                                           if len(problems) > 1 else ""),
+                                  "the checkpoint and config.json disagree, or transformers lays this model out "
+                                  "otherwise; use --reference hf", detail={"problems": problems})
+            state = fill_state(plan, view.shapes, view.tokens, view.get, torch.float32)
         layer.load_state_dict(state, assign=True, strict=True)
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         if left:
@@ -312,7 +313,7 @@ class LayerFactory:
         facts = {"tensors": len(keys), "shards": checkpoint.files_of(keys.values()),
                  "fp32_bytes": sum(t.numel() * 4 for t in state.values()),
                  "moe": any(".experts." in f".{name}" for name in keys),
-                 "class": self.layer_class.__name__}
+                 "class": self.layer_class.__name__, "dequantized": len(view.dequantized)}
         return layer, facts
 
 
