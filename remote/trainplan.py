@@ -45,7 +45,7 @@ CPU_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 #: a train run dir's own parts: the trainer's save path, its log, the metrics the run parsed.
 CHECKPOINTS, TRAIN_LOG, METRICS_FILE = "checkpoints", "train.log", "metrics.jsonl"
 #: what every run passes: EAGLE-3, and the eager loss (the fused one fails under torch.compile
-#: on speculators 0.9.0: FACTS.md, the H200 check).
+#: on speculators 0.9.0, checked on the H200).
 FIXED = [("speculator_type", "eagle3"), ("loss_implementation", "eager")]
 #: a CPU host's flags: flex attention and dataloader workers need a GPU; Muon's step took 2.5 s
 #: of a 3.2 s step on the 2-core test host, AdamW's 6 ms (1.06 s a step).

@@ -221,18 +221,13 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
                 (dest / sub).mkdir(exist_ok=True)
                 remote_fsutil().atomic_write(dest / sub / name, data, mode=0o644)
                 fetched.append(f"{sub}/{name}")
+    status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
     report = HostReport(host=host.name, task="fetch", data={"dest": str(dest), "files": fetched,
-                                                            "state": state.state})
+                                                            "state": state.state, "run_dir": run_dir,
+                                                            "kind": status.get("kind") or "extract"})
     report.records.append(_rec("fetch.run", "ok", f"{len(fetched)} file(s) of run {run_id} in {dest}",
                                {"files": fetched}))
-    status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
-    if status.get("kind") == "train":  # a draft's training run: its metrics, curve and best checkpoint
-        from specops.train import fetch_artifacts, fetch_draft
-
-        report.records += fetch_artifacts(host, run_dir, dest, status)
-        if tensors:  # no sample files: the best checkpoint's draft, servable as it lands in best/
-            report.records.append(fetch_draft(host, run_id, dest, report.records))
-    elif tensors:
+    if tensors and report.data["kind"] != "train":  # a train run has no sample files (specops.train.fetch_run)
         report.records.append(fetch_tensors(host, dest))
     return report
 

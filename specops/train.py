@@ -18,6 +18,7 @@ from its last epoch checkpoint (speculators resumes from its save path).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from specops import jobs
 from specops.errors import SpecopsError, UsageError
@@ -140,7 +141,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                           f"status: specops status --run-id {run_id}")
         return ExitCode.JOB_RUNNING
     fetched = run_on_hosts(inventory, ",".join(started), "fetch",
-                           lambda h: jobs.fetch_run(hosts[h.name], run_id))  # calls fetch_artifacts
+                           lambda h: fetch_run(hosts[h.name], run_id))
     codes = []
     starts = {r.host: r for r in reports}
     for report in fetched:
@@ -238,9 +239,23 @@ def draw_curve(rows: list[dict], path, title: str) -> str | None:
     return None
 
 
+def fetch_run(host: Host, run_id: str, tensors: bool = False) -> HostReport:
+    """:func:`specops.jobs.fetch_run`, and for a train run its metrics, curve and best checkpoint's
+    config (with ``tensors``: the best checkpoint's draft, servable as it lands in ``best/``)."""
+    report = jobs.fetch_run(host, run_id, tensors=tensors)
+    if report.data.get("kind") == "train":
+        dest = Path(report.data["dest"])
+        from specops.assets import remote_contract, remote_fsutil
+
+        status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
+        report.records += fetch_artifacts(host, report.data["run_dir"], dest, status)
+        if tensors:
+            report.records.append(fetch_draft(host, run_id, dest, report.records))
+    return report
+
+
 def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record]:
     """A train run's ``metrics.jsonl`` with its CSV and curve, and the best checkpoint's config (``best/``)."""
-    from pathlib import Path
 
     from specops.assets import remote_fsutil
 
@@ -315,7 +330,6 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     each is checked before it takes its name.
     """
     import json
-    from pathlib import Path
 
     dest = Path(dest)
     best = next((r for r in records if r.name == "fetch.checkpoint" and r.status == "ok"), None)

@@ -88,8 +88,9 @@ class HostRun(Run):
     def fetch(self, *, tensors: bool, as_json: bool) -> ExitCode:
         from specops import jobs
         from specops.report import print_reports
+        from specops.train import fetch_run  # a train run's artifacts too
 
-        reports = self._on_hosts("fetch", lambda h: jobs.fetch_run(h, self.run_id, tensors=tensors))
+        reports = self._on_hosts("fetch", lambda h: fetch_run(h, self.run_id, tensors=tensors))
         print_reports(reports, as_json=as_json)
         if not as_json:
             for report in reports:
