@@ -480,3 +480,18 @@ def test_the_digest_on_the_h200_hosts_cpu_is_linear_and_blake3_outruns_sha256():
     assert rows[4096]["stats"] >= 0.9 * rows[1024]["stats"]      # linear now
     assert rows[4096]["before"] < 0.5 * rows[1024]["before"]     # it was not
     assert all(r["blake3"] > 3 * r["sha256"] for r in rows.values())
+
+
+def test_the_h200_bench_of_the_three_shapes_with_the_blake3_digest():
+    """Round 7 (``round.py main --steps bench_wide,bench_8b_4ids,bench_8b_8ids``, the manifest's hash
+    BLAKE3): where specops' own digest keeps up (the 8B-like model, 4 ids) and where it still does not."""
+    ratios = {}
+    for shape in ("bench_wide", "bench_8b_4ids", "bench_8b_8ids"):
+        bench = json.loads(read(f"bench/round7/{shape}.json"))
+        ratios[shape] = bench["ratios_same_concurrency"]
+        specops = next(r for r in bench["runs"] if r["kind"] == "specops")
+        assert specops["files"] == bench["samples"] and specops["digest_workers"] == 8
+    assert ratios["bench_8b_4ids"]["specops@32"] >= 0.9           # manifest done, 8B-like, 4 ids
+    assert ratios["bench_8b_8ids"]["specops@32"] < 0.9 and ratios["bench_wide"]["specops@32"] < 0.9  # not yet
+    # durable within 5 % of kept-and-durable with 4 ids; the digest is what the rest is short of
+    assert ratios["bench_8b_4ids"]["specops_durable@32"] >= 0.95 * ratios["bench_8b_4ids"]["keep_durable@32"]
