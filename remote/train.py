@@ -184,7 +184,8 @@ def check_disk(plan: trainplan.TrainPlan) -> dict:
 
 
 def draft_files(params: dict) -> dict:
-    """``files``: a checkpoint's draft files (:data:`DRAFT_FILES`, or ``globs``) with their sizes and sha256.
+    """``files``: a checkpoint's draft files (:data:`DRAFT_FILES`, or ``globs``) with their sizes and digests
+    (the manifest's hash, :func:`remote.fsutil.file_digest`).
 
     ``checkpoint`` must lie inside the run's save path once its links are followed
     (speculators' ``checkpoint_best`` is a link to an epoch dir); the payload names that
@@ -209,11 +210,11 @@ def draft_files(params: dict) -> dict:
         if not path.is_file() or not any(fnmatch.fnmatchcase(path.name, g) for g in globs):
             continue
         size = path.stat().st_size
-        digest = fsutil.sha256_file(path)
+        digest = fsutil.file_digest(path)
         if path.stat().st_size != size:
             raise TrainError("fetch.draft", f"{path} changed while it was hashed (a checkpoint being written)",
                              "fetch again once the epoch's checkpoint is saved")
-        entries.append({"path": path.name, "bytes": size, "sha256": digest})
+        entries.append({"path": path.name, "bytes": size, **digest})
     names = [e["path"] for e in entries]
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise TrainError("fetch.draft", f"{real} holds no draft (config.json and *.safetensors): "

@@ -149,8 +149,7 @@ def free_memory(device: str, env: dict | None = None, *, gpus: list | None = Non
     if device != "cuda":
         if meminfo is None:
             try:
-                with open("/proc/meminfo") as fh:
-                    meminfo = host.parse_meminfo(fh.read())
+                meminfo = host.read_meminfo()
             except OSError as exc:
                 return {"where": "RAM", "why": f"cannot read /proc/meminfo: {exc}"}
         free = meminfo.get("MemAvailable", meminfo.get("MemFree"))

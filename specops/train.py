@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from specops import jobs
+from specops.assets import remote_manifest
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.host import Host
@@ -316,7 +317,7 @@ def _keep_or_write(path, data: bytes) -> None:
     remote_fsutil().atomic_write(path, data, mode=0o644)
 
 
-#: a draft's files are hashed on the host (sha256 of every byte): bounded, not unbounded
+#: a draft's files are hashed on the host (every byte digested): bounded, not unbounded
 DRAFT_HASH_TIMEOUT_S = 1800.0
 
 
@@ -325,8 +326,8 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     ``best/``, a dir ``vllm serve --speculative-config`` takes as it is.
 
     The checkpoint is the one :func:`fetch_artifacts` picked (its ``fetch.checkpoint`` record). One host call
-    lists its files with sizes and sha256 (``remote/train.py`` ``files``); :func:`specops.jobs.download_files`
-    brings them over SFTP: a file already here with that sha256 stays as it is, a partial ``.part`` resumes,
+    lists its files with sizes and digests (``remote/train.py`` ``files``); :func:`specops.jobs.download_files`
+    brings them over SFTP: a file already here with that digest stays as it is, a partial ``.part`` resumes,
     each is checked before it takes its name.
     """
     import json
@@ -369,7 +370,8 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
     return Record(name="fetch.tensors", status="ok",
                   summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
-                          f"({total / 2**20:.1f} MiB), sha256 checked; {len(kept)} kept, "
+                          f"({total / 2**20:.1f} MiB), {remote_manifest().digest_names(data['files'])} "
+                          f"checked; {len(kept)} kept, "
                           f"{len(names) - len(kept)} downloaded ({done.detail.get('resumed', 0)} resumed); serve "
                           f"it with --speculative-config '{serve}'", detail=detail)
 

@@ -185,7 +185,7 @@ def _fetch_draft(inv, env) -> dict:
     proc = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rec = records(proc)["fetch.tensors"]
-    assert rec["status"] == "ok" and "sha256 checked" in rec["summary"], rec
+    assert rec["status"] == "ok" and "blake3 checked" in rec["summary"], rec
     return rec
 
 

@@ -61,7 +61,7 @@ def test_the_best_draft_comes_whole_is_kept_when_there_and_a_junk_part_is_not_ta
     save = _train_run(tmp_path / "work")
     best = tmp_path / "runs" / "th" / "d1" / "best"
     rec = _tensors(inv, env)
-    assert rec["status"] == "ok" and rec["detail"]["host_dir"] == str((save / "1").resolve()), rec
+    assert rec["status"] == "ok" and "blake3 checked" in rec["summary"] and rec["detail"]["host_dir"] == str((save / "1").resolve()), rec
     assert sorted(rec["detail"]["downloaded"]) == ["config.py", "model.safetensors"] and rec["detail"]["kept"] == [
         "config.json"], rec  # config.json came with the checkpoint's config, before --tensors
     assert [p.name for p in sorted(best.iterdir())] == ["config.json", "config.py", "model.safetensors",
