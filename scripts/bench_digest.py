@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 MEASURE = r"""
-import hashlib, json, math, sys, tempfile, time
+import hashlib, json, math, os, sys, tempfile, time
 import torch
 from safetensors.torch import save_file
 from remote import fsutil, sampleread
@@ -46,6 +46,22 @@ def stats_before(x):
     # the previous layer_partial: one float32 copy of the whole layer, three passes over it
     f = x.float().reshape(-1)
     return float(f.sum()), float(torch.dot(f, f)), [float(v) for v in torch.aminmax(f)]
+
+def two_pass(path, layer_ids):
+    # the digest before the one-pass walk: statistics layer by layer over the mapping, then the hash of it all
+    import mmap
+    with open(path, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_len))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    hs = header["hidden_states"]
+    states = torch.frombuffer(mapped, dtype=torch.bfloat16, count=math.prod(hs["shape"]),
+                              offset=8 + header_len + hs["data_offsets"][0]).view(hs["shape"])
+    parts = [sampleread.layer_partial(states[:, j]) for j in layer_ids]
+    digest = fsutil.buffer_digest(mapped)
+    del states
+    mapped.close()
+    return parts, digest
 
 def best_of(fns):
     # each of fns (name -> callable) `repeat` times, interleaved (a noisy box slows them alike); the best
@@ -68,6 +84,7 @@ with tempfile.TemporaryDirectory() as tmp:
         size = len(raw)
         cols = [states[:, j] for j in layer_ids]
         fns = {"digest_s": lambda: sampleread.digest_hs_file(path, layer_ids, layer_ids),
+               "digest_two_pass_s": lambda: two_pass(path, layer_ids),
                "sha256_s": lambda: hashlib.sha256(raw).hexdigest(),
                "stats_s": lambda: [sampleread.layer_partial(c) for c in cols],
                "stats_before_s": lambda: [stats_before(c) for c in cols]}
@@ -78,6 +95,30 @@ with tempfile.TemporaryDirectory() as tmp:
             pass
         row = {"bytes": size, **best_of(fns)}
         out[tokens] = row
+    if args["threads"]:
+        # several files digested at once, each on one thread (as a run's landing threads do): GB/s of
+        # the one-pass digest and of the two-pass one, interleaved, over files in the page cache
+        import concurrent.futures, shutil
+        tokens = args["tokens"][0]
+        src = f"{tmp}/hs_{tokens}.safetensors"
+        files = []
+        for i in range(args["files"]):
+            files.append(f"{tmp}/p_{i}.safetensors")
+            shutil.copy(src, files[-1])
+        layer_ids = list(range(args["layers"]))
+        size = os.path.getsize(src)
+        par = {}
+        for threads in args["threads"]:
+            fns = {}
+            for name, one in (("one_pass", lambda f: sampleread.digest_hs_file(f, layer_ids, layer_ids)),
+                              ("two_pass", lambda f: two_pass(f, layer_ids))):
+                def run(one=one, threads=threads):
+                    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                        list(pool.map(one, files))
+                fns[name] = run
+            best = best_of(fns)
+            par[threads] = {k: len(files) * size / v / 1e9 for k, v in best.items()}
+        out["parallel"] = {"tokens": tokens, "files": len(files), "bytes": size, "GB_per_s": par}
 print(json.dumps(out))
 """
 
@@ -94,11 +135,15 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,4096")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", default="",
+                        help="also digest --files files at once on 1,4,8,... threads: one pass vs two passes, GB/s")
+    parser.add_argument("--files", type=int, default=64)
     parser.add_argument("--here", action="store_true",
                         help="measure in this python (it has torch and safetensors), not the test host's env")
     args = parser.parse_args()
     spec = {"repeat": args.repeat, "tokens": [int(t) for t in args.tokens.split(",")], "hidden": args.hidden,
-            "layers": args.layers}
+            "layers": args.layers, "files": args.files,
+            "threads": [int(t) for t in args.threads.split(",") if t]}
     python = sys.executable if args.here else host_python()
     proc = subprocess.run([python, "-c", MEASURE, json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1",
@@ -108,6 +153,7 @@ def main() -> int:
         return 1
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     hashed_with = measured.pop("hash")
+    parallel = measured.pop("parallel", None)
     rows = {int(k): v for k, v in measured.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"digest of one sample file, one core ({cpu}), {args.layers} layers x hidden {args.hidden} bf16, "
@@ -122,6 +168,15 @@ def main() -> int:
               + (f"; blake3 {gbps(row, 'blake3_s'):5.2f} GB/s" if "blake3_s" in row else ""))
     for tokens, row in rows.items():
         print(f"ratio statistics now / before, {tokens} tokens:        {row['stats_before_s'] / row['stats_s']:.2f}x")
+    for tokens, row in rows.items():
+        print(f"ratio digest one pass / two passes, {tokens} tokens, one thread: "
+              f"{row['digest_two_pass_s'] / row['digest_s']:.2f}x")
+    if parallel:
+        print(f"{parallel['files']} files of {parallel['tokens']} tokens digested at once ({os.cpu_count()} cores here), "
+              f"GB/s, best of {args.repeat}:")
+        for threads, got in parallel["GB_per_s"].items():
+            print(f"  {int(threads):3d} threads: one pass {got['one_pass']:6.2f}  two passes {got['two_pass']:6.2f}  "
+                  f"ratio {got['one_pass'] / got['two_pass']:.2f}x")
     lo, hi = min(rows), max(rows)
     if lo != hi:
         per_byte = lambda key: (rows[hi][key] / rows[hi]["bytes"]) / (rows[lo][key] / rows[lo]["bytes"])  # noqa: E731
