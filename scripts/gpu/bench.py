@@ -27,7 +27,17 @@ servers starting together would see each other). They are then measured one at a
   digested, then one ``syncfs``: ``server_only`` plus what keeping 33 MB per sample costs
   the page cache and the disk, without our per-file CPU work. ``specops`` vs ``keep`` is
   our client's own cost; ``keep`` vs ``server_only`` is the kernel's (dirty pages, writeback);
-* ``specops+dwN``: ``specops`` with ``digest_workers`` N (the engine's default: half the cores, at least 4).
+* ``specops+dwN``: ``specops`` with ``digest_workers`` N (the engine's default: half the cores, at least 4);
+* ``specops_canary``: ``specops`` with the canary as a run has it (the first ``canary_samples`` samples
+  ask for their prompt logprobs and are checked as they land, the final norm and lm_head loaded
+  afresh): beside ``specops`` (the canary spent in the warm-up) it is the canary's whole cost;
+* ``plain_v1``: ``plain`` on a third server that runs vLLM's V1 model runner
+  (``VLLM_USE_V2_MODEL_RUNNER=0``; the extraction server runs V1 because V2 lacks
+  ``extract_hidden_states``), started only when ``--kinds`` names it.
+
+Every server gets the chunked-prefill setting the extraction engine resolves (``--chunked-prefill``,
+default ``auto``: on where the connector allows it), so plain and extraction prefill alike.
+``--format fp8`` makes the extraction server write fp8 states (hs-connectors' fp8 connector).
 
 ``--profile-digest N`` then lands N files and times, per file and single-threaded, each part
 of :func:`remote.samples.digest_hs_file` (sha256 of the mapping, the layer statistics, the
@@ -62,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from remote import fsutil  # noqa: E402
 from remote import samples as hs_samples  # noqa: E402
 from remote.engines import vllm_server as vs  # noqa: E402
+from remote.engines.vllm_server import chunking as vs_chunking  # noqa: E402
 
 _ORIGINAL_COMMAND = vs.server_command
 
@@ -193,6 +204,12 @@ def server_only_pass(engine, ids_list, concurrency):
     return {"tokens": tokens, "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall, 1)}
 
 
+def fresh_canary(engine) -> None:
+    """Let the next pass's first samples be the canary again, its head loaded afresh (as a new run's)."""
+    engine.logprobs._claimed = 0
+    engine.canary = None
+
+
 def specops_pass(engine, ids_list, out_dir, concurrency, timers, digest_workers=None, keep_files=False):
     """One run's worth of work on ``ids_list``: files in place, manifest data, then durable.
 
@@ -233,6 +250,15 @@ def specops_pass(engine, ids_list, out_dir, concurrency, timers, digest_workers=
     if not keep_files:
         shutil.rmtree(out_dir, ignore_errors=True)
     return out
+
+
+def canary_record(engine) -> dict:
+    """What the canary checked in the last pass (``canary.json`` of the engine's prompt logprobs dir)."""
+    path = Path(engine.logprobs.dir) / "canary.json" if engine.logprobs.dir else None
+    try:
+        return json.loads(path.read_text()) if path and path.exists() else {"none": str(path)}
+    except ValueError as exc:
+        return {"unreadable": str(exc)}
 
 
 def keep_pass(engine, ids_list, out_dir, concurrency):
@@ -333,6 +359,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--layer-ids", default="")
     parser.add_argument("--device", default="cuda", help="cpu: rehearse on a CPU host (test-host env)")
+    parser.add_argument("--chunked-prefill", default="auto", choices=("auto", "on", "off"),
+                        help="the extraction run's setting; the plain servers get what it resolves to")
+    parser.add_argument("--format", default="bf16", choices=("bf16", "fp8"), help="the extraction's state format")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -348,12 +377,24 @@ def main(argv=None) -> int:
                    "--max-num-batched-tokens", str(args.batched_tokens)]
     common = {"device": args.device, "gpu_memory_utilization": args.util, "seq_len": seq_len,
               "enforce_eager": args.eager, "server_args": server_args, "ready_timeout_s": 600}
+    kinds = [k for k in args.kinds.split(",") if k]
+    # the plain servers prefill as the extraction server will: its chunked-prefill verdict, read first
+    chunked = vs_chunking.resolve(args.chunked_prefill,
+                                  vs_chunking.installed_verdict(vs.pick_connector(dict(common, format=args.format))))
     result = {"model": args.model, "samples": len(ids_list), "seq_len": seq_len, "layer_ids": layer_ids,
-              "eager": args.eager, "server_args": server_args, "util": args.util, "runs": []}
+              "eager": args.eager, "server_args": server_args, "util": args.util, "format": args.format,
+              "chunked_prefill": chunked, "runs": []}
 
-    engine = vs.VllmServerEngine(args.model, 1, layer_ids, dict(common, work_dir=str(out / "extract_server")))
+    engine = vs.VllmServerEngine(args.model, 1, layer_ids, dict(common, work_dir=str(out / "extract_server"),
+                                                                 chunked_prefill=args.chunked_prefill,
+                                                                 format=args.format))
+    plain_params = dict(common, _plain=True, chunked_prefill_on=chunked["on"])
     plain = vs.VllmServer(args.model, tp=1, layer_ids=sorted(layer_ids), work_dir=out / "plain_server",
-                          max_model_len=seq_len + 1, params=dict(common, _plain=True))
+                          max_model_len=seq_len + 1, params=plain_params)
+    plain_v1 = None
+    if "plain_v1" in kinds:  # a third server, on the V1 model runner (the env is read when it starts)
+        plain_v1 = vs.VllmServer(args.model, tp=1, layer_ids=sorted(layer_ids), work_dir=out / "plain_v1_server",
+                                 max_model_len=seq_len + 1, params=dict(plain_params))
     timers = Timers()
     for owner, name, label in ((vs.VllmServerEngine, "_request", "request"),
                                (hs_samples, "digest_hs_file", "digest"),
@@ -362,11 +403,21 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     plain.start()
+    if plain_v1 is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        try:
+            plain_v1.start()
+        finally:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     try:
         engine.load()  # starts and waits for the extraction server
         result["extract_server_ready_s"] = round(engine.server.ready_after_s, 2)
         plain.wait_ready(timeout=600)
         result["plain_server_ready_s"] = round(plain.ready_after_s, 2)
+        if plain_v1 is not None:
+            plain_v1.wait_ready(timeout=600)
+            result["plain_v1_server_ready_s"] = round(plain_v1.ready_after_s, 2)
+            result["plain_v1_command"] = plain_v1.command
         result["both_ready_s"] = round(time.perf_counter() - t0, 2)
         result["plain_command"] = plain.command
         result["extract_command"] = engine.server.command
@@ -376,17 +427,24 @@ def main(argv=None) -> int:
         result["dirty_limits"] = {k: Path(f"/proc/sys/vm/{k}").read_text().strip()
                                   for k in ("dirty_ratio", "dirty_background_ratio", "dirty_bytes")
                                   if Path(f"/proc/sys/vm/{k}").exists()}
-        kinds = [k for k in args.kinds.split(",") if k]
+        if plain_v1 is not None:
+            plain_pass(plain_v1, warm, 8)
         for rep in range(args.reps):
             for c in concurrencies:
                 for kind in kinds:
                     if kind == "plain":
                         run = plain_pass(plain, ids_list, c)
+                    elif kind == "plain_v1":
+                        run = plain_pass(plain_v1, ids_list, c)
                     elif kind == "server_only":
                         run = server_only_pass(engine, ids_list, c)
                         timers.take()
                     else:
+                        if kind == "specops_canary":
+                            fresh_canary(engine)
                         run = specops_pass(engine, ids_list, out / "samples", c, timers)
+                        if kind == "specops_canary":
+                            run["canary"] = canary_record(engine)
                     result["runs"].append(dict(kind=kind, rep=rep, concurrency=c, **run))
                     print(json.dumps(result["runs"][-1]), flush=True)
         for entry in [v for v in args.once.split(",") if v]:
@@ -417,6 +475,8 @@ def main(argv=None) -> int:
     finally:
         engine.close()
         plain.stop()
+        if plain_v1 is not None:
+            plain_v1.stop()
     best = {}
     for run in result["runs"]:
         key = (run["kind"], run["concurrency"])
@@ -432,6 +492,10 @@ def main(argv=None) -> int:
     result["ratios_same_concurrency"] = {
         f"{k}@{c}": round(v / best[("plain", c)], 3) for (k, c), v in sorted(best.items())
         if k != "plain" and ("plain", c) in best}
+    if any(k == "plain_v1" for k, _ in best):
+        result["ratios_vs_plain_v1"] = {
+            f"{k}@{c}": round(v / best[("plain_v1", c)], 3) for (k, c), v in sorted(best.items())
+            if k != "plain_v1" and ("plain_v1", c) in best}
     result["median_tok_per_s"] = {
         f"{k}@{c}": statistics.median(r["tok_per_s"] for r in result["runs"] if (r["kind"], r["concurrency"]) == (k, c))
         for (k, c) in sorted(best) if not k.endswith("_durable")}

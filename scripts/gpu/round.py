@@ -127,7 +127,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"bench": 330, "bench_wide": 240, "bench_8b_4ids": 260, "bench_8b_8ids": 260, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
+EXPECTED_S = {"canary": 300, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 240, "bench_8b_4ids": 260, "bench_8b_8ids": 260, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
@@ -233,6 +233,9 @@ def ssh_up():
         "gpu-llama": {"model_path": str(MODELS / "llama"), "output_dir": "/tmp/specops-out/llama"},
         "gpu-wide": {"model_path": str(MODELS / "llama_wide"), "output_dir": "/tmp/specops-out/wide"},
         "gpu-deepseek": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/deepseek"},
+        # train and eval (#24 on the H200): 16 chat rows extracted, the other 8 held out for eval
+        "gpu-8b-train": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-train",
+                         "max_samples": 16},
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -379,19 +382,27 @@ def bench(n=512, reps=2, conc="32,64", kinds="plain,server_only,specops",
 
 #: the digest issue's three shapes: (label, model, ids file NxLEN, samples, layer ids); the ids of
 #: the 8B-like ones are the issue's (2,16,29,32 and eight of them)
-SHAPES = (("wide", "llama_wide", "1024x1024", 256, ""),
-          ("8b_4ids", "llama_8b", "256x2048", 128, "2,16,29,32"),
-          ("8b_8ids", "llama_8b", "256x2048", 96, "2,6,10,14,18,22,26,32"))
+#: round 8 adds the canary's whole cost (``specops_canary`` beside ``specops``), the plain baseline
+#: on vLLM's V1 model runner beside the default (V2) one, the same chunked prefill for every server,
+#: and fp8 states on the 8B-like shape: (label, model, ids file NxLEN, samples, layer ids, format)
+ALL_KINDS = "plain,plain_v1,server_only,specops,specops_canary"
+SHAPES = (("wide", "llama_wide", "1024x1024", 256, "", "bf16", ALL_KINDS),
+          ("8b_4ids", "llama_8b", "256x2048", 128, "2,16,29,32", "bf16", ALL_KINDS),
+          ("8b_8ids", "llama_8b", "256x2048", 96, "2,6,10,14,18,22,26,32", "bf16", ALL_KINDS),
+          ("8b_fp8", "llama_8b", "256x2048", 128, "2,16,29,32", "fp8", "plain,server_only,specops,specops_canary"))
 
 
-def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, conc="32", reps=1,
-                once="keep@32") -> dict:
-    """One of :data:`SHAPES`: plain, server-only, specops (manifest done, durable) and keep at one concurrency."""
+def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, fmt: str = "bf16", kinds: str = ALL_KINDS,
+                conc="32", reps=2, once="keep@32") -> dict:
+    """One of :data:`SHAPES`: plain (V2 and V1 runners), server-only, specops with and without the canary
+    (manifest done, durable) and keep at one concurrency, best of ``reps``."""
     d = ROOT / f"bench_{label}"
     out = Path(f"/tmp/gpu-bench-{label}")
     args = [PY, "scripts/gpu/bench.py", "--model", str(MODELS / model), "--dataset", str(MODELS / f"bench_{ids}.jsonl"),
             "--out", str(out), "--n", str(n), "--reps", str(reps), "--concurrency", conc,
-            "--kinds", "plain,server_only,specops", "--once", once, "--profile-digest", "16"]
+            "--kinds", kinds, "--once", once, "--profile-digest", "32", "--format", fmt]
+    if "8b" in model:  # three servers of a 16 GB model on the one GPU
+        args += ["--kv-gib", "12", "--util", "0.3"]
     if layer_ids:
         args += ["--layer-ids", layer_ids]
     res = sh(args, d / "bench_stdout.txt", timeout=560, env=VLLM_ENV)
@@ -399,8 +410,114 @@ def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, conc="
         shutil.copy(out / "bench.json", d / "bench.json")
     shutil.rmtree(out, ignore_errors=True)
     got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
-    return {k: got.get(k) for k in ("best_tok_per_s", "ratios_same_concurrency", "both_ready_s", "digest_profile",
-                                     "rc", "tail", "errors") if k in got}
+    return {k: got.get(k) for k in ("best_tok_per_s", "ratios_same_concurrency", "ratios_vs_plain_v1", "both_ready_s",
+                                     "digest_profile", "chunked_prefill", "format", "rc", "tail", "errors") if k in got}
+
+
+def host_job(params: dict, out_name: str, timeout=90) -> dict:
+    """``remote.job.main(params)`` in the host python (a run started as ``specops extract`` starts it)."""
+    code = "import json, sys; from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))"
+    res = sh([HOST_PY, "-c", code, json.dumps(params)], ROOT / "canary" / out_name, timeout=timeout, env=VLLM_ENV)
+    return last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-2000:]}
+
+
+def canary_ids(model: Path) -> list[int]:
+    """The bench's four ids for ``model`` (input convention): 2, N/2, N-3 and N, the final state."""
+    n = int(json.loads((model / "config.json").read_text())["num_hidden_layers"])
+    return [2, n // 2, n - 3, n]
+
+
+def canary_run(name: str, server_args: list, max_samples=256, timeout=200) -> dict:
+    """A detached run of the 8B-like model whose first samples are the canary (eager: the fault does not
+    need CUDA graphs and the start is ~1 min sooner). ``server_args`` plants the fault in the server:
+    the run must fail with ``canary.logits`` naming it, soon after the server is ready; [] is the
+    healthy run (it must pass, and is kept for the one-layer and logits checks)."""
+    rid = f"gpu-canary-{name}"
+    # the bench's 2048-token rows (pre-tokenized): long enough that a run has most of its work left
+    # when its first samples land
+    params = dict(run_id=rid, work_dir=str(WORK), model_path=str(MODELS / "llama_8b"),
+                  dataset=str(MODELS / "bench_256x2048.jsonl"), output_dir=f"/tmp/specops-out/{rid}", device=DEVICE,
+                  engine="vllm-server", tp=1, layer_ids=canary_ids(MODELS / "llama_8b"), max_samples=max_samples, seq_len=2048,
+                  batch_size=16,
+                  gpu_memory_utilization=0.5, enforce_eager=True, canary_samples=2, env=VLLM_ENV,
+                  server_args=server_args)
+    t0 = time.monotonic()
+    started = host_job(dict(params, action="start"), f"start_{name}.json")
+    status, polls = {}, 0
+    status_file = WORK / "runs" / rid / "status.json"
+    while time.monotonic() - t0 < timeout:
+        time.sleep(2)
+        polls += 1
+        try:
+            status = json.loads(status_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if status.get("state") in ("done", "failed", "aborted"):
+            break
+    wall = time.monotonic() - t0
+    final = host_job(dict(params, action="status"), f"status_{name}.json").get("data", {}).get("status", status)
+    run_dir = WORK / "runs" / rid
+    log_text = (run_dir / "logs" / "server.log").read_text(errors="replace") if (run_dir / "logs" / "server.log").exists() else ""
+    canary_file = run_dir / "prompt_logprobs" / "canary.json"
+    dest = ROOT / "canary" / name
+    for rel in ("status.json", "params.json", "manifest.json", "logs/supervisor.log", "logs/rank0.log",
+                "prompt_logprobs/canary.json"):
+        src = run_dir / rel
+        if src.exists():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            text = src.read_text(errors="replace")
+            (dest / rel).write_text(text[-400000:])
+    if log_text:
+        (dest / "server.log").write_text("\n".join(l for l in log_text.splitlines() if "POST /v1/completions" not in l)[-400000:])
+    engine = (final.get("engine") or {}) if isinstance(final, dict) else {}
+    return {"run_id": rid, "server_args": server_args, "started": [(r.get("name"), r.get("status")) for r in started.get("records") or []] or started,
+            "wall_s": round(wall, 1), "polls": polls, "state": final.get("state"),
+            "samples_done": final.get("samples_done"), "samples_total": final.get("samples_total"),
+            "error": final.get("error"), "engine": engine,
+            "canary": json.loads(canary_file.read_text()) if canary_file.exists() else None}
+
+
+def canary_flow():
+    """#22 on the H200: the healthy 8B-like run passes its canary, a final id shifted by one (the
+    server captures 31 where the run says 32: the manifest says N, the file holds N-1) and a
+    server computing another model (norm eps overridden) are stopped by it; then the one-layer and
+    logits references on the healthy run, with their peak memory."""
+    ids = canary_ids(MODELS / "llama_8b")
+    shifted = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+               "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids[:-1] + [ids[-1] - 1]}}}
+    out = {"healthy": canary_run("ok", [], max_samples=48),
+           "shifted": canary_run("shifted", ["--speculative-config", json.dumps(shifted)]),
+           "other_model": canary_run("other", ["--hf-overrides", json.dumps({"rms_norm_eps": 4.0})])}
+    rid = "gpu-canary-ok"
+    for reference in ("logits", "layer"):
+        params = {"run_id": rid, "work_dir": str(WORK), "samples": 3, "reference": reference}
+        out[f"verify_{reference}"] = verify_direct(params, f"verify_{reference}_8b.json")
+    return out
+
+
+def verify_direct(params: dict, out_name: str) -> dict:
+    """``remote.verify`` on a finished run, in the host python (what ``specops verify`` runs there)."""
+    code = ("import json, sys; from remote import verify; "
+            "print(json.dumps(verify.main(json.loads(sys.argv[1])), default=str))")
+    res = sh([HOST_PY, "-c", code, json.dumps(params)], ROOT / "canary" / out_name, timeout=300, env=VLLM_ENV)
+    got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
+    return got
+
+
+def train_eval():
+    """#24 on the H200 through the CLI: extract the 8B-like target's states, train a draft on them
+    (speculators' trainer on the GPU, detached and followed), fetch it, and serve it as eagle3
+    beside the plain target on the held-out rows (acceptance from vLLM's metrics, tokens/s both)."""
+    host = "gpu-8b-train"
+    out = {"extract": specops(["extract", "--on", host, "--run-id", "gpu-8b-x", "--skip-smoke"], "extract_8b_x.txt",
+                              timeout=240)}
+    out["train"] = specops(["train", "--on", host, "--run-id", "gpu-8b-t", "--from-run", "gpu-8b-x", "--epochs", "4",
+                            "--json"], "train_8b.json", timeout=300)
+    out["fetch"] = specops(["fetch", "--on", host, "--run-id", "gpu-8b-t"], "fetch_train_8b.txt", timeout=120)
+    out["eval"] = specops(["eval", "--on", host, "--draft", "gpu-8b-t", "--prompts", "8", "--max-tokens", "64",
+                           "--baseline", "--json"], "eval_8b.json", timeout=420)
+    keep_run(host, "gpu-8b-t", "gpu-8b-t")
+    return out
 
 
 def keep_run(host: str, rid: str, name: str) -> None:
@@ -589,6 +706,8 @@ def main(argv=None) -> int:
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",
                                          "deepseek", MODELS / "deepseek_v3"),
             "mla_diag": run_step("mla_diag", mla_diagnosis),
+            "canary": run_step("canary", canary_flow),
+            "train_eval": run_step("train_eval", train_eval),
             "bench": run_step("bench", bench),
             **{f"bench_{label}": run_step(f"bench_{label}", bench_shape, label, *rest) for label, *rest in SHAPES},
             "abort": run_step("abort", abort_flow),
