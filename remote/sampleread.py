@@ -203,6 +203,21 @@ def layer_partial(x, scales=None) -> dict:
                 nan=int(torch.isnan(d).sum()), inf=int(torch.isinf(d).sum()))
 
 
+def _fp8_widener(states):
+    """``(start, stop, pos) -> float32 [rows, H]`` of an fp8 ``[T, L, H]`` tensor, through a 256-entry table.
+
+    torch widens float8_e4m3fn element by element on a CPU (0.15 GB/s a core on the H200 host's
+    Xeon: an fp8 run's digest was 7x slower per file than a bf16 one of twice the bytes); a table
+    lookup of the byte codes (numpy's take, which leaves the GIL) is exact and ~3x faster.
+    """
+    import numpy as np
+    import torch
+
+    table = torch.arange(256, dtype=torch.uint8).view(states.dtype).float().numpy()
+    codes = states.view(torch.uint8).numpy()
+    return lambda start, stop, pos: torch.from_numpy(np.take(table, codes[start:stop, pos]))
+
+
 def _one_pass(mapped, data_start: int, offsets, states, scales, positions) -> tuple[list[dict], dict]:
     """The file's digest and its layers' statistics in one walk over the bytes, in file order.
 
@@ -228,11 +243,12 @@ def _one_pass(mapped, data_start: int, offsets, states, scales, positions) -> tu
     # a block holds STATS_BLOCK_BYTES of one layer in float32; hashed for all layers, summed layer by layer
     rows = max(1, STATS_BLOCK_BYTES // (4 * max(1, width)))
     sums = {pos: [0.0, 0.0, math.inf, -math.inf] for pos in positions}
+    widen = _fp8_widener(states) if states.dtype == getattr(torch, _ST_DTYPES[FP8_DTYPE][1]) else None
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         hasher.update(view[lo + start * row_bytes:lo + stop * row_bytes])
         for pos, acc in sums.items():
-            f = states[start:stop, pos].float()
+            f = widen(start, stop, pos) if widen else states[start:stop, pos].float()
             if scales is not None:
                 f = f * scales[start:stop]
             f = f.reshape(-1)

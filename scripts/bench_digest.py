@@ -55,9 +55,15 @@ def two_pass(path, layer_ids):
         header = json.loads(handle.read(header_len))
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     hs = header["hidden_states"]
-    states = torch.frombuffer(mapped, dtype=torch.bfloat16, count=math.prod(hs["shape"]),
+    dtype = torch.float8_e4m3fn if hs["dtype"] == "F8_E4M3" else torch.bfloat16
+    states = torch.frombuffer(mapped, dtype=dtype, count=math.prod(hs["shape"]),
                               offset=8 + header_len + hs["data_offsets"][0]).view(hs["shape"])
-    parts = [sampleread.layer_partial(states[:, j]) for j in layer_ids]
+    scales = None
+    if "hidden_states_scales" in header:  # fp8: widened by torch, element by element
+        sc = header["hidden_states_scales"]
+        scales = torch.frombuffer(mapped, dtype=torch.float32, count=hs["shape"][0],
+                                  offset=8 + header_len + sc["data_offsets"][0]).view(-1, 1)
+    parts = [sampleread.layer_partial(states[:, j], scales) for j in layer_ids]
     digest = fsutil.buffer_digest(mapped)
     del states
     mapped.close()
@@ -78,7 +84,12 @@ with tempfile.TemporaryDirectory() as tmp:
         states = torch.randn(tokens, args["layers"], args["hidden"]).to(torch.bfloat16)
         ids = torch.arange(tokens, dtype=torch.int64)
         path = f"{tmp}/hs_{tokens}.safetensors"
-        save_file({"token_ids": ids, "hidden_states": states}, path)
+        tensors = {"token_ids": ids, "hidden_states": states}
+        if args["format"] == "fp8":  # hs-connectors' layout: fp8 states, one float32 scale per token
+            tensors = {"token_ids": ids, "hidden_states": states.to(torch.float8_e4m3fn),
+                       "hidden_states_scales": torch.rand(tokens, 1, 1) + 0.5}
+            states = tensors["hidden_states"]
+        save_file(tensors, path)
         layer_ids = list(range(args["layers"]))
         raw = open(path, "rb").read()  # the page cache holds it, as it does a file the connector just wrote
         size = len(raw)
@@ -138,11 +149,13 @@ def main() -> int:
     parser.add_argument("--threads", default="",
                         help="also digest --files files at once on 1,4,8,... threads: one pass vs two passes, GB/s")
     parser.add_argument("--files", type=int, default=64)
+    parser.add_argument("--format", default="bf16", choices=("bf16", "fp8"),
+                        help="fp8: hs-connectors' files (two passes = torch widening fp8 element by element)")
     parser.add_argument("--here", action="store_true",
                         help="measure in this python (it has torch and safetensors), not the test host's env")
     args = parser.parse_args()
     spec = {"repeat": args.repeat, "tokens": [int(t) for t in args.tokens.split(",")], "hidden": args.hidden,
-            "layers": args.layers, "files": args.files,
+            "layers": args.layers, "files": args.files, "format": args.format,
             "threads": [int(t) for t in args.threads.split(",") if t]}
     python = sys.executable if args.here else host_python()
     proc = subprocess.run([python, "-c", MEASURE, json.dumps(spec)], cwd=REPO, capture_output=True, text=True,
@@ -156,7 +169,7 @@ def main() -> int:
     parallel = measured.pop("parallel", None)
     rows = {int(k): v for k, v in measured.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"digest of one sample file, one core ({cpu}), {args.layers} layers x hidden {args.hidden} bf16, "
+    print(f"digest of one sample file, one core ({cpu}), {args.layers} layers x hidden {args.hidden} {args.format}, "
           f"best of {args.repeat}")
     print(f"digest = the manifest's path: checks + statistics + {hashed_with} (the hash a run's manifest names on "
           f"this python{'' if hashed_with == 'blake3' else '; blake3 is not installed'})")
