@@ -56,6 +56,13 @@ MIN_LOGPROB_DIFF = 0.005
 #: a top-1 disagreement is a near tie when our own best two are within this many times the
 #: floor (or ``MIN_LOGPROB_DIFF``) of each other.
 TIE_FACTOR = 2.0
+#: one more decoder layer names a failing final id "shifted" when, recomputed here in float32 where the
+#: engine ran it in bf16, it brings the sample's max logprob difference down this many times and within
+#: ``SHIFT_MAX_FLOOR`` of the floor: on a real-width model one layer's bf16 compute alone is several
+#: floors (the 8B-like model on the H200: a shifted run failed at 50x the floor and was not named when
+#: the layer had to land within the head's own 4x)
+SHIFT_EXPLAINS = 5.0
+SHIFT_MAX_FLOOR = 16.0
 #: positions computed at once: ``[chunk, vocab]`` float32 logits (a real vocab is 160k wide).
 CHUNK = 256
 #: model types whose final norm is a plain RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``).
@@ -378,7 +385,10 @@ def find_cause(head: Head, s: Sample, samples: list, last: int, run, num_layers:
     except Exception as exc:  # the layer check's own limits (a model it cannot build) must not hide the fail
         return {"kind": None, "why": f"one more decoder layer could not be tried: {type(exc).__name__}: {exc}"}
     again = compare(head, shifted, s.ids, s.logprobs)
-    if again["status"] != protocol.FAIL:
+    s.result["one_more_layer"] = {k: again.get(k) for k in ("max_abs_diff", "floor_ratio", "top1_agree", "positions")}
+    if again["status"] != protocol.FAIL or (
+            again["max_abs_diff"] * SHIFT_EXPLAINS <= s.result["max_abs_diff"]
+            and again["floor_ratio"] <= SHIFT_MAX_FLOOR):
         below = num_layers - 1 if run.convention == contract.INPUT else num_layers - 2
         return {"kind": "shifted", "by": -1, "holds": f"{run.convention}:{below}", "floor_ratio": again["floor_ratio"],
                 "why": f"decoder layer {num_layers - 1} run once more on the recorded state reproduces the engine's "
