@@ -495,3 +495,126 @@ def test_the_h200_bench_of_the_three_shapes_with_the_blake3_digest():
     assert ratios["bench_8b_8ids"]["specops@32"] < 0.9 and ratios["bench_wide"]["specops@32"] < 0.9  # not yet
     # durable within 5 % of kept-and-durable with 4 ids; the digest is what the rest is short of
     assert ratios["bench_8b_4ids"]["specops_durable@32"] >= 0.95 * ratios["bench_8b_4ids"]["keep_durable@32"]
+
+
+# ----------------------------------------------------------------------------- round 8 (issues 22, 24, 25)
+
+def round8_bench(shape: str) -> dict:
+    return json.loads(read(f"round8/bench/{shape}.json"))
+
+
+def test_round8_digest_in_one_pass_does_not_lift_the_h200_hosts_plateau():
+    """``bench_digest.py --here --threads 1,4,8,16 --files 48`` on the H200 host: hashing each block while it is in
+    cache (one pass) costs the same as hashing the file after the statistics (two passes), on one thread and on
+    many, and both stop near 5 GB/s from 8 threads on: the plateau is not the second read of the bytes."""
+    import re
+
+    text = read("round8/digest-h200.txt")
+    assert "Intel(R) Xeon(R)" in text
+    par = {int(t): (float(a), float(b)) for t, a, b in
+           re.findall(r"(\d+) threads: one pass +([\d.]+) +two passes +([\d.]+)", text)}
+    assert sorted(par) == [1, 4, 8, 16]
+    assert all(0.85 <= one / two <= 1.15 for one, two in par.values()), par
+    assert par[16][0] < 1.1 * par[8][0] and par[8][0] < 5 * par[1][0], par  # no gain past 8 threads
+
+
+def test_round8_bench_both_plain_runners_the_same_chunking_and_what_keeps_up():
+    """Round 8 on the H200 (``round.py main --steps bench_wide,bench_8b_4ids,bench_8b_8ids``, 2 reps, concurrency 32):
+    the plain baselines on vLLM's V2 and V1 model runners are printed beside each other (within 3 %), every
+    server prefilled in chunks as the extraction engine resolved (``auto`` -> on), and the issue's target holds
+    on the 8B-like shape with 4 ids (manifest done >= 0.9 of plain, durable within 5 % of kept-durable)."""
+    ratios = {}
+    for shape in ("bench_wide", "bench_8b_4ids", "bench_8b_8ids"):
+        bench = round8_bench(shape)
+        r = ratios[shape] = bench["ratios_same_concurrency"]
+        assert 0.97 <= r["plain_v1@32"] <= 1.03, (shape, r)
+        assert bench["chunked_prefill"]["on"] and "--enable-chunked-prefill" in bench["plain_command"]
+        assert "--enable-chunked-prefill" in bench["plain_v1_command"] and "--enable-chunked-prefill" in bench["extract_command"]
+        assert "ratios_vs_plain_v1" in bench
+    four, eight, wide = ratios["bench_8b_4ids"], ratios["bench_8b_8ids"], ratios["bench_wide"]
+    assert four["specops@32"] >= 0.9 and four["specops_durable@32"] >= 0.95 * four["keep_durable@32"]
+    assert eight["specops_durable@32"] >= 0.95 * eight["keep_durable@32"]
+    # not met: 8 ids at 0.87, and llama_wide, where the extraction server alone is 0.82 of plain with the
+    # same chunking (the states land at ~5.5 GB/s, more than the digest's plateau)
+    assert eight["specops@32"] < 0.9 and wide["server_only@32"] < 0.9 and wide["specops@32"] < wide["keep@32"]
+
+
+def test_round8_the_canary_costs_under_two_percent_of_a_pass():
+    """``specops_canary``: the same pass with the canary as a new run has it (the first two samples' prompt
+    logprobs, the head loaded afresh, both checked as they land) against ``specops`` without it."""
+    for shape in ("bench_wide", "bench_8b_4ids", "bench_8b_8ids"):
+        best = round8_bench(shape)["best_tok_per_s"]
+        assert best["specops_canary@32"] >= 0.98 * best["specops@32"], (shape, best)
+        canaries = [r["canary"] for r in round8_bench(shape)["runs"] if r["kind"] == "specops_canary"]
+        assert all([c["status"] for c in recs] == ["ok", "ok"] for recs in canaries), canaries
+
+
+def test_round8_fp8_states_on_the_h200_half_the_bytes_and_what_their_digest_cost():
+    """fp8 states of the 8B-like shape (hs-connectors' FP8HiddenStatesConnector on vLLM 0.25): half the bytes of
+    bf16 per sample; the server and connector alone 0.89 of plain, and specops 0.73 with the digest as it was
+    then (torch widening fp8 element by element: 212 ms a 33.6 MB file on one core against 54 ms for a 67 MB bf16
+    one), which the table lookup in remote/sampleread.py replaces."""
+    fp8, bf16 = round8_bench("bench_8b_fp8"), round8_bench("bench_8b_4ids")
+    assert fp8["format"] == "fp8" and fp8["layer_ids"] == bf16["layer_ids"] == [2, 16, 29, 32]
+    per_file = lambda b: next(r["bytes_per_file"] for r in b["runs"] if r["kind"] == "specops")  # noqa: E731
+    assert 0.49 <= per_file(fp8) / per_file(bf16) <= 0.51
+    r = fp8["ratios_same_concurrency"]
+    assert 0.85 <= r["server_only@32"] < 0.95 and r["specops@32"] < 0.8
+    ms = fp8["digest_profile"]["single_thread_ms_per_file"]["digest"]
+    assert ms > 3 * bf16["digest_profile"]["single_thread_ms_per_file"]["digest"]
+
+
+def test_round8_the_canary_stops_planted_faults_on_a_real_width_model():
+    """The 8B-like model (hidden 4096, 32 layers), 256 samples of 2048 tokens, the canary on its first two: the
+    healthy run passes; a server that captures layer 31 where the run says 32 (the final id shifted) and one
+    that computes another model (norm eps overridden) fail with ``canary.logits`` ~20 s after the server was
+    ready, half their samples not spent. The shifted run was not named "shifted" then (one more decoder layer
+    recomputed in float32 did not land within the head's 4x floor): remote/verify/logits.py now also takes
+    a 5x reduction within 16x the floor as the explanation."""
+    from datetime import datetime
+
+    ok = json.loads(read("round8/canary/ok/status.json"))
+    assert ok["state"] == "done" and ok["samples_done"] == 48
+    assert [r["status"] for r in json.loads(read("round8/canary/ok/canary.json"))] == ["ok", "ok"]
+    for name in ("shifted", "other"):
+        status = json.loads(read(f"round8/canary/{name}/status.json"))
+        assert status["state"] == "failed" and status["error"]["check"] == "canary.logits"
+        assert status["samples_done"] < status["samples_total"] / 2 + 1
+        stamp = lambda key: datetime.strptime(status[key], "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+        after_ready = (stamp("updated_at") - stamp("started_at")).total_seconds() - status["phase_seconds"]["load"]
+        assert after_ready < 60, after_ready
+        (record,) = json.loads(read(f"round8/canary/{name}/canary.json"))
+        (sample,) = record["detail"]["samples"].values()
+        assert sample["status"] == "fail" and sample["floor_ratio"] > 4
+    shifted = json.loads(read("round8/canary/shifted/canary.json"))[0]["detail"]["samples"]["hs_0.safetensors"]
+    assert shifted["floor_ratio"] > 40 and shifted["top1_agree"] < 0.8 * shifted["positions"]
+
+
+def test_round8_bounded_references_on_the_8b_like_run():
+    """``verify --reference logits`` on the healthy 8B-like run reads the head only (peak host memory far below
+    the whole model in float32); ``--reference layer`` says why it cannot run on ids without a consecutive pair."""
+    logits = {r["name"]: r for r in json.loads(read("round8/canary/verify_logits_8b.json"))["records"]}
+    assert logits["verify.logits"]["status"] == "ok"
+    memory = logits["verify.reference"]["detail"]["memory"]
+    assert memory["peak_rss_bytes"] < memory["whole_model_fp32_bytes"] / 50, memory
+    layer = {r["name"]: r for r in json.loads(read("round8/canary/verify_layer_8b.json"))["records"]}
+    assert layer["verify.layers"]["status"] == "fail" and "no consecutive pair" in layer["verify.layers"]["summary"]
+
+
+def test_round8_extract_train_eval_through_the_cli_on_the_h200():
+    """#24 on the GPU: ``specops extract`` -> ``train`` (speculators 0.9 on CUDA, detached and followed; its
+    GPU memory preflight read nvidia-smi) -> ``fetch`` -> ``eval --baseline`` (vLLM 0.25 serving the 8B-like
+    target with the draft as eagle3, acceptance from /metrics); 16 rows, 4 epochs: a random target's draft
+    barely accepts, and the eagle3 server is then slower than plain."""
+    train = records("round8/train/train_8b.json")
+    assert train["train.run"]["status"] == "ok" and train["train.plan"]["status"] == "ok"
+    mem = train["train.memory"]
+    assert mem["status"] == "ok" and "NVIDIA H200" in mem["summary"], mem["summary"]
+    assert "--target-layer-ids [2, 16, 29]" in train["train.plan"]["summary"]
+    evals = cli_json("round8/train/eval_8b.json")
+    (host,) = evals["hosts"]
+    got = {r["name"]: r for r in host["records"]}
+    assert got["eval.baseline"]["status"] == "ok"
+    base = got["eval.baseline"]["detail"]
+    assert 0 < base["speedup"] < 1 and base["plain"] > 100
+    assert "metrics.csv" in read("round8/train/fetch_train_8b.txt")
