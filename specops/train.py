@@ -36,16 +36,45 @@ PROGRESS_EVERY_S = 5.0
 
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
-                 action: str = "start") -> dict:
-    return {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
-            "epochs": int(epochs), "dry_run": bool(dry_run), "python": host.spec.python, "device": host.spec.device,
-            "env": dict(host.spec.env), "force": bool(force)}
+                 trainer_args: list[str] | None = None, action: str = "start") -> dict:
+    params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
+              "epochs": int(epochs), "dry_run": bool(dry_run), "python": host.spec.python,
+              "device": host.spec.device, "env": dict(host.spec.env), "force": bool(force)}
+    if trainer_args:  # only when given: a run started without any records none, and resumes without any
+        params["train_args"] = list(trainer_args)
+    return params
 
 
-def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool) -> HostReport:
+def trainer_argv(values) -> list[str]:
+    """The argv tokens of the ``--trainer-arg`` values: each one flag, ``--lr=1e-4`` or ``--lr 1e-4`` (or a list
+    flag's values, ``--full-attention-indices 0 2``), split the same way whichever form was typed, so a resume
+    that types it the other way is the same run.
+
+    :raises UsageError: a value that is not a ``--flag``.
+    """
+    import shlex
+
+    out = []
+    for value in values or []:
+        try:
+            words = shlex.split(str(value))
+        except ValueError as exc:
+            raise UsageError(f"--trainer-arg {value!r}: {exc}", "quote each trainer flag as one shell word, e.g. "
+                                                               "--trainer-arg='--lr 1e-4'") from None
+        if not words or not words[0].startswith("--") or len(words[0]) < 3:
+            raise UsageError(f"--trainer-arg {value!r} is not a trainer flag",
+                             "pass one flag of speculators' trainer with its value per --trainer-arg, e.g. "
+                             "--trainer-arg=--lr=1e-4 or --trainer-arg '--num-layers 2'")
+        name, eq, first = words[0].partition("=")
+        out += [name] + ([first] if eq else []) + words[1:]
+    return out
+
+
+def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
+               trainer_args: list[str] | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host."""
     payload = host.run_task("train", train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run,
-                                                  force=force))
+                                                  force=force, trainer_args=trainer_args))
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
     return report
@@ -91,8 +120,8 @@ def run_record(run_id: str, state: RunState) -> Record:
 
 
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
-          dry_run: bool = False, detach: bool = False, force: bool = False, as_json: bool = False,
-          accept_new_host_key: bool = False) -> ExitCode:
+          dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
+          as_json: bool = False, accept_new_host_key: bool = False) -> ExitCode:
     """Start (or resume) the train run on every selected host, follow it, fetch what it wrote."""
     from specops.runid import check_run_id
 
@@ -108,9 +137,10 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError(f"--epochs {epochs!r} is not a whole number", "pass --epochs N (N >= 1)") from None
     if epochs < 1:
         raise UsageError(f"--epochs {epochs} must be at least 1", "pass --epochs N (N >= 1)")
+    extra = trainer_argv(trainer_args)
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in inventory.select(selector)}
     reports = run_on_hosts(inventory, ",".join(hosts), "train", lambda h: start_step(
-        hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force))
+        hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force, trainer_args=extra))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)

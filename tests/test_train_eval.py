@@ -180,7 +180,6 @@ def _status(inventory, run_id, env) -> tuple[int, dict]:
     return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
 
 
-@pytest.mark.vllm
 def _fetch_draft(inv, env) -> dict:
     proc = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -189,6 +188,7 @@ def _fetch_draft(inv, env) -> dict:
     return rec
 
 
+@pytest.mark.vllm
 def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_refused(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
     inv, env, work = run["inventory"], run["env"], run["run_dir"].parent.parent
@@ -267,9 +267,11 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
 
     # a trainer killed by SIGKILL (an OOM kill, a preemption) is named with its rank and what to do
+    # (with an extra trainer flag: checked against the installed trainer, on its command line, in its resolved config)
     killed = specops("train", "--inventory", inv, "--run-id", "killed", "--from-run", run["run_id"], "--epochs",
-                     EPOCHS, "--detach", "--json", env=env)
+                     EPOCHS, "--trainer-arg=--lr=5e-4", "--detach", "--json", env=env)
     assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert records(killed)["train.trainer_args"]["status"] == "ok"
     deadline = time.monotonic() + 300
     while (gone := _status(inv, "killed", env)[1]).get("state") != "training":
         assert time.monotonic() < deadline and gone.get("state") not in ("done", "failed"), gone
@@ -283,6 +285,17 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert gone["state"] == "failed" and error["signal"] == "SIGKILL" and error["rank"] == 0, gone
     assert error["pid"] == trainer and error["message"].startswith(f"rank 0 (trainer, pid {trainer}) was killed by SIGKILL")
     assert "resumes from the last epoch checkpoint" in error["message"], error
+    assert gone["command"][-2:] == ["--lr", "5e-4"] and gone["plan"]["extra_args"] == ["--lr", "5e-4"], gone
+    run_yaml = (work / "runs" / "killed" / "checkpoints" / "run.yaml").read_text()
+    assert "lr: 0.0005" in run_yaml, run_yaml
+    # its resume must give the same flags: others are refused naming both, before anything starts
+    other = specops("train", "--inventory", inv, "--run-id", "killed", "--from-run", run["run_id"], "--epochs",
+                    EPOCHS, "--trainer-arg", "--lr 1e-3", "--detach", "--json", env=env)
+    assert other.returncode == 1, other.stdout + other.stderr
+    refusal = records(other)["train.trainer_args"]
+    assert refusal["status"] == "fail" and "[--lr 5e-4]" in refusal["summary"] and "[--lr 1e-3]" in \
+        refusal["summary"], refusal
+    assert _status(inv, "killed", env)[1]["state"] == "failed"
 
     # a copy of the fetched draft (best/, as fetch --tensors left it) with its aux ids off by one: refused before
     # anything loads; forced below, vLLM serves it from that copy
