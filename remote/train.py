@@ -47,6 +47,11 @@ SPEC = Spec("train", {
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
+                                         "are extracted, the draft trains on those (remote.regenerate)"),
+    "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
+    "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
+    "ready_timeout_s": Arg("float", above=0, doc="regenerate: how long the target's server may take to start"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
     "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
 }, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])
@@ -88,6 +93,11 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         f"{plan.trainer_layer_ids}; --total-seq-len {plan.total_seq_len}",
         detail=plan.as_dict())]
     records.append(check_states(plan))
+    if params.get("regenerate"):
+        from remote import manifest as run_manifest, regenerate
+
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        records.append(regenerate.check(doc, params, plan.total_seq_len))
     records.append(trainplan.check_api(plan, api))
     records.append(check_disk(plan))
     records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))

@@ -108,6 +108,9 @@ class TrainPlan:
     dry_run: bool = False
     device: str = ""
     extra_args: list = field(default_factory=list)
+    #: ``train --regenerate``: the target's own replies (remote.regenerate's record), their states run and the
+    #: states run the rows came from; None: the trainer reads ``from_run``'s states
+    regenerated: dict | None = None
 
     def flags(self) -> list[tuple[str, str | list | None]]:
         """``(field, value)`` of every flag specops sets, in order (None: a switch); a default of

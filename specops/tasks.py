@@ -298,14 +298,20 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "force": "start even if the host already runs another run",
                  "trainer-arg": "one more flag for speculators' trainer with its value, e.g. --trainer-arg=--lr=1e-4 "
                                 "(repeat it; checked against the installed trainer's flags; the flags specops sets "
-                                "itself are refused, naming the option to use)"},
+                                "itself are refused, naming the option to use)",
+                 "regenerate": "first have the target write its own replies to the --from-run rows (speculators' "
+                               "regenerate-responses), extract their states (run <run-id>-states), train on those",
+                 "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
+                 "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)"},
            iterable=["trainer_arg"])
-def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None):
+def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
+          regenerate=False, regen_max_tokens=None, regen_temperature=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
-               detach=detach, force=force, trainer_args=trainer_arg, as_json=target.as_json,
+               detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
+               regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 
@@ -327,7 +333,7 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
                     accept_new_host_key=target.accept_new_host_key)
 
 
-_long_only(train, "from-run", "dry-run", "trainer-arg")
+_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 
