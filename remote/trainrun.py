@@ -201,8 +201,9 @@ class TrainSupervisor:
                                          rows_file=record["file"], samples=record["samples"])
         start["python"] = self.params.get("python") or sys.executable
         states = start["run_id"]
+        made = {**{k: v for k, v in record.items() if k != "command"}, "states_run": states, "from_run": plan.from_run}
         self.status.update(phase=f"extracting the regenerated text (run {states})", states_run=states,
-                           regenerated={k: v for k, v in record.items() if k != "command"})
+                           regenerated=made)
         print(f"[specops] extracting the states of the regenerated text: run {states}", flush=True)
         started = job.main(start)
         failed = [r for r in started["records"] if r["status"] == "fail"]
@@ -219,8 +220,7 @@ class TrainSupervisor:
             raise RuntimeError(f"the extraction of the regenerated text (run {states}) ended {final.get('state')}: "
                                f"{err.get('type')}: {err.get('message')} (specops logs --run-id {states})")
         regen_plan = trainplan.resolve({**self.params, "from_run": states})
-        regen_plan.regenerated = {**{k: v for k, v in record.items() if k != "command"}, "states_run": states,
-                                  "from_run": plan.from_run}
+        regen_plan.regenerated = made
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
