@@ -41,11 +41,17 @@ SPEC = Spec("train", {
     "from_run": Arg("str", doc="check, start: the finished extraction run whose states it trains on"),
     "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
-    "train_args": Arg("list", elements="str", doc="more trainer flags, appended as given"),
+    "train_args": Arg("list", elements="str", doc="more trainer flags (argv tokens), checked against the installed "
+                      "trainer's (remote.trainplan.check_extra_args), appended to its command, recorded"),
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
+                                         "are extracted, the draft trains on those (remote.regenerate)"),
+    "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
+    "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
+    "ready_timeout_s": Arg("float", above=0, doc="regenerate: how long the target's server may take to start"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
     "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
 }, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])
@@ -56,35 +62,68 @@ DRAFT_FILES = ("config.json", "config.py", "*.safetensors", "*.safetensors.index
 
 @SPEC.task
 def main(params: dict) -> dict:
+    records: list[dict] = []
     try:
         if params["action"] == "files":
             return draft_files(params)
-        records, plan = check(params)
+        plan = check(params, records)
     except TrainError as exc:
-        return exc.payload()
+        payload = exc.payload()
+        payload["records"][:0] = records  # the checks that passed before the refusal
+        return payload
     if params["action"] == "check" or any(r["status"] == protocol.FAIL for r in records):
         return protocol.payload(records, plan=plan.as_dict())
     started = job.start({**params, "_entry": "remote.trainrun"})
     return protocol.payload(records + started["records"], plan=plan.as_dict(), **started["data"])
 
 
-def check(params: dict) -> tuple[list[dict], trainplan.TrainPlan]:
-    """The training preflight's records and the plan (:raises TrainError: no plan can be made)."""
-    job.run_dir_of(params)  # the run id's own rule, before anything is read
+def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
+    """The training preflight: its records appended to ``records`` as they pass; the plan.
+
+    :raises TrainError: a refusal (the records before it stay in ``records``).
+    """
+    check_same_args(params)
+    api = trainplan.trainer_api()
+    records.append(trainplan.check_extra_args(params.get("train_args"), api))
     plan = trainplan.resolve(params)
-    records = [protocol.record(
+    records += [protocol.record(
         "train.plan", protocol.OK,
         f"from run {plan.from_run}: {plan.samples} samples, {plan.tokens} tokens, {plan.state_format} states -> "
         f"--hidden-states-backend {plan.backend}; ids {plan.layer_ids} (input) -> --target-layer-ids "
         f"{plan.trainer_layer_ids}; --total-seq-len {plan.total_seq_len}",
         detail=plan.as_dict())]
     records.append(check_states(plan))
-    records.append(trainplan.check_api(plan, trainplan.trainer_api()))
+    if params.get("regenerate"):
+        from remote import manifest as run_manifest, regenerate
+
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        records.append(regenerate.check(doc, params, plan.total_seq_len))
+    records.append(trainplan.check_api(plan, api))
     records.append(check_disk(plan))
     records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
     if plan.device == "cpu":
         records.append(check_cpu_launcher())
-    return records, plan
+    return plan
+
+
+def check_same_args(params: dict) -> None:
+    """A train run that exists (resumed, re-attached) goes on with the trainer flags it started with: other
+    ``train_args`` would make its epochs two different runs under one id.
+
+    :raises TrainError: naming both lists.
+    """
+    from remote.contract import PARAMS_FILE
+
+    old = samples.read_json_quietly(job.run_dir_of(params) / PARAMS_FILE)
+    if old is None:
+        return
+    before, now = list(old.get("train_args") or []), list(params.get("train_args") or [])
+    if before != now:
+        shown = lambda args: " ".join(args) if args else "none"  # noqa: E731
+        raise TrainError("train.trainer_args", f"train run {params['run_id']} started with trainer flags "
+                         f"[{shown(before)}], this call gives [{shown(now)}]",
+                         "repeat the run's own --trainer-arg flags to resume it, or train under a new --run-id",
+                         detail={"run": before, "given": now})
 
 
 def check_cpu_launcher() -> dict:

@@ -53,6 +53,29 @@ CPU_FLAGS = [("draft_attn_impl", "sdpa"), ("num_workers", "0"), ("optimizer", "a
 #: every flag this module may pass (checked against the installed trainer before a run starts).
 USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
               "epochs", "save_path", "dry_run", *(k for k, _ in FIXED + CPU_FLAGS))
+#: trainer flags specops sets itself, and what to use instead: ``--trainer-arg`` refuses them (a second
+#: value would silently win over the one the states run's manifest or the run's own options decided).
+SPECOPS_SETS = {
+    "verifier_name_or_path": "the target is the --from-run extraction's model (its manifest's model.path); "
+                             "extract the states of another model to train its draft",
+    "data_path": "--from-run: the extraction run's states are the data",
+    "hidden_states_path": "--from-run: the extraction run's states are the data",
+    "target_layer_ids": "the extraction's layer ids minus the final state (specops extract --layer-ids)",
+    "hidden_states_backend": "the states' format picks it (specops extract --format: bf16 -> file, fp8 -> fp8)",
+    "total_seq_len": "the extraction's seq_len (specops extract --seq-len, or the inventory's seq_len)",
+    "epochs": "specops train --epochs",
+    "save_path": "specops train --run-id (checkpoints go to <work_dir>/runs/<run-id>/checkpoints)",
+    "dry_run": "specops train --dry-run",
+    "speculator_type": "specops trains EAGLE-3 drafts (eagle3), the kind eval serves",
+    "no_resume_from_checkpoint": "the same specops train command resumes; a new --run-id starts afresh",
+    "config": "a YAML config could set any of the above: pass each trainer flag as its own --trainer-arg",
+    "dump_config": "it prints a config and exits without training: read the trainer's command in the train "
+                   "run's status (specops status --run-id) instead",
+}
+#: specops' own choices a ``--trainer-arg`` may replace (the record says which it replaced).
+OVERRIDABLE = tuple(k for k, _ in FIXED + CPU_FLAGS if k != "speculator_type")
+#: flags of speculators' own parser besides the schema's fields (``train/config/resolution.py``)
+PARSER_FLAGS = {"config": {"kind": "value"}, "dump_config": {"kind": "switch"}}
 _REGISTER_RE = re.compile(r"HiddenStatesBackend\.register\(\s*[\"'](\w+)[\"']")
 
 
@@ -85,9 +108,13 @@ class TrainPlan:
     dry_run: bool = False
     device: str = ""
     extra_args: list = field(default_factory=list)
+    #: ``train --regenerate``: the target's own replies (remote.regenerate's record), their states run and the
+    #: states run the rows came from; None: the trainer reads ``from_run``'s states
+    regenerated: dict | None = None
 
     def flags(self) -> list[tuple[str, str | list | None]]:
-        """``(field, value)`` of every flag, in order (None: a switch)."""
+        """``(field, value)`` of every flag specops sets, in order (None: a switch); a default of
+        :data:`OVERRIDABLE` that an extra arg names is left to it."""
         out = [("verifier_name_or_path", self.model_path), ("data_path", self.data_path),
                ("target_layer_ids", [str(i) for i in self.trainer_layer_ids]),
                ("hidden_states_backend", self.backend), ("total_seq_len", str(self.total_seq_len)),
@@ -96,7 +123,14 @@ class TrainPlan:
             out += CPU_FLAGS
         if self.dry_run:
             out.append(("dry_run", None))
-        return out
+        given = {name for name, _ in group_args(self.extra_args)}
+        return [(k, v) for k, v in out if k not in given or k not in OVERRIDABLE]
+
+    def overrides(self) -> dict:
+        """specops' own defaults the extra args replace: ``{field: specops' value}``."""
+        given = {name for name, _ in group_args(self.extra_args)}
+        mine = dict(FIXED + (CPU_FLAGS if self.device == "cpu" else []))
+        return {k: mine[k] for k in OVERRIDABLE if k in given and k in mine}
 
     def argv(self, python: str, launcher: str = TRAINER_MODULE) -> list[str]:
         """The trainer's command line (``launcher``: :data:`TRAINER_MODULE` or the CPU shim)."""
@@ -110,12 +144,32 @@ class TrainPlan:
         return argv + [str(a) for a in self.extra_args]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "overrides": self.overrides()}
 
 
 def flag(name: str) -> str:
     """A schema field's flag, as speculators' resolver makes it (``data_path`` -> ``--data-path``)."""
     return "--" + name.replace("_", "-")
+
+
+def field_name(token: str) -> str:
+    """The schema field of a flag token (``--draft-vocab-size`` -> ``draft_vocab_size``)."""
+    return token[2:].split("=", 1)[0].replace("-", "_")
+
+
+def group_args(tokens) -> list[tuple[str, list[str]]]:
+    """``[(field, values)]`` of an extra argv: each ``--flag`` with the tokens up to the next one
+    (``--flag=value`` is one flag and one value; a value may start with one ``-``: ``-1``)."""
+    out: list[tuple[str, list[str]]] = []
+    for token in map(str, tokens or []):
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            out.append((field_name(name), [value] if eq else []))
+        elif out:
+            out[-1][1].append(token)
+        else:
+            out.append(("", [token]))
+    return out
 
 
 def checkpoints_dir(run_dir) -> Path:
@@ -238,16 +292,112 @@ def _package_dir(name: str, search=None) -> Path | None:
 
 
 def schema_fields(path: Path) -> set[str]:
-    """Every field declared in a class body of ``path`` (speculators' TrainConfig groups), by AST."""
+    """Every flag field declared in a class body of ``path`` (speculators' TrainConfig groups), by AST."""
+    return set(schema_flags(path))
+
+
+def schema_flags(path: Path) -> dict[str, dict]:
+    """``{field: {"kind", "type", "choices"}}`` of every flag speculators' resolver makes from the
+    schema in ``path`` (``train/config/resolution.py``: a bool is a switch, ``--x/--no-x`` when it
+    defaults to True or None or is tagged ``_CLI_BOOL_OPTIONAL``; ``list[T]`` takes one or more
+    values; ``Literal[...]`` its choices), by AST. A field whose type is a class of the file (a
+    group of TrainConfig) is no flag."""
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), str(path))
-    names = set()
+    classes = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    out = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
-                        and not item.target.id.startswith("_"):
-                    names.add(item.target.id)
-    return names
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)) \
+                    or item.target.id.startswith("_") or item.target.id == "model_config":
+                continue
+            if isinstance(item.annotation, ast.Name) and item.annotation.id in classes:
+                continue
+            out[item.target.id] = _flag_spec(item.annotation, item.value)
+    return out
+
+
+def _flag_spec(annotation: ast.expr, value) -> dict:
+    arms = []
+
+    def walk(node):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            walk(node.left)
+            walk(node.right)
+        elif not (isinstance(node, ast.Constant) and node.value is None):
+            arms.append(node)
+
+    walk(annotation)
+    node = arms[0] if len(arms) == 1 else None
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Optional":
+        node = node.slice
+    spec = {"kind": "value", "type": None, "choices": None}
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if node.value.id == "list":
+            spec["kind"] = "list"
+            spec["type"] = inner[0].id if isinstance(inner[0], ast.Name) else None
+        elif node.value.id == "Literal":
+            try:
+                spec["choices"] = [ast.literal_eval(e) for e in inner]
+            except ValueError:
+                pass
+    elif isinstance(node, ast.Name):
+        spec["type"] = node.id
+        if node.id == "bool":
+            default, tagged = False, False
+            if isinstance(value, ast.Call):
+                for kw in value.keywords:
+                    if kw.arg == "default" and isinstance(kw.value, ast.Constant):
+                        default = kw.value.value
+                    if kw.arg == "json_schema_extra" and isinstance(kw.value, ast.Name):
+                        tagged = kw.value.id == "_CLI_BOOL_OPTIONAL"
+            elif isinstance(value, ast.Constant):
+                default = value.value
+            optional = len(arms) > 1 or default is None or default is True or tagged
+            spec["kind"] = "bool_optional" if optional else "switch"
+    return spec
+
+
+def parser_flags(path: Path) -> dict[str, dict]:
+    """``{field: spec}`` of the flags a module's ``add_train_args`` adds with ``add_argument("--x", ...)``
+    (hs-connectors' read backends add theirs to the trainer's parser), by AST."""
+    tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), str(path))
+    out = {}
+    defs = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)]
+    reached, todo = set(), ["add_train_args"]
+    while todo:  # add_train_args and the helpers of this file it calls (MooncakeBackend._add_mooncake_args)
+        name = todo.pop()
+        reached.add(name)
+        for f in defs:
+            if f.name == name:
+                todo += [c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+                         for c in ast.walk(f) if isinstance(c, ast.Call)]
+        todo = [t for t in todo if t not in reached and any(f.name == t for f in defs)]
+    calls = [n for f in defs if f.name in reached for n in ast.walk(f)]
+    for node in calls:
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if not func.endswith("add_argument") and not func.endswith("add_argument_if_absent"):
+            continue
+        names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                 and a.value.startswith("--")]
+        if not names:
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        action = kw.get("action")
+        kind = "switch" if isinstance(action, ast.Constant) and action.value in ("store_true", "store_false") \
+            else "list" if "nargs" in kw else "value"
+        typ, choices = kw.get("type"), None
+        try:
+            choices = list(ast.literal_eval(kw["choices"])) if "choices" in kw else None
+        except ValueError:  # a registry named, not a literal: leave the value to the trainer
+            pass
+        out[field_name(names[0])] = {"kind": kind, "type": typ.id if isinstance(typ, ast.Name) else None,
+                                     "choices": choices}
+    return out
 
 
 def trainer_api(search=None) -> dict:
@@ -257,20 +407,25 @@ def trainer_api(search=None) -> dict:
         set of flag fields, "backends": set of read backends hs-connectors registers, "schema": path}``.
     """
     pkg = _package_dir("speculators", search)
-    out = {"package": str(pkg) if pkg else None, "entry": False, "fields": set(), "backends": set(), "schema": None}
+    out = {"package": str(pkg) if pkg else None, "entry": False, "fields": set(), "backends": set(), "schema": None,
+           "flags": {}}
     if pkg is None:
         return out
     out["entry"] = (pkg / "train" / "__main__.py").is_file()
     schema = pkg / "train" / "config" / "schema.py"
     if schema.is_file():
         out["schema"] = str(schema)
-        out["fields"] = schema_fields(schema)
+        out["flags"] = {**PARSER_FLAGS, **schema_flags(schema)}
+        out["fields"] = set(out["flags"]) - set(PARSER_FLAGS)
     hs = _package_dir("hs_connectors", search)
     if hs is not None:
         for path in sorted(hs.glob("*.py")):
             try:
-                out["backends"] |= set(_REGISTER_RE.findall(path.read_text(encoding="utf-8", errors="replace")))
-            except OSError:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                out["backends"] |= set(_REGISTER_RE.findall(text))
+                if "add_train_args" in text:
+                    out["flags"] = {**parser_flags(path), **out["flags"]}
+            except (OSError, SyntaxError):
                 continue
     return out
 
@@ -302,3 +457,82 @@ def check_api(plan: TrainPlan, api: dict) -> dict:
                            f"speculators' trainer takes every flag specops passes ({len(used)}); backend "
                            f"{plan.backend!r} registered", detail={"package": api["package"], "flags": used,
                                                                   "backends": sorted(api["backends"])})
+
+
+def check_extra_args(tokens, api: dict) -> dict:
+    """The ``train.trainer_args`` record: every extra trainer flag (``--trainer-arg``) is one the installed
+    trainer takes (its schema and its read backends' flags, :func:`trainer_api`), with values of its kind
+    and type, given once, and not one specops sets itself (:data:`SPECOPS_SETS`: the record names the
+    specops option to use instead).
+
+    :raises TrainError: naming the first problem's flag (every problem in ``detail.problems``).
+    """
+    import difflib
+
+    tokens = [str(t) for t in tokens or []]
+    if not tokens:
+        return protocol.record("train.trainer_args", protocol.SKIPPED, "no extra trainer flags (--trainer-arg)",
+                               detail={"args": []})
+    known, problems, seen = api.get("flags") or {}, [], set()
+    where = f"read in {api.get('schema') or 'the installed speculators'}"
+    for name, values in group_args(tokens):
+        shown = flag(name) if name else values[0]
+        if not name:
+            problems.append((shown, f"{shown!r} is no flag (each --trainer-arg starts with --, e.g. "
+                                    f"--trainer-arg=--lr=1e-4)", "pass one flag and its value per --trainer-arg"))
+            continue
+        base = name[3:] if name.startswith("no_") and name not in known else name
+        if base in SPECOPS_SETS or name in SPECOPS_SETS:
+            problems.append((shown, f"{shown} is set by specops", SPECOPS_SETS.get(name) or SPECOPS_SETS[base]))
+            continue
+        spec = known.get(base)
+        if spec is None or (base != name and spec["kind"] != "bool_optional"):
+            near = difflib.get_close_matches(name, list(known), n=1)
+            problems.append((shown, f"the installed trainer takes no {shown} ({where})",
+                             f"did you mean {flag(near[0])}?" if near else
+                             "speculators train --help lists the flags it takes"))
+            continue
+        if base in seen:
+            problems.append((shown, f"{shown} is given twice", "give each trainer flag once"))
+            continue
+        seen.add(base)
+        why = _value_problem(spec, values, base != name)
+        if why:
+            problems.append((shown, f"{shown} {why}", f"e.g. --trainer-arg={_example(base, spec)}"))
+    if problems:
+        first = problems[0]
+        raise TrainError("train.trainer_args", first[1] + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                                           else ""),
+                         first[2], detail={"args": tokens, "problems": [{"flag": f, "problem": p, "fix": x}
+                                                                        for f, p, x in problems]})
+    names = [flag(n) for n, _ in group_args(tokens)]
+    return protocol.record("train.trainer_args", protocol.OK,
+                           f"the installed trainer takes {', '.join(names)} ({where}); appended to its command",
+                           detail={"args": tokens, "flags": names})
+
+
+def _value_problem(spec: dict, values: list, negated: bool) -> str | None:
+    """Why ``values`` do not fit a flag of ``spec`` (argparse's rules for it), else None."""
+    if spec["kind"] in ("switch", "bool_optional") or negated:
+        return f"is a switch and takes no value (got {' '.join(values)})" if values else None
+    if not values:
+        return "needs a value"
+    if spec["kind"] == "value" and len(values) > 1:
+        return f"takes one value, got {len(values)}: {' '.join(values)}"
+    cast = {"int": int, "float": float}.get(spec.get("type") or "")
+    for value in values:
+        if cast is not None:
+            try:
+                cast(value)
+            except ValueError:
+                return f"takes {'an integer' if cast is int else 'a number'}, got {value!r}"
+        if spec.get("choices") and value not in [str(c) for c in spec["choices"]]:
+            return f"takes one of {', '.join(map(str, spec['choices']))}, got {value!r}"
+    return None
+
+
+def _example(name: str, spec: dict) -> str:
+    if spec["kind"] in ("switch", "bool_optional"):
+        return flag(name)
+    value = (spec.get("choices") or [None])[0] or {"int": "2", "float": "1e-4"}.get(spec.get("type") or "", "VALUE")
+    return f"{flag(name)}={value}" if spec["kind"] == "value" else f"{flag(name)} {value} {value}"

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from remote import samples, signals, trainplan
 from remote.contract import RunState
@@ -130,6 +131,8 @@ class TrainSupervisor:
 
     def _run(self) -> int:
         plan = trainplan.resolve(self.params)
+        if self.params.get("regenerate"):
+            plan = self._regenerate(plan)
         launcher = pick_launcher()
         argv = plan.argv(self.params.get("python") or sys.executable, launcher)
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
@@ -181,6 +184,44 @@ class TrainSupervisor:
         self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
                            wall_s=round(time.monotonic() - t0, 1), **done)
         return 0
+
+    def _regenerate(self, plan: trainplan.TrainPlan) -> trainplan.TrainPlan:
+        """``train --regenerate``: the target's own replies to ``from_run``'s rows, then their states
+        (an extraction run with ``from_run``'s parameters), waited for; the plan of those states."""
+        from remote import job, regenerate
+        from remote import manifest as run_manifest
+
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        self.status.update(state=RunState.LOADING.value, phase="regenerating: the target writes its own replies")
+        record = regenerate.regenerate(self.paths.run_dir, doc=doc, model_path=plan.model_path,
+                                       params={**self.params, "tp": (doc.get("params") or {}).get("tp")},
+                                       seq_len=plan.total_seq_len, log=lambda line: print(line, flush=True))
+        source = samples.read_json_quietly(Path(plan.states_run_dir) / "params.json") or doc.get("params") or {}
+        start = regenerate.states_params(source, doc, work_dir=self.params["work_dir"], run_id=plan.run_id,
+                                         rows_file=record["file"], samples=record["samples"])
+        start["python"] = self.params.get("python") or sys.executable
+        states = start["run_id"]
+        made = {**{k: v for k, v in record.items() if k != "command"}, "states_run": states, "from_run": plan.from_run}
+        self.status.update(phase=f"extracting the regenerated text (run {states})", states_run=states,
+                           regenerated=made)
+        print(f"[specops] extracting the states of the regenerated text: run {states}", flush=True)
+        started = job.main(start)
+        failed = [r for r in started["records"] if r["status"] == "fail"]
+        if failed:
+            raise RuntimeError(f"the extraction of the regenerated text (run {states}) did not start: "
+                               f"{failed[0]['summary']}")
+        try:
+            final = regenerate.wait_run({"work_dir": self.params["work_dir"], "run_id": states})
+        except BaseException:  # aborted while it runs: it goes down with this run
+            job.main({"action": "abort", "work_dir": self.params["work_dir"], "run_id": states})
+            raise
+        if final.get("state") != RunState.DONE.value:
+            err = final.get("error") or {}
+            raise RuntimeError(f"the extraction of the regenerated text (run {states}) ended {final.get('state')}: "
+                               f"{err.get('type')}: {err.get('message')} (specops logs --run-id {states})")
+        regen_plan = trainplan.resolve({**self.params, "from_run": states})
+        regen_plan.regenerated = made
+        return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
         progress = _PROGRESS_RE.search(line)

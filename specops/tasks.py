@@ -71,7 +71,7 @@ _COMMON_PARAMETERS = [
     for name, default in (("on", None), ("inventory", None), ("json", False), ("accept_new_host_key", False))]
 
 
-def host_task(help: dict | None = None):
+def host_task(help: dict | None = None, iterable: list | None = None):
     """Make ``body(target, **flags)`` a task that takes ``--on``, ``--inventory``, ``--json`` and
     ``--accept-new-host-key`` besides its own flags.
 
@@ -106,7 +106,7 @@ def host_task(help: dict | None = None):
         context = inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)
         # common flags first: invoke hands out short flags (-o, -i, -j, -a) in this order
         run.__signature__ = inspect.Signature([context, *_COMMON_PARAMETERS, *own])
-        return task(help={**COMMON_HELP, **(help or {})})(run)
+        return task(help={**COMMON_HELP, **(help or {})}, iterable=iterable or [])(run)
     return decorate
 
 
@@ -295,13 +295,24 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "epochs": "training epochs (speculators' --epochs; each keeps a checkpoint)",
                  "dry-run": "speculators' --dry-run: write an untrained checkpoint of the same shape and stop",
                  "detach": "start and return at once",
-                 "force": "start even if the host already runs another run"})
-def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False):
+                 "force": "start even if the host already runs another run",
+                 "trainer-arg": "one more flag for speculators' trainer with its value, e.g. --trainer-arg=--lr=1e-4 "
+                                "(repeat it; checked against the installed trainer's flags; the flags specops sets "
+                                "itself are refused, naming the option to use)",
+                 "regenerate": "first have the target write its own replies to the --from-run rows (speculators' "
+                               "regenerate-responses), extract their states (run <run-id>-states), train on those",
+                 "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
+                 "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)"},
+           iterable=["trainer_arg"])
+def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
+          regenerate=False, regen_max_tokens=None, regen_temperature=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
-               detach=detach, force=force, as_json=target.as_json, accept_new_host_key=target.accept_new_host_key)
+               detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
+               regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, as_json=target.as_json,
+               accept_new_host_key=target.accept_new_host_key)
 
 
 @host_task(help={"draft": "a train run id on the host, or a draft checkpoint dir there",
@@ -322,7 +333,7 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
                     accept_new_host_key=target.accept_new_host_key)
 
 
-_long_only(train, "from-run", "dry-run")
+_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 

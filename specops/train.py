@@ -36,25 +36,75 @@ PROGRESS_EVERY_S = 5.0
 
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
+                 trainer_args: list[str] | None = None, regenerate: dict | None = None,
                  action: str = "start") -> dict:
-    return {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
-            "epochs": int(epochs), "dry_run": bool(dry_run), "python": host.spec.python, "device": host.spec.device,
-            "env": dict(host.spec.env), "force": bool(force)}
+    """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
+    left out) for ``train --regenerate``."""
+    params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
+              "epochs": int(epochs), "dry_run": bool(dry_run), "python": host.spec.python,
+              "device": host.spec.device, "env": dict(host.spec.env), "force": bool(force)}
+    if trainer_args:  # only when given: a run started without any records none, and resumes without any
+        params["train_args"] = list(trainer_args)
+    if regenerate is not None:
+        params.update({"regenerate": True, **{k: v for k, v in regenerate.items() if v is not None}})
+    return params
 
 
-def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool) -> HostReport:
+def trainer_argv(values) -> list[str]:
+    """The argv tokens of the ``--trainer-arg`` values: each one flag, ``--lr=1e-4`` or ``--lr 1e-4`` (or a list
+    flag's values, ``--full-attention-indices 0 2``), split the same way whichever form was typed, so a resume
+    that types it the other way is the same run.
+
+    :raises UsageError: a value that is not a ``--flag``.
+    """
+    import shlex
+
+    out = []
+    for value in values or []:
+        try:
+            words = shlex.split(str(value))
+        except ValueError as exc:
+            raise UsageError(f"--trainer-arg {value!r}: {exc}", "quote each trainer flag as one shell word, e.g. "
+                                                               "--trainer-arg='--lr 1e-4'") from None
+        if not words or not words[0].startswith("--") or len(words[0]) < 3:
+            raise UsageError(f"--trainer-arg {value!r} is not a trainer flag",
+                             "pass one flag of speculators' trainer with its value per --trainer-arg, e.g. "
+                             "--trainer-arg=--lr=1e-4 or --trainer-arg '--num-layers 2'")
+        name, eq, first = words[0].partition("=")
+        out += [name] + ([first] if eq else []) + words[1:]
+    return out
+
+
+def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
+               trainer_args: list[str] | None = None, regenerate: dict | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host."""
     payload = host.run_task("train", train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run,
-                                                  force=force))
+                                                  force=force, trainer_args=trainer_args, regenerate=regenerate))
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
     return report
+
+
+def _number(value, name: str, kind, low):
+    """``value`` as ``kind`` (None stays None), at least ``low``. :raises UsageError: naming ``name``."""
+    if value is None or value == "":
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} {value!r} is not a {'whole ' if kind is int else ''}number",
+                         f"pass {name} N (N >= {low})") from None
+    if number < low:
+        raise UsageError(f"{name} {value} must be at least {low}", f"pass {name} N (N >= {low})")
+    return number
 
 
 def progress_line(host: str, st: dict) -> str:
     """One line of a training run's progress from its status."""
     acc = st.get("accuracy") or []
     parts = [f"[bold]{host}[/]", st.get("state") or ""]
+    if st.get("step") is None and st.get("phase"):  # before the trainer: regenerating, extracting, starting
+        parts.append(st["phase"])
     if st.get("step") is not None:
         parts.append(f"step {st['step']}/{st.get('steps_total') or '?'}")
         parts.append(f"epoch {int(st.get('epoch') or 0) + 1}/{st.get('epochs') or '?'}")
@@ -79,6 +129,7 @@ def run_record(run_id: str, state: RunState) -> Record:
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
                               f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}",
                       detail={"checkpoint": where, "resumed_from": st.get("resumed_from"),
+                              "regenerated": st.get("regenerated"), "states_run": st.get("states_run"),
                               "tokens_per_s": st.get("tokens_per_s"), "val_loss": st.get("val_loss"),
                               "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s")})
     err = state.error
@@ -91,7 +142,8 @@ def run_record(run_id: str, state: RunState) -> Record:
 
 
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
-          dry_run: bool = False, detach: bool = False, force: bool = False, as_json: bool = False,
+          dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
+          regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, as_json: bool = False,
           accept_new_host_key: bool = False) -> ExitCode:
     """Start (or resume) the train run on every selected host, follow it, fetch what it wrote."""
     from specops.runid import check_run_id
@@ -108,9 +160,18 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError(f"--epochs {epochs!r} is not a whole number", "pass --epochs N (N >= 1)") from None
     if epochs < 1:
         raise UsageError(f"--epochs {epochs} must be at least 1", "pass --epochs N (N >= 1)")
+    extra = trainer_argv(trainer_args)
+    regen = None
+    if regenerate:
+        regen = {"regen_max_tokens": _number(regen_max_tokens, "--regen-max-tokens", int, low=1),
+                 "regen_temperature": _number(regen_temperature, "--regen-temperature", float, low=0)}
+    elif regen_max_tokens is not None or regen_temperature is not None:
+        raise UsageError("--regen-max-tokens and --regen-temperature set how the target writes its replies",
+                         "add --regenerate, or drop them")
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in inventory.select(selector)}
     reports = run_on_hosts(inventory, ",".join(hosts), "train", lambda h: start_step(
-        hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force))
+        hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force, trainer_args=extra,
+        regenerate=regen))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)

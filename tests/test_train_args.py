@@ -1,0 +1,156 @@
+"""Extra trainer flags (``specops train --trainer-arg``), checked against the installed trainer.
+
+Light (no trainer run, no vLLM): the flags read from speculators 0.9.0's files by AST are the
+ones its own argparse parser builds (kind, choices), and over SSH against the modern test host
+the training preflight refuses a flag specops sets (naming the specops option to use), one the
+trainer does not take (naming the nearest), a value of the wrong type or out of its choices, and
+takes good ones, recording them. The heavy test (``tests/test_train_eval.py``) runs a trainer
+with one and refuses a resume that gives other flags.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from remote import trainplan  # noqa: E402
+
+#: the argparse parser speculators' trainer builds, each flag's kind and choices, as JSON
+PARSER_FLAGS = r"""
+import argparse, json
+from speculators.train.config.resolution import build_parser
+out = {}
+for a in build_parser()._actions:
+    names = [o for o in a.option_strings if o.startswith("--") and not o.startswith("--no-")]
+    if not names or a.dest == "help":
+        continue
+    kind = ("switch" if isinstance(a, argparse._StoreTrueAction) else "bool_optional"
+            if isinstance(a, argparse.BooleanOptionalAction) else "list" if a.nargs == "+" else "value")
+    out[names[0][2:].replace("-", "_")] = {"kind": kind, "choices": list(a.choices) if a.choices else None}
+print(json.dumps(out))
+"""
+
+
+def _site(python: Path) -> str:
+    return str(next((python.parent.parent / "lib").glob("python3*/site-packages")))
+
+
+def test_the_flags_read_from_the_trainers_files_are_the_ones_its_parser_takes(modern_hostenv_python):
+    parser = json.loads(subprocess.run([str(modern_hostenv_python), "-c", PARSER_FLAGS], capture_output=True,
+                                       text=True, check=True, timeout=600,
+                                       env={**os.environ, "PYTHONWARNINGS": "ignore"}).stdout.splitlines()[-1])
+    read = trainplan.trainer_api([_site(modern_hostenv_python)])["flags"]
+    # --no-resume-from-checkpoint is a store_true field whose own name starts with no-
+    assert set(read) - {"no_resume_from_checkpoint"} == set(parser), (set(read) ^ set(parser))
+    for name, spec in parser.items():
+        assert read[name]["kind"] == spec["kind"], (name, read[name], spec)
+        # the backend's choices are a live registry, read as hs-connectors' registered backends instead
+        if spec["choices"] and name != "hidden_states_backend":
+            assert read[name]["choices"] == spec["choices"], (name, read[name], spec)
+    assert {"mooncake_master", "hidden_states_path"} <= set(read)  # hs-connectors' backends add them
+
+
+def _api(modern_hostenv_python) -> dict:
+    return trainplan.trainer_api([_site(modern_hostenv_python)])
+
+
+def _plan(**changes) -> trainplan.TrainPlan:
+    fields = dict(run_id="t1", from_run="r1", states_run_dir="/w/runs/r1", data_path="/w/out", model_path="/m/llama",
+                  layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16",
+                  backend="file", total_seq_len=128, samples=4, tokens=270, sample_range=[0, 4],
+                  save_path="/w/runs/t1/checkpoints", epochs=3, device="cpu")
+    return trainplan.TrainPlan(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("args, says, fix", [
+    (["--data-path", "/x"], "--data-path is set by specops", "--from-run"),
+    (["--target-layer-ids", "1", "2"], "--target-layer-ids is set by specops", "extract --layer-ids"),
+    (["--hidden-states-backend", "fp8"], "--hidden-states-backend is set by specops", "extract --format"),
+    (["--save-path", "/tmp/x"], "--save-path is set by specops", "--run-id"),
+    (["--epochs", "3"], "--epochs is set by specops", "specops train --epochs"),
+    (["--config", "run.yaml"], "--config is set by specops", "--trainer-arg"),
+    (["--no-resume-from-checkpoint"], "--no-resume-from-checkpoint is set by specops", "new --run-id"),
+    (["--lrr", "1e-4"], "takes no --lrr", "did you mean --lr?"),
+    (["--lr", "fast"], "--lr takes a number, got 'fast'", "--trainer-arg=--lr=1e-4"),
+    (["--num-layers", "2.5"], "--num-layers takes an integer", "--num-layers=2"),
+    (["--optimizer", "sgd"], "--optimizer takes one of adamw, muon, got 'sgd'", "--optimizer=adamw"),
+    (["--save-best", "yes"], "--save-best is a switch and takes no value", "--save-best"),
+    (["--lr"], "--lr needs a value", "--lr=1e-4"),
+    (["--lr", "1", "--lr", "2"], "--lr is given twice", "once"),
+    (["--no-lr"], "takes no --no-lr", ""),
+])
+def test_a_flag_specops_sets_or_the_trainer_does_not_take_is_refused_naming_what_to_do(
+        modern_hostenv_python, args, says, fix):
+    with pytest.raises(trainplan.TrainError) as caught:
+        trainplan.check_extra_args(args, _api(modern_hostenv_python))
+    rec = caught.value.payload()["records"][0]
+    assert rec["name"] == "train.trainer_args" and rec["status"] == "fail", rec
+    assert says in rec["summary"] and fix in rec["fix"], rec
+
+
+def test_good_flags_pass_and_replace_only_specops_own_defaults(modern_hostenv_python):
+    args = ["--lr", "1e-4", "--num-layers", "2", "--full-attention-indices", "0", "1", "--no-norm-before-fc",
+            "--save-best", "--optimizer", "muon", "--mooncake-master", "127.0.0.1:1"]
+    rec = trainplan.check_extra_args(args, _api(modern_hostenv_python))
+    assert rec["status"] == "ok" and rec["detail"]["flags"] == [
+        "--lr", "--num-layers", "--full-attention-indices", "--no-norm-before-fc", "--save-best", "--optimizer",
+        "--mooncake-master"], rec
+    plan = _plan(extra_args=args)
+    argv = plan.argv("/env/python", trainplan.CPU_LAUNCHER_MODULE)
+    # the user's --optimizer replaces specops' CPU default (adamw) instead of following it, the rest stay
+    assert argv.count("--optimizer") == 1 and argv[-len(args):] == args
+    assert "--draft-attn-impl sdpa" in " ".join(argv)
+    assert plan.overrides() == {"optimizer": "adamw"} and plan.as_dict()["overrides"] == {"optimizer": "adamw"}
+    assert trainplan.check_extra_args([], _api(modern_hostenv_python))["status"] == "skipped"
+
+
+def _specops(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=600,
+                          env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+def _records(proc) -> dict:
+    return {r["name"]: r for h in json.loads(proc.stdout)["hosts"] for r in h["records"]}
+
+
+def test_over_ssh_the_training_preflight_refuses_a_flag_specops_sets_and_takes_one_the_trainer_takes(
+        modern_make_inventory):
+    inv = modern_make_inventory()
+    refused = _specops("train", "--inventory", inv, "--run-id", "t1", "--from-run", "r1",
+                       "--trainer-arg=--lr=1e-4", "--trainer-arg", "--data-path=/elsewhere", "--json")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    rec = _records(refused)["train.trainer_args"]
+    assert rec["status"] == "fail" and rec["summary"].startswith("--data-path is set by specops"), rec
+    assert "--from-run" in rec["fix"] and rec["detail"]["args"] == ["--lr", "1e-4", "--data-path", "/elsewhere"]
+    assert "speculators/train/config/schema.py" not in rec["summary"]  # a refusal, not an unknown flag
+    # nothing was started: no run dir
+    assert not (Path(inv).parent / "work" / "runs" / "t1").exists()
+
+    # good flags, both spellings: checked against the host's trainer, then the states run is looked for
+    taken = _specops("train", "--inventory", inv, "--run-id", "t1", "--from-run", "r1", "--trainer-arg",
+                     "--lr 1e-4", "--trainer-arg=--num-layers=2", "--json")
+    assert taken.returncode == 1, taken.stdout + taken.stderr
+    recs = _records(taken)
+    assert recs["train.trainer_args"]["status"] == "ok", recs
+    assert recs["train.trainer_args"]["detail"] == {"args": ["--lr", "1e-4", "--num-layers", "2"],
+                                                    "flags": ["--lr", "--num-layers"]}
+    assert "site-packages/speculators/train/config/schema.py" in recs["train.trainer_args"]["summary"]
+    assert recs["train.states"]["status"] == "fail" and "r1" in recs["train.states"]["summary"], recs
+
+
+@pytest.mark.parametrize("value", ["lr=1e-4", "", "-x", "--lr '1e-4"])
+def test_a_trainer_arg_that_is_no_flag_is_a_usage_error(value, tmp_path):
+    (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "
+                                       "output_dir: /o}\n")
+    proc = _specops("train", "--inventory", tmp_path / "inv.yaml", "--run-id", "t1", "--from-run", "r1",
+                    f"--trainer-arg={value}")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "--trainer-arg" in proc.stderr, proc.stderr

@@ -1,0 +1,80 @@
+"""fp8 states end to end (issues 23 and 24): ``extract --format fp8`` -> ``train`` -> ``eval`` on the modern test host.
+
+Heavy (marked ``vllm``; two server starts for eval, one for the extraction), over SSH: the tiny
+Llama's states are extracted as fp8 with their per-token scales (the CPU copy of hs-connectors'
+fp8 connector, as the test host's overlay carries it); ``specops train`` reads the manifest's
+format and passes ``--hidden-states-backend fp8`` (the default ``file`` backend would read the
+fp8 values without their scales, ~600x off, and nothing would say so); the draft trained on them
+is served as eagle3 and accepted above an untrained draft of the same shape on the same
+held-out prompts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 40
+
+
+def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "250", **(env or {})})
+
+
+def records(proc) -> dict:
+    return {r["name"]: r for host in json.loads(proc.stdout)["hosts"] for r in host["records"]}
+
+
+@pytest.mark.vllm
+def test_a_draft_trained_on_fp8_states_reads_them_through_the_fp8_backend_and_is_accepted(
+        modern_make_inventory, tiny_models, tmp_path):
+    from specops.testhost.hostenv import cache_root
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+    inv = modern_make_inventory(model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]), tp=1,
+                                seq_len=128, max_samples=4, batch_size=4, env=env, format="fp8")
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    t0 = time.monotonic()
+    extracted = specops("extract", "--inventory", inv, "--run-id", "states-fp8", "--skip-smoke", "--json", env=runs)
+    assert extracted.returncode == 0, extracted.stdout[-4000:] + extracted.stderr[-4000:]
+    manifest = json.loads((tmp_path / "work" / "runs" / "states-fp8" / "manifest.json").read_text())
+    assert manifest["state_format"] == "fp8" and manifest["hidden_states_backend"] == "fp8", manifest
+    t_extract = time.monotonic() - t0
+
+    trained = specops("train", "--inventory", inv, "--run-id", "draft-fp8", "--from-run", "states-fp8", "--epochs",
+                      EPOCHS, "--json", env=runs)
+    assert trained.returncode == 0, trained.stdout[-4000:] + trained.stderr[-4000:]
+    recs = records(trained)
+    plan = recs["train.plan"]["detail"]
+    assert plan["state_format"] == "fp8" and plan["backend"] == "fp8", plan
+    assert "fp8 states -> --hidden-states-backend fp8" in recs["train.plan"]["summary"], recs["train.plan"]
+    status = json.loads((tmp_path / "work" / "runs" / "draft-fp8" / "status.json").read_text())
+    command = status["command"]
+    assert command[command.index("--hidden-states-backend") + 1] == "fp8", command
+    assert recs["train.run"]["status"] == "ok" and status["epoch"] == EPOCHS - 1, status
+    untrained = specops("train", "--inventory", inv, "--run-id", "untrained-fp8", "--from-run", "states-fp8",
+                        "--dry-run", "--json", env=runs)
+    assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
+    t_train = time.monotonic() - t0 - t_extract
+
+    results = {}
+    for draft in ("draft-fp8", "untrained-fp8"):
+        proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--json", env=runs)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        got = records(proc)
+        assert got["eval.draft_layer_ids"]["status"] == "ok" and got["eval.prompts"]["detail"]["rows"] == [4, 12]
+        results[draft] = got["eval.acceptance"]["detail"]
+    print(f"\nfp8 states: extract {t_extract:.0f}s, train {EPOCHS} epochs + dry run {t_train:.0f}s "
+          f"({status.get('tokens_per_s')} tok/s, loss {status.get('loss')}); eval trained: {results['draft-fp8']}; "
+          f"untrained: {results['untrained-fp8']}")
+    fp8, chance = results["draft-fp8"], results["untrained-fp8"]
+    assert fp8["draft_tokens"] > 0 and chance["draft_tokens"] > 0
+    assert fp8["accepted"] > chance["accepted"] and fp8["mean_acceptance_length"] > chance["mean_acceptance_length"]
