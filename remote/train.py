@@ -41,6 +41,8 @@ SPEC = Spec("train", {
     "from_run": Arg("str", doc="check, start: the finished extraction run whose states it trains on"),
     "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
+    "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
+                                  "GPU the job sees, remote.trainrun.trainer_processes)"),
     "train_args": Arg("list", elements="str", doc="more trainer flags (argv tokens), checked against the installed "
                       "trainer's (remote.trainplan.check_extra_args), appended to its command, recorded"),
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),

@@ -40,6 +40,13 @@ from remote import contract, layers, protocol
 
 #: what ``speculators train`` runs (``speculators/train/__main__.py``): one process, one device.
 TRAINER_MODULE = "speculators.train"
+#: torch's launcher (``torchrun``) for a host with several visible GPUs: one trainer process per GPU,
+#: each rank's output kept in its own file under the run's logs and also in train.log, prefixed
+#: ``[default<rank>]:`` (``--tee 3``), so a failing rank is named.
+TORCHRUN_MODULE = "torch.distributed.run"
+RANK_LOGS = "ranks"
+#: the prefix torchrun's ``--tee`` puts before each line of local rank N
+_TEE_PREFIX_RE = re.compile(r"^\[default(\d+)\]:")
 #: the test host's CPU launcher: the same ``main(TrainConfig.resolve())`` behind three patches.
 CPU_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 #: a train run dir's own parts: the trainer's save path, its log, the metrics the run parsed.
@@ -143,8 +150,32 @@ class TrainPlan:
                 argv.append(value)
         return argv + [str(a) for a in self.extra_args]
 
+    def launch_argv(self, python: str, launcher: str, nproc: int, rank_logs) -> list[str]:
+        """What the supervisor starts: :meth:`argv` itself on one device; under torchrun with ``nproc``
+        processes (one per visible GPU) when there are several (``rank_logs``: torchrun's log dir)."""
+        argv = self.argv(python, launcher)
+        if nproc <= 1:
+            return argv
+        return [str(python), "-m", TORCHRUN_MODULE, "--standalone", "--nproc_per_node", str(int(nproc)),
+                "--log-dir", str(rank_logs), "--tee", "3", "-m", launcher, *argv[3:]]
+
     def as_dict(self) -> dict:
         return {**asdict(self), "overrides": self.overrides()}
+
+
+def failing_rank(log_text: str) -> int | None:
+    """The local rank whose traceback comes first in a torchrun log (``--tee`` prefixes), else None."""
+    for line in log_text.splitlines():
+        found = _TEE_PREFIX_RE.match(line)
+        if found and "Traceback (most recent call last)" in line:
+            return int(found.group(1))
+    return None
+
+
+def rank_lines(log_text: str, rank: int) -> str:
+    """One local rank's lines of a torchrun log, without their prefix (what that rank printed)."""
+    prefix = f"[default{rank}]:"
+    return "\n".join(line[len(prefix):] for line in log_text.splitlines() if line.startswith(prefix))
 
 
 def flag(name: str) -> str:

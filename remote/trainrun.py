@@ -78,6 +78,27 @@ def summarize(metrics: dict) -> dict:
     return out
 
 
+def trainer_processes(params: dict, launcher: str) -> int:
+    """Trainer processes to start: one per GPU the job sees (``CUDA_VISIBLE_DEVICES``, the job's env first)
+    when the trainer's own module runs on a CUDA host, else one; ``gpus`` (a train parameter) caps it."""
+    if launcher != trainplan.TRAINER_MODULE or str(params.get("device") or "cuda") != "cuda":
+        return 1
+    import shutil
+
+    from remote.probes import host
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 1
+    found = host.query_nvidia_smi(smi)
+    if found["error"]:
+        return 1
+    cvd = (params.get("env") or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    visible = len(host.visible_gpus(found["gpus"], cvd))
+    asked = params.get("gpus")
+    return max(1, min(visible, int(asked)) if asked else visible)
+
+
 def pick_launcher() -> str:
     """The CPU launcher shim where this env carries it and torch sees no CUDA device, else the trainer's own module."""
     import importlib.util
@@ -134,7 +155,9 @@ class TrainSupervisor:
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
         launcher = pick_launcher()
-        argv = plan.argv(self.params.get("python") or sys.executable, launcher)
+        nproc = trainer_processes(self.params, launcher)
+        argv = plan.launch_argv(self.params.get("python") or sys.executable, launcher, nproc,
+                                self.paths.log(trainplan.RANK_LOGS))
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
         set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
         for moved in set_aside:
@@ -143,7 +166,7 @@ class TrainSupervisor:
         found = trainplan.last_checkpoint(plan.save_path)
         resumed = found if found and found["epoch"] is not None and not plan.dry_run else None
         self.status.update(state=RunState.LOADING.value, phase="starting the trainer", plan=plan.as_dict(),
-                           launcher=launcher, command=argv, resumed_from=resumed, set_aside=set_aside,
+                           launcher=launcher, processes=nproc, command=argv, resumed_from=resumed, set_aside=set_aside,
                            checkpoints=plan.save_path, epochs=plan.epochs)
         print(f"[specops] train run {plan.run_id}: {' '.join(argv)}" +
               (f"; resumes after epoch {resumed['epoch']} (global step {resumed['global_step']})" if resumed else ""),
@@ -167,8 +190,9 @@ class TrainSupervisor:
             raise Aborted("SIGTERM")
         if code != 0:
             tail = tail_text(log_path, 20000)
-            found = last_traceback(tail) or {}
-            error = {"rank": 0, "where": "trainer", "type": found.get("type") or "TrainerExited",
+            rank = trainplan.failing_rank(tail) if nproc > 1 else None
+            found = last_traceback(trainplan.rank_lines(tail, rank) if rank is not None else tail) or {}
+            error = {"rank": rank or 0, "where": "trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)", "type": found.get("type") or "TrainerExited",
                      "message": found.get("message") or f"the trainer exited with code {code}",
                      "traceback": found.get("traceback") or "", "exit_code": code}
             if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means

@@ -302,16 +302,19 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "regenerate": "first have the target write its own replies to the --from-run rows (speculators' "
                                "regenerate-responses), extract their states (run <run-id>-states), train on those",
                  "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
-                 "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)"},
+                 "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)",
+                 "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
+                         "host's env sees)"},
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
-          regenerate=False, regen_max_tokens=None, regen_temperature=None):
+          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
-               regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, as_json=target.as_json,
+               regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, gpus=gpus,
+               as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 
