@@ -241,7 +241,7 @@ print(json.dumps({"shards": len(list(model_dir.glob("*.safetensors")))}))
 
 def test_the_layer_check_holds_one_layer_not_the_model(modern_fixed_python, tmp_path):
     """A random Llama of 1024 wide (67 MB a decoder layer in float32, 270 MB the model): the
-    reference's peak above its start is about one layer + the samples, far from the model."""
+    reference's peak above its start is one layer + the samples + one forward's activations."""
     made = run_python(modern_fixed_python, WIDE_RUN, tmp_path / "wide", tmp_path / "runs" / "wide")
     assert made["shards"] >= 2
     recs = verify_layer_direct(modern_fixed_python, tmp_path / "runs" / "wide")
@@ -250,7 +250,11 @@ def test_the_layer_check_holds_one_layer_not_the_model(modern_fixed_python, tmp_
     memory = recs["_data"]["memory"]
     assert memory["how"] == "VmHWM after clear_refs"
     assert memory["layer_fp32_bytes"] == 4 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 2 * 1024)
-    assert memory["peak_rss_bytes"] <= 2 * memory["bound_bytes"] + 32 * MiB, memory
+    # the layer is read with plain reads converted a chunk at a time (no memory map, no second copy), the
+    # floor's bf16 layer read once the float32 one is gone, freed tensors given back: above one layer in
+    # float32 + the samples is only one forward's activations (measured 11 MiB here; before: 1.5x the bound)
+    assert memory["peak_rss_bytes"] <= memory["bound_bytes"] + 24 * MiB, memory
+    assert memory["malloc"].startswith("mmap threshold"), memory
     assert memory["peak_rss_bytes"] < memory["whole_model_fp32_bytes"] / 2, memory
     print(f"\nwide Llama: peak {memory['peak_rss_bytes'] / MiB:.0f} MiB above the start = "
           f"{memory['ratio_to_bound']:.2f}x (one layer in float32 {memory['layer_fp32_bytes'] / MiB:.0f} MiB + samples "
