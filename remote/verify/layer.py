@@ -46,7 +46,7 @@ from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TO
                                    layer_numbers, layer_status, merge)
 from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
 from remote.verify.dequant import activation_rounding, scheme_of
-from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, forward
+from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, forward, layer_kinds
 from remote.verify.memory import MMAP_THRESHOLD_BYTES, PeakMemory, heap_returns_memory, trim_heap, warm_up
 from remote.verify.routing import NEAR_TIE_SIGMAS, RouterControl, match_routing
 from remote.verify.run import DEFAULT_SAMPLES, VerifyError, check_files, choose_samples, load_sample, open_run
@@ -189,16 +189,7 @@ class LayerCheck:
         self.model_path, self.config, self.num_layers = str(model_path), config, num_layers
         self.checkpoint = Checkpoint(model_path, num_layers, quant)
         self.factory = LayerFactory(config)
-        self.kinds = {j: self._kinds(j) for j in range(num_layers)}
-
-    def _kinds(self, j: int) -> list:
-        kinds = ["first"] if j == 0 else []
-        kinds += ["last"] if j == self.num_layers - 1 else []
-        kinds.append("moe" if any(".experts." in f".{n}" for n in self.checkpoint.layer_keys(j)) else "dense")
-        types = self.factory.text.get("layer_types")
-        if isinstance(types, list) and j < len(types) and len(set(types)) > 1:
-            kinds.append(str(types[j]))
-        return kinds
+        self.kinds = layer_kinds(self.checkpoint, self.factory.text, num_layers)
 
     def run_layer(self, j: int, samples: list, keep_floor: bool = True, match: bool = True):
         """Layer ``j`` on every sample's captured input: ``(facts, per-sample rows, computed, flips,

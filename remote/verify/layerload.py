@@ -180,6 +180,23 @@ class Checkpoint:
         return total
 
 
+def layer_kinds(checkpoint: Checkpoint, text: dict, num_layers: int) -> dict:
+    """Decoder layer -> its kinds: ``first``, ``last``, ``moe`` or ``dense`` (by the checkpoint's own
+    key names: an ``.experts.`` tensor), and its ``layer_types`` entry where the text config mixes
+    them (``sliding_attention`` / ``full_attention``). Reads the index or headers only."""
+    types = text.get("layer_types")
+    mixed = isinstance(types, list) and len(set(map(str, types))) > 1
+    kinds = {}
+    for j in range(num_layers):
+        found = ["first"] if j == 0 else []
+        found += ["last"] if j == num_layers - 1 else []
+        found.append("moe" if any(".experts." in f".{n}" for n in checkpoint.layer_keys(j)) else "dense")
+        if mixed and j < len(types):
+            found.append(str(types[j]))
+        kinds[j] = found
+    return kinds
+
+
 #: safetensors dtype -> torch dtype name (what :func:`read_tensor` can read)
 TORCH_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
                 "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
