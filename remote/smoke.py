@@ -47,6 +47,12 @@ GPU run exercises the MLA kernels the real model will (FLASH_ATTN_MLA on Hopper)
 Everything else stays tiny (the DeepSeek-V3 twin: 21.5 MB instead of 9.9 MB), and the
 choice is part of the twin's hash only where it changes the twin.
 
+**On the real model** (``real``: ``specops smoke --real``, ``extract --smoke-real``): no twin.
+:func:`prepare_real` resolves the run's plan and hands back the target itself, the first
+``samples`` rows of the run's dataset and the ids a short verification run captures -- the
+run's own plus a consecutive pair for each kind of layer (:mod:`remote.verify.pairs`) -- so
+that ``verify --reference layer`` checks those decoder layers of the real checkpoint alone.
+
 Parameters (:data:`SPEC`): the run's own (:data:`remote.argspec.RUN_ARGS`), of which it
 reads ``model_path``, ``work_dir`` (both required), ``dataset``, ``seq_len`` (capped at
 ``SMOKE_SEQ_LEN``), ``device`` (the run's; ``cuda`` keeps MLA head dims) and ``env``; and

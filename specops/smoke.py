@@ -17,6 +17,12 @@ the real load:
 4. a finished run is verified (``remote/verify.py``) against a transformers forward.
 
 ``rehearse`` (a ``smoke_step`` and its verdict) is what ``specops extract`` runs before the real run.
+
+``--real`` (``smoke_step(real=True)``; ``extract --smoke-real`` before the run) rehearses on the
+target itself: a short verification run, one load of the real model, whose ids are the run's
+plus a consecutive pair per kind of layer (``remote/verify/pairs.py``), every sample asking for
+its prompt logprobs; it is verified with ``--reference layer`` (each chosen decoder layer of the
+real checkpoint alone) and, where the engine gives logprobs, ``--reference logits``.
 """
 from __future__ import annotations
 
