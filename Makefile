@@ -28,3 +28,5 @@ bench: bootstrap
 	.venv/bin/python scripts/bench_follow.py
 	.venv/bin/python scripts/bench_states.py
 	.venv/bin/python scripts/bench_digest.py
+	.venv/bin/python scripts/bench_canary.py
+	.venv/bin/python scripts/bench_canary.py --landing

@@ -47,6 +47,12 @@ GPU run exercises the MLA kernels the real model will (FLASH_ATTN_MLA on Hopper)
 Everything else stays tiny (the DeepSeek-V3 twin: 21.5 MB instead of 9.9 MB), and the
 choice is part of the twin's hash only where it changes the twin.
 
+**On the real model** (``real``: ``specops smoke --real``, ``extract --smoke-real``): no twin.
+:func:`prepare_real` resolves the run's plan and hands back the target itself, the first
+``samples`` rows of the run's dataset and the ids a short verification run captures -- the
+run's own plus a consecutive pair for each kind of layer (:mod:`remote.verify.pairs`) -- so
+that ``verify --reference layer`` checks those decoder layers of the real checkpoint alone.
+
 Parameters (:data:`SPEC`): the run's own (:data:`remote.argspec.RUN_ARGS`), of which it
 reads ``model_path``, ``work_dir`` (both required), ``dataset``, ``seq_len`` (capped at
 ``SMOKE_SEQ_LEN``), ``device`` (the run's; ``cuda`` keeps MLA head dims) and ``env``; and
@@ -86,6 +92,8 @@ SPEC = Spec("smoke", RUN_ARGS, {
     "samples": Arg("int", DEFAULT_SAMPLES, min=1, doc="rows of the target's dataset to extract"),
     "layers": Arg("int", 8, min=1, doc="the twin's depth"),
     "rebuild": Arg("bool", False, doc="build the twin again even when its hash is unchanged"),
+    "real": Arg("bool", False, doc="no twin: a short verification run of the target itself, with ids that give "
+                                   "the layer check a pair per kind of layer (remote.verify.pairs)"),
 })
 
 
@@ -276,7 +284,10 @@ def write_samples(dataset, dest: Path, count: int) -> dict:
 # --------------------------------------------------------------------------- task
 
 def prepare(params: dict) -> dict:
-    """The twin and its samples (``params``: :data:`SPEC`, checked)."""
+    """The twin and its samples (``params``: :data:`SPEC`, checked); with ``real``, the target's own
+    verification run instead (:func:`prepare_real`)."""
+    if params.get("real"):
+        return prepare_real(params)
     model_path = Path(params["model_path"])
     root = Path(params["work_dir"]) / "smoke"
     count = params["samples"]
@@ -310,6 +321,52 @@ def prepare(params: dict) -> dict:
     return protocol.payload(records, twin_dir=twin["twin_dir"], twin_hash=twin["hash"],
                             dataset=data["path"], samples=count, seq_len=seq_len, twin=twin,
                             layer_ids_note=twin_layer_ids_note(params, twin["layers"]))
+
+
+def prepare_real(params: dict) -> dict:
+    """A short verification run of the target itself: the run's plan (engine, convention, ids), the
+    ids it captures instead -- the run's own plus a consecutive pair for each kind of layer
+    (:func:`remote.verify.pairs.verification_ids`) -- and the first ``samples`` rows of the run's
+    dataset. The run's ``seq_len`` is kept: the real run's samples, cut as it cuts them."""
+    from remote.verify import pairs
+
+    model_path = Path(params["model_path"])
+    config = target_config(model_path)
+    try:
+        plan = runplan.resolve(params, config)
+    except runplan.PlanError as exc:
+        raise SmokeError("smoke.target", str(exc), f"set {exc.field} (inventory or flag) as preflight says") from None
+    if plan.problems:
+        raise SmokeError("smoke.target", f"the run's layer ids cannot be captured: {'; '.join(plan.problems)}",
+                         "fix --layer-ids (specops preflight shows the plan)")
+    try:
+        chosen = pairs.verification_ids(model_path, config, plan.convention, plan.layer_ids)
+    except Exception as exc:  # noqa: BLE001 -- a checkpoint the layer check cannot read: said, with its fix
+        fix = getattr(exc, "fix", None) or "run specops preflight: it checks the checkpoint"
+        raise SmokeError("smoke.target", f"the layers of {model_path.name} cannot be planned for the layer "
+                         f"check: {getattr(exc, 'summary', None) or exc}", fix) from None
+    digest = hashlib.sha256(json.dumps([str(model_path), chosen["layer_ids"], params["dataset"]]).encode())
+    root = Path(params["work_dir"]) / "smoke" / "real"
+    root.mkdir(parents=True, exist_ok=True)
+    count = params["samples"]
+    data = write_samples(params["dataset"], root / f"samples-{digest.hexdigest()[:12]}.jsonl", count)
+    conv = plan.convention
+    checked = ", ".join(f"{j} ({', '.join(k)})" for j, k in chosen["layers"].items())
+    summary = (f"verification run of {model_path.name} itself ({plan.engine}): ids {conv}:{chosen['layer_ids']} "
+               f"= the run's {plan.layer_ids} + {chosen['extra']}, so that decoder layers {checked} are checked "
+               f"alone; one load of the real model")
+    records = [
+        protocol.record("smoke.target", protocol.OK, summary,
+                        detail=dict(chosen, engine=plan.engine, run_layer_ids=plan.layer_ids,
+                                    model_path=str(model_path))),
+        protocol.record("smoke.samples", protocol.OK if data["source"] != "synthetic" else protocol.WARN,
+                        f"{data['rows']} sample(s) from {data['source']}"
+                        + (f" ({data['why_synthetic']})" if data["why_synthetic"] else ""), detail=data),
+    ]
+    return protocol.payload(records, twin_dir=str(model_path), twin_hash=digest.hexdigest()[:16],
+                            dataset=data["path"], samples=count, seq_len=int(params["seq_len"]),
+                            layer_ids=chosen["layer_ids"], layer_convention=conv, engine=plan.engine,
+                            real=True, checked_layers=sorted(chosen["layers"]))
 
 
 def twin_layer_ids_note(params: dict, twin_layers) -> str | None:

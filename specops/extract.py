@@ -31,11 +31,12 @@ from specops.smoke import rehearse
 
 
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,
-               skip_smoke: bool = False) -> HostReport:
-    """Preflight, smoke, then start (or re-attach to) the run on one host."""
+               skip_smoke: bool = False, smoke_real: bool = False) -> HostReport:
+    """Preflight, smoke (``smoke_real``: on the real model too), then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
     if jobs.run_state(host, run_id).found:
         skip_preflight = skip_smoke = True  # re-attaching or resuming: the checks ran before
+        smoke_real = False
     if not skip_preflight:
         pre = preflight_step(host, overrides, skip_autoconfig=True)
         failed = [r for r in pre.records if r.status == "fail"]
@@ -51,8 +52,10 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
                                      summary=f"preflight passed ({len(pre.records)} checks)"))
     if not skip_smoke:
         report.records.extend(rehearse(host, overrides, force=force))
-        if report.failed:
-            return report
+    if smoke_real and not report.failed:  # after the twin's minute, the real model's load
+        report.records.extend(rehearse(host, overrides, force=force, real=True))
+    if report.failed:
+        return report
     payload = start_job(host, run_id, overrides, force=force)
     started = report_from_payload(host.name, "extract", payload)
     report.records.extend(started.records)
@@ -101,12 +104,13 @@ def _on_hosts(inventory: Inventory, names: list[str], task: str, hosts: dict[str
 
 
 def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *, run_id: str, detach: bool,
-               force: bool, skip_preflight: bool, as_json: bool, tensors: bool, skip_smoke: bool) -> ExitCode:
+               force: bool, skip_preflight: bool, as_json: bool, tensors: bool, skip_smoke: bool,
+               smoke_real: bool = False) -> ExitCode:
     """The run on each of ``hosts`` (one shard, the whole dataset): start, follow, fetch into
     ``runs/<host>/<run-id>/``."""
     reports = _on_hosts(inventory, list(hosts), "extract", hosts,
                         lambda h: start_step(h, run_id, overrides, skip_preflight=skip_preflight, force=force,
-                                             skip_smoke=skip_smoke))
+                                             skip_smoke=skip_smoke, smoke_real=smoke_real))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)

@@ -17,6 +17,12 @@ the real load:
 4. a finished run is verified (``remote/verify.py``) against a transformers forward.
 
 ``rehearse`` (a ``smoke_step`` and its verdict) is what ``specops extract`` runs before the real run.
+
+``--real`` (``smoke_step(real=True)``; ``extract --smoke-real`` before the run) rehearses on the
+target itself: a short verification run, one load of the real model, whose ids are the run's
+plus a consecutive pair per kind of layer (``remote/verify/pairs.py``), every sample asking for
+its prompt logprobs; it is verified with ``--reference layer`` (each chosen decoder layer of the
+real checkpoint alone) and, where the engine gives logprobs, ``--reference logits``.
 """
 from __future__ import annotations
 
@@ -29,40 +35,57 @@ from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import FINAL_STATES, STATE, HostReport, Record
 from specops.verify import verify_step
+from specops.inventory import CONTRACT
 
 #: Keys of the run parameters the twin replaces.
 TWIN_KEYS = ("model_path", "dataset", "max_samples", "seq_len", "output_dir")
 DEFAULT_TIMEOUT_S = 900.0
 
 
-def smoke_run_id(twin_hash: str) -> str:
-    return f"smoke-{twin_hash[:12]}-{time.strftime('%Y%m%d-%H%M%S')}"
+#: how long a verification run of the real model may take (its load is the real one: minutes)
+REAL_TIMEOUT_S = 3600.0
+#: samples of the verification run before a real run (``extract --smoke-real``)
+REAL_SAMPLES = 2
+
+
+def smoke_run_id(twin_hash: str, real: bool = False) -> str:
+    return f"smoke-{'real-' if real else ''}{twin_hash[:12]}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, verify: bool = True,
-               verify_samples: int = 2, force: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
-               run_id: str | None = None) -> HostReport:
+               verify_samples: int = 2, force: bool = False, timeout: float | None = None,
+               run_id: str | None = None, real: bool = False) -> HostReport:
     """Build the twin, run the extraction path on it, wait, verify; one report.
 
     :param overrides: the same flags ``specops extract`` takes (model, tp, engine, ...).
     :param samples: rows of the target's dataset to extract.
     :param verify: also recompute ``verify_samples`` of them with the transformers reference.
     :param force: start even if the host runs another extraction (as ``extract --force``).
-    :param timeout: seconds to wait for the smoke run before aborting it.
-    :returns: records ``smoke.twin``, ``smoke.samples``, ``smoke.run`` (+ ``verify.*``);
+    :param timeout: seconds to wait for the smoke run before aborting it (default
+        :data:`DEFAULT_TIMEOUT_S`, :data:`REAL_TIMEOUT_S` for ``real``).
+    :param real: no twin: a short verification run of the target itself (``remote/smoke.py``
+        ``prepare_real``): the run's ids plus a consecutive pair per kind of layer, every sample
+        asking for its prompt logprobs; verified with ``--reference layer`` (each chosen decoder
+        layer alone, from the real checkpoint) and, where the engine gives logprobs, ``logits``.
+    :returns: records ``smoke.twin`` (``smoke.target``), ``smoke.samples``, ``smoke.run`` (+ ``verify.*``);
         ``report.failed`` means the real run would fail or compute wrong states.
     """
     report = HostReport(host=host.name, task="smoke")
     params = run_params(host.spec, **(overrides or {}))
-    prepared = host.run_task("smoke", {**params, "samples": int(samples)})
+    prepared = host.run_task("smoke", {**params, "samples": int(samples), **({"real": True} if real else {})})
     report.records.extend(report_from_payload(host.name, "smoke", prepared).records)
     data = prepared.get("data") or {}
     if report.failed or not data.get("twin_dir"):
         return report
-    run_id = run_id or smoke_run_id(data["twin_hash"])
+    timeout = timeout or (REAL_TIMEOUT_S if real else DEFAULT_TIMEOUT_S)
+    run_id = run_id or smoke_run_id(data["twin_hash"], real)
     job = {**params, "model_path": data["twin_dir"], "dataset": data["dataset"],
            "max_samples": int(data["samples"]), "seq_len": int(data["seq_len"]), "output_dir": None,
            "force": force}
+    if real:  # the chosen ids, and every sample's prompt logprobs for the logits check
+        job.update(layer_ids=data["layer_ids"], layer_convention=data["layer_convention"], sample_range=None,
+                   canary_samples=min(int(data["samples"]), CONTRACT.CANARY_SAMPLES_MAX))
+        verify_samples = int(data["samples"])
     if data.get("layer_ids_note"):
         # ids chosen for the real depth do not exist in the 8-layer twin (the host's plan says):
         # the engine's defaults exercise the same capture code.
@@ -85,9 +108,15 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
     if not state.is_final:
         jobs.job_call(host, "abort", run_id)
     if state.state == STATE.DONE and verify:
-        checked = verify_step(host, run_id, samples=verify_samples)
-        report.records.extend(checked.records)
-        report.data["verify"] = checked.data
+        references = ["layer"] + (["logits"] if data.get("engine") in CONTRACT.CANARY_ENGINES else []) if real else ["hf"]
+        for reference in references:
+            checked = verify_step(host, run_id, samples=verify_samples, reference=reference)
+            records = checked.records
+            if reference == "logits":  # its run and reference records beside the layer check's own
+                records = [r.model_copy(update={"name": f"verify.logits.{r.name.split('.', 1)[1]}"})
+                           if r.name in ("verify.run", "verify.reference") else r for r in records]
+            report.records.extend(records)
+            report.data["verify" if reference in ("hf", "layer") else f"verify_{reference}"] = checked.data
     return report
 
 
@@ -95,10 +124,11 @@ def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout:
     state = status.get("state") or STATE.MISSING
     # the engine the host resolved (``auto`` names none), else what was asked for
     engine, tp = status.get("engine") or params.get("engine"), params.get("tp")
+    on = "the real model" if str(run_id).startswith("smoke-real-") else "the twin"
     if state == STATE.DONE:
         phases = status.get("phase_seconds") or {}
         return Record(name="smoke.run", status="ok",
-                      summary=f"the extraction path ran on the twin in {seconds:.0f}s ({engine}, tp={tp}; "
+                      summary=f"the extraction path ran on {on} in {seconds:.0f}s ({engine}, tp={tp}; "
                               f"load {phases.get('load', 0):.0f}s, {status.get('samples_done')} samples, "
                               f"{status.get('tokens_per_s') or 0:.0f} tok/s)",
                       detail={"run_id": run_id, "seconds": round(seconds, 1), "phase_seconds": phases})
@@ -106,11 +136,11 @@ def run_record(run_id: str, status: dict, seconds: float, params: dict, timeout:
         return Record(name="smoke.run", status="fail",
                       summary=f"the smoke run {run_id} did not finish in {timeout:.0f}s (state {state}); aborted",
                       detail={"run_id": run_id, "status": status},
-                      fix=f"read the logs (specops logs --run-id {run_id}); a twin loads in seconds, so a hang "
-                          f"here would hang the real run too")
+                      fix=f"read the logs (specops logs --run-id {run_id}); a hang here would hang the real run "
+                          f"too")
     err = status.get("error") or {}
     return Record(name="smoke.run", status="fail",
-                  summary=f"the extraction path fails on the twin ({engine}, tp={tp}): rank {err.get('rank')}: "
+                  summary=f"the extraction path fails on {on} ({engine}, tp={tp}): rank {err.get('rank')}: "
                           f"{err.get('type')}: {err.get('message')}",
                   detail={"run_id": run_id, "error": err, "traceback": err.get("traceback"),
                           "seconds": round(seconds, 1)},
@@ -126,17 +156,26 @@ def smoke(inventory: Inventory, selector: str | None, overrides: dict | None = N
                         accept_new_host_key=accept_new_host_key)
 
 
-def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.smoke") -> list[Record]:
+def rehearse(host: Host, overrides: dict, *, force: bool, name: str = "extract.smoke",
+             real: bool = False) -> list[Record]:
     """Smoke on one host before its real run: the smoke's failures and warnings, then one
-    verdict record called ``name`` (``fail``: the real run must not start there)."""
-    smoked = smoke_step(host, overrides, samples=4, force=force)
+    verdict record called ``name`` (``<name>-real`` for ``real``; ``fail``: the real run must
+    not start there). ``real``: the verification run of the real model (:func:`smoke_step`)."""
+    smoked = smoke_step(host, overrides, samples=REAL_SAMPLES if real else 4, force=force, real=real)
     records = [r for r in smoked.records if r.status in ("fail", "warn")]
+    on = "the real model (a verification run)" if real else "the tiny twin"
+    verdict = f"{name}-real" if real else name
     if smoked.failed:
         records.append(Record(
-            name=name, status="fail",
-            summary=f"smoke failed on the tiny twin (run {smoked.data.get('run_id')}); not starting the real run",
-            fix="fix the failure above (specops smoke shows it alone), or pass --skip-smoke"))
+            name=verdict, status="fail",
+            summary=f"smoke failed on {on} (run {smoked.data.get('run_id')}); not starting the real run",
+            fix=f"fix the failure above (specops smoke{' --real' if real else ''} shows it alone), or pass "
+                f"{'no --smoke-real' if real else '--skip-smoke'}"))
     else:
-        records.append(Record(name=name, status="ok",
-                              summary=f"smoke passed on the tiny twin ({len(smoked.records)} checks)"))
+        seconds = smoked.data.get("seconds")
+        records.append(Record(name=verdict, status="ok",
+                              summary=f"smoke passed on {on} ({len(smoked.records)} checks"
+                                      + (f", {seconds:.0f} s" if seconds is not None else "") + ")",
+                              detail={"run_id": smoked.data.get("run_id"), "seconds": seconds})
+                       )
     return records

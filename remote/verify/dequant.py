@@ -319,8 +319,10 @@ class LayerView:
                 self.tokens[name], self.shapes[name] = key, list(by_name[name]["shape"])
         self.plain = {name: by_name[name]["dtype"] for name in keys if name not in used}
 
-    def get(self, token):
-        """The tensor a token names, float32 (dequantized where it is quantized)."""
+    def get(self, token, dtype=None):
+        """The tensor a token names, in ``dtype`` (None: the reader's, float32; dequantized where it is
+        quantized: to float32 first, then ``dtype``)."""
         if isinstance(token, tuple):
-            return (Fp8Block if token[0] == "fp8" else PackQuantized).load(token, self.get_raw)
-        return self.get_raw(token)
+            tensor = (Fp8Block if token[0] == "fp8" else PackQuantized).load(token, self.get_raw)
+            return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+        return self.get_raw(token, dtype=dtype)

@@ -21,7 +21,10 @@ run that captured ``input:1`` (``output:0``) gets its first layer checked too.
 A failing layer is run again with its neighbours' weights (``j-1``, ``j+1``): when one of
 them reproduces the pair, the states are shifted by one -- a layer id given in the other
 convention -- and ``verify.convention`` says by how much. Memory stays one decoder layer
-in float32 plus the checked samples; the peak is measured (the process's peak RSS, reset
+in float32 plus the checked samples and one forward's activations: the layer is read without
+a memory map and converted a chunk at a time (:func:`remote.verify.layerload.read_tensor`),
+the floor's bf16 copy is read once the float32 layer is gone, and freed tensors go back to
+the system (:func:`heap_returns_memory`). The peak is measured (the process's peak RSS, reset
 when the check starts, on Linux) and reported in ``verify.reference``.
 
 Records: ``verify.run``, ``verify.reference``, ``verify.layer.<j>`` per checked decoder
@@ -34,7 +37,6 @@ names which), any other quantization refused naming it. Stdlib only at import.
 """
 from __future__ import annotations
 
-import gc
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -44,7 +46,8 @@ from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TO
                                    layer_numbers, layer_status, merge)
 from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
 from remote.verify.dequant import activation_rounding, scheme_of
-from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, cast_weights, forward
+from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, forward, layer_kinds
+from remote.verify.memory import MMAP_THRESHOLD_BYTES, PeakMemory, heap_returns_memory, trim_heap, warm_up
 from remote.verify.routing import NEAR_TIE_SIGMAS, RouterControl, match_routing
 from remote.verify.run import DEFAULT_SAMPLES, VerifyError, check_files, choose_samples, load_sample, open_run
 
@@ -86,8 +89,10 @@ def verify_layers(params: dict) -> dict:
     import transformers
 
     setup_from = PeakMemory.rss()
+    mapped = heap_returns_memory()
     check = LayerCheck(model_path, config, num_layers, quant)
     warm_up(check.factory.hf_config)
+    trim_heap()
     # what the check holds from here on: the samples, one layer at a time, its activations
     peak = PeakMemory()
     samples = [Sample.load(run, entry, stream_of, check.checkpoint if embedded else None) for entry in chosen]
@@ -104,6 +109,8 @@ def verify_layers(params: dict) -> dict:
     memory = peak.report(max(r.facts["fp32_bytes"] for r in found), sum(s.nbytes for s in samples),
                          check.checkpoint.whole_fp32_bytes())
     memory["setup_rss_bytes"] = (peak.start or 0) - (setup_from or 0)
+    memory["malloc"] = f"mmap threshold {MMAP_THRESHOLD_BYTES // 1024} KiB, trimmed between layers" if mapped \
+        else "the system allocator's defaults"
     records.append(reference_record(check, model_path, transformers.__version__, memory))
     records += [layer_record(r, run) for r in found]
     moe = [r for r in found if r.routed]
@@ -118,68 +125,6 @@ def verify_layers(params: dict) -> dict:
     return protocol.payload(records, per_sample=per_sample, layer_ids=run.layer_ids, convention=run.convention,
                             run_dir=str(run.run_dir), reference="layer", checked_layers=pairs,
                             memory=memory, coverage=records[-1]["detail"])
-
-
-class PeakMemory:
-    """This process's peak resident memory from now on, above what it holds now.
-
-    Linux keeps the peak in ``/proc/self/status`` (``VmHWM``) and resets it to the current
-    RSS when ``5`` is written to ``/proc/self/clear_refs``; elsewhere the lifetime peak of
-    ``getrusage`` is the best there is (then an upper bound that may include earlier work)."""
-
-    def __init__(self):
-        self.resettable = False
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-            self.resettable = True
-        except OSError:
-            pass
-        self.start = self.rss()
-
-    @classmethod
-    def rss(cls):
-        """This process's resident memory now (bytes), or None off Linux."""
-        return cls._status("VmRSS")
-
-    @staticmethod
-    def _status(key: str):
-        try:
-            with open("/proc/self/status") as fh:
-                for line in fh:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return None
-
-    def report(self, layer_bytes: int, sample_bytes: int, whole_bytes: int) -> dict:
-        import resource
-
-        hwm = self._status("VmHWM") if self.resettable else None
-        if hwm is None:
-            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        start = self.start or 0
-        bound = layer_bytes + sample_bytes
-        return {"peak_rss_bytes": hwm - start, "process_peak_rss_bytes": hwm, "start_rss_bytes": start,
-                "how": "VmHWM after clear_refs" if self.resettable else "getrusage ru_maxrss (lifetime peak)",
-                "layer_fp32_bytes": layer_bytes, "samples_bytes": sample_bytes, "bound_bytes": bound,
-                "ratio_to_bound": round((hwm - start) / bound, 3) if bound else None,
-                "whole_model_fp32_bytes": whole_bytes, "device": "cpu"}
-
-
-def warm_up(hf_config) -> None:
-    """The first matmul and attention of a process start its thread pool and kernel caches (several
-    MiB, whatever the model): do that before the memory baseline, on a few tokens."""
-    import torch
-
-    hidden = int(getattr(hf_config, "hidden_size", 64) or 64)
-    with torch.inference_mode():
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(16, min(hidden, 1024), dtype=dtype)
-            torch.nn.functional.linear(x, x).softmax(-1)
-            q = torch.randn(1, 2, 16, 32, dtype=dtype)
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(1, 1, 16, 16, dtype=dtype))
 
 
 @dataclass
@@ -244,16 +189,7 @@ class LayerCheck:
         self.model_path, self.config, self.num_layers = str(model_path), config, num_layers
         self.checkpoint = Checkpoint(model_path, num_layers, quant)
         self.factory = LayerFactory(config)
-        self.kinds = {j: self._kinds(j) for j in range(num_layers)}
-
-    def _kinds(self, j: int) -> list:
-        kinds = ["first"] if j == 0 else []
-        kinds += ["last"] if j == self.num_layers - 1 else []
-        kinds.append("moe" if any(".experts." in f".{n}" for n in self.checkpoint.layer_keys(j)) else "dense")
-        types = self.factory.text.get("layer_types")
-        if isinstance(types, list) and j < len(types) and len(set(types)) > 1:
-            kinds.append(str(types[j]))
-        return kinds
+        self.kinds = layer_kinds(self.checkpoint, self.factory.text, num_layers)
 
     def run_layer(self, j: int, samples: list, keep_floor: bool = True, match: bool = True):
         """Layer ``j`` on every sample's captured input: ``(facts, per-sample rows, computed, flips,
@@ -261,6 +197,7 @@ class LayerCheck:
         near-tie tokens with the engine's experts (:func:`match_routing`)."""
         layer, facts = self.factory.build(j, self.checkpoint)
         route = RouterControl([layer])
+        one = None
         rows, computed, flips, routing, used = [], [], [], [], []
         floor = {"dtype": samples[0].dtype, "nrmse": None}
         tol = TOLERANCES.get(samples[0].dtype, TOLERANCES["bf16"])
@@ -287,17 +224,22 @@ class LayerCheck:
                 numbers.pop("bad_tokens")
                 rows.append(numbers)
                 computed.append(streams[1])
-            if keep_floor and (samples[0].dtype in LOW_PRECISION or samples[0].dtype == FP8):
-                floor = self._floor(layer, route, samples, j, computed, used)
         finally:
             route.close()
-            del layer
-            gc.collect()
+            del layer, one  # the float32 layer goes before the floor's copy comes
+            trim_heap()
+        if keep_floor and (samples[0].dtype in LOW_PRECISION or samples[0].dtype == FP8):
+            floor = self._floor(samples, j, computed, used)
         return facts, rows, computed, flips, routing, floor, bool(route.routers)
 
-    def _floor(self, layer, route, samples, j, computed, used) -> dict:
+    def _floor(self, samples, j, computed, used) -> dict:
         """The same layer in the capture's dtype, same input, same experts: its nrmse against float32
         (for an fp8 W8A8 checkpoint with each linear's input rounded as the engine rounds it).
+
+        The layer is read again from the checkpoint in that dtype once the float32 one is gone
+        (the float32 weights cast, buffers kept float32: :meth:`LayerFactory.build`), so the check
+        never holds both: casting in place would hold a tensor twice, and a MoE layer's fused
+        experts are most of it.
 
         fp8 states: the layer in bf16 on its input rounded once more (:func:`remote.verify.floor.fp8_regrid`:
         the captured input carries fp8's rounding, which a residual stream passes on), its output
@@ -309,9 +251,11 @@ class LayerCheck:
         dtype = torch.bfloat16 if fp8 else getattr(torch, samples[0].dtype)
         # an fp8 W8A8 engine rounds each linear's input too (remote.verify.dequant.Fp8Activations)
         rounding = activation_rounding(self.checkpoint.quant)
-        cast_weights(layer, dtype)
         worst = {"weights": 0.0, "activations": 0.0}
+        layer = route = None
         try:
+            layer, _facts = self.factory.build(j, self.checkpoint, dtype)
+            route = RouterControl([layer])
             for s, reference, experts in zip(samples, computed, used):
                 route.forced = experts
                 x = fp8_regrid(s.streams[j], s.scales) if fp8 else s.streams[j]
@@ -324,7 +268,10 @@ class LayerCheck:
         except Exception as exc:  # a dtype this CPU's kernels lack must not cost the fp32 verdict
             return {"dtype": samples[0].dtype, "nrmse": None, "why": f"{type(exc).__name__}: {exc}"}
         finally:
-            route.forced = {}
+            if route is not None:
+                route.close()
+            del layer, route
+            trim_heap()
         if rounding:
             return {"dtype": samples[0].dtype, "nrmse": worst["activations"], "why": None,
                     "activations": rounding.describe(), "nrmse_weights_only": worst["weights"]}
@@ -413,9 +360,10 @@ def reference_record(check: LayerCheck, model_path: str, version: str, memory: d
     scaling = factory.scaling
     summary = (f"transformers {version} float32 {factory.layer_class.__name__}, one decoder layer at a time from "
                f"the checkpoint of {os.path.basename(model_path.rstrip('/'))} on CPU; peak host memory "
-               f"{memory['peak_rss_bytes'] / MiB:.1f} MiB (one layer in float32 {memory['layer_fp32_bytes'] / MiB:.1f}"
-               f" MiB + checked samples {memory['samples_bytes'] / MiB:.1f} MiB; the whole model in float32 "
-               f"{memory['whole_model_fp32_bytes'] / MiB:.1f} MiB)")
+               f"{memory['peak_rss_bytes'] / MiB:.1f} MiB = {memory['ratio_to_bound']:.2f}x one layer in float32 "
+               f"({memory['layer_fp32_bytes'] / MiB:.1f} MiB) + the checked samples "
+               f"({memory['samples_bytes'] / MiB:.1f} MiB), the rest one forward's activations and the outputs "
+               f"compared; the whole model in float32 {memory['whole_model_fp32_bytes'] / MiB:.1f} MiB)")
     if scaling is not None:
         summary += "; llama_4_scaling by " + ("specops attention hook" if factory.hook.active else "transformers")
     quant = check.checkpoint.quant

@@ -3,8 +3,10 @@ read from the shards that hold them, the model's own transformers layer class ar
 
 Used by the layer-local check (:mod:`remote.verify.layer`). Nothing here ever holds more
 than one decoder layer's weights: :class:`Checkpoint` finds a layer's tensors through the
-safetensors index (or the shards' headers, read by hand) and reads only those keys with
-``safe_open``; :class:`LayerFactory` gets the decoder layer class, the rotary embedding
+safetensors index (or the shards' headers, read by hand) and reads only those keys, with
+plain reads at the offsets its header gives (:func:`read_tensor`: never a memory map, whose
+touched pages would count as the process's own until it closes, and converted a few MiB at a
+time, so a layer in float32 costs its float32 bytes and no more); :class:`LayerFactory` gets the decoder layer class, the rotary embedding
 and the attention/experts implementations from a one-layer skeleton of the model built on
 the meta device, then builds layer ``j`` on the meta device and assigns the tensors, cast
 to float32. A text model under a wrapper (Kimi-K2.5's ``text_config``, weights under
@@ -75,7 +77,8 @@ class Checkpoint:
             raise VerifyError("verify.reference", f"{model_path}: " + (
                 f"shards missing: {', '.join(missing[:3])}" if missing else "no safetensors weights"),
                 "the layer check reads the checkpoint's safetensors; run specops preflight")
-        #: key -> {"dtype", "shape"} from the shards' headers (read by hand, a shard at a time, when needed)
+        #: key -> {"dtype", "shape", "offsets"} from the shards' headers (read by hand, a shard at a time,
+        #: when needed); ``offsets``: the tensor's first and end byte in its shard
         self.info = {}
         if index is not None:
             self.where = dict(index["weight_map"])
@@ -116,12 +119,16 @@ class Checkpoint:
 
     def _header(self, shard: str) -> dict:
         try:
-            tensors = read_header(os.path.join(self.model_path, shard))["tensors"]
+            found = read_header(os.path.join(self.model_path, shard))
+            tensors = found["tensors"]
         except (OSError, ShardError) as exc:
             raise VerifyError("verify.reference", f"{shard}: {exc}", "run specops preflight: it checks every shard") \
                 from None
+        start = 8 + int(found["header_bytes"])
         for name, entry in tensors.items():
-            self.info[name] = {"dtype": entry["dtype"], "shape": list(entry["shape"])}
+            begin, end = entry["data_offsets"]
+            self.info[name] = {"dtype": entry["dtype"], "shape": list(entry["shape"]),
+                               "offsets": [start + int(begin), start + int(end)]}
         return tensors
 
     def describe(self, keys) -> dict:
@@ -132,20 +139,19 @@ class Checkpoint:
 
     @contextmanager
     def reader(self, dtype):
-        """``get(key, raw=False)``: one tensor read with ``safe_open`` and cast to ``dtype`` (``raw``: as
-        stored); each shard opened once."""
-        from safetensors import safe_open
-
+        """``get(key, raw=False, dtype=None)``: one tensor read (:func:`read_tensor`) in the reader's
+        ``dtype`` or the call's (``raw``: as stored); each shard opened once."""
+        default = dtype
         with ExitStack() as stack:
             handles = {}
 
-            def get(key, raw=False):
+            def get(key, raw=False, dtype=None):
                 shard = self.where[key]
                 if shard not in handles:
-                    handles[shard] = stack.enter_context(
-                        safe_open(os.path.join(self.model_path, shard), framework="pt", device="cpu"))
-                tensor = handles[shard].get_tensor(key)
-                return tensor if raw else tensor.to(dtype)
+                    handles[shard] = stack.enter_context(open(os.path.join(self.model_path, shard), "rb",
+                                                              buffering=0))
+                info = self.describe([key])[key]
+                return read_tensor(handles[shard], info, None if raw else (dtype or default), key)
             yield get
 
     def embedding_rows(self, ids) -> object:
@@ -172,6 +178,74 @@ class Checkpoint:
                 numel *= dim
             total += 4 * (self.quant.fp32_numel(key, numel) if self.quant is not None else numel)
         return total
+
+
+def layer_kinds(checkpoint: Checkpoint, text: dict, num_layers: int) -> dict:
+    """Decoder layer -> its kinds: ``first``, ``last``, ``moe`` or ``dense`` (by the checkpoint's own
+    key names: an ``.experts.`` tensor), and its ``layer_types`` entry where the text config mixes
+    them (``sliding_attention`` / ``full_attention``). Reads the index or headers only."""
+    types = text.get("layer_types")
+    mixed = isinstance(types, list) and len(set(map(str, types))) > 1
+    kinds = {}
+    for j in range(num_layers):
+        found = ["first"] if j == 0 else []
+        found += ["last"] if j == num_layers - 1 else []
+        found.append("moe" if any(".experts." in f".{n}" for n in checkpoint.layer_keys(j)) else "dense")
+        if mixed and j < len(types):
+            found.append(str(types[j]))
+        kinds[j] = found
+    return kinds
+
+
+#: safetensors dtype -> torch dtype name (what :func:`read_tensor` can read)
+TORCH_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                "F8_E8M0": "float8_e8m0fnu", "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16",
+                "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64"}
+#: bytes of the checkpoint read (and converted) at a time: what a tensor costs above its result
+READ_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def read_tensor(fh, info: dict, dtype, key: str = "?"):
+    """One tensor of an open shard (``fh``, unbuffered) at ``info["offsets"]``, in ``dtype`` (None: as
+    stored), read ``READ_CHUNK_BYTES`` at a time into the result.
+
+    Plain reads, not ``safe_open``'s memory map: the map's touched pages count in the process's
+    resident memory until it closes (a whole bf16 layer beside its float32 copy, measured: peak
+    1.5x the float32 layer on a 4096-wide Llama), and ``get_tensor`` then ``.to(float32)`` holds the
+    stored tensor and the converted one at once. Here the result is the only whole copy.
+    """
+    import torch
+
+    name = TORCH_DTYPES.get(info["dtype"])
+    stored = getattr(torch, name, None) if name else None
+    if stored is None:
+        raise VerifyError("verify.reference", f"tensor {key}: dtype {info['dtype']} is not readable by this torch",
+                          "use --reference hf")
+    begin, end = info["offsets"]
+    out = torch.empty(info["shape"], dtype=dtype or stored)
+    flat = out.view(-1)
+    size = torch.empty(0, dtype=stored).element_size()
+    if end - begin != flat.numel() * size:
+        raise VerifyError("verify.reference", f"tensor {key}: {end - begin} bytes for {info['dtype']}{info['shape']}",
+                          "the shard's header is corrupt; run specops preflight")
+    step = max(size, READ_CHUNK_BYTES // size * size)
+    buf = bytearray(min(step, end - begin))
+    view = memoryview(buf)
+    done = 0
+    while begin + done < end:
+        n = min(step, end - begin - done)
+        got = 0
+        fh.seek(begin + done)
+        while got < n:
+            read = fh.readinto(view[got:n])
+            if not read:
+                raise VerifyError("verify.reference", f"tensor {key}: the shard ends before its data",
+                                  "the shard is truncated; run specops preflight")
+            got += read
+        chunk = torch.frombuffer(buf, dtype=torch.uint8, count=n).view(stored)
+        flat[done // size:(done + n) // size].copy_(chunk)
+        done += n
+    return out
 
 
 def plan_state(layer, shapes: dict) -> tuple:
@@ -212,21 +286,23 @@ def plan_state(layer, shapes: dict) -> tuple:
     return plan, problems
 
 
-def fill_state(plan: dict, shapes: dict, keys: dict, get, dtype) -> dict:
-    """The state the plan names, each tensor read (and cast to ``dtype``) as it is needed: a stacked
-    tensor is filled one expert at a time, so no more than one expert is ever held twice."""
+def fill_state(plan: dict, shapes: dict, keys: dict, get, dtype, float32=()) -> dict:
+    """The state the plan names, each tensor read in ``dtype`` (the names in ``float32``: in float32)
+    as it is needed: a stacked tensor is filled one expert at a time, so no more than one expert
+    is ever held twice. ``get(token, dtype)`` reads one tensor."""
     import torch
 
     state = {}
     for name, step in plan.items():
+        want = torch.float32 if name in float32 else dtype
         if step[0] == "copy":
-            state[name] = get(keys[step[1]])
+            state[name] = get(keys[step[1]], want)
             continue
         _, per, transpose = step
         rows, cols = sum(shapes[n][0] for n in per[0]), shapes[per[0][0]][1]
-        out = torch.empty((len(per), cols, rows) if transpose else (len(per), rows, cols), dtype=dtype)
+        out = torch.empty((len(per), cols, rows) if transpose else (len(per), rows, cols), dtype=want)
         for e, names in enumerate(per):
-            block = torch.cat([get(keys[n]) for n in names], dim=0)
+            block = torch.cat([get(keys[n], want) for n in names], dim=0)
             out[e] = block.t() if transpose else block
         state[name] = out
     return state
@@ -277,14 +353,18 @@ class LayerFactory:
         self.attention = getattr(self.hf_config, "_attn_implementation", None)
         del skeleton
 
-    def build(self, j: int, checkpoint: Checkpoint):
-        """Decoder layer ``j`` with its checkpoint tensors in float32: ``(layer, facts)``.
+    def build(self, j: int, checkpoint: Checkpoint, dtype=None):
+        """Decoder layer ``j`` with its checkpoint tensors in float32: ``(layer, facts)``. ``dtype`` (bf16,
+        for the rounding floor): its parameters in that dtype instead, read so from the checkpoint --
+        the float32 layer cast -- while buffers (a router's correction bias) stay float32, as
+        transformers and vLLM keep them.
 
         :raises VerifyError: a tensor the layer needs that the checkpoint lacks (or the
             reverse), or a tensor that is not a float (a quantized layout).
         """
         import torch
 
+        dtype = dtype or torch.float32
         keys = checkpoint.layer_keys(j)
         described = checkpoint.describe(list(keys.values()))
         with checkpoint.reader(torch.float32) as get:
@@ -303,7 +383,8 @@ class LayerFactory:
                                                                            if len(problems) > 1 else ""),
                                   "the checkpoint and config.json disagree, or transformers lays this model out "
                                   "otherwise; use --reference hf", detail={"problems": problems})
-            state = fill_state(plan, view.shapes, view.tokens, view.get, torch.float32)
+            buffers = {name for name, _ in layer.named_buffers()}
+            state = fill_state(plan, view.shapes, view.tokens, view.get, dtype, float32=buffers)
         layer.load_state_dict(state, assign=True, strict=True)
         left = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
         if left:
@@ -332,11 +413,3 @@ def forward(factory: LayerFactory, layer, x):
                     use_cache=False)
     out = out[0] if isinstance(out, (tuple, list)) else out
     return out[0]
-
-
-def cast_weights(layer, dtype) -> None:
-    """The layer's parameters in ``dtype`` (buffers such as a router's correction bias stay
-    float32, as transformers and vLLM keep them)."""
-    for module in layer.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            param.data = param.data.to(dtype)

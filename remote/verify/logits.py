@@ -79,7 +79,7 @@ def skipped(why: str, fix: str | None = None, **detail) -> dict:
 
 def verify_logits(params: dict) -> dict:
     """The logits check of the run ``params`` names (see the module docstring)."""
-    from remote.verify.layer import PeakMemory
+    from remote.verify.memory import PeakMemory
 
     run = open_run(params)
     engine = (run.manifest.get("engine") or {}).get("name")

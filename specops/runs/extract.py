@@ -20,7 +20,7 @@ from specops.runs.shardmap import FleetManifest, Shard
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str, detach: bool, force: bool,
             skip_preflight: bool, as_json: bool, tensors: bool, accept_new_host_key: bool = False,
             skip_smoke: bool = False, shard_by: str | None = None, allow_partial: bool = False,
-            reassign_text: str | None = None) -> ExitCode:
+            reassign_text: str | None = None, smoke_real: bool = False) -> ExitCode:
     """The whole group run: plan (or resume, or reassign), start, follow, fetch; returns the exit code.
 
     Every host of a new plan (and a new host a shard moves to) gets the smoke rehearsal
@@ -30,7 +30,8 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     try:
         return _extract(inventory, selector, overrides, conns, run_id=run_id, detach=detach, force=force,
                         skip_preflight=skip_preflight, skip_smoke=skip_smoke, as_json=as_json, tensors=tensors,
-                        shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign_text)
+                        shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign_text,
+                        smoke_real=smoke_real)
     finally:
         conns.close()
 
@@ -50,7 +51,7 @@ def _resume_overrides(manifest: FleetManifest, overrides: dict) -> dict:
 
 
 def _extract(inventory, selector, overrides, conns: Connections, *, run_id, detach, force, skip_preflight, skip_smoke,
-             as_json, tensors, shard_by, allow_partial, reassign_text) -> ExitCode:
+             as_json, tensors, shard_by, allow_partial, reassign_text, smoke_real=False) -> ExitCode:
     manifest = load_manifest(run_id)
     reports: list[HostReport] = []
     if manifest is None:
@@ -59,7 +60,8 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                              f"({manifest_path(run_id)} does not exist)", "pass the id of a running group run")
         specs = inventory.select(selector)
         manifest, reports = plan(run_id, overrides, specs, conns, shard_by=shard_by, allow_partial=allow_partial,
-                                 skip_preflight=skip_preflight, skip_smoke=skip_smoke, force=force)
+                                 skip_preflight=skip_preflight, skip_smoke=skip_smoke, force=force,
+                                 smoke_real=smoke_real)
         if manifest is None:
             print_fleet(reports, as_json=as_json)
             return overall_exit(reports)
@@ -70,7 +72,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
         overrides = _resume_overrides(manifest, overrides)
         if reassign_text:
             reports = reassign(manifest, parse_reassign(reassign_text), conns, overrides, skip_preflight,
-                               skip_smoke=skip_smoke, force=force)
+                               skip_smoke=skip_smoke, force=force, smoke_real=smoke_real)
             if any(r.failed for r in reports):
                 print_fleet(reports, as_json=as_json)
                 return overall_exit(reports)

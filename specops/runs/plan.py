@@ -145,14 +145,13 @@ def _why_not_ready(report: HostReport) -> str:
 
 
 def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force: bool,
-                   reports: list[HostReport]) -> list[str]:
+                   reports: list[HostReport], real: bool = False, twin: bool = True) -> list[str]:
     """Smoke on every named host at once (each host's records join its report in ``reports``);
-    returns the hosts whose rehearsal failed."""
-    from specops.smoke import rehearse
-
+    returns the hosts whose rehearsal failed. ``twin``: on the tiny twin; ``real``: on the real model
+    (after the twin, where it passed)."""
     smoked = run_steps([conns.host(n) for n in names],
                        lambda h: HostReport(host=h.name, task="extract",
-                                            records=rehearse(h, overrides, force=force, name="fleet.smoke")),
+                                            records=_rehearse_both(h, overrides, force, twin, real)),
                        name_of=lambda h: h.name, task="smoke", on_timeout=lambda h: h.close())
     by_host = {r.host: r for r in reports}
     for report in smoked:
@@ -163,8 +162,17 @@ def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force:
     return [r.host for r in smoked if r.failed]
 
 
+def _rehearse_both(host, overrides: dict, force: bool, twin: bool, real: bool) -> list:
+    from specops.smoke import rehearse
+
+    records = rehearse(host, overrides, force=force, name="fleet.smoke") if twin else []
+    if real and not any(r.status == "fail" for r in records):
+        records += rehearse(host, overrides, force=force, name="fleet.smoke", real=True)
+    return records
+
+
 def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: str | None, allow_partial: bool,
-         skip_preflight: bool, skip_smoke: bool = False, force: bool = False
+         skip_preflight: bool, skip_smoke: bool = False, force: bool = False, smoke_real: bool = False
          ) -> tuple[FleetManifest | None, list[HostReport]]:
     """Probe every host at once and write the shard map; (None, reports) when the run must not start.
 
@@ -210,9 +218,11 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     group.records.extend(shared_records)
     if any(r.status == "fail" for r in shared_records):
         return None, [*reports, group]
-    failed_smoke = [] if skip_smoke else rehearse_hosts(ready, conns, overrides, force, reports)
+    failed_smoke = [] if skip_smoke and not smoke_real else rehearse_hosts(
+        ready, conns, overrides, force, reports, real=smoke_real, twin=not skip_smoke)
     if failed_smoke:
-        left_out.update({h: "smoke failed on the tiny twin" for h in failed_smoke})
+        left_out.update({h: "smoke failed on the tiny twin" + (" or the real model" if smoke_real else "")
+                         for h in failed_smoke})
         ready = [h for h in ready if h not in failed_smoke]
         if not ready or not allow_partial:
             group.records.append(Record(

@@ -64,7 +64,8 @@ def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tup
 
 
 def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
-             skip_preflight: bool, skip_smoke: bool = False, force: bool = False) -> list[HostReport]:
+             skip_preflight: bool, skip_smoke: bool = False, force: bool = False,
+             smoke_real: bool = False) -> list[HostReport]:
     """Move every unfinished shard of each FROM to its TO; the map is saved when all moves are settled.
 
     A TO new to the run is checked as the plan checks a host (preflight, then smoke)."""
@@ -87,8 +88,8 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
     checks = agreement(probes, expected=manifest) if probes else []
     group.records.extend(checks)
     new = [n for n in targets if n not in manifest.hosts]
-    if not bad and not skip_smoke and new and not any(r.status == "fail" for r in checks):
-        bad = rehearse_hosts(new, conns, overrides, force, reports)
+    if not bad and (smoke_real or not skip_smoke) and new and not any(r.status == "fail" for r in checks):
+        bad = rehearse_hosts(new, conns, overrides, force, reports, real=smoke_real, twin=not skip_smoke)
     if bad or any(r.status == "fail" for r in checks):
         group.records.append(Record(name="fleet.reassign", status="fail",
                                     summary=f"not moving anything: {', '.join(bad) or 'the new host'} cannot take a "

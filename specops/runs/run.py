@@ -50,14 +50,15 @@ class HostRun(Run):
         return run_on_hosts(self.inventory, self.selector, task, step, self.accept_new_host_key)
 
     def extract(self, overrides: dict, *, detach: bool, force: bool, skip_preflight: bool, as_json: bool,
-                tensors: bool, skip_smoke: bool, **_group_flags) -> ExitCode:
+                tensors: bool, skip_smoke: bool, smoke_real: bool = False, **_group_flags) -> ExitCode:
         """Preflight, smoke, start, follow and fetch on the host (:func:`specops.extract.extract_on`)."""
         from specops.extract import extract_on
 
         hosts = {h.name: h for h in self._hosts()}
         try:
             return extract_on(self.inventory, hosts, overrides, run_id=self.run_id, detach=detach, force=force,
-                              skip_preflight=skip_preflight, as_json=as_json, tensors=tensors, skip_smoke=skip_smoke)
+                              skip_preflight=skip_preflight, as_json=as_json, tensors=tensors, skip_smoke=skip_smoke,
+                              smoke_real=smoke_real)
         finally:
             for host in hosts.values():
                 host.close()
@@ -112,13 +113,14 @@ class GroupRun(Run):
 
     def extract(self, overrides: dict, *, detach: bool, force: bool, skip_preflight: bool, as_json: bool,
                 tensors: bool, skip_smoke: bool, shard_by: str | None = None, allow_partial: bool = False,
-                reassign: str | None = None) -> ExitCode:
+                reassign: str | None = None, smoke_real: bool = False) -> ExitCode:
         from specops.runs import extract as group
 
         return group.extract(self.inventory, self.selector, overrides, run_id=self.run_id, detach=detach, force=force,
                              skip_preflight=skip_preflight, as_json=as_json, tensors=tensors,
                              accept_new_host_key=self.accept_new_host_key, skip_smoke=skip_smoke,
-                             shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign)
+                             shard_by=shard_by, allow_partial=allow_partial, reassign_text=reassign,
+                             smoke_real=smoke_real)
 
     def status(self, *, as_json: bool) -> ExitCode:
         from specops.runs import status as group
@@ -165,7 +167,7 @@ def open_run(inventory: Inventory, selector: str | None, run_id: str, *, accept_
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str | None,
             detach: bool, force: bool, skip_preflight: bool, as_json: bool, tensors: bool = False,
             accept_new_host_key: bool = False, skip_smoke: bool = False, shard_by: str | None = None,
-            allow_partial: bool = False, reassign: str | None = None) -> ExitCode:
+            allow_partial: bool = False, reassign: str | None = None, smoke_real: bool = False) -> ExitCode:
     """``specops extract``: the whole extraction flow; returns the exit code.
 
     More than one host (or a run id this laptop knows as a group run, or a group flag) makes
@@ -180,7 +182,7 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
                    as_group=len(specs) > 1 or bool(shard_by or allow_partial or reassign))
     return run.extract(overrides, detach=detach, force=force, skip_preflight=skip_preflight, as_json=as_json,
                        tensors=tensors, skip_smoke=skip_smoke, shard_by=shard_by, allow_partial=allow_partial,
-                       reassign=reassign)
+                       reassign=reassign, smoke_real=smoke_real)
 
 
 def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
