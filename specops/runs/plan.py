@@ -10,6 +10,7 @@ from specops.host import Host
 from specops.params import run_params
 from specops.parallel import report_from_payload, run_steps, step_timeout
 from specops.preflight import preflight_step
+from specops.replica import replica_overrides
 from specops.result import HostReport, Record
 from specops.runs.pool import Connections
 from specops.runs.store import GROUP, save_manifest
@@ -171,13 +172,18 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     The smoke rehearsal runs once the hosts agree (a mismatch is found in seconds, without a
     twin's load); a host whose rehearsal fails is not ready.
     """
-    check_shared_params(specs, overrides)
-    names = [s.name for s in specs]
+    inventory = conns.inventory
+    # the units of the run: a host that holds a whole replica, or a replica's hosts (head first);
+    # a replica is one shard, planned and probed through its head
+    units = inventory.units([s.name for s in specs])
+    check_shared_params([conns.spec(h) for h in units], overrides)
+    names = list(units)
+    node_overrides = {n: replica_overrides(inventory, n, overrides) for n in names}
     mode, given = shardmap.parse_shard_by(shard_by, names)
     storage_probes = storage.probe_params(names, {n: shard_output_dir(conns.spec(n), overrides, run_id) for n in names},
                                           {n: run_params(conns.spec(n), **overrides)["work_dir"] for n in names})
     reports = run_steps([conns.host(n) for n in names],
-                        lambda h: probe_step(h, overrides, preflight=not skip_preflight,
+                        lambda h: probe_step(h, node_overrides[h.name], preflight=not skip_preflight,
                                              storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
                         task="extract", timeout=step_timeout("preflight"), on_timeout=lambda h: h.close())
     ready = [r.host for r in reports if not r.failed]
@@ -241,7 +247,8 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
         | {"model": first.get("model")},
         hosts={h: {"engine": p["stack"].get("engine"), "versions": p.get("versions"),
                    "capacity": p.get("capacity"), "dataset_path": p["dataset"].get("path")} for h, p in probes.items()},
-        shards=shardmap.plan(run_id, total, weights, {h: shard_output_dir(conns.spec(h), overrides, run_id) for h in ready}),
+        shards=shardmap.plan(run_id, total, weights, {h: shard_output_dir(conns.spec(h), overrides, run_id) for h in ready},
+                             members=units),
     )
     manifest.history.append({"event": "planned", "hosts": ready, "left_out": left_out, "shard_by": mode,
                              "at": manifest.created_at})
