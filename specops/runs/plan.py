@@ -10,7 +10,7 @@ from specops.host import Host
 from specops.params import run_params
 from specops.parallel import report_from_payload, run_steps, step_timeout
 from specops.preflight import preflight_step
-from specops.replica import replica_overrides
+from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record
 from specops.runs.pool import Connections
 from specops.runs.store import GROUP, save_manifest
@@ -47,7 +47,9 @@ def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: d
     report = HostReport(host=host.name, task="extract")
     asked = {"storage_probe": storage_probe} if storage_probe else {}
     if not preflight:
-        payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe", **asked})
+        inventory = getattr(host, "inventory", None)
+        node = node_params(inventory, host.name) if inventory is not None else {}
+        payload = host.run_task("shard", {**run_params(host.spec, **overrides), **node, "action": "probe", **asked})
         report.records.extend(report_from_payload(host.name, "extract", payload).records)
         report.data["probe"] = payload.get("data") or {}
         return report
@@ -186,6 +188,10 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
                         lambda h: probe_step(h, node_overrides[h.name], preflight=not skip_preflight,
                                              storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
                         task="extract", timeout=step_timeout("preflight"), on_timeout=lambda h: h.close())
+    if not skip_preflight:  # a replica's hosts, all at once: versions, model copy, master port, devices, clocks
+        checked = preflight_replicas(inventory, names, conns.host, overrides)
+        for report in reports:
+            report.records.extend(checked.get(report.host, []))
     ready = [r.host for r in reports if not r.failed]
     group = HostReport(host=GROUP, task="extract")
     left_out = {r.host: _why_not_ready(r) for r in reports if r.failed}

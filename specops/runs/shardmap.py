@@ -292,13 +292,15 @@ def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
     return f"{root}m{k}"
 
 
-def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str) -> Shard | None:
+def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str,
+             hosts: list[str] | None = None) -> Shard | None:
     """Close ``shard`` at ``cut`` and give ``[cut, old stop)`` to ``to_host`` as a new shard.
 
     ``cut`` is the first index not on the shard's host: what lies before it stays
     where it is, what lies after it is made once, by ``to_host``. Nothing to move
     (``cut`` at the end) returns None and changes nothing.
 
+    :param hosts: the hosts of ``to_host``'s replica, head first, when it spans several.
     :raises ValueError: a cut outside the shard's range.
     """
     if not shard.start <= cut <= shard.stop:
@@ -306,7 +308,7 @@ def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, outp
     if cut == shard.stop:
         return None
     new_id = next_moved_id(manifest, shard)
-    moved = Shard(id=new_id, hosts=[to_host], start=cut, stop=shard.stop,
+    moved = Shard(id=new_id, hosts=list(hosts or [to_host]), start=cut, stop=shard.stop,
                   run_id=moved_run_id(manifest.run_id, new_id), output_dir=output_dir, moved_from=shard.id)
     old_stop = shard.stop
     shard.stop = cut

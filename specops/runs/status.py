@@ -85,11 +85,28 @@ def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = Fals
     conns = Connections(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
-        return per_shard(shards, manifest, conns, "abort",
-                          lambda s, h: report_from_payload(s.label, "abort", jobs.job_call(h, "abort", s.run_id)),
-                          QUICK_TIMEOUT_S)
+        return per_shard(shards, manifest, conns, "abort", lambda s, h: _abort_shard(s, h, conns), QUICK_TIMEOUT_S)
     finally:
         conns.close()
+
+
+def _abort_shard(shard: Shard, head: Host, conns: Connections) -> HostReport:
+    """Abort the shard's run on its head, then on every other host of its replica (their headless
+    ranks); a host that does not answer is named, the others are still aborted."""
+    report = report_from_payload(shard.label, "abort", jobs.job_call(head, "abort", shard.run_id))
+    for worker in shard.hosts[1:]:
+        try:
+            payload = jobs.job_call(conns.host(worker), "abort", shard.run_id, timeout=QUICK_TIMEOUT_S)
+        except SpecopsError as exc:
+            report.records.append(Record(name=f"job.abort@{worker}", status="fail",
+                                         summary=f"{worker} (ranks of replica {shard.label}) did not answer: "
+                                                 f"{str(exc).splitlines()[0]}",
+                                         fix=f"once {worker} answers, abort again (specops abort --run-id "
+                                             f"{shard.run_id}); its ranks stop by themselves when the head is gone"))
+            continue
+        report.records.extend(r.model_copy(update={"name": f"{r.name}@{worker}"})
+                              for r in report_from_payload(worker, "abort", payload).records)
+    return report
 
 
 def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | None, as_json: bool,

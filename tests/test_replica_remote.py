@@ -1,0 +1,199 @@
+"""One model replica over two hosts (vLLM's multi-node TP on the CPU test hosts), over real SSH.
+
+Host ``a`` is the session's test sshd, host ``b`` an sshd of its own (so it can be killed):
+one TP=2 replica of the tiny Llama, one core each, every rank on loopback. The states must
+equal a TP=2 run on one host within bf16 noise; a killed worker host must fail the run
+naming it, and leave nothing of the run running on the head.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specops.testhost.sshd import TestHost
+from test_fleet_remote import kill_host, wait_for
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.vllm
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free (the master port and specops' watch of the hosts)."""
+    for _ in range(50):
+        with socket.socket() as one:
+            one.bind(("127.0.0.1", 0))
+            port = one.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as two:
+                try:
+                    two.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two free consecutive loopback ports")
+
+
+@pytest.fixture(scope="module")
+def host_b(tmp_path_factory):
+    host = TestHost(name=f"pytest-replica-{os.getpid()}", root=tmp_path_factory.mktemp("host-b"))
+    host.up()
+    yield host
+    host.destroy()
+
+
+def cli(*args, runs: Path, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "specops"), *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                          stdin=subprocess.DEVNULL, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "250", "SPECOPS_RUNS": str(runs)})
+
+
+def replica_inventory(tmp_path: Path, testhost: dict, host_b: TestHost, python, tiny_models, env=None) -> Path:
+    from specops.testhost.hostenv import cache_root
+
+    base_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
+                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache"), **(env or {})}
+
+    def host(info: dict, name: str, core: str) -> dict:
+        return {"address": "127.0.0.1", "port": info["port"], "user": info["user"], "key": info["key"],
+                "known_hosts": info["known_hosts"], "python": str(python),
+                "work_dir": str(tmp_path / name / "work"), "output_dir": str(tmp_path / name / "out"),
+                "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
+                "device": "cpu", "connect_timeout": 5, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+                # one core each, as two one-core hosts would have
+                "env": {**base_env, "VLLM_CPU_OMP_THREADS_BIND": core}}
+
+    doc = {"hosts": {"a": host(testhost, "a", "0"), "b": host(host_b.info(), "b", "1")},
+           "replicas": {"pair": {"hosts": ["a", "b"], "tp": 2, "master_port": free_port_pair()}}}
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def hs_files(root: Path) -> dict[int, Path]:
+    return {int(p.stem.split("_")[1]): p for p in root.rglob("hs_*.safetensors")}
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    from remote import procscan
+
+    return procscan.live_pids(env_any={f"SPECOPS_RUN_DIR={run_dir}".encode()})
+
+
+def test_preflight_checks_the_replica_on_every_host_at_once(tmp_path, testhost, host_b, modern_fixed_python,
+                                                            tiny_models):
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
+    proc = cli("preflight", "--inventory", str(inventory), "--on", "pair", "--json", runs=tmp_path / "runs")
+    reports = {r["host"]: r for r in json.loads(proc.stdout)["hosts"]}
+    replica = {r["name"]: r for r in reports["replica pair"]["records"]}
+    for name in ("replica.versions", "replica.model", "replica.devices", "replica.master_port", "replica.clock"):
+        assert replica[name]["status"] == "ok", (name, replica[name]["summary"])
+    assert "VLLM_CPU_OMP_THREADS_BIND=1" in replica["replica.network"]["summary"]
+    # each host's own preflight judged its share of the ranks (1 of TP 2), not the whole TP
+    for host in ("a", "b"):
+        devices = {r["name"]: r for r in reports[host]["records"]}["parallel.devices"]
+        assert devices["status"] == "ok" and devices["detail"]["tp"] == 1, devices
+
+
+def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
+                                                      modern_ssh_run):
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
+    runs = tmp_path / "runs"
+    t0 = time.monotonic()
+    proc = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", "rep1", "--skip-smoke",
+               "--tensors", "--json", runs=runs)
+    print(f"\nreplica extract over two hosts: {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    fleet = json.loads((runs / "rep1" / "fleet.json").read_text())
+    assert [s["hosts"] for s in fleet["shards"]] == [["a", "b"]]
+    # the worker host ran its ranks headless under the same run id, and ended with the head
+    worker = json.loads((tmp_path / "b" / "work" / "runs" / "rep1" / "status.json").read_text())
+    assert worker["state"] == "done" and worker["replica"]["ranks"] == [1], worker
+    head_log = (tmp_path / "a" / "work" / "runs" / "rep1" / "logs" / "server.log").read_text()
+    assert "--nnodes 2 --node-rank 0" in head_log
+    worker_log = (tmp_path / "b" / "work" / "runs" / "rep1" / "logs" / "server.log").read_text()
+    assert "--headless" in worker_log and "--node-rank 1" in worker_log
+    assert not hs_files(tmp_path / "b" / "out"), "states are written on the head only"
+    for host in ("a", "b"):  # a done supervisor may still be closing its server
+        wait_for(lambda: not run_processes(tmp_path / host / "work" / "runs" / "rep1"), timeout=120,
+                 what=f"the run's processes on {host} to end")
+
+    one_host = hs_files(modern_ssh_run("llama", 2)["dest"])
+    two_hosts = hs_files(runs / "rep1")
+    assert sorted(two_hosts) == sorted(one_host) == [0, 1, 2, 3]
+    # read with the host env's torch (the controller has none)
+    compare = subprocess.run([str(modern_fixed_python), "-c", COMPARE, json.dumps(
+        [[str(one_host[i]), str(two_hosts[i])] for i in sorted(one_host)])], capture_output=True, text=True,
+        timeout=300)
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    for i, found in enumerate(json.loads(compare.stdout)):
+        print(f"hs_{i}: max |diff| {found['worst']:.3g} of max |state| {found['scale']:.3g}, "
+              f"{found['equal_fraction']:.4f} of values bit-equal")
+        assert found["same_tokens"] and found["same_shape"], found
+        # bf16 noise: partial sums added in another order move a value by an ulp or so
+        assert found["worst"] <= 2 ** -6 * found["scale"], (i, found)
+
+
+COMPARE = """
+import json, sys
+from safetensors.torch import load_file
+out = []
+for ref_path, got_path in json.loads(sys.argv[1]):
+    ref, got = load_file(ref_path), load_file(got_path)
+    a, b = ref["hidden_states"].float(), got["hidden_states"].float()
+    same_shape = a.shape == b.shape
+    out.append({"same_tokens": bool((ref["token_ids"] == got["token_ids"]).all()), "same_shape": same_shape,
+                "worst": (a - b).abs().max().item() if same_shape else None, "scale": a.abs().max().item(),
+                "equal_fraction": (a == b).float().mean().item() if same_shape else 0.0})
+print(json.dumps(out))
+"""
+
+
+def test_killed_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
+    # a pause after each batch keeps the run in its extraction long enough to lose a host mid-way
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
+                                  env={"SPECOPS_BATCH_DELAY_S": "3"})
+    runs = tmp_path / "runs"
+    inv = yaml.safe_load(inventory.read_text())
+    inv["hosts"]["a"]["batch_size"] = inv["hosts"]["b"]["batch_size"] = 1
+    inventory.write_text(yaml.safe_dump(inv))
+    started = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", "rep2", "--skip-smoke",
+                  "--skip-preflight", "--detach", "--json", runs=runs)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep2" for h in ("a", "b"))
+
+    def head_state() -> dict:
+        try:
+            return json.loads((head_dir / "status.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    wait_for(lambda: (head_state().get("samples_done") or 0) >= 1 or head_state().get("state") == "failed",
+             timeout=900, what="the replica's first sample")
+    assert head_state().get("state") == "extracting", head_state()
+    port = host_b.port
+    try:
+        kill_host(host_b, worker_dir)  # sshd, its sessions, the run's supervisor group
+        for pid in run_processes(worker_dir):  # and the host's vLLM ranks (a session of their own)
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: head_state().get("state") == "failed", timeout=300, what="the head's run to fail")
+        error = head_state()["error"]
+        assert error["host"] == "b" and error["rank"] == 1 and error["type"] == "HostLost", error
+        assert "host b" in error["message"]
+        status = cli("status", "--inventory", str(inventory), "--run-id", "rep2", "--json", runs=runs)
+        assert status.returncode != 0
+        assert "host b" in status.stdout
+        wait_for(lambda: not run_processes(head_dir), timeout=60, what="the head's processes to end")
+    finally:
+        host_b.up(port=port)
