@@ -216,15 +216,14 @@ class HostWatch:
         with self._lock:
             self._closing = True
         self.broadcast("end", state=state or RunState.FAILED.value, message=message)
-        for sock in [self.server, *self._socks]:
+        for sock in self._socks:
             try:
-                sock.shutdown(socket.SHUT_RDWR) if sock is not self.server else None
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            try:
-                sock.close()
-            except (OSError, AttributeError):
-                pass
+            sock.close()
+        if self.server is not None:
+            self.server.close()
 
 
 # --------------------------------------------------------------------------- a worker host's side

@@ -59,7 +59,8 @@ def cli(*args, runs: Path, timeout=900) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "250", "SPECOPS_RUNS": str(runs)})
 
 
-def replica_inventory(tmp_path: Path, testhost: dict, host_b: TestHost, python, tiny_models, env=None) -> Path:
+def replica_inventory(tmp_path: Path, testhost: dict, host_b: TestHost, python, tiny_models, env=None,
+                      model: str = "llama") -> Path:
     from specops.testhost.hostenv import cache_root
 
     base_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
@@ -69,7 +70,7 @@ def replica_inventory(tmp_path: Path, testhost: dict, host_b: TestHost, python, 
         return {"address": "127.0.0.1", "port": info["port"], "user": info["user"], "key": info["key"],
                 "known_hosts": info["known_hosts"], "python": str(python),
                 "work_dir": str(tmp_path / name / "work"), "output_dir": str(tmp_path / name / "out"),
-                "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
+                "model_path": str(tiny_models[model]), "dataset": str(tiny_models["dataset"]),
                 "device": "cpu", "connect_timeout": 5, "seq_len": 128, "max_samples": 4, "batch_size": 4,
                 # one core each, as two one-core hosts would have
                 "env": {**base_env, "VLLM_CPU_OMP_THREADS_BIND": core}}
@@ -106,14 +107,19 @@ def test_preflight_checks_the_replica_on_every_host_at_once(tmp_path, testhost, 
         assert devices["status"] == "ok" and devices["detail"]["tp"] == 1, devices
 
 
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
 def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
-                                                      modern_ssh_run):
-    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
+                                                      modern_ssh_run, model):
+    from conftest import SHARED_RUN_LAYER_IDS
+
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, model=model)
     runs = tmp_path / "runs"
+    ids = SHARED_RUN_LAYER_IDS.get(model)  # the ids of the one-host run it is compared with
     t0 = time.monotonic()
     proc = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", "rep1", "--skip-smoke",
-               "--tensors", "--json", runs=runs)
-    print(f"\nreplica extract over two hosts: {time.monotonic() - t0:.0f} s")
+               "--tensors", "--json", *(["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []),
+               runs=runs)
+    print(f"\n{model}: replica extract over two hosts: {time.monotonic() - t0:.0f} s")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     fleet = json.loads((runs / "rep1" / "fleet.json").read_text())
     assert [s["hosts"] for s in fleet["shards"]] == [["a", "b"]]
@@ -129,7 +135,7 @@ def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b
         wait_for(lambda: not run_processes(tmp_path / host / "work" / "runs" / "rep1"), timeout=120,
                  what=f"the run's processes on {host} to end")
 
-    one_host = hs_files(modern_ssh_run("llama", 2)["dest"])
+    one_host = hs_files(modern_ssh_run(model, 2)["dest"])
     two_hosts = hs_files(runs / "rep1")
     assert sorted(two_hosts) == sorted(one_host) == [0, 1, 2, 3]
     # read with the host env's torch (the controller has none)
@@ -197,3 +203,48 @@ def test_killed_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, 
         wait_for(lambda: not run_processes(head_dir), timeout=60, what="the head's processes to end")
     finally:
         host_b.up(port=port)
+    # the host is back: the same command resumes the replica as one shard, after the samples on disk
+    resumed = cli("extract", "--inventory", str(inventory), "--run-id", "rep2", "--skip-smoke", "--tensors", "--json",
+                  runs=runs)
+    assert resumed.returncode == 0, resumed.stdout[-6000:] + resumed.stderr[-4000:]
+    assert sorted(hs_files(runs / "rep2" / "samples")) == [0, 1, 2, 3]
+    assert json.loads((head_dir / "status.json").read_text())["resumed_from"] >= 1
+    assert json.loads((worker_dir / "status.json").read_text())["state"] == "done"
+
+
+def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(tmp_path, testhost, host_b,
+                                                                               modern_fixed_python, tiny_models):
+    """Four test hosts as two TP=2 replicas (a+b, c+d; a and c on one sshd, b and d on the other, each its own
+    work dir) and host e alone at TP=1: one group run, the dataset sharded by replica, every sample once."""
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
+    doc = yaml.safe_load(inventory.read_text())
+    hosts = doc["hosts"]
+    for name, twin, core in (("c", "a", "0"), ("d", "b", "1"), ("e", "a", "0,1")):
+        hosts[name] = {**hosts[twin], "work_dir": str(tmp_path / name / "work"),
+                       "output_dir": str(tmp_path / name / "out"), "max_samples": 12,
+                       "env": {**hosts[twin]["env"], "VLLM_CPU_OMP_THREADS_BIND": core}}
+    for name in ("a", "b"):
+        hosts[name]["max_samples"] = 12
+    second = free_port_pair()
+    while abs(second - doc["replicas"]["pair"]["master_port"]) < 2:
+        second = free_port_pair()
+    doc["replicas"]["other"] = {"hosts": ["c", "d"], "tp": 2, "master_port": second}
+    inventory.write_text(yaml.safe_dump(doc))
+    runs = tmp_path / "runs"
+    t0 = time.monotonic()
+    proc = cli("extract", "--inventory", str(inventory), "--on", "pair,other,e", "--run-id", "grp", "--skip-smoke",
+               "--skip-preflight", "--shard-by", "equal", "--tensors", "--json", runs=runs, timeout=1500)
+    print(f"\ntwo replicas and a host, one group run: {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    fleet = json.loads((runs / "grp" / "fleet.json").read_text())
+    assert [(s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [
+        (["a", "b"], 0, 4), (["c", "d"], 4, 8), (["e"], 8, 12)]
+    merged = json.loads((runs / "grp" / "manifest.json").read_text())
+    indices = sorted(int(Path(f["path"]).stem.split("_")[1]) for f in merged["files"]
+                     if Path(f["path"]).name.startswith("hs_"))
+    assert indices == list(range(12)), indices
+    assert sorted(hs_files(runs / "grp" / "samples")) == list(range(12))
+    for worker in ("b", "d"):  # the workers' ranks ran headless and wrote nothing
+        assert not hs_files(tmp_path / worker / "out")
+        status = json.loads((tmp_path / worker / "work" / "runs" / "grp" / "status.json").read_text())
+        assert status["state"] == "done", status

@@ -24,7 +24,7 @@ class UnreachableMarker(Exception):
     """A shard whose host did not answer a look (shown with its last seen progress)."""
 
 
-def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
+def _look_step(manifest: FleetManifest, shard: Shard, host: Host, conns: Connections | None = None) -> HostReport:
     payload = jobs.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
     state = RunState.from_payload(payload)
@@ -47,7 +47,31 @@ def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
                         f"{shard.head}'s disk, or changed there (first {listing['first_missing']})",
                 detail={"missing_head": listing.get("missing_head"), "changed": listing.get("changed")},
                 fix=f"specops extract --run-id {manifest.run_id} makes them again"))
+    if conns is not None:
+        report.records.extend(_worker_records(shard, conns))
     return report
+
+
+def _worker_records(shard: Shard, conns: Connections) -> list[Record]:
+    """One record per worker host of a replica: its headless ranks' run (the head's run is the shard's)."""
+    records = []
+    for worker in shard.hosts[1:]:
+        try:
+            payload = jobs.job_call(conns.host(worker), "status", shard.run_id, timeout=QUICK_TIMEOUT_S)
+        except SpecopsError as exc:
+            records.append(Record(name="replica.host", status="warn",
+                                  summary=f"{worker} (ranks of {shard.label}) did not answer: "
+                                          f"{str(exc).splitlines()[0]}"))
+            continue
+        st = (payload.get("data") or {}).get("status") or {}
+        ranks = (st.get("replica") or {}).get("ranks")
+        err = st.get("error") or {}
+        failed = st.get("state") == STATE.FAILED
+        records.append(Record(name="replica.host", status="fail" if failed else "ok",
+                              summary=f"{worker}: ranks {ranks} {st.get('state') or 'missing'}"
+                                      + (f" ({err.get('type')}: {err.get('message')})" if err else ""),
+                              detail={"host": worker, "status": st}))
+    return records
 
 
 def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_key: bool = False) -> ExitCode:
@@ -56,7 +80,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
     conns = Connections(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
-        reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h),
+        reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h, conns),
                              QUICK_TIMEOUT_S)
     finally:
         conns.close()
