@@ -47,6 +47,11 @@ from remote.contract import RunState
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
 #: how long a worker host tries to reach the head's watch before it gives up.
 CONNECT_TIMEOUT_S = 900.0
+#: a rank process of a worker host stopped (SIGSTOP, a debugger) this long fails the run: vLLM would
+#: hold the head's request for VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and then name no host.
+STOPPED_GRACE_S = 10.0
+#: ``/proc/<pid>/stat`` states of a stopped process.
+STOPPED_STATES = ("T", "t")
 #: how long a worker host whose ranks died waits for the head's ``end`` before it reports its own
 #: failure (the head stops its server after sending ``end``: those ranks die of that, not of a fault).
 LOSS_GRACE_S = 2.0
@@ -183,7 +188,8 @@ class HostWatch:
 
     def _lose(self, node: int, error: dict) -> None:
         host = host_of(self.replica, node)
-        error.setdefault("rank", ranks_of(self.replica, node)[0])
+        if error.get("rank") is None:  # the host as a whole: its first rank stands for it
+            error["rank"] = ranks_of(self.replica, node)[0]
         error.update(host=host, node_rank=node, ranks=ranks_of(self.replica, node))
         message = str(error.get("message") or "")
         if host not in message:
@@ -355,6 +361,7 @@ class NodeSupervisor:
         lines = Lines(self.sock)
         server = self.engine.server
         died_at = None
+        stopped_since: dict[int, float] = {}
         while True:
             messages = lines.read(1.0)
             if messages is None:
@@ -372,6 +379,12 @@ class NodeSupervisor:
                                                   "message": f"the head {head}'s run failed: {msg.get('message')}",
                                                   "traceback": ""})
                     return state, str(msg.get("message") or "")
+            now = time.monotonic()
+            stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker)}
+            held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
+            if held:
+                raise RanksStopped(f"process(es) {held} of ranks {self.ranks} on {self.host} are stopped (SIGSTOP or a "
+                                   f"debugger) for {STOPPED_GRACE_S:.0f} s: the replica's requests hang on them")
             if not server.alive:
                 # the head's end may be on its way (its server stopped first): wait for its word a moment
                 died_at = died_at or time.monotonic()
@@ -381,6 +394,23 @@ class NodeSupervisor:
 
 class HeadLost(RuntimeError):
     """The head's supervisor went away without ending the run."""
+
+
+class RanksStopped(RuntimeError):
+    """A rank process of this host is stopped (SIGSTOP): the replica cannot go on."""
+
+
+def stopped_pids(marker: str) -> list[int]:
+    """The processes of one vLLM server (its marker in their environment) that are stopped."""
+    from remote import procscan
+    from remote.engines.vllm_server import MARKER_ENV
+
+    found = []
+    for pid in procscan.live_pids(env_any={f"{MARKER_ENV}={marker}".encode()}):
+        fields = procscan.stat_fields(pid)
+        if fields and fields[0] in STOPPED_STATES:
+            found.append(pid)
+    return found
 
 
 def _raise_aborted(signum, frame):

@@ -212,6 +212,65 @@ def test_killed_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, 
     assert json.loads((worker_dir / "status.json").read_text())["state"] == "done"
 
 
+def start_detached(tmp_path, testhost, host_b, python, tiny_models, run_id: str):
+    """A replica run started detached, paused 3 s after each one-sample batch; returns (inventory, runs, head
+    status reader, head run dir, worker run dir) once its first sample is on disk."""
+    inventory = replica_inventory(tmp_path, testhost, host_b, python, tiny_models, env={"SPECOPS_BATCH_DELAY_S": "3"})
+    inv = yaml.safe_load(inventory.read_text())
+    inv["hosts"]["a"]["batch_size"] = inv["hosts"]["b"]["batch_size"] = 1
+    inventory.write_text(yaml.safe_dump(inv))
+    runs = tmp_path / "runs"
+    started = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", run_id, "--skip-smoke",
+                  "--skip-preflight", "--detach", "--json", runs=runs)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / run_id for h in ("a", "b"))
+
+    def state_of(run_dir: Path) -> dict:
+        try:
+            return json.loads((run_dir / "status.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    wait_for(lambda: (state_of(head_dir).get("samples_done") or 0) >= 1 or state_of(head_dir).get("state") == "failed",
+             timeout=900, what="the replica's first sample")
+    assert state_of(head_dir).get("state") == "extracting", state_of(head_dir)
+    return inventory, runs, state_of, head_dir, worker_dir
+
+
+def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, modern_fixed_python,
+                                                                  tiny_models):
+    inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
+                                                                     tiny_models, "rep3")
+    supervisor = int((worker_dir / "pid").read_text())
+    ranks = [pid for pid in run_processes(worker_dir) if pid != supervisor]
+    for pid in ranks:  # the host's vLLM processes hang (SIGSTOP); its supervisor still runs
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: state_of(head_dir).get("state") == "failed", timeout=300, what="the head's run to fail")
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    error = state_of(head_dir)["error"]
+    assert error["host"] == "b" and error["rank"] == 1 and error["type"] == "RanksStopped", error
+    assert "stopped" in error["message"] and "on b" in error["message"]
+    for run_dir in (head_dir, worker_dir):
+        wait_for(lambda: not run_processes(run_dir), timeout=120, what=f"{run_dir}'s processes to end")
+
+
+def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
+    inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
+                                                                     tiny_models, "rep4")
+    assert run_processes(worker_dir)
+    aborted = cli("abort", "--inventory", str(inventory), "--run-id", "rep4", "--json", runs=runs)
+    assert aborted.returncode == 0, aborted.stdout[-4000:] + aborted.stderr[-4000:]
+    assert not run_processes(head_dir) and not run_processes(worker_dir)
+    assert state_of(head_dir)["state"] == "aborted"
+    assert state_of(worker_dir)["state"] == "aborted"
+
+
 def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(tmp_path, testhost, host_b,
                                                                                modern_fixed_python, tiny_models):
     """Four test hosts as two TP=2 replicas (a+b, c+d; a and c on one sshd, b and d on the other, each its own
