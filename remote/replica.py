@@ -380,7 +380,8 @@ class NodeSupervisor:
                                                   "traceback": ""})
                     return state, str(msg.get("message") or "")
             now = time.monotonic()
-            stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker)}
+            group = server.proc.pid if server.proc is not None else None  # its own session and group
+            stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker, group)}
             held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
             if held:
                 raise RanksStopped(f"process(es) {held} of ranks {self.ranks} on {self.host} are stopped (SIGSTOP or a "
@@ -400,13 +401,18 @@ class RanksStopped(RuntimeError):
     """A rank process of this host is stopped (SIGSTOP): the replica cannot go on."""
 
 
-def stopped_pids(marker: str) -> list[int]:
-    """The processes of one vLLM server (its marker in their environment) that are stopped."""
+def stopped_pids(marker: str, pgrp: int | None = None) -> list[int]:
+    """The processes of one vLLM server that are stopped: those with its marker in their environment,
+    and those of its process group (``pgrp``: vLLM retitles its workers, ``VLLM::Worker_TP1``, which
+    overwrites the environment ``/proc`` shows)."""
     from remote import procscan
     from remote.engines.vllm_server import MARKER_ENV
 
     found = []
-    for pid in procscan.live_pids(env_any={f"{MARKER_ENV}={marker}".encode()}):
+    pids = set(procscan.live_pids(env_any={f"{MARKER_ENV}={marker}".encode()}))
+    if pgrp is not None:
+        pids.update(procscan.live_pids(pgrp=pgrp))
+    for pid in sorted(pids):
         fields = procscan.stat_fields(pid)
         if fields and fields[0] in STOPPED_STATES:
             found.append(pid)

@@ -241,9 +241,15 @@ def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testh
                                                                   tiny_models):
     inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
                                                                      tiny_models, "rep3")
+    from remote import procscan
+
     supervisor = int((worker_dir / "pid").read_text())
-    ranks = [pid for pid in run_processes(worker_dir) if pid != supervisor]
-    for pid in ranks:  # the host's vLLM processes hang (SIGSTOP); its supervisor still runs
+    # the host's vLLM server is a process group of its own (its retitled workers no longer show the run's
+    # environment in /proc): every process of that group hangs (SIGSTOP); its supervisor still runs
+    groups = {os.getpgid(pid) for pid in run_processes(worker_dir) if pid != supervisor} - {os.getpgid(supervisor)}
+    ranks = sorted({pid for group in groups for pid in procscan.live_pids(pgrp=group)})
+    assert ranks
+    for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: state_of(head_dir).get("state") == "failed", timeout=300, what="the head's run to fail")
@@ -263,10 +269,20 @@ def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testh
 def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
     inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
                                                                      tiny_models, "rep4")
-    assert run_processes(worker_dir)
+    from remote import procscan
+
+    # every process of the run on both hosts, the vLLM servers' process groups included (vLLM retitles its
+    # workers, and a retitled process no longer shows the run's environment in /proc)
+    groups = {os.getpgid(pid) for run_dir in (head_dir, worker_dir) for pid in run_processes(run_dir)}
+    assert len(groups) >= 4  # each host: its supervisor's group and its server's
+
+    def left() -> list[int]:
+        return sorted({*run_processes(head_dir), *run_processes(worker_dir),
+                       *(pid for group in groups for pid in procscan.live_pids(pgrp=group))})
+
     aborted = cli("abort", "--inventory", str(inventory), "--run-id", "rep4", "--json", runs=runs)
     assert aborted.returncode == 0, aborted.stdout[-4000:] + aborted.stderr[-4000:]
-    assert not run_processes(head_dir) and not run_processes(worker_dir)
+    assert not left(), left()
     assert state_of(head_dir)["state"] == "aborted"
     assert state_of(worker_dir)["state"] == "aborted"
 
