@@ -295,7 +295,9 @@ class NodeSupervisor:
         if plan.engine != "vllm-server":
             raise ValueError(f"a replica over several hosts needs the vllm-server engine (vLLM's multi-node "
                              f"runtime); this host resolved {plan.engine}")
-        p.update(work_dir=str(self.paths.run_dir), python=sys.executable)
+        # the ranks stay in this supervisor's process group: an abort's SIGKILL to the group takes them
+        # (vLLM retitles them, VLLM::Worker_TP1, which hides the run's marker in /proc)
+        p.update(work_dir=str(self.paths.run_dir), python=sys.executable, own_session=False)
         p.setdefault("enforce_eager", p.get("device") == "cpu")
         return engine_class(plan.engine)(p["model_path"], int(self.replica["tp"]), plan.layer_ids, p, plan=plan)
 
@@ -319,8 +321,6 @@ class NodeSupervisor:
             return 0 if state == RunState.DONE.value else 1
         except Aborted:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if self.engine is not None:
-                self.engine.params["stop_grace_s"] = 3.0
             self.status.update(state=RunState.ABORTED.value, phase="aborted",
                                error={"rank": None, "type": "Aborted", "where": f"host {self.host}",
                                       "message": "aborted by request (SIGTERM)", "traceback": ""})
@@ -335,11 +335,17 @@ class NodeSupervisor:
                 send(self.sock, "failed", error=error)
             return 1
         finally:
+            # an abort arriving now must not cut the stop short: the ranks' process group is killed here
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             if self.engine is not None:
+                # headless ranks hold no request of their own: a short stop, well inside abort's grace
+                self.engine.params["stop_grace_s"] = 3.0
                 try:
                     self.engine.close()
                 except BaseException:  # noqa: BLE001
                     traceback.print_exc()
+            _kill_own_group()
             print(f"[specops] supervisor exits ({self.status.data.get('state')})", flush=True)
 
     def _error(self, exc: BaseException) -> dict:
@@ -380,7 +386,8 @@ class NodeSupervisor:
                                                   "traceback": ""})
                     return state, str(msg.get("message") or "")
             now = time.monotonic()
-            group = server.proc.pid if server.proc is not None else None  # its own session and group
+            # the ranks' process group: this supervisor's (own_session False, see _engine), else the server's
+            group = server.proc.pid if server.params.get("own_session", True) and server.proc else os.getpgid(0)
             stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker, group)}
             held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
             if held:
@@ -417,6 +424,19 @@ def stopped_pids(marker: str, pgrp: int | None = None) -> list[int]:
         if fields and fields[0] in STOPPED_STATES:
             found.append(pid)
     return found
+
+
+def _kill_own_group() -> None:
+    """SIGKILL every other process of this supervisor's process group (its ranks, whatever a stop left)."""
+    from remote import procscan
+
+    if os.getpgid(0) != os.getpid():  # not a group of our own (job start makes one): touch nothing
+        return
+    for pid in procscan.live_pids(pgrp=os.getpgid(0)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _raise_aborted(signum, frame):

@@ -244,10 +244,10 @@ def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testh
     from remote import procscan
 
     supervisor = int((worker_dir / "pid").read_text())
-    # the host's vLLM server is a process group of its own (its retitled workers no longer show the run's
-    # environment in /proc): every process of that group hangs (SIGSTOP); its supervisor still runs
-    groups = {os.getpgid(pid) for pid in run_processes(worker_dir) if pid != supervisor} - {os.getpgid(supervisor)}
-    ranks = sorted({pid for group in groups for pid in procscan.live_pids(pgrp=group)})
+    # the host's vLLM processes run in its supervisor's process group (its retitled workers no longer show
+    # the run's environment in /proc): every one of them hangs (SIGSTOP); the supervisor still runs
+    group = {*procscan.live_pids(pgrp=os.getpgid(supervisor)), *run_processes(worker_dir)}
+    ranks = sorted(pid for pid in group if pid != supervisor)
     assert ranks
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
@@ -274,7 +274,7 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
     # every process of the run on both hosts, the vLLM servers' process groups included (vLLM retitles its
     # workers, and a retitled process no longer shows the run's environment in /proc)
     groups = {os.getpgid(pid) for run_dir in (head_dir, worker_dir) for pid in run_processes(run_dir)}
-    assert len(groups) >= 4  # each host: its supervisor's group and its server's
+    assert len(groups) >= 3  # each host's supervisor's group, and the head's server's own
 
     def left() -> list[int]:
         return sorted({*run_processes(head_dir), *run_processes(worker_dir),
@@ -282,7 +282,10 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
 
     aborted = cli("abort", "--inventory", str(inventory), "--run-id", "rep4", "--json", runs=runs)
     assert aborted.returncode == 0, aborted.stdout[-4000:] + aborted.stderr[-4000:]
-    assert not left(), left()
+    # a process SIGKILLed a moment ago may still be on its way out; none may stay
+    gone_or_going = {pid: (procscan.stat_fields(pid) or ["gone"])[0] for pid in left()}
+    print(f"\nright after abort: {gone_or_going or 'nothing left'}")
+    wait_for(lambda: not left(), timeout=60, what=f"the run's processes to end (left: {left()})")
     assert state_of(head_dir)["state"] == "aborted"
     assert state_of(worker_dir)["state"] == "aborted"
 

@@ -119,7 +119,10 @@ class VllmServer:
             if self.params.get("die_with_parent", True):
                 argv = die_with_parent(argv, self.python)
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=str(self.work_dir), start_new_session=True)
+                                         env=env, cwd=str(self.work_dir),
+                                         # own_session False: the caller's process group, so killing that
+                                         # group takes the server's retitled ranks too (a replica's worker host)
+                                         start_new_session=bool(self.params.get("own_session", True)))
         self.started_at = time.monotonic()
 
     def failure(self, summary: str) -> ServerFailed:
