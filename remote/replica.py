@@ -78,7 +78,10 @@ def keepalive(sock: socket.socket) -> None:
 def send(sock: socket.socket, event: str, **fields) -> bool:
     """One message; False when the other end is gone."""
     try:
-        sock.sendall((json.dumps({"event": event, **fields}, default=str) + "\n").encode())
+        # MSG_NOSIGNAL: a peer that closed gives EPIPE here, never a SIGPIPE (a library vLLM's engine imports
+        # may have restored SIGPIPE's default, which kills the process without a word)
+        sock.sendall((json.dumps({"event": event, **fields}, default=str) + "\n").encode(),
+                     getattr(socket, "MSG_NOSIGNAL", 0))
         return True
     except OSError:
         return False
@@ -302,6 +305,7 @@ class NodeSupervisor:
         return engine_class(plan.engine)(p["model_path"], int(self.replica["tp"]), plan.layer_ids, p, plan=plan)
 
     def run(self) -> int:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, _raise_aborted)
         signal.signal(signal.SIGINT, _raise_aborted)
         head = host_of(self.replica, 0)
