@@ -397,6 +397,7 @@ RUN_ARGS = {
     "trust_remote_code": Arg("bool"),
     "env": Arg("env", doc="exported for the run's processes"),
     "sample_range": Arg("list", doc="[start, stop): the dataset range of a group run's shard"),
+    "replica": Arg("dict", doc="this host's place in a replica over several hosts (remote.replica)"),
     "format": Arg("str", choices=contract.STATE_FORMATS,
                   doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only)"),
     # the engines' own knobs: read from the run's params (remote/engines, remote/supervisor)

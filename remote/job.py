@@ -219,7 +219,7 @@ def _spawn(run_dir: Path, params: dict) -> int:
         try:
             proc = subprocess.Popen(
                 # ``_entry``: another run kind's supervisor (remote/train.py starts remote.trainrun)
-                [python, "-m", params.get("_entry") or "remote.supervisor", str(run_dir)],
+                [python, "-m", params.get("_entry") or _supervisor_of(params), str(run_dir)],
                 cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )
@@ -229,6 +229,13 @@ def _spawn(run_dir: Path, params: dict) -> int:
                            "(and vLLM/speculators for the speculators engine)") from exc
     (run_dir / "pid").write_text(f"{proc.pid}\n")
     return proc.pid
+
+
+def _supervisor_of(params: dict) -> str:
+    """A worker host of a replica runs its headless ranks under :mod:`remote.replica`; every
+    other extraction (a replica's head included) under :mod:`remote.supervisor`."""
+    replica = params.get("replica") or {}
+    return "remote.replica" if int(replica.get("node_rank") or 0) > 0 else "remote.supervisor"
 
 
 # --------------------------------------------------------------------------- status

@@ -146,10 +146,36 @@ RUN_DIR_ENV = "SPECOPS_RUN_DIR"
 
 
 def run_processes(run_dir: Path) -> list[int]:
-    """Live processes (zombies excluded) of this user whose environment names this run dir."""
+    """Live processes (zombies excluded) of this user whose environment names this run dir, and vLLM's
+    retitled processes working in it (:func:`retitled_vllm_processes`)."""
     run_dir = Path(run_dir)
-    return procscan.live_pids(env_any={f"{RUN_DIR_ENV}={run_dir}".encode(),
-                                       f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()})
+    found = set(procscan.live_pids(env_any={f"{RUN_DIR_ENV}={run_dir}".encode(),
+                                            f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()}))
+    return sorted(found | set(retitled_vllm_processes(run_dir)))
+
+
+def retitled_vllm_processes(run_dir: Path) -> list[int]:
+    """vLLM's own processes whose working directory is this run dir.
+
+    vLLM retitles its workers (``VLLM::Worker_TP1``, setproctitle), which overwrites the
+    environment ``/proc`` shows, so the run's marker misses them; a rank whose supervisor was
+    killed before it could stop it (a replica's worker host, aborted while it stopped its ranks)
+    was left running. Its working directory, the run dir the supervisor started it in, still says
+    whose it is; only processes named ``VLLM::`` are taken (a shell cd'd into the run dir is not).
+    """
+    roots = {str(run_dir), str(Path(run_dir).resolve())}
+    found = []
+    for pid in procscan.live_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if not fh.read(6).startswith(b"VLLM::"):
+                    continue
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if any(cwd == root or cwd.startswith(root + "/") for root in roots):
+            found.append(pid)
+    return found
 
 
 def kill_run_processes(run_dir: Path, timeout_s: float = 10.0) -> tuple[list[int], list[int]]:

@@ -161,9 +161,12 @@ def _stack(params: dict, data: dict, plan=None) -> dict:
 
 
 def _width(params: dict, data: dict) -> dict:
-    tp = max(1, int(param(params, "tp")))
+    # a replica's head holds only its share of the ranks; the replica is one data-parallel unit
+    tp = max(1, int((params.get("replica") or {}).get("ranks_per_node") or param(params, "tp")))
     devices = _devices(params)
     width = devices["count"] // tp
+    if params.get("replica"):
+        width = min(width, 1)
     data["capacity"] = {"devices": devices, "tp": tp, "dp_width": width}
     detail = data["capacity"]
     if width < 1:

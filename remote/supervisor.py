@@ -60,6 +60,9 @@ ABORT_STOP_GRACE_S = 3.0
 #: how long a worker's recorded error may go unanswered by the driver before the
 #: supervisor stops waiting (a peer of a dead rank can hang in a collective forever).
 WORKER_ERROR_GRACE_S = 20.0
+#: after this host's server failed, how long to wait for a replica's worker host to say it was
+#: the cause (:mod:`remote.replica`).
+WORKER_LOSS_GRACE_S = 10.0
 
 
 class Aborted(BaseException):
@@ -122,6 +125,10 @@ class Supervisor:
         self._stop = threading.Event()
         #: hs files digested as they landed in this attempt (index -> digest): not read again
         self.digests: dict[int, dict] = {}
+        #: a replica over several hosts: the watch of its worker hosts (remote.replica), and the
+        #: error of the first one lost, which becomes the run's error
+        self.watch = None
+        self.lost_host: dict | None = None
 
     # -- helpers
     def _timed(self, phase: str, seconds: float) -> None:
@@ -172,6 +179,7 @@ class Supervisor:
                                       "message": "aborted by request (SIGTERM)", "traceback": ""})
             return 143
         except BaseException as exc:  # every failure ends in status.json, with its root cause
+            seen_at = time.monotonic()
             traceback.print_exc()
             in_engine = self._busy_since is not None and getattr(self.engine, "in_process", False)
             error = (self.engine.error_record(exc) if self.engine is not None else None) or \
@@ -179,14 +187,63 @@ class Supervisor:
             if isinstance(exc, NonFiniteStates):
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)
+            error = self._lost_host(error, seen_at)
             self.status.update(state=RunState.FAILED.value, phase="failed", error=error,
                                phase_seconds=dict(self.phase_seconds))
             return 1
         finally:
             self._stop.set()
+            self._release_replica(self.status.data.get("state"),
+                                  str((self.status.data.get("error") or {}).get("message") or ""))
             self._close_engine()
             # after the engine is closed: a server engine writes the rank logs as it stops
             note_in_rank_log(self.paths, self.status.data.get("error"))
+
+    # -- a replica over several hosts (remote.replica)
+    def _watch_replica(self) -> None:
+        """On a replica's head: watch its worker hosts before the server starts (they join it)."""
+        replica = self.params.get("replica")
+        if not replica or int(replica.get("node_rank") or 0) != 0:
+            return
+        from remote.replica import HostWatch
+
+        self.watch = HostWatch(replica, self._on_host_lost)
+        self.watch.start()
+        self.status.update(replica={"name": replica.get("name"), "hosts": replica.get("hosts"),
+                                    "ranks_per_node": replica.get("ranks_per_node"), "tp": replica.get("tp")})
+
+    def _on_host_lost(self, error: dict) -> None:
+        """A worker host failed or vanished: stop this host's server, so the request or the wait
+        for readiness it holds fails now, and the run's error is that host's (:meth:`_lost_host`)."""
+        self.lost_host = error
+        engine = self.engine
+        server = getattr(engine, "server", None)
+        if server is not None:
+            server.stop(ABORT_STOP_GRACE_S)
+
+    def _lost_host(self, error: dict, seen_at: float) -> dict:
+        """The run's error, given this host's own ``error`` seen at ``seen_at`` (monotonic).
+
+        A worker host is the cause when its connection closed (the host died: nothing else closes
+        it), or when its failure reached the watch before this host saw its own (a dead worker fails
+        the head's request within seconds, after its word). A worker whose ranks died after this
+        host failed died of it: its error is kept beside this one (``other_errors``).
+        """
+        if self.watch is None:
+            return error
+        lost = self.watch.wait_lost(WORKER_LOSS_GRACE_S)
+        if lost is None:
+            return error
+        head = {k: error.get(k) for k in ("rank", "type", "message", "where")}
+        if lost.get("type") == "HostLost" or (self.watch.lost_at or 0) <= seen_at:
+            return {**lost, "head_error": head}
+        return {**error, "other_errors": [*(error.get("other_errors") or []), lost]}
+
+    def _release_replica(self, state: str | None, message: str) -> None:
+        """Tell the worker hosts how the run ended (they stop their ranks), once."""
+        if self.watch is not None:
+            self.watch.close(state, message)
+            self.watch_closed, self.watch = self.watch, None
 
     def _deaths(self) -> list[dict]:
         """The engine's processes that ended, as it saw them (an in-process engine is their parent)."""
@@ -253,6 +310,7 @@ class Supervisor:
         if todo:
             self._extract_all(engine_name, model_path, layer_ids, dataset, todo, fmt, done, tokens_before,
                               total_tokens)
+        self._release_replica(RunState.DONE.value, "every sample of the shard is written")
         self._close_engine()
         self._finalize(engine_name, model_path, config, layer_ids, convention, dataset, (lo, hi), fmt, t0)
 
@@ -274,10 +332,18 @@ class Supervisor:
         self.status.update(state=RunState.LOADING.value, phase=f"loading model ({engine_name}, tp={tp})")
         cls = engine_class(engine_name)
         self.engine = cls(model_path, tp, layer_ids, self._engine_params(engine_name), plan=self.plan)
+        self._watch_replica()
         t = time.monotonic()
         self._busy_since = t
-        self.engine.load()
+        try:
+            self.engine.load()
+        except BaseException:
+            if self.watch is not None and self.watch.missing() and self.watch.lost is None:
+                print(f"[specops] replica: host(s) {', '.join(self.watch.missing())} never joined", flush=True)
+            raise
         self._busy_since = None
+        if self.watch is not None:
+            self.watch.broadcast("ready")
         self._timed("load", time.monotonic() - t)
         self.engine_info = self.engine.describe()
 

@@ -46,6 +46,8 @@ class Host:
                  accept_new_host_key: bool = False):
         self.spec = spec
         self.name = spec.name
+        #: the inventory the host came from (a replica's hosts read their place in it), or None.
+        self.inventory = inventory
         self.connection = VerifiedConnection(spec, inventory, accept_new_host_key)
         self._home: str | None = None
         #: bytes of bundle uploaded by this object (0 when the host had the bundle).

@@ -14,6 +14,8 @@ An inventory is a YAML file with ``hosts``, optional ``groups`` and optional
         output_dir: /data/eagle3
     groups:
       train: [gpu-a]
+    replicas:                 # one model replica over several hosts (vLLM's multi-node TP)
+      big: {hosts: [gpu-a, gpu-b], tp: 16}     # head first; or big: [gpu-a, gpu-b]
 
 Every mistake is reported once, naming the file, the host and the field::
 
@@ -23,6 +25,7 @@ Every mistake is reported once, naming the file, the host and the field::
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -133,6 +136,30 @@ class HostSpec(BaseModel):
     sudo: bool = False
     #: exported for every job on this host.
     env: dict[str, str] = Field(default_factory=dict)
+    #: a host of a multi-host replica: the IP address the replica's other hosts reach it on (vLLM's
+    #: ``VLLM_HOST_IP`` there, and the head's ``--master-addr``); default: ``address`` when it is an IP.
+    node_address: str | None = None
+
+    @field_validator("node_address")
+    @classmethod
+    def _ip_literal(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError("must be an IP address (vLLM's ranks bind and connect to it: "
+                                 "VLLM_HOST_IP, --master-addr)") from None
+        return value
+
+    @property
+    def replica_address(self) -> str | None:
+        """The address the other hosts of its replica reach this host on (None: not known)."""
+        if self.node_address:
+            return self.node_address
+        try:
+            return str(ipaddress.ip_address(self.address))
+        except ValueError:
+            return None
 
     @field_validator("env")
     @classmethod
@@ -197,14 +224,56 @@ class HostSpec(BaseModel):
         return value
 
 
+#: the master port a replica's head listens on for vLLM's ranks when the inventory names none
+#: (torch.distributed's customary one); specops' own watch of the hosts takes the port after it.
+DEFAULT_MASTER_PORT = 29500
+
+
+class ReplicaSpec(BaseModel):
+    """One model replica over several hosts: vLLM's multi-node tensor parallelism.
+
+    The first host is the head (its API server, TP ranks ``0..k-1``, the run dir and the
+    samples); each next host runs ``k`` more ranks headless. ``tp`` is the replica's whole TP
+    (every rank of every host): ``k = tp / len(hosts)``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str
+    hosts: list[str] = Field(min_length=2)
+    tp: int = Field(ge=1)
+    #: the head's port for torch.distributed (vLLM's ``--master-port``); specops watches the
+    #: replica's hosts on the next port (``watch_port``).
+    master_port: int = Field(default=DEFAULT_MASTER_PORT, ge=1, le=65534)
+
+    @property
+    def head(self) -> str:
+        return self.hosts[0]
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.tp // len(self.hosts)
+
+    @property
+    def watch_port(self) -> int:
+        return self.master_port + 1
+
+    def ranks_of(self, host: str) -> list[int]:
+        """The global TP ranks ``host`` runs (``[k*i, k*(i+1))`` for the i-th host)."""
+        i, k = self.hosts.index(host), self.ranks_per_host
+        return list(range(i * k, (i + 1) * k))
+
+
 class Inventory(BaseModel):
-    """All hosts and groups of one inventory file."""
+    """All hosts, groups and replicas of one inventory file."""
 
     model_config = ConfigDict(frozen=True)
 
     path: Path
     hosts: dict[str, HostSpec]
     groups: dict[str, list[str]] = Field(default_factory=dict)
+    #: replicas that span hosts, by name (:class:`ReplicaSpec`).
+    replicas: dict[str, ReplicaSpec] = Field(default_factory=dict)
     #: ssh config file to honour (HostName, Port, User, IdentityFile, ProxyJump).
     ssh_config: str | None = None
 
@@ -221,16 +290,43 @@ class Inventory(BaseModel):
                 chosen[name] = self.hosts[name]
             elif name in self.groups:
                 chosen.update((h, self.hosts[h]) for h in self.groups[name])
+            elif name in self.replicas:
+                chosen.update((h, self.hosts[h]) for h in self.replicas[name].hosts)
             else:
-                known = ", ".join(sorted([*self.hosts, *self.groups])) or "none"
+                known = ", ".join(sorted([*self.hosts, *self.groups, *self.replicas])) or "none"
                 raise UsageError(
                     f"{self.path}: no host or group named {name!r}",
                     f"pick one of: {known} (or 'all')",
                 )
         return list(chosen.values())
 
+    def replica_of(self, host: str) -> ReplicaSpec | None:
+        """The replica ``host`` belongs to (None: a host that holds a whole replica itself)."""
+        return next((r for r in self.replicas.values() if host in r.hosts), None)
 
-_TOP_KEYS = {"hosts", "groups", "defaults", "ssh_config"}
+    def units(self, names: list[str]) -> dict[str, list[str]]:
+        """The replicas among ``names``, as ``{head: [head, worker, ...]}`` in the order of ``names``:
+        a replica's hosts together, head first; a plain host alone.
+
+        :raises UsageError: when ``names`` hold part of a replica only (its other hosts would be
+            missing from the run).
+        """
+        units: dict[str, list[str]] = {}
+        for name in names:
+            replica = self.replica_of(name)
+            if replica is None:
+                units[name] = [name]
+                continue
+            missing = [h for h in replica.hosts if h not in names]
+            if missing:
+                raise UsageError(f"host {name!r} is one host of replica {replica.name!r} ({', '.join(replica.hosts)}); "
+                                 f"{', '.join(missing)} of it {'is' if len(missing) == 1 else 'are'} not selected",
+                                 f"select the whole replica: --on {replica.name}")
+            units.setdefault(replica.head, list(replica.hosts))
+        return units
+
+
+_TOP_KEYS = {"hosts", "groups", "defaults", "ssh_config", "replicas"}
 
 
 def default_inventory_path() -> Path:
@@ -330,12 +426,90 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
         if group in hosts_raw:
             problems.append(f"group {group!r}: has the same name as a host; rename one of them")
         groups[str(group)] = members
+    replicas = _replicas(raw.get("replicas"), hosts_raw, hosts, groups, problems)
     if problems:
         raise InventoryError(f"{path}: " + f"\n{path}: ".join(problems), hint)
     ssh_config = raw.get("ssh_config")
     if ssh_config is not None and not isinstance(ssh_config, str):
         raise InventoryError(f"{path}: 'ssh_config' must be a path string", hint)
-    return Inventory(path=path, hosts=hosts, groups=groups, ssh_config=ssh_config)
+    return Inventory(path=path, hosts=hosts, groups=groups, replicas=replicas, ssh_config=ssh_config)
+
+
+_REPLICA_KEYS = ("hosts", "tp", "master_port")
+
+
+def _replicas(raw, hosts_raw: dict, hosts: dict[str, HostSpec], groups: dict, problems: list[str]
+              ) -> dict[str, ReplicaSpec]:
+    """``replicas:``: ``NAME: [head, worker, ...]`` or ``NAME: {hosts: [...], tp: N, master_port: P}``;
+    every problem is appended to ``problems`` naming the replica and the field."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        problems.append("'replicas' must be a mapping of replica name to its hosts (head first), e.g. "
+                        "replicas: {big: [gpu-a, gpu-b]}")
+        return {}
+    replicas: dict[str, ReplicaSpec] = {}
+    owner: dict[str, str] = {}
+    for name, value in raw.items():
+        name = str(name)
+        where = f"replica {name!r}"
+        settings = {"hosts": value} if isinstance(value, list) else value
+        if not isinstance(settings, dict):
+            problems.append(f"{where}: must be a list of host names (head first) or a mapping with "
+                            f"{', '.join(_REPLICA_KEYS)}")
+            continue
+        unknown = sorted(set(settings) - set(_REPLICA_KEYS))
+        if unknown:
+            problems.append(f"{where}: unknown field(s) {unknown} (allowed: {', '.join(_REPLICA_KEYS)})")
+            continue
+        members = settings.get("hosts")
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            problems.append(f"{where}: field 'hosts' must be a list of host names, head first (got "
+                            f"{shorten(members)})")
+            continue
+        if name in hosts_raw or name in groups:
+            problems.append(f"{where}: has the same name as a {'host' if name in hosts_raw else 'group'}; "
+                            f"rename one of them")
+        missing = [m for m in members if m not in hosts_raw]
+        if missing:
+            problems.append(f"{where}: unknown host(s) {missing}; known hosts: {sorted(hosts_raw)}")
+            continue
+        if len(members) < 2:
+            problems.append(f"{where}: names {len(members)} host(s); a replica spans at least 2 (a host that "
+                            f"holds a whole replica needs no replicas entry: list it under hosts only)")
+            continue
+        twice = sorted({m for m in members if members.count(m) > 1})
+        if twice:
+            problems.append(f"{where}: names {', '.join(twice)} more than once; each host runs its own ranks")
+            continue
+        taken = [f"{m} (in replica {owner[m]!r})" for m in members if m in owner]
+        if taken:
+            problems.append(f"{where}: {', '.join(taken)}: a host holds ranks of one replica only")
+            continue
+        if not all(m in hosts for m in members):
+            continue  # the host's own problem is reported already
+        tp = settings.get("tp", hosts[members[0]].tp)
+        if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 and tp % len(members):
+            said = "field 'tp'" if "tp" in settings else f"tp {tp} (the head {members[0]!r}'s tp; the replica names none)"
+            problems.append(f"{where}: {said} = {tp} does not divide over its {len(members)} hosts: every host runs "
+                            f"tp / hosts ranks; set tp to a multiple of {len(members)}, e.g. "
+                            f"{len(members) * max(1, tp // len(members))}")
+            continue
+        no_address = [m for m in members if hosts[m].replica_address is None]
+        if no_address:
+            problems.append(f"{where}: host(s) {', '.join(no_address)}: field 'node_address' is needed (their "
+                            f"address is a name; vLLM's ranks need the IP the other hosts reach them on)")
+            continue
+        try:
+            replicas[name] = ReplicaSpec.model_validate({**settings, "name": name, "hosts": members, "tp": tp})
+        except ValidationError as exc:
+            for err in exc.errors():
+                field = ".".join(str(p) for p in err["loc"])
+                problems.append(f"{where}: field {field!r}: {err['msg'].removeprefix('Value error, ')} "
+                                f"(got {shorten(err.get('input'))})")
+            continue
+        owner.update((m, name) for m in members)
+    return replicas
 
 
 def _describe(host: str, exc: ValidationError) -> list[str]:

@@ -24,7 +24,8 @@ from remote import argspec, contract, job, preflight, shard  # noqa: E402
 from remote.argspec import Arg, Spec  # noqa: E402
 
 #: every task module the laptop runs (``host.run_task`` / ``stream_task``).
-TASKS = ("facts", "preflight", "patcher", "drift", "job", "smoke", "verify", "shard", "merge", "train", "draft_eval")
+TASKS = ("facts", "preflight", "patcher", "drift", "job", "smoke", "verify", "shard", "merge", "train", "draft_eval",
+         "replica_probe")
 
 
 def task(name: str):
@@ -223,6 +224,28 @@ def test_every_key_the_laptop_sends_is_declared():
 
     train_start(host, "t1", "r1", epochs=2, dry_run=True, force=False)
     eval_step(host, "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=True)
+    # a replica over two hosts: its preflight on each, and a shard started on both (the worker's place in it)
+    from pathlib import Path
+
+    from specops.inventory import Inventory, ReplicaSpec
+    from specops.replica import probe_hosts
+
+    worker = StandIn(spec.model_copy(update={"name": "w"}))
+    replica = ReplicaSpec(name="pair", hosts=["h", "w"], tp=2)
+    inventory = Inventory(path=Path("inv.yaml"), hosts={"h": spec, "w": worker.spec}, replicas={"pair": replica})
+    both = {"h": host, "w": worker}
+    probe_hosts(inventory, replica, both.__getitem__, overrides)
+
+    class Conns:
+        def __init__(self):
+            self.inventory = inventory
+
+        def host(self, name):
+            return both[name]
+
+    pair = Shard(id="s0", hosts=["h", "w"], start=0, stop=4, run_id="R", output_dir="/o/R")
+    group_start.start_step(None, pair, host, {k: v for k, v in overrides.items() if k != "tp"}, False, Conns())
+    assert ("job", "start") in worker.calls and ("replica_probe", None) in worker.calls
     assert {module for module, _ in host.calls} == set(TASKS), host.calls
 
 

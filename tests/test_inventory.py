@@ -171,3 +171,72 @@ def test_long_samples_chunked_prefill_and_writer_threads_are_fields_checked_with
         with pytest.raises(InventoryError) as err:
             load_inventory(write(tmp_path, host_block(bad)))
         assert f"host 'gpu-a': field '{field}'" in str(err.value), str(err.value)
+
+
+# --------------------------------------------------------------------------- replicas over several hosts
+
+def replica_inventory(tmp_path, replicas: str, extra_hosts: str = "", tp: int = 4):
+    hosts = "".join(f"  {h}:\n    address: 127.0.0.{i + 1}\n    python: /p\n    model_path: /m\n"
+                    f"    output_dir: /o\n    tp: {tp}\n" for i, h in enumerate(("a", "b", "c", "d")))
+    return write(tmp_path, "hosts:\n" + hosts + extra_hosts + "groups:\n  pair: [a, b]\nreplicas:\n" + replicas)
+
+
+def test_replica_names_its_hosts_head_first(tmp_path):
+    inv = load_inventory(replica_inventory(tmp_path, "  big: [b, a]\n  wide: {hosts: [c, d], tp: 8, master_port: 30000}\n"))
+    big, wide = inv.replicas["big"], inv.replicas["wide"]
+    assert big.hosts == ["b", "a"] and big.head == "b" and big.tp == 4 and big.ranks_per_host == 2
+    assert big.ranks_of("a") == [2, 3] and big.master_port == 29500 and big.watch_port == 29501
+    assert wide.tp == 8 and wide.ranks_of("d") == [4, 5, 6, 7] and wide.master_port == 30000
+    assert [h.name for h in inv.select("big")] == ["b", "a"]
+    assert inv.replica_of("a") is big and inv.replica_of("x") is None
+    # a group run over replicas and plain hosts: one unit each, a replica's head first
+    assert inv.units(["b", "a", "c", "d"]) == {"b": ["b", "a"], "c": ["c", "d"]}
+
+
+def test_plain_hosts_and_replicas_mix(tmp_path):
+    inv = load_inventory(replica_inventory(tmp_path, "  big: [a, b]\n"))
+    assert inv.units(["c", "a", "b", "d"]) == {"c": ["c"], "a": ["a", "b"], "d": ["d"]}
+
+
+def test_part_of_a_replica_is_refused(tmp_path):
+    inv = load_inventory(replica_inventory(tmp_path, "  big: [a, b]\n"))
+    with pytest.raises(UsageError) as err:
+        inv.units(["b", "c"])
+    assert "replica 'big'" in str(err.value) and "a of it is not selected" in str(err.value)
+    assert "--on big" in err.value.hint
+
+
+@pytest.mark.parametrize("replicas, words", [
+    ("  big: [a, x]\n", ["replica 'big'", "unknown host(s) ['x']"]),
+    ("  big: [a]\n", ["replica 'big'", "names 1 host(s)", "at least 2"]),
+    ("  big: [a, a]\n", ["replica 'big'", "names a more than once"]),
+    ("  big: [a, b]\n  other: [b, c]\n", ["replica 'other'", "b (in replica 'big')", "one replica only"]),
+    ("  big: {hosts: [a, b, c], tp: 4}\n", ["replica 'big'", "field 'tp' = 4", "3 hosts", "multiple of 3"]),
+    ("  big: [a, b, c]\n", ["replica 'big'", "the head 'a'", "does not divide"]),
+    ("  big: {hosts: [a, b], size: 2}\n", ["replica 'big'", "unknown field(s) ['size']"]),
+    ("  big: {hosts: [a, b], master_port: 70000}\n", ["replica 'big'", "field 'master_port'"]),
+    ("  big: {hosts: [a, b], tp: two}\n", ["replica 'big'", "field 'tp'"]),
+    ("  pair: [a, b]\n", ["replica 'pair'", "same name as a group"]),
+    ("  big: a\n", ["replica 'big'", "list of host names"]),
+])
+def test_bad_replica_names_it_and_the_field(tmp_path, replicas, words):
+    path = replica_inventory(tmp_path, replicas)
+    with pytest.raises(InventoryError) as err:
+        load_inventory(path)
+    text = str(err.value)
+    assert str(path) in text
+    for word in words:
+        assert word in text, text
+
+
+def test_replica_host_needs_an_ip_to_be_reached_on(tmp_path):
+    extra = "  e:\n    address: gpu-e.example.org\n    python: /p\n    model_path: /m\n    output_dir: /o\n"
+    with pytest.raises(InventoryError, match=r"replica 'big': host\(s\) e: field 'node_address' is needed"):
+        load_inventory(replica_inventory(tmp_path, "  big: {hosts: [a, e], tp: 2}\n", extra))
+    named = extra + "    node_address: 10.0.0.5\n"
+    (tmp_path / "two").mkdir()
+    inv = load_inventory(replica_inventory(tmp_path / "two", "  big: {hosts: [a, e], tp: 2}\n", named))
+    assert inv.hosts["e"].replica_address == "10.0.0.5" and inv.hosts["a"].replica_address == "127.0.0.1"
+    (tmp_path / "three").mkdir()
+    with pytest.raises(InventoryError, match=r"host 'e': field 'node_address': must be an IP address"):
+        load_inventory(replica_inventory(tmp_path / "three", "  big: [a, b]\n", extra + "    node_address: gpu-e\n"))

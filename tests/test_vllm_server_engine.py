@@ -284,6 +284,52 @@ def test_cpu_env_binds_each_rank_to_its_own_cores():
     assert "OMP_NUM_THREADS" not in vllm_server.server_env({}, marker="m", tp=1, on_cpu=False)
 
 
+REPLICA = {"name": "pair", "hosts": ["a", "b"], "nnodes": 2, "ranks_per_node": 2, "tp": 4,
+           "master_addr": "127.0.0.1", "master_port": 29500, "watch_port": 29501}
+
+
+def test_a_replicas_hosts_get_vllms_multi_node_flags():
+    """The head runs the API server module with the multi-node flags; a worker host ``vllm serve --headless``
+    through the launcher, with the same model and flags (nothing dropped but the module form)."""
+    def argv(node: int) -> list[str]:
+        return vllm_server.server_command("py", "/models/m", port=8000, tp=4, layer_ids=[2, 4], storage_dir="/s",
+                                          connector=("C", None), max_model_len=256,
+                                          params={"device": "cpu", "replica": {**REPLICA, "node_rank": node,
+                                                                               "node_address": "127.0.0.1"}})
+
+    head, worker = argv(0), argv(1)
+    assert head[:3] == ["py", "-m", vllm_server.SERVER_MODULE] and "--headless" not in head
+    assert head[head.index("--nnodes"):head.index("--nnodes") + 8] == [
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29500"]
+    assert worker[:2] == ["py", "-c"] and worker[3:5] == ["serve", "/models/m"] and worker[-1] == "--headless"
+    assert "--node-rank" in worker and worker[worker.index("--node-rank") + 1] == "1"
+    # the same server flags on every host: the ranks build one engine config
+    same = [a for a in head[5:] if a not in ("0",)]
+    assert [a for a in worker[5:-1] if a not in ("1",)] == same
+
+
+def test_a_replica_host_binds_its_own_ranks_on_its_node_address():
+    env = vllm_server.server_env({}, marker="m", tp=4, on_cpu=True,
+                                 replica={**REPLICA, "node_rank": 1, "node_address": "127.0.0.2"})
+    assert env["VLLM_HOST_IP"] == "127.0.0.2" and env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2  # this host's 2 ranks, not the replica's 4
+    kept = vllm_server.server_env({"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "30"}, marker="m", tp=4, on_cpu=True,
+                                  replica={**REPLICA, "node_rank": 0, "node_address": "127.0.0.1"})
+    assert kept["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "30"
+
+
+def test_the_headless_launcher_names_the_cpu_build_as_vllm_does(modern_hostenv_python):
+    """``vllm serve`` on vllm-cpu 0.32 (no ``vllm`` dist-info): the launcher answers ``version("vllm")`` as
+    vLLM's own platform check reads it, so the CPU platform is found; nothing of vLLM is imported here."""
+    head = vllm_server.HEADLESS_LAUNCHER.split("if __name__")[0]
+    probe = head + "print(md.version('vllm'))\n"
+    out = subprocess.run([str(modern_hostenv_python), "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0.32.0+cpu"
+    missing = subprocess.run([str(modern_hostenv_python), "-c", head + "md.version('no-such-dist-xyz')\n"],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "PackageNotFoundError" in missing.stderr
+
+
 def test_a_server_dies_with_the_process_that_started_it(tmp_path):
     """SIGKILL the starter (as a crashed supervisor): its child, in a session of its own, follows."""
     import signal

@@ -33,7 +33,9 @@ PP_FLAGS = ("--pipeline-parallel-size", "-pp")
 
 def probe(ctx: Context) -> list:
     tp = ctx.params["tp"]
-    records = [_devices(ctx, tp), _heads(ctx, tp)]
+    # a host of a replica over several hosts runs its share of the ranks (remote/replica.py)
+    local = int((ctx.params.get("replica") or {}).get("ranks_per_node") or tp)
+    records = [_devices(ctx, local), _heads(ctx, tp)]
     if ctx.params["engine"] == VLLM_SERVER:
         records.append(_pipeline(ctx))
     return records

@@ -10,6 +10,7 @@ from specops.host import Host
 from specops.params import run_params
 from specops.parallel import report_from_payload, run_steps, step_timeout
 from specops.preflight import preflight_step
+from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record
 from specops.runs.pool import Connections
 from specops.runs.store import GROUP, save_manifest
@@ -46,7 +47,9 @@ def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: d
     report = HostReport(host=host.name, task="extract")
     asked = {"storage_probe": storage_probe} if storage_probe else {}
     if not preflight:
-        payload = host.run_task("shard", {**run_params(host.spec, **overrides), "action": "probe", **asked})
+        inventory = getattr(host, "inventory", None)
+        node = node_params(inventory, host.name) if inventory is not None else {}
+        payload = host.run_task("shard", {**run_params(host.spec, **overrides), **node, "action": "probe", **asked})
         report.records.extend(report_from_payload(host.name, "extract", payload).records)
         report.data["probe"] = payload.get("data") or {}
         return report
@@ -179,15 +182,24 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     The smoke rehearsal runs once the hosts agree (a mismatch is found in seconds, without a
     twin's load); a host whose rehearsal fails is not ready.
     """
-    check_shared_params(specs, overrides)
-    names = [s.name for s in specs]
+    inventory = conns.inventory
+    # the units of the run: a host that holds a whole replica, or a replica's hosts (head first);
+    # a replica is one shard, planned and probed through its head
+    units = inventory.units([s.name for s in specs])
+    check_shared_params([conns.spec(h) for h in units], overrides)
+    names = list(units)
+    node_overrides = {n: replica_overrides(inventory, n, overrides) for n in names}
     mode, given = shardmap.parse_shard_by(shard_by, names)
     storage_probes = storage.probe_params(names, {n: shard_output_dir(conns.spec(n), overrides, run_id) for n in names},
                                           {n: run_params(conns.spec(n), **overrides)["work_dir"] for n in names})
     reports = run_steps([conns.host(n) for n in names],
-                        lambda h: probe_step(h, overrides, preflight=not skip_preflight,
+                        lambda h: probe_step(h, node_overrides[h.name], preflight=not skip_preflight,
                                              storage_probe=storage_probes[h.name]), name_of=lambda h: h.name,
                         task="extract", timeout=step_timeout("preflight"), on_timeout=lambda h: h.close())
+    if not skip_preflight:  # a replica's hosts, all at once: versions, model copy, master port, devices, clocks
+        checked = preflight_replicas(inventory, names, conns.host, overrides)
+        for report in reports:
+            report.records.extend(checked.get(report.host, []))
     ready = [r.host for r in reports if not r.failed]
     group = HostReport(host=GROUP, task="extract")
     left_out = {r.host: _why_not_ready(r) for r in reports if r.failed}
@@ -251,7 +263,8 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
         | {"model": first.get("model")},
         hosts={h: {"engine": p["stack"].get("engine"), "versions": p.get("versions"),
                    "capacity": p.get("capacity"), "dataset_path": p["dataset"].get("path")} for h, p in probes.items()},
-        shards=shardmap.plan(run_id, total, weights, {h: shard_output_dir(conns.spec(h), overrides, run_id) for h in ready}),
+        shards=shardmap.plan(run_id, total, weights, {h: shard_output_dir(conns.spec(h), overrides, run_id) for h in ready},
+                             members=units),
     )
     manifest.history.append({"event": "planned", "hosts": ready, "left_out": left_out, "shard_by": mode,
                              "at": manifest.created_at})

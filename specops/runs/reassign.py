@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from specops import jobs
+from specops.replica import replica_overrides
 from specops.runs import shardmap
 from specops.errors import UsageError
 from specops.parallel import run_steps, step_timeout
@@ -63,6 +64,28 @@ def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tup
                                    f"{shard.head} answers (specops extract --run-id {manifest.run_id})"), False
 
 
+def _replica_hosts(inventory, name: str) -> list[str]:
+    replica = inventory.replica_of(name)
+    return list(replica.hosts) if replica is not None else []
+
+
+def _as_units(inventory, src: str, dst: str) -> tuple[str, str]:
+    """``FROM=TO`` with a replica over several hosts named by its name or its head: a replica moves,
+    and takes a range, as one (its head names it).
+
+    :raises UsageError: a TO that is a worker host of a replica (its ranks cannot run alone).
+    """
+    if src in inventory.replicas:
+        src = inventory.replicas[src].head
+    if dst in inventory.replicas:
+        dst = inventory.replicas[dst].head
+    replica = inventory.replica_of(dst)
+    if replica is not None and dst != replica.head:
+        raise UsageError(f"--reassign {src}={dst}: {dst!r} runs ranks of replica {replica.name!r}, whose head is "
+                         f"{replica.head!r}", f"move the range to the replica: --reassign {src}={replica.name}")
+    return src, dst
+
+
 def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
              skip_preflight: bool, skip_smoke: bool = False, force: bool = False,
              smoke_real: bool = False) -> list[HostReport]:
@@ -71,6 +94,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
     A TO new to the run is checked as the plan checks a host (preflight, then smoke)."""
     group = HostReport(host=GROUP, task="extract")
     reports: list[HostReport] = []
+    pairs = [_as_units(conns.inventory, src, dst) for src, dst in pairs]
     for src, dst in pairs:
         if src not in manifest.host_names():
             raise UsageError(f"--reassign {src}={dst}: {src!r} holds no shard of run {manifest.run_id}",
@@ -78,7 +102,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
         conns.spec(dst)
     targets = sorted({dst for _, dst in pairs})
     probed = run_steps([conns.host(n) for n in targets],
-                       lambda h: probe_step(h, overrides,
+                       lambda h: probe_step(h, replica_overrides(conns.inventory, h.name, overrides),
                                             preflight=not skip_preflight and h.name not in manifest.hosts),
                        name_of=lambda h: h.name, task="extract", timeout=step_timeout("preflight"),
                        on_timeout=lambda h: h.close())
@@ -111,7 +135,8 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
                         f"any gap again"))
                 continue
             new_run_id = shardmap.moved_run_id(manifest.run_id, shardmap.next_moved_id(manifest, shard))
-            moved = shardmap.reassign(manifest, shard, dst, cut, shard_output_dir(conns.spec(dst), overrides, new_run_id))
+            moved = shardmap.reassign(manifest, shard, dst, cut, shard_output_dir(conns.spec(dst), overrides, new_run_id),
+                                      hosts=_replica_hosts(conns.inventory, dst) or [dst])
             if moved is None:
                 if checked:
                     shard.cut_checked = True

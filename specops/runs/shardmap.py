@@ -10,10 +10,10 @@ is ``data_{i}`` (or ``hs_{i}``) on whichever host made it.
     >>> split(2, {"a": 1, "b": 1, "c": 1})          # more hosts than samples
     {'a': (0, 1), 'b': (1, 2), 'c': (2, 2)}
 
-A :class:`Shard` names a *set* of hosts (``hosts``): today one host runs one model
-replica, so the set has one member; a replica spread over several hosts (vLLM's own
-multi-node runtime) becomes a shard of several hosts, its first one the head that
-runs the supervisor, with nothing else here changing.
+A :class:`Shard` names a *set* of hosts (``hosts``): a host that holds a whole model
+replica is a set of one; a replica spread over several hosts (vLLM's own multi-node
+runtime, the inventory's ``replicas``) is a shard of several hosts, its first one the
+head that runs the supervisor and writes the samples.
 
 Moving a shard's unfinished tail to another host (:func:`reassign`) cuts the shard at
 the first index its host has not written and adds a new shard for the rest, so the
@@ -47,7 +47,7 @@ class Shard(BaseModel):
 
     :param id: ``s0``, ``s1``, ... in index order; a range moved off a shard is ``s1m1``.
     :param hosts: the hosts that hold one model replica for this range; the first is the
-        head (where the run dir and the samples live). One host today.
+        head (where the run dir and the samples live; the others run headless ranks of it).
     :param start: first global index (inclusive).
     :param stop: last global index, exclusive; a cut shard's stop is where it was cut.
     :param run_id: the run id of this shard's run dir on its head host: the group's run
@@ -242,10 +242,15 @@ def capacity_weights(widths: dict[str, int | None]) -> dict[str, float]:
     return {h: float(max(1, int(w or 1))) for h, w in widths.items()}
 
 
-def plan(run_id: str, total: int, weights: dict[str, float], output_dirs: dict[str, str]) -> list[Shard]:
-    """One shard per host (in the weights' order) with its contiguous range."""
+def plan(run_id: str, total: int, weights: dict[str, float], output_dirs: dict[str, str],
+         members: dict[str, list[str]] | None = None) -> list[Shard]:
+    """One shard per host (in the weights' order) with its contiguous range.
+
+    :param members: a replica over several hosts by its head: ``{head: [head, worker, ...]}``;
+        its shard holds them all (a host absent here holds a whole replica itself).
+    """
     ranges = split(total, weights)
-    return [Shard(id=f"s{i}", hosts=[host], start=start, stop=stop, run_id=run_id,
+    return [Shard(id=f"s{i}", hosts=list((members or {}).get(host) or [host]), start=start, stop=stop, run_id=run_id,
                   output_dir=output_dirs.get(host, ""))
             for i, (host, (start, stop)) in enumerate(ranges.items())]
 
@@ -287,13 +292,15 @@ def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
     return f"{root}m{k}"
 
 
-def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str) -> Shard | None:
+def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str,
+             hosts: list[str] | None = None) -> Shard | None:
     """Close ``shard`` at ``cut`` and give ``[cut, old stop)`` to ``to_host`` as a new shard.
 
     ``cut`` is the first index not on the shard's host: what lies before it stays
     where it is, what lies after it is made once, by ``to_host``. Nothing to move
     (``cut`` at the end) returns None and changes nothing.
 
+    :param hosts: the hosts of ``to_host``'s replica, head first, when it spans several.
     :raises ValueError: a cut outside the shard's range.
     """
     if not shard.start <= cut <= shard.stop:
@@ -301,7 +308,7 @@ def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, outp
     if cut == shard.stop:
         return None
     new_id = next_moved_id(manifest, shard)
-    moved = Shard(id=new_id, hosts=[to_host], start=cut, stop=shard.stop,
+    moved = Shard(id=new_id, hosts=list(hosts or [to_host]), start=cut, stop=shard.stop,
                   run_id=moved_run_id(manifest.run_id, new_id), output_dir=output_dir, moved_from=shard.id)
     old_stop = shard.stop
     shard.stop = cut

@@ -7,6 +7,7 @@ from specops.errors import SpecopsError
 from specops.host import Host
 from specops.params import run_params
 from specops.parallel import report_from_payload
+from specops.replica import node_params
 from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
@@ -14,28 +15,41 @@ from specops.runs.shardmap import FleetManifest, Shard
 
 
 def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_dir: str | None = None,
-              sample_range: list[int] | None = None) -> dict:
+              sample_range: list[int] | None = None, node: dict | None = None) -> dict:
     """Start (or re-attach to, or resume) one shard's run on ``host``: ``job start``'s payload.
 
     :param output_dir: the shard's output dir (default: the run's own, :func:`shard_output_dir`).
     :param sample_range: the shard's ``[start, stop)``; None: the whole dataset (a one-host run).
+    :param node: the host's place in a replica over several hosts (:func:`specops.replica.node_params`).
     """
     params = run_params(host.spec, **overrides)
     params.update(force=force, output_dir=output_dir or shard_output_dir(host.spec, overrides, run_id))
     if sample_range is not None:
         params["sample_range"] = list(sample_range)
+    params.update(node or {})
     return jobs.job_call(host, "start", run_id, **params)
 
 
-def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dict, force: bool) -> HostReport:
-    """Start (or re-attach to, or resume) one shard's run on its head host."""
+def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dict, force: bool,
+               conns: Connections | None = None) -> HostReport:
+    """Start (or re-attach to, or resume) one shard's run on its head host, and on a replica's
+    other hosts their headless ranks under the same run id (the head first: its watch of them
+    listens before they knock)."""
+    inventory = conns.inventory if conns is not None else None
+    node = node_params(inventory, shard.head) if inventory is not None and len(shard.hosts) > 1 else None
     payload = start_job(host, shard.run_id, overrides, force=force, output_dir=shard.output_dir,
-                        sample_range=[shard.start, shard.stop])
+                        sample_range=[shard.start, shard.stop], node=node)
     report = report_from_payload(shard.label, "extract", payload)
     status = (payload.get("data") or {}).get("status")
     if status:
         shard.remember(status)
     report.data.update(payload.get("data") or {})
+    if node and not report.failed and (payload.get("data") or {}).get("already") != "done":
+        for worker in shard.hosts[1:]:
+            worker_host = conns.host(worker)
+            started = start_job(worker_host, shard.run_id, overrides, force=force, node=node_params(inventory, worker))
+            report.records.extend(r.model_copy(update={"name": f"{r.name}@{worker}"})
+                                  for r in report_from_payload(worker, "extract", started).records)
     return report
 
 
@@ -104,7 +118,7 @@ def start_lane(manifest: FleetManifest, lane: list[Shard], conns: Connections, o
     reports, current = [], None
     for shard in lane:
         try:
-            report = start_step(manifest, shard, conns.for_shard(manifest, shard), overrides, force)
+            report = start_step(manifest, shard, conns.for_shard(manifest, shard), overrides, force, conns)
         except SpecopsError as exc:
             report = HostReport(host=shard.label, task="extract", error=str(exc), error_code=int(exc.code))
         reports.append(report)

@@ -24,7 +24,7 @@ class UnreachableMarker(Exception):
     """A shard whose host did not answer a look (shown with its last seen progress)."""
 
 
-def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
+def _look_step(manifest: FleetManifest, shard: Shard, host: Host, conns: Connections | None = None) -> HostReport:
     payload = jobs.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
     state = RunState.from_payload(payload)
@@ -47,7 +47,31 @@ def _look_step(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
                         f"{shard.head}'s disk, or changed there (first {listing['first_missing']})",
                 detail={"missing_head": listing.get("missing_head"), "changed": listing.get("changed")},
                 fix=f"specops extract --run-id {manifest.run_id} makes them again"))
+    if conns is not None:
+        report.records.extend(_worker_records(shard, conns))
     return report
+
+
+def _worker_records(shard: Shard, conns: Connections) -> list[Record]:
+    """One record per worker host of a replica: its headless ranks' run (the head's run is the shard's)."""
+    records = []
+    for worker in shard.hosts[1:]:
+        try:
+            payload = jobs.job_call(conns.host(worker), "status", shard.run_id, timeout=QUICK_TIMEOUT_S)
+        except SpecopsError as exc:
+            records.append(Record(name="replica.host", status="warn",
+                                  summary=f"{worker} (ranks of {shard.label}) did not answer: "
+                                          f"{str(exc).splitlines()[0]}"))
+            continue
+        st = (payload.get("data") or {}).get("status") or {}
+        ranks = (st.get("replica") or {}).get("ranks")
+        err = st.get("error") or {}
+        failed = st.get("state") == STATE.FAILED
+        records.append(Record(name="replica.host", status="fail" if failed else "ok",
+                              summary=f"{worker}: ranks {ranks} {st.get('state') or 'missing'}"
+                                      + (f" ({err.get('type')}: {err.get('message')})" if err else ""),
+                              detail={"host": worker, "status": st}))
+    return records
 
 
 def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_key: bool = False) -> ExitCode:
@@ -56,7 +80,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
     conns = Connections(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
-        reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h),
+        reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h, conns),
                              QUICK_TIMEOUT_S)
     finally:
         conns.close()
@@ -85,11 +109,28 @@ def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = Fals
     conns = Connections(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
-        return per_shard(shards, manifest, conns, "abort",
-                          lambda s, h: report_from_payload(s.label, "abort", jobs.job_call(h, "abort", s.run_id)),
-                          QUICK_TIMEOUT_S)
+        return per_shard(shards, manifest, conns, "abort", lambda s, h: _abort_shard(s, h, conns), QUICK_TIMEOUT_S)
     finally:
         conns.close()
+
+
+def _abort_shard(shard: Shard, head: Host, conns: Connections) -> HostReport:
+    """Abort the shard's run on its head, then on every other host of its replica (their headless
+    ranks); a host that does not answer is named, the others are still aborted."""
+    report = report_from_payload(shard.label, "abort", jobs.job_call(head, "abort", shard.run_id))
+    for worker in shard.hosts[1:]:
+        try:
+            payload = jobs.job_call(conns.host(worker), "abort", shard.run_id, timeout=QUICK_TIMEOUT_S)
+        except SpecopsError as exc:
+            report.records.append(Record(name=f"job.abort@{worker}", status="fail",
+                                         summary=f"{worker} (ranks of replica {shard.label}) did not answer: "
+                                                 f"{str(exc).splitlines()[0]}",
+                                         fix=f"once {worker} answers, abort again (specops abort --run-id "
+                                             f"{shard.run_id}); its ranks stop by themselves when the head is gone"))
+            continue
+        report.records.extend(r.model_copy(update={"name": f"{r.name}@{worker}"})
+                              for r in report_from_payload(worker, "abort", payload).records)
+    return report
 
 
 def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | None, as_json: bool,

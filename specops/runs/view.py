@@ -81,7 +81,7 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
             host = conns.for_shard(manifest, shard)
             try:
                 if i > 0:  # the shard before it on this host is done: this one's turn
-                    report = start_step(manifest, shard, host, overrides, force)
+                    report = start_step(manifest, shard, host, overrides, force, conns)
                     events.put(("report", shard.id, report))
                     if report.failed:
                         raise NotStarted(report.error or next(r.summary for r in report.records if r.status == "fail"))

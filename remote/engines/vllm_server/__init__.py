@@ -67,7 +67,7 @@ from __future__ import annotations
 # layers and modelconfig: callers (scripts/gpu/bench.py) reach them through this package
 from remote import layers, modelconfig
 
-from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
+from .command import (HEADLESS_LAUNCHER, CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
                       FP8_CONNECTOR_CLASS, FP8_CONNECTOR_PACKAGE, LOOPBACK, MARKER_ENV, MIN_BATCHED_TOKENS,
                       SERVED_MODEL_NAME, SERVER_MODULE, STOCK_CONNECTOR, connector_options, cuda_available, free_port,
                       fp8_connector_module, kv_transfer_config, pick_connector, server_command, server_env, speculative_config)
@@ -79,7 +79,7 @@ from .process import DIE_WITH_PARENT, VllmServer, die_with_parent, leftover_pids
 
 __all__ = [
     "CPU_CONNECTOR_CLASS", "CPU_CONNECTOR_MODULE", "CPU_FP8_CONNECTOR_CLASS", "CPU_FP8_CONNECTOR_MODULE",
-    "DIE_WITH_PARENT", "FP8_CONNECTOR_CLASS", "FP8_CONNECTOR_PACKAGE", "LOOPBACK", "MARKER_ENV",
+    "DIE_WITH_PARENT", "FP8_CONNECTOR_CLASS", "HEADLESS_LAUNCHER", "FP8_CONNECTOR_PACKAGE", "LOOPBACK", "MARKER_ENV",
     "MIN_BATCHED_TOKENS", "SAMPLE_FILE", "SERVED_MODEL_NAME", "SERVER_LOG", "SERVER_MODULE", "STOCK_CONNECTOR",
     "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "connector_options", "cuda_available", "default_digest_workers",
     "die_with_parent", "fp8_connector_module", "free_port", "kv_transfer_config", "land_sample", "layers", "leftover_pids", "log_death",

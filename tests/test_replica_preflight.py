@@ -1,0 +1,111 @@
+"""Preflight of a replica over several hosts: every host's probe (``remote/replica_probe.py``) run for real,
+at once, on loopback, and judged as the laptop judges it (:func:`specops.replica.judge`)."""
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from remote import replica_probe
+from specops.inventory import ReplicaSpec
+from specops.replica import judge
+
+MODEL_FILES = {"config.json": b'{"model_type": "llama", "num_hidden_layers": 2}',
+               "model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": 1}        ' + b"\x00" * 64}
+
+
+def free_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as one:
+            one.bind(("127.0.0.1", 0))
+            port = one.getsockname()[1]
+            with socket.socket() as two:
+                try:
+                    two.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two free consecutive loopback ports")
+
+
+def model_dir(root: Path, **changed: bytes) -> Path:
+    root.mkdir(parents=True)
+    for name, data in {**MODEL_FILES, **changed}.items():
+        (root / name).write_bytes(data)
+    return root
+
+
+def probe_replica(replica: ReplicaSpec, models: dict[str, Path], listen_s: float = 5.0) -> dict:
+    """Every host's probe at once, as the laptop runs them (the head holds its ports meanwhile)."""
+
+    def one(host: str):
+        node = replica.hosts.index(host)
+        block = {"name": replica.name, "hosts": replica.hosts, "node_rank": node, "nnodes": len(replica.hosts),
+                 "ranks_per_node": replica.ranks_per_host, "tp": replica.tp, "master_addr": "127.0.0.1",
+                 "master_port": replica.master_port, "watch_port": replica.watch_port, "node_address": "127.0.0.1"}
+        sent = time.time()
+        payload = replica_probe.main({"model_path": str(models[host]), "device": "cpu", "replica": block,
+                                      "listen_s": listen_s, "env": {"NCCL_SOCKET_IFNAME": "lo"}})
+        return payload, (sent, time.time())
+
+    with concurrent.futures.ThreadPoolExecutor(len(replica.hosts)) as pool:
+        done = {h: pool.submit(one, h) for h in replica.hosts}
+        answers = {h: f.result()[0] for h, f in done.items()}
+        answers["_clock"] = {h: f.result()[1] for h, f in done.items()}
+    return answers
+
+
+def by_name(records) -> dict:
+    return {r.name: r for r in records}
+
+
+def test_a_sound_replica_passes_every_check(tmp_path):
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_pair())
+    model = model_dir(tmp_path / "m")
+    records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model})))
+    for name in ("replica.versions", "replica.model", "replica.devices", "replica.master_port",
+                 "replica.network", "replica.clock"):
+        assert records[name].status == "ok", (name, records[name].summary)
+    assert "NCCL_SOCKET_IFNAME=lo" in records["replica.network"].summary
+    assert records["replica.master_port"].detail["head"]["peers"][str(replica.master_port)] == ["127.0.0.1"]
+
+
+def test_another_copy_of_the_model_is_named(tmp_path):
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_pair())
+    odd = {"model.safetensors": MODEL_FILES["model.safetensors"].replace(b'"a": 1', b'"a": 2')}
+    models = {"a": model_dir(tmp_path / "a"), "b": model_dir(tmp_path / "b", **odd)}
+    record = by_name(judge(replica, probe_replica(replica, models)))["replica.model"]
+    assert record.status == "fail" and record.detail["differ"] == ["b"]
+    assert "b differ(s) from the head a" in record.summary and record.fix
+
+
+def test_a_taken_master_port_and_too_many_ranks_fail(tmp_path):
+    port = free_pair()
+    model = model_dir(tmp_path / "m")
+    with socket.socket() as squatter:  # another program holds the master port on the head
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=64, master_port=port)
+        records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model}, listen_s=1.0)))
+    assert records["replica.master_port"].status == "fail"
+    assert f"port {port}" in records["replica.master_port"].summary
+    devices = records["replica.devices"]
+    assert devices.status == "fail" and "32 rank(s) per host" in devices.summary and "too few on a, b" in devices.summary
+
+
+def test_a_worker_that_cannot_reach_the_head_is_named(tmp_path):
+    # the head's probe answers nothing here: the worker tries the (closed) loopback ports alone
+    port = free_pair()
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=port)
+    model = model_dir(tmp_path / "m")
+    block = {"name": "pair", "hosts": ["a", "b"], "node_rank": 1, "nnodes": 2, "ranks_per_node": 1, "tp": 2,
+             "master_addr": "127.0.0.1", "master_port": port, "watch_port": port + 1, "node_address": "127.0.0.1"}
+    worker = replica_probe.main({"model_path": str(model), "device": "cpu", "replica": block, "listen_s": 1.0})
+    head = {"data": {"listen": {"bound": {str(port): None, str(port + 1): None}, "peers": {}},
+                     "node_address": "127.0.0.1"}}
+    record = by_name(judge(replica, {"a": head, "b": worker}))["replica.master_port"]
+    assert record.status == "fail" and "b cannot reach the head on 127.0.0.1:" in record.summary

@@ -1,0 +1,97 @@
+"""The supervisors' watch of a replica's hosts (``remote/replica.py``), on loopback: a worker host that says
+it failed, or whose connection closes with no word, is lost by name; the head's end reaches every host."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from remote import replica
+from remote.engines.vllm_server import MARKER_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def watch():
+    block = {"name": "pair", "hosts": ["a", "b", "c"], "nnodes": 3, "ranks_per_node": 2, "tp": 6,
+             "node_rank": 0, "node_address": "127.0.0.1", "watch_port": free_port()}
+    lost, seen = [], threading.Event()
+
+    def on_lost(error):
+        lost.append(error)
+        seen.set()
+
+    w = replica.HostWatch(block, on_lost)
+    w.start()
+    yield w, block, lost, seen
+    w.close("failed")
+
+
+def join(block: dict, node: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", block["watch_port"]), timeout=10)
+    replica.send(sock, "hello", host=block["hosts"][node], node_rank=node, ranks=replica.ranks_of(block, node))
+    return sock
+
+
+def test_a_host_whose_connection_closes_is_lost_by_name(watch):
+    w, block, lost, seen = watch
+    b, c = join(block, 1), join(block, 2)
+    c.close()  # the host died: its supervisor never said bye (its hello is read first, on the same connection)
+    assert w.wait_lost(30) is lost[0]
+    error = lost[0]
+    assert (error["host"], error["node_rank"], error["rank"], error["ranks"], error["type"]) == (
+        "c", 2, 4, [4, 5], "HostLost")
+    assert "host c (node 2, ranks [4, 5]) is gone" in error["message"]
+    w.close("failed", "host c is gone")
+    assert replica.Lines(b).read(10) == [{"event": "end", "state": "failed", "message": "host c is gone"}]
+    b.close()
+
+
+def test_a_hosts_own_failure_keeps_its_rank_and_cause(watch):
+    w, block, lost, seen = watch
+    b = join(block, 1)
+    replica.send(b, "failed", error={"rank": 3, "type": "RuntimeError", "message": "CUDA error: an illegal memory "
+                                                                                   "access", "traceback": "..."})
+    error = w.wait_lost(30)
+    assert (error["host"], error["rank"], error["type"]) == ("b", 3, "RuntimeError")
+    assert error["message"] == "on host b (node 1): CUDA error: an illegal memory access"
+    b.close()
+    assert len(lost) == 1  # one host, one loss: its connection closing after its word adds nothing
+
+
+def test_a_host_that_says_bye_is_not_lost(watch):
+    w, block, lost, seen = watch
+    b = join(block, 1)
+    replica.send(b, "bye", state="aborted")
+    b.close()
+    assert w.wait_lost(1.0) is None and not lost
+
+
+def test_a_stopped_rank_process_is_found_by_its_servers_marker():
+    marker = f"test-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, MARKER_ENV: marker})
+    try:
+        assert replica.stopped_pids(marker) == []
+        os.kill(proc.pid, signal.SIGSTOP)
+        found = []
+        for _ in range(100):  # the kernel marks it stopped once the signal is delivered
+            found = replica.stopped_pids(marker)
+            if found:
+                break
+            threading.Event().wait(0.05)
+        assert found == [proc.pid]
+        assert replica.stopped_pids("another-marker") == []
+    finally:
+        proc.kill()
+        proc.wait()
