@@ -97,6 +97,8 @@ class VllmServerEngine(Engine):
         sample (``unavailable.json`` says why, as when a canary sample's request is refused)."""
         if not self.logprobs.count or self.logprobs.dir is None or self.logprobs.unavailable:
             return
+        if self.server.headless:  # a replica's worker host: no API server here (the head's engine pays it)
+            return
         vocab = int(modelconfig.text_value(self.config, "vocab_size") or 2)
         body = {"model": SERVED_MODEL_NAME, "prompt": [1 + i % (vocab - 1) for i in range(WARM_UP_TOKENS)],
                 "max_tokens": 1, "temperature": 0.0, **self.logprobs.fields()}
