@@ -121,6 +121,27 @@ def test_a_healthy_deepseek_v3_run_passes_every_layer_kind_under_transformers_5_
           f"{memory['peak_rss_bytes'] / MiB:.1f} MiB; verify {report.data['wall_s']} s")
 
 
+@pytest.mark.vllm
+def test_a_healthy_kimi_k25_run_passes_the_layer_and_the_logits_checks(modern_ssh_run):
+    """The session's shared Kimi-K2.5 run (TP=1; its text model under ``text_config``, its weights under
+    ``language_model.``; the engine's default ids ``input:2,4,5,8``, two canary samples): decoder layer 4
+    (MoE) alone from the checkpoint, and the final state through the wrapper's norm and ``lm_head``."""
+    from test_verify_logits import verify_logits_over_ssh
+
+    run = modern_ssh_run("kimi_k25", 1)
+    report, recs = verify_layer_over_ssh(run["inventory"], run["run_id"])
+    assert not report.failed, summaries(recs)
+    layer = recs["verify.layer.4"]
+    assert layer.status == "ok" and layer.detail["floor_ratio"] < 2.0, layer.summary
+    assert "moe" in layer.detail["weights"]["kinds"], layer.detail["weights"]
+    assert recs["verify.reference"].detail["weights_root"] == "language_model.model."
+    logits_report, logits = verify_logits_over_ssh(run["inventory"], run["run_id"])
+    assert not logits_report.failed, summaries(logits)
+    assert logits["verify.logits"].status == "ok", logits["verify.logits"].summary
+    assert logits["verify.reference"].detail["lm_head"] == "language_model.lm_head.weight"
+    print(f"\nKimi-K2.5: {numbers(recs, [4])}; {logits['verify.logits'].summary[:200]}")
+
+
 # --------------------------------------------------------------------------- defects fail, named
 
 @pytest.mark.vllm
