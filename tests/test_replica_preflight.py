@@ -13,23 +13,10 @@ import pytest
 from remote import replica_probe
 from specops.inventory import ReplicaSpec
 from specops.replica import judge
+from test_replica_remote import free_port_pair  # P and P + 1 free: the master port and the watch
 
 MODEL_FILES = {"config.json": b'{"model_type": "llama", "num_hidden_layers": 2}',
                "model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": 1}        ' + b"\x00" * 64}
-
-
-def free_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as one:
-            one.bind(("127.0.0.1", 0))
-            port = one.getsockname()[1]
-            with socket.socket() as two:
-                try:
-                    two.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two free consecutive loopback ports")
 
 
 def model_dir(root: Path, **changed: bytes) -> Path:
@@ -64,7 +51,7 @@ def by_name(records) -> dict:
 
 
 def test_a_sound_replica_passes_every_check(tmp_path):
-    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_pair())
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_port_pair())
     model = model_dir(tmp_path / "m")
     records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model})))
     for name in ("replica.versions", "replica.model", "replica.devices", "replica.master_port",
@@ -75,7 +62,7 @@ def test_a_sound_replica_passes_every_check(tmp_path):
 
 
 def test_another_copy_of_the_model_is_named(tmp_path):
-    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_pair())
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_port_pair())
     odd = {"model.safetensors": MODEL_FILES["model.safetensors"].replace(b'"a": 1', b'"a": 2')}
     models = {"a": model_dir(tmp_path / "a"), "b": model_dir(tmp_path / "b", **odd)}
     record = by_name(judge(replica, probe_replica(replica, models)))["replica.model"]
@@ -84,7 +71,7 @@ def test_another_copy_of_the_model_is_named(tmp_path):
 
 
 def test_a_taken_master_port_and_too_many_ranks_fail(tmp_path):
-    port = free_pair()
+    port = free_port_pair()
     model = model_dir(tmp_path / "m")
     with socket.socket() as squatter:  # another program holds the master port on the head
         squatter.bind(("127.0.0.1", port))
@@ -99,7 +86,7 @@ def test_a_taken_master_port_and_too_many_ranks_fail(tmp_path):
 
 def test_a_worker_that_cannot_reach_the_head_is_named(tmp_path):
     # the head's probe answers nothing here: the worker tries the (closed) loopback ports alone
-    port = free_pair()
+    port = free_port_pair()
     replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=port)
     model = model_dir(tmp_path / "m")
     block = {"name": "pair", "hosts": ["a", "b"], "node_rank": 1, "nnodes": 2, "ranks_per_node": 1, "tp": 2,
