@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 
 from remote import fsutil
 from remote.contract import FP8, FP8_SCALES_KEY
@@ -215,7 +216,33 @@ def _fp8_widener(states):
 
     table = torch.arange(256, dtype=torch.uint8).view(states.dtype).float().numpy()
     codes = states.view(torch.uint8).numpy()
-    return lambda start, stop, pos: torch.from_numpy(np.take(table, codes[start:stop, pos]))
+
+    def widen(start, stop, pos, out):
+        np.take(table, codes[start:stop, pos], out=out.numpy())
+        return out
+    return widen
+
+
+#: one float32 block per digest thread, reused file after file (see :func:`_block_buffer`)
+_BLOCKS = threading.local()
+
+
+def _block_buffer(rows: int, width: int):
+    """This thread's float32 ``[rows, width]`` working block, allocated once and reused.
+
+    A fresh ``.float()`` copy per block and layer was a new 2 MiB allocation each time: glibc
+    hands blocks that size out by ``mmap`` and back by ``munmap``, so every block paid page faults
+    on new memory, and every thread of the process queued on the kernel's one lock for its
+    address space -- the digest ran 2-3x slower per byte and stopped scaling with threads
+    (``scripts/bench_digest.py`` prints the ratio).
+    """
+    import torch
+
+    need = rows * width
+    buf = getattr(_BLOCKS, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _BLOCKS.buf = torch.empty(need, dtype=torch.float32)
+    return buf[:need].view(rows, width)
 
 
 def _one_pass(mapped, data_start: int, offsets, states, scales, positions) -> tuple[list[dict], dict]:
@@ -244,13 +271,18 @@ def _one_pass(mapped, data_start: int, offsets, states, scales, positions) -> tu
     rows = max(1, STATS_BLOCK_BYTES // (4 * max(1, width)))
     sums = {pos: [0.0, 0.0, math.inf, -math.inf] for pos in positions}
     widen = _fp8_widener(states) if states.dtype == getattr(torch, _ST_DTYPES[FP8_DTYPE][1]) else None
+    block = _block_buffer(rows, width)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         hasher.update(view[lo + start * row_bytes:lo + stop * row_bytes])
         for pos, acc in sums.items():
-            f = widen(start, stop, pos) if widen else states[start:stop, pos].float()
+            f = block[:stop - start]
+            if widen:
+                widen(start, stop, pos, f)
+            else:
+                f.copy_(states[start:stop, pos])
             if scales is not None:
-                f = f * scales[start:stop]
+                f.mul_(scales[start:stop])
             f = f.reshape(-1)
             acc[0] += float(f.sum())
             acc[1] += float(torch.dot(f, f))

@@ -21,7 +21,7 @@ from remote.engines import Engine
 from . import chunking
 from .command import (SERVED_MODEL_NAME, batched_tokens, connector_options, kv_transfer_config, pick_connector,
                       writer_threads)
-from .landing import SampleRejected, default_digest_workers, land_sample, wait_for_file
+from .landing import DigestSlots, SampleRejected, default_digest_workers, land_sample, wait_for_file
 from .logs import ServerFailed
 from .process import VllmServer
 from .prompt_logprobs import PromptLogprobs
@@ -210,8 +210,9 @@ class VllmServerEngine(Engine):
         ``concurrency`` requests are in flight; a thread whose file is ready gives its
         request slot to the next sample before it digests the file, and at most
         ``digest_workers`` (default: half the host's cores, at least 4) files are digested
-        at once, each on one thread (hashing and statistics are CPU work that must not
-        starve the server's own processes).
+        at once while requests remain, each on one thread (hashing and statistics are CPU
+        work that must not starve the server's own processes); once every request is
+        answered, the files left are digested on every core (:class:`~.landing.DigestSlots`).
 
         :returns: the records in index order.
         :raises SampleRejected: for the first bad sample; :class:`~.logs.ServerFailed` when the
@@ -226,7 +227,9 @@ class VllmServerEngine(Engine):
         # each digest is one thread's work; torch's intra-op pool on top of several digesters
         # only spins (measured on the H200 host: 4.1 vs 3.1 GB/s digested with 8 vs 4 threads)
         torch.set_num_threads(1)
-        in_flight, digesting = threading.BoundedSemaphore(workers), threading.BoundedSemaphore(digesters)
+        samples_ = list(samples_)
+        in_flight = threading.BoundedSemaphore(workers)
+        digesting = DigestSlots(digesters, requests=len(samples_))
         canary = self.logprobs.claim(int(i) for i, _ in samples_)
 
         def one(index, ids):
@@ -236,6 +239,8 @@ class VllmServerEngine(Engine):
                     path = self._request(ids, index, index in canary)
                 except SampleRejected as exc:
                     raise SampleRejected(index, exc.problems) from None
+                finally:
+                    digesting.request_done()
             with digesting:
                 record = self._land(index, ids, path, out_dir)
             if index in canary:
@@ -243,7 +248,7 @@ class VllmServerEngine(Engine):
             record["seconds"] = round(time.monotonic() - t0, 4)
             return record
 
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers + digesters,
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers + digesting.drained,
                                                      thread_name_prefix="hs-request")
         try:
             futures = [pool.submit(one, int(i), list(ids)) for i, ids in samples_]
