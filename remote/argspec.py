@@ -420,6 +420,8 @@ RUN_ARGS = {
     "stop_grace_s": Arg("float", min=0),
     "concurrency": Arg("int", min=1, doc="requests in flight (default: batch_size)"),
     "digest_workers": Arg("int", min=1),
+    "digest_in": Arg("str", choices=("processes", "threads"),
+                     doc="where landed files are digested: worker processes (default) or the engine's threads"),
     "worker_error_grace_s": Arg("float", min=0,
                                 doc="how long a rank's recorded error may go unanswered by the driver (20)"),
     "write_queue_batches": Arg("int", min=0, doc="batches that may wait for the sample writer (1; 0: no writer thread)"),

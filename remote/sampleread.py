@@ -218,7 +218,8 @@ def _fp8_widener(states):
     codes = states.view(torch.uint8).numpy()
 
     def widen(start, stop, pos, out):
-        np.take(table, codes[start:stop, pos], out=out.numpy())
+        # mode "clip": a byte code is always a valid index; numpy buffers ``out`` under "raise"
+        np.take(table, codes[start:stop, pos], out=out.numpy(), mode="clip")
         return out
     return widen
 
@@ -392,3 +393,19 @@ def digest_hs_file(path, layer_ids, file_layer_ids, token_ids=None, hidden_size=
 
 def shape_dtype(t) -> dict:
     return {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def digest_process_init() -> None:
+    """A digest process's start (:class:`remote.engines.vllm_server.landing.DigestPool`): torch
+    imported once, one intra-op thread (the pool is the parallelism)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def digest_process_ready(hold_s: float = 0.05) -> int:
+    """A no-op task: held a moment so that a pool given one per process starts every process."""
+    import time
+
+    time.sleep(hold_s)
+    return os.getpid()

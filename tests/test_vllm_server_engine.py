@@ -485,6 +485,9 @@ def test_every_sample_lands_as_a_checked_safetensors_file(extraction):
     result, out, samples = extraction["result"], extraction["out"], extraction["samples"]
     assert result["engine"]["connector"] == "_specops_cpu_hidden_states_connector:CpuHiddenStatesConnector"
     assert result["engine"]["file_layer_ids"] == LAYER_IDS and result["engine"]["layer_convention"] == "input"
+    # every file digested in the engine's worker processes, one per core the test host may use
+    assert result["engine"]["digest_in"]["where"] == "processes", result["engine"]["digest_in"]
+    assert result["engine"]["digest_in"]["processes"] >= 1
     assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{s['index']}.safetensors" for s in samples)
     by_index = {r["index"]: r for r in result["samples"]}
     for s in samples:

@@ -21,7 +21,8 @@ from remote.engines import Engine
 from . import chunking
 from .command import (SERVED_MODEL_NAME, batched_tokens, connector_options, kv_transfer_config, pick_connector,
                       writer_threads)
-from .landing import DigestSlots, SampleRejected, default_digest_workers, land_sample, wait_for_file
+from .landing import (DigestPool, DigestSlots, SampleRejected, default_digest_workers, land_sample, usable_cores,
+                      wait_for_file)
 from .logs import ServerFailed
 from .process import VllmServer
 from .prompt_logprobs import PromptLogprobs
@@ -74,12 +75,14 @@ class VllmServerEngine(Engine):
                                  params=self.params, python=self.params.get("python") or sys.executable)
         self.server.connector = connector
         timeout = float(self.params.get("ready_timeout_s") or 900)
+        self._start_digest_pool()
         for attempt in (1, 2):
             self.server.start()
             try:
                 self.server.wait_ready(timeout=timeout)
                 self.connector_options = self._connector_options()
                 self._warm_up_logprobs()
+                self._digest_pool_started()
                 return
             except ServerFailed as exc:
                 if attempt == 1 and "address already in use" in (exc.log_tail or "").lower():
@@ -88,6 +91,33 @@ class VllmServerEngine(Engine):
                     continue
                 self.server.stop()
                 raise
+
+    def _start_digest_pool(self) -> None:
+        """The digest processes (:class:`~.landing.DigestPool`, one per usable core), started while
+        the server loads. ``digest_in: threads`` keeps the digests in this process; so does a host
+        where processes cannot start (said in the manifest's ``engine.digest_in``)."""
+        self.digest_pool, self.digest_in = None, {"where": "threads", "why": "digest_in: threads"}
+        if self.server.headless or self.params.get("digest_in") == "threads":
+            if self.server.headless:
+                self.digest_in = {"where": None, "why": "a replica's worker host lands no file"}
+            return
+        try:
+            self.digest_pool = DigestPool(usable_cores())
+            self.digest_pool.start()
+        except (OSError, ImportError, RuntimeError) as exc:
+            self.digest_pool = None
+            self.digest_in = {"where": "threads", "why": f"digest processes could not start: {type(exc).__name__}: {exc}"}
+
+    def _digest_pool_started(self) -> None:
+        if self.digest_pool is None:
+            return
+        try:
+            pids = self.digest_pool.wait_started()
+            self.digest_in = {"where": "processes", "processes": len(pids)}
+        except Exception as exc:  # a process that died importing torch: digest here instead
+            self.digest_pool.close()
+            self.digest_pool = None
+            self.digest_in = {"where": "threads", "why": f"digest processes failed to start: {type(exc).__name__}: {exc}"}
 
     def _warm_up_logprobs(self) -> None:
         """Pay the server's first prompt-logprobs request while loading: its one-time set-up (measured
@@ -197,7 +227,7 @@ class VllmServerEngine(Engine):
         """Check, digest and rename the server's file into ``out_dir`` (:func:`~.landing.land_sample`)."""
         return land_sample(index, token_ids, path, out_dir, layer_ids=self.layer_ids,
                            file_layer_ids=self.file_layer_ids, hidden_size=self.hidden_size,
-                           state_format=self.state_format)
+                           state_format=self.state_format, pool=getattr(self, "digest_pool", None))
 
     def extract_files(self, samples_, out_dir, on_done=None) -> list[dict]:
         """Extract ``samples_`` (``(index, token_ids)`` pairs) into ``out_dir``, several in flight.
@@ -294,6 +324,10 @@ class VllmServerEngine(Engine):
         return results
 
     def close(self) -> None:
+        pool = getattr(self, "digest_pool", None)
+        if pool is not None:
+            pool.close()
+            self.digest_pool = None
         server = getattr(self, "server", None)
         if server is not None:
             # an aborted run stops the server sooner (the supervisor sets stop_grace_s)
@@ -327,6 +361,8 @@ class VllmServerEngine(Engine):
                 # the server's one-time prompt-logprobs set-up, paid while loading (None: no canary)
                 "logprobs_warm_up_s": getattr(self, "logprobs_warm_up_s", None),
                 "chunked_prefill": getattr(self, "chunked", None),
+                # where landed files are digested: worker processes, or this process's threads (and why)
+                "digest_in": getattr(self, "digest_in", None),
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
                 "command": server.command if server else None,
                 "log": str(server.log_path) if server else None}

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from remote import fsutil, samples
+from remote import fsutil, sampleread, samples
 from remote.contract import HS, SAMPLE_FILES, sample_name
 
 #: the output file of sample ``i``, the name speculators' offline data loader reads.
@@ -92,6 +92,46 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+class DigestPool:
+    """The landed files' digests (:func:`remote.samples.digest_hs_file`) in worker processes.
+
+    Digests on threads of the engine's process stopped scaling: on the H200 host (16 cores, one
+    thread each) 48 files digested at once went 1.32 / 3.97 / 4.36 / 4.08 GB/s on 1 / 4 / 8 / 16
+    threads, and 1.16 / 4.58 / 8.41 / 13.29 GB/s on as many processes (``scripts/bench_digest.py
+    --threads 1,4,8,16``): each file's digest is many short torch calls, and the threads queue on
+    the one interpreter lock between them. A landing thread hands its file to a process and waits
+    (holding no lock); :class:`DigestSlots` still decides how many are digested at once.
+
+    The processes are spawned (the engine's process has threads; fork would copy their locks)
+    and import torch while the server loads (:meth:`start`).
+    """
+
+    def __init__(self, processes: int):
+        import concurrent.futures
+        import multiprocessing
+
+        self.processes = max(1, int(processes))
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            self.processes, mp_context=multiprocessing.get_context("spawn"),
+            initializer=sampleread.digest_process_init)
+        self._started: list = []
+
+    def start(self) -> None:
+        """Spawn every process now (each imports torch), without waiting for them."""
+        self._started = [self._pool.submit(sampleread.digest_process_ready) for _ in range(self.processes)]
+
+    def wait_started(self, timeout: float = 120.0) -> list[int]:
+        """The processes' pids, once each has started; raises what a process failed with."""
+        return sorted({f.result(timeout=timeout) for f in self._started})
+
+    def digest(self, path, layer_ids, file_layer_ids, **kwargs) -> dict:
+        return self._pool.submit(samples.digest_hs_file, str(path), list(layer_ids), list(file_layer_ids),
+                                 **kwargs).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class DigestSlots:
     """How many landed files are digested at once: ``while_serving`` while requests are still to
     be sent or in flight (the server needs the other cores), every usable core once none are.
@@ -133,7 +173,7 @@ class DigestSlots:
 
 
 def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_layer_ids,
-                hidden_size: int | None, state_format: str | None = None) -> dict:
+                hidden_size: int | None, state_format: str | None = None, pool: DigestPool | None = None) -> dict:
     """Check the file the server wrote, digest it and rename it into ``out_dir``; its record.
 
     One read of the file (memory-mapped) gives the checks (structure, ids echo,
@@ -143,11 +183,13 @@ def land_sample(index: int, token_ids, path: str, out_dir, *, layer_ids, file_la
     :param layer_ids: the run's ids, in the order the records list them;
         ``file_layer_ids``: the same ids in the order of the file's layer axis.
     :param state_format: the run's ``format`` (bf16/fp8): a file in the other one is wrong.
+    :param pool: digest in these processes (None: in this thread).
     :raises SampleRejected: the file is wrong; it is deleted, never landed.
     """
+    digest_file = pool.digest if pool is not None else samples.digest_hs_file
     try:
-        digest = samples.digest_hs_file(path, layer_ids, file_layer_ids, token_ids=token_ids,
-                                        hidden_size=hidden_size, state_format=state_format)
+        digest = digest_file(path, layer_ids, file_layer_ids, token_ids=list(token_ids),
+                             hidden_size=hidden_size, state_format=state_format)
         if digest["problems"]:
             raise SampleRejected(index, digest["problems"])
     except BaseException:
