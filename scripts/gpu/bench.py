@@ -457,6 +457,12 @@ def main(argv=None) -> int:
                 if name == "keep":
                     run = keep_pass(engine, ids, out / "samples", c)
                     timers.take()
+                elif name == "specops_threads":  # the digests on the engine's threads, as before round 9
+                    pool, engine.digest_pool = engine.digest_pool, None
+                    try:
+                        run = specops_pass(engine, ids, out / "samples", c, timers)
+                    finally:
+                        engine.digest_pool = pool
                 else:
                     _, _, workers = name.partition("+dw")
                     run = specops_pass(engine, ids, out / "samples", c, timers, digest_workers=int(workers or 0))

@@ -396,7 +396,7 @@ SHAPES = (("wide", "llama_wide", "1024x1024", 512, "", "bf16", ROUND9_KINDS),
 
 
 def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, fmt: str = "bf16", kinds: str = ALL_KINDS,
-                conc="32", reps=2, once="keep@32") -> dict:
+                conc="32", reps=2, once="keep@32,specops_threads@32") -> dict:
     """One of :data:`SHAPES`: plain (V2 and V1 runners), server-only, specops with and without the canary
     (manifest done, durable) and keep at one concurrency, best of ``reps``."""
     d = ROOT / f"bench_{label}"
