@@ -125,7 +125,8 @@ class DigestPool:
         return sorted({f.result(timeout=timeout) for f in self._started})
 
     def digest(self, path, layer_ids, file_layer_ids, **kwargs) -> dict:
-        return self._pool.submit(samples.digest_hs_file, str(path), list(layer_ids), list(file_layer_ids),
+        # sampleread's own function (picklable by name), whatever wraps the samples module's name for it
+        return self._pool.submit(sampleread.digest_hs_file, str(path), list(layer_ids), list(file_layer_ids),
                                  **kwargs).result()
 
     def close(self) -> None:
