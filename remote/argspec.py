@@ -56,6 +56,9 @@ fault points they arm are named in :mod:`remote.faults`; what an armed one does 
 ``plain`` (job)
     the vLLM server without extraction: the benchmarks' baseline (eval's baseline server
     passes it in-process, :mod:`remote.draft_eval`).
+``server_args_unchecked`` (job)
+    vLLM server flags appended after ``server_args`` without its check: the GPU round plants
+    a shifted final id with a second ``--speculative-config``, which ``server_args`` refuses.
 ``cli`` (facts)
     echoed back in ``data.received``: the wire carries any value intact.
 ``_python_min`` (any task; read by the entry preamble, not by a task)
@@ -420,8 +423,9 @@ RUN_ARGS = {
     "stop_grace_s": Arg("float", min=0),
     "concurrency": Arg("int", min=1, doc="requests in flight (default: batch_size)"),
     "digest_workers": Arg("int", min=1),
-    "digest_in": Arg("str", choices=("processes", "threads"),
-                     doc="where landed files are digested: worker processes (default) or the engine's threads"),
+    "digest_in": Arg("str", choices=("auto", "processes", "threads"),
+                     doc="where landed files are digested: worker processes, the engine's threads, or auto "
+                         "(processes on hosts of more than 4 cores)"),
     "worker_error_grace_s": Arg("float", min=0,
                                 doc="how long a rank's recorded error may go unanswered by the driver (20)"),
     "write_queue_batches": Arg("int", min=0, doc="batches that may wait for the sample writer (1; 0: no writer thread)"),
@@ -433,6 +437,8 @@ RUN_ARGS = {
     "inject_failure": Arg("dict", hook=True, doc="{rank, at: load|extract, message}"),
     "batch_delay_s": Arg("float", min=0, hook=True, doc="a pause after each batch"),
     "plain": Arg("bool", hook=True, doc="the server without extraction (the benchmarks' baseline)"),
+    "server_args_unchecked": Arg("list", elements="str", hook=True,
+                                 doc="server flags appended unchecked (a planted fault)"),
 }
 
 #: which installed packages a check looks at, and what it checks them for: the drift check, the

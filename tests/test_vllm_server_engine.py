@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import random
 import shutil
@@ -120,7 +121,8 @@ def extraction(modern_vllm_python, tiny_models, tmp_path_factory) -> dict:
     samples = make_samples()
     samples_file = root / "samples.jsonl"
     samples_file.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    params = {**SERVER_PARAMS, "work_dir": str(root / "work")}
+    # digest_in: processes (auto would keep a 2-core test host on threads): the path GPU hosts take
+    params = {**SERVER_PARAMS, "work_dir": str(root / "work"), "digest_in": "processes"}
     env = {"VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
     out = run_python(modern_vllm_python, DRIVER, tiny_models["llama"], samples_file, root / "out",
                      json.dumps(params), json.dumps(ASKED_ORDER), timeout=900, env=env)
@@ -265,6 +267,28 @@ def test_server_command_chunks_prefill_when_the_engine_says_so_and_refuses_prefi
     assert budget(argv(8193, chunked_prefill_on=True, max_num_batched_tokens=64)) == "64"
     with pytest.raises(ValueError, match="server_args: --enable-prefix-caching would make the extracted files wrong"):
         argv(257, server_args=["--enable-prefix-caching"])
+
+
+def test_server_args_may_not_repeat_what_the_engine_sets_from_the_run(tmp_path):
+    """A second ``--speculative-config`` in server_args is the GPU round's planted shifted id: vLLM takes the
+    last one, so the server would capture other layers than the run records. Refused by name with the run
+    parameter to set instead, whatever the spelling (``--flag value`` or ``--flag=value``); the planted fault
+    goes through the test hook ``server_args_unchecked``, appended after the checked flags."""
+    def argv(**params):
+        return vllm_server.server_command(
+            "/env/bin/python", "/m/llama", port=41234, tp=1, layer_ids=[2, 4], storage_dir=tmp_path,
+            connector=(vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE),
+            max_model_len=512, params=params)
+
+    for flags, says in ((["--speculative-config", "{}"], "--speculative-config is set by the engine from the run's "
+                                                          "layer_ids"),
+                        (["--max-model-len=4096"], "drop --max-model-len from server_args and set seq_len"),
+                        (["-tp", "2"], "set tp"), (["--port", "1"], "drop --port from server_args")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            argv(server_args=["--kv-cache-memory-bytes", "1000"] + flags)
+    planted = argv(server_args_unchecked=["--speculative-config", "{}"])
+    assert planted[-2:] == ["--speculative-config", "{}"] and planted.count("--speculative-config") == 2
+    assert "--kv-cache-memory-bytes" in argv(server_args=["--kv-cache-memory-bytes", "1000"])
 
 
 def test_cpu_env_binds_each_rank_to_its_own_cores():

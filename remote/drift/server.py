@@ -388,8 +388,7 @@ def server_args_record(index: PackageIndex, params: dict):
     given = [str(a) for a in params.get("server_args") or []]
     refused = chunking.refused_flags(given)
     if refused:
-        problems.append(f"server_args: {' '.join(refused)} would make the extracted files wrong (a request's "
-                        f"states and token ids differ in length with prefix caching)")
+        problems.append(chunking.server_args_problem(given))
     argv = vllm_server.server_command(
         "python", "/model", port=1, tp=1, layer_ids=[0], storage_dir="/tmp", max_model_len=2,
         connector=(vllm_server.STOCK_CONNECTOR, None),

@@ -443,7 +443,7 @@ def canary_run(name: str, server_args: list, max_samples=256, timeout=200) -> di
                   engine="vllm-server", tp=1, layer_ids=canary_ids(MODELS / "llama_8b"), max_samples=max_samples, seq_len=2048,
                   batch_size=16,
                   gpu_memory_utilization=0.5, enforce_eager=True, canary_samples=2, env=VLLM_ENV,
-                  server_args=server_args)
+                  server_args_unchecked=server_args)  # a planted fault: server_args would refuse it
     t0 = time.monotonic()
     started = host_job(dict(params, action="start"), f"start_{name}.json")
     status, polls = {}, 0

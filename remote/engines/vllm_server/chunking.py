@@ -123,6 +123,31 @@ def resolve(asked, verdict: dict) -> dict:
     return {"on": True, "asked": asked, "why": verdict["why"]}
 
 
+#: flags the engine sets from the run's own parameters: given again in ``server_args``, vLLM takes
+#: the last one and the server captures other layers, writes elsewhere or serves another model
+#: than the run records (a second ``--speculative-config`` is how the GPU round plants a shifted
+#: final id). Each with the run parameter that sets it.
+ENGINE_FLAGS = {"--speculative-config": "layer_ids", "--kv-transfer-config": "format / kv_connector / writer_threads",
+                "--model": "model_path", "--served-model-name": None, "--host": None, "--port": None,
+                "--tensor-parallel-size": "tp", "-tp": "tp", "--max-model-len": "seq_len"}
+
+
 def refused_flags(server_args) -> list[str]:
     """The flags of ``server_args`` that would make the extracted files wrong."""
-    return [a for a in (str(x) for x in server_args or ()) if a.split("=", 1)[0] in REFUSED_FLAGS]
+    return [a for a in (str(x) for x in server_args or ())
+            if a.split("=", 1)[0] in REFUSED_FLAGS or a.split("=", 1)[0] in ENGINE_FLAGS]
+
+
+def server_args_problem(server_args) -> str | None:
+    """What is wrong with ``server_args`` (None: nothing), naming each refused flag and its fix."""
+    given = [str(x) for x in server_args or ()]
+    problems = []
+    for flag in (a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in REFUSED_FLAGS):
+        problems.append(f"{flag} would make the extracted files wrong (a request's states and token ids differ in "
+                        f"length with prefix caching): drop {flag} from the run's server_args")
+    for flag in dict.fromkeys(a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in ENGINE_FLAGS):
+        param = ENGINE_FLAGS[flag]
+        problems.append(f"{flag} is set by the engine" + (f" from the run's {param}" if param else "") +
+                        f" (vLLM would take the last one given, and the files would not be what the run records): "
+                        f"drop {flag} from server_args" + (f" and set {param}" if param else ""))
+    return "server_args: " + "; ".join(problems) if problems else None

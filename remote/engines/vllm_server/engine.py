@@ -21,8 +21,8 @@ from remote.engines import Engine
 from . import chunking
 from .command import (SERVED_MODEL_NAME, batched_tokens, connector_options, kv_transfer_config, pick_connector,
                       writer_threads)
-from .landing import (DigestPool, DigestSlots, SampleRejected, default_digest_workers, land_sample, usable_cores,
-                      wait_for_file)
+from .landing import (THREADS_UP_TO, DigestPool, DigestSlots, SampleRejected, default_digest_workers, land_sample,
+                      usable_cores, wait_for_file)
 from .logs import ServerFailed
 from .process import VllmServer
 from .prompt_logprobs import PromptLogprobs
@@ -94,15 +94,22 @@ class VllmServerEngine(Engine):
 
     def _start_digest_pool(self) -> None:
         """The digest processes (:class:`~.landing.DigestPool`, one per usable core), started while
-        the server loads. ``digest_in: threads`` keeps the digests in this process; so does a host
-        where processes cannot start (said in the manifest's ``engine.digest_in``)."""
-        self.digest_pool, self.digest_in = None, {"where": "threads", "why": "digest_in: threads"}
-        if self.server.headless or self.params.get("digest_in") == "threads":
-            if self.server.headless:
-                self.digest_in = {"where": None, "why": "a replica's worker host lands no file"}
+        the server loads, where the host has more than :data:`~.landing.THREADS_UP_TO` cores or the
+        run says ``digest_in: processes``; otherwise, or with ``digest_in: threads``, or where
+        processes cannot start, the digests run on this process's threads (the manifest's
+        ``engine.digest_in`` says which, and why)."""
+        self.digest_pool = None
+        asked, cores = self.params.get("digest_in") or "auto", usable_cores()
+        if self.server.headless:
+            self.digest_in = {"where": None, "why": "a replica's worker host lands no file"}
+            return
+        if asked == "threads" or (asked == "auto" and cores <= THREADS_UP_TO):
+            why = "digest_in: threads" if asked == "threads" else (
+                f"{cores} usable core(s): threads, which contend only past {THREADS_UP_TO}")
+            self.digest_in = {"where": "threads", "why": why}
             return
         try:
-            self.digest_pool = DigestPool(usable_cores())
+            self.digest_pool = DigestPool(cores)
             self.digest_pool.start()
         except (OSError, ImportError, RuntimeError) as exc:
             self.digest_pool = None

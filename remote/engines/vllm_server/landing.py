@@ -92,6 +92,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: hosts with at most this many usable cores digest on threads by default: 4 threads lose little to
+#: the interpreter lock (3.97 vs 4.58 GB/s on the H200 host), and a process per core would import
+#: torch once more each at every start
+THREADS_UP_TO = 4
+
+
 class DigestPool:
     """The landed files' digests (:func:`remote.samples.digest_hs_file`) in worker processes.
 
