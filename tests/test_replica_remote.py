@@ -360,13 +360,14 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     shard moves to e (``--reassign``): every sample once, none twice, none lost."""
     from remote import procscan
 
-    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, detached=True)
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
     doc = yaml.safe_load(inventory.read_text())
     hosts = doc["hosts"]
     env = hosts["a"]["env"]
     for name, info, core in (("c", host_c.info(), "0"), ("d", testhost, "1"), ("e", testhost, "0,1")):
-        hosts[name] = {**host_entry(tmp_path, info, name, core, modern_fixed_python, tiny_models, "llama", env),
-                       "batch_size": 1}
+        hosts[name] = host_entry(tmp_path, info, name, core, modern_fixed_python, tiny_models, "llama", env)
+    # the head that dies pauses after each one-sample batch, so it is lost mid-way; the others run at speed
+    hosts["c"].update(batch_size=1, env={**hosts["c"]["env"], "SPECOPS_BATCH_DELAY_S": "3"})
     for name in hosts:
         hosts[name]["max_samples"] = 12
     second = free_port_pair()
