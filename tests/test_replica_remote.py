@@ -343,43 +343,6 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
     assert state_of(worker_dir)["state"] == "aborted"
 
 
-def test_a_stopped_rank_on_the_head_fails_the_run_naming_it(tmp_path, testhost, host_b, modern_fixed_python,
-                                                            tiny_models):
-    """The head's own vLLM processes stopped (SIGSTOP) mid-run: no peer would ever fail, every rank would wait
-    in a collective; the head's watch fails the run naming the head, and the worker host's ranks stop."""
-    from remote import procscan
-
-    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, detached=True)
-    runs = tmp_path / "runs"
-    start_detached(inventory, runs, "pair", "rep5")
-    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep5" for h in ("a", "b"))
-    wait_first_sample(head_dir)
-    supervisor = int((head_dir / "pid").read_text())
-    # the head's server runs in a session of its own (API server, engine core, its ranks): all of it hangs;
-    # the supervisor still runs
-    groups = {os.getpgid(pid) for pid in run_processes(head_dir)} - {os.getpgid(supervisor)}
-    stopped = sorted({pid for group in groups for pid in procscan.live_pids(pgrp=group)} - {supervisor})
-    assert stopped
-    for pid in stopped:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: state_of(head_dir).get("state") == "failed", timeout=300, what="the head's run to fail")
-    finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    error = state_of(head_dir)["error"]
-    assert error["host"] == "a" and error["rank"] == 0 and error["type"] == "RanksStopped", error
-    assert "on a (the head) are stopped" in error["message"], error
-    # the head's end reaches the worker host: it stops its ranks and says why
-    wait_for(lambda: state_of(worker_dir).get("state") == "failed", timeout=120, what="the worker host's run to end")
-    assert "the head a's run failed" in state_of(worker_dir)["error"]["message"], state_of(worker_dir)
-    for run_dir in (head_dir, worker_dir):
-        wait_for(lambda: not run_processes(run_dir), timeout=120, what=f"{run_dir}'s processes to end")
-
-
 @pytest.fixture
 def host_c(tmp_path_factory):
     """A third sshd of its own: the head of the group run's second replica, so it can die."""
