@@ -13,7 +13,9 @@ runtime of its own. What vLLM does not do, specops does here:
   that closes without ``bye`` is a host that died (its processes were killed, or it
   vanished: TCP keepalive). Either fails the head's run naming the host, its ranks and the cause.
 * **a dead head takes every host down.** A killed head leaves vLLM's headless ranks alive;
-  the worker's supervisor sees the head's connection close and stops its ranks.
+  the worker's supervisor sees the head's connection close and stops its ranks. A stopped
+  head rank (SIGSTOP) would hang every peer in a collective: the head's watch sees it
+  (:meth:`HostWatch.watch_own_ranks`) and fails the run naming the head.
 * **the replica ends as one.** The head sends ``ready`` when its server answers, and
   ``end`` with its final state; each worker host stops its ranks and ends in that state.
 
@@ -208,6 +210,37 @@ class HostWatch:
             self.on_lost(error)
         except Exception:  # noqa: BLE001 -- the watch must never die of its callback
             traceback.print_exc()
+
+    def watch_own_ranks(self, server_of) -> None:
+        """Watch the head's own vLLM processes (``server_of()``: its server, None before one starts)
+        for a stop (SIGSTOP, a debugger): held :data:`STOPPED_GRACE_S`, the head is lost as a
+        worker host would be (``RanksStopped``), so the run fails naming it instead of hanging
+        in a collective its peers wait on."""
+        threading.Thread(target=self._watch_own_ranks, args=(server_of,), daemon=True,
+                         name="specops-head-ranks").start()
+
+    def _watch_own_ranks(self, server_of) -> None:
+        stopped_since: dict[int, float] = {}
+        head = host_of(self.replica, 0)
+        while not self._closing and self.lost is None:
+            time.sleep(1.0)
+            server = server_of()
+            proc = getattr(server, "proc", None)
+            if proc is None or proc.poll() is not None:
+                stopped_since = {}
+                continue
+            # the server's own session (its retitled ranks hide the marker in /proc), else this group
+            group = proc.pid if server.params.get("own_session", True) else os.getpgid(0)
+            now = time.monotonic()
+            stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker, group)}
+            held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
+            if held:
+                ranks = ranks_of(self.replica, 0)
+                self._lose(0, {"type": "RanksStopped", "where": f"host {head}", "traceback": "",
+                               "message": f"process(es) {held} of ranks {ranks} on {head} (the head) are stopped "
+                                          f"(SIGSTOP or a debugger) for {STOPPED_GRACE_S:.0f} s: the replica's "
+                                          f"requests hang on them"})
+                return
 
     def wait_lost(self, timeout: float) -> dict | None:
         """The first lost host's error, waiting up to ``timeout`` for one."""

@@ -59,6 +59,8 @@ def main(params: dict) -> dict:
                                     expect=int(replica["nnodes"]) - 1)
     else:
         data["reach"] = reach(str(replica["master_addr"]), ports, float(params["listen_s"]))
+    # when this host's checks ran, by its own clock: the laptop shows that a replica's hosts were checked at once
+    data["started_unix"], data["ended_unix"] = data["time_unix"], time.time()
     rec = protocol.record("replica.probe", protocol.OK, f"node {node} of replica {replica.get('name')} probed",
                           detail={k: v for k, v in data.items() if k in ("node_rank", "node_address")})
     return protocol.payload([rec], **data)

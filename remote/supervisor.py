@@ -209,6 +209,7 @@ class Supervisor:
 
         self.watch = HostWatch(replica, self._on_host_lost)
         self.watch.start()
+        self.watch.watch_own_ranks(lambda: getattr(self.engine, "server", None))
         self.status.update(replica={"name": replica.get("name"), "hosts": replica.get("hosts"),
                                     "ranks_per_node": replica.get("ranks_per_node"), "tp": replica.get("tp")})
 

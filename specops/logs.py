@@ -26,7 +26,8 @@ def log_printer(collected: dict[str, dict[str, str]], only: str | None, as_json:
     def show(label: str, name: str, text: str) -> None:
         if only and not name.startswith(only):
             return
-        collected[label][name] = collected[label].get(name, "") + text
+        mine = collected.setdefault(label, {})  # a replica's worker host gets its own label
+        mine[name] = mine.get(name, "") + text
         if not as_json:
             for line in text.splitlines():
                 console.print(Text(f"{label} {name[:-4]:>10} | ", style="dim") + Text(line))

@@ -95,6 +95,8 @@ def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
                                   f"{h}: {str(e).splitlines()[0]}" for h, e in lost.items()),
                               fix="every host of a replica must answer: fix the unreachable host(s), then run "
                                   "preflight again"))
+    else:
+        records.append(_at_once(name, data, clock))
     records.append(_agree(name, "replica.versions", {h: d.get("versions") for h, d in data.items()},
                           "vLLM, torch, transformers and speculators", replica.head,
                           "install the same versions on every host of the replica (the ranks load one model "
@@ -143,6 +145,28 @@ def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
             fix="sync the hosts' clocks (chrony/NTP), or the hosts' logs will not line up" if spread > CLOCK_SKEW_WARN_S
             else None))
     return records
+
+
+def _at_once(name: str, data: dict, clock: dict) -> Record:
+    """Every host answered: when each one's checks ran (its own clock) and when the laptop called it.
+
+    A replica's hosts are checked together (the head holds its ports open while the others
+    reach them): the windows overlap; checks one after another would not (a warn)."""
+    ran = {h: {"started": d.get("started_unix"), "ended": d.get("ended_unix")} for h, d in data.items()}
+    timed = {h: w for h, w in ran.items() if w["started"] is not None and w["ended"] is not None}
+    detail = {"ran": ran, "calls": {h: {"sent": c[0], "received": c[1]} for h, c in clock.items()}}
+    if len(timed) < 2:
+        return Record(name="replica.hosts", status="ok", summary=f"{name}: every host answered", detail=detail)
+    overlap = min(w["ended"] for w in timed.values()) - max(w["started"] for w in timed.values())
+    detail["overlap_s"] = round(overlap, 3)
+    if overlap > 0:
+        return Record(name="replica.hosts", status="ok",
+                      summary=f"{name}: all {len(timed)} hosts answered, checked at once ({overlap:.1f} s in common)",
+                      detail=detail)
+    return Record(name="replica.hosts", status="warn",
+                  summary=f"{name}: the hosts' checks did not overlap (by their clocks): a worker's reach of the "
+                          f"head's ports was not checked while the head held them", detail=detail,
+                  fix="sync the hosts' clocks (chrony/NTP) and run preflight again")
 
 
 def _agree(name: str, record: str, values: dict, what: str, head: str, fix: str, detail=None) -> Record:

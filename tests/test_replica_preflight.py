@@ -26,8 +26,10 @@ def model_dir(root: Path, **changed: bytes) -> Path:
     return root
 
 
-def probe_replica(replica: ReplicaSpec, models: dict[str, Path], listen_s: float = 5.0) -> dict:
-    """Every host's probe at once, as the laptop runs them (the head holds its ports meanwhile)."""
+def probe_replica(replica: ReplicaSpec, models: dict[str, Path], listen_s: float = 5.0, only: str | None = None
+                  ) -> dict:
+    """Every host's probe at once, as the laptop runs them (the head holds its ports meanwhile); ``only``:
+    that host's alone."""
 
     def one(host: str):
         node = replica.hosts.index(host)
@@ -40,7 +42,7 @@ def probe_replica(replica: ReplicaSpec, models: dict[str, Path], listen_s: float
         return payload, (sent, time.time())
 
     with concurrent.futures.ThreadPoolExecutor(len(replica.hosts)) as pool:
-        done = {h: pool.submit(one, h) for h in replica.hosts}
+        done = {h: pool.submit(one, h) for h in replica.hosts if only in (None, h)}
         answers = {h: f.result()[0] for h, f in done.items()}
         answers["_clock"] = {h: f.result()[1] for h, f in done.items()}
     return answers
@@ -58,6 +60,7 @@ def test_a_sound_replica_passes_every_check(tmp_path):
                  "replica.network", "replica.clock"):
         assert records[name].status == "ok", (name, records[name].summary)
     assert "NCCL_SOCKET_IFNAME=lo" in records["replica.network"].summary
+    assert records["replica.hosts"].status == "ok" and records["replica.hosts"].detail["overlap_s"] > 0
     assert records["replica.master_port"].detail["head"]["peers"][str(replica.master_port)] == ["127.0.0.1"]
 
 
@@ -96,3 +99,20 @@ def test_a_worker_that_cannot_reach_the_head_is_named(tmp_path):
                      "node_address": "127.0.0.1"}}
     record = by_name(judge(replica, {"a": head, "b": worker}))["replica.master_port"]
     assert record.status == "fail" and "b cannot reach the head on 127.0.0.1:" in record.summary
+
+
+def test_hosts_checked_one_after_another_are_told_apart(tmp_path):
+    """The windows ``replica.hosts`` judges: the head's probe, then the worker's, do not overlap (a warn),
+    and the worker then finds no head to reach (the head held its ports while nobody came)."""
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_port_pair())
+    model = model_dir(tmp_path / "m")
+    answers, clock = {}, {}
+    for host in replica.hosts:  # one after another, as a serial loop over the hosts would run them
+        one = probe_replica(ReplicaSpec(name="pair", hosts=replica.hosts, tp=2, master_port=replica.master_port),
+                            {"a": model, "b": model}, listen_s=1.0, only=host)
+        answers[host], clock[host] = one[host], one["_clock"][host]
+    records = by_name(judge(replica, {**answers, "_clock": clock}))
+    hosts = records["replica.hosts"]
+    assert hosts.status == "warn" and hosts.detail["overlap_s"] <= 0, hosts
+    assert "did not overlap" in hosts.summary
+    assert records["replica.master_port"].status == "fail"

@@ -1,14 +1,21 @@
 """One model replica over two hosts (vLLM's multi-node TP on the CPU test hosts), over real SSH.
 
 Host ``a`` is the session's test sshd, host ``b`` an sshd of its own (so it can be killed):
-one TP=2 replica of the tiny Llama, one core each, every rank on loopback. The states must
-equal a TP=2 run on one host within bf16 noise; a killed worker host must fail the run
-naming it, and leave nothing of the run running on the head.
+one TP=2 replica of the tiny Llama (and DeepSeek-V3), one core each, every rank on loopback.
+A killed worker host, or its stopped ranks, must fail the run naming it and leave nothing of
+the run running on the head; the same command then resumes the replica, and the states must
+equal a TP=2 run on one host within bf16 noise. A group run of two replicas and a plain host
+loses one replica's head (its own sshd, ``c``): the worker host stops its ranks, and the rest
+of the shard moves to the plain host, every sample once.
+
+A CPU server start costs about a minute here: each run carries as many of the cases as its
+scenario allows (a loss, then the resume or the move that completes it).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +60,13 @@ def host_b(tmp_path_factory):
     host.destroy()
 
 
+def _base_env() -> dict:
+    from specops.testhost.hostenv import cache_root
+
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
+            "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+
+
 def cli(*args, runs: Path, timeout=900) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "specops"), *args], capture_output=True, text=True, cwd=REPO_ROOT,
                           stdin=subprocess.DEVNULL, timeout=timeout,
@@ -60,26 +74,33 @@ def cli(*args, runs: Path, timeout=900) -> subprocess.CompletedProcess:
 
 
 def replica_inventory(tmp_path: Path, testhost: dict, host_b: TestHost, python, tiny_models, env=None,
-                      model: str = "llama") -> Path:
-    from specops.testhost.hostenv import cache_root
+                      model: str = "llama", detached: bool = False) -> Path:
+    """Hosts ``a`` (the session's sshd) and ``b`` (its own sshd) as replica ``pair`` (head ``a``), one core each.
 
-    base_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
-                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache"), **(env or {})}
-
-    def host(info: dict, name: str, core: str) -> dict:
-        return {"address": "127.0.0.1", "port": info["port"], "user": info["user"], "key": info["key"],
-                "known_hosts": info["known_hosts"], "python": str(python),
-                "work_dir": str(tmp_path / name / "work"), "output_dir": str(tmp_path / name / "out"),
-                "model_path": str(tiny_models[model]), "dataset": str(tiny_models["dataset"]),
-                "device": "cpu", "connect_timeout": 5, "seq_len": 128, "max_samples": 4, "batch_size": 4,
-                # one core each, as two one-core hosts would have
-                "env": {**base_env, "VLLM_CPU_OMP_THREADS_BIND": core}}
-
-    doc = {"hosts": {"a": host(testhost, "a", "0"), "b": host(host_b.info(), "b", "1")},
+    :param detached: one sample a batch and a 3 s pause after each, so a run stays in its
+        extraction long enough to lose a host (or a rank) mid-way.
+    """
+    base_env = {**_base_env(), **({"SPECOPS_BATCH_DELAY_S": "3"} if detached else {}), **(env or {})}
+    doc = {"hosts": {"a": host_entry(tmp_path, testhost, "a", "0", python, tiny_models, model, base_env),
+                     "b": host_entry(tmp_path, host_b.info(), "b", "1", python, tiny_models, model, base_env)},
            "replicas": {"pair": {"hosts": ["a", "b"], "tp": 2, "master_port": free_port_pair()}}}
+    if detached:
+        for entry in doc["hosts"].values():
+            entry["batch_size"] = 1
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def host_entry(tmp_path: Path, info: dict, name: str, core: str, python, tiny_models, model: str, env: dict) -> dict:
+    """One test host of the inventory: its own work and output dirs under ``tmp_path/name``, bound to ``core``
+    (one core each, as two one-core hosts would have)."""
+    return {"address": "127.0.0.1", "port": info["port"], "user": info["user"], "key": info["key"],
+            "known_hosts": info["known_hosts"], "python": str(python),
+            "work_dir": str(tmp_path / name / "work"), "output_dir": str(tmp_path / name / "out"),
+            "model_path": str(tiny_models[model]), "dataset": str(tiny_models["dataset"]),
+            "device": "cpu", "connect_timeout": 5, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+            "env": {**env, "VLLM_CPU_OMP_THREADS_BIND": core}}
 
 
 def hs_files(root: Path) -> dict[int, Path]:
@@ -92,155 +113,88 @@ def run_processes(run_dir: Path) -> list[int]:
     return procscan.live_pids(env_any={f"SPECOPS_RUN_DIR={run_dir}".encode()})
 
 
+def state_of(run_dir: Path) -> dict:
+    """A host's ``status.json`` of a run ({} while it is being written or not there)."""
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def start_detached(inventory: Path, runs: Path, on: str, run_id: str, *args: str) -> None:
+    started = cli("extract", "--inventory", str(inventory), "--on", on, "--run-id", run_id, "--skip-smoke",
+                  "--skip-preflight", "--detach", "--json", *args, runs=runs)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+
+
+def wait_first_sample(head_dir: Path) -> None:
+    """Until the head's run has a sample on disk (it is then extracting, every host joined)."""
+    wait_for(lambda: (state_of(head_dir).get("samples_done") or 0) >= 1 or state_of(head_dir).get("state") == "failed",
+             timeout=900, what=f"the first sample of {head_dir}")
+    assert state_of(head_dir).get("state") == "extracting", state_of(head_dir)
+
+
+def kill_whole_host(sshd: TestHost, run_dir: Path) -> None:
+    """The host dies: its sshd, its sessions, the run's supervisor group, and its vLLM processes (a session
+    of their own on a head; retitled ranks no longer show the run's environment, their group does)."""
+    groups = {os.getpgid(pid) for pid in run_processes(run_dir)}
+    kill_host(sshd, run_dir)
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in run_processes(run_dir):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_preflight_checks_the_replica_on_every_host_at_once(tmp_path, testhost, host_b, modern_fixed_python,
                                                             tiny_models):
     inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
     proc = cli("preflight", "--inventory", str(inventory), "--on", "pair", "--json", runs=tmp_path / "runs")
     reports = {r["host"]: r for r in json.loads(proc.stdout)["hosts"]}
     replica = {r["name"]: r for r in reports["replica pair"]["records"]}
-    for name in ("replica.versions", "replica.model", "replica.devices", "replica.master_port", "replica.clock"):
+    for name in ("replica.hosts", "replica.versions", "replica.model", "replica.devices", "replica.master_port",
+                 "replica.clock"):
         assert replica[name]["status"] == "ok", (name, replica[name]["summary"])
     assert "VLLM_CPU_OMP_THREADS_BIND=1" in replica["replica.network"]["summary"]
+    # both hosts' checks ran at once: each host's own start/end (one clock here) overlap, and so do the
+    # laptop's calls; checks one after another would give disjoint windows
+    ran = replica["replica.hosts"]["detail"]["ran"]
+    calls = replica["replica.hosts"]["detail"]["calls"]
+    assert sorted(ran) == sorted(calls) == ["a", "b"]
+    print(f"\nreplica probes: {ran}")
+    assert max(w["started"] for w in ran.values()) < min(w["ended"] for w in ran.values()), ran
+    assert max(c["sent"] for c in calls.values()) < min(c["received"] for c in calls.values()), calls
     # each host's own preflight judged its share of the ranks (1 of TP 2), not the whole TP
     for host in ("a", "b"):
         devices = {r["name"]: r for r in reports[host]["records"]}["parallel.devices"]
         assert devices["status"] == "ok" and devices["detail"]["tp"] == 1, devices
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
-def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
-                                                      modern_ssh_run, model):
-    from conftest import SHARED_RUN_LAYER_IDS
-
-    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, model=model)
-    runs = tmp_path / "runs"
-    ids = SHARED_RUN_LAYER_IDS.get(model)  # the ids of the one-host run it is compared with
-    t0 = time.monotonic()
-    proc = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", "rep1", "--skip-smoke",
-               "--tensors", "--json", *(["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []),
-               runs=runs)
-    print(f"\n{model}: replica extract over two hosts: {time.monotonic() - t0:.0f} s")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    fleet = json.loads((runs / "rep1" / "fleet.json").read_text())
-    assert [s["hosts"] for s in fleet["shards"]] == [["a", "b"]]
-    # the worker host ran its ranks headless under the same run id, and ended with the head
-    worker = json.loads((tmp_path / "b" / "work" / "runs" / "rep1" / "status.json").read_text())
-    assert worker["state"] == "done" and worker["replica"]["ranks"] == [1], worker
-    head_log = (tmp_path / "a" / "work" / "runs" / "rep1" / "logs" / "server.log").read_text()
-    assert "--nnodes 2 --node-rank 0" in head_log
-    worker_log = (tmp_path / "b" / "work" / "runs" / "rep1" / "logs" / "server.log").read_text()
-    assert "--headless" in worker_log and "--node-rank 1" in worker_log
-    assert not hs_files(tmp_path / "b" / "out"), "states are written on the head only"
-    for host in ("a", "b"):  # a done supervisor may still be closing its server
-        wait_for(lambda: not run_processes(tmp_path / host / "work" / "runs" / "rep1"), timeout=120,
-                 what=f"the run's processes on {host} to end")
-
-    one_host = hs_files(modern_ssh_run(model, 2)["dest"])
-    two_hosts = hs_files(runs / "rep1")
-    assert sorted(two_hosts) == sorted(one_host) == [0, 1, 2, 3]
-    # read with the host env's torch (the controller has none)
-    compare = subprocess.run([str(modern_fixed_python), "-c", COMPARE, json.dumps(
-        [[str(one_host[i]), str(two_hosts[i])] for i in sorted(one_host)])], capture_output=True, text=True,
-        timeout=300)
-    assert compare.returncode == 0, compare.stderr[-3000:]
-    for i, found in enumerate(json.loads(compare.stdout)):
-        print(f"hs_{i}: max |diff| {found['worst']:.3g} of max |state| {found['scale']:.3g}, "
-              f"{found['equal_fraction']:.4f} of values bit-equal")
-        assert found["same_tokens"] and found["same_shape"], found
-        # bf16 noise: partial sums added in another order move a value by an ulp or so
-        assert found["worst"] <= 2 ** -6 * found["scale"], (i, found)
-
-
-COMPARE = """
-import json, sys
-from safetensors.torch import load_file
-out = []
-for ref_path, got_path in json.loads(sys.argv[1]):
-    ref, got = load_file(ref_path), load_file(got_path)
-    a, b = ref["hidden_states"].float(), got["hidden_states"].float()
-    same_shape = a.shape == b.shape
-    out.append({"same_tokens": bool((ref["token_ids"] == got["token_ids"]).all()), "same_shape": same_shape,
-                "worst": (a - b).abs().max().item() if same_shape else None, "scale": a.abs().max().item(),
-                "equal_fraction": (a == b).float().mean().item() if same_shape else 0.0})
-print(json.dumps(out))
-"""
-
-
-def test_killed_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
-    # a pause after each batch keeps the run in its extraction long enough to lose a host mid-way
-    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
-                                  env={"SPECOPS_BATCH_DELAY_S": "3"})
-    runs = tmp_path / "runs"
-    inv = yaml.safe_load(inventory.read_text())
-    inv["hosts"]["a"]["batch_size"] = inv["hosts"]["b"]["batch_size"] = 1
-    inventory.write_text(yaml.safe_dump(inv))
-    started = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", "rep2", "--skip-smoke",
-                  "--skip-preflight", "--detach", "--json", runs=runs)
-    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep2" for h in ("a", "b"))
-
-    def head_state() -> dict:
-        try:
-            return json.loads((head_dir / "status.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    wait_for(lambda: (head_state().get("samples_done") or 0) >= 1 or head_state().get("state") == "failed",
-             timeout=900, what="the replica's first sample")
-    assert head_state().get("state") == "extracting", head_state()
+def lose_the_worker_host(host_b: TestHost, inventory: Path, runs: Path, run_id: str, head_dir: Path,
+                         worker_dir: Path) -> None:
+    """Kill worker host ``b`` mid-run: the head's run fails naming it and ends; then ``b`` is back."""
     port = host_b.port
     try:
         kill_host(host_b, worker_dir)  # sshd, its sessions, the run's supervisor group
         for pid in run_processes(worker_dir):  # and the host's vLLM ranks (a session of their own)
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: head_state().get("state") == "failed", timeout=300, what="the head's run to fail")
-        error = head_state()["error"]
+        wait_for(lambda: state_of(head_dir).get("state") == "failed", timeout=300, what="the head's run to fail")
+        error = state_of(head_dir)["error"]
         assert error["host"] == "b" and error["rank"] == 1 and error["type"] == "HostLost", error
         assert "host b" in error["message"]
-        status = cli("status", "--inventory", str(inventory), "--run-id", "rep2", "--json", runs=runs)
+        status = cli("status", "--inventory", str(inventory), "--run-id", run_id, "--json", runs=runs)
         assert status.returncode != 0
         assert "host b" in status.stdout
         wait_for(lambda: not run_processes(head_dir), timeout=60, what="the head's processes to end")
     finally:
         host_b.up(port=port)
-    # the host is back: the same command resumes the replica as one shard, after the samples on disk
-    resumed = cli("extract", "--inventory", str(inventory), "--run-id", "rep2", "--skip-smoke", "--tensors", "--json",
-                  runs=runs)
-    assert resumed.returncode == 0, resumed.stdout[-6000:] + resumed.stderr[-4000:]
-    assert sorted(hs_files(runs / "rep2" / "samples")) == [0, 1, 2, 3]
-    assert json.loads((head_dir / "status.json").read_text())["resumed_from"] >= 1
-    assert json.loads((worker_dir / "status.json").read_text())["state"] == "done"
 
 
-def start_detached(tmp_path, testhost, host_b, python, tiny_models, run_id: str):
-    """A replica run started detached, paused 3 s after each one-sample batch; returns (inventory, runs, head
-    status reader, head run dir, worker run dir) once its first sample is on disk."""
-    inventory = replica_inventory(tmp_path, testhost, host_b, python, tiny_models, env={"SPECOPS_BATCH_DELAY_S": "3"})
-    inv = yaml.safe_load(inventory.read_text())
-    inv["hosts"]["a"]["batch_size"] = inv["hosts"]["b"]["batch_size"] = 1
-    inventory.write_text(yaml.safe_dump(inv))
-    runs = tmp_path / "runs"
-    started = cli("extract", "--inventory", str(inventory), "--on", "pair", "--run-id", run_id, "--skip-smoke",
-                  "--skip-preflight", "--detach", "--json", runs=runs)
-    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / run_id for h in ("a", "b"))
-
-    def state_of(run_dir: Path) -> dict:
-        try:
-            return json.loads((run_dir / "status.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-
-    wait_for(lambda: (state_of(head_dir).get("samples_done") or 0) >= 1 or state_of(head_dir).get("state") == "failed",
-             timeout=900, what="the replica's first sample")
-    assert state_of(head_dir).get("state") == "extracting", state_of(head_dir)
-    return inventory, runs, state_of, head_dir, worker_dir
-
-
-def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testhost, host_b, modern_fixed_python,
-                                                                  tiny_models):
-    inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
-                                                                     tiny_models, "rep3")
+def stop_the_worker_ranks(head_dir: Path, worker_dir: Path) -> None:
+    """SIGSTOP every vLLM process of worker host ``b`` mid-run: the head's run fails naming it, and both
+    hosts' processes end."""
     from remote import procscan
 
     supervisor = int((worker_dir / "pid").read_text())
@@ -266,11 +220,110 @@ def test_a_stopped_rank_on_a_worker_host_fails_the_run_naming_it(tmp_path, testh
         wait_for(lambda: not run_processes(run_dir), timeout=120, what=f"{run_dir}'s processes to end")
 
 
+@pytest.mark.parametrize("model, fault", [("llama", "killed worker host"), ("deepseek_v3", "stopped worker ranks")],
+                         ids=["llama-killed-worker-host", "deepseek_v3-stopped-worker-ranks"])
+def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b, modern_fixed_python, tiny_models,
+                                                      modern_ssh_run, model, fault):
+    """One TP=2 replica over two hosts, losing its worker host mid-way (llama: the host killed, sshd and ranks;
+    deepseek_v3: its ranks stopped): the run fails naming the host, the same command resumes the replica as
+    one shard after the samples on disk, and the states equal a TP=2 run on one host within bf16 noise."""
+    from conftest import SHARED_RUN_LAYER_IDS
+
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, model=model,
+                                  detached=True)
+    runs = tmp_path / "runs"
+    ids = SHARED_RUN_LAYER_IDS.get(model)  # the ids of the one-host run it is compared with
+    t0 = time.monotonic()
+    start_detached(inventory, runs, "pair", "rep1",
+                   *(["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []))
+    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep1" for h in ("a", "b"))
+    wait_first_sample(head_dir)
+    if fault == "killed worker host":
+        lose_the_worker_host(host_b, inventory, runs, "rep1", head_dir, worker_dir)
+    else:
+        stop_the_worker_ranks(head_dir, worker_dir)
+    # the same command resumes the replica as one shard, after the samples on disk (preflight on)
+    proc = cli("extract", "--inventory", str(inventory), "--run-id", "rep1", "--skip-smoke", "--tensors", "--json",
+               runs=runs)
+    print(f"\n{model}: replica extract over two hosts, {fault} and resumed: {time.monotonic() - t0:.0f} s")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    assert state_of(head_dir)["resumed_from"] >= 1
+    fleet = json.loads((runs / "rep1" / "fleet.json").read_text())
+    assert [s["hosts"] for s in fleet["shards"]] == [["a", "b"]]
+    # the worker host ran its ranks headless under the same run id, and ended with the head
+    worker = state_of(worker_dir)
+    assert worker["state"] == "done" and worker["replica"]["ranks"] == [1], worker
+    head_log = (head_dir / "logs" / "server.log").read_text()
+    assert "--nnodes 2 --node-rank 0" in head_log
+    worker_log = (worker_dir / "logs" / "server.log").read_text()
+    assert "--headless" in worker_log and "--node-rank 1" in worker_log
+    assert not hs_files(tmp_path / "b" / "out"), "states are written on the head only"
+    for run_dir in (head_dir, worker_dir):  # a done supervisor may still be closing its server
+        wait_for(lambda: not run_processes(run_dir), timeout=120, what=f"the run's processes in {run_dir} to end")
+    if model == "llama":
+        logs_and_fetch_name_every_host(inventory, runs, fleet["shards"][0]["id"])
+
+    one_host = hs_files(modern_ssh_run(model, 2)["dest"])
+    two_hosts = hs_files(runs / "rep1")
+    assert sorted(two_hosts) == sorted(one_host) == [0, 1, 2, 3]
+    # read with the host env's torch (the controller has none)
+    compare = subprocess.run([str(modern_fixed_python), "-c", COMPARE, json.dumps(
+        [[str(one_host[i]), str(two_hosts[i])] for i in sorted(one_host)])], capture_output=True, text=True,
+        timeout=300)
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    for i, found in enumerate(json.loads(compare.stdout)):
+        print(f"hs_{i}: max |diff| {found['worst']:.3g} of max |state| {found['scale']:.3g}, "
+              f"{found['equal_fraction']:.4f} of values bit-equal")
+        assert found["same_tokens"] and found["same_shape"], found
+        # bf16 noise: partial sums added in another order move a value by an ulp or so
+        assert found["worst"] <= 2 ** -6 * found["scale"], (i, found)
+
+
+def logs_and_fetch_name_every_host(inventory: Path, runs: Path, shard: str) -> None:
+    """``specops logs`` and ``specops fetch`` of a replica's run show each host's own logs, named by host:
+    the head's, and the worker host's headless ranks' (they are on that host only)."""
+    logs = cli("logs", "--inventory", str(inventory), "--run-id", "rep1", "--json", runs=runs)
+    assert logs.returncode == 0, logs.stdout[-4000:] + logs.stderr[-4000:]
+    by_host = json.loads(logs.stdout)["logs"]
+    assert sorted(by_host) == [f"{shard}@a", f"{shard}@b"], sorted(by_host)
+    assert "replica: b (node 1, ranks [1]) joined" in by_host[f"{shard}@a"]["supervisor.log"]
+    assert "ranks [1] of replica pair started headless" in by_host[f"{shard}@b"]["supervisor.log"]
+    assert "Worker_TP1" in by_host[f"{shard}@b"]["rank1.log"]
+    assert "rank1.log" not in by_host[f"{shard}@a"]
+    # the run's own fetch brought them; fetch them again from nothing
+    hosts = runs / "rep1" / "hosts"
+    shutil.rmtree(hosts)
+    fetched = cli("fetch", "--inventory", str(inventory), "--run-id", "rep1", "--json", runs=runs)
+    assert fetched.returncode == 0, fetched.stdout[-4000:] + fetched.stderr[-4000:]
+    assert "ranks [1] of replica pair started headless" in (hosts / "b" / "rep1" / "logs" / "supervisor.log").read_text()
+    assert "--headless" in (hosts / "b" / "rep1" / "logs" / "server.log").read_text()
+    assert json.loads((hosts / "b" / "rep1" / "status.json").read_text())["replica"]["ranks"] == [1]
+    assert "--nnodes 2 --node-rank 0" in (hosts / "a" / "rep1" / "logs" / "server.log").read_text()
+
+
+COMPARE = """
+import json, sys
+from safetensors.torch import load_file
+out = []
+for ref_path, got_path in json.loads(sys.argv[1]):
+    ref, got = load_file(ref_path), load_file(got_path)
+    a, b = ref["hidden_states"].float(), got["hidden_states"].float()
+    same_shape = a.shape == b.shape
+    out.append({"same_tokens": bool((ref["token_ids"] == got["token_ids"]).all()), "same_shape": same_shape,
+                "worst": (a - b).abs().max().item() if same_shape else None, "scale": a.abs().max().item(),
+                "equal_fraction": (a == b).float().mean().item() if same_shape else 0.0})
+print(json.dumps(out))
+"""
+
+
 def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
-    inventory, runs, state_of, head_dir, worker_dir = start_detached(tmp_path, testhost, host_b, modern_fixed_python,
-                                                                     tiny_models, "rep4")
     from remote import procscan
 
+    inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, detached=True)
+    runs = tmp_path / "runs"
+    start_detached(inventory, runs, "pair", "rep4")
+    head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep4" for h in ("a", "b"))
+    wait_first_sample(head_dir)
     # every process of the run on both hosts, the vLLM servers' process groups included (vLLM retitles its
     # workers, and a retitled process no longer shows the run's environment in /proc)
     groups = {os.getpgid(pid) for run_dir in (head_dir, worker_dir) for pid in run_processes(run_dir)}
@@ -290,18 +343,32 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
     assert state_of(worker_dir)["state"] == "aborted"
 
 
-def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(tmp_path, testhost, host_b,
+@pytest.fixture
+def host_c(tmp_path_factory):
+    """A third sshd of its own: the head of the group run's second replica, so it can die."""
+    host = TestHost(name=f"pytest-replica-c-{os.getpid()}", root=tmp_path_factory.mktemp("host-c"))
+    host.up()
+    yield host
+    host.destroy()
+
+
+def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(tmp_path, testhost, host_b, host_c,
                                                                                modern_fixed_python, tiny_models):
-    """Four test hosts as two TP=2 replicas (a+b, c+d; a and c on one sshd, b and d on the other, each its own
-    work dir) and host e alone at TP=1: one group run, the dataset sharded by replica, every sample once."""
+    """Four test hosts as two TP=2 replicas (a+b; c+d, head c on an sshd of its own, d on a's) and host e alone
+    at TP=1: one group run, the dataset sharded by replica. Replica c+d loses its head mid-way (host c killed):
+    its worker host d stops its ranks and says the head is gone, and status names the head. The rest of its
+    shard moves to e (``--reassign``): every sample once, none twice, none lost."""
+    from remote import procscan
+
     inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
     doc = yaml.safe_load(inventory.read_text())
     hosts = doc["hosts"]
-    for name, twin, core in (("c", "a", "0"), ("d", "b", "1"), ("e", "a", "0,1")):
-        hosts[name] = {**hosts[twin], "work_dir": str(tmp_path / name / "work"),
-                       "output_dir": str(tmp_path / name / "out"), "max_samples": 12,
-                       "env": {**hosts[twin]["env"], "VLLM_CPU_OMP_THREADS_BIND": core}}
-    for name in ("a", "b"):
+    env = hosts["a"]["env"]
+    for name, info, core in (("c", host_c.info(), "0"), ("d", testhost, "1"), ("e", testhost, "0,1")):
+        hosts[name] = host_entry(tmp_path, info, name, core, modern_fixed_python, tiny_models, "llama", env)
+    # the head that dies pauses after each one-sample batch, so it is lost mid-way; the others run at speed
+    hosts["c"].update(batch_size=1, env={**hosts["c"]["env"], "SPECOPS_BATCH_DELAY_S": "3"})
+    for name in hosts:
         hosts[name]["max_samples"] = 12
     second = free_port_pair()
     while abs(second - doc["replicas"]["pair"]["master_port"]) < 2:
@@ -310,19 +377,55 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     inventory.write_text(yaml.safe_dump(doc))
     runs = tmp_path / "runs"
     t0 = time.monotonic()
-    proc = cli("extract", "--inventory", str(inventory), "--on", "pair,other,e", "--run-id", "grp", "--skip-smoke",
-               "--skip-preflight", "--shard-by", "equal", "--tensors", "--json", runs=runs, timeout=1500)
-    print(f"\ntwo replicas and a host, one group run: {time.monotonic() - t0:.0f} s")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    start_detached(inventory, runs, "pair,other,e", "grp", "--shard-by", "equal")
     fleet = json.loads((runs / "grp" / "fleet.json").read_text())
     assert [(s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [
         (["a", "b"], 0, 4), (["c", "d"], 4, 8), (["e"], 8, 12)]
+    run_dir = {h: tmp_path / h / "work" / "runs" / "grp" for h in hosts}
+    wait_first_sample(run_dir["c"])
+    # the dead head: host c (sshd, sessions, supervisor, server) killed mid-run
+    worker_group = os.getpgid(int((run_dir["d"] / "pid").read_text()))  # d's supervisor and its ranks
+    port = host_c.port
+    try:
+        kill_whole_host(host_c, run_dir["c"])
+        wait_for(lambda: state_of(run_dir["d"]).get("state") == "failed", timeout=120,
+                 what="the worker host of the dead head to fail")
+        error = state_of(run_dir["d"])["error"]
+        assert error["type"] == "HeadLost" and "the head c's supervisor is gone" in error["message"], error
+        assert error["host"] == "d" and error["ranks"] == [1], error
+        # its ranks stop, not linger
+        wait_for(lambda: not run_processes(run_dir["d"]) and not procscan.live_pids(pgrp=worker_group),
+                 timeout=60, what="the worker host's ranks to end")
+        status = cli("status", "--inventory", str(inventory), "--run-id", "grp", "--json", runs=runs)
+        assert status.returncode != 0
+        assert "the head c's supervisor is gone" in status.stdout, status.stdout[-4000:]
+    finally:
+        host_c.up(port=port)
+    kept = sorted(hs_files(tmp_path / "c" / "out"))
+    assert kept and kept[0] == 4, kept
+    # the rest of the dead head's shard moves to e (after e's own shard); the others go on
+    moved = cli("extract", "--inventory", str(inventory), "--run-id", "grp", "--reassign", "other=e", "--skip-smoke",
+                "--tensors", "--json", runs=runs, timeout=1500)
+    print(f"\ntwo replicas and a host, one group run, a head lost and its rest moved: {time.monotonic() - t0:.0f} s")
+    assert moved.returncode == 0, moved.stdout[-6000:] + moved.stderr[-4000:]
+    fleet = json.loads((runs / "grp" / "fleet.json").read_text())
+    shards = {tuple(s["hosts"]): (s["start"], s["stop"]) for s in fleet["shards"] if s["stop"] > s["start"]}
+    cut = shards[("c", "d")][1]
+    assert cut == kept[-1] + 1, (cut, kept)  # cut where c's disk said
+    assert sorted(fleet_ranges(fleet)) == sorted([(0, 4, ("a", "b")), (4, cut, ("c", "d")), (8, 12, ("e",))] + (
+        [(cut, 8, ("e",))] if cut < 8 else [])), fleet["shards"]
     merged = json.loads((runs / "grp" / "manifest.json").read_text())
     indices = sorted(int(Path(f["path"]).stem.split("_")[1]) for f in merged["files"]
                      if Path(f["path"]).name.startswith("hs_"))
     assert indices == list(range(12)), indices
     assert sorted(hs_files(runs / "grp" / "samples")) == list(range(12))
+    # on the hosts' disks: every index made once, by the shard that holds it
+    on_disk = [*hs_files(tmp_path / "a" / "out"), *hs_files(tmp_path / "c" / "out"), *hs_files(tmp_path / "e" / "out")]
+    assert sorted(on_disk) == list(range(12)), sorted(on_disk)
     for worker in ("b", "d"):  # the workers' ranks ran headless and wrote nothing
         assert not hs_files(tmp_path / worker / "out")
-        status = json.loads((tmp_path / worker / "work" / "runs" / "grp" / "status.json").read_text())
-        assert status["state"] == "done", status
+    assert state_of(run_dir["b"])["state"] == "done", state_of(run_dir["b"])
+
+
+def fleet_ranges(fleet: dict) -> list[tuple]:
+    return [(s["start"], s["stop"], tuple(s["hosts"])) for s in fleet["shards"] if s["stop"] > s["start"]]

@@ -95,3 +95,28 @@ def test_a_stopped_rank_process_is_found_by_its_servers_marker():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_stopped_rank_of_the_head_loses_the_head_by_name(watch, monkeypatch):
+    """The head's own server (a real process in a session of its own, as the head starts its vLLM server):
+    stopped past the grace, the head is lost as ``RanksStopped`` naming it, and a running one is not."""
+    w, block, lost, seen = watch
+    monkeypatch.setattr(replica, "STOPPED_GRACE_S", 1.0)
+
+    class Server:  # the attributes the watch reads off the head's vllm-server engine's server
+        marker = f"head-{os.getpid()}"
+        params = {"own_session": True}
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                                env={**os.environ, MARKER_ENV: f"head-{os.getpid()}"})
+
+    try:
+        w.watch_own_ranks(lambda: Server)
+        assert w.wait_lost(3.0) is None and not lost  # running: nothing to say
+        os.kill(Server.proc.pid, signal.SIGSTOP)
+        error = w.wait_lost(30)
+        assert error is not None, "a stopped head rank was not seen"
+        assert (error["host"], error["node_rank"], error["rank"], error["type"]) == ("a", 0, 0, "RanksStopped")
+        assert f"process(es) [{Server.proc.pid}] of ranks [0, 1] on a (the head) are stopped" in error["message"]
+    finally:
+        Server.proc.kill()
+        Server.proc.wait()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from specops import jobs
 from specops import storage
+from specops.errors import SpecopsError
 from specops.assets import remote_contract
 from specops.exit_codes import ExitCode
 from specops.host import Host
@@ -32,6 +33,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
     def one(shard: Shard, host: Host) -> HostReport:
         report = jobs.fetch_run(host, shard.run_id, tensors=False, dest_root=root / "hosts", timeout=QUICK_TIMEOUT_S)
         report.host = shard.label
+        report.records.extend(_worker_runs(shard, conns, root))
         # hashing on the host (files no manifest lists yet) reads every byte: a long bound, not none
         files = shard_files(host, shard, sha256=True, timeout=FILES_TIMEOUT_S)
         report.data["listing"] = files
@@ -106,6 +108,24 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
                 f"again"))
     save_manifest(manifest)
     return [*reports, group]
+
+
+def _worker_runs(shard: Shard, conns: Connections, root: Path) -> list[Record]:
+    """The run files (logs, status, params) of each worker host of a replica shard, into
+    ``runs/R/hosts/<worker>/<run id>/`` beside the head's: their ranks' logs are on them only."""
+    records = []
+    for worker in shard.hosts[1:]:
+        try:
+            got = jobs.fetch_run(conns.host(worker), shard.run_id, tensors=False, dest_root=root / "hosts",
+                                 timeout=QUICK_TIMEOUT_S)
+        except SpecopsError as exc:
+            records.append(Record(name=f"fetch.run@{worker}", status="warn",
+                                  summary=f"{worker} (ranks of {shard.label}) did not answer: "
+                                          f"{str(exc).splitlines()[0]}; its logs are not fetched",
+                                  fix=f"once {worker} answers, fetch again (specops fetch --run-id {shard.run_id})"))
+            continue
+        records.extend(r.model_copy(update={"name": f"{r.name}@{worker}"}) for r in got.records)
+    return records
 
 
 def _local_copy_ok(local_dir: Path, entry: dict) -> bool:

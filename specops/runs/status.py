@@ -11,13 +11,18 @@ from specops.exit_codes import ExitCode
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.logs import log_printer
-from specops.parallel import report_from_payload
+from specops.parallel import report_from_payload, run_steps
 from specops.report import console
 from specops.result import STATE, HostReport, Record, RunState, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import load_manifest, save_manifest
 from specops.runs.view import INCOMPLETE, print_fleet, shard_state, shard_table
 from specops.runs.shardmap import FleetManifest, Shard
+
+
+def host_label(shard: Shard, host: str) -> str:
+    """``s0@a``: one host of ``shard`` (the shard's own label when it has one host)."""
+    return shard.label if len(shard.hosts) == 1 else f"{shard.id}@{host}"
 
 
 class UnreachableMarker(Exception):
@@ -82,6 +87,13 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
         shards = [s for s in manifest.shards if not s.empty]
         reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h, conns),
                              QUICK_TIMEOUT_S)
+        for shard, report in zip(shards, reports):
+            if report.error is not None and len(shard.hosts) > 1:
+                # a replica whose head does not answer: its worker hosts say what they saw of it (a dead
+                # head stops their ranks, HeadLost naming it)
+                workers = _worker_records(shard, conns)
+                report.records.extend(workers)
+                report.error += "".join(f"\n  {r.summary}" for r in workers)
     finally:
         conns.close()
     save_manifest(manifest)
@@ -139,8 +151,10 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
     manifest = load_manifest(run_id)
     conns = Connections(inventory, accept_new_host_key)
     shards = [s for s in manifest.shards if not s.empty]
-    collected: dict[str, dict[str, str]] = {s.label: {} for s in shards}
-    labels = {s.id: s.label for s in shards}
+    # a replica over several hosts: every host's logs, each under its own label (the head's is the shard's key)
+    collected: dict[str, dict[str, str]] = {host_label(s, h): {} for s in shards for h in s.hosts}
+    labels = {s.id: host_label(s, s.head) for s in shards}
+    labels.update({f"{s.id}@{w}": host_label(s, w) for s in shards for w in s.hosts[1:]})
     show = log_printer(collected, only, as_json)
 
     codes = [ExitCode.SUCCESS]
@@ -151,8 +165,9 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
                     show(labels[sid], event["file"], event["text"])
 
             try:
-                final = jobs.follow_many([(s.id, conns.for_shard(manifest, s), s.run_id) for s in shards], on_event,
-                                         logs=True)
+                final = jobs.follow_many([(s.id, conns.for_shard(manifest, s), s.run_id) for s in shards]
+                                         + [(f"{s.id}@{w}", conns.host(w), s.run_id) for s in shards
+                                            for w in s.hosts[1:]], on_event, logs=True)
             except KeyboardInterrupt:
                 conns.close()
                 console.print("[yellow]stopped following; the runs go on[/]")
@@ -162,12 +177,21 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
                     console.print(Text(f"{labels[sid]}: lost the follow: {result}", style="bold red"))
                     codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
         else:
-            def look(shard: Shard, host: Host) -> HostReport:
+            def host_of(item: tuple[Shard, str]) -> Host:
+                shard, name = item
+                return conns.for_shard(manifest, shard) if name == shard.head else conns.host(name)
+
+            def look(item: tuple[Shard, str]) -> HostReport:
+                shard, name = item
+                host = host_of(item)
                 payload = jobs.job_call(host, "logs", shard.run_id)
-                return HostReport(host=shard.label, task="logs", data=payload.get("data") or {},
+                return HostReport(host=host_label(shard, name), task="logs", data=payload.get("data") or {},
                                   records=[Record(**r) for r in payload.get("records", [])])
 
-            for report in per_shard(shards, manifest, conns, "logs", look, QUICK_TIMEOUT_S):
+            # every host of every shard at once: a replica's worker hosts keep their ranks' own logs
+            items = [(s, h) for s in shards for h in s.hosts]
+            for report in run_steps(items, look, name_of=lambda i: host_label(*i), task="logs",
+                                    timeout=QUICK_TIMEOUT_S, on_timeout=lambda i: host_of(i).close()):
                 if report.error is not None or "logs" not in report.data:
                     why = report.error or (report.records[0].summary if report.records else "no logs")
                     console.print(Text(f"{report.host}: {why.splitlines()[0]}", style="bold red"))
