@@ -372,9 +372,9 @@ VLLM_CASES = CASE_LOOP + textwrap.dedent('''
         report("speculators_data", speculators_data, data["models"], data["dataset"], data["cache_dir"])
         for case in args["cases"]:
             # TP=2 ranks each need their own core: else "Not enough allowed NUMA nodes". At TP=1 the
-            # engine core runs in this process (the model still loads and runs in vLLM's own worker,
-            # as the seed engine's in-process executor does): a spawned engine core would import
-            # vLLM and torch again for each start (a CPU platform always spawns).
+            # engine core runs in this process (the model still loads and runs in vLLM's own CPU
+            # worker; speculators' generator, the seed engine, has no engine core process either): a
+            # spawned engine core imports vLLM and torch again for each start (a CPU platform spawns).
             env = ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if case["tp"] == 2
                    else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
             report(case["id"], with_env, env, generate, case["model"], case["tp"], args["prompt"],
