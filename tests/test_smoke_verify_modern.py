@@ -335,40 +335,64 @@ def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(unfixed_env, tiny_mo
 
 # --------------------------------------------------------------------------- smoke
 
+#: argv: a JSON list of [model path, work dir]; smoke's twin of each, built in one process
 TWIN = ("import json, sys; from remote import smoke; "
-        "print(json.dumps(smoke.main({'model_path': sys.argv[1], 'work_dir': sys.argv[2], 'samples': 2})))")
+        "print(json.dumps([smoke.main({'model_path': model, 'work_dir': work, 'samples': 2}) "
+        "for model, work in json.loads(sys.argv[1])]))")
 
+#: argv: a JSON list of twin dirs; each loaded as verify's reference and run, in one process
 LOAD_TWIN = r"""
 import glob, json, sys, torch, transformers
 from safetensors.torch import load_file
 from remote import verify
-names = set()
-for shard in glob.glob(sys.argv[1] + "/*.safetensors"):
-    names |= set(load_file(shard))
-reference = verify.load_reference(sys.argv[1], "float32", False)
-model, how = reference.model, reference.how
-with torch.inference_mode():
-    out = model(input_ids=torch.tensor([[5, 17, 99, 300, 42, 7, 250, 3]]), output_hidden_states=True)
-print(json.dumps({"transformers": transformers.__version__, "how": how,
-                  "fused": sorted(n for n in names if n.endswith(("gate_up_proj", "experts.down_proj"))),
-                  "per_expert": sorted(n for n in names if ".mlp.experts.0." in n)[:3],
-                  "norms": [float(h.norm()) for h in out.hidden_states]}))
+seen = []
+for twin in json.loads(sys.argv[1]):
+    names = set()
+    for shard in glob.glob(twin + "/*.safetensors"):
+        names |= set(load_file(shard))
+    reference = verify.load_reference(twin, "float32", False)
+    model, how = reference.model, reference.how
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([[5, 17, 99, 300, 42, 7, 250, 3]]), output_hidden_states=True)
+    seen.append({"transformers": transformers.__version__, "how": how,
+                 "fused": sorted(n for n in names if n.endswith(("gate_up_proj", "experts.down_proj"))),
+                 "per_expert": sorted(n for n in names if ".mlp.experts.0." in n)[:3],
+                 "norms": [float(h.norm()) for h in out.hidden_states]})
+    del model, reference
+print(json.dumps(seen))
 """
 
+TWIN_MODELS = ("deepseek_v3", "kimi_k25")
 
-@pytest.mark.parametrize("model", ["deepseek_v3", "kimi_k25"])
-def test_the_twin_built_under_transformers_5_has_per_expert_tensors_and_loads_under_4_and_5(
-        modern_env, hostenv_python, tiny_models, tmp_path, model):
+
+@pytest.fixture(scope="module")
+def twins(modern_env, hostenv_python, tiny_models, tmp_path_factory) -> dict:
+    """Each model's twin built under transformers 5 and loaded under 4 and 5: three processes for
+    both models (importing torch and transformers costs more than a twin). By model: the twin's
+    smoke payload and what each transformers major saw."""
+    work = tmp_path_factory.mktemp("twins")
+    built = run_python(modern_env, TWIN, json.dumps([[str(tiny_models[m]), str(work / m / "work")]
+                                                     for m in TWIN_MODELS]))
+    dirs = json.dumps([payload["data"]["twin_dir"] for payload in built])
+    loaded = [run_python(python, LOAD_TWIN, dirs) for python in (hostenv_python, modern_env)]
+    out = {}
+    for i, model in enumerate(TWIN_MODELS):
+        seen = {}
+        for reports in loaded:
+            report = dict(reports[i])
+            seen[report.pop("transformers").split(".")[0]] = report
+        out[model] = {"payload": built[i], "seen": seen}
+    return out
+
+
+@pytest.mark.parametrize("model", TWIN_MODELS)
+def test_the_twin_built_under_transformers_5_has_per_expert_tensors_and_loads_under_4_and_5(twins, model):
     """transformers 5 fuses experts in memory; the twin it writes must not (real checkpoints
     keep one tensor per expert), and verify's reference must load it under both versions --
     Kimi-K2.5's text model through its ``language_model.`` prefix."""
-    payload = run_python(modern_env, TWIN, tiny_models[model], tmp_path / "work")
+    payload, seen = twins[model]["payload"], twins[model]["seen"]
     twin = payload["data"]["twin"]
     assert payload["records"][0]["status"] == "changed" and any("router bias" in n for n in twin["notes"])
-    seen = {}
-    for python in (hostenv_python, modern_env):
-        report = run_python(python, LOAD_TWIN, payload["data"]["twin_dir"])
-        seen[report.pop("transformers").split(".")[0]] = report
     assert sorted(seen) == ["4", "5"]
     prefix = "language_model." if model == "kimi_k25" else ""
     assert seen["5"]["fused"] == [] and seen["5"]["per_expert"] == [

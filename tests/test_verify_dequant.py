@@ -20,14 +20,14 @@ layer while the others pass. Any other quantization is refused naming it.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from test_smoke_verify_modern import run_python
 
-VERIFY = ("import json, sys; from remote import verify; print(json.dumps(verify.main({'run_dir': sys.argv[1], "
-          "'samples': 2, 'reference': 'layer', 'model_path': sys.argv[2]})))")
+#: argv: a JSON list of [run dir, model path]; verify --reference layer of each, in one process
+VERIFY = ("import json, sys; from remote import verify; print(json.dumps([verify.main({'run_dir': run, "
+          "'samples': 2, 'reference': 'layer', 'model_path': model}) for run, model in json.loads(sys.argv[1])]))")
 
 UNIT = r"""
 import json, torch
@@ -215,24 +215,42 @@ print(json.dumps({"quantized": quantized, "bad": bad, **{k: str(v) for k, v in d
 """
 
 
-def verify(python, run_dir, model) -> dict:
-    payload = run_python(python, VERIFY, run_dir, model)
-    return {**{r["name"]: r for r in payload["records"]}, "_data": payload["data"]}
+def verify(python, pairs: list) -> list[dict]:
+    """Each ``(run dir, model)`` verified in one ``python`` process (importing torch and transformers
+    costs more than a tiny model's check): their records by name, in order."""
+    payloads = run_python(python, VERIFY, json.dumps([[str(run), str(model)] for run, model in pairs]))
+    return [{**{r["name"]: r for r in payload["records"]}, "_data": payload["data"]} for payload in payloads]
 
 
 def summaries(recs: dict) -> str:
     return "\n".join(f"{k}: {v['status']}: {v['summary']}" for k, v in recs.items() if not k.startswith("_"))
 
 
+QUANTIZED = {"fp8": "deepseek_v3", "int4": "kimi_k25"}
+
+
+@pytest.fixture(scope="module")
+def checked(modern_fixed_python, hostenv_python, tiny_models, tmp_path_factory) -> dict:
+    """Each kind's quantized copies and run (MAKE, one process per kind: fp8's engine rounds every linear's
+    input), then every check of them: the healthy and the doubled-scale copy of both kinds under transformers 5
+    in one process, the healthy ones under transformers 4 in another. By kind: ``made``, ``recs``
+    (transformers 5, healthy), ``seed`` (transformers 4, healthy), ``bad`` (transformers 5, doubled scale)."""
+    made = {kind: run_python(modern_fixed_python, MAKE, kind, tiny_models[model], tmp_path_factory.mktemp(kind))
+            for kind, model in QUANTIZED.items()}
+    modern = verify(modern_fixed_python, [(made[k]["run"], made[k][copy]) for k in QUANTIZED
+                                          for copy in ("quant", "quant-bad")])
+    seed = verify(hostenv_python, [(made[k]["run"], made[k]["quant"]) for k in QUANTIZED])
+    return {kind: {"made": made[kind], "recs": modern[2 * i], "bad": modern[2 * i + 1], "seed": seed[i]}
+            for i, kind in enumerate(QUANTIZED)}
+
+
 @pytest.mark.parametrize("kind,model,expect", [
     ("fp8", "deepseek_v3", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}),
     ("int4", "kimi_k25", {"quant_method": "compressed-tensors", "num_bits": 4, "group_size": 32}),
 ])
-def test_a_quantized_checkpoint_is_checked_dequantized_and_a_doubled_scale_fails(
-        kind, model, expect, modern_fixed_python, hostenv_python, tiny_models, tmp_path):
-    made = run_python(modern_fixed_python, MAKE, kind, tiny_models[model], tmp_path)
-    run = Path(made["run"])
-    recs = verify(modern_fixed_python, run, made["quant"])
+def test_a_quantized_checkpoint_is_checked_dequantized_and_a_doubled_scale_fails(kind, model, expect, checked):
+    assert QUANTIZED[kind] == model
+    made, recs = checked[kind]["made"], checked[kind]["recs"]
     ref = recs["verify.reference"]
     assert ref["status"] == "ok", summaries(recs)
     assert {k: ref["detail"]["quantization"][k] for k in expect} == expect, ref["detail"]["quantization"]
@@ -252,12 +270,12 @@ def test_a_quantized_checkpoint_is_checked_dequantized_and_a_doubled_scale_fails
     else:  # only the routed experts
         assert dequantized == {0: 0, 4: 24, 7: 24}, dequantized
     # transformers 4 (the seed env) dequantizes the same
-    seed = verify(hostenv_python, run, made["quant"])
+    seed = checked[kind]["seed"]
     assert seed["verify.reference"]["summary"].startswith("transformers 4."), summaries(seed)
     for j in (0, 4, 7):
         assert seed[f"verify.layer.{j}"]["status"] == "ok", summaries(seed)
     # the same run against the copy with one block's scales doubled in decoder layer 4
-    bad = verify(modern_fixed_python, run, made["quant-bad"])
+    bad = checked[kind]["bad"]
     assert bad["verify.layer.4"]["status"] == "fail", summaries(bad)
     assert bad["verify.layer.4"]["detail"]["floor_ratio"] > 2.5, bad["verify.layer.4"]["summary"]
     for j in (0, 7):
