@@ -286,6 +286,11 @@ def test_server_args_may_not_repeat_what_the_engine_sets_from_the_run(tmp_path):
                         (["-tp", "2"], "set tp"), (["--port", "1"], "drop --port from server_args")):
         with pytest.raises(ValueError, match=re.escape(says)):
             argv(server_args=["--kv-cache-memory-bytes", "1000"] + flags)
+    # a server without extraction (eval's) sets no speculative config: eval serves its eagle3 draft through one
+    spec = argv(plain=True, server_args=["--speculative-config", '{"method": "eagle3"}'])
+    assert spec.count("--speculative-config") == 1 and "--kv-transfer-config" not in spec
+    with pytest.raises(ValueError, match="drop --max-model-len"):
+        argv(plain=True, server_args=["--max-model-len", "64"])
     planted = argv(server_args_unchecked=["--speculative-config", "{}"])
     assert planted[-2:] == ["--speculative-config", "{}"] and planted.count("--speculative-config") == 2
     assert "--kv-cache-memory-bytes" in argv(server_args=["--kv-cache-memory-bytes", "1000"])

@@ -128,24 +128,36 @@ def resolve(asked, verdict: dict) -> dict:
 #: than the run records (a second ``--speculative-config`` is how the GPU round plants a shifted
 #: final id). Each with the run parameter that sets it.
 ENGINE_FLAGS = {"--speculative-config": "layer_ids", "--kv-transfer-config": "format / kv_connector / writer_threads",
-                "--model": "model_path", "--served-model-name": None, "--host": None, "--port": None,
+                "--model": "model_path", "--host": None, "--port": None,
                 "--tensor-parallel-size": "tp", "-tp": "tp", "--max-model-len": "seq_len"}
 
 
-def refused_flags(server_args) -> list[str]:
-    """The flags of ``server_args`` that would make the extracted files wrong."""
+#: what a server without extraction (eval's, the benchmarks' baseline) leaves to ``server_args``:
+#: eval serves its draft through its own ``--speculative-config``
+EXTRACTION_ONLY_FLAGS = ("--speculative-config", "--kv-transfer-config")
+
+
+def _engine_flags(plain: bool) -> dict:
+    return {k: v for k, v in ENGINE_FLAGS.items() if not (plain and k in EXTRACTION_ONLY_FLAGS)}
+
+
+def refused_flags(server_args, plain: bool = False) -> list[str]:
+    """The flags of ``server_args`` that would make the extracted files wrong (``plain``: of a
+    server without extraction, which sets no speculative or KV-transfer config of its own)."""
+    own = _engine_flags(plain)
     return [a for a in (str(x) for x in server_args or ())
-            if a.split("=", 1)[0] in REFUSED_FLAGS or a.split("=", 1)[0] in ENGINE_FLAGS]
+            if a.split("=", 1)[0] in REFUSED_FLAGS or a.split("=", 1)[0] in own]
 
 
-def server_args_problem(server_args) -> str | None:
+def server_args_problem(server_args, plain: bool = False) -> str | None:
     """What is wrong with ``server_args`` (None: nothing), naming each refused flag and its fix."""
     given = [str(x) for x in server_args or ()]
+    own = _engine_flags(plain)
     problems = []
     for flag in (a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in REFUSED_FLAGS):
         problems.append(f"{flag} would make the extracted files wrong (a request's states and token ids differ in "
                         f"length with prefix caching): drop {flag} from the run's server_args")
-    for flag in dict.fromkeys(a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in ENGINE_FLAGS):
+    for flag in dict.fromkeys(a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in own):
         param = ENGINE_FLAGS[flag]
         problems.append(f"{flag} is set by the engine" + (f" from the run's {param}" if param else "") +
                         f" (vLLM would take the last one given, and the files would not be what the run records): "

@@ -214,7 +214,7 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
     if params.get("max_num_seqs"):
         argv += ["--max-num-seqs", str(int(params["max_num_seqs"]))]
     extra = [str(a) for a in params.get("server_args") or []]
-    problem = chunking.server_args_problem(extra)
+    problem = chunking.server_args_problem(extra, plain=bool(params.get("plain")))
     if problem:
         raise ValueError(problem)
     # a benchmark's or the GPU round's planted fault (a test hook: never checked)
