@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import pytest
 from conftest import _inventory_writer
 
 REPO = Path(__file__).resolve().parents[1]
+from specops_cli import specops  # noqa: E402
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 INPUT_DEFAULT = [2, 4, 5, 8]
 
@@ -45,11 +45,6 @@ def run_python(python, code: str, *args, timeout: int = 600) -> dict:
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
-
-def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "250", **(env or {})})
 
 
 # --------------------------------------------------------------------------- light: the field and the flag

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+from specops_cli import records, specops  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 from remote import draft_eval, trainplan, trainrun  # noqa: E402
@@ -45,15 +45,6 @@ from remote import draft_eval, trainplan, trainrun  # noqa: E402
 EPOCHS = 40
 
 
-def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "250", **(env or {})})
-
-
-def records(proc) -> dict:
-    doc = json.loads(proc.stdout)
-    return {r["name"]: r for host in doc["hosts"] for r in host["records"]}
 
 
 # --------------------------------------------------------------------------- light

@@ -11,26 +11,16 @@ held-out prompts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+from specops_cli import records, specops  # noqa: E402
 EPOCHS = 40
 
 
-def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "specops"), *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout,
-                          env={**os.environ, "COLUMNS": "250", **(env or {})})
-
-
-def records(proc) -> dict:
-    return {r["name"]: r for host in json.loads(proc.stdout)["hosts"] for r in host["records"]}
 
 
 @pytest.mark.vllm
