@@ -247,9 +247,10 @@ class VllmServerEngine(Engine):
         ``concurrency`` requests are in flight; a thread whose file is ready gives its
         request slot to the next sample before it digests the file, and at most
         ``digest_workers`` (default: half the host's cores, at least 4) files are digested
-        at once while requests remain, each on one thread (hashing and statistics are CPU
-        work that must not starve the server's own processes); once every request is
-        answered, the files left are digested on every core (:class:`~.landing.DigestSlots`).
+        at once while requests remain, each by one digest process (:class:`~.landing.DigestPool`)
+        or thread (hashing and statistics are CPU work that must not starve the server's own
+        processes); once every request is answered, the files left are digested on every core
+        (:class:`~.landing.DigestSlots`).
 
         :returns: the records in index order.
         :raises SampleRejected: for the first bad sample; :class:`~.logs.ServerFailed` when the
