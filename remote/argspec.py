@@ -56,6 +56,10 @@ fault points they arm are named in :mod:`remote.faults`; what an armed one does 
 ``plain`` (job)
     the vLLM server without extraction: the benchmarks' baseline (eval's baseline server
     passes it in-process, :mod:`remote.draft_eval`).
+``swap_sample_states`` (job, vllm-server)
+    ``[i, j]``: once both requests are answered, the two files the server wrote exchange
+    their states (each keeps its own token ids, so the landing's checks pass): the engine
+    mixing up two requests, which the canary must stop and name.
 ``server_args_unchecked`` (job)
     vLLM server flags appended after ``server_args`` without its check: the GPU round plants
     a shifted final id with a second ``--speculative-config``, which ``server_args`` refuses.
@@ -439,6 +443,8 @@ RUN_ARGS = {
     "plain": Arg("bool", hook=True, doc="the server without extraction (the benchmarks' baseline)"),
     "server_args_unchecked": Arg("list", elements="str", hook=True,
                                  doc="server flags appended unchecked (a planted fault)"),
+    "swap_sample_states": Arg("list", elements="int", hook=True,
+                              doc="[i, j]: samples i and j land with each other's states (a planted fault)"),
 }
 
 #: which installed packages a check looks at, and what it checks them for: the drift check, the

@@ -130,12 +130,35 @@ class Canary:
                                        scales=sample.scales)
         if sample.result["status"] == protocol.FAIL:
             run = _RunView(self.convention)
-            sample.cause = logits.find_cause(self.head, sample, [sample], self.last, run, self.num_layers,
+            others = [sample, *self._recorded_others(index, n)]
+            sample.cause = logits.find_cause(self.head, sample, others, self.last, run, self.num_layers,
                                              self.model_path, self.config)
         record = logits.logits_record([sample], _RunView(self.convention), self.last)
         record["name"] = name
         record["detail"]["index"] = index
         return record
+
+
+    def _recorded_others(self, index: int, n: int) -> list:
+        """The other samples whose prompt logprobs are recorded so far (their first ``n`` tokens), for
+        :func:`remote.verify.logits.find_cause` to try: a file holding another request's states is named."""
+        import json
+
+        from remote.verify import logits
+
+        others = []
+        for found in sorted(self.folder.glob("prompt_logprobs_*.json")):
+            match = contract.PROMPT_LOGPROBS_RE.match(found.name)
+            if not match or int(match.group(1)) == index:
+                continue
+            try:
+                kept = json.loads(found.read_text())
+            except (OSError, ValueError):  # being written by another landing thread: not a candidate yet
+                continue
+            kept = dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
+            other = int(match.group(1))
+            others.append(logits.Sample(other, contract.sample_name(other, contract.HS), kept["token_ids"], {}, kept))
+        return others
 
 
 class _RunView:

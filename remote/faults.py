@@ -2,7 +2,7 @@
 
 A real run arms none. Tests arm them with the declared test-hook parameters
 (:mod:`remote.argspec`, ``hook=True``: ``inject_failure``, ``batch_delay_s``,
-``inject_failure_after``, ``hold_lock_s``) or a job's env (``SPECOPS_BATCH_DELAY_S``).
+``inject_failure_after``, ``hold_lock_s``, ``swap_sample_states``) or a job's env (``SPECOPS_BATCH_DELAY_S``).
 What an armed point does lives in ``remote/dev/faults.py``, which no wheel holds: a host
 task sent by an installed program refuses an armed point by name instead of ignoring it.
 
@@ -49,6 +49,12 @@ def engine_step(params: dict, at: str, rank: int = 0) -> None:
     spec = params.get("inject_failure")
     if spec:
         _behaviour().raise_at(spec, at, rank)
+
+
+def swapped_states(params: dict) -> object | None:
+    """``swap_sample_states`` armed: the exchange both samples' landing threads meet at (None when unarmed)."""
+    pair = params.get("swap_sample_states")
+    return _behaviour().StateSwap(pair) if pair else None
 
 
 def batch_delay_s(params: dict) -> float:

@@ -129,7 +129,8 @@ def test_job_call_keys_are_declared_not_kept_by_hand():
 
 def test_test_hooks_are_declared_and_documented_once():
     hooks = argspec.hooks(*(task(name).SPEC for name in TASKS))
-    assert set(hooks["job"]) == {"inject_failure", "batch_delay_s", "plain", "server_args_unchecked"}
+    assert set(hooks["job"]) == {"inject_failure", "batch_delay_s", "plain", "server_args_unchecked",
+                                 "swap_sample_states"}
     assert set(hooks["patcher"]) >= {"inject_failure_after", "hold_lock_s"} and hooks["facts"] == ["cli"]
     doc = argspec.__doc__
     for name in {h for names in hooks.values() for h in names} | {"_python_min", "SPECOPS_BATCH_DELAY_S"}:

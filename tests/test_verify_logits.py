@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -238,6 +239,37 @@ def test_the_canary_stops_a_run_whose_server_computes_another_model(host_python,
     assert status["samples_done"] < status["samples_total"]
     canary = json.loads((tmp_path / "work" / "runs" / "canary" / "prompt_logprobs" / "canary.json").read_text())
     assert [r["status"] for r in canary] == ["fail"]
+
+
+@pytest.mark.vllm
+def test_the_canary_stops_a_run_whose_samples_landed_with_each_others_states_and_names_both(
+        host_python, tiny_models, tmp_path):
+    """The engine mixes up two requests: samples 0 and 1 land with each other's states (the planted
+    ``swap_sample_states``; each file keeps its own token ids, so the landing's checks pass). The
+    first canary sample checked fails, and its cause names the other one: its states reproduce that
+    sample's prompt logprobs. Rows of one length (pre-tokenized), as a batch of a real mix-up would be."""
+    from test_extract_remote import job, wait_final
+
+    vocab = json.loads((Path(tiny_models["llama"]) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(7)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, vocab) for _ in range(40)]}) + "\n"
+                            for _ in range(12)))
+    params = dict(run_id="swapped", work_dir=str(tmp_path / "work"), model_path=str(tiny_models["llama"]),
+                  dataset=str(rows), output_dir=str(tmp_path / "out"), device="cpu", max_samples=12, seq_len=64,
+                  batch_size=4, canary_samples=2, env=cache_env(), swap_sample_states=[0, 1])
+    job(host_python, action="start", **params)
+    status = wait_final(host_python, params, timeout=900)
+    assert status["state"] == "failed", status
+    error = status["error"]
+    assert error["type"] == "CanaryFailed" and error["check"] == "canary.logits", error
+    named = [(a, b) for a, b in ((0, 1), (1, 0)) if f"DIFFERS: hs_{a}.safetensors" in error["message"]]
+    assert named and f"states reproduce sample {named[0][1]}'s prompt logprobs" in error["message"], error
+    assert "re-run the extraction" in error["fix"], error
+    assert status["samples_done"] < status["samples_total"]
+    canary = json.loads((tmp_path / "work" / "runs" / "swapped" / "prompt_logprobs" / "canary.json").read_text())
+    assert canary[0]["status"] == "fail" and canary[0]["detail"]["samples"][f"hs_{named[0][0]}.safetensors"][
+        "cause"]["with"] == named[0][1], canary
 
 
 # --------------------------------------------------------------------------- the engine's side, no server

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from remote.contract import VLLM_SERVER
-from remote import contract, layers, modelconfig, samples
+from remote import contract, faults, layers, modelconfig, samples
 from remote.engines import Engine
 
 from . import chunking
@@ -269,6 +269,7 @@ class VllmServerEngine(Engine):
         in_flight = threading.BoundedSemaphore(workers)
         digesting = DigestSlots(digesters, requests=len(samples_))
         canary = self.logprobs.claim(int(i) for i, _ in samples_)
+        planted_swap = faults.swapped_states(self.params)
 
         def one(index, ids):
             t0 = time.monotonic()
@@ -279,6 +280,8 @@ class VllmServerEngine(Engine):
                     raise SampleRejected(index, exc.problems) from None
                 finally:
                     digesting.request_done()
+            if planted_swap is not None:
+                planted_swap.landed(index, path)
             with digesting:
                 record = self._land(index, ids, path, out_dir)
             if index in canary:
