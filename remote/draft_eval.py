@@ -156,7 +156,7 @@ def held_out_prompts(params: dict, plan: trainplan.TrainPlan, doc: dict, target:
     run_params = doc.get("params") or {}
     used = int(doc.get("dataset_samples") or 0)
     want = int(params["prompts"])
-    rows = load_token_samples({**run_params, "max_samples": used + want, "seq_len": plan.total_seq_len},
+    rows = load_token_samples({**run_params, "max_samples": used + want, "seq_len": plan.sample_tokens},
                               plan.model_path, vocab_size=modelconfig.text_value(target, "vocab_size"))
     held = rows[used:]
     if not held:

@@ -43,6 +43,8 @@ SPEC = Spec("train", {
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
     "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
                                   "GPU the job sees, remote.trainrun.trainer_processes)"),
+    "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
+                         "remote.trainplan.default_total_seq_len); not below the states' seq_len"),
     "train_args": Arg("list", elements="str", doc="more trainer flags (argv tokens), checked against the installed "
                       "trainer's (remote.trainplan.check_extra_args), appended to its command, recorded"),
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
@@ -99,7 +101,7 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         from remote import manifest as run_manifest, regenerate
 
         doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
-        records.append(regenerate.check(doc, params, plan.total_seq_len))
+        records.append(regenerate.check(doc, params, plan.sample_tokens))
     records.append(trainplan.check_api(plan, api))
     records.append(check_disk(plan))
     records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))

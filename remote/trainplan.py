@@ -69,7 +69,7 @@ SPECOPS_SETS = {
     "hidden_states_path": "--from-run: the extraction run's states are the data",
     "target_layer_ids": "the extraction's layer ids minus the final state (specops extract --layer-ids)",
     "hidden_states_backend": "the states' format picks it (specops extract --format: bf16 -> file, fp8 -> fp8)",
-    "total_seq_len": "the extraction's seq_len (specops extract --seq-len, or the inventory's seq_len)",
+    "total_seq_len": "specops train --total-seq-len (default: the states' seq_len on CPU, at least 8192 on CUDA)",
     "epochs": "specops train --epochs",
     "save_path": "specops train --run-id (checkpoints go to <work_dir>/runs/<run-id>/checkpoints)",
     "dry_run": "specops train --dry-run",
@@ -118,6 +118,13 @@ class TrainPlan:
     #: ``train --regenerate``: the target's own replies (remote.regenerate's record), their states run and the
     #: states run the rows came from; None: the trainer reads ``from_run``'s states
     regenerated: dict | None = None
+    #: the states run's seq_len (no sample is longer); 0 in a plan written before it was kept
+    seq_len: int = 0
+
+    @property
+    def sample_tokens(self) -> int:
+        """The most tokens of one sample: the states' seq_len (``total_seq_len`` packs several)."""
+        return self.seq_len or self.total_seq_len
 
     def flags(self) -> list[tuple[str, str | list | None]]:
         """``(field, value)`` of every flag specops sets, in order (None: a switch); a default of
@@ -301,16 +308,42 @@ def resolve(params: dict) -> TrainPlan:
                          f"state_format {plan.state_format!r} needs {backend!r}",
                          "the manifest was edited or written by another specops; re-run the extraction")
     run_params = doc.get("params") or {}
+    seq_len = int(contract.param(run_params, "seq_len"))
     run_dir = work_dir / "runs" / str(params["run_id"])
     return TrainPlan(
         run_id=str(params["run_id"]), from_run=str(params["from_run"]), states_run_dir=str(run.run_dir),
         data_path=str(run.output_dir), model_path=str((doc.get("model") or {}).get("path") or ""),
         layer_ids=ids, trainer_layer_ids=aux, num_layers=n, state_format=plan.state_format, backend=backend,
-        total_seq_len=int(contract.param(run_params, "seq_len")), samples=len(doc.get("files") or []),
+        total_seq_len=total_seq_len(params, seq_len), seq_len=seq_len, samples=len(doc.get("files") or []),
         tokens=int(doc.get("tokens") or 0), sample_range=list(doc.get("sample_range") or []),
         save_path=str(checkpoints_dir(run_dir)), epochs=int(params.get("epochs") or 1),
         dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
         extra_args=list(params.get("train_args") or []))
+
+
+#: speculators' own --total-seq-len default (0.9.0): a step packs this many tokens of several samples
+TRAINER_TOTAL_SEQ_LEN = 8192
+
+
+def default_total_seq_len(device: str, seq_len: int) -> int:
+    """Tokens packed per step when the run does not say: on a GPU the trainer's own default (a step of one
+    256-token sample kept an H200 at 600 tok/s); on a CPU host one sample's worth (a step's memory)."""
+    return seq_len if device == "cpu" else max(seq_len, TRAINER_TOTAL_SEQ_LEN)
+
+
+def total_seq_len(params: dict, seq_len: int) -> int:
+    """The run's ``total_seq_len``; :raises TrainError: one below the states' ``seq_len`` (the trainer would
+    cut every longer sample to it)."""
+    asked = params.get("total_seq_len")
+    if not asked:
+        return default_total_seq_len(str(params.get("device") or "cuda"), seq_len)
+    if int(asked) < seq_len:
+        raise TrainError("train.total_seq_len", f"total_seq_len {asked} is below run {params.get('from_run')}'s "
+                         f"seq_len {seq_len}: the trainer would cut every longer sample to {asked} tokens",
+                         f"pass --total-seq-len {seq_len} or more (or leave it out: "
+                         f"{default_total_seq_len(str(params.get('device') or 'cuda'), seq_len)} here)",
+                         detail={"total_seq_len": int(asked), "seq_len": seq_len})
+    return int(asked)
 
 
 # --------------------------------------------------------------------------- the installed trainer

@@ -219,7 +219,7 @@ class TrainSupervisor:
         self.status.update(state=RunState.LOADING.value, phase="regenerating: the target writes its own replies")
         record = regenerate.regenerate(self.paths.run_dir, doc=doc, model_path=plan.model_path,
                                        params={**self.params, "tp": (doc.get("params") or {}).get("tp")},
-                                       seq_len=plan.total_seq_len, log=lambda line: print(line, flush=True))
+                                       seq_len=plan.sample_tokens, log=lambda line: print(line, flush=True))
         source = samples.read_json_quietly(Path(plan.states_run_dir) / "params.json") or doc.get("params") or {}
         start = regenerate.states_params(source, doc, work_dir=self.params["work_dir"], run_id=plan.run_id,
                                          rows_file=record["file"], samples=record["samples"])

@@ -311,17 +311,19 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
                  "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)",
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
-                         "host's env sees)"},
+                         "host's env sees)",
+                 "total-seq-len": "tokens the trainer packs into one step (speculators' --total-seq-len; default: "
+                                  "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)"},
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
-          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None):
+          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
                regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, gpus=gpus,
-               as_json=target.as_json,
+               total_seq_len=total_seq_len, as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 
@@ -343,7 +345,8 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
                     accept_new_host_key=target.accept_new_host_key)
 
 
-_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature")
+_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature",
+           "total-seq-len")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 

@@ -37,7 +37,7 @@ PROGRESS_EVERY_S = 5.0
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
-                 action: str = "start", gpus: int | None = None) -> dict:
+                 action: str = "start", gpus: int | None = None, total_seq_len: int | None = None) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -47,6 +47,8 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
         params["train_args"] = list(trainer_args)
     if gpus:
         params["gpus"] = int(gpus)
+    if total_seq_len:
+        params["total_seq_len"] = int(total_seq_len)
     if regenerate is not None:
         params.update({"regenerate": True, **{k: v for k, v in regenerate.items() if v is not None}})
     return params
@@ -79,11 +81,11 @@ def trainer_argv(values) -> list[str]:
 
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
-               gpus: int | None = None) -> HostReport:
+               gpus: int | None = None, total_seq_len: int | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host."""
     payload = host.run_task("train", train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run,
                                                   force=force, trainer_args=trainer_args, regenerate=regenerate,
-                                                  gpus=gpus))
+                                                  gpus=gpus, total_seq_len=total_seq_len))
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
     return report
@@ -147,7 +149,8 @@ def run_record(run_id: str, state: RunState) -> Record:
 
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
-          regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, as_json: bool = False,
+          regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
+          as_json: bool = False,
           accept_new_host_key: bool = False) -> ExitCode:
     """Start (or resume) the train run on every selected host, follow it, fetch what it wrote."""
     from specops.runid import check_run_id
@@ -166,6 +169,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError(f"--epochs {epochs} must be at least 1", "pass --epochs N (N >= 1)")
     extra = trainer_argv(trainer_args)
     gpus = _number(gpus, "--gpus", int, low=1)
+    total_seq_len = _number(total_seq_len, "--total-seq-len", int, low=1)
     regen = None
     if regenerate:
         regen = {"regen_max_tokens": _number(regen_max_tokens, "--regen-max-tokens", int, low=1),
@@ -176,7 +180,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in inventory.select(selector)}
     reports = run_on_hosts(inventory, ",".join(hosts), "train", lambda h: start_step(
         hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force, trainer_args=extra,
-        regenerate=regen, gpus=gpus))
+        regenerate=regen, gpus=gpus, total_seq_len=total_seq_len))
     started = [r.host for r in reports if not r.failed]
     if detach or not started:
         print_reports(reports, as_json=as_json)

@@ -154,3 +154,28 @@ def test_a_trainer_arg_that_is_no_flag_is_a_usage_error(value, tmp_path):
                     f"--trainer-arg={value}")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "--trainer-arg" in proc.stderr, proc.stderr
+
+
+def test_the_packed_tokens_per_step_default_by_device_and_are_refused_below_the_states_seq_len(tmp_path):
+    """``--total-seq-len``: speculators packs that many tokens of several samples into a step. A GPU gets
+    the trainer's own default (a step of one 256-token sample kept the H200 at 600 tok/s, round 8); a CPU
+    host one sample's worth; below the states' seq_len every longer sample would be cut, so refused."""
+    from remote import trainplan
+
+    assert trainplan.total_seq_len({"device": "cpu"}, 128) == 128
+    assert trainplan.total_seq_len({"device": "cuda"}, 256) == trainplan.TRAINER_TOTAL_SEQ_LEN == 8192
+    assert trainplan.total_seq_len({"device": "cuda"}, 16384) == 16384
+    assert trainplan.total_seq_len({"device": "cpu", "total_seq_len": 4096}, 128) == 4096
+    with pytest.raises(trainplan.TrainError) as refused:
+        trainplan.total_seq_len({"device": "cuda", "total_seq_len": 64, "from_run": "r1"}, 256)
+    record = refused.value.payload()["records"][0]
+    assert record["name"] == "train.total_seq_len" and record["status"] == "fail", record
+    assert "below run r1's seq_len 256" in record["summary"] and "--total-seq-len 256 or more" in record["fix"]
+    # the trainer's own flag stays specops': --trainer-arg names the option instead
+    assert "specops train --total-seq-len" in trainplan.SPECOPS_SETS["total_seq_len"]
+
+    (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "
+                                       "output_dir: /o}\n")
+    proc = _specops("train", "--inventory", tmp_path / "inv.yaml", "--run-id", "t1", "--from-run", "r1",
+                    "--total-seq-len", "0")
+    assert proc.returncode == 3 and "--total-seq-len" in proc.stderr, proc.stdout + proc.stderr
