@@ -643,6 +643,25 @@ def test_speculators_own_offline_loader_reads_the_output_unchanged(extraction, m
 
 
 @pytest.mark.vllm
+def test_a_worker_whose_writer_raises_after_the_reply_is_named_not_a_file_never_written(
+        modern_vllm_python, tiny_models, tmp_path):
+    """vLLM's stock connector on a CPU host: the reply names the file, then the worker's writer raises
+    (it pins memory, which needs an accelerator) and the file never comes. The run's error is that
+    exception from the server's log, with its rank, never "the server named ... but never wrote it"."""
+    samples_file = tmp_path / "samples.jsonl"
+    samples_file.write_text("".join(json.dumps(s) + "\n" for s in make_samples(2)))
+    result = run_engine(modern_vllm_python, tiny_models["llama"], samples_file, tmp_path / "out", tmp_path / "work",
+                        {**SERVER_PARAMS, "kv_connector": "ExampleHiddenStatesConnector"}, timeout=700)
+    error = result.get("error")
+    assert error and error["type"] == "ServerFailed", result
+    assert "pin_memory" in error["exception"] and error["rank"] == 0, error
+    # the first request that writes a file is the canary's prompt-logprobs warm-up (a sample's waits the same way)
+    assert error["message"].startswith("vLLM failed writing the hidden states of the prompt-logprobs warm-up"), error
+    assert "never wrote" not in error["exception"], error
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.vllm
 def test_a_server_that_dies_while_loading_fails_early_naming_the_exception(
         modern_vllm_python, tiny_models, tmp_path):
     """Truncated weights: the worker dies loading them; the wait ends with that exception, not a timeout."""

@@ -117,6 +117,8 @@ def main(argv=None) -> int:
         result[name] = str(path)
         result["seconds"][name] = round(time.monotonic() - t, 2)
     result["dataset"] = str(tinymodel.write_chat_dataset(out / "chat.jsonl"))
+    # round 10's draft: 512 rows to train on, the rest held out for eval
+    result["dataset_600"] = str(tinymodel.write_chat_dataset(out / "chat_600.jsonl", num_records=600, seed=1))
     for shape in args.bench.split(","):
         n, length = (int(x) for x in shape.split("x"))
         result.setdefault("bench_datasets", []).append(str(bench_dataset(out / f"bench_{n}x{length}.jsonl", n, length)))

@@ -127,7 +127,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
+EXPECTED_S = {"canary_swapped": 120, "draft_train": 420, "draft_eval": 450, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
@@ -236,6 +236,11 @@ def ssh_up():
         # train and eval (#24 on the H200): 16 chat rows extracted, the other 8 held out for eval
         "gpu-8b-train": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-train",
                          "max_samples": 16},
+        # round 10: a draft worth measuring: 512 of 600 chat rows extracted (the target's own replies to them
+        # regenerated), the other 88 held out for eval
+        "gpu-8b-draft": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-draft",
+                         "dataset": str(MODELS / "chat_600.jsonl"), "batch_size": 32,
+                         "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "512"))},  # fewer: a CPU rehearsal
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -430,7 +435,7 @@ def canary_ids(model: Path) -> list[int]:
     return [2, n // 2, n - 3, n]
 
 
-def canary_run(name: str, server_args: list, max_samples=256, timeout=200) -> dict:
+def canary_run(name: str, server_args: list, max_samples=256, timeout=200, **extra) -> dict:
     """A detached run of the 8B-like model whose first samples are the canary (eager: the fault does not
     need CUDA graphs and the start is ~1 min sooner). ``server_args`` plants the fault in the server:
     the run must fail with ``canary.logits`` naming it, soon after the server is ready; [] is the
@@ -443,7 +448,7 @@ def canary_run(name: str, server_args: list, max_samples=256, timeout=200) -> di
                   engine="vllm-server", tp=1, layer_ids=canary_ids(MODELS / "llama_8b"), max_samples=max_samples, seq_len=2048,
                   batch_size=16,
                   gpu_memory_utilization=0.5, enforce_eager=True, canary_samples=2, env=VLLM_ENV,
-                  server_args_unchecked=server_args)  # a planted fault: server_args would refuse it
+                  server_args_unchecked=server_args, **extra)  # a planted fault: server_args would refuse it
     t0 = time.monotonic()
     started = host_job(dict(params, action="start"), f"start_{name}.json")
     status, polls = {}, 0
@@ -509,6 +514,66 @@ def canary_shifted():
                             for sample in ((r.get("detail") or {}).get("samples") or {}).values()
                             if isinstance(sample, dict)})
     return got
+
+
+def canary_swapped():
+    """Round 10: samples 0 and 1 land with each other's states (the test hook ``swap_sample_states``: the
+    engine mixing up two requests, each file keeping its own ids): the canary must stop the run and name
+    the other sample."""
+    got = canary_run("swapped", [], swap_sample_states=[0, 1])
+    records = got.get("canary") if isinstance(got.get("canary"), list) else []
+    got["causes"] = [sample.get("cause") for r in records if isinstance(r, dict)
+                     for sample in ((r.get("detail") or {}).get("samples") or {}).values() if isinstance(sample, dict)]
+    return got
+
+
+DRAFT_HOST, DRAFT_STATES, DRAFT_RUN, DRAFT_UNTRAINED = "gpu-8b-draft", "gpu-8b-d", "gpu-8b-r", "gpu-8b-u"
+
+
+def draft_train():
+    """Round 10, #24 on the H200 at a size where acceptance means something: 512 chat rows' states, the
+    target's own replies regenerated (128 tokens) and their states extracted, a draft trained on them with
+    the trainer's packing on CUDA (8192 tokens a step), its memory measured beside the estimate; fetched."""
+    out = {"extract": specops(["extract", "--on", DRAFT_HOST, "--run-id", DRAFT_STATES, "--skip-smoke"],
+                              "extract_8b_d.txt", timeout=300)}
+    out["train"] = specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN, "--from-run", DRAFT_STATES,
+                            "--regenerate", "--regen-max-tokens", "128", "--epochs", "3", "--json"],
+                           "train_8b_r.json", timeout=480)
+    out["fetch"] = specops(["fetch", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN, "--tensors"], "fetch_8b_r.txt",
+                           timeout=180)
+    status = WORK / "runs" / DRAFT_RUN / "status.json"
+    if status.exists():
+        st = json.loads(status.read_text())
+        out["status"] = {k: st.get(k) for k in ("state", "memory", "wall_s", "tokens_per_s", "steps_total", "loss",
+                                                "accuracy", "error")}
+    keep_run(DRAFT_HOST, DRAFT_RUN, DRAFT_RUN)
+    return out
+
+
+def draft_eval():
+    """Round 10: the trained draft served as eagle3 with the target (and the target alone: tokens/s both),
+    an untrained draft of the same shape, and the trained one with its aux ids off by one (refused, then
+    forced): acceptance of each on the same held-out rows."""
+    common = ["--prompts", "16", "--max-tokens", "128", "--json"]
+    out = {"trained": specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_RUN, "--baseline", *common],
+                              "eval_8b_r.json", timeout=420)}
+    out["untrained_train"] = specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_UNTRAINED, "--from-run",
+                                      DRAFT_STATES, "--dry-run", "--json"], "train_8b_u.json", timeout=240)
+    out["untrained"] = specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_UNTRAINED, *common],
+                               "eval_8b_u.json", timeout=300)
+    best = WORK / "runs" / DRAFT_RUN / "checkpoints" / "checkpoint_best"
+    shifted = Path("/tmp/gpu-shifted-draft")
+    if best.exists():
+        shutil.rmtree(shifted, ignore_errors=True)
+        shutil.copytree(best.resolve(), shifted)
+        config = json.loads((shifted / "config.json").read_text())
+        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+        (shifted / "config.json").write_text(json.dumps(config))
+        out["shifted_refused"] = specops(["eval", "--on", DRAFT_HOST, "--draft", str(shifted), "--from-run",
+                                          DRAFT_STATES, *common], "eval_8b_shifted_refused.json", timeout=120)
+        out["shifted"] = specops(["eval", "--on", DRAFT_HOST, "--draft", str(shifted), "--from-run", DRAFT_STATES,
+                                  "--force", *common], "eval_8b_shifted.json", timeout=300)
+    return out
 
 
 def digest_cpu():
@@ -740,6 +805,9 @@ def main(argv=None) -> int:
             "canary_shifted": run_step("canary_shifted", canary_shifted),
             "digest_cpu": run_step("digest_cpu", digest_cpu),
             "train_eval": run_step("train_eval", train_eval),
+            "canary_swapped": run_step("canary_swapped", canary_swapped),
+            "draft_train": run_step("draft_train", draft_train),
+            "draft_eval": run_step("draft_eval", draft_eval),
             "bench": run_step("bench", bench),
             **{f"bench_{label}": run_step(f"bench_{label}", bench_shape, label, *rest) for label, *rest in SHAPES},
             "abort": run_step("abort", abort_flow),

@@ -30,6 +30,8 @@ from .prompt_logprobs import PromptLogprobs
 
 #: tokens of the prompt-logprobs warm-up request (:meth:`VllmServerEngine._warm_up_logprobs`)
 WARM_UP_TOKENS = 8
+#: how long a missing file waits for the server's log to name why (a worker's traceback follows its reply)
+LOG_GRACE_S = 5.0
 
 
 class VllmServerEngine(Engine):
@@ -141,6 +143,7 @@ class VllmServerEngine(Engine):
                 "max_tokens": 1, "temperature": 0.0, **self.logprobs.fields()}
         timeout = float(self.params.get("request_timeout_s") or 600)
         t0 = time.monotonic()
+        log_at = self.server.log_size()
         try:
             reply = self.server.post_json("/v1/completions", body, timeout=timeout)
         except RuntimeError as exc:
@@ -150,7 +153,7 @@ class VllmServerEngine(Engine):
             return
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path:
-            wait_for_file(path, timeout)
+            self._wait_for_file(path, timeout, log_at, "the prompt-logprobs warm-up request")
             os.unlink(path)
         self.logprobs_warm_up_s = round(time.monotonic() - t0, 3)
 
@@ -193,6 +196,7 @@ class VllmServerEngine(Engine):
                 "return_token_ids": True}
         timeout = float(self.params.get("request_timeout_s") or 600)
         reply = None
+        log_at = self.server.log_size()
         if logprobs and not self.logprobs.unavailable:
             try:
                 reply = self.server.post_json("/v1/completions", dict(body, **self.logprobs.fields()), timeout=timeout)
@@ -213,8 +217,23 @@ class VllmServerEngine(Engine):
         if not path:
             raise RuntimeError(f"the reply names no hidden_states_path (kv_transfer_params="
                                f"{reply.get('kv_transfer_params')!r}); is the KV connector configured?")
-        wait_for_file(path, float(self.params.get("request_timeout_s") or 600))
+        self._wait_for_file(path, timeout, log_at, "sample" if index is None else f"sample {index}")
         return path
+
+    def _wait_for_file(self, path: str, timeout: float, log_at: int, what: str) -> None:
+        """:func:`~.landing.wait_for_file`; a file that never comes is the server's failure when its log
+        says so after ``log_at`` (a worker whose writer raised: the reply came, the file never will), raised
+        as that instead of "never wrote it"."""
+        try:
+            wait_for_file(path, timeout)
+        except (FileNotFoundError, TimeoutError) as exc:
+            deadline = time.monotonic() + LOG_GRACE_S  # the worker's traceback may reach the log just after
+            while True:
+                if self.server.failed_since(log_at) or not self.server.alive:
+                    raise self.server.failure(f"vLLM failed writing the hidden states of {what}") from exc
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def _load_checked(self, index: int, token_ids, path: str) -> dict:
         from safetensors.torch import load_file

@@ -148,6 +148,26 @@ class VllmServer:
             return None
         return {"name": "APIServer", "pid": self.proc.pid, "exit_code": code, "source": "waitpid"}
 
+    def log_size(self) -> int:
+        """The server log's size now: :meth:`failed_since` reads only what came after it."""
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
+
+    def failed_since(self, offset: int) -> dict | None:
+        """The exception the server logged after byte ``offset`` (a worker's, e.g. its connector's writer,
+        while the API server still answers), or None. Only what came after: a traceback logged at start-up
+        (an optional import) is never taken for a request's cause."""
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(max(offset, os.path.getsize(self.log_path) - (1 << 20)))
+                text = handle.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        found = log_failure(text)
+        return found if found and found.get("exception") else None
+
     def death_in_log(self) -> bool:
         """Whether the server's log tells of a process that died (a request may fail first)."""
         return log_death(read_tail(self.log_path)) is not None
