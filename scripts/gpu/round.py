@@ -127,7 +127,8 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"canary_swapped": 120, "draft_train": 420, "draft_eval": 450, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
+EXPECTED_S = {"canary_swapped": 120, "draft_train": 400, "draft_eval": 260, "draft_shifted": 150,
+              "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
@@ -528,6 +529,7 @@ def canary_swapped():
 
 
 DRAFT_HOST, DRAFT_STATES, DRAFT_RUN, DRAFT_UNTRAINED = "gpu-8b-draft", "gpu-8b-d", "gpu-8b-r", "gpu-8b-u"
+EVAL_ARGS = ["--prompts", "16", "--max-tokens", "128", "--json"]
 
 
 def draft_train():
@@ -539,8 +541,7 @@ def draft_train():
     out["train"] = specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN, "--from-run", DRAFT_STATES,
                             "--regenerate", "--regen-max-tokens", "128", "--epochs", "3", "--json"],
                            "train_8b_r.json", timeout=480)
-    out["fetch"] = specops(["fetch", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN, "--tensors"], "fetch_8b_r.txt",
-                           timeout=180)
+    out["fetch"] = specops(["fetch", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN], "fetch_8b_r.txt", timeout=120)
     status = WORK / "runs" / DRAFT_RUN / "status.json"
     if status.exists():
         st = json.loads(status.read_text())
@@ -551,29 +552,33 @@ def draft_train():
 
 
 def draft_eval():
-    """Round 10: the trained draft served as eagle3 with the target (and the target alone: tokens/s both),
-    an untrained draft of the same shape, and the trained one with its aux ids off by one (refused, then
-    forced): acceptance of each on the same held-out rows."""
-    common = ["--prompts", "16", "--max-tokens", "128", "--json"]
-    out = {"trained": specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_RUN, "--baseline", *common],
-                              "eval_8b_r.json", timeout=420)}
-    out["untrained_train"] = specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_UNTRAINED, "--from-run",
-                                      DRAFT_STATES, "--dry-run", "--json"], "train_8b_u.json", timeout=240)
-    out["untrained"] = specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_UNTRAINED, *common],
-                               "eval_8b_u.json", timeout=300)
+    """Round 10: the trained draft served as eagle3 with the target, and the target alone (tokens/s both),
+    on held-out rows; acceptance from vLLM's metrics."""
+    return {"trained": specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_RUN, "--baseline", *EVAL_ARGS],
+                               "eval_8b_r.json", timeout=450)}
+
+
+def draft_shifted():
+    """Round 10: the trained draft with its aux ids off by one: refused before anything loads, then forced
+    (served anyway) for the acceptance it costs, on the same rows."""
     best = WORK / "runs" / DRAFT_RUN / "checkpoints" / "checkpoint_best"
     shifted = Path("/tmp/gpu-shifted-draft")
-    if best.exists():
-        shutil.rmtree(shifted, ignore_errors=True)
-        shutil.copytree(best.resolve(), shifted)
-        config = json.loads((shifted / "config.json").read_text())
-        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-        (shifted / "config.json").write_text(json.dumps(config))
-        out["shifted_refused"] = specops(["eval", "--on", DRAFT_HOST, "--draft", str(shifted), "--from-run",
-                                          DRAFT_STATES, *common], "eval_8b_shifted_refused.json", timeout=120)
-        out["shifted"] = specops(["eval", "--on", DRAFT_HOST, "--draft", str(shifted), "--from-run", DRAFT_STATES,
-                                  "--force", *common], "eval_8b_shifted.json", timeout=300)
-    return out
+    shutil.rmtree(shifted, ignore_errors=True)
+    shutil.copytree(best.resolve(), shifted)
+    config = json.loads((shifted / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(config))
+    base = ["eval", "--on", DRAFT_HOST, "--draft", str(shifted), "--from-run", DRAFT_STATES, *EVAL_ARGS]
+    return {"refused": specops(base, "eval_8b_shifted_refused.json", timeout=120),
+            "forced": specops([*base, "--force"], "eval_8b_shifted.json", timeout=300)}
+
+
+def draft_untrained():
+    """Round 10 (if time is left): an untrained draft of the same shape (speculators' --dry-run), served alike."""
+    return {"train": specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_UNTRAINED, "--from-run", DRAFT_STATES,
+                              "--dry-run", "--json"], "train_8b_u.json", timeout=240),
+            "eval": specops(["eval", "--on", DRAFT_HOST, "--draft", DRAFT_UNTRAINED, *EVAL_ARGS], "eval_8b_u.json",
+                            timeout=300)}
 
 
 def digest_cpu():
@@ -808,6 +813,8 @@ def main(argv=None) -> int:
             "canary_swapped": run_step("canary_swapped", canary_swapped),
             "draft_train": run_step("draft_train", draft_train),
             "draft_eval": run_step("draft_eval", draft_eval),
+            "draft_shifted": run_step("draft_shifted", draft_shifted),
+            "draft_untrained": run_step("draft_untrained", draft_untrained),
             "bench": run_step("bench", bench),
             **{f"bench_{label}": run_step(f"bench_{label}", bench_shape, label, *rest) for label, *rest in SHAPES},
             "abort": run_step("abort", abort_flow),
