@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from remote import faults, protocol, runplan, samples, signals
+from remote import faults, memuse, protocol, runplan, samples, signals
 from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
@@ -292,16 +292,18 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
     """One record that says how the run stands (fail when it failed), and the status itself."""
     state = st.get("state")
     progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
+    # a train run's measured memory, the peak so far (remote.memuse)
+    used = f"; {memuse.usage_line(st['memory'])}" if st.get("memory") else ""
     if state == RunState.FAILED:
         err = st.get("error") or {}
-        return _payload(name, protocol.FAIL, f"run {run_id} failed: {err.get('type')}: {err.get('message')}",
+        return _payload(name, protocol.FAIL, f"run {run_id} failed: {err.get('type')}: {err.get('message')}{used}",
                         run_dir, st, fix="read error.traceback and the logs; fix the cause, then start the "
                                          "same run id again to resume", **extra)
     if state == RunState.ABORTED:
-        return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}", run_dir, st, **extra)
+        return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}{used}", run_dir, st, **extra)
     # the states' dtype once the run's plan is made (status.json's plan): bf16 or fp8
     states = f", {st['plan']['state_format']} states" if (st.get("plan") or {}).get("state_format") else ""
-    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}", run_dir, st, **extra)
+    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}{used}", run_dir, st, **extra)
 
 
 # --------------------------------------------------------------------------- logs

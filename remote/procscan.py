@@ -5,6 +5,8 @@ process group (:mod:`remote.procgroup`: the supervisor's workers), by a marker i
 environment (:mod:`remote.rundir`: every process of a run dir, a vLLM server in a
 session of its own included; :mod:`remote.engines.vllm_server.process`: one server's).
 Zombies are never counted: they run nothing and only their parent can reap them.
+A process's tree and the memory each holds (:func:`process_tree`, :func:`memory_status`) are
+what the train supervisor samples (:mod:`remote.memuse`).
 Without ``/proc`` (macOS) nothing is found.
 """
 from __future__ import annotations
@@ -53,3 +55,53 @@ def live_pids(*, pgrp: int | None = None, env_any: set[bytes] | None = None) -> 
             continue
         found.append(pid)
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid``: ``/proc/<pid>/task/<tid>/children`` of each of its threads (a
+    child started from another thread is listed under that thread); empty when ``pid`` is gone."""
+    found, listed = [], False
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                found += [int(c) for c in fh.read().split()]
+            listed = True
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    if not listed and os.path.isdir(f"/proc/{pid}"):  # a kernel without the children files: by parent pid
+        found = [int(e) for e in os.listdir("/proc")
+                 if e.isdigit() and (stat_fields(int(e)) or ["", ""])[1] == str(pid)]
+    return found
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (children, grandchildren, ...), parents first."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop(0)
+        if current in tree:
+            continue
+        tree.append(current)
+        todo += children(current)
+    return tree
+
+
+def memory_status(pid: int) -> dict:
+    """The ``Vm*`` lines of ``/proc/<pid>/status`` in bytes (``VmRSS``, ``VmHWM``: the resident peak);
+    empty when the process is gone or a zombie (it holds no memory then)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if key.startswith("Vm") and len(parts) == 2 and parts[0].isdigit() and parts[1] == "kB":
+            out[key] = int(parts[0]) * 1024
+    return out

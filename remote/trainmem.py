@@ -248,15 +248,25 @@ def draft_vocab(extra_args, data_path) -> tuple[int | None, str | None]:
                   f"token_freq.pt in {data}): speculators trains over the full vocab")
 
 
-def check(plan, config: dict, env: dict | None = None) -> dict:
-    """``train.memory`` for a :class:`remote.trainplan.TrainPlan` on this host, now."""
+def plan_estimate(plan, config: dict) -> tuple[dict, str | None]:
+    """:func:`estimate` for a :class:`remote.trainplan.TrainPlan` (the trainer flags it passes read), and why
+    a ``--draft-vocab-size`` given is not used (:func:`draft_vocab`); the preflight's and the run's one estimate.
+
+    :raises ValueError: the draft cannot be sized from ``config``.
+    """
     extra = plan.extra_args
     vocab, ignored = draft_vocab(extra, plan.data_path)
+    est = estimate(config, total_seq_len=flag_value(extra, "--total-seq-len") or plan.total_seq_len,
+                   device="cuda" if plan.device == "cuda" else "cpu", draft_vocab_size=vocab,
+                   num_layers=flag_value(extra, "--num-layers"), ttt_steps=flag_value(extra, "--ttt-steps"),
+                   num_aux=len(plan.trainer_layer_ids) or None)
+    return est, ignored
+
+
+def check(plan, config: dict, env: dict | None = None) -> dict:
+    """``train.memory`` for a :class:`remote.trainplan.TrainPlan` on this host, now."""
     try:
-        est = estimate(config, total_seq_len=flag_value(extra, "--total-seq-len") or plan.total_seq_len,
-                       device="cuda" if plan.device == "cuda" else "cpu", draft_vocab_size=vocab,
-                       num_layers=flag_value(extra, "--num-layers"), ttt_steps=flag_value(extra, "--ttt-steps"),
-                       num_aux=len(plan.trainer_layer_ids) or None)
+        est, ignored = plan_estimate(plan, config)
     except ValueError as exc:
         return record("train.memory", SKIPPED, f"cannot size the draft from {plan.model_path}: {exc}", detail={})
     rec = judge(est, free_memory("cuda" if plan.device == "cuda" else "cpu", env))

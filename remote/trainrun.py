@@ -14,6 +14,10 @@ runs speculators' trainer as its child and reads the trainer's own log lines:
 * the line goes to ``logs/train.log`` with its padding and bars shortened (the trainer
   is given a wide terminal so that no record wraps).
 
+Meanwhile :class:`remote.memuse.MemorySampler` samples what the trainer's process tree holds
+(GPU memory on a CUDA run, else resident) into the status's ``memory``, beside the
+``train.memory`` preflight's estimate; final before done, failed or aborted is written.
+
 The trainer is ``python -m speculators.train`` on a GPU host, or the test host's CPU
 launcher shim where the env carries it and torch sees no CUDA device. On SIGTERM (``job
 abort``) the trainer, in the same process group, gets it too: speculators saves an
@@ -35,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import samples, signals, trainplan
+from remote import memuse, modelconfig, samples, signals, trainmem, trainplan
 from remote.contract import RunState
 from remote.rootcause import error_record, last_traceback
 from remote.rundir import RunPaths, StatusFile, tail_text, utc_now
@@ -180,12 +184,16 @@ class TrainSupervisor:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
-            for raw in self.proc.stdout:
-                line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
-                log.write(line + "\n")
-                log.flush()
-                self._on_line(line, metrics_out, t0)
-            code = self.proc.wait()
+            sampler = self._memory_sampler(plan, self.proc.pid)
+            try:
+                for raw in self.proc.stdout:
+                    line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
+                    log.write(line + "\n")
+                    log.flush()
+                    self._on_line(line, metrics_out, t0)
+                code = self.proc.wait()
+            finally:  # the final peak is in the status before done, failed or aborted is
+                self.status.update(memory=sampler.stop())
         if self.aborted:
             raise Aborted("SIGTERM")
         if code != 0:
@@ -208,6 +216,28 @@ class TrainSupervisor:
         self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
                            wall_s=round(time.monotonic() - t0, 1), **done)
         return 0
+
+    def _memory_sampler(self, plan: trainplan.TrainPlan, pid: int) -> memuse.MemorySampler:
+        """Samples what the trainer's processes hold (GPU memory on a CUDA run, else resident), beside the
+        preflight's estimate; status.json's ``memory`` shows the peak so far."""
+        import shutil
+
+        from remote.probes import host
+
+        try:  # the preflight's own estimate; a draft it cannot size is measured without one
+            estimate = trainmem.plan_estimate(plan, modelconfig.read(plan.model_path))[0]["need_bytes"]
+        except Exception:  # measuring never fails the run
+            estimate = None
+        smi = shutil.which("nvidia-smi") if plan.device == "cuda" else None
+        gpus, where = [], None
+        if smi:
+            found = host.query_nvidia_smi(smi)
+            gpus = found["gpus"]
+            where = trainmem.free_memory("cuda", self.params.get("env"), gpus=gpus).get("where")
+        sampler = memuse.MemorySampler(pid, estimate_bytes=estimate, smi=smi, gpus=gpus, where=where,
+                                       on_update=lambda memory: self.status.update(memory=memory))
+        self.status.update(memory=sampler.as_dict())
+        return sampler.start()
 
     def _regenerate(self, plan: trainplan.TrainPlan) -> trainplan.TrainPlan:
         """``train --regenerate``: the target's own replies to ``from_run``'s rows, then their states

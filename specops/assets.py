@@ -41,10 +41,10 @@ def asset(name: str) -> Path:
     return asset_root() / name
 
 
-def _load_remote(name: str, **given):
-    """``remote/<name>.py`` of this install, executed as the private module ``specops._remote_<name>``
-    (not added to :data:`sys.modules`), with ``given`` set as its globals before it runs."""
-    path = asset("remote") / f"{name}.py"
+def _load_remote(name: str, path: Path | None = None, **given):
+    """``remote/<name>.py`` (or ``path``) of this install, executed as the private module
+    ``specops._remote_<name>`` (not added to :data:`sys.modules`), with ``given`` set as its globals before it runs."""
+    path = path or asset("remote") / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"specops._remote_{name}", path)
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update(given)
@@ -87,3 +87,12 @@ def remote_fsutil():
     """``remote/fsutil.py`` of this install: the one atomic write (temp file, fsync, rename) both
     sides use, for the laptop's fetched run files, fleet maps and merged manifests too."""
     return _load_remote("fsutil")
+
+
+@lru_cache(maxsize=None)
+def remote_memuse():
+    """``remote/memuse.py`` of this install: the one wording of a train run's measured memory
+    (:func:`usage_line`), loaded by path with ``remote/probes/__init__.py``'s ``human_bytes``
+    (stdlib only) as its global."""
+    probes = _load_remote("probes", asset("remote") / "probes" / "__init__.py")
+    return _load_remote("memuse", human_bytes=probes.human_bytes)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from specops import jobs
-from specops.assets import remote_manifest
+from specops.assets import remote_manifest, remote_memuse
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.host import Host
@@ -122,27 +122,35 @@ def progress_line(host: str, st: dict) -> str:
         parts.append(f"{st['tokens_per_s']:.0f} tok/s")
     if st.get("eta_s") is not None:
         parts.append(f"ETA {st['eta_s']:.0f}s")
+    memory = st.get("memory") or {}
+    if memory.get("peak_bytes"):  # the trainer's measured peak so far, against the preflight's estimate
+        parts.append(f"peak {remote_memuse().human_bytes(memory['peak_bytes'])}" +
+                     (f" ({memory['peak_over_estimate']:.2f}x est.)" if memory.get("peak_over_estimate") else ""))
     return "  ".join(p for p in parts if p)
 
 
 def run_record(run_id: str, state: RunState) -> Record:
     """``train.run``: how the run ended, with its last numbers (fail: its root cause)."""
     st = state.model_dump()
+    # what the trainer really held, beside the preflight's estimate (the host's remote.memuse)
+    memory = st.get("memory")
+    used = f"; {remote_memuse().usage_line(memory)}" if memory else ""
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
         return Record(name="train.run", status="ok",
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
-                              f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}",
+                              f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}{used}",
                       detail={"checkpoint": where, "resumed_from": st.get("resumed_from"),
                               "regenerated": st.get("regenerated"), "states_run": st.get("states_run"),
                               "tokens_per_s": st.get("tokens_per_s"), "val_loss": st.get("val_loss"),
-                              "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s")})
+                              "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s"), "memory": memory})
     err = state.error
     status = "warn" if state.state == "aborted" else "fail"
     return Record(name="train.run", status=status,
-                  summary=f"run {run_id} {state.state}: " + (f"{err.type}: {err.message}" if err else "no error recorded"),
-                  detail={"error": err.model_dump() if err else None},
+                  summary=f"run {run_id} {state.state}: "
+                          + (f"{err.type}: {err.message}" if err else "no error recorded") + used,
+                  detail={"error": err.model_dump() if err else None, "memory": memory},
                   fix=None if status == "warn" else "read the traceback (specops logs --run-id "
                       f"{run_id}); fix the cause, then run the same train command again to resume")
 

@@ -216,6 +216,8 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert abort.returncode == 0, abort.stdout + abort.stderr
     code, st = _status(inv, "draft", env)
     assert code == 103 and st["state"] == "aborted" and "SIGTERM" in st["error"]["message"], st
+    # the trainer's measured peak is final in an aborted run's status too
+    assert st["memory"]["where"] == "RAM" and st["memory"]["peak_bytes"] > 0 and st["memory"]["samples"] > 0, st
     t_abort = time.monotonic() - t0
 
     resumed = specops(*train_args, "--json", env=env)

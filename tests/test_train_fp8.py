@@ -50,6 +50,14 @@ def test_a_draft_trained_on_fp8_states_reads_them_through_the_fp8_backend_and_is
     command = status["command"]
     assert command[command.index("--hidden-states-backend") + 1] == "fp8", command
     assert recs["train.run"]["status"] == "ok" and status["epoch"] == EPOCHS - 1, status
+    # what the trainer really held (its process tree's resident memory, sampled), beside the preflight's estimate
+    memory = status["memory"]
+    assert memory["where"] == "RAM" and memory["source"] == "/proc VmRSS/VmHWM" and memory["samples"] > 0, memory
+    assert memory["peak_bytes"] > 0 and memory["estimate_bytes"] == recs["train.memory"]["detail"]["need_bytes"]
+    assert memory["peak_over_estimate"] == round(memory["peak_bytes"] / memory["estimate_bytes"], 3), memory
+    assert recs["train.run"]["detail"]["memory"] == memory
+    assert f"x the {memory['estimate_bytes'] / 2**30:.1f} GiB estimated" in recs["train.run"]["summary"]
+    assert "peak " in recs["train.run"]["summary"] and " in RAM, " in recs["train.run"]["summary"], recs["train.run"]
     untrained = specops("train", "--inventory", inv, "--run-id", "untrained-fp8", "--from-run", "states-fp8",
                         "--dry-run", "--json", env=runs)
     assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
@@ -62,6 +70,7 @@ def test_a_draft_trained_on_fp8_states_reads_them_through_the_fp8_backend_and_is
         got = records(proc)
         assert got["eval.draft_layer_ids"]["status"] == "ok" and got["eval.prompts"]["detail"]["rows"] == [4, 12]
         results[draft] = got["eval.acceptance"]["detail"]
+    print(f"\ntrainer memory: {recs['train.run']['summary'].split('; ')[-1]} ({memory['samples']} samples)")
     print(f"\nfp8 states: extract {t_extract:.0f}s, train {EPOCHS} epochs + dry run {t_train:.0f}s "
           f"({status.get('tokens_per_s')} tok/s, loss {status.get('loss')}); eval trained: {results['draft-fp8']}; "
           f"untrained: {results['untrained-fp8']}")

@@ -1,20 +1,26 @@
-"""The training preflight's memory estimate (``train.memory``) and the host's listing of a draft's files.
+"""The training preflight's memory estimate (``train.memory``), the memory the trainer really holds
+(:mod:`remote.memuse`, sampled by the train supervisor) and the host's listing of a draft's files.
 
 Real inputs only: the draft speculators 0.9.0 trained on the modern test host
 (``tests/fixtures/train/tiny_llama_draft/``: its ``config.json`` and the header of its
 ``model.safetensors``, every tensor's shape, as the trainer wrote them), real-sized target
 configs (:mod:`specops.testhost.reference_models`), what nvidia-smi printed on the lent H200
-(``tests/fixtures/gpu/env/gpus.csv``, ``tests/fixtures/nvidia-smi/gpus_busy.csv``) and this
-machine's own ``/proc/meminfo``.
+(``tests/fixtures/gpu/env/gpus.csv``, ``tests/fixtures/nvidia-smi/gpus_busy.csv`` and
+``apps_busy.csv``: a torch process holding 4 GiB), this machine's own ``/proc/meminfo`` and this
+test's own child processes (the sampler reads their ``/proc``). The real trainer's measured peak
+is asserted where a real training run ends (``tests/test_train_fp8.py``).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from remote import train, trainmem
+from remote import memuse, procscan, train, trainmem
 from remote.probes import host
 from specops.testhost.reference_models import DEEPSEEK_V3_LIKE, KIMI_K25_LIKE, LLAMA_LIKE
 
@@ -189,3 +195,124 @@ def test_a_draft_vocab_size_without_vocab_maps_is_sized_as_the_full_vocab_specul
     assert rec["detail"]["shape"]["draft_vocab"] == 32000 and "draft_vocab_ignored" not in rec["detail"]
     assert trainmem.check(_plan(tmp_path, ["--draft-vocab-size=32000", "--token-freq-path", "/x.pt"]),
                           LLAMA_LIKE)["detail"]["shape"]["draft_vocab"] == 32000
+
+
+def test_the_run_measures_against_the_preflights_own_estimate(tmp_path):
+    """The supervisor's ``estimate_bytes`` is :func:`remote.trainmem.plan_estimate`, which ``train.memory`` reports."""
+    (tmp_path / "out").mkdir()
+    plan = _plan(tmp_path, ["--total-seq-len", "4096"])
+    est, ignored = trainmem.plan_estimate(plan, LLAMA_LIKE)
+    assert est["need_bytes"] == trainmem.check(plan, LLAMA_LIKE)["detail"]["need_bytes"] and ignored is None
+
+
+#: what the grandchild allocates (and writes to, so that it is resident), then frees before it says it is ready
+ALLOC = 200 * 2 ** 20
+def _tree(tmp_path):
+    """A real child and grandchild: (child Popen, grandchild pid) once the grandchild held ALLOC and let it go."""
+    script = tmp_path / "tree.py"
+    ready = tmp_path / "grandchild.pid"
+    script.write_text(f"""import subprocess, sys, time, os
+if len(sys.argv) > 2:
+    held = bytearray(b"x") * {ALLOC}
+    del held  # gone from VmRSS; VmHWM, the process's own peak, keeps it
+    open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+else:
+    subprocess.Popen([sys.executable, __file__, sys.argv[1], "grandchild"])
+time.sleep(600)
+""")
+    child = subprocess.Popen([sys.executable, str(script), str(ready)])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert child.poll() is None and time.monotonic() < deadline, "the grandchild never got ready"
+        time.sleep(0.05)
+    return child, int(ready.read_text())
+
+
+def test_the_sampler_walks_the_trainers_tree_and_keeps_a_peak_between_samples(tmp_path):
+    child, grandchild = _tree(tmp_path)
+    try:
+        tree = procscan.process_tree(child.pid)
+        assert tree[0] == child.pid and grandchild in tree and set(tree) == {child.pid, grandchild}, tree
+        assert procscan.process_tree(grandchild) == [grandchild]
+        sampler = memuse.MemorySampler(child.pid, estimate_bytes=2 * ALLOC)
+        assert sampler.sample() is True  # the first sample: the peak grew from nothing
+        memory = sampler.as_dict()
+        # freed before the first sample, the grandchild's 200 MiB is still its VmHWM: the peak covers it
+        assert sampler.hwm[grandchild] >= ALLOC and memory["peak_bytes"] >= ALLOC, memory
+        assert memory["where"] == "RAM" and memory["source"] == "/proc VmRSS/VmHWM" and memory["samples"] == 1
+        assert memory["processes"] == 2 and memory["estimate_bytes"] == 2 * ALLOC
+        assert memory["peak_over_estimate"] == round(memory["peak_bytes"] / (2 * ALLOC), 3)
+        # on its daemon thread: the peak handed to on_update as it grows, and final at stop()
+        updates = []
+        running = memuse.MemorySampler(child.pid, on_update=updates.append, every_s=0.05).start()
+        deadline = time.monotonic() + 120
+        while not updates:
+            assert time.monotonic() < deadline, "the sampler never reported"
+            time.sleep(0.05)
+        final = running.stop()
+        assert final["samples"] >= 1 and final["peak_bytes"] >= ALLOC and updates[0]["peak_bytes"] >= ALLOC
+        assert final["peak_over_estimate"] is None and "why" not in final
+    finally:
+        for pid in (grandchild, child.pid):
+            os.kill(pid, 9)
+        child.wait()
+    # the trainer gone: nothing held, nothing raised
+    gone = memuse.MemorySampler(child.pid)
+    assert gone.sample() is False and gone.as_dict()["peak_bytes"] == 0
+
+
+def test_sampling_that_breaks_ends_with_why_and_never_raises(tmp_path):
+    """A CUDA run whose nvidia-smi cannot run: the sampling stops and says why; the run goes on."""
+    missing = str(tmp_path / "nvidia-smi")
+    sampler = memuse.MemorySampler(os.getpid(), estimate_bytes=GiB, smi=missing, where="GPU 0 (NVIDIA H200)")
+    final = sampler.start().stop()
+    assert final["samples"] == 0 and final["peak_bytes"] == 0 and "nvidia-smi" in final["why"], final
+    assert final["where"] == "GPU 0 (NVIDIA H200)" and final["source"] == "nvidia-smi --query-compute-apps"
+    assert memuse.usage_line(final).startswith("memory not measured (GPU 0 (NVIDIA H200)): RuntimeError: nvidia-smi")
+
+
+def test_the_gpu_memory_of_the_trainers_pids_from_what_nvidia_smi_printed_on_the_h200():
+    """``--query-compute-apps`` as the lent H200 printed it: idle (nothing) and with a torch process holding
+    4 GiB (pid 429: 4614 MiB, its CUDA context included); only the tree's pids count."""
+    assert host.parse_apps((FIX / "gpu/env/apps.csv").read_text()) == []
+    assert memuse.gpu_use([], [429]) == {}
+    apps = host.parse_apps((FIX / "nvidia-smi/apps_busy.csv").read_text())
+    assert apps == [{"gpu_uuid": "GPU-7aed90a3-46c5-b801-8988-afc1a8581ad2", "pid": 429, "used_memory_mib": 4614,
+                     "process_name": "python3"}]
+    gpus = _h200("nvidia-smi/gpus_busy.csv")
+    assert memuse.gpu_use(apps, [428, 429], gpus) == {0: 4614 * 2 ** 20}
+    assert memuse.gpu_use(apps, [430], gpus) == {}
+    # a GPU nvidia-smi's --query-gpu did not list is named by its UUID rather than dropped
+    assert memuse.gpu_use(apps, [429]) == {"GPU-7aed90a3-46c5-b801-8988-afc1a8581ad2": 4614 * 2 ** 20}
+
+
+def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_path):
+    from remote import job
+    from specops.result import RunState
+    from specops.train import progress_line, run_record
+
+    gpu = {"where": "GPU 0 (NVIDIA H200)", "source": memuse.GPU_SOURCE, "peak_bytes": int(4.8 * GiB),
+           "estimate_bytes": int(5.5 * GiB), "peak_over_estimate": memuse.ratio(int(4.8 * GiB), int(5.5 * GiB)),
+           "samples": 300}
+    assert gpu["peak_over_estimate"] == 0.873
+    line = "peak 4.8 GiB on GPU 0 (NVIDIA H200), 0.87x the 5.5 GiB estimated"
+    assert memuse.usage_line(gpu) == line
+    ram = {"where": "RAM", "peak_bytes": 706105344, "estimate_bytes": None, "peak_over_estimate": None}
+    assert memuse.usage_line(ram) == "peak 673.4 MiB in RAM (no estimate to compare with)"
+    assert memuse.usage_line({**gpu, "why": "RuntimeError: nvidia-smi: x"}).endswith(
+        "estimated (sampling stopped early: RuntimeError: nvidia-smi: x)")
+    assert memuse.usage_line(None) is None
+    status = {"run_id": "d1", "kind": "train", "state": "done", "step": 90, "epoch": 19, "loss": 0.009,
+              "accuracy": [0.46], "checkpoint": {"path": "/w/ckpt/19"}, "memory": gpu}
+    rec = run_record("d1", RunState(**status))
+    assert rec.summary.endswith(f"checkpoint /w/ckpt/19; {line}") and rec.detail["memory"] == gpu, rec
+    failed = run_record("d1", RunState(**{**status, "state": "failed", "error": {"type": "OutOfMemoryError",
+                                                                                   "message": "CUDA out of memory"}}))
+    assert failed.summary == f"run d1 failed: OutOfMemoryError: CUDA out of memory; {line}"
+    assert run_record("d1", RunState(**{k: v for k, v in status.items() if k != "memory"})).summary.endswith("/19")
+    # specops status of a train run (the host's job.status record) and the follow's progress line: the peak so far
+    running = {**status, "state": "training", "samples_done": 40, "samples_total": 90}
+    payload = job._status_payload("job.status", "d1", tmp_path, running)
+    assert payload["records"][0]["summary"] == f"run d1 training: 40/90 samples; {line}", payload["records"]
+    assert progress_line("h", running).endswith("peak 4.8 GiB (0.87x est.)")

@@ -232,6 +232,17 @@ def _run_smi(argv):
     return proc.stdout, None
 
 
+def compute_apps(smi: str) -> tuple[list, str | None]:
+    """(:func:`parse_apps` rows, error text or None) of one ``--query-compute-apps`` call; never raises."""
+    text, err = _run_smi([smi] + APPS_QUERY[1:])
+    if err:
+        return [], err
+    try:
+        return parse_apps(text), None
+    except ValueError as exc:
+        return [], f"cannot parse nvidia-smi output: {exc}"
+
+
 def query_nvidia_smi(smi: str) -> dict:
     """Run both queries with the nvidia-smi at ``smi``; raw text is kept for the record."""
     gpu_text, gpu_err = _run_smi([smi] + GPU_QUERY[1:])
