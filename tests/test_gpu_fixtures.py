@@ -686,3 +686,91 @@ def test_round9_the_shifted_final_id_is_named_on_a_real_width_model():
     assert sample["cause"]["kind"] == "shifted" and sample["cause"]["holds"] == "input:31"
     assert sample["floor_ratio"] > 16 and sample["one_more_layer"]["floor_ratio"] < sample["floor_ratio"] / 5
     assert "shifted by one" in status["error"]["fix"]
+
+
+# --------------------------------------------------------------------------- round 10 (2026-12-03)
+
+def test_round10_a_swapped_pair_of_samples_is_stopped_by_the_canary_and_named_on_the_h200():
+    """``round.py main --steps canary_swapped``: the 8B-like run whose samples 0 and 1 land with each other's
+    states (the ``swap_sample_states`` hook; each file keeps its own ids, so the landing's checks pass) fails
+    ``canary.logits`` with 17 of 256 samples done, and names the other sample: its states reproduce sample 0's
+    prompt logprobs."""
+    got = json.loads(read("round10/summary-r10c5.json"))["steps"]["canary_swapped"]["result"]
+    assert got["state"] == "failed" and got["samples_done"] < got["samples_total"] / 10, got
+    error = got["error"]
+    assert error["type"] == "CanaryFailed" and error["check"] == "canary.logits", error
+    assert "hs_1.safetensors's states reproduce sample 0's prompt logprobs" in error["message"], error["message"]
+    assert "re-run the extraction" in error["fix"]
+    cause = error["detail"]["samples"]["hs_1.safetensors"]["cause"]
+    assert cause["kind"] == "swapped" and cause["with"] == 0, cause
+    assert got["wall_s"] < 120, got["wall_s"]  # the run's whole life, server start included
+
+
+def test_round10_fp8_states_with_the_table_lookup_and_digest_processes_keep_up():
+    """fp8 states of the 8B-like shape again (256 x 2048, ids 2,16,29,32), after round 9's digest processes
+    and the fp8 table lookup: specops 0.91 of plain (round 8: 0.73), the thread path 0.83 in the same run;
+    durable above vLLM's kept-durable; half the bytes of bf16 per sample (round 9's 4-id bench)."""
+    fp8 = json.loads(read("round10/bench/bench_8b_fp8.json"))
+    bf16 = round9_bench("bench_8b_4ids")
+    assert fp8["format"] == "fp8" and fp8["samples"] == 256 and fp8["layer_ids"] == bf16["layer_ids"]
+    per_file = lambda b: next(r["bytes_per_file"] for r in b["runs"] if r["kind"] == "specops")  # noqa: E731
+    assert 0.49 <= per_file(fp8) / per_file(bf16) <= 0.51
+    r = fp8["ratios_same_concurrency"]
+    assert r["specops@32"] >= 0.9 and r["specops@32"] > r["specops_threads@32"] + 0.05, r
+    assert r["specops_durable@32"] >= 0.95 * r["keep_durable@32"], r
+    assert json.loads(read("round8/bench/bench_8b_fp8.json"))["ratios_same_concurrency"]["specops@32"] < 0.8
+
+
+def test_round10_the_trainers_gpu_memory_measured_and_the_estimate_that_now_covers_it():
+    """``round.py main --steps draft_train``: the train supervisor sampled the trainer's process tree on the H200
+    (nvidia-smi --query-compute-apps): 13.0 GB peak, 1.22x the estimate it ran with (10.7 GB). The estimate's
+    activations now carry the factor that measurement gave (remote.trainmem.ACTIVATION_FACTOR): the same shape
+    is estimated at or just above the measured peak. The trainer packed 8192 tokens a step (CUDA's default
+    now): a median step of 57.7k tok/s against round 8's 2.5k with one 256-token sample a step (23x)."""
+    from remote import trainmem
+
+    status = json.loads(read("round10/train/status.json"))
+    mem = status["memory"]
+    assert mem["source"] == "nvidia-smi --query-compute-apps" and mem["where"] == "GPU 0 (NVIDIA H200)", mem
+    assert mem["samples"] > 100 and mem["peak_over_estimate"] == round(mem["peak_bytes"] / mem["estimate_bytes"], 3)
+    assert 1.15 < mem["peak_over_estimate"] < 1.3, mem
+    assert "--total-seq-len" in status["command"] and status["command"][status["command"].index(
+        "--total-seq-len") + 1] == "8192"
+    shape = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 512, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128}  # the 8B-like target (round 8's train.memory shape)
+    now = trainmem.estimate(shape, total_seq_len=8192)["need_bytes"]
+    assert 0.9 <= mem["peak_bytes"] / now <= 1.0, (mem["peak_bytes"], now)
+    rounds8 = [float(line.split(",")[4]) for line in read("round8/train/metrics.csv").splitlines()[2:]
+               if line.startswith("train,")]
+    steps = [json.loads(line) for line in read("round10/train/metrics.jsonl").splitlines()]
+    speeds = [s["tokens_per_s"] for s in steps if s["kind"] == "train" and s["step"] > 0]
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    assert median(speeds) > 10 * median(rounds8), (median(rounds8), median(speeds))
+
+
+def test_round10_train_and_eval_on_the_h200_regenerated_replies_a_draft_at_chance_and_the_off_by_one_refused():
+    """``draft_train``, ``draft_eval``, ``draft_shifted``: the 8B-like random target wrote its own replies to 512
+    chat rows (549 samples, 53.7k reply tokens), their states were extracted and a draft trained 3 epochs (24
+    steps of 8192 tokens): 27 % top-1 on its training batches but 0.3 % on speculators' held-out tenth -- it
+    memorized -- and served as eagle3 on 16 held-out rows it is at chance (mean acceptance length 1.0025), as
+    is the copy whose aux ids are off by one (refused first, then forced: 1.003); the eagle3 server makes 0.84x
+    the plain server's output tokens/s. A random target's draft needs far more steps than this budget held."""
+    steps = [json.loads(line) for line in read("round10/train/metrics.jsonl").splitlines()]
+    last_train = [s for s in steps if s["kind"] == "train"][-1]
+    last_val = [s for s in steps if s["kind"] == "val"][-1]
+    assert last_train["step"] == 23 and last_train["accuracy"][0] > 0.2 and last_val["accuracy"][0] < 0.01
+    regen = json.loads(read("round10/train/regenerated.json"))
+    assert regen["samples"] == 549 and regen["rows"] == [0, 512] and regen["sampling_params"] == {"temperature": 0.0}
+    trained = {r["name"]: r for r in cli_json("round10/eval/eval_8b_r.json")["hosts"][0]["records"]}
+    acc = trained["eval.acceptance"]["detail"]
+    assert acc["rows"] == [512, 528] and acc["draft_tokens"] > 6000 and acc["mean_acceptance_length"] < 1.01, acc
+    assert trained["eval.acceptance"]["status"] == "warn" and "at chance" in trained["eval.acceptance"]["summary"]
+    base = trained["eval.baseline"]["detail"]
+    assert base["plain"] > 200 and 0.8 < base["speedup"] < 0.9, base
+    refused = {r["name"]: r for r in cli_json("round10/eval/eval_8b_shifted_refused.json")["hosts"][0]["records"]}
+    assert refused["eval.draft_layer_ids"]["status"] == "fail" and refused["eval.draft_layer_ids"]["detail"] == {
+        "draft": [3, 17, 30], "states": [2, 16, 29], "extraction_ids": [2, 16, 29, 32]}
+    forced = {r["name"]: r for r in cli_json("round10/eval/eval_8b_shifted.json")["hosts"][0]["records"]}
+    assert forced["eval.draft_layer_ids"]["status"] == "warn"
+    assert forced["eval.acceptance"]["detail"]["rows"] == acc["rows"]
+    assert forced["eval.acceptance"]["detail"]["mean_acceptance_length"] < 1.01
