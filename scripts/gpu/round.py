@@ -127,7 +127,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"canary_swapped": 120, "draft_train": 400, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
@@ -237,11 +237,11 @@ def ssh_up():
         # train and eval (#24 on the H200): 16 chat rows extracted, the other 8 held out for eval
         "gpu-8b-train": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-train",
                          "max_samples": 16},
-        # round 10: a draft worth measuring: 512 of 600 chat rows extracted (the target's own replies to them
-        # regenerated), the other 88 held out for eval
+        # a draft worth measuring: 4096 of 4600 chat rows extracted (the target's own replies to them regenerated),
+        # the rest held out for eval (round 10 had 512 of 600: its draft memorized 24 steps' batches, at chance)
         "gpu-8b-draft": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-draft",
-                         "dataset": str(MODELS / "chat_600.jsonl"), "batch_size": 32,
-                         "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "512"))},  # fewer: a CPU rehearsal
+                         "dataset": str(MODELS / "chat_4600.jsonl"), "batch_size": 32,
+                         "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "4096"))},  # fewer: a CPU rehearsal
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -252,7 +252,13 @@ def ssh_up():
     return info
 
 
+def left_s(margin: float = 20) -> float:
+    """Seconds left before ``HARD_END_S`` (less ``margin`` to pack): no command may outlive the call."""
+    return max(1.0, HARD_END_S - (time.monotonic() - T0) - margin)
+
+
 def specops(args, out_name, timeout=300):
+    timeout = min(timeout, left_s())  # a detached run outlives its follower; the next call picks it up
     cmd = [PY, "-c", "from specops.main import program; program.run()", *args, "--inventory", str(ROOT / "inventory.yaml")]
     res = sh(cmd, ROOT / "cli" / out_name, timeout=timeout)
     return {"rc": res["rc"], "s": res["s"], "tail": res["text"][-1500:]}
@@ -533,14 +539,16 @@ EVAL_ARGS = ["--prompts", "16", "--max-tokens", "128", "--json"]
 
 
 def draft_train():
-    """Round 10, #24 on the H200 at a size where acceptance means something: 512 chat rows' states, the
-    target's own replies regenerated (128 tokens) and their states extracted, a draft trained on them with
-    the trainer's packing on CUDA (8192 tokens a step), its memory measured beside the estimate; fetched."""
+    """#24 on the H200 at a size where acceptance means something: 4096 chat rows' states, the target's own
+    replies regenerated (128 tokens) and their states extracted, a draft trained on them with the trainer's
+    packing on CUDA (8192 tokens a step: ~60 steps an epoch), its memory measured beside the estimate; fetched.
+    Round 10 (512 rows, 3 epochs = 24 steps) ran past its call: the CLI that follows the detached train run is
+    now given what is left of the call, and the next call waits for the run (``wait_train``)."""
     out = {"extract": specops(["extract", "--on", DRAFT_HOST, "--run-id", DRAFT_STATES, "--skip-smoke"],
                               "extract_8b_d.txt", timeout=300)}
     out["train"] = specops(["train", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN, "--from-run", DRAFT_STATES,
-                            "--regenerate", "--regen-max-tokens", "128", "--epochs", "3", "--json"],
-                           "train_8b_r.json", timeout=480)
+                            "--regenerate", "--regen-max-tokens", "128", "--epochs", "4", "--json"],
+                           "train_8b_r.json", timeout=900)
     out["fetch"] = specops(["fetch", "--on", DRAFT_HOST, "--run-id", DRAFT_RUN], "fetch_8b_r.txt", timeout=120)
     status = WORK / "runs" / DRAFT_RUN / "status.json"
     if status.exists():
@@ -549,6 +557,24 @@ def draft_train():
                                                 "accuracy", "error")}
     keep_run(DRAFT_HOST, DRAFT_RUN, DRAFT_RUN)
     return out
+
+
+def wait_train():
+    """The draft's train run, left running by a call that ran out (its follower was cut, not the run): wait
+    for it to end, then keep its status, metrics and what regenerate recorded."""
+    run = WORK / "runs" / DRAFT_RUN
+    deadline = time.monotonic() + left_s(60)
+    while time.monotonic() < deadline:
+        st = json.loads((run / "status.json").read_text())
+        if st.get("state") in ("done", "failed", "aborted"):
+            break
+        time.sleep(3)
+    dest = ROOT / "train"
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel in ("status.json", "metrics.jsonl", "regenerate/regenerated.json"):
+        if (run / rel).exists():
+            shutil.copy(run / rel, dest / Path(rel).name)
+    return {k: st.get(k) for k in ("state", "memory", "wall_s", "steps_total", "loss", "accuracy", "error")}
 
 
 def draft_eval():
@@ -812,6 +838,7 @@ def main(argv=None) -> int:
             "train_eval": run_step("train_eval", train_eval),
             "canary_swapped": run_step("canary_swapped", canary_swapped),
             "draft_train": run_step("draft_train", draft_train),
+            "wait_train": run_step("wait_train", wait_train),
             "draft_eval": run_step("draft_eval", draft_eval),
             "draft_shifted": run_step("draft_shifted", draft_shifted),
             "draft_untrained": run_step("draft_untrained", draft_untrained),
