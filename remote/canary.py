@@ -113,16 +113,13 @@ class Canary:
         if not found.exists():
             why = logits.unavailable_why(self.folder.parent) or f"no prompt logprobs were recorded for sample {index}"
             return protocol.record(name, protocol.SKIPPED, f"skipped: {why}", detail={"index": index, "why": why})
-        import json
-
         if self.head is None:
             self.head = logits.Head(self.model_path, self.config, self.num_layers)
         manifest = {"layer_ids": self.layer_ids, "file_layer_ids": sorted(self.layer_ids)}
         data = load_sample(path, manifest)
         n = MAX_POSITIONS + 1  # tokens: positions + the first
         states = {lid: h[:n] for lid, h in zip(self.layer_ids, data["hidden_states"])}
-        kept = json.loads(found.read_text())
-        kept = dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
+        kept = _first_tokens(found, n)
         scales = data.get("scales")
         sample = logits.Sample(index, path.name, data["input_ids"][:n], states, kept,
                                scales=scales[:n] if scales is not None else None)
@@ -142,8 +139,6 @@ class Canary:
     def _recorded_others(self, index: int, n: int) -> list:
         """The other samples whose prompt logprobs are recorded so far (their first ``n`` tokens), for
         :func:`remote.verify.logits.find_cause` to try: a file holding another request's states is named."""
-        import json
-
         from remote.verify import logits
 
         others = []
@@ -152,13 +147,20 @@ class Canary:
             if not match or int(match.group(1)) == index:
                 continue
             try:
-                kept = json.loads(found.read_text())
+                kept = _first_tokens(found, n)
             except (OSError, ValueError):  # being written by another landing thread: not a candidate yet
                 continue
-            kept = dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
             other = int(match.group(1))
             others.append(logits.Sample(other, contract.sample_name(other, contract.HS), kept["token_ids"], {}, kept))
         return others
+
+
+def _first_tokens(path: Path, n: int) -> dict:
+    """A sample's recorded prompt logprobs, cut to its first ``n`` tokens (the positions a check computes)."""
+    from remote.engines.vllm_server import prompt_logprobs
+
+    kept = prompt_logprobs.read(path)
+    return dict(kept, token_ids=kept["token_ids"][:n], positions=kept["positions"][:n - 1])
 
 
 class _RunView:
