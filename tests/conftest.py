@@ -25,6 +25,9 @@ def _offline_and_hermetic():
     from remote.cpu import IDLE_SLEEP_ENV
 
     os.environ.setdefault(IDLE_SLEEP_ENV, "1")
+    # and their OpenMP threads sleep at a barrier rather than spin: two xdist workers' servers share
+    # 2 cores (the test hosts' sshd sets the same for what runs over SSH: templates/sshd_config.j2)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     yield
 
 

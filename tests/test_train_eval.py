@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from remote import draft_eval, trainplan, trainrun  # noqa: E402
 
-EPOCHS = 40
+EPOCHS = 20
 
 
 

@@ -1,12 +1,11 @@
 """fp8 states end to end (issues 23 and 24): ``extract --format fp8`` -> ``train`` -> ``eval`` on the modern test host.
 
-Heavy (marked ``vllm``; two server starts for eval, one for the extraction), over SSH: the tiny
+Heavy (marked ``vllm``; a server start for eval, one for the extraction), over SSH: the tiny
 Llama's states are extracted as fp8 with their per-token scales (the CPU copy of hs-connectors'
 fp8 connector, as the test host's overlay carries it); ``specops train`` reads the manifest's
 format and passes ``--hidden-states-backend fp8`` (the default ``file`` backend would read the
 fp8 values without their scales, ~600x off, and nothing would say so); the draft trained on them
-is served as eagle3 and accepted above an untrained draft of the same shape on the same
-held-out prompts.
+is served as eagle3 and accepted well above chance on the held-out prompts.
 """
 from __future__ import annotations
 
@@ -58,22 +57,19 @@ def test_a_draft_trained_on_fp8_states_reads_them_through_the_fp8_backend_and_is
     assert recs["train.run"]["detail"]["memory"] == memory
     assert f"x the {memory['estimate_bytes'] / 2**30:.1f} GiB estimated" in recs["train.run"]["summary"]
     assert "peak " in recs["train.run"]["summary"] and " in RAM, " in recs["train.run"]["summary"], recs["train.run"]
-    untrained = specops("train", "--inventory", inv, "--run-id", "untrained-fp8", "--from-run", "states-fp8",
-                        "--dry-run", "--json", env=runs)
-    assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
     t_train = time.monotonic() - t0 - t_extract
 
-    results = {}
-    for draft in ("draft-fp8", "untrained-fp8"):
-        proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--json", env=runs)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        got = records(proc)
-        assert got["eval.draft_layer_ids"]["status"] == "ok" and got["eval.prompts"]["detail"]["rows"] == [4, 12]
-        results[draft] = got["eval.acceptance"]["detail"]
+    proc = specops("eval", "--inventory", inv, "--draft", "draft-fp8", "-k", 3, "--json", env=runs)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = records(proc)
+    assert got["eval.draft_layer_ids"]["status"] == "ok" and got["eval.prompts"]["detail"]["rows"] == [4, 12]
+    fp8 = got["eval.acceptance"]["detail"]
     print(f"\ntrainer memory: {recs['train.run']['summary'].split('; ')[-1]} ({memory['samples']} samples)")
-    print(f"\nfp8 states: extract {t_extract:.0f}s, train {EPOCHS} epochs + dry run {t_train:.0f}s "
-          f"({status.get('tokens_per_s')} tok/s, loss {status.get('loss')}); eval trained: {results['draft-fp8']}; "
-          f"untrained: {results['untrained-fp8']}")
-    fp8, chance = results["draft-fp8"], results["untrained-fp8"]
-    assert fp8["draft_tokens"] > 0 and chance["draft_tokens"] > 0
-    assert fp8["accepted"] > chance["accepted"] and fp8["mean_acceptance_length"] > chance["mean_acceptance_length"]
+    print(f"\nfp8 states: extract {t_extract:.0f}s, train {EPOCHS} epochs {t_train:.0f}s "
+          f"({status.get('tokens_per_s')} tok/s, loss {status.get('loss')}); eval trained: {fp8}")
+    # above chance: a guess is the target's greedy token 1 time in vocab_size (512); an untrained draft of this
+    # shape gets 0 of ~740 on these prompts (test_train_eval serves one), the bf16-trained one ~6 % at position 1.
+    # Read without the scales the states are ~600x off and the draft learns nothing (the module docstring).
+    chance = 1 / 512
+    assert fp8["draft_tokens"] > 0 and fp8["accepted"] >= 5, fp8
+    assert fp8["per_position"][0] >= 10 * chance and fp8["mean_acceptance_length"] > 1.0, fp8

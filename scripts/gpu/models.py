@@ -10,6 +10,7 @@ reference tokenizer of ``specops/testhost/reference_models.py``):
 * ``llama_wide/``: a Llama of real width (hidden 4096, 32/8 heads, head_dim 128,
   intermediate 14336) with 8 layers: about 1.3B parameters, the benchmark model;
 * ``llama_8b/``: llama_wide with 32 layers (Llama-3-8B's shape, about 7B parameters);
+* ``llama_8b_std01/``: the same with weights at std 0.01: the draft rounds' target (a draft can learn it);
 * ``llama_mid/``: hidden 1024, 8 layers, for the CPU benchmark (``scripts/bench_modern.py``);
 * ``deepseek_dense/``: the same with every layer dense (MLA without MoE routing);
 * ``deepseek_v3/``: DeepSeek-V3 architecture with the real MLA dims (kv_lora_rank 512,
@@ -59,8 +60,14 @@ def configs() -> dict:
                num_key_value_heads=8, num_hidden_layers=8, vocab_size=VOCAB, max_position_embeddings=4096, **ids)
     # Llama-3-8B's shape (32 layers of llama_wide's width): the benchmark's deep model
     llama_8b = dict(wide, num_hidden_layers=32)
-    return {"llama": ref["llama"], "llama_wide": wide, "llama_8b": llama_8b, "deepseek_v3": ds,
-            "deepseek_dense": dense, "llama_mid": mid}
+    # the draft rounds' target: the same shape with its weights at std 0.01, not transformers' flat 0.02. A random
+    # target's next token is learnable only between two extremes (CPU scan, 32 layers of width 256:
+    # scripts/gpu/target_gain_scan.py): at 0.02 x sqrt(4096/256) = 0.08 (the 8B's gain per projection at 0.02) a
+    # draft stays at chance, as round 10's did on llama_8b; at 0.02 the replies collapse into repeats (87 %).
+    # 0.01 here is that scan's 0.04 (half the 8B's default gain): 67 distinct reply tokens, 72 % repeats.
+    llama_8b_std01 = dict(llama_8b, initializer_range=0.01)
+    return {"llama": ref["llama"], "llama_wide": wide, "llama_8b": llama_8b, "llama_8b_std01": llama_8b_std01,
+            "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid}
 
 
 def build_saved(config: dict, out_dir: Path, seed: int = 0) -> Path:

@@ -53,6 +53,7 @@ WORK = Path("/tmp/specops-work")  # the inventory's work_dir: runs/<run_id>/ and
 PY = sys.executable
 #: the host python the inventory names, and the device (overridable to rehearse on a CPU machine)
 HOST_PY = os.environ.get("GPU_ROUND_HOST_PYTHON", sys.executable)
+DRAFT_MODEL = os.environ.get("GPU_ROUND_DRAFT_MODEL", "llama_8b_std01")  # the target the draft steps train for
 DEVICE = os.environ.get("GPU_ROUND_DEVICE", "cuda")
 #: the job env vLLM needs on this machine (../shared/gpu/README.md); NVLink multicast stays off.
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
@@ -239,7 +240,8 @@ def ssh_up():
                          "max_samples": 16},
         # a draft worth measuring: 4096 of 4600 chat rows extracted (the target's own replies to them regenerated),
         # the rest held out for eval (round 10 had 512 of 600: its draft memorized 24 steps' batches, at chance)
-        "gpu-8b-draft": {"model_path": str(MODELS / "llama_8b"), "output_dir": "/tmp/specops-out/8b-draft",
+        # round 11: the 8B shape at std 0.01, a target a draft can learn (models.py: ``llama_8b_std01``)
+        "gpu-8b-draft": {"model_path": str(MODELS / DRAFT_MODEL), "output_dir": "/tmp/specops-out/8b-draft",
                          "dataset": str(MODELS / "chat_4600.jsonl"), "batch_size": 32,
                          "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "4096"))},  # fewer: a CPU rehearsal
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
@@ -574,7 +576,37 @@ def wait_train():
     for rel in ("status.json", "metrics.jsonl", "regenerate/regenerated.json"):
         if (run / rel).exists():
             shutil.copy(run / rel, dest / Path(rel).name)
-    return {k: st.get(k) for k in ("state", "memory", "wall_s", "steps_total", "loss", "accuracy", "error")}
+    got = {k: st.get(k) for k in ("state", "memory", "wall_s", "steps_total", "loss", "accuracy", "val_accuracy",
+                                  "error")}
+    replies = run / "regenerate" / "regenerated.jsonl"
+    if replies.exists():
+        got["replies"] = reply_stats(replies)
+        (dest / "reply_stats.json").write_text(json.dumps(got["replies"], indent=1))
+    return got
+
+
+def reply_stats(path: Path, held_out: float = 0.25) -> dict:
+    """What the target wrote when regenerating, as a draft will see it: distinct reply tokens, how many repeat
+    the token before, and how often the commonest successor of a token (counted on the first rows) is the next
+    one on the held-out rows -- a floor for what a draft can learn (a random target at transformers' flat 0.02
+    was at chance; one whose replies only repeat is learned trivially)."""
+    import collections
+    replies = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        replies.append([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    cut = int(len(replies) * (1 - held_out))
+    successors = collections.defaultdict(collections.Counter)
+    for reply in replies[:cut]:
+        for a, b in zip(reply, reply[1:]):
+            successors[a][b] += 1
+    pairs = [(a, b) for reply in replies[cut:] for a, b in zip(reply, reply[1:])]
+    hits = sum(1 for a, b in pairs if successors[a] and successors[a].most_common(1)[0][0] == b)
+    tokens = [t for reply in replies for t in reply]
+    repeats = sum(a == b for reply in replies for a, b in zip(reply, reply[1:]))
+    return {"replies": len(replies), "tokens": len(tokens), "distinct": len(set(tokens)),
+            "repeat_fraction": round(repeats / max(1, len(tokens) - len(replies)), 3),
+            "bigram_held_out": round(hits / max(1, len(pairs)), 3)}
 
 
 def draft_eval():
