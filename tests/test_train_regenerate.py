@@ -50,6 +50,37 @@ def test_the_clis_rows_become_the_extractions_rows_in_dataset_order(tmp_path):
     assert "wrote no reply to any of the 1 row(s)" in caught.value.summary and "row-9" in caught.value.summary
 
 
+def test_rows_the_target_did_not_answer_are_counted_by_cause_and_the_train_run_warns(tmp_path):
+    """Round 11 on the H200: 1952 of 4096 rows came back as errors and the record said only how many. Now
+    the record counts them by cause (speculators' own error lines, numbers as N) and the done train run is a
+    warn naming what is not in the states."""
+    from specops.result import RunState
+    from specops.train import run_record
+
+    lines = FIX.read_text().splitlines()
+    (tmp_path / regenerate.RAW_OUT).write_text("\n".join(lines[:2]) + "\n")  # rows 0 and 1 answered
+    empty = "ValueError('empty assistant generation (sample {})')"
+    errors = [{"id": f"chat-{i}", "metadata": {"idx": i, "error": empty.format(i), "generations_completed": 0}}
+              for i in (2, 3)] + [{"id": "chat-4", "metadata": {"idx": 4, "error": "TimeoutError()"}}]
+    (tmp_path / "responses.errors.jsonl").write_text("".join(json.dumps(e) + "\n" for e in errors) + "{torn\n")
+    wanted = {"model": "/m", "dataset": "/d.jsonl", "rows": [0, 5], "max_tokens": 48,
+              "sampling_params": {"temperature": 0.0}}
+    record = regenerate.collect(tmp_path, wanted, [(i, []) for i in range(5)])
+    answered = {json.loads(line)["metadata"]["idx"] for line in lines[:2]}
+    assert record["rows_unanswered"] == 5 - len(answered) and record["errors"] == 4
+    assert record["error_kinds"] == [{"error": "ValueError('empty assistant generation (sample N)')", "count": 2},
+                                     {"error": "TimeoutError()", "count": 1}, {"error": "an unreadable line", "count": 1}]
+    line = regenerate.unanswered_line(record)
+    assert line.startswith(f"the target answered {len(answered)} of 5 row(s): {5 - len(answered)} not in the states")
+    assert "2x ValueError('empty assistant generation (sample N)')" in line
+
+    state = RunState(run_id="t", state="done", step=3, epoch=0, regenerated={**record, "unanswered": line})
+    rec = run_record("t", state)
+    assert rec.status == "warn" and f"regenerate: {line}" in rec.summary and "responses.errors.jsonl" in rec.fix
+    whole = RunState(run_id="t", state="done", step=3, epoch=0, regenerated={"unanswered": None})
+    assert run_record("t", whole).status == "ok"
+
+
 def _doc(dataset, used=2) -> dict:
     return {"params": {"dataset": str(dataset)}, "dataset_samples": used}
 
