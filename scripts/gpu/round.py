@@ -586,15 +586,20 @@ def wait_train():
 
 
 def reply_stats(path: Path, held_out: float = 0.25) -> dict:
-    """What the target wrote when regenerating, as a draft will see it: distinct reply tokens, how many repeat
-    the token before, and how often the commonest successor of a token (counted on the first rows) is the next
-    one on the held-out rows -- a floor for what a draft can learn (a random target at transformers' flat 0.02
-    was at chance; one whose replies only repeat is learned trivially)."""
-    import collections
+    """What the target wrote when regenerating (``regenerated.jsonl``), as :func:`stats_of_replies` counts it."""
     replies = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
         replies.append([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    return stats_of_replies(replies, held_out)
+
+
+def stats_of_replies(replies: list, held_out: float = 0.25) -> dict:
+    """Replies as a draft will see them: distinct tokens, how many repeat the token before, and how often the
+    commonest successor of a token (counted on the first rows) is the next one on the held-out rows -- a floor
+    for what a draft can learn (a random target at transformers' flat 0.02 was at chance; one whose replies
+    only repeat is learned trivially). Also ``target_gain_scan.py``'s."""
+    import collections
     cut = int(len(replies) * (1 - held_out))
     successors = collections.defaultdict(collections.Counter)
     for reply in replies[:cut]:

@@ -14,7 +14,6 @@ on the first 64 prompts) is the next one on the other 32. Measured (2026-12-03, 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
 
 
 def main(argv=None) -> int:
@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from remote import tinymodel
+    from round import stats_of_replies
     from specops.testhost import reference_models
 
     ref = reference_models.reference_configs()["llama"]
@@ -56,17 +57,9 @@ def main(argv=None) -> int:
         with torch.no_grad():
             replies = [model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False,
                                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-        cut = len(replies) * 2 // 3
-        successors = collections.defaultdict(collections.Counter)
-        for reply in replies[:cut]:
-            for a, b in zip(reply, reply[1:]):
-                successors[a][b] += 1
-        pairs = [(a, b) for reply in replies[cut:] for a, b in zip(reply, reply[1:])]
-        hits = sum(1 for a, b in pairs if successors[a] and successors[a].most_common(1)[0][0] == b)
-        tokens = [t for reply in replies for t in reply]
-        repeats = sum(a == b for reply in replies for a, b in zip(reply, reply[1:]))
-        print(f"std {std}: distinct {len(set(tokens))}, repeat {repeats / max(1, len(tokens) - len(replies)):.2f}, "
-              f"bigram held-out {hits / max(1, len(pairs)):.2f} ({time.monotonic() - t0:.0f} s)", flush=True)
+        got = stats_of_replies(replies, held_out=1 / 3)
+        print(f"std {std}: distinct {got['distinct']}, repeat {got['repeat_fraction']:.2f}, "
+              f"bigram held-out {got['bigram_held_out']:.2f} ({time.monotonic() - t0:.0f} s)", flush=True)
     return 0
 
 
