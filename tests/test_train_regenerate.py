@@ -69,7 +69,8 @@ def test_rows_the_target_did_not_answer_are_counted_by_cause_and_the_train_run_w
     answered = {json.loads(line)["metadata"]["idx"] for line in lines[:2]}
     assert record["rows_unanswered"] == 5 - len(answered) and record["errors"] == 4
     assert record["error_kinds"] == [{"error": "ValueError('empty assistant generation (sample N)')", "count": 2},
-                                     {"error": "TimeoutError()", "count": 1}, {"error": "an unreadable line", "count": 1}]
+                                     {"error": "TimeoutError()", "count": 1},
+                                     {"error": "an unreadable line", "count": 1}]
     line = regenerate.unanswered_line(record)
     assert line.startswith(f"the target answered {len(answered)} of 5 row(s): {5 - len(answered)} not in the states")
     assert "2x ValueError('empty assistant generation (sample N)')" in line

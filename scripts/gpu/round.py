@@ -573,7 +573,7 @@ def wait_train():
         time.sleep(3)
     dest = ROOT / "train"
     dest.mkdir(parents=True, exist_ok=True)
-    for rel in ("status.json", "metrics.jsonl", "regenerate/regenerated.json"):
+    for rel in ("status.json", "metrics.jsonl", "regenerate/regenerated.json", "regenerate/responses.errors.jsonl"):
         if (run / rel).exists():
             shutil.copy(run / rel, dest / Path(rel).name)
     got = {k: st.get(k) for k in ("state", "memory", "wall_s", "steps_total", "loss", "accuracy", "val_accuracy",
