@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from remote import trainplan  # noqa: E402
+from trainplans import train_plan  # noqa: E402
 
 #: the argparse parser speculators' trainer builds, each flag's kind and choices, as JSON
 PARSER_FLAGS = r"""
@@ -61,14 +62,6 @@ def _api(modern_hostenv_python) -> dict:
     return trainplan.trainer_api([_site(modern_hostenv_python)])
 
 
-def _plan(**changes) -> trainplan.TrainPlan:
-    fields = dict(run_id="t1", from_run="r1", states_run_dir="/w/runs/r1", data_path="/w/out", model_path="/m/llama",
-                  layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16",
-                  backend="file", total_seq_len=128, samples=4, tokens=270, sample_range=[0, 4],
-                  save_path="/w/runs/t1/checkpoints", epochs=3, device="cpu")
-    return trainplan.TrainPlan(**{**fields, **changes})
-
-
 @pytest.mark.parametrize("args, says, fix", [
     (["--data-path", "/x"], "--data-path is set by specops", "--from-run"),
     (["--target-layer-ids", "1", "2"], "--target-layer-ids is set by specops", "extract --layer-ids"),
@@ -102,7 +95,7 @@ def test_good_flags_pass_and_replace_only_specops_own_defaults(modern_hostenv_py
     assert rec["status"] == "ok" and rec["detail"]["flags"] == [
         "--lr", "--num-layers", "--full-attention-indices", "--no-norm-before-fc", "--save-best", "--optimizer",
         "--mooncake-master"], rec
-    plan = _plan(extra_args=args)
+    plan = train_plan(extra_args=args)
     argv = plan.argv("/env/python", trainplan.CPU_LAUNCHER_MODULE)
     # the user's --optimizer replaces specops' CPU default (adamw) instead of following it, the rest stay
     assert argv.count("--optimizer") == 1 and argv[-len(args):] == args

@@ -38,13 +38,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 from specops_cli import records, specops  # noqa: E402
+from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 from remote import draft_eval, trainplan, trainrun  # noqa: E402
 
 EPOCHS = 20
-
-
 
 
 # --------------------------------------------------------------------------- light
@@ -117,22 +116,14 @@ def test_a_checkpoint_left_half_written_is_set_aside_so_the_resume_takes_the_las
     assert trainplan.set_aside_partial(tmp_path) == [] and trainplan.last_checkpoint(tmp_path)["epoch"] == 1
 
 
-def _plan(**changes) -> trainplan.TrainPlan:
-    fields = dict(run_id="t1", from_run="r1", states_run_dir="/w/runs/r1", data_path="/w/out", model_path="/m/llama",
-                  layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16",
-                  backend="file", total_seq_len=128, samples=4, tokens=270, sample_range=[0, 4],
-                  save_path="/w/runs/t1/checkpoints", epochs=3, device="cpu")
-    return trainplan.TrainPlan(**{**fields, **changes})
-
-
 def test_the_trainer_command_carries_the_manifests_facts_and_cpu_flags_only_on_cpu():
-    argv = _plan().argv("/env/python", trainplan.CPU_LAUNCHER_MODULE)
+    argv = train_plan().argv("/env/python", trainplan.CPU_LAUNCHER_MODULE)
     text = " ".join(argv)
     assert argv[:3] == ["/env/python", "-m", "_specops_cpu_train_launcher"]
     assert "--target-layer-ids 2 4 5 --hidden-states-backend file --total-seq-len 128 --epochs 3" in text
     assert "--verifier-name-or-path /m/llama --data-path /w/out" in text and "--speculator-type eagle3" in text
     assert "--draft-attn-impl sdpa --num-workers 0 --optimizer adamw" in text and "--dry-run" not in text
-    gpu = " ".join(_plan(device="cuda", dry_run=True, state_format="fp8", backend="fp8").argv("py"))
+    gpu = " ".join(train_plan(device="cuda", dry_run=True, state_format="fp8", backend="fp8").argv("py"))
     assert "-m speculators.train" in gpu and "--hidden-states-backend fp8" in gpu and gpu.endswith("--dry-run")
     assert "sdpa" not in gpu and "adamw" not in gpu
 
@@ -141,14 +132,14 @@ def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
     target = {"vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 256}
     good = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {"vocab_size": 512},
             "speculators_config": {"verifier": {"name_or_path": "/m/llama"}}}
-    assert [r["status"] for r in draft_eval.check_config(good, _plan(), target, "/d")] == ["ok", "ok", "ok"]
+    assert [r["status"] for r in draft_eval.check_config(good, train_plan(), target, "/d")] == ["ok", "ok", "ok"]
     shifted = {**good, "eagle_aux_hidden_state_layer_ids": [3, 5, 6]}
-    ids, verifier, vocab = draft_eval.check_config(shifted, _plan(), target, "/d")
+    ids, verifier, vocab = draft_eval.check_config(shifted, train_plan(), target, "/d")
     assert ids["status"] == "fail" and "[3, 5, 6]" in ids["summary"] and "[2, 4, 5]" in ids["summary"]
     assert "every id +1" in ids["summary"] and "/d/config.json" in ids["fix"] and verifier["status"] == "ok"
     other = {**good, "transformer_layer_config": {"vocab_size": 1024},
              "speculators_config": {"verifier": {"name_or_path": "/m/other"}}}
-    _, verifier, vocab = draft_eval.check_config(other, _plan(), target, "/d")
+    _, verifier, vocab = draft_eval.check_config(other, train_plan(), target, "/d")
     assert verifier["status"] == vocab["status"] == "fail"
     assert "/m/other" in verifier["summary"] and "/m/llama" in verifier["summary"]
     assert "1024" in vocab["summary"] and "512" in vocab["summary"]
