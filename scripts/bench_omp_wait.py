@@ -5,8 +5,9 @@ Why the test hosts set ``OMP_WAIT_POLICY=PASSIVE`` (``templates/sshd_config.j2``
 cores. OpenMP's default spins at every barrier, burning the cores the other engine waits for. Per policy,
 ``--repeat`` times: two engines (the tiny Llama, eager, bound to every core of this machine, as specops's
 server env binds a TP=1 rank) start together and each generates ``--rounds`` x 64 prompts x 64 tokens;
-prints each pair's generate seconds and the ratio spin / passive. Measured 2026-12-03 on an AMD EPYC with 2
-cores: 56.3 and 57.4 s spinning, 29.3 and 28.7 s passive (and again 55.6/56.2 vs 31.5/31.9): 1.8x.
+prints each pair's generate seconds and the ratio spin / passive. Measured 2026-12-03 with this script on an
+AMD EPYC (family 25, 2 cores, AVX2): 161.9 and 161.8 s spinning, 128.2 and 128.1 s passive: 1.26x (410 s in all).
+A first pair run by hand (before this script) on another 2-core EPYC gave 56.3/57.4 s against 29.3/28.7: 1.9x.
 
     .venv/bin/python scripts/bench_omp_wait.py [--repeat 1] [--rounds 10]
 """
