@@ -204,14 +204,13 @@ def collect(out_dir: Path, wanted: dict, rows: list) -> dict:
         gen = str(row.get("id") or "").rpartition("_gen")[2]
         found.append((int(meta.get("idx", 0)), int(gen) if gen.isdigit() else 0, row))
     found.sort(key=lambda t: t[:2])
+    errors_file = out_dir / RAW_OUT.replace(".jsonl", ".errors.jsonl")  # the CLI's failed rows
     if not found:
-        errors = (out_dir / RAW_OUT.replace(".jsonl", ".errors.jsonl"))
-        why = errors.read_text(errors="replace")[:600] if errors.is_file() else "no error file"
+        why = errors_file.read_text(errors="replace")[:600] if errors_file.is_file() else "no error file"
         raise RegenerateError("train.regenerate", f"the target wrote no reply to any of the {len(rows)} row(s): {why}",
                               f"read {out_dir / LOG}")
     fsutil.atomic_write(out_dir / ROWS, "".join(json.dumps({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]})
                                                 + "\n" for _, _, r in found).encode())
-    errors_file = out_dir / RAW_OUT.replace(".jsonl", ".errors.jsonl")
     kinds = error_kinds(errors_file)
     answered = sorted({i for i, _, _ in found})
     return {**wanted, "samples": len(found), "source_rows_answered": answered,

@@ -139,12 +139,13 @@ def run_record(run_id: str, state: RunState) -> Record:
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
         # rows the target did not answer when regenerating are not in what the draft learned: said, not lost
-        lost = (st.get("regenerated") or {}).get("unanswered")
+        regenerated = st.get("regenerated") or {}
+        lost = regenerated.get("unanswered")
         return Record(name="train.run", status="warn" if lost else "ok",
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
                               f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}{used}"
                               + (f"; regenerate: {lost}" if lost else ""),
-                      fix=f"read {(st.get('regenerated') or {}).get('errors_file')} for why" if lost else None,
+                      fix=f"read {regenerated.get('errors_file')} for why" if lost else None,
                       detail={"checkpoint": where, "resumed_from": st.get("resumed_from"),
                               "regenerated": st.get("regenerated"), "states_run": st.get("states_run"),
                               "tokens_per_s": st.get("tokens_per_s"), "val_loss": st.get("val_loss"),
