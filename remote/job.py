@@ -60,7 +60,7 @@ from remote.argspec import RUN_ARGS, Arg, Spec
 from remote.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.fsutil import FileLock
 from remote.rootcause import last_traceback
-from remote.rundir import (RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
+from remote.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
                            run_alive, run_busy, signal_group, tail_text, utc_now)
 
 VERBS = ("start", "status", "logs", "abort", "follow")
@@ -215,11 +215,14 @@ def _spawn(run_dir: Path, params: dict) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     faults.job_env(params, env)
     python = params.get("python") or sys.executable
+    # ``_entry``: another run kind's supervisor (remote/train.py starts remote.trainrun)
+    module = params.get("_entry") or _supervisor_of(params)
+    if module not in SUPERVISOR_MODULES.values():  # liveness would never recognise it: a bug of ours
+        raise ValueError(f"{module} is not among the supervisor modules (remote.rundir.SUPERVISOR_MODULES)")
     with open(run_dir / "logs" / "supervisor.log", "ab") as log:
         try:
             proc = subprocess.Popen(
-                # ``_entry``: another run kind's supervisor (remote/train.py starts remote.trainrun)
-                [python, "-m", params.get("_entry") or _supervisor_of(params), str(run_dir)],
+                [python, "-m", module, str(run_dir)],
                 cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )
@@ -235,7 +238,7 @@ def _supervisor_of(params: dict) -> str:
     """A worker host of a replica runs its headless ranks under :mod:`remote.replica`; every
     other extraction (a replica's head included) under :mod:`remote.supervisor`."""
     replica = params.get("replica") or {}
-    return "remote.replica" if int(replica.get("node_rank") or 0) > 0 else "remote.supervisor"
+    return SUPERVISOR_MODULES["replica" if int(replica.get("node_rank") or 0) > 0 else "extract"]
 
 
 # --------------------------------------------------------------------------- status

@@ -26,7 +26,8 @@ runtime of its own. What vLLM does not do, specops does here:
      "node_address": "10.0.0.2"}
 
 Messages are JSON lines, one object each: ``{"event": "hello", "host", "node_rank", "ranks",
-"pid"}``, ``{"event": "failed", "error": {...}}``, ``{"event": "bye", "state"}`` (worker to
+"pid"}``, ``{"event": "failed", "error": {...}}`` (its ranks failed, or ``type: Aborted``: this host
+was aborted, and the head ends the replica aborted), ``{"event": "bye", "state"}`` (worker to
 head); ``{"event": "ready"}``, ``{"event": "end", "state", "message"}`` (head to worker).
 """
 from __future__ import annotations
@@ -358,10 +359,14 @@ class NodeSupervisor:
             return 0 if state == RunState.DONE.value else 1
         except Aborted:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            self.status.update(state=RunState.ABORTED.value, phase="aborted",
-                               error={"rank": None, "type": "Aborted", "where": f"host {self.host}",
-                                      "message": "aborted by request (SIGTERM)", "traceback": ""})
+            error = {"rank": None, "type": "Aborted", "where": f"host {self.host}",
+                     "message": "aborted by request (SIGTERM)", "traceback": ""}
+            self.status.update(state=RunState.ABORTED.value, phase="aborted", error=error)
             if self.sock is not None:
+                # the head cannot go on without these ranks: it ends the replica as aborted, naming this
+                # host (an abort that reached only this host, the head unreachable from the laptop)
+                send(self.sock, "failed", error={**error, "host": self.host, "node_rank": self.node,
+                                                 "ranks": self.ranks})
                 send(self.sock, "bye", state=RunState.ABORTED.value)
             return 143
         except BaseException as exc:  # noqa: BLE001 -- every failure ends in status.json, and at the head

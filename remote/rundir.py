@@ -28,10 +28,15 @@ from remote import contract, procscan, samples
 #: every state a run passes through, in order; the last three are final (:class:`remote.contract.RunState`).
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
 RUN_ID_RE = contract.RUN_ID_RE  # one rule, shared with the laptop
-#: the supervisor's command line holds this; a recycled pid of another program does not.
-SUPERVISOR_MODULE = "remote.supervisor"
-#: every run kind's supervisor: extraction's, and training's (remote/trainrun.py)
-SUPERVISOR_MODULES = (SUPERVISOR_MODULE, "remote.trainrun")
+#: every run kind's supervisor, by the module ``job start`` runs (``python -m MODULE RUN_DIR``): the one
+#: list. A supervisor's command line holds its module, a recycled pid of another program does not;
+#: ``job start`` spawns no module missing here (one that is would be taken for dead while it runs).
+SUPERVISOR_MODULES = {
+    "extract": "remote.supervisor",  # an extraction, a replica's head included
+    "replica": "remote.replica",  # a replica's worker host: its headless ranks (remote/replica.py)
+    "train": "remote.trainrun",  # a train run (remote/trainrun.py)
+}
+SUPERVISOR_MODULE = SUPERVISOR_MODULES["extract"]
 
 
 class RunPaths:
@@ -103,7 +108,9 @@ def read_pid(run_dir: Path):
 
 def pid_alive(pid, run_dir: Path | None = None) -> bool:
     """True when ``pid`` runs and (where /proc tells) is this run's supervisor, not a zombie
-    and not a recycled pid of some other program."""
+    and not a recycled pid of some other program: its command line names a module of
+    :data:`SUPERVISOR_MODULES` and ``run_dir``, or (``run_dir`` given) its environment carries
+    the run's marker (:data:`RUN_DIR_ENV`, set by ``job start``), whatever its command line says."""
     if not pid:
         return False
     try:
@@ -124,9 +131,12 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
         return False
     if not cmdline:
         return True  # seen for a moment right after exec: cannot tell, so not dead
-    if not any(module.encode() in cmdline for module in SUPERVISOR_MODULES):
-        return False
-    return run_dir is None or str(run_dir).encode() in cmdline
+    if any(module.encode() in cmdline for module in SUPERVISOR_MODULES.values()) and (
+            run_dir is None or str(run_dir).encode() in cmdline):
+        return True
+    # a live process of this very run is never taken for dead: the worst a wrong "dead" does is
+    # write failed over a running run, or start a second supervisor beside it
+    return run_dir is not None and bool(run_markers(run_dir) & procscan.environ(pid))
 
 
 def run_alive(run_dir: Path) -> bool:
@@ -145,12 +155,17 @@ def run_busy(run_dir: Path) -> bool:
 RUN_DIR_ENV = "SPECOPS_RUN_DIR"
 
 
+def run_markers(run_dir: Path) -> set[bytes]:
+    """The ``NAME=value`` environment entries that mark a process of this run (the dir as given, and resolved)."""
+    run_dir = Path(run_dir)
+    return {f"{RUN_DIR_ENV}={run_dir}".encode(), f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()}
+
+
 def run_processes(run_dir: Path) -> list[int]:
     """Live processes (zombies excluded) of this user whose environment names this run dir, and vLLM's
     retitled processes working in it (:func:`retitled_vllm_processes`)."""
     run_dir = Path(run_dir)
-    found = set(procscan.live_pids(env_any={f"{RUN_DIR_ENV}={run_dir}".encode(),
-                                            f"{RUN_DIR_ENV}={run_dir.resolve()}".encode()}))
+    found = set(procscan.live_pids(env_any=run_markers(run_dir)))
     return sorted(found | set(retitled_vllm_processes(run_dir)))
 
 

@@ -188,9 +188,11 @@ class Supervisor:
                 error = error_record(exc)
                 error["detail"] = getattr(exc, "detail", None)
             error = self._lost_host(error, seen_at)
-            self.status.update(state=RunState.FAILED.value, phase="failed", error=error,
+            # a replica's worker host aborted (the head unreachable from the laptop): the replica is aborted
+            state = RunState.ABORTED if error.get("type") == "Aborted" else RunState.FAILED
+            self.status.update(state=state.value, phase=state.value, error=error,
                                phase_seconds=dict(self.phase_seconds))
-            return 1
+            return 143 if state == RunState.ABORTED else 1
         finally:
             self._stop.set()
             self._release_replica(self.status.data.get("state"),

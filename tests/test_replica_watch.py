@@ -120,3 +120,52 @@ def test_a_stopped_rank_of_the_head_loses_the_head_by_name(watch, monkeypatch):
     finally:
         Server.proc.kill()
         Server.proc.wait()
+
+
+def test_a_worker_hosts_supervisor_is_known_alive_to_status_start_and_abort(tmp_path, monkeypatch):
+    """A replica's worker-host supervisor (``python -m remote.replica``, a real process here, waiting for a head
+    that never answers): ``status`` sees it alive and writes no failure over it, the same ``start`` re-attaches
+    instead of starting a second one, and ``abort`` stops it by SIGTERM (it records its own abort)."""
+    from remote import job, procscan
+    from remote.rundir import SUPERVISOR_MODULES
+
+    monkeypatch.setattr(job, "STARTING_GRACE_S", 0.0)  # judge liveness at once, as a look minutes later would
+    block = {"name": "pair", "hosts": ["a", "b"], "nnodes": 2, "ranks_per_node": 1, "tp": 2, "node_rank": 1,
+             "master_addr": "127.0.0.1", "master_port": free_port(), "watch_port": free_port(),
+             "node_address": "127.0.0.1"}
+    params = {"run_id": "rep", "work_dir": str(tmp_path / "work"), "model_path": str(tmp_path / "model"),
+              "dataset": str(tmp_path / "data.jsonl"), "device": "cpu", "replica": block, "ready_timeout_s": 120.0}
+    run_dir = tmp_path / "work" / "runs" / "rep"
+
+    def supervisors() -> list[int]:
+        found = []
+        for pid in procscan.live_pids(env_any={f"SPECOPS_RUN_DIR={run_dir}".encode()}):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if fh.read().split(b"\0")[1:3] == [b"-m", SUPERVISOR_MODULES["replica"].encode()]:
+                    found.append(pid)
+        return found
+
+    started = job.main({**params, "action": "start"})
+    assert started["records"][0]["status"] == "changed", started
+    pid = started["data"]["pid"]
+    try:
+        for _ in range(100):  # until it says it waits for the head
+            if "waiting for the head" in str(job.current_status(run_dir).get("phase")):
+                break
+            threading.Event().wait(0.1)
+        looked = job.main({**params, "action": "status"})
+        st = looked["data"]["status"]
+        assert st["alive"] and st["state"] == "pending" and st["error"] is None, st
+        assert "waiting for the head a" in st["phase"]
+        again = job.main({**params, "action": "start"})
+        assert again["data"].get("already") == "running", again["records"]
+        assert supervisors() == [pid]
+        aborted = job.main({**params, "action": "abort", "grace_s": 10.0})
+        assert aborted["records"][0]["status"] == "changed", aborted["records"]
+        assert aborted["data"]["killed"] is False  # it stopped on SIGTERM, its own way
+        st = job.current_status(run_dir)
+        assert st["state"] == "aborted" and not st["alive"], st
+        assert "[specops] supervisor exits (aborted)" in (run_dir / "logs" / "supervisor.log").read_text()
+    finally:
+        for left in supervisors():
+            os.kill(left, signal.SIGKILL)

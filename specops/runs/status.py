@@ -128,8 +128,17 @@ def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = Fals
 
 def _abort_shard(shard: Shard, head: Host, conns: Connections) -> HostReport:
     """Abort the shard's run on its head, then on every other host of its replica (their headless
-    ranks); a host that does not answer is named, the others are still aborted."""
-    report = report_from_payload(shard.label, "abort", jobs.job_call(head, "abort", shard.run_id))
+    ranks); a host that does not answer is named, the others are still aborted. A head that does
+    not answer leaves the shard's report in error (its run may still go on), and its worker hosts
+    are aborted all the same: the head cannot go on without their ranks and ends the replica."""
+    try:
+        report = report_from_payload(shard.label, "abort", jobs.job_call(head, "abort", shard.run_id))
+    except SpecopsError as exc:
+        if len(shard.hosts) == 1:
+            raise
+        report = HostReport(host=shard.label, task="abort", error_code=int(exc.code),
+                            error=f"{exc}\n  its worker host(s) {', '.join(shard.hosts[1:])} were still asked to abort "
+                                  f"(see below); the head ends the replica once their ranks are gone")
     for worker in shard.hosts[1:]:
         try:
             payload = jobs.job_call(conns.host(worker), "abort", shard.run_id, timeout=QUICK_TIMEOUT_S)
