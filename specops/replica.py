@@ -83,22 +83,24 @@ def probe_hosts(inventory: Inventory, replica: ReplicaSpec, host_of, overrides: 
 
 
 def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
-    """The replica's preflight records from every host's probe (see ``remote/replica_probe.py``)."""
+    """The replica's preflight records from every host's probe (see ``remote/replica_probe.py``).
+
+    Only hosts whose probe answered with its findings are compared; every other host is named
+    (``replica.hosts`` fails), and no check says "every host" of hosts it did not hear from."""
     clock = answers.get("_clock") or {}
-    data = {h: (a.get("data") or {}) for h, a in answers.items() if h != "_clock" and isinstance(a, dict)}
-    records = []
-    lost = {h: a for h, a in answers.items() if h != "_clock" and not isinstance(a, dict)}
     name = f"replica {replica.name}"
-    if lost:
-        records.append(Record(name="replica.hosts", status="fail",
-                              summary=f"{name}: no answer from " + "; ".join(
-                                  f"{h}: {str(e).splitlines()[0]}" for h, e in lost.items()),
-                              fix="every host of a replica must answer: fix the unreachable host(s), then run "
-                                  "preflight again"))
-    else:
-        records.append(_at_once(name, data, clock))
+    data, silent = {}, {}
+    for host in replica.hosts:
+        answer = answers.get(host)
+        if isinstance(answer, dict) and "node_rank" in (answer.get("data") or {}):
+            data[host] = answer["data"]
+        else:
+            silent[host] = _why_silent(answer)
+    records = [_hosts(name, replica, data, silent, clock)]
+    if not data:
+        return records
     records.append(_agree(name, "replica.versions", {h: d.get("versions") for h, d in data.items()},
-                          "vLLM, torch, transformers and speculators", replica.head,
+                          "vLLM, torch, transformers and speculators", replica, silent,
                           "install the same versions on every host of the replica (the ranks load one model "
                           "with one code)"))
     models = {h: d.get("model") or {} for h, d in data.items()}
@@ -110,15 +112,17 @@ def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
                               fix="put a copy of the model at each host's model_path"))
     else:
         records.append(_agree(name, "replica.model", {h: m.get("sha256") for h, m in models.items()},
-                              "model files (config, index and shard headers)", replica.head,
+                              "model files (config, index and shard headers)", replica, silent,
                               "copy the head's model to the host(s) named (each host loads its ranks' slice "
                               "of the same checkpoint)", detail={h: m.get("files") for h, m in models.items()}))
     short = {h: d.get("devices") for h, d in data.items() if (d.get("devices") or {}).get("count", 0) < replica.ranks_per_host}
     said = ", ".join(f"{h}: {d.get('devices', {}).get('count')} {d.get('devices', {}).get('what')}" for h, d in data.items())
     records.append(Record(
-        name="replica.devices", status="fail" if short else "ok",
+        name="replica.devices", status="fail" if short else ("skipped" if silent else "ok"),
         summary=(f"{name}: tp {replica.tp} over {len(replica.hosts)} hosts is {replica.ranks_per_host} rank(s) per host; "
-                 + (f"too few on {', '.join(short)} ({said})" if short else f"every host has room ({said})")),
+                 + (f"too few on {', '.join(short)} ({said})" if short else
+                    f"room on the {len(data)} of {len(replica.hosts)} host(s) that answered ({said}; not known for "
+                    f"{', '.join(silent)})" if silent else f"every host has room ({said})")),
         detail={h: d.get("devices") for h, d in data.items()},
         fix=(f"give each host {replica.ranks_per_host} device(s), or set tp of replica {replica.name} to "
              f"{len(replica.hosts)} x the devices of its smallest host") if short else None))
@@ -129,59 +133,120 @@ def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
                               summary=f"{name}: node_address is not an address of " + "; ".join(
                                   f"{h} ({data[h].get('node_address')}: {e})" for h, e in foreign.items()),
                               fix="set node_address of each host to an IP address the host has (ip addr)"))
-    records.extend(_ports(name, replica, data))
+    records.extend(_ports(name, replica, data, silent))
     records.append(Record(name="replica.network", status="ok",
                           summary=f"{name}: network settings the ranks see: " + "; ".join(
                               f"{h}: {' '.join(f'{k}={v}' for k, v in (d.get('network_env') or {}).items()) or 'none set'}"
-                              for h, d in data.items()),
+                              for h, d in data.items()) + (f"; {', '.join(silent)}: no answer" if silent else ""),
                           detail={h: d.get("network_env") for h, d in data.items()}))
-    offsets = {h: d["time_unix"] - sum(clock[h]) / 2 for h, d in data.items() if h in clock and d.get("time_unix")}
-    if offsets:
-        spread = max(offsets.values()) - min(offsets.values())
-        records.append(Record(
-            name="replica.clock", status="warn" if spread > CLOCK_SKEW_WARN_S else "ok",
-            summary=f"{name}: clocks within {spread:.2f} s of each other (as this laptop reads them)",
-            detail={"offset_s": {h: round(o, 3) for h, o in offsets.items()}},
-            fix="sync the hosts' clocks (chrony/NTP), or the hosts' logs will not line up" if spread > CLOCK_SKEW_WARN_S
-            else None))
+    clocked = _clock(name, data, clock)
+    if clocked is not None:
+        records.append(clocked)
     return records
 
 
-def _at_once(name: str, data: dict, clock: dict) -> Record:
-    """Every host answered: when each one's checks ran (its own clock) and when the laptop called it.
+def _why_silent(answer) -> str:
+    """Why a host gave no findings: the exception of a host that did not answer, or its probe's own failure."""
+    if answer is None:
+        return "not asked"
+    if not isinstance(answer, dict):
+        return f"no answer: {str(answer).splitlines()[0] if str(answer) else type(answer).__name__}"
+    failed = [r for r in answer.get("records") or [] if isinstance(r, dict) and r.get("status") == "fail"]
+    if failed:
+        return f"its probe failed: {failed[0].get('summary')}"
+    return "its probe returned no findings"
 
-    A replica's hosts are checked together (the head holds its ports open while the others
-    reach them): the windows overlap; checks one after another would not (a warn)."""
+
+def _hosts(name: str, replica: ReplicaSpec, data: dict, silent: dict, clock: dict) -> Record:
+    """The recap: how many of the replica's hosts answered, and whether they were checked at once.
+
+    A replica's hosts are checked together (the head holds its ports open while the others reach
+    them): the laptop's calls, timed by its one clock (no skew between hosts can fool it), overlap;
+    calls one after another would not (a warn). Each host's own window (``ran``, its clock) is kept
+    in the detail."""
+    asked = len(replica.hosts)
     ran = {h: {"started": d.get("started_unix"), "ended": d.get("ended_unix")} for h, d in data.items()}
-    timed = {h: w for h, w in ran.items() if w["started"] is not None and w["ended"] is not None}
-    detail = {"ran": ran, "calls": {h: {"sent": c[0], "received": c[1]} for h, c in clock.items()}}
-    if len(timed) < 2:
-        return Record(name="replica.hosts", status="ok", summary=f"{name}: every host answered", detail=detail)
-    overlap = min(w["ended"] for w in timed.values()) - max(w["started"] for w in timed.values())
+    detail = {"asked": list(replica.hosts), "answered": list(data), "silent": silent, "ran": ran,
+              "calls": {h: {"sent": c[0], "received": c[1]} for h, c in clock.items() if h in data}}
+    if silent:
+        return Record(name="replica.hosts", status="fail",
+                      summary=f"{name}: {len(data)} of {asked} hosts answered; " + "; ".join(
+                          f"{h}: {why}" for h, why in silent.items()), detail=detail,
+                      fix="every host of a replica must answer: fix the host(s) named, then run preflight again")
+    calls = [c for h, c in clock.items() if h in data]
+    if len(calls) < 2:
+        return Record(name="replica.hosts", status="ok", summary=f"{name}: {len(data)} of {asked} hosts answered",
+                      detail=detail)
+    overlap = min(c[1] for c in calls) - max(c[0] for c in calls)
     detail["overlap_s"] = round(overlap, 3)
     if overlap > 0:
         return Record(name="replica.hosts", status="ok",
-                      summary=f"{name}: all {len(timed)} hosts answered, checked at once ({overlap:.1f} s in common)",
-                      detail=detail)
+                      summary=f"{name}: {len(data)} of {asked} hosts answered, checked at once ({overlap:.1f} s in "
+                              f"common)", detail=detail)
     return Record(name="replica.hosts", status="warn",
-                  summary=f"{name}: the hosts' checks did not overlap (by their clocks): a worker's reach of the "
-                          f"head's ports was not checked while the head held them", detail=detail,
-                  fix="sync the hosts' clocks (chrony/NTP) and run preflight again")
+                  summary=f"{name}: {len(data)} of {asked} hosts answered, but one after another (the calls did not "
+                          f"overlap): a worker's reach of the head's ports was not checked while the head held them",
+                  detail=detail, fix="run preflight on the whole replica at once (--on the replica's name)")
 
 
-def _agree(name: str, record: str, values: dict, what: str, head: str, fix: str, detail=None) -> Record:
+def _clock(name: str, data: dict, clock: dict) -> Record | None:
+    """How far apart the hosts' clocks are, as far as the laptop's calls can tell.
+
+    A host read its clock (``started_unix``, then ``ended_unix``) while the laptop's call to it ran
+    (``sent``..``received``, the laptop's clock): its offset from the laptop lies in
+    ``[ended - received, started - sent]``, a window as wide as the call's round trip less the
+    host's own work. Two hosts' clocks are surely apart by the gap between their windows, and at
+    most by their span: a warn only for a skew these calls prove, never for a slow call.
+    """
+    windows = {}
+    for host, d in data.items():
+        started, ended = d.get("started_unix"), d.get("ended_unix")
+        if host in clock and started is not None and ended is not None:
+            sent, received = clock[host]
+            windows[host] = (ended - received, started - sent)
+    if len(windows) < 2:
+        return None
+    proven = max(0.0, max(lo for lo, _ in windows.values()) - min(hi for _, hi in windows.values()))
+    at_most = max(hi for _, hi in windows.values()) - min(lo for lo, _ in windows.values())
+    detail = {"offset_s": {h: {"min": round(lo, 3), "max": round(hi, 3)} for h, (lo, hi) in windows.items()},
+              "skew_at_least_s": round(proven, 3), "skew_at_most_s": round(at_most, 3),
+              "warn_above_s": CLOCK_SKEW_WARN_S}
+    if proven > CLOCK_SKEW_WARN_S:
+        return Record(name="replica.clock", status="warn",
+                      summary=f"{name}: the hosts' clocks are at least {proven:.2f} s apart (at most {at_most:.2f} s, "
+                              f"as this laptop's calls tell)", detail=detail,
+                      fix="sync the hosts' clocks (chrony/NTP), or the hosts' logs will not line up")
+    if at_most <= CLOCK_SKEW_WARN_S:
+        summary = f"{name}: clocks within {at_most:.2f} s of each other (as this laptop's calls tell)"
+    else:  # slow calls: the skew is bounded loosely, and nothing above the limit is shown
+        summary = (f"{name}: no clock skew above {CLOCK_SKEW_WARN_S:g} s shown (these calls bound it only to "
+                   f"{at_most:.2f} s: their round trips)")
+    return Record(name="replica.clock", status="ok", summary=summary, detail=detail)
+
+
+def _agree(name: str, record: str, values: dict, what: str, replica: ReplicaSpec, silent: dict, fix: str,
+           detail=None) -> Record:
+    """The hosts that answered hold one value (the head's, or the first answering host's when the head is silent)."""
+    head = replica.head if replica.head in values else next(iter(values))
     reference = values.get(head)
     odd = [h for h, v in values.items() if v != reference]
-    if not odd:
-        return Record(name=record, status="ok", summary=f"{name}: every host has the same {what}",
-                      detail={"values": values, **({"files": detail} if detail else {})})
-    return Record(name=record, status="fail",
-                  summary=f"{name}: {', '.join(odd)} differ(s) from the head {head} in {what}: " + "; ".join(
-                      f"{h}: {values[h]}" for h in [head, *odd]),
-                  detail={"values": values, "differ": odd, **({"files": detail} if detail else {})}, fix=fix)
+    extra = {"values": values, **({"files": detail} if detail else {})}
+    if odd:
+        return Record(name=record, status="fail",
+                      summary=f"{name}: {', '.join(odd)} differ(s) from {'the head ' if head == replica.head else ''}"
+                              f"{head} in {what}: " + "; ".join(f"{h}: {values[h]}" for h in [head, *odd]),
+                      detail={**extra, "differ": odd}, fix=fix)
+    if silent:
+        return Record(name=record, status="skipped",
+                      summary=f"{name}: the {len(values)} of {len(replica.hosts)} host(s) that answered have the same "
+                              f"{what}; {', '.join(silent)} not compared (no answer)", detail=extra)
+    return Record(name=record, status="ok", summary=f"{name}: every host has the same {what}", detail=extra)
 
 
-def _ports(name: str, replica: ReplicaSpec, data: dict) -> list[Record]:
+def _ports(name: str, replica: ReplicaSpec, data: dict, silent: dict) -> list[Record]:
+    if replica.head not in data:
+        return [Record(name="replica.master_port", status="skipped",
+                       summary=f"{name}: the head {replica.head} did not answer: its ports were not checked")]
     head = data.get(replica.head) or {}
     listen = head.get("listen") or {}
     taken = {p: e for p, e in (listen.get("bound") or {}).items() if e}
@@ -196,11 +261,14 @@ def _ports(name: str, replica: ReplicaSpec, data: dict) -> list[Record]:
                  for h, d in data.items() if h != replica.head}
     unreached = {h: bad for h, bad in unreached.items() if bad}
     address = f"{head.get('node_address')}:{replica.master_port}/{replica.watch_port}"
+    workers = [h for h in replica.hosts[1:] if h in data]
     records.append(Record(
-        name="replica.master_port", status="fail" if unreached else "ok",
+        name="replica.master_port", status="fail" if unreached else ("skipped" if silent else "ok"),
         summary=(f"{name}: " + ("; ".join(f"{h} cannot reach the head on " + ", ".join(
             f"{head.get('node_address')}:{p} ({e})" for p, e in bad.items()) for h, bad in unreached.items())
-            if unreached else f"every worker host reached the head on {address}")),
+            if unreached else f"{', '.join(workers) or 'no worker host'} reached the head on {address}; "
+                              f"{', '.join(silent)} not checked (no answer)" if silent
+            else f"every worker host reached the head on {address}")),
         detail={"head": listen, "workers": {h: d.get("reach") for h, d in data.items() if h != replica.head}},
         fix=("open the master port and the next one on the head to the other hosts (firewall), and check "
              "node_address of the head: it is the address vLLM's ranks connect to") if unreached else None))

@@ -95,7 +95,7 @@ def test_a_worker_that_cannot_reach_the_head_is_named(tmp_path):
     block = {"name": "pair", "hosts": ["a", "b"], "node_rank": 1, "nnodes": 2, "ranks_per_node": 1, "tp": 2,
              "master_addr": "127.0.0.1", "master_port": port, "watch_port": port + 1, "node_address": "127.0.0.1"}
     worker = replica_probe.main({"model_path": str(model), "device": "cpu", "replica": block, "listen_s": 1.0})
-    head = {"data": {"listen": {"bound": {str(port): None, str(port + 1): None}, "peers": {}},
+    head = {"data": {"node_rank": 0, "listen": {"bound": {str(port): None, str(port + 1): None}, "peers": {}},
                      "node_address": "127.0.0.1"}}
     record = by_name(judge(replica, {"a": head, "b": worker}))["replica.master_port"]
     assert record.status == "fail" and "b cannot reach the head on 127.0.0.1:" in record.summary
@@ -116,3 +116,66 @@ def test_hosts_checked_one_after_another_are_told_apart(tmp_path):
     assert hosts.status == "warn" and hosts.detail["overlap_s"] <= 0, hosts
     assert "did not overlap" in hosts.summary
     assert records["replica.master_port"].status == "fail"
+
+
+def test_a_slow_call_is_no_clock_skew_and_a_real_skew_is_named(tmp_path):
+    """The clock check judges by each call's round trip: the head's call that lasts while it holds its ports
+    (20 s here) shows no skew, where its clock reading at the start against the call's midpoint made one; a host
+    whose clock is 30 s ahead is named, as far apart as the calls prove."""
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_port_pair())
+    model = model_dir(tmp_path / "m")
+    answers = probe_replica(replica, {"a": model, "b": model})
+    t = time.time()
+    # the same answers, timed as a slow head call would be: both hosts' clocks agree with the laptop's
+    timing = {"a": (t, t + 0.5, t + 20.0, t + 20.5), "b": (t, t + 0.5, t + 1.5, t + 2.0)}
+    for host, (sent, started, ended, received) in timing.items():
+        answers[host]["data"].update(time_unix=started, started_unix=started, ended_unix=ended)
+        answers["_clock"][host] = (sent, received)
+    clock = by_name(judge(replica, answers))["replica.clock"]
+    assert clock.status == "ok", clock.summary
+    assert clock.detail["skew_at_least_s"] == 0 and clock.detail["skew_at_most_s"] == 1.0, clock.detail
+    for key in ("time_unix", "started_unix", "ended_unix"):  # b's clock runs 30 s ahead
+        answers["b"]["data"][key] += 30.0
+    clock = by_name(judge(replica, answers))["replica.clock"]
+    assert clock.status == "warn" and clock.fix, clock.summary
+    assert clock.detail["skew_at_least_s"] == 29.0 and clock.detail["skew_at_most_s"] == 31.0, clock.detail
+    assert "at least 29.00 s apart" in clock.summary
+
+
+def test_one_host_answering_is_not_every_host(tmp_path):
+    """A worker whose probe refused its parameters answers with a failure, not findings: the recap counts the
+    hosts that answered against those asked, names the silent one, and no check speaks for every host."""
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=free_port_pair())
+    model = model_dir(tmp_path / "m")
+    head = probe_replica(replica, {"a": model, "b": model}, listen_s=1.0, only="a")
+    refused = replica_probe.main({"model_path": str(model), "device": "cpu", "listen_s": -1,
+                                  "replica": {"name": "pair", "node_rank": 1}})
+    assert refused["records"][0]["status"] == "fail"
+    records = judge(replica, {"a": head["a"], "b": refused, "_clock": head["_clock"]})
+    hosts = by_name(records)["replica.hosts"]
+    assert hosts.status == "fail" and "1 of 2 hosts answered" in hosts.summary, hosts.summary
+    assert "b: its probe failed" in hosts.summary and hosts.detail["answered"] == ["a"]
+    assert not [r.summary for r in records if "every" in r.summary and r.status == "ok"]
+    for name in ("replica.versions", "replica.model", "replica.master_port"):
+        record = by_name(records)[name]
+        assert record.status == "skipped" and "b not " in record.summary, (name, record.summary)
+
+
+@pytest.mark.parametrize("bind, ranks_per_node, status", [("1", 1, "ok"), ("0|1", 2, "ok"), ("0|1", 1, "warn"),
+                                                          ("0", 2, "warn")])
+def test_thread_binding_is_judged_against_the_ranks_on_this_host(bind, ranks_per_node, status):
+    """A replica's host binds one core range per rank it runs, not per rank of the whole TP: ``"1"`` for the
+    one rank of TP=2 a worker host of two runs is right (the host checks of this machine, for real)."""
+    from remote.probes import Context, host
+
+    params = {"device": "cpu", "engine": "vllm-server", "tp": 2, "model_path": None, "output_dir": None,
+              "env": {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"},
+              "replica": {"name": "pair", "node_rank": 1, "ranks_per_node": ranks_per_node}}
+    threads = by_name_dict(host.probe(Context(params)))["host.cpu_threads"]
+    assert threads["status"] == status, threads["summary"]
+    assert f"{ranks_per_node} rank(s) of TP=2 on this host" in threads["summary"] or ranks_per_node == 2
+    assert threads["detail"]["ranks_here"] == ranks_per_node
+
+
+def by_name_dict(records) -> dict:
+    return {r["name"]: r for r in records}

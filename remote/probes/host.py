@@ -334,6 +334,10 @@ def _cpu_engine(ctx) -> list:
     ram = ctx.host.get("ram", {})
     avail = ram.get("available_bytes")
     tp = ctx.params["tp"]
+    # a host of a replica over several hosts runs its share of the ranks (remote/replica.py): the KV cache
+    # and the thread binding are this host's ranks', not the whole TP's
+    local = int((ctx.params.get("replica") or {}).get("ranks_per_node") or tp)
+    ranks_here = f"TP={tp}" if local == tp else f"{local} rank(s) of TP={tp} on this host"
     server = ctx.params["engine"] == VLLM_SERVER
     if raw is None and server:
         # the engine's server_env gives its server 1 GiB: one prefill per request needs little
@@ -363,38 +367,45 @@ def _cpu_engine(ctx) -> list:
             kv_bytes = None
         if kv_bytes is not None:
             ctx.host["cpu_kvcache_bytes"] = kv_bytes
-            detail = {"VLLM_CPU_KVCACHE_SPACE": raw, "bytes_per_rank": kv_bytes, "tp": tp,
+            detail = {"VLLM_CPU_KVCACHE_SPACE": raw, "bytes_per_rank": kv_bytes, "tp": tp, "ranks_here": local,
                       "ram_available_bytes": avail}
-            if avail is not None and kv_bytes * tp > avail:
+            if avail is not None and kv_bytes * local > avail:
                 records.append(record(
                     "host.cpu_kvcache", FAIL,
-                    f"KV cache {raw} GiB x TP {tp} exceeds available RAM {human_bytes(avail)}",
+                    f"KV cache {raw} GiB x {ranks_here} exceeds available RAM {human_bytes(avail)}",
                     detail=detail, fix="lower VLLM_CPU_KVCACHE_SPACE or TP, or free RAM on the host"))
             else:
                 records.append(record("host.cpu_kvcache", OK, f"VLLM_CPU_KVCACHE_SPACE={raw} GiB per rank",
                                       detail=detail))
 
     if tp > 1:
+        # one core range per rank that runs on this host (VLLM_CPU_OMP_THREADS_BIND is read per host)
         bind = ctx.env("VLLM_CPU_OMP_THREADS_BIND")
+        detail = {"VLLM_CPU_OMP_THREADS_BIND": bind, "tp": tp, "ranks_here": local}
         if bind is None and server:
             records.append(record(
-                "host.cpu_threads", OK, f"TP={tp} on CPU: the vllm-server engine binds one slice of the allowed "
-                f"cores per rank itself (VLLM_CPU_OMP_THREADS_BIND not set)",
-                detail={"VLLM_CPU_OMP_THREADS_BIND": None, "tp": tp}))
-        elif bind in (None, "", "auto"):
+                "host.cpu_threads", OK, f"{ranks_here} on CPU: the vllm-server engine binds one slice of the "
+                f"allowed cores per rank itself (VLLM_CPU_OMP_THREADS_BIND not set)", detail=detail))
+        elif bind in (None, "", "auto") and local > 1:
             records.append(record(
                 "host.cpu_threads", WARN,
-                f"TP={tp} on CPU without VLLM_CPU_OMP_THREADS_BIND: vLLM may refuse ('Not enough allowed "
-                f"NUMA nodes')", detail={"VLLM_CPU_OMP_THREADS_BIND": bind, "tp": tp},
-                fix='bind one core range per rank, e.g. VLLM_CPU_OMP_THREADS_BIND="0|1" for TP=2'))
+                f"{ranks_here} on CPU without VLLM_CPU_OMP_THREADS_BIND: vLLM may refuse ('Not enough allowed "
+                f"NUMA nodes')", detail=detail,
+                fix=f'bind one core range per rank, e.g. VLLM_CPU_OMP_THREADS_BIND="0|1" for {local} ranks'
+                    if local == 2 else f"bind one core range per rank ({local} '|'-separated ranges)"))
+        elif bind in (None, "", "auto"):
+            records.append(record(
+                "host.cpu_threads", OK, f"{ranks_here} on CPU: one rank here, vLLM's own binding serves it "
+                f"(VLLM_CPU_OMP_THREADS_BIND={bind!r})", detail=detail))
         else:
-            ranks = bind.split("|")
-            status = OK if len(ranks) == tp else WARN
+            ranges = bind.split("|")
+            status = OK if len(ranges) == local else WARN
             records.append(record(
                 "host.cpu_threads", status,
-                f"VLLM_CPU_OMP_THREADS_BIND={bind!r} ({len(ranks)} range(s) for TP={tp})",
-                detail={"VLLM_CPU_OMP_THREADS_BIND": bind, "tp": tp},
-                fix=None if status == OK else f"give exactly {tp} '|'-separated core ranges"))
+                f"VLLM_CPU_OMP_THREADS_BIND={bind!r} ({len(ranges)} range(s) for {ranks_here})",
+                detail=detail,
+                fix=None if status == OK else f"give exactly {local} '|'-separated core ranges, one per rank "
+                                              f"of this host"))
     return records
 
 
