@@ -360,7 +360,7 @@ class NodeSupervisor:
         except Aborted:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             error = {"rank": None, "type": "Aborted", "where": f"host {self.host}",
-                     "message": "aborted by request (SIGTERM)", "traceback": ""}
+                     "message": f"ranks {self.ranks} on {self.host} aborted by request (SIGTERM)", "traceback": ""}
             self.status.update(state=RunState.ABORTED.value, phase="aborted", error=error)
             if self.sock is not None:
                 # the head cannot go on without these ranks: it ends the replica as aborted, naming this

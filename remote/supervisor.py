@@ -238,7 +238,8 @@ class Supervisor:
         if lost is None:
             return error
         head = {k: error.get(k) for k in ("rank", "type", "message", "where")}
-        if lost.get("type") == "HostLost" or (self.watch.lost_at or 0) <= seen_at:
+        # a host that died, or was aborted by request, is the cause whenever this host saw its own failure
+        if lost.get("type") in ("HostLost", "Aborted") or (self.watch.lost_at or 0) <= seen_at:
             return {**lost, "head_error": head}
         return {**error, "other_errors": [*(error.get("other_errors") or []), lost]}
 

@@ -317,9 +317,17 @@ print(json.dumps(out))
 
 
 def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, modern_fixed_python, tiny_models):
+    """A running replica, as seen while its head is out of the laptop's reach: the worker host's supervisor is
+    known alive (the same command re-attaches to it, ``status`` names its ranks and writes no failure over it),
+    and ``abort`` still reaches it; the head, which the laptop cannot reach, then ends the replica aborted by
+    itself, naming the worker host. Nothing of the run is left on either host."""
     from remote import procscan
 
     inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, detached=True)
+    doc = yaml.safe_load(inventory.read_text())
+    for entry in doc["hosts"].values():  # a long extraction: the looks below happen while it runs
+        entry["max_samples"] = 24
+    inventory.write_text(yaml.safe_dump(doc))
     runs = tmp_path / "runs"
     start_detached(inventory, runs, "pair", "rep4")
     head_dir, worker_dir = (tmp_path / h / "work" / "runs" / "rep4" for h in ("a", "b"))
@@ -328,19 +336,47 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
     # workers, and a retitled process no longer shows the run's environment in /proc)
     groups = {os.getpgid(pid) for run_dir in (head_dir, worker_dir) for pid in run_processes(run_dir)}
     assert len(groups) >= 3  # each host's supervisor's group, and the head's server's own
+    supervisor = {h: int((d / "pid").read_text()) for h, d in (("a", head_dir), ("b", worker_dir))}
 
     def left() -> list[int]:
         return sorted({*run_processes(head_dir), *run_processes(worker_dir),
                        *(pid for group in groups for pid in procscan.live_pids(pgrp=group))})
 
-    aborted = cli("abort", "--inventory", str(inventory), "--run-id", "rep4", "--json", runs=runs)
-    assert aborted.returncode == 0, aborted.stdout[-4000:] + aborted.stderr[-4000:]
+    def worker_supervisors() -> list[int]:
+        return sorted(pid for pid in run_processes(worker_dir)
+                      if b"remote.replica" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+    # the same command again re-attaches to both hosts' runs: no second supervisor (nor its second set of ranks)
+    start_detached(inventory, runs, "pair", "rep4")
+    assert {h: int((d / "pid").read_text()) for h, d in (("a", head_dir), ("b", worker_dir))} == supervisor
+    assert worker_supervisors() == [supervisor["b"]], worker_supervisors()
+    # the head out of the laptop's reach (its sshd's port closed to it): the worker host still answers for itself
+    unreachable = tmp_path / "head-unreachable.yaml"
+    doc["hosts"]["a"]["port"] = free_port_pair()
+    unreachable.write_text(yaml.safe_dump(doc))
+    status = cli("status", "--inventory", str(unreachable), "--run-id", "rep4", "--json", runs=runs)
+    assert status.returncode != 0 and "b: ranks [1] extracting" in status.stdout, status.stdout[-4000:]
+    worker = state_of(worker_dir)
+    assert worker["state"] == "extracting" and worker["error"] is None, worker
+    aborted = cli("abort", "--inventory", str(unreachable), "--run-id", "rep4", "--json", runs=runs)
+    assert aborted.returncode != 0, aborted.stdout[-4000:]  # the head did not answer: said so
+    assert "job.abort@b" in aborted.stdout, aborted.stdout[-4000:]
+    assert state_of(worker_dir)["state"] == "aborted", state_of(worker_dir)
+    # the head runs on without its worker's ranks for no longer than its current batch
+    wait_for(lambda: state_of(head_dir).get("state") in ("aborted", "failed", "done"), timeout=120,
+             what="the head's run to end")
+    head = state_of(head_dir)
+    assert head["state"] == "aborted", head
+    assert head["error"]["type"] == "Aborted" and head["error"]["host"] == "b", head["error"]
+    assert "ranks [1] on b aborted by request" in head["error"]["message"], head["error"]
     # a process SIGKILLed a moment ago may still be on its way out; none may stay
     gone_or_going = {pid: (procscan.stat_fields(pid) or ["gone"])[0] for pid in left()}
     print(f"\nright after abort: {gone_or_going or 'nothing left'}")
     wait_for(lambda: not left(), timeout=60, what=f"the run's processes to end (left: {left()})")
-    assert state_of(head_dir)["state"] == "aborted"
-    assert state_of(worker_dir)["state"] == "aborted"
+    # every host in reach again: an abort of the ended replica changes nothing
+    again = cli("abort", "--inventory", str(inventory), "--run-id", "rep4", "--json", runs=runs)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert state_of(head_dir)["state"] == "aborted" and state_of(worker_dir)["state"] == "aborted"
 
 
 @pytest.fixture
