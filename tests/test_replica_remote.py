@@ -166,10 +166,17 @@ def test_preflight_checks_the_replica_on_every_host_at_once(tmp_path, testhost, 
     print(f"\nreplica probes: {ran}")
     assert max(w["started"] for w in ran.values()) < min(w["ended"] for w in ran.values()), ran
     assert max(c["sent"] for c in calls.values()) < min(c["received"] for c in calls.values()), calls
-    # each host's own preflight judged its share of the ranks (1 of TP 2), not the whole TP
+    assert "2 of 2 hosts answered, checked at once" in replica["replica.hosts"]["summary"]
+    # one clock here: the calls' round trips bound the skew, and no skew is shown
+    assert replica["replica.clock"]["detail"]["skew_at_least_s"] == 0, replica["replica.clock"]
+    # each host's own preflight judged its share of the ranks (1 of TP 2), not the whole TP: its devices, and its
+    # one core range of VLLM_CPU_OMP_THREADS_BIND
     for host in ("a", "b"):
-        devices = {r["name"]: r for r in reports[host]["records"]}["parallel.devices"]
+        checks = {r["name"]: r for r in reports[host]["records"]}
+        devices = checks["parallel.devices"]
         assert devices["status"] == "ok" and devices["detail"]["tp"] == 1, devices
+        threads = checks["host.cpu_threads"]
+        assert threads["status"] == "ok" and "1 rank(s) of TP=2 on this host" in threads["summary"], threads
 
 
 def lose_the_worker_host(host_b: TestHost, inventory: Path, runs: Path, run_id: str, head_dir: Path,
