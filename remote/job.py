@@ -5,7 +5,8 @@ lives in ``<work_dir>/runs/<run_id>/`` (the layout is described in :mod:`remote.
 
 Verbs:
 
-``start``   launches ``python -m remote.supervisor RUN_DIR`` detached from the SSH
+``start``   launches ``python -m remote.supervisor RUN_DIR`` (or another module of
+            :data:`remote.rundir.SUPERVISOR_MODULES`: a replica's worker host's, a train run's) detached from the SSH
             session (new session, stdin closed, output to the supervisor log) and returns
             at once. Idempotent per run id: alive -> "already running"; done -> "already
             done"; failed, aborted or killed -> started again, resuming after the last
