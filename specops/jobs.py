@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.table import Table
+from rich.text import Text
 
 from specops.assets import remote_contract, remote_fsutil, remote_manifest, remote_protocol
 from specops.errors import UnreachableError
@@ -320,9 +321,9 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
 
 
 def summary_table(summary: dict) -> Table:
-    table = Table(title=f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
-                        f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
-                        f"{summary.get('state_format') or remote_contract().BF16} states)",
+    table = Table(title=Text(f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
+                             f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
+                             f"{summary.get('state_format') or remote_contract().BF16} states)"),
                   title_justify="left")
     for col in ("layer", "shape", "dtype", "mean", "std", "abs max", "NaN", "Inf"):
         table.add_column(col, justify="right")
