@@ -147,6 +147,9 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
             continue
         if result.state == "done":
             report.records.append(Record(name="extract.run", status="ok", summary=f"run {run_id} done"))
+            shown = jobs.canary_record("extract.canary", result)
+            if shown is not None:
+                report.records.append(shown)
         else:
             err = result.error
             report.records.append(Record(

@@ -39,7 +39,7 @@ from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload
 from specops.host import Host
 from specops.report import console
-from specops.result import HostReport, RunState
+from specops.result import HostReport, Record, RunState
 
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).
@@ -72,6 +72,17 @@ def status_report(host: Host, run_id: str) -> HostReport:
     report = report_from_payload(host.name, "status", payload)
     report.data["state"] = RunState.from_payload(payload).state
     return report
+
+
+def canary_record(name: str, state: RunState) -> Record | None:
+    """The record that shows what a finished run's canary found (its status file's ``canary``, written by
+    the host's ``remote.canary.summarize``); None for an engine without a canary."""
+    found = (state.model_extra or {}).get("canary")
+    if not isinstance(found, dict):
+        return None
+    status = found.get("shown") or "warn"  # the host's remote.canary.SHOWN_AS
+    return Record(name=name, status=status, summary=f"canary {found.get('summary')}", detail=found,
+                  fix=f"specops verify --run-id {state.run_id} --reference logits" if status == "warn" else None)
 
 
 def job_exit_code(state: str) -> ExitCode:

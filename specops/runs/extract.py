@@ -6,6 +6,7 @@ from rich.text import Text
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
+from specops.jobs import canary_record
 from specops.parallel import run_steps
 from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit
@@ -185,6 +186,9 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
         elif result.state == STATE.DONE:
             report.records.append(Record(name="fleet.run", status="ok",
                                          summary=f"[{shard.start}, {shard.stop}) done on {shard.head}"))
+            shown = canary_record("extract.canary", result)
+            if shown is not None:
+                report.records.append(shown)
             codes.append(ExitCode.SUCCESS)
         else:
             err = result.error
