@@ -190,5 +190,6 @@ def server_args_problem(server_args, plain: bool = False) -> str | None:
         param = ENGINE_FLAGS[flag]
         problems.append(f"{_as_given(arg, flag)} is set by the engine" + (f" from the run's {param}" if param else "")
                         + f" (vLLM would take the last one given, and the files would not be what the run "
-                        f"records): drop {arg.split('=', 1)[0]} from server_args" + (f" and set {param}" if param else ""))
+                        f"records): drop {arg.split('=', 1)[0]} from server_args"
+                        + (f" and set {param}" if param else ""))
     return "server_args: " + "; ".join(problems) if problems else None
