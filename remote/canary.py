@@ -155,6 +155,83 @@ class Canary:
         return others
 
 
+#: the canary's status -> the status of the record that shows it after the run (a failed canary whose
+#: run went on, ``canary: false``, is a warning there: the run itself is done).
+SHOWN_AS = {"ok": protocol.OK, "warn": protocol.WARN, "fail": protocol.WARN, "skipped": protocol.SKIPPED,
+            "off": protocol.SKIPPED, "not run": protocol.SKIPPED}
+
+
+def summarize(records, asked: int, engine: str) -> dict | None:
+    """What the canary of a run found, for its manifest, status and summary (None: an engine that runs no
+    canary): ``{"status", "asked", "checked", "samples", "top1_agree", "positions", "floor_ratio_max",
+    "seconds", "per_sample", "summary"}``.
+
+    ``status`` is the worst record's (ok, warn, skipped, fail), ``off`` with ``canary_samples: 0``, and
+    ``not run`` when samples were asked but no check recorded (the canary samples were written by an
+    earlier attempt of a resumed run whose canary.json is gone, or the engine gave no logprobs).
+    ``shown`` is the status of the record that shows it afterwards (:data:`SHOWN_AS`).
+
+    >>> summarize([], 0, "vllm-server")["summary"]
+    'off (canary_samples: 0)'
+    >>> summarize([], 2, "speculators-0.3") is None
+    True
+    """
+    if engine not in contract.CANARY_ENGINES:
+        return None
+    if not asked:
+        return {"status": "off", "shown": protocol.SKIPPED, "asked": 0, "checked": 0, "samples": [],
+                "summary": "off (canary_samples: 0)"}
+    records = [r for r in records or () if isinstance(r, dict) and isinstance(r.get("detail"), dict)]
+    if not records:
+        return {"status": "not run", "shown": protocol.SKIPPED, "asked": asked, "checked": 0, "samples": [],
+                "summary": f"not run: no check of the {asked} canary sample(s) was recorded"}
+    per_sample = []
+    for rec in records:
+        numbers = next(iter((rec["detail"].get("samples") or {}).values()), {})
+        per_sample.append({"index": rec["detail"].get("index"), "status": rec["status"],
+                           "top1_agree": numbers.get("top1_agree"), "positions": numbers.get("positions"),
+                           "floor_ratio": numbers.get("floor_ratio"), "seconds": rec["detail"].get("seconds")})
+    status = max((r["status"] for r in records), key=contract.SEVERITY.__getitem__)
+    checked = [s for s in per_sample if s["top1_agree"] is not None]
+    out = {"status": status, "shown": SHOWN_AS.get(status, protocol.WARN), "asked": asked, "checked": len(checked),
+           "samples": [s["index"] for s in per_sample], "per_sample": per_sample,
+           "top1_agree": sum(s["top1_agree"] for s in checked) if checked else None,
+           "positions": sum(s["positions"] or 0 for s in checked) if checked else None,
+           "floor_ratio_max": max((s["floor_ratio"] for s in checked if s["floor_ratio"] is not None), default=None),
+           "seconds": round(sum(s["seconds"] or 0.0 for s in per_sample), 3)}
+    text = f"{status}: {len(checked)} of {asked} sample(s) {out['samples']} checked"
+    if checked:
+        text += f", top-1 {out['top1_agree']}/{out['positions']}"
+        if out["floor_ratio_max"] is not None:
+            text += f", up to {out['floor_ratio_max']:.2f}x the rounding floor"
+    text += f", {out['seconds']:.1f} s"
+    if status != protocol.OK:
+        first = next(r for r in records if r["status"] == status)
+        text += f" ({first['summary'][:160]})"
+    out["summary"] = text
+    return out
+
+
+def shown_record(name: str, found: dict) -> dict:
+    """The record ``name`` that shows a run's canary (:func:`summarize`'s answer) in ``status`` and the
+    extract's output."""
+    status = found.get("shown") or protocol.WARN
+    return protocol.record(name, status, f"canary {found.get('summary')}", detail=found,
+                           fix="verify the run: specops verify --run-id ... --reference logits"
+                           if status == protocol.WARN else None)
+
+
+def summarize_run(run_dir, asked: int, engine: str) -> dict | None:
+    """:func:`summarize` of the records the canary wrote in ``run_dir`` (a missing or unreadable file: none)."""
+    import json
+
+    try:
+        records = json.loads((Path(run_dir) / contract.PROMPT_LOGPROBS_DIR / contract.CANARY_FILE).read_text())
+    except (OSError, ValueError):
+        records = []
+    return summarize(records if isinstance(records, list) else [], asked, engine)
+
+
 def _first_tokens(path: Path, n: int) -> dict:
     """A sample's recorded prompt logprobs, cut to its first ``n`` tokens (the positions a check computes)."""
     from remote.engines.vllm_server import prompt_logprobs

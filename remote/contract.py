@@ -268,6 +268,15 @@ CHUNKED_PREFILL = ("auto", "on", "off")
 CANARY_SAMPLES_MAX = 32
 #: the engines that can give prompt logprobs with the states (the others run no canary).
 CANARY_ENGINES = (VLLM_SERVER,)
+#: the engines whose requests ask for one generated token (``max_tokens: 1``), which needs a position of
+#: its own: their longest sample is one token short of the model's ``max_position_embeddings``.
+GENERATING_ENGINES = (VLLM_SERVER,)
+
+
+def seq_len_limit(engine: str, max_positions: int) -> int:
+    """The longest ``seq_len`` ``engine`` can extract within ``max_positions`` (vLLM refuses a
+    ``--max-model-len`` beyond the model's positions unless told it may give wrong outputs)."""
+    return max_positions - 1 if engine in GENERATING_ENGINES else max_positions
 #: a run dir's subdirs the laptop fetches whole with :data:`RUN_FILES` (small files): the logs, the
 #: errors, and the canary's records with the engine's prompt logprobs of the canary samples.
 RUN_DIRS = ("logs", "errors", PROMPT_LOGPROBS_DIR)

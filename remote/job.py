@@ -307,7 +307,12 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
         return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}{used}", run_dir, st, **extra)
     # the states' dtype once the run's plan is made (status.json's plan): bf16 or fp8
     states = f", {st['plan']['state_format']} states" if (st.get("plan") or {}).get("state_format") else ""
-    return _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}{used}", run_dir, st, **extra)
+    payload = _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}{used}", run_dir, st, **extra)
+    if isinstance(st.get("canary"), dict):  # what the run's canary found (remote.canary.summarize)
+        from remote import canary
+
+        payload["records"].append(canary.shown_record(f"{name.split('.')[0]}.canary", st["canary"]))
+    return payload
 
 
 # --------------------------------------------------------------------------- logs

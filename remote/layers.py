@@ -31,16 +31,43 @@ ENGINE_CONVENTION = {name: facts.convention for name, facts in contract.ENGINES.
 
 
 def default_layer_ids(engine: str, num_layers: int) -> tuple[list[int], str]:
-    """The engine's own default ids for a model of ``num_layers`` decoder layers."""
+    """The engine's own default ids for a model of ``num_layers`` decoder layers: the EAGLE-3 rule
+    (output ``[2, N//2, N-3, N-1]``, input ``[2, N//2, N-3, N]``), made distinct where it collides
+    (:func:`distinct_ids`; unchanged from N=7 up)."""
     if type(num_layers) is not int or num_layers < 1:
         raise ValueError(f"layer count {num_layers!r} is not a positive integer")
     n = num_layers
     convention = ENGINE_CONVENTION.get(engine)
     if convention is None:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(ENGINE_CONVENTION)}")
-    if convention == OUTPUT:
-        return [2, n // 2, n - 3, n - 1], OUTPUT
-    return [2, n // 2, n - 3, n], INPUT
+    top = top_id(convention, n)
+    return distinct_ids([2, n // 2, n - 3], top), convention
+
+
+def distinct_ids(wanted: list[int], top: int) -> list[int]:
+    """``wanted`` (the lower ids of the EAGLE-3 rule) plus ``top``, made distinct for shallow models.
+
+    From N=7 up the rule's ids are distinct and kept as they are. Below, they
+    collide (N=6: ``[2, 3, 3, 5]``; N=5: ``[2, 2, 2, 4]``) and the engine would keep a set: each id already
+    taken moves to the nearest free id below ``top``, upward first, then downward; ids are kept ascending.
+    A model with fewer ids than asked (output N<=3, input N<=2) gets every id it has.
+
+    >>> distinct_ids([2, 3, 3], 5), distinct_ids([2, 2, 2], 4), distinct_ids([2, 3, 3], 6), distinct_ids([2, 2, 2], 5)
+    ([2, 3, 4, 5], [1, 2, 3, 4], [2, 3, 4, 6], [2, 3, 4, 5])
+    """
+    taken = {top}
+    out = []
+    for lid in wanted:
+        lid = min(max(lid, 0), top - 1)
+        if lid in taken or lid < 0:
+            free = [x for x in range(lid + 1, top) if x not in taken] or \
+                   [x for x in range(lid - 1, -1, -1) if x not in taken]
+            if not free:
+                continue
+            lid = free[0]
+        taken.add(lid)
+        out.append(lid)
+    return sorted(out) + [top]
 
 
 def top_id(convention: str, num_layers: int) -> int:
@@ -52,7 +79,7 @@ def layer_id_problems(layer_ids, num_layers: int, convention: str) -> list[str]:
     """Every reason the ids cannot be captured as asked; empty when they are fine.
 
     Duplicates are an error: speculators keeps a *set* of ids, so fewer layers than
-    asked come back, silently (N=6 gives the default ids 2, 3, 3, 5: three layers captured).
+    asked come back, silently (the plain rule gives 2, 3, 3, 5 for N=6: :func:`distinct_ids`).
     """
     problems = []
     if convention not in CONVENTIONS:

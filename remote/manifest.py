@@ -116,6 +116,9 @@ FIELDS = {
     "identity": Field("object", "what makes writers of one output dir one run's (remote.samples)", "run merged"),
     "versions": Field("object", "the host's package versions and python", "run"),
     "params": Field("object", "the run's parameters (private _ keys left out)", "run"),
+    "canary": Field("object", "the canary's verdict: status, samples checked, top-1 agreement, ratio to the "
+                              "rounding floor, seconds (remote.canary.summarize); engines without a canary: absent",
+                    "run"),
     "complete": Field("flag", "every expected sample is listed", "merged group"),
     "missing": Field("ids", "the expected indices no file is listed for (merged: the first 1000)", "merged group"),
     "merged_from": Field("object", "range tag -> its sample_range, samples, engine, host, created_at", "merged"),
@@ -177,7 +180,7 @@ def utc_now() -> str:
 def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, convention: str, sample_range,
           files: list, tokens: int, dataset_samples: int | None = None, dataset_files=(), identity=None,
           versions=None, params=None, file_layer_ids=None, dataset_writer=None, created_at=None,
-          state_format: str | None = None) -> dict:
+          state_format: str | None = None, canary: dict | None = None) -> dict:
     """A run's manifest (the ``run`` document), checked against :data:`FIELDS`.
 
     :param fmt: ``pt`` or ``hs``; an ``hs`` manifest also records ``file_layer_ids``
@@ -211,6 +214,8 @@ def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, conven
         "versions": versions,
         "params": {k: v for k, v in (params or {}).items() if not str(k).startswith("_")},
     }
+    if canary is not None:
+        doc["canary"] = canary
     if fmt == HS:
         doc["file_layer_ids"] = list(file_layer_ids or sorted(layer_ids))
         # written by this range, found written by another, or (no files yet) being written by another

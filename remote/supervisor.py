@@ -42,7 +42,7 @@ import time
 import traceback
 from pathlib import Path
 
-from remote import faults, fsutil, modelconfig, runplan, samples
+from remote import canary, faults, fsutil, modelconfig, runplan, samples
 from remote import manifest as run_manifest
 from remote.contract import RunState, param
 from remote.dataset import load_token_samples
@@ -487,6 +487,8 @@ class Supervisor:
         loop_s = getattr(self, "loop_s", 0.0)
         layer_summaries = [s.as_dict() for s in stats]
         non_finite = [s for s in layer_summaries if s["nan"] or s["inf"]]
+        # a canary that passed leaves its verdict and numbers where a user and the next step look
+        canary_found = canary.summarize_run(self.paths.run_dir, self.plan.canary_samples, engine_name)
         manifest = run_manifest.build(
             run_id=self.run_id, fmt=fmt, engine=engine_info,
             model={"path": str(model_path), "config": modelconfig.summary(config)},
@@ -494,7 +496,7 @@ class Supervisor:
             tokens=tokens, files=files, dataset_files=dataset_files, identity=self.identity,
             versions=dict(samples.package_versions(), python=sys.version.split()[0]), params=self.params,
             file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"),
-            state_format=self.plan.state_format)
+            state_format=self.plan.state_format, canary=canary_found)
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,
@@ -512,6 +514,7 @@ class Supervisor:
             "phase_seconds": dict(self.phase_seconds),
             "wall_s": round(wall, 3),
             "attempt": self.status.data.get("attempt"),
+            **({"canary": canary_found} if canary_found is not None else {}),
         }
         # this range's own files never collide with another shard's on a shared dir; the dir's
         # own manifest.json is this run's only while no other range claims the dir (else the
@@ -528,7 +531,8 @@ class Supervisor:
             exc.detail = {"layers": non_finite}
             raise exc
         self.status.update(state=RunState.DONE.value, phase="done", samples_done=count, eta_s=0,
-                           tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds))
+                           tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds),
+                           **({"canary": canary_found} if canary_found is not None else {}))
 
 
 def _contiguous_runs(indices) -> list[list[int]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from specops import jobs
 from specops.errors import SpecopsError
@@ -69,7 +70,8 @@ def follow(hosts: list[Host], run_id: str) -> dict[str, RunState | Exception]:
 
     :raises KeyboardInterrupt: passed through to the caller, who detaches.
     """
-    with Progress(TextColumn("[bold]{task.fields[host]}"), TextColumn("{task.fields[phase]:<12}"),
+    with Progress(TextColumn("{task.fields[host]}", style="bold", markup=False),
+                  TextColumn("{task.fields[phase]:<12}", markup=False),
                   BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                   TextColumn("ETA {task.fields[eta]}"), TimeElapsedColumn(), console=err_console,
                   transient=False) as progress:
@@ -115,19 +117,22 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
     if detach or not started:
         print_reports(reports, as_json=as_json)
         if started and not as_json:
-            console.print(f"run [bold]{run_id}[/] started detached. Follow: specops extract --run-id {run_id}"
-                          f" --on {','.join(started)};  status: specops status --run-id {run_id}")
+            console.print(Text.assemble("run ", (run_id, "bold"), f" started detached. Follow: specops extract "
+                                        f"--run-id {run_id} --on {','.join(started)};  status: specops status "
+                                        f"--run-id {run_id}"))
         return max((r.exit_code for r in reports), default=ExitCode.SUCCESS)
     if not as_json:
         print_reports(reports)
-        console.print(f"Following run [bold]{run_id}[/] on {', '.join(started)} (Ctrl-C detaches; the run goes on)")
+        console.print(Text.assemble("Following run ", (run_id, "bold"),
+                                    f" on {', '.join(started)} (Ctrl-C detaches; the run goes on)"))
     try:
         final = follow([hosts[name] for name in started], run_id)
     except KeyboardInterrupt:
         for host in hosts.values():
             host.close()  # closing the channels ends the followers on the hosts; the runs go on
-        err_console.print(f"\n[yellow]detached[/]: run {run_id} goes on. Re-attach: specops extract --run-id "
-                          f"{run_id} --on {','.join(started)}; logs: specops logs --run-id {run_id} --follow")
+        err_console.print(Text.assemble("\n", ("detached", "yellow"), f": run {run_id} goes on. Re-attach: specops "
+                                        f"extract --run-id {run_id} --on {','.join(started)}; logs: specops logs "
+                                        f"--run-id {run_id} --follow"))
         return ExitCode.JOB_RUNNING
     fetched = _on_hosts(inventory, started, "fetch", hosts, lambda h: jobs.fetch_run(h, run_id, tensors=tensors))
     codes = []
@@ -142,6 +147,9 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
             continue
         if result.state == "done":
             report.records.append(Record(name="extract.run", status="ok", summary=f"run {run_id} done"))
+            shown = jobs.canary_record("extract.canary", result)
+            if shown is not None:
+                report.records.append(shown)
         else:
             err = result.error
             report.records.append(Record(
@@ -151,7 +159,8 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
                 fix="read the traceback below and runs/<host>/<run-id>/logs; fix the cause, then start the "
                     "same run id again to resume"))
             if err and err.traceback and not as_json:
-                console.print(f"[bold red]{report.host} traceback (rank {err.rank}):[/]\n{err.traceback}")
+                console.print(Text(f"{report.host} traceback (rank {err.rank}):", style="bold red")
+                              + Text(f"\n{err.traceback}"))
         report.data["final_status"] = result.model_dump()
         codes.append(result.exit_code)
     print_reports(fetched, as_json=as_json)

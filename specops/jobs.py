@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.table import Table
+from rich.text import Text
 
 from specops.assets import remote_contract, remote_fsutil, remote_manifest, remote_protocol
 from specops.errors import UnreachableError
@@ -38,7 +39,7 @@ from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload
 from specops.host import Host
 from specops.report import console
-from specops.result import HostReport, RunState
+from specops.result import HostReport, Record, RunState
 
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).
@@ -71,6 +72,17 @@ def status_report(host: Host, run_id: str) -> HostReport:
     report = report_from_payload(host.name, "status", payload)
     report.data["state"] = RunState.from_payload(payload).state
     return report
+
+
+def canary_record(name: str, state: RunState) -> Record | None:
+    """The record that shows what a finished run's canary found (its status file's ``canary``, written by
+    the host's ``remote.canary.summarize``); None for an engine without a canary."""
+    found = (state.model_extra or {}).get("canary")
+    if not isinstance(found, dict):
+        return None
+    status = found.get("shown") or "warn"  # the host's remote.canary.SHOWN_AS
+    return Record(name=name, status=status, summary=f"canary {found.get('summary')}", detail=found,
+                  fix=f"specops verify --run-id {state.run_id} --reference logits" if status == "warn" else None)
 
 
 def job_exit_code(state: str) -> ExitCode:
@@ -320,9 +332,9 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
 
 
 def summary_table(summary: dict) -> Table:
-    table = Table(title=f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
-                        f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
-                        f"{summary.get('state_format') or remote_contract().BF16} states)",
+    table = Table(title=Text(f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
+                             f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
+                             f"{summary.get('state_format') or remote_contract().BF16} states)"),
                   title_justify="left")
     for col in ("layer", "shape", "dtype", "mean", "std", "abs max", "NaN", "Inf"):
         table.add_column(col, justify="right")

@@ -54,7 +54,7 @@ def check_name(rec: Record) -> str:
 
 
 def host_table(report: HostReport, title: str | None = None) -> Table:
-    table = Table(title=title or f"{report.task} on {report.host}", title_justify="left",
+    table = Table(title=Text(title or f"{report.task} on {report.host}"), title_justify="left",
                   show_lines=False, expand=False)
     table.add_column("area", style="cyan", no_wrap=True)
     table.add_column("check", no_wrap=True)
@@ -65,9 +65,9 @@ def host_table(report: HostReport, title: str | None = None) -> Table:
         table.add_column("fix", overflow="fold", style="yellow")
     area = None
     for rec in report.records:
-        cells = [rec.area if rec.area != area else "", check_name(rec),
-                 Text(rec.status, style=STYLE[rec.status]), rec.summary]
-        table.add_row(*cells, *([rec.fix or ""] if with_fix else []))
+        cells = [Text(rec.area if rec.area != area else ""), Text(check_name(rec)),
+                 Text(rec.status, style=STYLE[rec.status]), Text(rec.summary)]
+        table.add_row(*cells, *([Text(rec.fix or "")] if with_fix else []))
         area = rec.area
     return table
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import fabric
 from invoke import Collection, Exit, task
+from rich.text import Text
 
 from specops import exit_codes
 from specops.errors import SpecopsError
@@ -42,7 +43,7 @@ def _guard(fn):
         try:
             return fn(*args, **kwargs)
         except SpecopsError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}")
+            err_console.print(Text("error: ", style="bold red") + Text(str(exc)))  # user text is never markup
             raise Exit(code=int(exc.code)) from None
     return wrapper
 

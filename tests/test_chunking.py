@@ -108,6 +108,26 @@ def test_prefix_caching_is_refused_by_name():
     assert refused_flags(["--no-enable-prefix-caching"]) == [] and refused_flags(None) == []
 
 
+def test_server_args_are_checked_as_vllm_reads_them_underscores_dotted_keys_and_prefixes():
+    """vLLM's FlexibleArgumentParser turns ``_`` into ``-`` in a ``--`` name and reads ``--name.key=v`` as
+    part of ``--name``; argparse takes a unique prefix for the flag: each spelling is refused as the flag."""
+    from remote.engines.vllm_server.chunking import refused_flags, server_args_problem
+
+    for spelling in ("--enable_prefix_caching", "--enable_prefix-caching=true", "--enable-prefix"):
+        assert refused_flags([spelling]) == [spelling], spelling
+        problem = server_args_problem([spelling])
+        assert f"{spelling.split('=')[0]} (vLLM reads it as --enable-prefix-caching) would make" in problem, problem
+    for spelling in ("--speculative_config", "--speculative-config.num_speculative_tokens=2", "--max_model_len",
+                     "--tensor_parallel_size=2", "--kv_transfer_config.kv_role=kv_both"):
+        assert refused_flags([spelling]) == [spelling], spelling
+        assert "is set by the engine" in server_args_problem([spelling]), spelling
+    # a plain server (eval) sets no speculative config of its own: the draft's goes through
+    assert refused_flags(["--speculative_config", "{}"], plain=True) == []
+    # flags that only look alike stay allowed
+    assert refused_flags(["--no-enable-prefix-caching", "--max-num-seqs", "4", "--model-impl", "vllm",
+                          "--max_num_batched_tokens=512", "-O3"]) == []
+
+
 def test_the_installed_connectors_of_the_modern_stack_write_when_a_request_is_done(modern_hostenv_python):
     """vLLM 0.32's stock connector and hs-connectors' fp8 one, read where the modern env has them."""
     import json
@@ -153,10 +173,11 @@ def test_preflight_refuses_prefix_caching_in_server_args_with_the_fix(modern_hos
     code = ("import json; from remote.drift import server; from remote.drift.pyindex import PackageIndex; "
             "from remote.drift.source import site_packages; "
             "print(json.dumps(server.server_args_record(PackageIndex(site_packages({})[1]), "
-            "{'server_args': ['--enable-prefix-caching']})))")
+            "{'server_args': ['--enable-prefix-caching', '--enable_prefix_caching']})))")
     out = subprocess.run([str(modern_hostenv_python), "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert record["status"] == "fail" and "--enable-prefix-caching would make the extracted files wrong" in \
         record["summary"], record
-    assert record["fix"] == "drop --enable-prefix-caching from the run's server_args"
+    assert "--enable_prefix_caching (vLLM reads it as --enable-prefix-caching) would make" in record["summary"]
+    assert record["fix"] == "drop --enable-prefix-caching --enable_prefix_caching from the run's server_args"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,6 +53,17 @@ def test_bad_inventory_is_a_usage_error(tmp_path):
     assert proc.returncode == ExitCode.USAGE
     assert "field 'tp'" in proc.stderr and "missing required field 'python'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_usage_error_holding_markup_is_printed_as_written_with_its_exit_code(tmp_path):
+    """User text is never rich markup: ``[/x]`` used to crash every task with MarkupError (exit 1), and
+    ``[bold]`` vanished from the message."""
+    for args, said in ((["status", "--inventory", str(tmp_path / "[/x]inv.yaml")], "[/x]inv.yaml does not exist"),
+                       (["preflight", "--inventory", str(tmp_path / "[bold]a[/bold].yaml")], "[bold]a[/bold].yaml")):
+        proc = subprocess.run([str(BIN / "specops"), *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                              stdin=subprocess.DEVNULL, timeout=120, env={**os.environ, "COLUMNS": "400"})
+        assert proc.returncode == ExitCode.USAGE, proc.stderr
+        assert said in " ".join(proc.stderr.split()) and "MarkupError" not in proc.stderr, proc.stderr
 
 
 def test_unknown_host_selector_is_a_usage_error(make_inventory):

@@ -213,6 +213,40 @@ def specops_cli(*args, env=None, timeout=1500):
     return proc
 
 
+@pytest.mark.vllm
+def test_a_canary_that_passed_is_recorded_in_the_manifest_status_and_output(full_run):
+    """The shared run's canary (2 samples by default) leaves its verdict and numbers in the manifest, the
+    summary and status.json, and shows in the extract's output and in ``specops status`` (plain and --json)."""
+    manifest = json.loads((full_run["run_dir"] / "manifest.json").read_text())
+    canary = manifest["canary"]
+    assert canary["status"] == "ok" and canary["asked"] == 2 and canary["checked"] == 2, canary
+    assert canary["samples"] == [0, 1] and 0 < canary["top1_agree"] <= canary["positions"], canary
+    assert 0 < canary["floor_ratio_max"] < 2.5 and canary["seconds"] > 0, canary
+    assert [s["index"] for s in canary["per_sample"]] == [0, 1]
+    assert full_run["status"]["canary"] == canary
+    assert json.loads((full_run["run_dir"] / "summary.json").read_text())["canary"] == canary
+    said = canary["summary"]
+    assert said.startswith("ok: 2 of 2 sample(s) [0, 1] checked, top-1 ") and "x the rounding floor" in said, said
+
+    def records_named(stdout: str, name: str) -> list:
+        found = []
+        for line_doc in [stdout]:
+            doc = json.loads(line_doc)
+            for host in doc["hosts"]:
+                found += [r for r in host["records"] if r["name"] == name]
+        return found
+
+    extracted = records_named(full_run["proc"].stdout, "extract.canary")
+    assert extracted and extracted[0]["status"] == "ok" and extracted[0]["summary"] == f"canary {said}", extracted
+    inventory, env, run_id = str(full_run["inventory"]), full_run["env"], full_run["run_id"]
+    status = specops_cli("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    shown = records_named(status.stdout, "job.canary")
+    assert shown and shown[0]["status"] == "ok" and shown[0]["detail"]["top1_agree"] == canary["top1_agree"], shown
+    plain = specops_cli("status", "--inventory", inventory, "--run-id", run_id, env=env)
+    assert "canary ok: 2 of 2 sample(s)" in " ".join(plain.stdout.split()), plain.stdout
+
+
 @pytest.mark.parametrize("model,tp", [("deepseek_v3", 2), ("kimi_k25", 1)])
 def test_specops_extract_status_logs_fetch_over_ssh(modern_ssh_run, model, tp):
     """The user's flow against a modern host: extract (preflight, followed, fetch --tensors), status, logs.

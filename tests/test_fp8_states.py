@@ -629,3 +629,36 @@ def test_verify_layer_and_logits_judge_an_fp8_run_against_fp8s_floor(fp8_run):
         assert "fp8" in judged["summary"] or "fp8" in json.dumps(judged["detail"]), judged
         print(f"\nverify --reference {reference} (fp8): " + "; ".join(
             r["summary"][:220] for r in records if r["name"].startswith(("verify.layer", "verify.logits"))))
+
+
+PLANT_NAN_SCALE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path = Path(sys.argv[1]) / "hidden_states" / "hs_0.safetensors"
+data = load_file(str(path))
+scales = data["hidden_states_scales"].clone()
+scales[2] = float("nan")
+data["hidden_states_scales"] = scales
+save_file(data, str(path))
+print(json.dumps({"tokens": int(scales.shape[0])}))
+"""
+
+
+@pytest.mark.vllm
+def test_verify_fails_a_nan_fp8_scale_naming_the_sample_and_token(fp8_run, modern_fixed_python):
+    """A NaN per-token scale (digest updated) spoils every layer of its token once dequantized: verify fails
+    it by name before any model load; it used to pass as "mostly agrees ... cosine mean nan", exit 0."""
+    from test_smoke_verify_modern import copy_run, rewrite_manifest, run_python
+
+    planted = copy_run(fp8_run, "llama-fp8-nan-scale")
+    out = json.loads((planted / "status.json").read_text())["output_dir"]
+    run_python(modern_fixed_python, PLANT_NAN_SCALE, out)
+    rewrite_manifest(planted)
+    proc = specops("verify", "--inventory", fp8_run["inventory"], "--run-id", "llama-fp8-nan-scale", "--samples",
+                   "4", "--json", env=fp8_run["env"], timeout=900)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    states = {r["name"]: r for r in records_of(proc)}["verify.states"]
+    assert states["status"] == "fail" and "hs_0.safetensors the fp8 scale of token 2 is NaN" in states["summary"]
+    assert states["detail"]["places"] == [{"sample": "hidden_states/hs_0.safetensors", "layer": "scale", "token": 2,
+                                           "what": "NaN"}], states["detail"]

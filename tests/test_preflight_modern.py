@@ -97,6 +97,8 @@ def test_modern_llama_preflight_is_clean_and_right(modern_make_inventory, tiny_m
     assert "input of layer i" in layers["summary"]
 
     assert recs["parallel.pipeline"]["status"] == "ok"
+    assert recs["model.seq_len"]["summary"] == ("seq_len 128 <= 2047 (max_position_embeddings 2048, less the one "
+                                                "token each request generates)"), recs["model.seq_len"]
     assert recs["host.loopback"]["status"] == "ok" and recs["host.loopback"]["detail"]["port_tried"] > 0
     assert recs["host.cpu_kvcache"]["status"] == "ok"
     cap = recs["capacity.output"]["detail"]
@@ -286,6 +288,11 @@ def test_output_bigger_than_the_disk_fails(modern_make_inventory, tiny_models):
     assert code == 1 and rec["status"] == "fail", rec
     assert rec["detail"]["bytes"] == 10 ** 9 * (2048 * (256 * 4 * 2 + 8) + 4096) > rec["detail"]["free_bytes"]
     assert "max_samples" in rec["fix"]
+    # seq_len = max_position_embeddings (2048): each request also asks for one generated token, which the
+    # server refuses after the load ("max_tokens must be at least 1, got 0"): preflight names the number
+    seq = recs["model.seq_len"]
+    assert seq["status"] == "fail" and seq["fix"] == "set seq_len to at most 2047 (max_position_embeddings - 1)", seq
+    assert seq["detail"]["limit"] == 2047 and "one token each vllm-server request generates" in seq["summary"]
 
 
 # -- patch says there is nothing to patch ----------------------------------------------------

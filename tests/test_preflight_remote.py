@@ -388,13 +388,18 @@ def test_bad_layer_ids_fail(hostenv_python, llama_copy, tmp_path, ids, why):
     assert rec["detail"]["source"] == "given" and rec["detail"]["convention"] == "output"
 
 
-def test_engine_default_ids_that_collide_fail(hostenv_python, llama_copy, tmp_path):
-    # FACTS.md: 6 layers give [2, 3, 3, 5] and the engine would silently capture 3 layers
-    _edit_json(llama_copy / "config.json", lambda cfg: cfg.update(num_hidden_layers=6))
-    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path))
+@pytest.mark.parametrize("num_layers,engine,ids", [(6, None, [2, 3, 4, 5]), (5, None, [1, 2, 3, 4]),
+                                                   (6, "vllm-server", [2, 3, 4, 6]),
+                                                   (5, "vllm-server", [2, 3, 4, 5])])
+def test_engine_default_ids_of_a_shallow_model_are_distinct_and_pass(hostenv_python, llama_copy, tmp_path,
+                                                                     num_layers, engine, ids):
+    """The EAGLE-3 rule collides below 7 layers (6: [2, 3, 3, 5] output, [2, 3, 3, 6] input), and preflight
+    used to refuse its own default: the default moves a taken id to the nearest free one instead."""
+    _edit_json(llama_copy / "config.json", lambda cfg: cfg.update(num_hidden_layers=num_layers))
+    res = host_preflight(hostenv_python, base_params(llama_copy, tmp_path, **({"engine": engine} if engine else {})))
     rec = res["layers.ids"]
-    assert rec["status"] == "fail" and rec["detail"]["layer_ids"] == [2, 3, 3, 5]
-    assert "layer_ids" in rec["fix"]
+    assert rec["status"] == "ok" and rec["detail"]["layer_ids"] == ids, rec
+    assert rec["detail"]["source"] == "engine default"
 
 
 # -- tokenizer and data -----------------------------------------------------------------------

@@ -245,3 +245,28 @@ def test_json_output_is_untouched_by_the_layout(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["exit_code"] == 1 and doc["task"] == "preflight"
     assert doc["hosts"][0]["records"][2]["summary"].startswith("nvidia-smi is not on PATH")
+
+
+def test_bracketed_text_in_records_is_printed_as_written_never_as_markup():
+    """A summary, fix, check name or table cell holding ``[/x]`` or ``[bold]`` (a user's path, a remote
+    message) is shown as written on a wide terminal (the table), in a log (blocks) and in the shard table;
+    rich markup in it used to raise MarkupError or vanish."""
+    from specops.runs.shardmap import FleetManifest
+    from specops.runs.view import shard_table
+
+    said = "dataset /data/[/x]/rows.jsonl has [bold]5[/bold] rows, [red] kept"
+    report = HostReport(host="h[/x]", task="preflight", records=[
+        Record(name="data.rows[/x]", status="fail", summary=said, fix="set dataset: /data/[b]/ok.jsonl")])
+    for terminal, width in ((True, 250), (False, 80)):
+        out = Console(file=io.StringIO(), force_terminal=terminal, width=width, highlight=False)
+        print_reports([report], out=out)
+        text = " ".join(ANSI.sub("", out.file.getvalue()).split())
+        for part in ("[/x]/rows.jsonl", "[bold]5[/bold] rows, [red] kept", "/data/[b]/ok.jsonl", "rows[/x]"):
+            assert part in text, (terminal, part, text)
+    manifest = FleetManifest.model_validate({
+        "run_id": "r1", "total": 4, "shards": [{"id": "s0", "hosts": ["h[/x]"], "start": 0, "stop": 4,
+                                                 "run_id": "r1", "moved_from": "[bold]old[/]"}]})
+    out = Console(file=io.StringIO(), force_terminal=True, width=250)
+    out.print(shard_table(manifest, {}))
+    text = ANSI.sub("", out.file.getvalue())
+    assert "h[/x]" in text and "moved from [bold]old[/]" in text, text

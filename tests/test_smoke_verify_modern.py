@@ -292,6 +292,57 @@ def test_verify_fails_a_small_error_that_every_token_shares(llama_run, modern_en
     assert recs["verify.convention"].status == "ok"  # the right layers, a wrong computation
 
 
+PLANT_NAN = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+path = Path(sys.argv[1]) / "hidden_states" / "hs_0.safetensors"
+data = load_file(str(path))
+h = data["hidden_states"].clone()
+h[3, 1, 7] = float("nan")  # token 3 of the second layer on the file's axis (id 4)
+data["hidden_states"] = h
+save_file(data, str(path))
+print(json.dumps({"tokens": int(h.shape[0])}))
+"""
+
+
+@pytest.mark.vllm
+def test_verify_fails_a_nan_state_naming_sample_layer_and_token(llama_run, modern_env):
+    """One NaN in one token of one layer (digest updated, so the files match the manifest): every reference
+    fails it by name before any model load; it used to be "mostly agrees ... cosine mean nan", exit 0."""
+    planted = copy_run(llama_run, "nan-state")
+    out = json.loads((planted / "status.json").read_text())["output_dir"]
+    run_python(modern_env, PLANT_NAN, out)
+    rewrite_manifest(planted)
+    for reference in ("hf", "layer"):
+        report, recs = verify_over_ssh(llama_run["inventory"], "nan-state", samples=4, reference=reference)
+        assert report.failed and report.exit_code != 0, summaries(recs)
+        states = recs["verify.states"]
+        assert states.status == "fail" and states.fix, states
+        assert "hs_0.safetensors layer 4, token 3 is NaN" in states.summary, states.summary
+        assert states.detail["places"] == [{"sample": "hidden_states/hs_0.safetensors", "layer": 4, "token": 3,
+                                            "what": "NaN"}], states.detail
+        assert report.data["wall_s"] < 60, report.data  # refused before the reference loads
+
+
+def test_merged_numbers_keep_a_nan_and_a_nan_layer_fails():
+    """python's max/min keep or drop a NaN by position: the worst of the samples must stay NaN, and a layer
+    with a NaN number never "mostly agrees"."""
+    from remote.verify.compare import layer_status, merge
+
+    def numbers(nrmse, cos):
+        return {"tokens": 10, "agree": 9, "max_abs_diff": 0.1, "rel_max": 0.01, "nrmse": nrmse, "cos_min": cos,
+                "cos_mean": cos, "first_bad_position": 3}
+
+    for order in ((numbers(0.01, 0.999), numbers(float("nan"), float("nan"))),
+                  (numbers(float("nan"), float("nan")), numbers(0.01, 0.999))):
+        merged = merge(list(order))
+        assert merged["nrmse"] != merged["nrmse"] and merged["cos_min"] != merged["cos_min"], merged
+        assert layer_status(merged) == "fail"
+    healthy = merge([numbers(0.01, 0.999), numbers(0.02, 0.998)])
+    assert healthy["nrmse"] == 0.02 and healthy["cos_min"] == 0.998 and layer_status(healthy) == "warn"
+
+
 @pytest.mark.vllm
 def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(unfixed_env, tiny_models, testhost, tmp_path):
     """A real kernel defect: vLLM's CPU rotary op forced on, no fix in the env. Every token is

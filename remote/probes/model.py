@@ -29,7 +29,7 @@ import os
 import re
 
 from remote.contract import VLLM_SERVER
-from remote import modelconfig
+from remote import contract, modelconfig
 from remote.drift import pyindex, source, targets
 from remote.protocol import FAIL, OK, WARN, record
 from remote.probes import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Context,
@@ -329,8 +329,21 @@ def _seq_len(ctx, summary):
     if seq_len > max_pos:
         return record("model.seq_len", FAIL, f"seq_len {seq_len} exceeds max_position_embeddings {max_pos}",
                       detail=detail, fix=f"set seq_len to at most {max_pos}")
-    return record("model.seq_len", OK, f"seq_len {seq_len} <= max_position_embeddings {max_pos}",
-                  detail=detail)
+    top = contract.seq_len_limit(ctx.params["engine"], max_pos)
+    if seq_len > top:
+        # vLLM's server caps --max-model-len at the model's positions (longer needs VLLM_ALLOW_LONG_MAX_MODEL_LEN,
+        # which vLLM warns may give wrong outputs), and each request asks for one generated token: a sample of
+        # max_position_embeddings tokens is refused after the load ("max_tokens must be at least 1, got 0")
+        return record("model.seq_len", FAIL,
+                      f"seq_len {seq_len} leaves no room for the one token each vllm-server request generates "
+                      f"(max_position_embeddings {max_pos}): a full-length sample would be refused by the server "
+                      f"after the load", detail=dict(detail, limit=top),
+                      fix=f"set seq_len to at most {top} (max_position_embeddings - 1)")
+    if top < max_pos:
+        return record("model.seq_len", OK, f"seq_len {seq_len} <= {top} (max_position_embeddings {max_pos}, less "
+                      f"the one token each request generates)", detail=detail)
+    return record("model.seq_len", OK, f"seq_len {seq_len} <= max_position_embeddings {max_pos}", detail=detail)
+
 
 
 def _cpu_attention(ctx, summary):

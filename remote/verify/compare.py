@@ -95,8 +95,15 @@ def nrmse_by_index(captured, streams) -> list[float]:
     return [float((h - s).norm() / (s.norm() + 1e-12)) for s in streams]
 
 
+def _worst(values, pick=max) -> float:
+    """``pick`` of ``values``, NaN when any is NaN: python's ``max``/``min`` keep or drop a NaN by
+    its position, so a NaN sample would vanish into a finite worst."""
+    values = list(values)
+    return float("nan") if any(v != v for v in values) else pick(values)
+
+
 def merge(per_sample: list[dict]) -> dict:
-    """Worst-case numbers of one layer over samples."""
+    """Worst-case numbers of one layer over samples (NaN wins: :func:`_worst`)."""
     tokens = sum(m["tokens"] for m in per_sample)
     agree = sum(m["agree"] for m in per_sample)
     merged = {}
@@ -109,10 +116,10 @@ def merge(per_sample: list[dict]) -> dict:
         **merged,
         "samples": len(per_sample), "tokens": tokens, "agree": agree,
         "agree_share": agree / tokens if tokens else 0.0,
-        "max_abs_diff": max(m["max_abs_diff"] for m in per_sample),
-        "rel_max": max(m["rel_max"] for m in per_sample),
-        "nrmse": max(m["nrmse"] for m in per_sample),
-        "cos_min": min(m["cos_min"] for m in per_sample),
+        "max_abs_diff": _worst(m["max_abs_diff"] for m in per_sample),
+        "rel_max": _worst(m["rel_max"] for m in per_sample),
+        "nrmse": _worst(m["nrmse"] for m in per_sample),
+        "cos_min": _worst((m["cos_min"] for m in per_sample), min),
         "cos_mean": sum(m["cos_mean"] * m["tokens"] for m in per_sample) / tokens if tokens else 0.0,
         "first_bad_position": min((m["first_bad_position"] for m in per_sample
                                    if m["first_bad_position"] is not None), default=None),
@@ -120,6 +127,10 @@ def merge(per_sample: list[dict]) -> dict:
 
 
 def layer_status(numbers: dict) -> str:
+    import math
+
+    if not all(math.isfinite(numbers[key]) for key in ("max_abs_diff", "nrmse", "cos_min", "cos_mean")):
+        return protocol.FAIL  # a NaN/Inf number never "mostly agrees"
     if numbers.get("floor_ratio", 0.0) > FLOOR_FACTOR:
         return protocol.FAIL
     if numbers["agree"] == numbers["tokens"]:

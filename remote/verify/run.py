@@ -132,12 +132,75 @@ def check_files(run: Run, chosen: list[dict]) -> dict:
         raise VerifyError("verify.files", f"{len(mismatched)} sample file(s) differ from the manifest {hashes}",
                           "the files changed after the run; re-run the extraction",
                           detail={"files": mismatched, "output_dir": str(run.output_dir)})
+    check_finite(run, chosen)
+    # only the recomputed samples are hashed here (a large run's files are TBs); `specops fetch` checks them all
+    unhashed = len(manifest["files"]) - len(chosen)
     return protocol.record(
         "verify.run", protocol.OK,
         f"run {run.run_dir.name}: {len(chosen)} of {len(manifest['files'])} sample(s) "
-        f"({sum(int(f['tokens']) for f in chosen)} tokens), {hashes} match; layers {run.layer_ids} ({run.convention})",
+        f"({sum(int(f['tokens']) for f in chosen)} tokens), their {hashes} match and every state is finite"
+        + (f" ({unhashed} other sample(s) not hashed by verify: specops fetch checks every file)" if unhashed else "")
+        + f"; layers {run.layer_ids} ({run.convention})",
         detail={"run_dir": str(run.run_dir), "output_dir": str(run.output_dir),
-                "samples": [f["path"] for f in chosen], "engine": manifest.get("engine")})
+                "samples": [f["path"] for f in chosen], "hashed": [f["path"] for f in chosen],
+                "not_hashed": unhashed, "engine": manifest.get("engine")})
+
+
+#: how many non-finite places a ``verify.states`` refusal lists in its detail.
+MAX_NONFINITE_LISTED = 20
+
+
+def nonfinite_places(path: str, data: dict, layer_ids: list[int]) -> list[dict]:
+    """Every ``{sample, layer, token, what}`` of a loaded sample (:func:`load_sample`) whose state is not
+    finite; an fp8 file's non-finite per-token scale is named as ``layer: "scale"`` (it spoils every layer
+    of its token)."""
+    import torch
+
+    found = []
+    scales = data.get("scales")
+    if scales is not None:
+        for token in (~torch.isfinite(scales)).reshape(-1).nonzero().flatten().tolist():
+            found.append({"sample": path, "layer": "scale", "token": token,
+                          "what": _kind(float(scales.reshape(-1)[token]))})
+    bad_tokens = {p["token"] for p in found}
+    for lid, states in zip(layer_ids, data["hidden_states"]):
+        rows = (~torch.isfinite(states)).reshape(states.shape[0], -1).any(dim=-1)
+        for token in rows.nonzero().flatten().tolist():
+            if token in bad_tokens:
+                continue  # its scale is already named
+            value = states[token].reshape(-1)
+            first = value[~torch.isfinite(value)][0]
+            found.append({"sample": path, "layer": lid, "token": token, "what": _kind(float(first))})
+    return found
+
+
+def _kind(value: float) -> str:
+    return "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
+
+
+def check_finite(run: Run, chosen: list[dict]) -> None:
+    """Refuse the run when a chosen sample holds a NaN or Inf state (or fp8 scale): no comparison can
+    judge it (a NaN token only lowers the share that agrees, and NaN vanishes in max/min).
+
+    :raises VerifyError: ``verify.states``, naming the sample, layer and token of the first one.
+    """
+    places = []
+    for entry in chosen:
+        data = load_sample(run.output_dir / entry["path"], run.manifest)
+        places += nonfinite_places(entry["path"], data, run.layer_ids)
+    if not places:
+        return
+    first = places[0]
+    where = ("the fp8 scale of token {token}" if first["layer"] == "scale" else "layer {layer}, token {token}")
+    samples_hit = sorted({p["sample"] for p in places})
+    raise VerifyError(
+        "verify.states",
+        f"non-finite states: {first['sample']} " + where.format(**first) + f" is {first['what']}"
+        + (f" (+{len(places) - 1} more token/layer place(s) in {len(samples_hit)} sample(s))" if len(places) > 1
+           else ""),
+        "the engine wrote NaN/Inf hidden states: the run is unusable for training; find the cause (the model's "
+        "weights and dtype, an overflow in fp8/fp16, the engine) and re-run the extraction",
+        detail={"places": places[:MAX_NONFINITE_LISTED], "count": len(places), "samples": samples_hit})
 
 
 def file_layer_order(manifest: dict) -> list[int]:

@@ -1,9 +1,12 @@
 """``specops extract`` over a group of hosts: plan (or resume, or reassign), start, follow, fetch."""
 from __future__ import annotations
 
+from rich.text import Text
+
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
+from specops.jobs import canary_record
 from specops.parallel import run_steps
 from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit
@@ -108,23 +111,23 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
         print_fleet(reports, as_json=as_json)
         if not as_json:
             console.print(shard_table(manifest, {}))
-            console.print(f"run [bold]{run_id}[/] started detached ({len(running)} shard(s) running"
+            console.print(Text.assemble("run ", (run_id, "bold"), f" started detached ({len(running)} shard(s) running"
                           + (f"; {', '.join(waiting)} wait for their host's shard to finish: run the same command "
                              f"again then" if waiting else "")
-                          + f"). Follow: specops extract --run-id {run_id};  status: specops status --run-id {run_id}")
+                          + f"). Follow: specops extract --run-id {run_id};  status: specops status --run-id {run_id}"))
         return overall_exit([r for r in reports if r.host not in left_out])
     if not as_json:
         print_fleet(reports)
-        console.print(f"Following run [bold]{run_id}[/] on {len(running)} host(s)"
-                      + (f" ({', '.join(waiting)} start when their host's shard is done)" if waiting else "")
-                      + " (Ctrl-C detaches; the runs go on)")
+        console.print(Text.assemble("Following run ", (run_id, "bold"), f" on {len(running)} host(s)"
+                                    + (f" ({', '.join(waiting)} start when their host's shard is done)" if waiting
+                                       else "") + " (Ctrl-C detaches; the runs go on)"))
     try:
         final, more = follow(manifest, conns, running, overrides, force)
     except KeyboardInterrupt:
         conns.close()
         save_manifest(manifest)
-        err_console.print(f"\n[yellow]detached[/]: run {run_id} goes on. Re-attach: specops extract --run-id {run_id};"
-                          f" status: specops status --run-id {run_id}")
+        err_console.print(Text.assemble("\n", ("detached", "yellow"), f": run {run_id} goes on. Re-attach: specops "
+                                        f"extract --run-id {run_id}; status: specops status --run-id {run_id}"))
         return ExitCode.JOB_RUNNING
     return _conclude(manifest, conns, final, tensors=tensors, as_json=as_json, printed=reports, late=more,
                      left_out=left_out)
@@ -183,6 +186,9 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
         elif result.state == STATE.DONE:
             report.records.append(Record(name="fleet.run", status="ok",
                                          summary=f"[{shard.start}, {shard.stop}) done on {shard.head}"))
+            shown = canary_record("extract.canary", result)
+            if shown is not None:
+                report.records.append(shown)
             codes.append(ExitCode.SUCCESS)
         else:
             err = result.error

@@ -98,7 +98,8 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
                                                               f"end done")))
                 return
 
-    with Progress(TextColumn("[bold]{task.fields[label]}"), TextColumn("{task.fields[phase]:<14}"), BarColumn(),
+    with Progress(TextColumn("{task.fields[label]}", style="bold", markup=False),
+                  TextColumn("{task.fields[phase]:<14}", markup=False), BarColumn(),
                   MofNCompleteColumn(), TextColumn("{task.fields[rate]:>12}"), TextColumn("ETA {task.fields[eta]}"),
                   TimeElapsedColumn(), console=err_console, transient=False) as progress:
         bars = {s.id: progress.add_task("", label=s.label, phase="starting" if lane[0] is s else "waiting",
@@ -166,7 +167,7 @@ def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception 
                 disk: dict[str, tuple[int, int]] | None = None) -> Table:
     """One row per shard; ``disk`` (``{shard id: (samples on disk, first missing)}``) overrides a done
     status for shards whose disk lacks samples."""
-    table = Table(title=f"run {manifest.run_id}: {manifest.total} samples, {len(manifest.shards)} shard(s)",
+    table = Table(title=Text(f"run {manifest.run_id}: {manifest.total} samples, {len(manifest.shards)} shard(s)"),
                   title_justify="left")
     for column in ("shard", "host(s)", "range", "run id", "state", "done", "first missing", "note"):
         table.add_column(column, justify="right" if column in ("done", "first missing") else "left")
@@ -194,6 +195,6 @@ def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception 
             note = (note + "; " if note else "") + f"rest moved to {', '.join(s.moved_to)}"
         if s.moved_from:
             note = (note + "; " if note else "") + f"moved from {s.moved_from}"
-        table.add_row(s.id, "+".join(s.hosts), f"[{s.start}, {s.stop})", s.run_id, text,
-                      f"{max(0, first - s.start)}/{s.size}", str(first) if first < s.stop else "-", note)
+        table.add_row(Text(s.id), Text("+".join(s.hosts)), Text(f"[{s.start}, {s.stop})"), Text(s.run_id), text,
+                      f"{max(0, first - s.start)}/{s.size}", str(first) if first < s.stop else "-", Text(note))
     return table

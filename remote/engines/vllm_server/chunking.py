@@ -141,12 +141,33 @@ def _engine_flags(plain: bool) -> dict:
     return {k: v for k, v in ENGINE_FLAGS.items() if not (plain and k in EXTRACTION_ONLY_FLAGS)}
 
 
+def flag_of(arg: str, known) -> str | None:
+    """The flag of ``known`` that the server argument ``arg`` sets, as vLLM's parser reads it (None: none):
+    its ``FlexibleArgumentParser`` turns ``_`` into ``-`` in a ``--`` name (``--enable_prefix_caching``),
+    takes ``--name.key=value`` as part of ``--name``, and argparse takes a unique prefix
+    (``--enable-prefix``) for the whole flag."""
+    key = str(arg).split("=", 1)[0]
+    if key.startswith("--"):
+        key = "--" + key[2:].split(".", 1)[0].replace("_", "-")
+    if key in known:
+        return key
+    if key.startswith("--") and len(key) > 3:
+        prefixed = [flag for flag in known if flag.startswith(key)]
+        if len(prefixed) == 1:
+            return prefixed[0]
+    return None
+
+
 def refused_flags(server_args, plain: bool = False) -> list[str]:
     """The flags of ``server_args`` that would make the extracted files wrong (``plain``: of a
-    server without extraction, which sets no speculative or KV-transfer config of its own)."""
-    own = _engine_flags(plain)
-    return [a for a in (str(x) for x in server_args or ())
-            if a.split("=", 1)[0] in REFUSED_FLAGS or a.split("=", 1)[0] in own]
+    server without extraction, which sets no speculative or KV-transfer config of its own), as given."""
+    known = (*REFUSED_FLAGS, *_engine_flags(plain))
+    return [a for a in (str(x) for x in server_args or ()) if flag_of(a, known)]
+
+
+def _as_given(arg: str, flag: str) -> str:
+    key = arg.split("=", 1)[0]
+    return flag if key == flag else f"{key} (vLLM reads it as {flag})"
 
 
 def server_args_problem(server_args, plain: bool = False) -> str | None:
@@ -154,12 +175,21 @@ def server_args_problem(server_args, plain: bool = False) -> str | None:
     given = [str(x) for x in server_args or ()]
     own = _engine_flags(plain)
     problems = []
-    for flag in (a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in REFUSED_FLAGS):
-        problems.append(f"{flag} would make the extracted files wrong (a request's states and token ids differ in "
-                        f"length with prefix caching): drop {flag} from the run's server_args")
-    for flag in dict.fromkeys(a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in own):
+    for arg in given:
+        flag = flag_of(arg, REFUSED_FLAGS)
+        if flag:
+            problems.append(f"{_as_given(arg, flag)} would make the extracted files wrong (a request's states and "
+                            f"token ids differ in length with prefix caching): drop {arg.split('=', 1)[0]} from "
+                            f"the run's server_args")
+    seen = {}
+    for arg in given:
+        flag = flag_of(arg, own)
+        if flag and flag not in seen:
+            seen[flag] = arg
+    for flag, arg in seen.items():
         param = ENGINE_FLAGS[flag]
-        problems.append(f"{flag} is set by the engine" + (f" from the run's {param}" if param else "") +
-                        f" (vLLM would take the last one given, and the files would not be what the run records): "
-                        f"drop {flag} from server_args" + (f" and set {param}" if param else ""))
+        problems.append(f"{_as_given(arg, flag)} is set by the engine" + (f" from the run's {param}" if param else "")
+                        + f" (vLLM would take the last one given, and the files would not be what the run "
+                        f"records): drop {arg.split('=', 1)[0]} from server_args"
+                        + (f" and set {param}" if param else ""))
     return "server_args: " + "; ".join(problems) if problems else None

@@ -186,6 +186,14 @@ class VllmServerEngine(Engine):
                     "error": f"the connector's own options could not be read: {type(exc).__name__}: {exc}"}
 
     def _max_model_len(self) -> int:
+        """seq_len + 1 (each request generates one token); refused before the server starts when the model
+        has fewer positions (preflight's ``model.seq_len`` says the same)."""
+        seq_len = int(contract.param(self.params, "seq_len"))
+        limit = modelconfig.text_value(self.config, "max_position_embeddings")
+        if limit and seq_len > contract.seq_len_limit(self.name, int(limit)):
+            raise ValueError(f"seq_len {seq_len} leaves no room for the one token each request generates "
+                             f"(max_position_embeddings {limit}); set seq_len to at most "
+                             f"{contract.seq_len_limit(self.name, int(limit))}")
         return self.model_len(self.config)
 
     def _request(self, token_ids, index: int | None = None, logprobs: bool = False) -> str:
