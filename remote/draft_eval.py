@@ -106,6 +106,29 @@ def locate_draft(params: dict) -> tuple[Path, str, str]:
     return path, params["from_run"], f"dir {path}"
 
 
+def read_draft(path: Path) -> dict:
+    """The draft dir's config (a JSON object), once it is known to hold weights: both before anything loads.
+
+    :raises EvalError: naming the file that cannot be read, is no object, or the weights that are not there.
+    """
+    config = path / "config.json"
+    try:
+        draft = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError("eval.draft", f"{config} cannot be read ({exc})", "pass a draft checkpoint dir") from None
+    if not isinstance(draft, dict):
+        raise EvalError("eval.draft", f"{config} holds a JSON {type(draft).__name__}, not the object of a draft's "
+                        f"config", "pass a draft checkpoint dir as specops train (speculators) wrote it",
+                        detail={"file": str(config)})
+    if not any(path.glob("*.safetensors")):
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise EvalError("eval.draft", f"{path} holds no draft weights (*.safetensors), only "
+                        f"{', '.join(found) or 'nothing'}: vLLM would load the target and then fail",
+                        "pass the checkpoint dir with the weights (a train run id picks its last whole epoch), "
+                        "or fetch them again (specops fetch --tensors)", detail={"dir": str(path), "files": found})
+    return draft
+
+
 def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: str) -> list[dict]:
     """The draft config's records against the states' plan and the target's config (fails carry both values)."""
     records = []
@@ -249,10 +272,7 @@ def evaluate(params: dict) -> dict:
     from remote import manifest as run_manifest
 
     path, from_run, what = locate_draft(params)
-    try:
-        draft = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise EvalError("eval.draft", f"{path}/config.json cannot be read ({exc})", "pass a draft checkpoint dir")
+    draft = read_draft(path)
     try:
         plan = trainplan.resolve({"work_dir": params["work_dir"], "run_id": "eval", "from_run": from_run})
     except trainplan.TrainError as exc:
@@ -287,6 +307,12 @@ def evaluate(params: dict) -> dict:
                                        fix="check that this vLLM serves eagle3 drafts (its log: " + served["log"] + ")"))
         return protocol.payload(records, draft=str(path), served=served)
     acc = acceptance(served["before"], served["after"], k)
+    if not acc["draft_tokens"]:  # no number to report: exit 0 would claim a measurement that never happened
+        records.append(protocol.record("eval.acceptance", protocol.FAIL,
+                                       f"the server drafted no token for {len(prompts)} prompt(s): no acceptance "
+                                       f"was measured", detail={"draft": str(path), **acc},
+                                       fix=f"read the server log ({served['log']}): the draft was not used"))
+        return protocol.payload(records, draft=str(path), served=served)
     result = {"draft": str(path), "what": what, "from_run": from_run, "k": k, "rows": rows, **acc,
               "tokens_per_s": served["tokens_per_s"], "output_tokens": served["output_tokens"],
               "ready_s": served["ready_s"], "eval_dir": str(eval_dir)}

@@ -377,18 +377,27 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
                       detail={"files": [METRICS_JSONL, METRICS_CSV] + ([CURVE_PNG] if why_not is None else [])},
                       fix="pip install 'specops[plot]' and fetch again" if why_not else None)]
     final, save_path = status.get("checkpoint") or {}, status.get("checkpoints")
-    if not final:
+    if not final and not save_path:
         return records
-    epoch, why = best_epoch(rows, final.get("epoch"))
-    candidates = [(f"{save_path}/{SPECULATORS_BEST}", "speculators' own checkpoint_best", None)] if save_path else []
-    if save_path and epoch is not None and final.get("epoch") is not None:
-        candidates.append((f"{save_path}/{epoch}", why, epoch))
-    candidates.append((str(final["path"]), "the last checkpoint", final.get("epoch")))
+    if final:
+        epoch, why = best_epoch(rows, final.get("epoch"))
+        candidates = [(f"{save_path}/{SPECULATORS_BEST}", "speculators' own checkpoint_best", None)] if save_path \
+            else []
+        if save_path and epoch is not None and final.get("epoch") is not None:
+            candidates.append((f"{save_path}/{epoch}", why, epoch))
+        candidates.append((str(final["path"]), "the last checkpoint", final.get("epoch")))
+    else:  # still training (or stopped): the best so far, else the newest epoch checkpoint it saved
+        going = f"run {status.get('state') or 'not done'}"
+        candidates = [(f"{save_path}/{SPECULATORS_BEST}", f"speculators' checkpoint_best so far ({going})", None)]
+        candidates += [(f"{save_path}/{e}", f"epoch {e}'s checkpoint, the newest so far ({going})", e)
+                       for e in range(int(status.get("epoch") or 0), -1, -1)]
     for remote_ckpt, why, epoch in candidates:
         config = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/config.json")
         if config is not None:
             break
     else:
+        if not final:  # no epoch saved yet: fetch --tensors says so
+            return records
         records.append(Record(name="fetch.checkpoint", status="warn", summary=f"no checkpoint config.json found in "
                               f"{', '.join(c[0] for c in candidates)}", detail={"tried": [c[0] for c in candidates]}))
         return records

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,21 @@ def test_a_train_run_without_a_checkpoint_yet_fails_with_when_to_fetch_again(mak
     inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
     save = _train_run(tmp_path / "work", with_checkpoint=False)
     (save / "checkpoint_best").unlink()
+    for epoch in (0, 1):  # nothing saved yet (epoch dirs that exist are fetched: the test below)
+        shutil.rmtree(save / str(epoch))
     rec = _tensors(inv, env, code=1)
     assert rec["status"] == "fail" and "has no checkpoint yet" in rec["summary"], rec
     assert "specops status --run-id d1" in rec["fix"]
+
+
+def test_during_training_fetch_tensors_brings_the_newest_epoch_checkpoint_saved_so_far(make_inventory, tmp_path):
+    """Issue 38: while the run trains its status has no final checkpoint, yet epoch checkpoints exist."""
+    inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    save = _train_run(tmp_path / "work", with_checkpoint=False)
+    (save / "checkpoint_best").unlink()
+    status_path = save.parent / "status.json"
+    status = json.loads(status_path.read_text())
+    status_path.write_text(json.dumps({**status, "state": "training", "epoch": 2}))  # epoch 2 is being trained
+    rec = _tensors(inv, env)
+    assert rec["status"] == "ok" and rec["detail"]["host_dir"] == str((save / "1").resolve()), rec
+    assert "epoch 1's checkpoint, the newest so far" in rec["summary"], rec["summary"]
