@@ -214,6 +214,9 @@ class TrainSupervisor:
                 error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
                          "where": "trainer"}
                 error["message"] += "; the same train command resumes from the last epoch checkpoint"
+            full = disk_full(plan.save_path, tail)
+            if full:  # torch's save says "file write failed", not why: the cause first
+                error = {**error, "cause": "ENOSPC", "message": f"{full}; the trainer's own error: {error['message']}"}
             self.status.update(state=RunState.FAILED.value, phase="failed", error={**error, "log_tail": tail[-4000:]})
             return 1
         final = trainplan.last_checkpoint(plan.save_path)
@@ -329,6 +332,32 @@ class TrainSupervisor:
                            accuracy=summary["accuracy"], tokens_per_s=rate, first_step_this_attempt=first,
                            eta_s=round(eta, 1) if eta is not None else None,
                            samples_done=step, samples_total=total)
+
+
+#: what a write to a full disk leaves in a trainer's log (errno 28; torch's writer says only "file write failed")
+_NO_SPACE_RE = re.compile(r"No space left on device|Errno 28\b|ENOSPC")
+#: free bytes below which the save path's disk counts as full once a trainer failed
+FULL_BELOW_BYTES = 64 << 20
+
+
+def disk_full(save_path, log_tail: str) -> str | None:
+    """The cause of a failed trainer when its checkpoint disk is full (its log says ENOSPC, or the disk has
+    under :data:`FULL_BELOW_BYTES` free), in words with the numbers and what to do; else None."""
+    import shutil
+
+    where = Path(save_path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        usage = None
+    said = bool(_NO_SPACE_RE.search(log_tail or ""))
+    if not said and (usage is None or usage.free >= FULL_BELOW_BYTES):
+        return None
+    free = f"{usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB" if usage else "its size unknown"
+    return (f"the disk holding the checkpoints ({where}) is full (ENOSPC: {free}): free space there (or train "
+            f"under a work_dir with room), then run the same train command to resume from the last whole epoch")
 
 
 def diverged_error(found: dict) -> dict:

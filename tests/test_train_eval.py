@@ -107,6 +107,16 @@ def test_a_trainer_that_exited_0_having_learned_nothing_is_a_failure():
     assert trainrun.parse_metrics("INFO train/loss=nan, epoch=0, global_step=7")["train/loss"] != 0
 
 
+def test_a_trainer_that_failed_on_a_full_disk_is_named_with_the_disk_and_the_fix(tmp_path):
+    """torch's checkpoint writer fails with "file write failed"; errno 28 in the log (or a disk with no room
+    left) names the cause before it."""
+    tail = ("Traceback (most recent call last):\n  File \"trainer.py\", line 9\nRuntimeError: [enforce fail at "
+            "inline_container.cc:626] . unexpected pos 64 vs 0\nOSError: [Errno 28] No space left on device\n")
+    said = trainrun.disk_full(tmp_path / "checkpoints", tail)
+    assert said.startswith(f"the disk holding the checkpoints ({tmp_path}) is full (ENOSPC: ") and "resume" in said
+    assert trainrun.disk_full(tmp_path / "checkpoints", "RuntimeError: CUDA error") is None  # room left, not said
+
+
 def test_fetch_turns_the_metrics_into_a_csv_a_curve_and_picks_the_best_epoch(tmp_path):
     from specops import train
 

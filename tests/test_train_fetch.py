@@ -115,3 +115,23 @@ def test_during_training_fetch_tensors_brings_the_newest_epoch_checkpoint_saved_
     rec = _tensors(inv, env)
     assert rec["status"] == "ok" and rec["detail"]["host_dir"] == str((save / "1").resolve()), rec
     assert "epoch 1's checkpoint, the newest so far" in rec["summary"], rec["summary"]
+
+
+def test_eval_refuses_a_draft_config_that_is_no_object_and_a_dir_without_weights_before_any_load(make_inventory,
+                                                                                                  tmp_path):
+    """Issue 38: a config.json holding a list crashed eval; a dir without weights loaded the target first."""
+    inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    (listed / "model.safetensors").write_bytes(b"x")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((DRAFT / "config.json").read_text())
+    for draft, says in ((listed, "holds a JSON list, not the object"), (bare, "holds no draft weights")):
+        proc = _specops("eval", "--inventory", inv, "--draft", draft, "--from-run", "r1", "--json", env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        recs = {r["name"]: r for h in json.loads(proc.stdout)["hosts"] for r in h["records"]}
+        rec = recs["eval.draft"]
+        assert rec["status"] == "fail" and says in rec["summary"] and str(draft) in rec["summary"], rec
+        assert rec["fix"] and "eval.server" not in recs, recs
