@@ -27,6 +27,7 @@ Parameters: :data:`SPEC`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,7 +70,12 @@ class EvalError(protocol.TaskError):
 
 @SPEC.task
 def main(params: dict) -> dict:
-    return protocol.run_in_job_env(evaluate, params)
+    try:
+        return protocol.run_in_job_env(evaluate, params)
+    except Stopped as exc:  # nobody may read this (the laptop left): the server is stopped all the same
+        return protocol.payload([protocol.record("eval.server", protocol.FAIL, f"stopped by request ({exc}: Ctrl-C "
+                                                 f"at the laptop) while serving; the server it started is stopped",
+                                                 fix="run the same eval again")])
 
 
 # --------------------------------------------------------------------------- the draft
@@ -266,6 +272,31 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
             "log": str(server.log_path), "outputs": texts}
 
 
+class Stopped(BaseException):
+    """SIGTERM from the laptop's Ctrl-C (specops.draft_eval.stop_eval): unwinds through ``serve``'s ``finally``,
+    which stops the server."""
+
+
+@contextlib.contextmanager
+def stoppable(eval_dir: Path):
+    """While serving: this task's pid in ``eval_dir`` (:data:`remote.contract.EVAL_PID_FILE`) and SIGTERM raising
+    :class:`Stopped`, so a Ctrl-C at the laptop stops the server this task started, not just the task."""
+    import signal
+
+    def on_term(signum, _frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    pid_file = eval_dir / contract.EVAL_PID_FILE
+    pid_file.write_text(str(os.getpid()))
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        pid_file.unlink(missing_ok=True)
+
+
 # --------------------------------------------------------------------------- the task
 
 def evaluate(params: dict) -> dict:
@@ -296,7 +327,8 @@ def evaluate(params: dict) -> dict:
     eval_dir = Path(params["work_dir"]) / "evals" / name
     spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
     try:
-        served = serve(params, plan, prompts, eval_dir, spec)
+        with stoppable(eval_dir):
+            served = serve(params, plan, prompts, eval_dir, spec)
     except Exception as exc:  # the server's own exception, as its log names it (ServerFailed)
         raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
@@ -328,7 +360,8 @@ def evaluate(params: dict) -> dict:
                    "states (and on replies the target writes), its epochs and loss" if chance else ""),
         detail=result))
     if params["baseline"]:
-        plain = serve(params, plan, prompts, eval_dir, None)
+        with stoppable(eval_dir):
+            plain = serve(params, plan, prompts, eval_dir, None)
         result["baseline_tokens_per_s"] = plain["tokens_per_s"]
         speedup = served["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
         records.append(protocol.record("eval.baseline", protocol.OK,

@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -421,10 +423,21 @@ def _copy_states_run(run: dict, run_id: str) -> tuple[Path, Path]:
     return run_dir, out
 
 
+def _holding(where: Path) -> list[int]:
+    """Pids of this machine's processes with a file under ``where`` open (the test host is loopback)."""
+    found = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd).startswith(str(where)) for fd in fd_dir.iterdir()):
+                found.append(int(fd_dir.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def _rewrite_dataset(python: Path, out: Path, how: str) -> None:
     """Rewrite the token dataset in ``out`` with the host env's ``datasets``: ``how`` is python over ``rows``
     (a list of {"input_ids", "loss_mask", "seq_len"}) that changes them."""
-    import subprocess
 
     code = ("import sys, shutil, os; from datasets import load_from_disk, Dataset\n"
             "out = sys.argv[1]; rows = load_from_disk(out).with_format(None).to_list()\n" + how + "\n"
@@ -440,7 +453,8 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     """Issue 38, items 1-3 and 7: the token dataset is checked against the states before the trainer starts
     (exchanged rows, another dataset, a truncated file, rows without states as a group shard has, no supervised
     token); the trainer never asks a server for rows (``--on-missing raise``); a diverged run fails naming the
-    step; train's own refusals (a busy host, other --epochs) are fail records with their fix, exit 1."""
+    step; train's own refusals (a busy host, other --epochs) are fail records with their fix, exit 1; Ctrl-C of
+    eval while its server loads says so, exits 130 and stops that server."""
     run = modern_ssh_run("llama", 1)
     inv, env = run["inventory"], run["env"]
 
@@ -507,8 +521,36 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     refusal = recs["train.start"]
     assert code == 1 and refusal["status"] == "fail" and f"--epochs {EPOCHS} (this call: 5)" in refusal["summary"], recs
     assert f"--epochs {EPOCHS}" in refusal["fix"], refusal
+    deadline = time.monotonic() + 300  # its first epoch checkpoint: the draft eval is interrupted with below
+    while (st := _status(inv, "busy", env)[1]).get("epoch", 0) < 1 and st.get("state") in ("pending", "loading",
+                                                                                              "training"):
+        assert time.monotonic() < deadline, st
+        time.sleep(2)
     abort = specops("abort", "--inventory", inv, "--run-id", "busy", env=env, timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
+
+    # Ctrl-C of eval while its server loads: said, exit 130, and the server it started on the host is stopped
+    work = run["run_dir"].parent.parent
+    draft = work / "runs" / "busy" / "checkpoints" / "0"
+    assert (draft / "model.safetensors").is_file(), list((draft.parent).iterdir())
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "specops"), "eval", "--inventory", str(inv), "--draft",
+                             str(draft), "--from-run", run["run_id"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, **env})
+    deadline = time.monotonic() + 300
+    while not list((work / "evals").glob("*/spec/logs/*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    eval_dir = next((work / "evals").glob("*/spec")).parent
+    task_pid = int((eval_dir / "eval.pid").read_text())
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "eval interrupted (Ctrl-C)" in err and f"stopped the eval (pid {task_pid})" in err, err
+    deadline = time.monotonic() + 60  # the server's own stop: SIGTERM, then its group killed after 20 s
+    while holders := _holding(eval_dir):
+        assert time.monotonic() < deadline, holders
+        time.sleep(1)
+    assert not Path(f"/proc/{task_pid}").exists() and not (eval_dir / "eval.pid").exists()
 
     # a diverged run (lr 1e30): stopped at its first non-finite loss, failed naming the step
     code, recs = train(run["run_id"], "--epochs", 3, "--trainer-arg=--lr=1e30", run_id="diverged")
