@@ -6,7 +6,8 @@ A task module (``main(params) -> payload``). ``action``:
            samples are all there (size, and digest up to :data:`DIGEST_LIMIT` bytes of
            them, in each entry's algorithm: blake3, or an older run's sha256), its
            manifest gives a plan (:func:`remote.trainplan.resolve`: ids, backend, seq
-           len, model), the installed trainer takes every flag the plan passes (read
+           len, model), its token dataset is the states' own row for row with a
+           supervised token (:func:`check_data`), the installed trainer takes every flag the plan passes (read
            from its schema, nothing imported), and the save path's disk holds the
            checkpoints.
 ``start``  ``check``, then the run through :mod:`remote.job`'s own start (the same lock,
@@ -289,9 +290,13 @@ def check_data(plan: trainplan.TrainPlan) -> dict:
                          f"would learn nothing (loss 0)", "extract with a --seq-len long enough to hold the "
                          "replies (the assistant turns are the supervised tokens), or from a dataset that has them",
                          detail={"rows": len(input_ids), "supervised_tokens": 0})
+    shared = len(input_ids) - len(listed)  # a group run's shared output dir: the other shards' states are here too
     return protocol.record("train.data", protocol.OK,
                            f"{len(input_ids)} token dataset row(s) are the states' own tokens; {supervised} "
-                           f"supervised token(s)", detail={"rows": len(input_ids), "supervised_tokens": supervised})
+                           f"supervised token(s)" + (f"; {shared} row(s) of the group's other shards (shared "
+                                                     f"output dir)" if shared > 0 else ""),
+                           detail={"rows": len(input_ids), "supervised_tokens": supervised,
+                                   "rows_of_other_shards": max(0, shared)})
 
 
 def run_states(plan: trainplan.TrainPlan) -> list[dict]:

@@ -289,6 +289,9 @@ class TrainSupervisor:
                                f"{err.get('type')}: {err.get('message')} (specops logs --run-id {states})")
         regen_plan = trainplan.resolve({**self.params, "from_run": states})
         regen_plan.regenerated = made
+        from remote.train import check_data  # the regenerated states' own dataset, bound to them as any run's
+
+        self.status.update(data_check=check_data(regen_plan))
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:

@@ -423,6 +423,14 @@ def _copy_states_run(run: dict, run_id: str) -> tuple[Path, Path]:
     return run_dir, out
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _holding(where: Path) -> list[int]:
     """Pids of this machine's processes with a file under ``where`` open (the test host is loopback)."""
     found = []
@@ -547,10 +555,10 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     assert proc.returncode == 130, out + err
     assert "eval interrupted (Ctrl-C)" in err and f"stopped the eval (pid {task_pid})" in err, err
     deadline = time.monotonic() + 60  # the server's own stop: SIGTERM, then its group killed after 20 s
-    while holders := _holding(eval_dir):
-        assert time.monotonic() < deadline, holders
+    while (holders := _holding(eval_dir)) or _alive(task_pid):
+        assert time.monotonic() < deadline, (holders, task_pid)
         time.sleep(1)
-    assert not Path(f"/proc/{task_pid}").exists() and not (eval_dir / "eval.pid").exists()
+    assert not (eval_dir / "eval.pid").exists()
 
     # a diverged run (lr 1e30): stopped at its first non-finite loss, failed naming the step
     code, recs = train(run["run_id"], "--epochs", 3, "--trainer-arg=--lr=1e30", run_id="diverged")
