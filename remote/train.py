@@ -253,8 +253,13 @@ def check_data(plan: trainplan.TrainPlan) -> dict:
         if not path.is_file():
             missing.append(index)
             continue
-        with safe_open(str(path), framework="numpy") as fh:
-            tokens = fh.get_tensor("token_ids").tolist()
+        try:
+            with safe_open(str(path), framework="numpy") as fh:
+                tokens = fh.get_tensor("token_ids").tolist()
+        except Exception as exc:  # damaged past what the size check sees (runs over DIGEST_LIMIT are not hashed)
+            raise TrainError("train.data", f"{path} (the states of row {index}) cannot be read: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}", f"{fix_remake} (it makes the file again)",
+                             detail={"file": str(path), "row": index}) from None
         by_tokens[tuple(tokens)] = index
         if tokens != list(ids):
             foreign.append(index)
