@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
 import re
 
@@ -177,12 +178,13 @@ def _convert(kind: str, value, arg: Arg, field: str, problems: list, task: str):
     if kind == "float":
         if isinstance(value, bool):
             raise _Bad()
-        if isinstance(value, (int, float)):
-            return float(value)
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise _Bad() from None
+        if not math.isfinite(number):  # nan passes every bound check (nan < 0 is False)
+            raise _Bad(f"a finite number, got {_shown(value)}")
+        return number
     if kind == "bool":
         if isinstance(value, bool):
             return value

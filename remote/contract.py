@@ -242,6 +242,8 @@ MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 #: a run dir's own files (:mod:`remote.rundir`); the laptop fetches these by name.
 PARAMS_FILE, STATUS_FILE = "params.json", "status.json"
+#: ``eval``: the host task's pid in its eval dir (``<work_dir>/evals/<name>``) while it runs, for Ctrl-C to stop it
+EVAL_PID_FILE = "eval.pid"
 RUN_FILES = (PARAMS_FILE, STATUS_FILE, MANIFEST, SUMMARY)
 
 #: the engine's own prompt logprobs of a run's first samples (the canary samples), one JSON file per

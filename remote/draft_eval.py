@@ -27,6 +27,7 @@ Parameters: :data:`SPEC`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,7 +70,12 @@ class EvalError(protocol.TaskError):
 
 @SPEC.task
 def main(params: dict) -> dict:
-    return protocol.run_in_job_env(evaluate, params)
+    try:
+        return protocol.run_in_job_env(evaluate, params)
+    except Stopped as exc:  # nobody may read this (the laptop left): the server is stopped all the same
+        return protocol.payload([protocol.record("eval.server", protocol.FAIL, f"stopped by request ({exc}: Ctrl-C "
+                                                 f"at the laptop) while serving; the server it started is stopped",
+                                                 fix="run the same eval again")])
 
 
 # --------------------------------------------------------------------------- the draft
@@ -104,6 +110,29 @@ def locate_draft(params: dict) -> tuple[Path, str, str]:
         raise EvalError("eval.params", f"draft {draft} is a dir: which states it belongs to is not known",
                         "pass --from-run with the extraction run the draft was trained on")
     return path, params["from_run"], f"dir {path}"
+
+
+def read_draft(path: Path) -> dict:
+    """The draft dir's config (a JSON object), once it is known to hold weights: both before anything loads.
+
+    :raises EvalError: naming the file that cannot be read, is no object, or the weights that are not there.
+    """
+    config = path / "config.json"
+    try:
+        draft = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError("eval.draft", f"{config} cannot be read ({exc})", "pass a draft checkpoint dir") from None
+    if not isinstance(draft, dict):
+        raise EvalError("eval.draft", f"{config} holds a JSON {type(draft).__name__}, not the object of a draft's "
+                        f"config", "pass a draft checkpoint dir as specops train (speculators) wrote it",
+                        detail={"file": str(config)})
+    if not any(path.glob("*.safetensors")):
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise EvalError("eval.draft", f"{path} holds no draft weights (*.safetensors), only "
+                        f"{', '.join(found) or 'nothing'}: vLLM would load the target and then fail",
+                        "pass the checkpoint dir with the weights (a train run id picks its last whole epoch), "
+                        "or fetch them again (specops fetch --tensors)", detail={"dir": str(path), "files": found})
+    return draft
 
 
 def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: str) -> list[dict]:
@@ -243,16 +272,38 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
             "log": str(server.log_path), "outputs": texts}
 
 
+class Stopped(BaseException):
+    """SIGTERM from the laptop's Ctrl-C (specops.draft_eval.stop_eval): unwinds through ``serve``'s ``finally``,
+    which stops the server."""
+
+
+@contextlib.contextmanager
+def stoppable(eval_dir: Path):
+    """While serving: this task's pid in ``eval_dir`` (:data:`remote.contract.EVAL_PID_FILE`) and SIGTERM raising
+    :class:`Stopped`, so a Ctrl-C at the laptop stops the server this task started, not just the task."""
+    import signal
+
+    def on_term(signum, _frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    pid_file = eval_dir / contract.EVAL_PID_FILE
+    pid_file.write_text(str(os.getpid()))
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        pid_file.unlink(missing_ok=True)
+
+
 # --------------------------------------------------------------------------- the task
 
 def evaluate(params: dict) -> dict:
     from remote import manifest as run_manifest
 
     path, from_run, what = locate_draft(params)
-    try:
-        draft = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise EvalError("eval.draft", f"{path}/config.json cannot be read ({exc})", "pass a draft checkpoint dir")
+    draft = read_draft(path)
     try:
         plan = trainplan.resolve({"work_dir": params["work_dir"], "run_id": "eval", "from_run": from_run})
     except trainplan.TrainError as exc:
@@ -276,7 +327,8 @@ def evaluate(params: dict) -> dict:
     eval_dir = Path(params["work_dir"]) / "evals" / name
     spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
     try:
-        served = serve(params, plan, prompts, eval_dir, spec)
+        with stoppable(eval_dir):
+            served = serve(params, plan, prompts, eval_dir, spec)
     except Exception as exc:  # the server's own exception, as its log names it (ServerFailed)
         raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
@@ -287,6 +339,12 @@ def evaluate(params: dict) -> dict:
                                        fix="check that this vLLM serves eagle3 drafts (its log: " + served["log"] + ")"))
         return protocol.payload(records, draft=str(path), served=served)
     acc = acceptance(served["before"], served["after"], k)
+    if not acc["draft_tokens"]:  # no number to report: exit 0 would claim a measurement that never happened
+        records.append(protocol.record("eval.acceptance", protocol.FAIL,
+                                       f"the server drafted no token for {len(prompts)} prompt(s): no acceptance "
+                                       f"was measured", detail={"draft": str(path), **acc},
+                                       fix=f"read the server log ({served['log']}): the draft was not used"))
+        return protocol.payload(records, draft=str(path), served=served)
     result = {"draft": str(path), "what": what, "from_run": from_run, "k": k, "rows": rows, **acc,
               "tokens_per_s": served["tokens_per_s"], "output_tokens": served["output_tokens"],
               "ready_s": served["ready_s"], "eval_dir": str(eval_dir)}
@@ -302,7 +360,8 @@ def evaluate(params: dict) -> dict:
                    "states (and on replies the target writes), its epochs and loss" if chance else ""),
         detail=result))
     if params["baseline"]:
-        plain = serve(params, plan, prompts, eval_dir, None)
+        with stoppable(eval_dir):
+            plain = serve(params, plan, prompts, eval_dir, None)
         result["baseline_tokens_per_s"] = plain["tokens_per_s"]
         speedup = served["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
         records.append(protocol.record("eval.baseline", protocol.OK,

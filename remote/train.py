@@ -6,7 +6,8 @@ A task module (``main(params) -> payload``). ``action``:
            samples are all there (size, and digest up to :data:`DIGEST_LIMIT` bytes of
            them, in each entry's algorithm: blake3, or an older run's sha256), its
            manifest gives a plan (:func:`remote.trainplan.resolve`: ids, backend, seq
-           len, model), the installed trainer takes every flag the plan passes (read
+           len, model), its token dataset is the states' own row for row with a
+           supervised token (:func:`check_data`), the installed trainer takes every flag the plan passes (read
            from its schema, nothing imported), and the save path's disk holds the
            checkpoints.
 ``start``  ``check``, then the run through :mod:`remote.job`'s own start (the same lock,
@@ -77,8 +78,35 @@ def main(params: dict) -> dict:
         return payload
     if params["action"] == "check" or any(r["status"] == protocol.FAIL for r in records):
         return protocol.payload(records, plan=plan.as_dict())
-    started = job.start({**params, "_entry": "remote.trainrun"})
+    try:
+        started = job.start({**params, "_entry": "remote.trainrun"})
+    except protocol.TaskError as exc:  # job's own refusals (other parameters, a busy host) are the train's
+        return protocol.payload(records + [start_refusal(exc, params).record()], plan=plan.as_dict())
     return protocol.payload(records + started["records"], plan=plan.as_dict(), **started["data"])
+
+
+def start_refusal(exc: protocol.TaskError, params: dict) -> protocol.TaskError:
+    """:func:`remote.job.start`'s refusal said in train's words: which parameter differs from the run's own
+    and how to resume it, or which run keeps the host busy and the ``--force``/abort way out."""
+    detail = exc.detail or {}
+    run_id = params["run_id"]
+    if detail.get("running"):
+        others = detail["running"]
+        return TrainError("train.start", f"this host is already running {', '.join(others)}; train run {run_id} "
+                          f"was not started", f"wait for it, stop it (specops abort --run-id {others[0]}), or pass "
+                          f"--force to train beside it", detail=detail)
+    if detail.get("changed"):
+        changed = detail["changed"]
+        from remote.contract import PARAMS_FILE
+
+        old = samples.read_json_quietly(job.run_dir_of(params) / PARAMS_FILE) or {}
+        flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
+        shown = ", ".join(f"{flag(k)} {old.get(k)!r} (this call: {params.get(k)!r})" for k in changed)
+        own = " ".join(f"{flag(k)} {old[k]}" for k in changed if old.get(k) not in (None, False, [], ""))
+        return TrainError("train.start", f"train run {run_id} exists with other parameters: {shown}",
+                          f"repeat the run's own flags to resume it ({own or 'leave them out'}), or train "
+                          f"under a new --run-id", detail={**detail, "run": {k: old.get(k) for k in changed}})
+    return TrainError("train.start", exc.summary, exc.fix, detail=detail)
 
 
 def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
@@ -97,6 +125,7 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         f"{plan.trainer_layer_ids}; --total-seq-len {plan.total_seq_len}",
         detail=plan.as_dict())]
     records.append(check_states(plan))
+    records.append(check_data(plan))
     if params.get("regenerate"):
         from remote import manifest as run_manifest, regenerate
 
@@ -184,6 +213,133 @@ def check_states(plan: trainplan.TrainPlan) -> dict:
                            f"{len(entries)} sample file(s) of run {plan.from_run} ({total} bytes) and the token "
                            f"dataset present; {how}", detail={"output_dir": str(out_dir), "bytes": total,
                                                                "digests_checked": hashed})
+
+
+def check_data(plan: trainplan.TrainPlan) -> dict:
+    """``train.data``: the token dataset the trainer reads (``load_from_disk(data_path)``) is the one these states
+    were made from, row for row, and it supervises at least one token.
+
+    speculators' trainer pairs row ``i`` with ``hidden_states/hs_{i}.safetensors`` and silently skips a row whose
+    ``input_ids`` differ from the file's ``token_ids`` (another run's dataset trains on nothing, exchanged rows
+    drop both); a row without a file it would make through a vLLM server it assumes (specops passes
+    ``--on-missing raise``, :data:`remote.trainplan.FIXED`). So every row is compared here, before a load.
+
+    :raises TrainError: naming the dataset file that cannot be read, the rows without states (a group run's
+        other shards) or whose tokens are not their states' (and whose they are), or a dataset with no
+        supervised token.
+    """
+    out_dir = Path(plan.data_path)
+    try:
+        import numpy  # noqa: F401  (safetensors' numpy reader)
+        from datasets import load_from_disk
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise TrainError("train.data", f"this python cannot read the token dataset the trainer reads ({exc})",
+                         "install speculators' own requirements (datasets, safetensors, numpy) into the host's "
+                         "env (the inventory's python)") from None
+    fix_remake = f"resume the extraction to write its token dataset again (specops extract --run-id {plan.from_run})"
+    try:
+        rows = load_from_disk(str(out_dir)).with_format(None)
+        input_ids, loss_mask = rows["input_ids"], rows["loss_mask"]
+    except Exception as exc:  # a truncated or foreign arrow file fails here, in datasets' or pyarrow's words
+        bad = _unreadable_dataset_file(out_dir)
+        raise TrainError("train.data", f"run {plan.from_run}'s token dataset in {out_dir} cannot be read"
+                         f"{f' ({bad} is damaged)' if bad else ''}: {type(exc).__name__}: {str(exc)[:300]}",
+                         f"{fix_remake}; it rewrites {bad or 'the dataset files'} from the run's dataset",
+                         detail={"output_dir": str(out_dir), "file": bad}) from None
+    missing, foreign, by_tokens = [], [], {}
+    for index, ids in enumerate(input_ids):
+        path = samples.sample_path(out_dir, index, samples.HS)
+        if not path.is_file():
+            missing.append(index)
+            continue
+        try:
+            with safe_open(str(path), framework="numpy") as fh:
+                tokens = fh.get_tensor("token_ids").tolist()
+        except Exception as exc:  # damaged past what the size check sees (runs over DIGEST_LIMIT are not hashed)
+            raise TrainError("train.data", f"{path} (the states of row {index}) cannot be read: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}", f"{fix_remake} (it makes the file again)",
+                             detail={"file": str(path), "row": index}) from None
+        by_tokens[tuple(tokens)] = index
+        if tokens != list(ids):
+            foreign.append(index)
+    listed = sorted(int(e["index"]) for e in run_states(plan) if e.get("index") is not None)
+    beyond = [i for i in listed if i >= len(input_ids)]
+    where = f"run {plan.from_run}'s token dataset ({out_dir}, {len(input_ids)} rows)"
+    if foreign:
+        shown = []
+        for index in foreign[:3]:
+            other = by_tokens.get(tuple(input_ids[index]))
+            shown.append(f"row {index} holds the tokens of {_sample_name(other)}" if other is not None
+                         else f"row {index}'s tokens are not those of {_sample_name(index)}")
+        raise TrainError("train.data", f"{where} is not the one its states were made from: {len(foreign)} row(s) "
+                         f"differ from their states' token_ids ({'; '.join(shown)}); the trainer would skip them",
+                         f"{fix_remake}; never copy another run's dataset files into its output dir",
+                         detail={"rows": foreign[:100], "rows_differing": len(foreign)})
+    if beyond:
+        raise TrainError("train.data", f"{where} ends before its states do: {len(beyond)} sample(s) from "
+                         f"{_sample_name(beyond[0])} have no row (a truncated or older dataset)", fix_remake,
+                         detail={"samples_without_row": beyond[:100]})
+    if missing:
+        spans = _spans(missing)
+        raise TrainError("train.data", f"{where}: {len(missing)} row(s) have no states in {out_dir} (rows "
+                         f"{', '.join(spans[:4])}{' ...' if len(spans) > 4 else ''}): the states of a group run's "
+                         f"other shards, or of a sample range this run did not extract",
+                         "train where every row's states are: extract the group with an output_dir all its hosts "
+                         f"share, or copy the other shards' {samples.sample_path('', 0, samples.HS).parent}/hs_*"
+                         f".safetensors into {out_dir} on this host, then train again",
+                         detail={"rows_without_states": missing[:1000], "spans": spans, "rows": len(input_ids)})
+    supervised = sum(int(sum(mask)) for mask in loss_mask)
+    if supervised == 0:
+        raise TrainError("train.data", f"{where} supervises no token: every row's loss_mask is 0, so the draft "
+                         f"would learn nothing (loss 0)", "extract with a --seq-len long enough to hold the "
+                         "replies (the assistant turns are the supervised tokens), or from a dataset that has them",
+                         detail={"rows": len(input_ids), "supervised_tokens": 0})
+    shared = len(input_ids) - len(listed)  # a group run's shared output dir: the other shards' states are here too
+    return protocol.record("train.data", protocol.OK,
+                           f"{len(input_ids)} token dataset row(s) are the states' own tokens; {supervised} "
+                           f"supervised token(s)" + (f"; {shared} row(s) of the group's other shards (shared "
+                                                     f"output dir)" if shared > 0 else ""),
+                           detail={"rows": len(input_ids), "supervised_tokens": supervised,
+                                   "rows_of_other_shards": max(0, shared)})
+
+
+def run_states(plan: trainplan.TrainPlan) -> list[dict]:
+    """The ``files`` entries of the states run's manifest."""
+    from remote import manifest as run_manifest
+
+    return list(run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST).get("files") or [])
+
+
+def _sample_name(index) -> str:
+    return f"sample {index} ({samples.sample_path('', index, samples.HS)})"
+
+
+def _spans(indices: list[int]) -> list[str]:
+    """``[0, 1, 2, 5]`` -> ``["0-2", "5"]``."""
+    out, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            out.append(f"{start}-{index}" if index != start else str(start))
+            start = None
+    return out
+
+
+def _unreadable_dataset_file(out_dir: Path) -> str | None:
+    """The first arrow file of the token dataset pyarrow cannot read whole (datasets writes IPC streams)."""
+    try:
+        import pyarrow
+    except ImportError:
+        return None
+    for path in sorted(out_dir.glob("*.arrow")):
+        try:
+            with pyarrow.memory_map(str(path)) as source:
+                pyarrow.ipc.open_stream(source).read_all()
+        except Exception:  # any damage: this is the file to name
+            return path.name
+    return None
 
 
 def _matches(path, entry: dict) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import importlib.machinery
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,7 +54,12 @@ CPU_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 CHECKPOINTS, TRAIN_LOG, METRICS_FILE = "checkpoints", "train.log", "metrics.jsonl"
 #: what every run passes: EAGLE-3, and the eager loss (the fused one fails under torch.compile
 #: on speculators 0.9.0, checked on the H200).
-FIXED = [("speculator_type", "eagle3"), ("loss_implementation", "eager")]
+FIXED = [("speculator_type", "eagle3"), ("loss_implementation", "eager"),
+         # a row without states fails the run: the trainer's default ("generate") asks a vLLM server at
+         # --vllm-endpoint (localhost:8000) that specops never started; train.data refuses such rows first
+         ("on_missing", "raise")]
+#: what FIXED holds that a --trainer-arg may never replace
+NOT_OVERRIDABLE = ("speculator_type", "on_missing")
 #: a CPU host's flags: flex attention and dataloader workers need a GPU; Muon's step took 2.5 s
 #: of a 3.2 s step on the 2-core test host, AdamW's 6 ms (1.06 s a step).
 CPU_FLAGS = [("draft_attn_impl", "sdpa"), ("num_workers", "0"), ("optimizer", "adamw")]
@@ -74,13 +80,16 @@ SPECOPS_SETS = {
     "save_path": "specops train --run-id (checkpoints go to <work_dir>/runs/<run-id>/checkpoints)",
     "dry_run": "specops train --dry-run",
     "speculator_type": "specops trains EAGLE-3 drafts (eagle3), the kind eval serves",
+    "on_missing": "every row's states must be there (train.data checks it): specops passes --on-missing raise, "
+                  "so the trainer never asks a server specops did not start for them",
+    "vllm_endpoint": "the trainer makes no states itself (--on-missing raise); extract them with specops extract",
     "no_resume_from_checkpoint": "the same specops train command resumes; a new --run-id starts afresh",
     "config": "a YAML config could set any of the above: pass each trainer flag as its own --trainer-arg",
     "dump_config": "it prints a config and exits without training: read the trainer's command in the train "
                    "run's status (specops status --run-id) instead",
 }
 #: specops' own choices a ``--trainer-arg`` may replace (the record says which it replaced).
-OVERRIDABLE = tuple(k for k, _ in FIXED + CPU_FLAGS if k != "speculator_type")
+OVERRIDABLE = tuple(k for k, _ in FIXED + CPU_FLAGS if k not in NOT_OVERRIDABLE)
 #: flags of speculators' own parser besides the schema's fields (``train/config/resolution.py``)
 PARSER_FLAGS = {"config": {"kind": "value"}, "dump_config": {"kind": "switch"}}
 _REGISTER_RE = re.compile(r"HiddenStatesBackend\.register\(\s*[\"'](\w+)[\"']")
@@ -378,8 +387,27 @@ def schema_flags(path: Path) -> dict[str, dict]:
                 continue
             if isinstance(item.annotation, ast.Name) and item.annotation.id in classes:
                 continue
-            out[item.target.id] = _flag_spec(item.annotation, item.value)
+            spec = _flag_spec(item.annotation, item.value)
+            if spec["type"] in ("int", "float"):
+                spec.update(_lower_bound(item.target.id, item.value))
+            out[item.target.id] = spec
     return out
+
+
+#: trainer counts its schema leaves unbounded though 0 trains nothing (speculators 0.9.0: ``--num-layers 0``
+#: builds a draft with no decoder layer, and the run ends "ok" having learned nothing).
+AT_LEAST_ONE = ("num_layers",)
+
+
+def _lower_bound(name: str, value) -> dict:
+    """``{"min", "min_exclusive"}`` of a number field: its ``Field(ge=..)``/``Field(gt=..)``, else 1 for
+    :data:`AT_LEAST_ONE`, else nothing."""
+    if isinstance(value, ast.Call):
+        for kw in value.keywords:
+            if kw.arg in ("ge", "gt") and isinstance(kw.value, ast.Constant) \
+                    and isinstance(kw.value.value, (int, float)):
+                return {"min": kw.value.value, "min_exclusive": kw.arg == "gt"}
+    return {"min": 1, "min_exclusive": False} if name in AT_LEAST_ONE else {}
 
 
 def _flag_spec(annotation: ast.expr, value) -> dict:
@@ -540,7 +568,7 @@ def check_extra_args(tokens, api: dict) -> dict:
     known, problems, seen = api.get("flags") or {}, [], set()
     where = f"read in {api.get('schema') or 'the installed speculators'}"
     for name, values in group_args(tokens):
-        shown = flag(name) if name else values[0]
+        shown = flag(name) if name else (values[0] if values else "--")
         if not name:
             problems.append((shown, f"{shown!r} is no flag (each --trainer-arg starts with --, e.g. "
                                     f"--trainer-arg=--lr=1e-4)", "pass one flag and its value per --trainer-arg"))
@@ -587,9 +615,14 @@ def _value_problem(spec: dict, values: list, negated: bool) -> str | None:
     for value in values:
         if cast is not None:
             try:
-                cast(value)
+                number = cast(value)
             except ValueError:
                 return f"takes {'an integer' if cast is int else 'a number'}, got {value!r}"
+            if not math.isfinite(number):  # nan/inf pass the trainer's parser and give a nan loss
+                return f"takes a finite number, got {value!r}"
+            low, strict = spec.get("min"), spec.get("min_exclusive")
+            if low is not None and (number <= low if strict else number < low):
+                return f"must be {'above' if strict else 'at least'} {low}, got {value!r}"
         if spec.get("choices") and value not in [str(c) for c in spec["choices"]]:
             return f"takes one of {', '.join(map(str, spec['choices']))}, got {value!r}"
     return None

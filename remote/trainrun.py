@@ -29,6 +29,7 @@ checkpoint in its save path (:func:`remote.trainplan.last_checkpoint`); the stat
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -132,6 +133,9 @@ class TrainSupervisor:
         self.steps_per_epoch = None
         self.in_validation = False
         self.epoch_seen, self.epoch_start = None, 0
+        #: this attempt's training losses by step, and the first non-finite one ({"step", "epoch", "loss"})
+        self.losses: dict[int, float] = {}
+        self.diverged: dict | None = None
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -194,6 +198,9 @@ class TrainSupervisor:
                 code = self.proc.wait()
             finally:  # the final peak is in the status before done, failed or aborted is
                 self.status.update(memory=sampler.stop())
+        if self.diverged:
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=diverged_error(self.diverged))
+            return 1
         if self.aborted:
             raise Aborted("SIGTERM")
         if code != 0:
@@ -207,11 +214,18 @@ class TrainSupervisor:
                 error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
                          "where": "trainer"}
                 error["message"] += "; the same train command resumes from the last epoch checkpoint"
+            full = disk_full(plan.save_path, tail)
+            if full:  # torch's save says "file write failed", not why: the cause first
+                error = {**error, "cause": "ENOSPC", "message": f"{full}; the trainer's own error: {error['message']}"}
             self.status.update(state=RunState.FAILED.value, phase="failed", error={**error, "log_tail": tail[-4000:]})
             return 1
         final = trainplan.last_checkpoint(plan.save_path)
         if final is None:
             raise RuntimeError(f"the trainer exited 0 but left no checkpoint in {plan.save_path}")
+        learned = learned_nothing(self.losses, plan.dry_run, resumed is not None)
+        if learned:
+            self.status.update(state=RunState.FAILED.value, phase="failed", checkpoint=final, error=learned)
+            return 1
         done = {"steps_total": self.status.data.get("step")} if self.status.data.get("step") else {}
         self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
                            wall_s=round(time.monotonic() - t0, 1), **done)
@@ -275,6 +289,9 @@ class TrainSupervisor:
                                f"{err.get('type')}: {err.get('message')} (specops logs --run-id {states})")
         regen_plan = trainplan.resolve({**self.params, "from_run": states})
         regen_plan.regenerated = made
+        from remote.train import check_data  # the regenerated states' own dataset, bound to them as any run's
+
+        self.status.update(data_check=check_data(regen_plan))
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
@@ -294,6 +311,15 @@ class TrainSupervisor:
         if summary["kind"] == "val":
             self.status.update(val_loss=summary["loss"], val_accuracy=summary["accuracy"])
             return
+        loss = summary["loss"]
+        if loss is not None:
+            self.losses[summary["step"]] = loss
+            if not math.isfinite(loss) and self.diverged is None:  # every later step is nan too: stop now
+                self.diverged = {"step": summary["step"], "epoch": summary["epoch"], "loss": loss}
+                print(f"[specops] the training loss is {loss} at step {summary['step']}: stopping the trainer",
+                      flush=True)
+                if self.proc is not None and self.proc.poll() is None:
+                    self.proc.terminate()
         epochs = int(self.status.data.get("epochs") or 1)
         step = summary["step"] + 1
         if summary["epoch"] != self.epoch_seen:  # batches per epoch vary a little (packing): estimate per epoch
@@ -309,6 +335,63 @@ class TrainSupervisor:
                            accuracy=summary["accuracy"], tokens_per_s=rate, first_step_this_attempt=first,
                            eta_s=round(eta, 1) if eta is not None else None,
                            samples_done=step, samples_total=total)
+
+
+#: what a write to a full disk leaves in a trainer's log (errno 28; torch's writer says only "file write failed")
+_NO_SPACE_RE = re.compile(r"No space left on device|Errno 28\b|ENOSPC")
+#: free bytes below which the save path's disk counts as full once a trainer failed
+FULL_BELOW_BYTES = 64 << 20
+
+
+def disk_full(save_path, log_tail: str) -> str | None:
+    """The cause of a failed trainer when its checkpoint disk is full (its log says ENOSPC, or the disk has
+    under :data:`FULL_BELOW_BYTES` free), in words with the numbers and what to do; else None."""
+    import shutil
+
+    where = Path(save_path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        usage = None
+    said = bool(_NO_SPACE_RE.search(log_tail or ""))
+    if not said and (usage is None or usage.free >= FULL_BELOW_BYTES):
+        return None
+    free = f"{usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB" if usage else "its size unknown"
+    return (f"the disk holding the checkpoints ({where}) is full (ENOSPC: {free}): free space there (or train "
+            f"under a work_dir with room), then run the same train command to resume from the last whole epoch")
+
+
+def diverged_error(found: dict) -> dict:
+    """The run's error when the training loss became nan/inf (``found``: its first such step)."""
+    return {"rank": 0, "where": "trainer", "type": "LossNotFinite", "step": found["step"], "epoch": found["epoch"],
+            "message": f"the training loss is {found['loss']} at step {found['step']} (epoch {found['epoch']}): the "
+                       f"run diverged and its draft is useless; train again under a new --run-id with a lower "
+                       f"learning rate (--trainer-arg=--lr=...), or check the states (specops verify)",
+            "traceback": ""}
+
+
+def learned_nothing(losses: dict, dry_run: bool, resumed: bool) -> dict | None:
+    """The run's error when a trainer that exited 0 cannot have learned anything, else None: no training
+    step at all (a fresh run), a loss of 0 at every step (no token supervised: every sample skipped or
+    masked), or one loss that never moved over several steps. A dry run trains nothing by design."""
+    if dry_run:
+        return None
+    values = [losses[k] for k in sorted(losses)]
+    why = None
+    if not values and not resumed:
+        why = "the trainer exited 0 without a single training step"
+    elif values and all(v == 0 for v in values):
+        why = (f"the training loss was 0 at every one of {len(values)} step(s): no token was supervised (every "
+               f"sample skipped, or every loss_mask 0)")
+    elif len(values) > 2 and len(set(values)) == 1:
+        why = f"the training loss stayed {values[0]} over {len(values)} steps: the draft learned nothing"
+    if why is None:
+        return None
+    return {"rank": 0, "where": "trainer", "type": "NothingLearned", "traceback": "",
+            "message": f"{why}; its checkpoint is not a trained draft. Check the states and their token dataset "
+                       f"(specops train runs train.data first; specops verify), then train under a new --run-id"}
 
 
 class Aborted(BaseException):

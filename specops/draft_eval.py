@@ -13,7 +13,10 @@ server's too, a second start).
 """
 from __future__ import annotations
 
-from specops.errors import UsageError
+import time
+from pathlib import PurePosixPath
+
+from specops.errors import SpecopsError, TaskInterrupted, UsageError
 from specops.host import Host
 from specops.inventory import Inventory
 from specops.parallel import report_from_payload, run_on_hosts
@@ -24,10 +27,12 @@ EVAL_TIMEOUT_S = 3600.0
 
 
 def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int | None = None, prompts: int = 8,
-                max_tokens: int = 32, baseline: bool = False, force: bool = False) -> dict:
+                max_tokens: int = 32, baseline: bool = False, force: bool = False, name: str | None = None) -> dict:
     params = {"work_dir": host.spec.work_dir, "draft": draft, "prompts": int(prompts), "max_tokens": int(max_tokens),
               "baseline": bool(baseline), "force": bool(force), "python": host.spec.python, "device": host.spec.device,
               "env": dict(host.spec.env), "tp": host.spec.tp, "trust_remote_code": host.spec.trust_remote_code}
+    if name:
+        params["name"] = name
     if from_run:
         params["from_run"] = from_run
     if k is not None:
@@ -65,8 +70,35 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
         from specops.runid import check_run_id
 
         check_run_id(from_run)
+    # the eval's dir on the host is named here, so that Ctrl-C can find what it started there
+    name = f"{PurePosixPath(str(draft)).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     options = {"from_run": from_run, "k": _whole("k", k, 1, 16), "prompts": _whole("prompts", prompts, 1) or 8,
                "max_tokens": _whole("max-tokens", max_tokens, 1) or 32, "baseline": bool(baseline),
-               "force": bool(force)}
-    return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
-                        accept_new_host_key=accept_new_host_key)
+               "force": bool(force), "name": name}
+    try:
+        return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
+                            accept_new_host_key=accept_new_host_key)
+    except KeyboardInterrupt:
+        stopped = [stop_eval(Host(spec, inventory, accept_new_host_key), name) for spec in inventory.select(selector)]
+        raise TaskInterrupted(f"eval interrupted (Ctrl-C): {'; '.join(stopped)}",
+                              "run the same eval again; nothing of this one is kept but its server log") from None
+
+
+def stop_eval(host: Host, name: str) -> str:
+    """Stop eval ``name`` on ``host`` (SIGTERM to the host task, whose own handler stops the vLLM server it
+    started, and the server dies with it anyway: remote.engines.vllm_server.DIE_WITH_PARENT); what was done."""
+    import shlex
+
+    from specops.assets import remote_contract
+
+    pid_file = f"{host.spec.work_dir.rstrip('/')}/evals/{name}/{remote_contract().EVAL_PID_FILE}"
+    try:
+        out = host.run(f"pid=$(cat {shlex.quote(pid_file)} 2>/dev/null) && kill -TERM \"$pid\" && echo \"$pid\"",
+                       timeout=30)
+    except SpecopsError as exc:
+        return f"{host.name}: could not reach it to stop the eval ({exc.message}); its server stops with it"
+    finally:
+        host.close()
+    pid = (out.stdout or "").strip()
+    return (f"{host.name}: stopped the eval (pid {pid}) and the vLLM server it started" if pid else
+            f"{host.name}: the eval had not started its server yet (nothing left running)")

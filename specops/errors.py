@@ -41,6 +41,13 @@ class InventoryError(UsageError):
     reference = "inventory-invalid"
 
 
+class TaskInterrupted(SpecopsError):
+    """Ctrl-C stopped a foreground task; the message says what was stopped on the host."""
+
+    code = ExitCode.INTERRUPTED
+    reference = "interrupted"
+
+
 class UnreachableError(SpecopsError):
     """The host could not be reached (DNS, refused, timeout, auth)."""
 

@@ -10,6 +10,7 @@ code  name             meaning
 2     UNREACHABLE      a host could not be reached, or its host key was refused
 3     USAGE            bad input: inventory, flags or arguments (nothing was run)
 4     INTERNAL         a bug in specops itself; please report it with ``--debug``
+130   INTERRUPTED      a foreground task (``eval``) stopped by Ctrl-C; what it started on the host is stopped
 ====  ===============  ===========================================================
 
 Job exit codes (``specops status`` / following a run), borrowed from SkyPilot:
@@ -38,6 +39,7 @@ class ExitCode(enum.IntEnum):
     JOB_RUNNING = 101
     JOB_NOT_FOUND = 102
     JOB_ABORTED = 103
+    INTERRUPTED = 130
 
     @classmethod
     def from_job_state(cls, state: str) -> "ExitCode":

@@ -17,6 +17,7 @@ from its last epoch checkpoint (speculators resumes from its save path).
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -74,6 +75,11 @@ def trainer_argv(values) -> list[str]:
             raise UsageError(f"--trainer-arg {value!r} is not a trainer flag",
                              "pass one flag of speculators' trainer with its value per --trainer-arg, e.g. "
                              "--trainer-arg=--lr=1e-4 or --trainer-arg '--num-layers 2'")
+        bare = [w for w in words if w.startswith("--") and len(w) < 3]
+        if bare:  # "--" would end the trainer's own options: no flag, and the host could not name it
+            raise UsageError(f"--trainer-arg {value!r} holds a bare {bare[0]!r}, which is not a trainer flag",
+                             "pass one flag of speculators' trainer with its value per --trainer-arg, e.g. "
+                             "--trainer-arg=--lr=1e-4 or --trainer-arg '--num-layers 2'")
         name, eq, first = words[0].partition("=")
         out += [name] + ([first] if eq else []) + words[1:]
     return out
@@ -100,6 +106,8 @@ def _number(value, name: str, kind, low):
     except (TypeError, ValueError):
         raise UsageError(f"{name} {value!r} is not a {'whole ' if kind is int else ''}number",
                          f"pass {name} N (N >= {low})") from None
+    if not math.isfinite(number):  # nan passes the bound below (nan < 0 is False) and fails after a load
+        raise UsageError(f"{name} {value!r} is not a finite number", f"pass {name} N (N >= {low})")
     if number < low:
         raise UsageError(f"{name} {value} must be at least {low}", f"pass {name} N (N >= {low})")
     return number
@@ -129,6 +137,10 @@ def progress_line(host: str, st: dict) -> str:
     return "  ".join(p for p in parts if p)
 
 
+#: the errors of a trainer that exited but whose draft learned nothing (remote.trainrun): diverged, or no signal
+NOTHING_LEARNED = ("LossNotFinite", "NothingLearned")
+
+
 def run_record(run_id: str, state: RunState) -> Record:
     """``train.run``: how the run ended, with its last numbers (fail: its root cause)."""
     st = state.model_dump()
@@ -152,12 +164,14 @@ def run_record(run_id: str, state: RunState) -> Record:
                               "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s"), "memory": memory})
     err = state.error
     status = "warn" if state.state == "aborted" else "fail"
+    fix = None if status == "warn" else ("read the traceback (specops logs --run-id "
+                                         f"{run_id}); fix the cause, then run the same train command again to resume")
+    if err and err.type in NOTHING_LEARNED:  # a resume would go on from a useless draft
+        fix = f"fix what the summary names, then train under a new --run-id (specops logs --run-id {run_id})"
     return Record(name="train.run", status=status,
                   summary=f"run {run_id} {state.state}: "
                           + (f"{err.type}: {err.message}" if err else "no error recorded") + used,
-                  detail={"error": err.model_dump() if err else None, "memory": memory},
-                  fix=None if status == "warn" else "read the traceback (specops logs --run-id "
-                      f"{run_id}); fix the cause, then run the same train command again to resume")
+                  detail={"error": err.model_dump() if err else None, "memory": memory}, fix=fix)
 
 
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
@@ -253,18 +267,23 @@ SPECULATORS_BEST = "checkpoint_best"
 
 def read_metrics(text: str) -> list[dict]:
     """The records of ``metrics.jsonl`` (one per trainer metrics line: ``kind`` train or val, ``epoch``,
-    ``loss``, ``accuracy`` per position, train: ``step``, ``tokens_per_s``); a torn last line is skipped."""
+    ``loss``, ``accuracy`` per position, train: ``step``, ``tokens_per_s``); a torn last line is skipped.
+
+    A resumed run repeats the steps after its last checkpoint (and that epoch's validation): one record per
+    train step and per validation epoch is kept, the last written (the attempt whose checkpoint went on)."""
     import json
 
-    rows = []
+    rows: dict = {}
     for line in text.splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
         if isinstance(row, dict) and row.get("kind") in ("train", "val"):
-            rows.append(row)
-    return rows
+            key = (row["kind"], row.get("step") if row["kind"] == "train" else row.get("epoch"))
+            rows.pop(key, None)  # the later record wins, in the place it was written
+            rows[key] = row
+    return list(rows.values())
 
 
 def metrics_csv(rows: list[dict]) -> str:
@@ -358,18 +377,27 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
                       detail={"files": [METRICS_JSONL, METRICS_CSV] + ([CURVE_PNG] if why_not is None else [])},
                       fix="pip install 'specops[plot]' and fetch again" if why_not else None)]
     final, save_path = status.get("checkpoint") or {}, status.get("checkpoints")
-    if not final:
+    if not final and not save_path:
         return records
-    epoch, why = best_epoch(rows, final.get("epoch"))
-    candidates = [(f"{save_path}/{SPECULATORS_BEST}", "speculators' own checkpoint_best", None)] if save_path else []
-    if save_path and epoch is not None and final.get("epoch") is not None:
-        candidates.append((f"{save_path}/{epoch}", why, epoch))
-    candidates.append((str(final["path"]), "the last checkpoint", final.get("epoch")))
+    if final:
+        epoch, why = best_epoch(rows, final.get("epoch"))
+        candidates = [(f"{save_path}/{SPECULATORS_BEST}", "speculators' own checkpoint_best", None)] if save_path \
+            else []
+        if save_path and epoch is not None and final.get("epoch") is not None:
+            candidates.append((f"{save_path}/{epoch}", why, epoch))
+        candidates.append((str(final["path"]), "the last checkpoint", final.get("epoch")))
+    else:  # still training (or stopped): the best so far, else the newest epoch checkpoint it saved
+        going = f"run {status.get('state') or 'not done'}"
+        candidates = [(f"{save_path}/{SPECULATORS_BEST}", f"speculators' checkpoint_best so far ({going})", None)]
+        candidates += [(f"{save_path}/{e}", f"epoch {e}'s checkpoint, the newest so far ({going})", e)
+                       for e in range(int(status.get("epoch") or 0), -1, -1)]
     for remote_ckpt, why, epoch in candidates:
         config = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/config.json")
         if config is not None:
             break
     else:
+        if not final:  # no epoch saved yet: fetch --tensors says so
+            return records
         records.append(Record(name="fetch.checkpoint", status="warn", summary=f"no checkpoint config.json found in "
                               f"{', '.join(c[0] for c in candidates)}", detail={"tried": [c[0] for c in candidates]}))
         return records

@@ -78,6 +78,13 @@ def _api(modern_hostenv_python) -> dict:
     (["--lr"], "--lr needs a value", "--lr=1e-4"),
     (["--lr", "1", "--lr", "2"], "--lr is given twice", "once"),
     (["--no-lr"], "takes no --no-lr", ""),
+    # issue 38: values that pass the trainer's parser and then train nothing (or nan), and a bare "--"
+    (["--lr", "nan"], "--lr takes a finite number, got 'nan'", "--lr=1e-4"),
+    (["--lr", "inf"], "--lr takes a finite number, got 'inf'", "--lr=1e-4"),
+    (["--num-layers", "0"], "--num-layers must be at least 1, got '0'", "--num-layers=2"),
+    (["--lr", "1e-4", "--"], "'--' is no flag", "one flag"),
+    (["--on-missing", "generate"], "--on-missing is set by specops", "--on-missing raise"),
+    (["--vllm-endpoint", "http://127.0.0.1:8000/v1"], "--vllm-endpoint is set by specops", "specops extract"),
 ])
 def test_a_flag_specops_sets_or_the_trainer_does_not_take_is_refused_naming_what_to_do(
         modern_hostenv_python, args, says, fix):
@@ -139,7 +146,7 @@ def test_over_ssh_the_training_preflight_refuses_a_flag_specops_sets_and_takes_o
     assert recs["train.states"]["status"] == "fail" and "r1" in recs["train.states"]["summary"], recs
 
 
-@pytest.mark.parametrize("value", ["lr=1e-4", "", "-x", "--lr '1e-4"])
+@pytest.mark.parametrize("value", ["lr=1e-4", "", "-x", "--lr '1e-4", "--lr 1e-4 --", "--"])
 def test_a_trainer_arg_that_is_no_flag_is_a_usage_error(value, tmp_path):
     (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "
                                        "output_dir: /o}\n")
@@ -172,3 +179,32 @@ def test_the_packed_tokens_per_step_default_by_device_and_are_refused_below_the_
     proc = _specops("train", "--inventory", tmp_path / "inv.yaml", "--run-id", "t1", "--from-run", "r1",
                     "--total-seq-len", "0")
     assert proc.returncode == 3 and "--total-seq-len" in proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--regenerate", "--regen-temperature", "nan"], "--regen-temperature 'nan' is not a finite number"),
+    (["--regenerate", "--regen-temperature", "inf"], "--regen-temperature 'inf' is not a finite number"),
+])
+def test_a_number_that_is_not_finite_is_a_usage_error_naming_its_flag(args, says, tmp_path):
+    (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "
+                                       "output_dir: /o}\n")
+    proc = _specops("train", "--inventory", tmp_path / "inv.yaml", "--run-id", "t1", "--from-run", "r1", *args)
+    assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_the_host_task_refuses_a_number_that_is_not_finite_naming_the_field():
+    """The host's own check (remote/argspec.py) too: nan passes every bound (nan < 0 is False)."""
+    from remote import train
+
+    for value in ("nan", float("nan"), float("inf"), "-inf"):
+        with pytest.raises(Exception) as caught:
+            train.SPEC.validate({"action": "check", "run_id": "t1", "work_dir": "/w", "from_run": "r1",
+                              "regen_temperature": value})
+        assert "regen_temperature" in str(caught.value) and "finite" in str(caught.value), caught.value
+
+
+def test_the_trainer_is_never_let_ask_a_server_for_missing_rows():
+    """speculators' default --on-missing is "generate" (from http://localhost:8000/v1): specops passes raise."""
+    argv = " ".join(train_plan().argv("/env/python"))
+    assert "--on-missing raise" in argv, argv
+    assert "on_missing" not in trainplan.OVERRIDABLE and "on_missing" in trainplan.USED_FLAGS

@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,6 +79,44 @@ def test_the_trainers_log_lines_and_vllms_metrics_are_read():
     acc = draft_eval.acceptance(zero, draft_eval.read_metrics(page), k=3)
     assert acc["mean_acceptance_length"] == 1.6 and acc["acceptance_rate"] == 0.2
     assert acc["per_position"] == [0.4, 0.2, 0.0]
+
+
+def test_a_resumed_runs_repeated_steps_are_one_row_each_the_last_written():
+    from specops import train
+
+    first = [json.dumps({"kind": "train", "epoch": 0, "step": s, "loss": 2.0 - s / 10}) for s in range(5)]
+    again = [json.dumps({"kind": "train", "epoch": 0, "step": s, "loss": 1.0 - s / 10}) for s in range(3, 6)]
+    vals = [json.dumps({"kind": "val", "epoch": 0, "loss": 0.9}), json.dumps({"kind": "val", "epoch": 0, "loss": 0.8})]
+    rows = train.read_metrics("\n".join(first + vals[:1] + again + vals[1:]))
+    steps = [r["step"] for r in rows if r["kind"] == "train"]
+    assert steps == [0, 1, 2, 3, 4, 5], steps
+    assert [r["loss"] for r in rows if r["kind"] == "train"][3:] == [0.7, 0.6, 0.5]
+    assert [r["loss"] for r in rows if r["kind"] == "val"] == [0.8]
+
+
+def test_a_trainer_that_exited_0_having_learned_nothing_is_a_failure():
+    assert trainrun.learned_nothing({0: 2.1, 1: 1.9, 2: 1.7}, dry_run=False, resumed=False) is None
+    assert trainrun.learned_nothing({}, dry_run=True, resumed=False) is None  # a dry run trains nothing by design
+    assert trainrun.learned_nothing({}, dry_run=False, resumed=True) is None  # every epoch was done before
+    zero = trainrun.learned_nothing({0: 0.0, 1: 0.0}, dry_run=False, resumed=False)
+    assert zero["type"] == "NothingLearned" and "0 at every one of 2 step(s)" in zero["message"], zero
+    flat = trainrun.learned_nothing({0: 3.5, 1: 3.5, 2: 3.5}, dry_run=False, resumed=False)
+    assert "stayed 3.5 over 3 steps" in flat["message"], flat
+    none = trainrun.learned_nothing({}, dry_run=False, resumed=False)
+    assert "without a single training step" in none["message"], none
+    diverged = trainrun.diverged_error({"step": 7, "epoch": 1, "loss": float("nan")})
+    assert diverged["type"] == "LossNotFinite" and "nan at step 7 (epoch 1)" in diverged["message"], diverged
+    assert trainrun.parse_metrics("INFO train/loss=nan, epoch=0, global_step=7")["train/loss"] != 0
+
+
+def test_a_trainer_that_failed_on_a_full_disk_is_named_with_the_disk_and_the_fix(tmp_path):
+    """torch's checkpoint writer fails with "file write failed"; errno 28 in the log (or a disk with no room
+    left) names the cause before it."""
+    tail = ("Traceback (most recent call last):\n  File \"trainer.py\", line 9\nRuntimeError: [enforce fail at "
+            "inline_container.cc:626] . unexpected pos 64 vs 0\nOSError: [Errno 28] No space left on device\n")
+    said = trainrun.disk_full(tmp_path / "checkpoints", tail)
+    assert said.startswith(f"the disk holding the checkpoints ({tmp_path}) is full (ENOSPC: ") and "resume" in said
+    assert trainrun.disk_full(tmp_path / "checkpoints", "RuntimeError: CUDA error") is None  # room left, not said
 
 
 def test_fetch_turns_the_metrics_into_a_csv_a_curve_and_picks_the_best_epoch(tmp_path):
@@ -366,3 +406,166 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     # a draft learns what the target writes: trained on the target's own replies it is accepted more often than one
     # trained on the dataset's replies, on the same prompts (FACTS: 23 % vs 16 % by hand on this CPU kind)
     assert results["regen"]["accepted"] > trained["accepted"], (results["regen"], trained)
+
+
+# --------------------------------------------------------------------------- heavy: no exit 0 on wrong data (issue 38)
+
+
+def _copy_states_run(run: dict, run_id: str) -> tuple[Path, Path]:
+    """A copy of the shared extraction under ``run_id`` (run dir and output dir), its status pointing at its own
+    output dir: a states run to damage without touching the shared one. Returns ``(run_dir, output_dir)``."""
+    src = run["run_dir"]
+    status = json.loads((src / "status.json").read_text())
+    run_dir, out = src.parent / run_id, src.parent.parent.parent / f"{run_id}-out"
+    shutil.copytree(src, run_dir)
+    shutil.copytree(status["output_dir"], out)
+    (run_dir / "status.json").write_text(json.dumps({**status, "run_id": run_id, "output_dir": str(out)}))
+    return run_dir, out
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _holding(where: Path) -> list[int]:
+    """Pids of this machine's processes with a file under ``where`` open (the test host is loopback)."""
+    found = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd).startswith(str(where)) for fd in fd_dir.iterdir()):
+                found.append(int(fd_dir.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _rewrite_dataset(python: Path, out: Path, how: str) -> None:
+    """Rewrite the token dataset in ``out`` with the host env's ``datasets``: ``how`` is python over ``rows``
+    (a list of {"input_ids", "loss_mask", "seq_len"}) that changes them."""
+
+    code = ("import sys, shutil, os; from datasets import load_from_disk, Dataset\n"
+            "out = sys.argv[1]; rows = load_from_disk(out).with_format(None).to_list()\n" + how + "\n"
+            "Dataset.from_list(rows).with_format('torch').save_to_disk(out + '.new')\n"
+            "for n in os.listdir(out + '.new'): os.replace(os.path.join(out + '.new', n), os.path.join(out, n))\n")
+    done = subprocess.run([str(python), "-c", code, str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.vllm
+def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learned_nothing(
+        modern_ssh_run, modern_hostenv_python):
+    """Issue 38, items 1-3 and 7: the token dataset is checked against the states before the trainer starts
+    (exchanged rows, another dataset, a truncated file, rows without states as a group shard has, no supervised
+    token); the trainer never asks a server for rows (``--on-missing raise``); a diverged run fails naming the
+    step; train's own refusals (a busy host, other --epochs) are fail records with their fix, exit 1; Ctrl-C of
+    eval while its server loads says so, exits 130 and stops that server."""
+    run = modern_ssh_run("llama", 1)
+    inv, env = run["inventory"], run["env"]
+
+    def train(states: str, *args, run_id=None) -> tuple[int, dict]:
+        proc = specops("train", "--inventory", inv, "--run-id", run_id or f"t-{states}", "--from-run", states,
+                       *args, "--json", env=env, timeout=600)
+        return proc.returncode, records(proc)
+
+    # two rows exchanged: both would be skipped by the trainer, silently
+    _, out = _copy_states_run(run, "swapped")
+    _rewrite_dataset(modern_hostenv_python, out, "rows[0], rows[1] = rows[1], rows[0]")
+    code, recs = train("swapped")
+    data = recs["train.data"]
+    assert code == 1 and data["status"] == "fail", data
+    assert "row 0 holds the tokens of sample 1" in data["summary"] and data["detail"]["rows"] == [0, 1], data
+    assert "specops extract --run-id swapped" in data["fix"] and "train.run" not in recs, recs
+    assert not (run["run_dir"].parent / "t-swapped").exists()  # nothing started
+
+    # another dataset in its place: no row is the states' own
+    _, out = _copy_states_run(run, "foreign")
+    _rewrite_dataset(modern_hostenv_python, out, "rows = [dict(r, input_ids=[(t + 1) % 500 for t in r['input_ids']]) "
+                                                 "for r in rows]")
+    code, recs = train("foreign")
+    assert code == 1 and recs["train.data"]["detail"]["rows_differing"] == 4, recs["train.data"]
+    assert "row 0's tokens are not those of sample 0" in recs["train.data"]["summary"], recs["train.data"]
+
+    # a dataset file cut short: named, before the trainer
+    _, out = _copy_states_run(run, "cut")
+    arrow = next(out.glob("data-*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    code, recs = train("cut")
+    assert code == 1 and recs["train.data"]["status"] == "fail", recs["train.data"]
+    assert arrow.name in recs["train.data"]["summary"], recs["train.data"]
+
+    # one host's shard of a group run: the dataset has every row, the states only the shard's
+    run_dir, out = _copy_states_run(run, "shard")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    kept = [f for f in manifest["files"] if f["index"] < 2]
+    for f in manifest["files"][2:]:
+        (out / f["path"]).unlink()
+    manifest.update(files=kept, samples=2, sample_range=[0, 2], tokens=sum(f["tokens"] for f in kept))
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    code, recs = train("shard")
+    data = recs["train.data"]
+    assert code == 1 and "2 row(s) have no states" in data["summary"] and "rows 2-3" in data["summary"], data
+    assert "share" in data["fix"] and data["detail"]["rows_without_states"] == [2, 3], data
+
+    # no supervised token: the draft would learn nothing, refused before the trainer
+    _, out = _copy_states_run(run, "unsupervised")
+    _rewrite_dataset(modern_hostenv_python, out, "rows = [dict(r, loss_mask=[0] * len(r['loss_mask'])) for r in rows]")
+    code, recs = train("unsupervised")
+    assert code == 1 and "supervises no token" in recs["train.data"]["summary"], recs["train.data"]
+    assert "--seq-len" in recs["train.data"]["fix"]
+
+    # a busy host: a second train is a fail record with the --force/abort fix, not a crash (exit 1)
+    code, recs = train(run["run_id"], "--epochs", EPOCHS, "--detach", run_id="busy")
+    assert code == 0 and "4 token dataset row(s) are the states' own tokens" in recs["train.data"]["summary"], recs
+    code, busy = train(run["run_id"], run_id="second")
+    refusal = busy["train.start"]
+    assert code == 1 and refusal["status"] == "fail" and "already running busy" in refusal["summary"], busy
+    assert "--force" in refusal["fix"] and "specops abort --run-id busy" in refusal["fix"], refusal
+    # its resume with other --epochs: refused naming both and the flags to repeat
+    code, recs = train(run["run_id"], "--epochs", 5, run_id="busy")
+    refusal = recs["train.start"]
+    assert code == 1 and refusal["status"] == "fail" and f"--epochs {EPOCHS} (this call: 5)" in refusal["summary"], recs
+    assert f"--epochs {EPOCHS}" in refusal["fix"], refusal
+    deadline = time.monotonic() + 300  # its first epoch checkpoint: the draft eval is interrupted with below
+    while (st := _status(inv, "busy", env)[1]).get("epoch", 0) < 1 and st.get("state") in ("pending", "loading",
+                                                                                              "training"):
+        assert time.monotonic() < deadline, st
+        time.sleep(2)
+    abort = specops("abort", "--inventory", inv, "--run-id", "busy", env=env, timeout=120)
+    assert abort.returncode == 0, abort.stdout + abort.stderr
+
+    # Ctrl-C of eval while its server loads: said, exit 130, and the server it started on the host is stopped
+    work = run["run_dir"].parent.parent
+    draft = work / "runs" / "busy" / "checkpoints" / "0"
+    assert (draft / "model.safetensors").is_file(), list((draft.parent).iterdir())
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "specops"), "eval", "--inventory", str(inv), "--draft",
+                             str(draft), "--from-run", run["run_id"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, **env})
+    deadline = time.monotonic() + 300
+    while not list((work / "evals").glob("*/spec/logs/*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    eval_dir = next((work / "evals").glob("*/spec")).parent
+    task_pid = int((eval_dir / "eval.pid").read_text())
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "eval interrupted (Ctrl-C)" in err and f"stopped the eval (pid {task_pid})" in err, err
+    deadline = time.monotonic() + 60  # the server's own stop: SIGTERM, then its group killed after 20 s
+    while (holders := _holding(eval_dir)) or _alive(task_pid):
+        assert time.monotonic() < deadline, (holders, task_pid)
+        time.sleep(1)
+    assert not (eval_dir / "eval.pid").exists()
+
+    # a diverged run (lr 1e30): stopped at its first non-finite loss, failed naming the step
+    code, recs = train(run["run_id"], "--epochs", 3, "--trainer-arg=--lr=1e30", run_id="diverged")
+    ended = recs["train.run"]
+    assert code != 0 and ended["status"] == "fail" and "LossNotFinite" in ended["summary"], ended
+    error = ended["detail"]["error"]
+    assert f"at step {error['step']}" in error["message"] and "--lr" in error["message"], error
+    assert "new --run-id" in ended["fix"], ended
+    st = _status(inv, "diverged", env)[1]
+    assert "--on-missing raise" in " ".join(st["command"]), st["command"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,41 @@ def test_a_train_run_without_a_checkpoint_yet_fails_with_when_to_fetch_again(mak
     inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
     save = _train_run(tmp_path / "work", with_checkpoint=False)
     (save / "checkpoint_best").unlink()
+    for epoch in (0, 1):  # nothing saved yet (epoch dirs that exist are fetched: the test below)
+        shutil.rmtree(save / str(epoch))
     rec = _tensors(inv, env, code=1)
     assert rec["status"] == "fail" and "has no checkpoint yet" in rec["summary"], rec
     assert "specops status --run-id d1" in rec["fix"]
+
+
+def test_during_training_fetch_tensors_brings_the_newest_epoch_checkpoint_saved_so_far(make_inventory, tmp_path):
+    """Issue 38: while the run trains its status has no final checkpoint, yet epoch checkpoints exist."""
+    inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    save = _train_run(tmp_path / "work", with_checkpoint=False)
+    (save / "checkpoint_best").unlink()
+    status_path = save.parent / "status.json"
+    status = json.loads(status_path.read_text())
+    status_path.write_text(json.dumps({**status, "state": "training", "epoch": 2}))  # epoch 2 is being trained
+    rec = _tensors(inv, env)
+    assert rec["status"] == "ok" and rec["detail"]["host_dir"] == str((save / "1").resolve()), rec
+    assert "epoch 1's checkpoint, the newest so far" in rec["summary"], rec["summary"]
+
+
+def test_eval_refuses_a_draft_config_that_is_no_object_and_a_dir_without_weights_before_any_load(make_inventory,
+                                                                                                  tmp_path):
+    """Issue 38: a config.json holding a list crashed eval; a dir without weights loaded the target first."""
+    inv, env = make_inventory(), {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    (listed / "model.safetensors").write_bytes(b"x")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((DRAFT / "config.json").read_text())
+    for draft, says in ((listed, "holds a JSON list, not the object"), (bare, "holds no draft weights")):
+        proc = _specops("eval", "--inventory", inv, "--draft", draft, "--from-run", "r1", "--json", env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        recs = {r["name"]: r for h in json.loads(proc.stdout)["hosts"] for r in h["records"]}
+        rec = recs["eval.draft"]
+        assert rec["status"] == "fail" and says in rec["summary"] and str(draft) in rec["summary"], rec
+        assert rec["fix"] and "eval.server" not in recs, recs
