@@ -441,7 +441,7 @@ def chunking_record(index: PackageIndex, params: dict):
 
     connector = _connector_choice(params)
     module = connector_module(connector, index)
-    verdict = chunking.when_it_writes(class_chain(module, connector[0]) if module else [])
+    verdict = chunking.when_it_writes(class_chain(module, connector[0], roots=[index.root]) if module else [])
     detail = {"connector": connector[0], "module": module, "writes_in": verdict["writes_in"],
               "asked": params.get("chunked_prefill") or "auto"}
     try:
