@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from remote.drift import server  # noqa: E402  (stdlib only)
-from remote.drift.pyindex import PackageIndex  # noqa: E402
+from remote.drift.pyindex import PackageIndex, forget_trees  # noqa: E402
 from specops.testhost.sourcetree import ensure_source  # noqa: E402
 
 #: target -> the architecture its config.json names
@@ -79,6 +79,7 @@ def verdicts() -> dict:
         for target, arch in TARGETS.items():
             recs[target] = server.eagle3_record(index, {"architecture": arch})
         out[(dist, version)] = recs
+        forget_trees(index.root)  # one release's trees in memory at a time
     return out
 
 

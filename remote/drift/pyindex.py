@@ -52,6 +52,14 @@ def parse(path, parents: bool = False) -> ast.Module:
     return tree
 
 
+def forget_trees(root) -> None:
+    """Drop the parsed trees of the files under ``root`` (a checker that reads many releases in one
+    process keeps one release's trees at a time)."""
+    prefix = str(Path(root)) + "/"
+    for key in [k for k in _TREES if k[0].startswith(prefix)]:
+        del _TREES[key]
+
+
 def parent(node):
     return getattr(node, "_drift_parent", None)
 
