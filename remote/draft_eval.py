@@ -309,7 +309,7 @@ def evaluate(params: dict) -> dict:
     except trainplan.TrainError as exc:
         raise EvalError(exc.name.replace("train.", "eval."), exc.summary, exc.fix, exc.detail) from None
     target = modelconfig.read(plan.model_path)
-    records = check_config(draft, plan, target, str(path))
+    records = check_config(draft, plan, target, str(path)) + [draft_loadable_record(draft, str(path))]
     if any(r["status"] == protocol.FAIL for r in records):
         if not params.get("force"):
             return protocol.payload(records, draft=str(path), from_run=from_run)
@@ -333,6 +333,7 @@ def evaluate(params: dict) -> dict:
         raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
                         f"its config or weights there") from None
+    records.append(aux_ids_used_record(served["log"], plan, params))
     if not served["after"]["found"]:
         records.append(protocol.record("eval.acceptance", protocol.FAIL,
                                        "the server's /metrics has no vllm:spec_decode_* counters",
@@ -370,6 +371,34 @@ def evaluate(params: dict) -> dict:
                                        "plain server gave no tokens", detail={"plain": plain["tokens_per_s"],
                                                                               "speedup": speedup}))
     return protocol.payload(records, **result)
+
+
+def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:
+    """``eval.draft_loadable``: whether this host's vLLM can load the draft's config, read from the draft
+    class's source before anything loads (a known-bad pair: :mod:`remote.drift.rules.known_bad`)."""
+    from remote.drift.pyindex import PackageIndex
+    from remote.drift.rules import known_bad
+    from remote.drift.source import site_packages
+
+    root = vllm_root or site_packages({})[1]
+    problem = known_bad.draft_aux_count_problem(PackageIndex(root), draft, where) if root else None
+    if problem is None:
+        return protocol.record("eval.draft_loadable", protocol.OK,
+                               "no known-bad draft config form for this vLLM" + ("" if root else " (no vLLM found)"))
+    return protocol.record("eval.draft_loadable", protocol.FAIL, problem["summary"], fix=problem["fix"],
+                           detail=problem)
+
+
+def aux_ids_used_record(log_path, plan: trainplan.TrainPlan, params: dict) -> dict:
+    """``eval.aux_ids_used``: the aux ids vLLM logged taking for the draft against the states' ids (a
+    draft config vLLM does not read falls back to the target's defaults with no error)."""
+    from remote.engines.vllm_server import aux_ids
+
+    return aux_ids.used_ids_record(
+        "eval.aux_ids_used", log_path, plan.trainer_layer_ids, f"run {plan.from_run}'s states' aux ids",
+        fix=f"make the draft's config say eagle_aux_hidden_state_layer_ids {plan.trainer_layer_ids} in the form this "
+            f"vLLM reads (its log line: 'Using ... auxiliary layers from ...'), or evaluate it on states of those ids",
+        force=bool(params.get("force")))
 
 
 def _draft_k(draft: dict):

@@ -558,3 +558,17 @@ def test_unwrap_is_evaluated_per_class_not_matched_as_text(hostenv_python, spec_
         for p in (kimi, llama):
             payload = run_drift(hostenv_python, p)
             assert [r["name"] for r in payload["records"]] == ["drift.none"], (form, payload["records"])
+
+
+@pytest.mark.parametrize("test,platform,answer", [
+    ("current_platform.is_rocm()", "cuda", False), ("current_platform.is_cuda()", "cuda", True),
+    ("TYPE_CHECKING or current_platform.is_cuda()", "cpu", False),
+    ("not current_platform.is_cpu()", "cpu", False), ("current_platform.is_cuda_alike()", "rocm", True),
+    ('current_platform.device_type == "cpu"', "cpu", True), ("envs.VLLM_X", "cuda", None),
+    ("current_platform.is_cpu() and envs.VLLM_X", "cuda", False)])
+def test_per_platform_imports_follow_the_hosts_platform(test, platform, answer):
+    """A vllm.models.<family> package's __init__ picks its implementation with these tests (vLLM 0.32+);
+    a test about anything else keeps both branches (None)."""
+    from remote.drift.pyindex import platform_test
+
+    assert platform_test(ast.parse(test, mode="eval").body, platform) is answer

@@ -127,6 +127,35 @@ def test_modern_llama_preflight_is_clean_and_right(modern_make_inventory, tiny_m
     assert not [n for n in recs if n.startswith("patch.") and n != "patch.engine"]
 
 
+def test_preflight_reads_the_vllm_034_source_by_name(modern_hostenv_python, testhost, tiny_models, tmp_path):
+    """A host whose env holds vLLM 0.34.0 installed without its dependencies (the released wheel's source and
+    metadata, over the modern env) passes the server drift checks although 0.34 moved the method, its aux-id
+    reader and FrontendArgs: each record names where it found them."""
+    from conftest import _inventory_writer
+    from specops.testhost.hostenv import make_overlay_env, site_packages
+    from specops.testhost.sourcetree import ensure_source
+
+    source = ensure_source("vllm", "0.34.0")
+    python = make_overlay_env(modern_hostenv_python, tmp_path / "env", own=(), rope_fix=False,
+                              hidden_states_connector=True)
+    for entry in source.iterdir():  # the overlay's site-packages comes first: this vllm is the one found
+        if entry.name.startswith("vllm"):
+            (site_packages(python) / entry.name).symlink_to(entry)
+    inventory = _inventory_writer(tmp_path, testhost, python, "inventory-034")(
+        model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]), env=dict(CPU_ENV),
+        max_samples=8, seq_len=128)
+    _code, recs = preflight(inventory)
+    method, args = recs["drift.server-method"], recs["drift.server-args"]
+    assert method["status"] == "ok" and "vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:" in \
+        method["summary"] and "eagle/eagle3_utils.py:" in method["summary"], method
+    assert args["status"] == "ok" and "FrontendArgs vllm/entrypoints/common/cli_args.py:" in args["summary"], args
+    eagle3 = recs["drift.server-eagle3"]
+    assert eagle3["status"] == "ok" and "LlamaForCausalLM (vllm/model_executor/models/llama.py:" in eagle3["summary"]
+    assert recs["drift.server-connector"]["status"] == "ok", recs["drift.server-connector"]
+    assert recs["drift.server-known-bad"]["status"] == "ok", recs["drift.server-known-bad"]
+    # Qwen3 and DeepSeek-V3 on the same source: tests/test_source_matrix.py (no tiny Qwen3 model here)
+
+
 @pytest.mark.parametrize("model,causal", [("deepseek_v3", "DeepseekV3ForCausalLM"),
                                           ("kimi_k25", "KimiK25ForConditionalGeneration")])
 def test_modern_deepseek_and_kimi_support_eagle3_aux_layers(modern_make_inventory, tiny_models, model, causal):

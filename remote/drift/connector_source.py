@@ -18,8 +18,14 @@ from remote.drift.source import site_packages
 CONNECTOR_FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
 
 
-def module_file(module: str) -> Path | None:
-    """The file of a dotted module, found without running any package's ``__init__``."""
+def module_file(module: str, roots=()) -> Path | None:
+    """The file of a dotted module, found without running any package's ``__init__``: under
+    ``roots`` first (the source tree a check reads), then on this python's import path."""
+    for root in roots:
+        base = Path(root).joinpath(*module.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
     head, _, rest = module.partition(".")
     try:
         spec = importlib.machinery.PathFinder.find_spec(head)
@@ -37,13 +43,13 @@ def module_file(module: str) -> Path | None:
     return None
 
 
-def class_chain(module: str, cls_name: str, depth: int = 0, seen=None) -> list:
+def class_chain(module: str, cls_name: str, depth: int = 0, seen=None, roots=()) -> list:
     """``[(path, ast.ClassDef), ...]`` of ``module.cls_name`` and its bases, nearest first
     (depth first, as Python's MRO for the single-inheritance chains connectors have), read
     from the installed files across packages (vLLM, hs-connectors, a test host's overlay).
     A base that cannot be found ends its branch."""
     seen = set() if seen is None else seen
-    path = module_file(module) if module else None
+    path = module_file(module, roots) if module else None
     if path is None or (path, cls_name) in seen or depth > 8:
         return []
     seen.add((path, cls_name))
@@ -60,11 +66,11 @@ def class_chain(module: str, cls_name: str, depth: int = 0, seen=None) -> list:
         text = dotted(base) or ""
         head, _, attr = text.partition(".")
         if text in imported:
-            chain += class_chain(*imported[text], depth + 1, seen)
+            chain += class_chain(*imported[text], depth + 1, seen, roots)
         elif attr and head in imported:  # a module imported under a name: module.Class
-            chain += class_chain(".".join(imported[head]), attr, depth + 1, seen)
+            chain += class_chain(".".join(imported[head]), attr, depth + 1, seen, roots)
         elif text:
-            chain += class_chain(module, text, depth + 1, seen)
+            chain += class_chain(module, text, depth + 1, seen, roots)
     return chain
 
 

@@ -52,6 +52,14 @@ def parse(path, parents: bool = False) -> ast.Module:
     return tree
 
 
+def forget_trees(root) -> None:
+    """Drop the parsed trees of the files under ``root`` (a checker that reads many releases in one
+    process keeps one release's trees at a time)."""
+    prefix = str(Path(root)) + "/"
+    for key in [k for k in _TREES if k[0].startswith(prefix)]:
+        del _TREES[key]
+
+
 def parent(node):
     return getattr(node, "_drift_parent", None)
 
@@ -82,20 +90,65 @@ def dotted(expr) -> str | None:
     return None
 
 
-def module_level_statements(body):
-    """Statements of a module or class body, descending into if/try/with but not defs."""
+#: ``current_platform.is_<x>()`` answers per platform (vLLM's ``Platform`` methods); a platform
+#: not listed answers False to every one of them but ``is_cuda_alike`` for cuda and rocm.
+PLATFORM_TESTS = {"cuda": {"is_cuda", "is_cuda_alike"}, "rocm": {"is_rocm", "is_cuda_alike"},
+                  "cpu": {"is_cpu"}, "xpu": {"is_xpu"}, "tpu": {"is_tpu"}}
+
+
+def platform_test(test, platform: str | None):
+    """What an ``if`` on vLLM's platform answers on ``platform`` (``"cuda"``, ``"cpu"``...):
+    True, False, or None when the test is about something else (both branches may run).
+
+    Reads ``current_platform.is_rocm()``, ``current_platform.device_type == "cpu"``,
+    ``TYPE_CHECKING`` (False at run time) and ``not``/``and``/``or`` of those: a per-platform
+    package's ``__init__`` (vLLM 0.32+: ``vllm/models/deepseek_v4``) picks its implementation so.
+    """
+    if platform is None:
+        return None
+    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+        return False
+    if isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
+        return False
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = platform_test(test.operand, platform)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        values = [platform_test(v, platform) for v in test.values]
+        if isinstance(test.op, ast.Or):
+            return True if True in values else (None if None in values else False)
+        return False if False in values else (None if None in values else True)
+    if isinstance(test, ast.Call) and not test.args and isinstance(test.func, ast.Attribute) \
+            and (dotted(test.func.value) or "").endswith("current_platform") and test.func.attr.startswith("is_"):
+        return test.func.attr in PLATFORM_TESTS.get(platform, {f"is_{platform}"})
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.NotEq)) \
+            and (dotted(test.left) or "").endswith("current_platform.device_type") \
+            and isinstance(test.comparators[0], ast.Constant):
+        same = test.comparators[0].value == platform
+        return same if isinstance(test.ops[0], ast.Eq) else not same
+    return None
+
+
+def module_level_statements(body, platform: str | None = None):
+    """Statements of a module or class body, descending into if/try/with but not defs.
+
+    With ``platform``, an ``if`` on vLLM's platform (:func:`platform_test`) yields only the
+    branch that platform runs."""
     for stmt in body:
         yield stmt
         if isinstance(stmt, ast.If):
-            yield from module_level_statements(stmt.body)
-            yield from module_level_statements(stmt.orelse)
+            verdict = platform_test(stmt.test, platform)
+            if verdict is not False:
+                yield from module_level_statements(stmt.body, platform)
+            if verdict is not True:
+                yield from module_level_statements(stmt.orelse, platform)
         elif isinstance(stmt, ast.Try):
             for block in (stmt.body, stmt.orelse, stmt.finalbody):
-                yield from module_level_statements(block)
+                yield from module_level_statements(block, platform)
             for handler in stmt.handlers:
-                yield from module_level_statements(handler.body)
+                yield from module_level_statements(handler.body, platform)
         elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-            yield from module_level_statements(stmt.body)
+            yield from module_level_statements(stmt.body, platform)
 
 
 def assigned_names(target):
@@ -130,9 +183,11 @@ class Ref:
 class PackageIndex:
     """Resolves dotted modules and names inside one source tree (``root/vllm/...``)."""
 
-    def __init__(self, root: Path, package: str = "vllm"):
+    def __init__(self, root: Path, package: str = "vllm", platform: str | None = None):
         self.root = Path(root)
         self.package = package
+        #: the host's platform ("cuda", "cpu"...): per-platform imports resolve to its branch
+        self.platform = platform
 
     def module_file(self, module: str) -> Path | None:
         base = self.root.joinpath(*module.split("."))
@@ -174,7 +229,7 @@ class PackageIndex:
         rel = self.rel(path)
         stars, lazy = [], False
         found = None
-        for stmt in module_level_statements(tree.body):
+        for stmt in module_level_statements(tree.body, self.platform):
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if stmt.name == name:
                     found = Ref("function", module, name, stmt, rel)
@@ -214,6 +269,61 @@ class PackageIndex:
             # A module-level __getattr__ (vllm/__init__.py) may serve the name lazily.
             return Ref("lazy", module, name, None, rel)
         return None
+
+    # ---- found by name, wherever the release put it
+
+    def files(self, under: str = "") -> list[Path]:
+        """The ``.py`` files under the dotted package ``under`` (default: the whole package), sorted."""
+        base = self.root.joinpath(*(under or self.package).split("."))
+        cache = self.__dict__.setdefault("_files", {})
+        if base not in cache:  # a package's files, or a module's one file
+            cache[base] = sorted(base.rglob("*.py")) if base.is_dir() else \
+                [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else []
+        return cache[base]
+
+    def module_of(self, path: Path) -> str:
+        parts = list(Path(path).relative_to(self.root).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    def _texts(self, under: str, needle: str):
+        """(path, text) of the files under ``under`` whose text holds ``needle`` (a cheap filter
+        before parsing: a release has ~3,600 files and a name is in a handful)."""
+        for path in self.files(under):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if needle in text:
+                yield path, text
+
+    def find_classes(self, names, under: str = "") -> list[Ref]:
+        """Every class named one of ``names`` defined under ``under``, wherever the release put it."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        found = []
+        for name in names:
+            for path, _text in self._texts(under, f"class {name}"):
+                for stmt in module_level_statements(parse(path).body):
+                    if isinstance(stmt, ast.ClassDef) and stmt.name == name:
+                        found.append(Ref("class", self.module_of(path), name, stmt, self.rel(path)))
+        return found
+
+    def key_readers(self, key: str, under: str = "", attributes: bool = True) -> list[str]:
+        """``file:line`` of each place under ``under`` that reads the config key ``key``:
+        ``getattr(x, key...)``, ``x.get(key)``, ``x[key]`` or ``key in x`` (a docstring or a
+        message naming the key is no reader); ``attributes=False``: dict reads only."""
+        where = []
+        for path, _text in self._texts(under, key):
+            for node in ast.walk(parse(path)):
+                if isinstance(node, ast.Call):
+                    args = node.args[1:2] if attributes and dotted(node.func) in ("getattr", "hasattr") else \
+                        node.args[:1] if isinstance(node.func, ast.Attribute) and node.func.attr in (
+                            "get", "pop", "setdefault") else []
+                elif isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Store):
+                    args = [node.slice]
+                elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+                    args = [node.left]
+                else:
+                    continue
+                if any(isinstance(a, ast.Constant) and a.value == key for a in args):
+                    where.append(f"{self.rel(path)}:{node.lineno}")
+        return where
 
     def _submodule(self, module: str) -> Ref | None:
         path = self.module_file(module) if module.startswith(self.package) else None

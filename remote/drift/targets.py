@@ -58,6 +58,15 @@ def registry_entry(index: PackageIndex, architecture: str):
     return None
 
 
+def registry_module(index: PackageIndex, module: str) -> str:
+    """The dotted module of a registry entry: a module name under ``model_executor/models/``
+    (``"llama"``) or, from vLLM 0.32, a fully qualified per-platform package
+    (``"vllm.models.deepseek_v4"``, whose ``__init__`` picks ``nvidia/``, ``cpu/``... by platform)."""
+    if module.startswith(f"{index.package}."):
+        return module
+    return f"{index.package}.model_executor.models.{module}"
+
+
 def inner_model_class(index: PackageIndex, causal: Ref) -> Ref | None:
     """The class of ``causal.model``: ``model_cls = X``, ``self.model = X(...)`` or ``_init_model``."""
     for cls in index.mro(causal)[0]:
@@ -111,7 +120,7 @@ def attribute_class(index: PackageIndex, cls: Ref, attr: str) -> Ref | None:
                          if isinstance(e, ast.Constant) and isinstance(e.value, str)]
                 entry = registry_entry(index, names[0]) if names else None
                 if entry:
-                    ref = index.lookup(f"{index.package}.model_executor.models.{entry[0]}", entry[1])
+                    ref = index.lookup(registry_module(index, entry[0]), entry[1])
                     if ref is not None and ref.kind == "class":
                         return ref
     return None
@@ -182,10 +191,13 @@ def resolve_target(index: PackageIndex, architecture: str, uses: dict, source: s
     entry = registry_entry(index, architecture)
     if entry is None:
         return None, f"architecture {architecture} is not in vLLM's model registry"
-    module, cls_name = entry
-    causal = index.lookup(f"{index.package}.model_executor.models.{module}", cls_name)
+    module, cls_name = registry_module(index, entry[0]), entry[1]
+    causal = index.lookup(module, cls_name)
     if causal is None or causal.kind != "class":
-        return None, f"class {cls_name} not found in vllm/model_executor/models/{module}.py"
+        path = index.module_file(module)
+        where = index.rel(path) if path else f"{module.replace('.', '/')}.py (not in this vLLM)"
+        platform = f" for platform {index.platform}" if index.platform else ""
+        return None, f"class {cls_name} of {architecture} not found in {where}{platform} (nor re-exported there)"
     inner = inner_model_class(index, causal)
     layer = decoder_layer_class(index, inner) if inner else None
     return Target(architecture, causal, inner, layer, uses, source), ""

@@ -82,6 +82,7 @@ class VllmServerEngine(Engine):
             self.server.start()
             try:
                 self.server.wait_ready(timeout=timeout)
+                self.aux_ids_used = self._aux_ids_used()
                 self.connector_options = self._connector_options()
                 self._warm_up_logprobs()
                 self._digest_pool_started()
@@ -93,6 +94,17 @@ class VllmServerEngine(Engine):
                     continue
                 self.server.stop()
                 raise
+
+    def _aux_ids_used(self) -> dict | None:
+        """The aux ids vLLM logged taking (:mod:`.aux_ids`); a ServerFailed naming both lists when they are
+        not the ids this run sent (its states would hold other layers under these ids' names)."""
+        from remote.engines.vllm_server import aux_ids
+
+        used = aux_ids.aux_ids_used(aux_ids.read_log(self.server.log_path))
+        if used is not None and used["ids"] != list(self.file_layer_ids):
+            raise ServerFailed(f"vLLM took aux layer ids {used['ids']} (from its {used['source']}), not the run's "
+                               f"{list(self.file_layer_ids)}: '{used['line']}'", self.server.log_path)
+        return used
 
     def _start_digest_pool(self) -> None:
         """The digest processes (:class:`~.landing.DigestPool`, one per usable core), started while
@@ -399,6 +411,8 @@ class VllmServerEngine(Engine):
                 # the server's one-time prompt-logprobs set-up, paid while loading (None: no canary)
                 "logprobs_warm_up_s": getattr(self, "logprobs_warm_up_s", None),
                 "chunked_prefill": getattr(self, "chunked", None),
+                # the aux ids vLLM's log says it took (checked equal to file_layer_ids at load)
+                "aux_ids_used": getattr(self, "aux_ids_used", None),
                 # where landed files are digested: worker processes, or this process's threads (and why)
                 "digest_in": getattr(self, "digest_in", None),
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
