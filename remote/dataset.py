@@ -239,7 +239,7 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
 
     Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered with
     the model tokenizer's chat template by :func:`chat_rule` (``turns``: a sample per assistant
-    turn, or per row). ``max_samples`` keeps the first rows. A sample longer than ``seq_len``
+    turn, or per row). ``max_samples`` keeps the first rows and at most that many samples. A sample longer than ``seq_len``
     is cut to it (``long_samples: truncate``), stops the run (``refuse``) or is left out
     (``drop``); a sample with fewer supervised tokens than ``minimum_valid_tokens`` (default 1)
     is left out. ``report`` names each (file, line, sample, turn, tokens lost, first
@@ -332,6 +332,10 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
                 out.append((c_ids, c_mask))
         except DatasetError as exc:
             raise exc.at_sample(index) from None
+    limit = _limit(params.get("max_samples"))
+    if limit is not None and len(out) > limit:  # a row's turns past the cap: max_samples counts samples, as the peer's
+        report["over_max_samples"] = len(out) - limit
+        out = out[:limit]
     report["samples"] = len(out)
     if not out:
         first = (report["dropped"] or [{}])[0]

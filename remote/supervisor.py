@@ -45,7 +45,7 @@ from pathlib import Path
 from remote import faults, fsutil, modelconfig, runplan, samples
 from remote import manifest as run_manifest
 from remote.contract import RunState, param
-from remote.dataset import load_token_samples
+from remote.dataset import dataset_warnings, prepare_samples
 from remote.engines import engine_class
 from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
 from remote.procgroup import kill_own_group_and_exit, stop_leftovers
@@ -274,9 +274,14 @@ class Supervisor:
                            engine=engine_name, engine_why=plan.engine_why, format=fmt, plan=plan.as_dict())
 
         t = time.monotonic()
-        dataset = load_token_samples(p, model_path, vocab_size=modelconfig.text_value(config, "vocab_size"))
+        dataset, self.dataset_report = prepare_samples(p, model_path,
+                                                       vocab_size=modelconfig.text_value(config, "vocab_size"))
+        for line in dataset_warnings(self.dataset_report):
+            print(f"[specops] warning: {line}", flush=True)
         self._timed("tokenize", time.monotonic() - t)
         lo, hi = plan.bounds(len(dataset))
+        if plan.sample_range is not None and plan.sample_range[1] >= self.dataset_report["rows"]:
+            hi = len(dataset)  # the last shard: a group plan counts rows, and a chat row may make several samples
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
                                              layer_ids=layer_ids, layer_convention=convention,
@@ -491,7 +496,7 @@ class Supervisor:
             tokens=tokens, files=files, dataset_files=dataset_files, identity=self.identity,
             versions=dict(samples.package_versions(), python=sys.version.split()[0]), params=self.params,
             file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"),
-            state_format=self.plan.state_format)
+            state_format=self.plan.state_format, dataset_report=getattr(self, "dataset_report", None))
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,

@@ -128,8 +128,11 @@ RUN_HELP = {
     "max-samples": "number of samples to extract",
     "format": "the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes; "
               "vllm-server engine; train with --hidden-states-backend fp8)",
-    "long-samples": "a sample longer than --seq-len: truncate (default: keep its first seq_len tokens) or refuse "
-                    "(stop before the load, naming it)",
+    "long-samples": "a sample longer than --seq-len: truncate (default: keep its first seq_len tokens, warn), "
+                    "refuse (stop before the load, naming it) or drop (leave it out; counted in the manifest)",
+    "turns": "chat rows: per-turn (a sample per assistant turn, end-of-turn token supervised: speculators 0.9), "
+             "whole (a sample per row, reply text supervised: 0.3) or auto (default: the host's speculators' rule)",
+    "minimum-valid-tokens": "leave out a sample with fewer supervised tokens (default 1: none with nothing to learn)",
     "canary-samples": "the canary: the run's first N samples checked against the engine's own logprobs as they land, "
                       "a fail stops the run (default: the inventory's canary_samples, else 2; 0: none; vllm-server)",
 }
@@ -141,13 +144,14 @@ def _overrides(**flags):
 
 @host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
-              max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None):
+              max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
+              turns=None, minimum_valid_tokens=None):
     """Find every failure that would waste a model load, in seconds, without loading weights."""
     from specops.preflight import preflight as run
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, format=format, canary_samples=canary_samples,
-                           long_samples=long_samples)
+                           long_samples=long_samples, turns=turns, minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, target.accept_new_host_key,
                skip_autoconfig=skip_autoconfig)
 
@@ -189,7 +193,7 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,
-            canary_samples=None, long_samples=None, smoke_real=False):
+            canary_samples=None, long_samples=None, smoke_real=False, turns=None, minimum_valid_tokens=None):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
@@ -197,7 +201,8 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size, format=format,
-                           canary_samples=canary_samples, long_samples=long_samples)
+                           canary_samples=canary_samples, long_samples=long_samples, turns=turns,
+                           minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, run_id=run_id, detach=detach, force=force,
                skip_preflight=skip_preflight, as_json=target.as_json, tensors=tensors,
                accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke, shard_by=shard_by,
@@ -230,8 +235,9 @@ def _long_only(task_, *flags):
     return task_
 
 
-_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples", "smoke-real")
-_long_only(preflight, "format", "canary-samples", "long-samples")
+_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples", "smoke-real",
+           "turns", "minimum-valid-tokens")
+_long_only(preflight, "format", "canary-samples", "long-samples", "turns", "minimum-valid-tokens")
 
 
 def _require_run_id(run_id):
