@@ -115,6 +115,8 @@ def main(params, out_dir, peer_dir):
     from datasets import load_from_disk
     from remote import dataset, samples
     rows, report = dataset.prepare_samples(params, params["model_path"])
+    import os
+    os.makedirs(out_dir, exist_ok=True)
     samples.save_token_dataset(out_dir, rows)
     mine = load_from_disk(out_dir)
     result = {"report": report,
@@ -140,12 +142,15 @@ def test_chat_rows_are_speculators_0_9_prepare_data_rows_with_its_token_freq(
     assert "speculators 0.9" in report["chat_rule"]["source"], report["chat_rule"]
     assert got["rows"] == got["peer_rows"], "token ids / loss masks differ from speculators' prepare-data"
     assert got["freq"] == got["peer_freq"]
-    # one sample per assistant turn with context: 27 rows with 18 x 1 + 6 x 2 + 1 (assistant-first) + 1 + 1 turns
-    assert report["rows"] == 27 and len(got["rows"]) == report["samples"] == 32 - report["dropped_count"]
-    end_of_turn = 2  # <|end|>: the reply's last supervised token but the template's newline
-    assert all(ids[-2] == end_of_turn and mask[-2] == 1 for ids, mask in got["rows"] if len(ids) < SEQ_LEN)
+    # one sample per assistant turn with context: 27 rows, 18 x 1 + 6 x 2 + 1 (assistant-first) + 2 + 1 turns;
+    # both turns after the long context and the short reply left out, by both
+    assert report["rows"] == 27 and report["dropped_count"] == 3
+    assert len(got["rows"]) == report["samples"] == 34 - 3
+    end_of_turn = 2  # <|end|>: supervised, the last token of every sample the window did not cut
+    assert all(ids[-1] == end_of_turn and mask[-1] == 1 for ids, mask in got["rows"] if len(ids) < SEQ_LEN)
     dropped = {(d["line"], d.get("turn")): d["reason"] for d in report["dropped"]}
-    assert "fills seq_len" in dropped[(26, 1)] and "minimum_valid_tokens" in dropped[(27, 1)], dropped
+    assert "fills seq_len" in dropped[(26, 1)] and "fills seq_len" in dropped[(26, 3)], dropped
+    assert "minimum_valid_tokens" in dropped[(27, 1)], dropped
     assert report["truncated_count"] >= 1 and all(t["tokens_lost"] == t["tokens"] - SEQ_LEN
                                                   for t in report["truncated"])
 
@@ -161,7 +166,7 @@ def main(params, out_dir):
     convs = [json.loads(line)["conversations"] for line in open(params["dataset"])]
     got = preprocessing._preprocess_batch({"conversations": convs}, tok, params["seq_len"],
                                           preprocessing._detect_assistant_pattern(tok))
-    peer = sorted([list(ids), mask.tolist()] for ids, mask in zip(got["input_ids"], got["loss_mask"]))
+    peer = sorted([ids.tolist(), mask.tolist()] for ids, mask in zip(got["input_ids"], got["loss_mask"]))
     return specops_side(params, out_dir, None), peer
 """
     params = {"dataset": str(chat_file), "model_path": str(tiny_models["llama"]), "seq_len": SEQ_LEN,
