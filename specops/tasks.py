@@ -319,12 +319,18 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
                          "host's env sees)",
                  "total-seq-len": "tokens the trainer packs into one step (speculators' --total-seq-len; default: "
-                                  "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)"},
+                                  "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)",
+                 "draft-vocab-size": "a reduced draft vocabulary of the N most frequent supervised tokens (speculators' "
+                                     "--draft-vocab-size; the trainer reads the run's token_freq.pt)"},
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
-          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None):
+          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
+          draft_vocab_size=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
+
+    if draft_vocab_size not in (None, ""):  # one more trainer flag, checked against the trainer like the others
+        trainer_arg = [*(trainer_arg or []), f"--draft-vocab-size={draft_vocab_size}"]
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
@@ -352,7 +358,7 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
 
 
 _long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature",
-           "total-seq-len")
+           "total-seq-len", "draft-vocab-size")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 
