@@ -239,8 +239,8 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
 
     Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered with
     the model tokenizer's chat template by :func:`chat_rule` (``turns``: a sample per assistant
-    turn, or per row). ``max_samples`` keeps the first rows and at most that many samples. A sample longer than ``seq_len``
-    is cut to it (``long_samples: truncate``), stops the run (``refuse``) or is left out
+    turn, or per row). ``max_samples`` keeps the first rows and at most that many samples. A
+    sample longer than ``seq_len`` is cut to it (``long_samples: truncate``), stops the run (``refuse``) or is left out
     (``drop``); a sample with fewer supervised tokens than ``minimum_valid_tokens`` (default 1)
     is left out. ``report`` names each (file, line, sample, turn, tokens lost, first
     :data:`REPORT_ITEMS`) and counts them all. Ids at or past ``vocab_size`` (the model's, when
@@ -287,7 +287,8 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
                 if rule["turns"] == "per-turn":
                     candidates = []
                     for turn, t_ids, t_mask in tokenize_chat_turns(tokenizer, ids, where=text):
-                        if len(t_mask) - sum(t_mask) >= seq_len:  # the context alone fills the window: the peer skips it
+                        # the context alone fills the window: the peer skips the turn
+                        if len(t_mask) - sum(t_mask) >= seq_len:
                             note("dropped", dict(where, turn=turn, tokens=len(t_ids), tokens_lost=len(t_ids),
                                                  reason=f"the context before the turn fills seq_len {seq_len}"))
                             continue
