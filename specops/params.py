@@ -134,7 +134,7 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
     if long_samples is not None and long_samples not in CONTRACT.LONG_SAMPLES:
         raise UsageError(f"--long-samples {long_samples!r} is not known",
                          f"use one of: {', '.join(CONTRACT.LONG_SAMPLES)} (truncate keeps a sample's first "
-                         f"seq_len tokens; refuse stops the run before the load)")
+                         f"seq_len tokens; refuse stops the run before the load; drop leaves it out)")
     if turns is not None and turns not in CONTRACT.CHAT_TURNS:
         raise UsageError(f"--turns {turns!r} is not known",
                          f"use one of: {', '.join(CONTRACT.CHAT_TURNS)} (per-turn: a sample per assistant turn, "
