@@ -279,9 +279,15 @@ class Supervisor:
         for line in dataset_warnings(self.dataset_report):
             print(f"[specops] warning: {line}", flush=True)
         self._timed("tokenize", time.monotonic() - t)
+        if plan.sample_range is not None and len(dataset) != self.dataset_report["rows"]:
+            # a group plan shards rows (remote/shard.py counts them unparsed): another count shifts every range
+            raise ValueError(
+                f"this shard's group run planned {self.dataset_report['rows']} samples (one per row) but the rows "
+                f"make {len(dataset)} ({self.dataset_report['dropped_count']} left out; turns: "
+                f"{(self.dataset_report.get('chat_rule') or {}).get('turns', '-')}); for a run over several hosts "
+                f"set turns: whole, long_samples: truncate and minimum_valid_tokens: 0, or give the rows one sample "
+                f"each (pre-tokenized), or run on one host")
         lo, hi = plan.bounds(len(dataset))
-        if plan.sample_range is not None and plan.sample_range[1] >= self.dataset_report["rows"]:
-            hi = len(dataset)  # the last shard: a group plan counts rows, and a chat row may make several samples
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
                                              layer_ids=layer_ids, layer_convention=convention,
