@@ -399,7 +399,12 @@ RUN_ARGS = {
     "layer_convention": Arg("str", doc="what layer_ids mean (output/input); None: the engine's own"),
     "seq_len": Arg("int", min=1),
     "long_samples": Arg("str", choices=contract.LONG_SAMPLES,
-                        doc="a sample longer than seq_len: truncate (keep its first seq_len tokens) or refuse"),
+                        doc="a sample longer than seq_len: truncate (keep its first seq_len tokens, warn), "
+                            "refuse or drop"),
+    "turns": Arg("str", choices=contract.CHAT_TURNS,
+                 doc="chat rows: per-turn (a sample per assistant turn, end-of-turn supervised: speculators "
+                     "0.9), whole (a sample per row: 0.3) or auto (the installed speculators' rule)"),
+    "minimum_valid_tokens": Arg("int", min=0, doc="a sample with fewer supervised tokens is left out"),
     "max_samples": Arg("int", min=0),
     "batch_size": Arg("int", min=1),
     "gpu_memory_utilization": Arg("float", above=0, max=1),

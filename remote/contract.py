@@ -260,8 +260,14 @@ CANARY_FILE = "canary.json"
 #: say otherwise.
 CANARY_SAMPLES, PROMPT_LOGPROBS_TOP = 2, 5
 #: what a run does with a sample longer than ``seq_len`` (``long_samples``): keep its first
-#: ``seq_len`` tokens, or stop before the load naming the sample (remote/dataset.py).
-LONG_SAMPLES = ("truncate", "refuse")
+#: ``seq_len`` tokens (and warn), stop before the load naming the sample, or leave the sample out
+#: (remote/dataset.py; the manifest counts each).
+LONG_SAMPLES = ("truncate", "refuse", "drop")
+#: how a chat row becomes samples (``turns``): per-turn = one sample per assistant turn, supervised from
+#: that turn's render boundary to its end (end-of-turn token included: speculators 0.9's prepare-data);
+#: whole = one sample per row, the text of every assistant reply supervised (speculators 0.3); auto =
+#: the rule of the speculators installed where the run reads the data (remote/dataset.py).
+CHAT_TURNS = ("auto", "per-turn", "whole")
 #: chunked prefill for the vllm-server engine (``chunked_prefill``): auto = on where the installed
 #: connector writes a request's states once it is done (remote/engines/vllm_server/chunking.py).
 CHUNKED_PREFILL = ("auto", "on", "off")
@@ -315,6 +321,9 @@ DEFAULTS = {
     "gpu_memory_utilization": 0.9,
     "canary_samples": CANARY_SAMPLES,
     "long_samples": LONG_SAMPLES[0],
+    "turns": CHAT_TURNS[0],
+    # a sample with fewer supervised tokens is left out (counted in the manifest); 1: none with nothing to learn
+    "minimum_valid_tokens": 1,
 }
 
 

@@ -180,12 +180,70 @@ def check_row(row: dict, path, lineno: int, vocab_size=None) -> tuple:
     return "chat", chat_turns(row, path, lineno), None
 
 
-def load_token_samples(params: dict, model_path: str, vocab_size: int | None = None) -> list:
-    """``[(input_ids, loss_mask), ...]`` for the run, in dataset order.
+#: how many truncated or dropped samples a report names one by one (the counts cover them all)
+REPORT_ITEMS = 20
 
-    Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered
-    with the model tokenizer's chat template. ``max_samples`` keeps the first rows;
-    ``seq_len`` truncates each sample (``long_samples: refuse`` stops on the first longer one); ids at or past ``vocab_size`` (the model's, when
+
+def installed_speculators() -> dict:
+    """``{"version", "per_turn"}`` of the speculators this python would import, read from its files
+    (nothing imported): ``per_turn`` when its ``prepare-data`` derives masks at render boundaries
+    (``_render_boundary_rows``: one row per assistant turn, end-of-turn supervised, 0.9) rather than
+    from the assistant text's character spans (0.3)."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("speculators")
+        version = importlib.metadata.version("speculators")
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return {"version": None, "per_turn": False}
+    preprocessing = Path(next(iter(spec.submodule_search_locations or [""]), "")) / "data_generation" / \
+        "preprocessing.py"
+    try:
+        per_turn = "_render_boundary_rows" in preprocessing.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        per_turn = False
+    return {"version": version, "per_turn": per_turn}
+
+
+def chat_rule(params: dict) -> dict:
+    """The rule chat rows are rendered and masked by (``turns``), as the manifest records it."""
+    turns = param(params, "turns")
+    if turns == "auto":
+        found = installed_speculators()
+        turns = "per-turn" if found["per_turn"] else "whole"
+        source = (f"auto: the installed speculators {found['version']}'s prepare-data rule" if found["version"]
+                  else "auto: no speculators installed here; speculators 0.3's rule")
+    else:
+        source = f"turns: {turns}"
+    supervised = ("one sample per assistant turn (an assistant turn with no context before it is skipped): "
+                  "the conversation up to that turn, rendered by the chat template; supervised from the end of "
+                  "the generation prompt of that turn to the end of the render (the reply, its end-of-turn "
+                  "token and what the template writes after it); earlier replies are context"
+                  if turns == "per-turn" else
+                  "one sample per row: the whole conversation rendered by the chat template; supervised the "
+                  "tokens overlapping the text of each assistant reply (not the role markers, not the "
+                  "end-of-turn token)")
+    return {"turns": turns, "end_of_turn_supervised": turns == "per-turn", "source": source,
+            "supervised": supervised}
+
+
+def load_token_samples(params: dict, model_path: str, vocab_size: int | None = None) -> list:
+    """``[(input_ids, loss_mask), ...]`` for the run, in dataset order: :func:`prepare_samples`'s samples."""
+    return prepare_samples(params, model_path, vocab_size)[0]
+
+
+def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None) -> tuple:
+    """``([(input_ids, loss_mask), ...], report)``: the run's samples, in dataset order, and what
+    became of the rows.
+
+    Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered with
+    the model tokenizer's chat template by :func:`chat_rule` (``turns``: a sample per assistant
+    turn, or per row). ``max_samples`` keeps the first rows and at most that many samples. A
+    sample longer than ``seq_len`` is cut to it (``long_samples: truncate``), stops the run (``refuse``) or is left out
+    (``drop``); a sample with fewer supervised tokens than ``minimum_valid_tokens`` (default 1)
+    is left out. ``report`` names each (file, line, sample, turn, tokens lost, first
+    :data:`REPORT_ITEMS`) and counts them all. Ids at or past ``vocab_size`` (the model's, when
     given) are refused before any of them reaches an engine.
 
     :raises DatasetError: naming the sample index, the file and the line of a row that
@@ -193,7 +251,8 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
     """
     path = Path(params["dataset"])
     seq_len = int(param(params, "seq_len"))
-    refuse_long = param(params, "long_samples") == "refuse"
+    long_mode = param(params, "long_samples")
+    minimum = int(param(params, "minimum_valid_tokens"))
     vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
@@ -205,27 +264,100 @@ def load_token_samples(params: dict, model_path: str, vocab_size: int | None = N
             raise exc.at_sample(index) from None
     if not checked:
         raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
+    rule = chat_rule(params) if any(kind == "chat" for _, _, kind, _, _ in checked) else None
+    report = {"file": str(path), "rows": len(checked), "samples": 0, "seq_len": seq_len, "long_samples": long_mode,
+              "minimum_valid_tokens": minimum, "chat_rule": rule, "truncated_count": 0, "truncated": [],
+              "dropped_count": 0, "dropped": [], "tokens_lost": 0}
+
+    def note(kind: str, item: dict) -> None:
+        report[kind + "_count"] += 1
+        report["tokens_lost"] += item.get("tokens_lost", 0)
+        if len(report[kind]) < REPORT_ITEMS:
+            report[kind].append(item)
+
     tokenizer = None
     out = []
     for index, lineno, kind, ids, mask in checked:
+        where = {"file": str(path), "line": lineno, "row": index}
         try:
             if kind == "chat":
                 if tokenizer is None:
                     tokenizer = _load_tokenizer(model_path, params)
-                ids, mask = tokenize_chat(tokenizer, ids, where=f"sample {index}, {path}:{lineno}")
-                if ids:
-                    _token_ids(path, lineno, "the chat template's token ids", ids, vocab_size)
-            if len(ids) > seq_len and refuse_long:
-                raise DatasetError(path, lineno, f"the sample has {len(ids)} tokens, more than seq_len {seq_len} "
-                                   f"(long_samples: refuse)", f"raise seq_len to {len(ids)} or more, drop the row, "
-                                   f"or set long_samples: truncate to keep its first {seq_len} tokens")
-            ids, mask = ids[:seq_len], mask[:seq_len]
-            if not ids:
-                raise DatasetError(path, lineno, "the sample has no tokens", "drop the row")
+                text = f"row {index}, {path}:{lineno}"
+                if rule["turns"] == "per-turn":
+                    candidates = []
+                    for turn, t_ids, t_mask in tokenize_chat_turns(tokenizer, ids, where=text):
+                        # the context alone fills the window: the peer skips the turn
+                        if len(t_mask) - sum(t_mask) >= seq_len:
+                            note("dropped", dict(where, turn=turn, tokens=len(t_ids), tokens_lost=len(t_ids),
+                                                 reason=f"the context before the turn fills seq_len {seq_len}"))
+                            continue
+                        candidates.append((turn, t_ids, t_mask))
+                else:
+                    candidates = [(None, *tokenize_chat(tokenizer, ids, where=text))]
+            else:
+                candidates = [(None, ids, mask)]
+            for turn, c_ids, c_mask in candidates:
+                if kind == "chat" and c_ids:
+                    _token_ids(path, lineno, "the chat template's token ids", c_ids, vocab_size)
+                item, cut = dict(where, sample=len(out), **({"turn": turn} if turn is not None else {})), None
+                if not c_ids:
+                    raise DatasetError(path, lineno, "the sample has no tokens", "drop the row")
+                if len(c_ids) > seq_len:
+                    lost = len(c_ids) - seq_len
+                    if long_mode == "refuse":
+                        raise DatasetError(path, lineno, f"the sample{'' if turn is None else f' (turn {turn})'} "
+                                           f"has {len(c_ids)} tokens, more than seq_len {seq_len} "
+                                           f"(long_samples: refuse)", f"raise seq_len to {len(c_ids)} or more, drop "
+                                           f"the row, or set long_samples: truncate (keep its first {seq_len} "
+                                           f"tokens) or drop (leave it out)")
+                    if long_mode == "drop":
+                        item.pop("sample")
+                        note("dropped", dict(item, tokens=len(c_ids), tokens_lost=len(c_ids),
+                                             reason=f"longer than seq_len {seq_len} (long_samples: drop)"))
+                        continue
+                    cut = dict(item, tokens=len(c_ids), kept=seq_len, tokens_lost=lost,
+                               supervised_lost=sum(c_mask[seq_len:]))
+                    note("truncated", cut)
+                    c_ids, c_mask = c_ids[:seq_len], c_mask[:seq_len]
+                valid = sum(c_mask)
+                if valid < minimum:
+                    item.pop("sample")
+                    if cut is not None:  # cut, then left out: no sample has that index
+                        cut.pop("sample")
+                        cut["then_dropped"] = True
+                    note("dropped", dict(item, tokens=len(c_ids), tokens_lost=len(c_ids), supervised=valid,
+                                         reason=f"{valid} supervised token(s), fewer than minimum_valid_tokens "
+                                                f"{minimum}"))
+                    continue
+                out.append((c_ids, c_mask))
         except DatasetError as exc:
             raise exc.at_sample(index) from None
-        out.append((ids, mask))
-    return out
+    limit = _limit(params.get("max_samples"))
+    if limit is not None and len(out) > limit:  # a row's turns past the cap: max_samples counts samples, as the peer's
+        report["over_max_samples"] = len(out) - limit
+        out = out[:limit]
+    report["samples"] = len(out)
+    if not out:
+        first = (report["dropped"] or [{}])[0]
+        raise ValueError(f"{path}: no sample left of {len(checked)} row(s): {report['dropped_count']} left out "
+                         f"(line {first.get('line')}: {first.get('reason')}); lower minimum_valid_tokens, raise "
+                         f"seq_len, or give the rows assistant replies")
+    return out, report
+
+
+def dataset_warnings(report: dict) -> list:
+    """One line per kind of loss in :func:`prepare_samples`' report (empty when nothing was cut or left out)."""
+    lines = []
+    for kind, verb in (("truncated", "cut to seq_len"), ("dropped", "left out")):
+        count = report.get(kind + "_count") or 0
+        if count:
+            named = "; ".join(f"{i['file']}:{i['line']}" + (f" turn {i['turn']}" if "turn" in i else "") +
+                              (f" sample {i['sample']}" if "sample" in i else "") +
+                              f" ({i.get('reason') or str(i['tokens_lost']) + ' tokens lost'})"
+                              for i in report[kind][:3])
+            lines.append(f"{count} sample(s) {verb}: {named}{' ...' if count > 3 else ''}")
+    return lines
 
 
 def _load_tokenizer(model_path: str, params: dict):
@@ -265,3 +397,38 @@ def tokenize_chat(tokenizer, messages: list[dict], where: str = "") -> tuple[lis
     mask = [int(any(s < span_end and e > span_start for span_start, span_end in spans))
             for s, e in offsets]
     return ids, mask
+
+
+def _render_ids(tokenizer, messages: list, generation_prompt: bool) -> list:
+    """The chat template's token ids, as vLLM's render endpoint makes them (no special tokens added)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tokenize_chat_turns(tokenizer, messages: list[dict], where: str = "") -> list:
+    """``[(turn, input_ids, loss_mask), ...]``: one sample per assistant turn ``j`` (``j > 0``), whole.
+
+    speculators 0.9's rule (``_render_boundary_rows``): the sample is ``messages[:j+1]``
+    rendered; the boundary is where that render extends the render of ``messages[:j]`` with
+    the generation prompt: before it context (0), from it on supervised (1: the reply, its
+    end-of-turn token, what the template adds after). A generation prompt the full render does
+    not extend (a pre-filled reasoning scaffold) falls back to their common prefix, valid only
+    when the history itself renders the same. Rendered with the tokenizer here, the way the
+    peer's vLLM render endpoint renders it; truncation is the caller's.
+    """
+    out = []
+    for j, turn in enumerate(messages):
+        if turn["role"] != "assistant" or j == 0:
+            continue
+        prompt = _render_ids(tokenizer, messages[:j], True)
+        full = _render_ids(tokenizer, messages[:j + 1], False)
+        if full[:len(prompt)] == prompt:
+            boundary = len(prompt)
+        else:
+            boundary = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+            history = _render_ids(tokenizer, messages[:j], False)
+            if full[:len(history)] != history or boundary < len(history):
+                raise ValueError(f"{where}: the chat template renders the history differently at assistant turn "
+                                 f"{j}; cannot find where the reply starts (set turns: whole)")
+        out.append((j, full, [0] * boundary + [1] * (len(full) - boundary)))
+    return out

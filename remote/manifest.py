@@ -113,6 +113,9 @@ FIELDS = {
     "files": Field("entries", "one entry per sample file (ENTRY_FIELDS)"),
     "dataset_files": Field("names", "hs: the token dataset's files beside the samples"),
     "dataset_writer": Field("text", "hs: the range that wrote the token dataset", "run"),
+    "dataset_report": Field("object", "what the samples are made of: the chat rule (turns, what is supervised), "
+                                      "rows read, samples made, the samples truncated and left out (file, line, "
+                                      "turn, tokens lost; counted)", "run"),
     "identity": Field("object", "what makes writers of one output dir one run's (remote.samples)", "run merged"),
     "versions": Field("object", "the host's package versions and python", "run"),
     "params": Field("object", "the run's parameters (private _ keys left out)", "run"),
@@ -180,7 +183,8 @@ def utc_now() -> str:
 def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, convention: str, sample_range,
           files: list, tokens: int, dataset_samples: int | None = None, dataset_files=(), identity=None,
           versions=None, params=None, file_layer_ids=None, dataset_writer=None, created_at=None,
-          state_format: str | None = None, canary: dict | None = None) -> dict:
+          state_format: str | None = None, canary: dict | None = None,
+          dataset_report: dict | None = None) -> dict:
     """A run's manifest (the ``run`` document), checked against :data:`FIELDS`.
 
     :param fmt: ``pt`` or ``hs``; an ``hs`` manifest also records ``file_layer_ids``
@@ -216,6 +220,8 @@ def build(*, run_id: str, fmt: str, engine: dict, model: dict, layer_ids, conven
     }
     if canary is not None:
         doc["canary"] = canary
+    if dataset_report is not None:
+        doc["dataset_report"] = dataset_report
     if fmt == HS:
         doc["file_layer_ids"] = list(file_layer_ids or sorted(layer_ids))
         # written by this range, found written by another, or (no files yet) being written by another

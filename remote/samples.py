@@ -437,12 +437,28 @@ def scan_samples(output_dir, indices, layer_ids, fmt: str = PT, file_layer_ids=N
     return files, stats, tokens
 
 
+#: the supervised tokens' counts beside the token dataset: speculators' trainer reads
+#: ``<data-path>/token_freq.pt`` to pick a reduced draft vocabulary (``--draft-vocab-size``)
+TOKEN_FREQ = "token_freq.pt"
+
+
+def token_frequencies(token_samples) -> dict:
+    """``{token id: count}`` of the supervised tokens (loss mask 1) of every sample: what speculators'
+    ``save_token_frequency_distribution`` saves as ``token_freq.pt``."""
+    from collections import Counter
+
+    counts = Counter()
+    for ids, mask in token_samples:
+        counts.update(t for t, m in zip(ids, mask) if m)
+    return dict(counts)
+
+
 def save_token_dataset(output_dir, token_samples, tag: str | None = None) -> list[str]:
     """Write the run's token ids and loss masks beside the ``hs`` files, as speculators' ``prepare-data`` does.
 
     ``datasets.Dataset`` with ``input_ids`` / ``loss_mask`` (int64) and ``seq_len``,
     saved with ``save_to_disk`` into ``output_dir`` (all rows of the dataset, so a shard's
-    output merged with the others' is one training set). Written into a temp dir and
+    output merged with the others' is one training set), and :data:`TOKEN_FREQ` beside it. Written into a temp dir and
     renamed file by file, so a reader never sees half a dataset. Returns the file names.
 
     A host without ``datasets`` (vLLM alone; speculators, which trains, depends on it)
@@ -471,6 +487,7 @@ def save_token_dataset(output_dir, token_samples, tag: str | None = None) -> lis
             "loss_mask": [torch.tensor(list(mask), dtype=torch.long) for _, mask in token_samples],
             "seq_len": [len(ids) for ids, _ in token_samples],
         }).with_format("torch").save_to_disk(str(tmp))
+        torch.save(token_frequencies(token_samples), tmp / TOKEN_FREQ)
         names = sorted(p.name for p in tmp.iterdir())
         for name in names:
             os.replace(tmp / name, output_dir / name)

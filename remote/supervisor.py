@@ -45,7 +45,7 @@ from pathlib import Path
 from remote import canary, faults, fsutil, modelconfig, runplan, samples
 from remote import manifest as run_manifest
 from remote.contract import RunState, param
-from remote.dataset import load_token_samples
+from remote.dataset import dataset_warnings, prepare_samples
 from remote.engines import engine_class
 from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
 from remote.procgroup import kill_own_group_and_exit, stop_leftovers
@@ -277,8 +277,19 @@ class Supervisor:
                            engine=engine_name, engine_why=plan.engine_why, format=fmt, plan=plan.as_dict())
 
         t = time.monotonic()
-        dataset = load_token_samples(p, model_path, vocab_size=modelconfig.text_value(config, "vocab_size"))
+        dataset, self.dataset_report = prepare_samples(p, model_path,
+                                                       vocab_size=modelconfig.text_value(config, "vocab_size"))
+        for line in dataset_warnings(self.dataset_report):
+            print(f"[specops] warning: {line}", flush=True)
         self._timed("tokenize", time.monotonic() - t)
+        if plan.sample_range is not None and len(dataset) != self.dataset_report["rows"]:
+            # a group plan shards rows (remote/shard.py counts them unparsed): another count shifts every range
+            raise ValueError(
+                f"this shard's group run planned {self.dataset_report['rows']} samples (one per row) but the rows "
+                f"make {len(dataset)} ({self.dataset_report['dropped_count']} left out; turns: "
+                f"{(self.dataset_report.get('chat_rule') or {}).get('turns', '-')}); for a run over several hosts "
+                f"set turns: whole, long_samples: truncate and minimum_valid_tokens: 0, or give the rows one sample "
+                f"each (pre-tokenized), or run on one host")
         lo, hi = plan.bounds(len(dataset))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.identity = samples.run_identity(dataset, model=modelconfig.summary(config), fmt=fmt,
@@ -496,7 +507,8 @@ class Supervisor:
             tokens=tokens, files=files, dataset_files=dataset_files, identity=self.identity,
             versions=dict(samples.package_versions(), python=sys.version.split()[0]), params=self.params,
             file_layer_ids=file_layer_ids, dataset_writer=token_dataset.get("writer"),
-            state_format=self.plan.state_format, canary=canary_found)
+            state_format=self.plan.state_format, canary=canary_found,
+            dataset_report=getattr(self, "dataset_report", None))
         summary = {
             "run_id": self.run_id,
             "ok": not non_finite,

@@ -114,9 +114,13 @@ class HostSpec(BaseModel):
     #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
     layer_convention: Literal[CONTRACT.LAYER_CONVENTIONS] | None = None
     seq_len: int = Field(default=DEFAULTS["seq_len"], ge=1)
-    #: a sample longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens) or ``refuse``
-    #: (the run stops before the load naming the sample; preflight fails first).
+    #: a sample longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens, warn), ``refuse``
+    #: (the run stops before the load naming the sample; preflight fails first) or ``drop`` (left out).
     long_samples: Literal[CONTRACT.LONG_SAMPLES] = DEFAULTS["long_samples"]
+    #: chat rows: a sample per assistant turn (per-turn), per row (whole), or the installed speculators' rule (auto).
+    turns: Literal[CONTRACT.CHAT_TURNS] = DEFAULTS["turns"]
+    #: a sample with fewer supervised tokens is left out (the manifest counts it).
+    minimum_valid_tokens: int = Field(default=DEFAULTS["minimum_valid_tokens"], ge=0)
     #: vllm-server: prefill a sample longer than the step budget in chunks; ``auto``: on where the
     #: installed connector writes a request's states once it is done (vLLM >= the get_finished write).
     chunked_prefill: Literal[CONTRACT.CHUNKED_PREFILL] = CONTRACT.CHUNKED_PREFILL[0]

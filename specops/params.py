@@ -126,7 +126,7 @@ def check_state_format(fmt, engine, spec: HostSpec) -> str:
 
 def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=None, engine=None,
                seq_len=None, max_samples=None, batch_size=None, output_dir=None, format=None,
-               canary_samples=None, long_samples=None) -> dict:
+               canary_samples=None, long_samples=None, turns=None, minimum_valid_tokens=None) -> dict:
     """The parameters every remote step of a run sees (preflight, extract, smoke)."""
     if engine is not None and engine not in ENGINES:
         raise UsageError(f"--engine {engine!r} is not known", f"use one of: {', '.join(ENGINES)}")
@@ -134,7 +134,15 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
     if long_samples is not None and long_samples not in CONTRACT.LONG_SAMPLES:
         raise UsageError(f"--long-samples {long_samples!r} is not known",
                          f"use one of: {', '.join(CONTRACT.LONG_SAMPLES)} (truncate keeps a sample's first "
-                         f"seq_len tokens; refuse stops the run before the load)")
+                         f"seq_len tokens; refuse stops the run before the load; drop leaves it out)")
+    if turns is not None and turns not in CONTRACT.CHAT_TURNS:
+        raise UsageError(f"--turns {turns!r} is not known",
+                         f"use one of: {', '.join(CONTRACT.CHAT_TURNS)} (per-turn: a sample per assistant turn, "
+                         f"end-of-turn supervised, speculators 0.9; whole: a sample per row, speculators 0.3; "
+                         f"auto: the host's speculators' rule)")
+    if minimum_valid_tokens is not None and (not str(minimum_valid_tokens).isdigit()):
+        raise UsageError(f"--minimum-valid-tokens {minimum_valid_tokens!r} is not a whole number >= 0",
+                         "give the fewest supervised tokens a sample needs, e.g. --minimum-valid-tokens 1")
     params = {
         "model_path": _path("model", model) or spec.model_path,
         "dataset": _path("dataset", dataset) or spec.dataset,
@@ -154,6 +162,9 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
         "format": state_format,
         "canary_samples": check_canary_samples(canary_samples, spec),
         "long_samples": long_samples or spec.long_samples,
+        "turns": turns or spec.turns,
+        "minimum_valid_tokens": (int(minimum_valid_tokens) if minimum_valid_tokens is not None
+                                 else spec.minimum_valid_tokens),
         "chunked_prefill": spec.chunked_prefill,
         "env": dict(spec.env),
         "python": spec.python,

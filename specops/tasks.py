@@ -129,8 +129,11 @@ RUN_HELP = {
     "max-samples": "number of samples to extract",
     "format": "the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes; "
               "vllm-server engine; train with --hidden-states-backend fp8)",
-    "long-samples": "a sample longer than --seq-len: truncate (default: keep its first seq_len tokens) or refuse "
-                    "(stop before the load, naming it)",
+    "long-samples": "a sample longer than --seq-len: truncate (default: keep its first seq_len tokens, warn), "
+                    "refuse (stop before the load, naming it) or drop (leave it out; counted in the manifest)",
+    "turns": "chat rows: per-turn (a sample per assistant turn, end-of-turn token supervised: speculators 0.9), "
+             "whole (a sample per row, reply text supervised: 0.3) or auto (default: the host's speculators' rule)",
+    "minimum-valid-tokens": "leave out a sample with fewer supervised tokens (default 1: none with nothing to learn)",
     "canary-samples": "the canary: the run's first N samples checked against the engine's own logprobs as they land, "
                       "a fail stops the run (default: the inventory's canary_samples, else 2; 0: none; vllm-server)",
 }
@@ -142,13 +145,14 @@ def _overrides(**flags):
 
 @host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
-              max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None):
+              max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
+              turns=None, minimum_valid_tokens=None):
     """Find every failure that would waste a model load, in seconds, without loading weights."""
     from specops.preflight import preflight as run
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, format=format, canary_samples=canary_samples,
-                           long_samples=long_samples)
+                           long_samples=long_samples, turns=turns, minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, target.accept_new_host_key,
                skip_autoconfig=skip_autoconfig)
 
@@ -190,7 +194,7 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,
-            canary_samples=None, long_samples=None, smoke_real=False):
+            canary_samples=None, long_samples=None, smoke_real=False, turns=None, minimum_valid_tokens=None):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
@@ -198,7 +202,8 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size, format=format,
-                           canary_samples=canary_samples, long_samples=long_samples)
+                           canary_samples=canary_samples, long_samples=long_samples, turns=turns,
+                           minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, run_id=run_id, detach=detach, force=force,
                skip_preflight=skip_preflight, as_json=target.as_json, tensors=tensors,
                accept_new_host_key=target.accept_new_host_key, skip_smoke=skip_smoke, shard_by=shard_by,
@@ -231,8 +236,9 @@ def _long_only(task_, *flags):
     return task_
 
 
-_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples", "smoke-real")
-_long_only(preflight, "format", "canary-samples", "long-samples")
+_long_only(extract, "shard-by", "allow-partial", "reassign", "format", "canary-samples", "long-samples", "smoke-real",
+           "turns", "minimum-valid-tokens")
+_long_only(preflight, "format", "canary-samples", "long-samples", "turns", "minimum-valid-tokens")
 
 
 def _require_run_id(run_id):
@@ -314,12 +320,18 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
                          "host's env sees)",
                  "total-seq-len": "tokens the trainer packs into one step (speculators' --total-seq-len; default: "
-                                  "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)"},
+                                  "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)",
+                 "draft-vocab-size": "a reduced draft vocabulary of the N most frequent supervised tokens (speculators' "
+                                     "--draft-vocab-size; the trainer reads the run's token_freq.pt)"},
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
-          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None):
+          regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
+          draft_vocab_size=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
+
+    if draft_vocab_size not in (None, ""):  # one more trainer flag, checked against the trainer like the others
+        trainer_arg = [*(trainer_arg or []), f"--draft-vocab-size={draft_vocab_size}"]
 
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
@@ -347,7 +359,7 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
 
 
 _long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature",
-           "total-seq-len")
+           "total-seq-len", "draft-vocab-size")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 

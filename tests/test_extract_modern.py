@@ -128,6 +128,12 @@ def test_auto_engine_extracts_through_the_server_in_speculators_own_format(moder
         assert entry["tensors"]["hidden_states"]["shape"] == [entry["tokens"], 4, LLAMA_HIDDEN]
         assert entry["tokens"] <= 128
     assert manifest["dataset_files"] and all((out / n).exists() for n in manifest["dataset_files"])
+    # issue 40: chat rows by the installed speculators 0.9's rule (a sample per assistant turn: the 4th row's
+    # two turns make 5, max_samples keeps 4), recorded; token_freq.pt beside the token dataset, for the trainer
+    report = manifest["dataset_report"]
+    assert report["chat_rule"]["turns"] == "per-turn" and report["chat_rule"]["end_of_turn_supervised"], report
+    assert (report["rows"], report["samples"], report.get("over_max_samples")) == (4, 4, 1), report
+    assert "token_freq.pt" in manifest["dataset_files"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and [layer["layer_id"] for layer in summary["layers"]] == INPUT_DEFAULT
     # the server's log and its split per rank are the run's logs; nothing of it runs any more

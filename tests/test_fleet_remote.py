@@ -393,3 +393,22 @@ def test_two_modern_hosts_merge_into_one_dir_speculators_trains_on(tmp_path, tes
     assert seen["existing"] == [0, 1, 2, 3] and seen["corrupt"] == [] and len(seen["items"]) == 4
     for item in seen["items"]:
         assert item["input_ids"] == item["token_ids"]
+
+
+def test_a_group_run_whose_rows_make_another_count_of_samples_stops_before_extracting(tmp_path, testhost, c_up,
+                                                                                      hostenv_python, tiny_models):
+    """Issue 40: a group plan shards rows; per-turn chat rows make another count of samples (27 of 24 rows here:
+    30 turns, 3 whose context fills seq_len 64 left out), which would shift every range. Each shard stops while
+    tokenizing (no model load), naming the counts and the settings that fit."""
+    runs = tmp_path / "runs"
+    inv = write_inventory(tmp_path, testhost, c_up, hostenv_python, tiny_models["llama"], tiny_models["dataset"],
+                          engine="hf-reference", tp=1, max_samples=100, seq_len=64, batch_size=2, env=OFFLINE,
+                          turns="per-turn")
+    proc = cli("extract", "--inventory", str(inv), "--on", "a,b", "--run-id", "T1", "--skip-preflight",
+               "--skip-smoke", "--json", runs=runs, timeout=600)
+    assert proc.returncode != ExitCode.SUCCESS, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [json.loads(p.read_text()).get("error") or {} for p in (tmp_path / "a" / "work" / "runs").glob(
+        "*/status.json")]
+    said = " ".join(e.get("message", "") for e in errors)
+    assert "planned 24 samples (one per row) but the rows make 27 (3 left out; turns: per-turn)" in said, (errors, proc.stdout[-3000:])
+    assert "turns: whole" in said

@@ -296,5 +296,9 @@ def test_a_row_longer_than_seq_len_is_truncated_or_refused_alike_by_preflight_an
     assert "raise seq_len to 40" in lengths["fix"] and "long_samples: truncate" in lengths["fix"]
     assert "the sample has 40 tokens, more than seq_len 16 (long_samples: refuse)" in refused["run_error"], refused
     assert ":2" in refused["run_error"] and "sample 1" in refused["run_error"], refused["run_error"]
+    dropped = agree(hostenv_python, dict(params, long_samples="drop"))  # issue 40: left out, said by both
+    lengths = dropped["preflight"]["data.lengths"]
+    assert lengths["status"] == "warn" and "are left out (long_samples: drop; lines 2;" in lengths["summary"], lengths
+    assert dropped["run"] == 2, dropped
     whole = agree(hostenv_python, dict(params, seq_len=64))["preflight"]["data.lengths"]
     assert whole["status"] == "ok" and whole["summary"].startswith("longest row 40 tokens (line 2) <= seq_len 64")

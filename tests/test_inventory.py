@@ -173,6 +173,32 @@ def test_long_samples_chunked_prefill_and_writer_threads_are_fields_checked_with
         assert f"host 'gpu-a': field '{field}'" in str(err.value), str(err.value)
 
 
+def test_chat_turns_and_minimum_valid_tokens_are_fields_and_flags_checked_with_the_fix(tmp_path):
+    """Issue 40: ``turns`` (auto|per-turn|whole) and ``minimum_valid_tokens`` reach the run's params from the
+    inventory or the flag; a bad value names its field or flag."""
+    from specops.params import run_params
+
+    spec = load_inventory(write(tmp_path, host_block())).hosts["gpu-a"]
+    params = run_params(spec)
+    assert (params["turns"], params["minimum_valid_tokens"]) == ("auto", 1)
+    spec = load_inventory(write(tmp_path, host_block("turns: whole\nminimum_valid_tokens: 4\n"
+                                                     "long_samples: drop\n"))).hosts["gpu-a"]
+    params = run_params(spec)
+    assert (params["turns"], params["minimum_valid_tokens"], params["long_samples"]) == ("whole", 4, "drop")
+    flagged = run_params(spec, turns="per-turn", minimum_valid_tokens="0")
+    assert (flagged["turns"], flagged["minimum_valid_tokens"]) == ("per-turn", 0)  # the flags win
+    with pytest.raises(UsageError) as err:
+        run_params(spec, turns="each")
+    assert "--turns 'each' is not known" in str(err.value) and "auto, per-turn, whole" in err.value.hint
+    with pytest.raises(UsageError) as err:
+        run_params(spec, minimum_valid_tokens="-1")
+    assert "--minimum-valid-tokens '-1'" in str(err.value)
+    for bad, field in (("turns: each\n", "turns"), ("minimum_valid_tokens: -1\n", "minimum_valid_tokens")):
+        with pytest.raises(InventoryError) as err:
+            load_inventory(write(tmp_path, host_block(bad)))
+        assert f"host 'gpu-a': field '{field}'" in str(err.value), str(err.value)
+
+
 # --------------------------------------------------------------------------- replicas over several hosts
 
 def replica_inventory(tmp_path, replicas: str, extra_hosts: str = "", tp: int = 4):

@@ -136,12 +136,14 @@ def test_over_ssh_the_training_preflight_refuses_a_flag_specops_sets_and_takes_o
 
     # good flags, both spellings: checked against the host's trainer, then the states run is looked for
     taken = _specops("train", "--inventory", inv, "--run-id", "t1", "--from-run", "r1", "--trainer-arg",
-                     "--lr 1e-4", "--trainer-arg=--num-layers=2", "--json")
+                     "--lr 1e-4", "--trainer-arg=--num-layers=2", "--draft-vocab-size", "64", "--json")
     assert taken.returncode == 1, taken.stdout + taken.stderr
     recs = _records(taken)
     assert recs["train.trainer_args"]["status"] == "ok", recs
-    assert recs["train.trainer_args"]["detail"] == {"args": ["--lr", "1e-4", "--num-layers", "2"],
-                                                    "flags": ["--lr", "--num-layers"]}
+    # --draft-vocab-size goes to the trainer (which reads the states run's token_freq.pt), checked like the others
+    assert recs["train.trainer_args"]["detail"] == {"args": ["--lr", "1e-4", "--num-layers", "2",
+                                                             "--draft-vocab-size", "64"],
+                                                    "flags": ["--lr", "--num-layers", "--draft-vocab-size"]}
     assert "site-packages/speculators/train/config/schema.py" in recs["train.trainer_args"]["summary"]
     assert recs["train.states"]["status"] == "fail" and "r1" in recs["train.states"]["summary"], recs
 

@@ -194,8 +194,9 @@ def _lengths(ctx, dataset, found) -> dict:
     detail = {"seq_len": seq_len, "long_samples": mode, "longest": found["longest"],
               "longest_line": found["longest_line"], "over": found["over"], "over_lines": found["over_lines"],
               "chat_rows": chat, "checked": found["checked"]}
-    chat_note = f"; {chat} chat row(s) are measured once rendered (and {'refused' if mode == 'refuse' else 'truncated'}" \
-                f" past seq_len)" if chat else ""
+    fate = {"refuse": "refused", "drop": "left out"}.get(mode, "truncated")
+    chat_note = f"; {chat} chat row(s) are measured once rendered (and {fate} past seq_len; the run's manifest " \
+                f"names them)" if chat else ""
     if not found["longest"]:
         return record("data.lengths", SKIPPED if not chat else OK,
                       f"no pre-tokenized rows to measure{chat_note}", detail=detail)
@@ -210,6 +211,11 @@ def _lengths(ctx, dataset, found) -> dict:
                       fix=f"raise seq_len to {found['longest']} (the model allows "
                           f"{ctx.model.get('max_position_embeddings') or 'its max_position_embeddings'}), drop those "
                           f"rows from {dataset}, or set long_samples: truncate")
+    if mode == "drop":
+        return record("data.lengths", WARN, f"{found['over']} row(s) longer than seq_len {seq_len} are left out "
+                      f"(long_samples: drop; lines {lines}; {longest}){chat_note}", detail=detail,
+                      fix=f"raise seq_len to {found['longest']} to keep them, or set long_samples: truncate to keep "
+                          f"their first {seq_len} tokens")
     return record("data.lengths", WARN, f"{found['over']} row(s) longer than seq_len {seq_len} are truncated to "
                   f"{seq_len} tokens (lines {lines}; {longest}){chat_note}", detail=detail,
                   fix=f"raise seq_len to {found['longest']} to keep them whole, or set long_samples: refuse to stop "
