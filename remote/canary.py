@@ -191,6 +191,8 @@ def summarize(records, asked: int, engine: str) -> dict | None:
         per_sample.append({"index": rec["detail"].get("index"), "status": rec["status"],
                            "top1_agree": numbers.get("top1_agree"), "positions": numbers.get("positions"),
                            "floor_ratio": numbers.get("floor_ratio"), "seconds": rec["detail"].get("seconds")})
+    # records are kept in the order samples landed: shown by sample index
+    per_sample.sort(key=lambda s: (s["index"] is None, s["index"] or 0))
     status = max((r["status"] for r in records), key=contract.SEVERITY.__getitem__)
     checked = [s for s in per_sample if s["top1_agree"] is not None]
     out = {"status": status, "shown": SHOWN_AS.get(status, protocol.WARN), "asked": asked, "checked": len(checked),
