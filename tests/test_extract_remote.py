@@ -603,5 +603,7 @@ def test_layer_ids_resolve_with_their_convention():
                              "hf-reference", 8) == ([2, 4, 5, 7], "output")
     with pytest.raises(ValueError, match="out of range 0..7"):
         resolve_layer_ids({"layer_ids": [2, 8]}, "speculators-0.3", 8)
+    # 0.3.0's own rule collides at N=6 ([2, 3, 3, 5]): the default moves to distinct ids; given ids still may not repeat
+    assert resolve_layer_ids({}, "speculators-0.3", 6) == ([2, 3, 4, 5], "output")
     with pytest.raises(ValueError, match="duplicate layer ids"):
-        resolve_layer_ids({}, "speculators-0.3", 6)  # 0.3.0's own default collides at N=6
+        resolve_layer_ids({"layer_ids": [2, 3, 3, 5]}, "speculators-0.3", 6)

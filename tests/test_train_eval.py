@@ -589,14 +589,16 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     work = run["run_dir"].parent.parent
     draft = work / "runs" / "busy" / "checkpoints" / "0"
     assert (draft / "model.safetensors").is_file(), list((draft.parent).iterdir())
+    earlier = set((work / "evals").glob("*"))  # the module's other test evals in the same work dir
     proc = subprocess.Popen([str(Path(sys.executable).parent / "specops"), "eval", "--inventory", str(inv), "--draft",
                              str(draft), "--from-run", run["run_id"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, **env})
     deadline = time.monotonic() + 300
-    while not list((work / "evals").glob("*/spec/logs/*")):
+    while not (ours := [p.parent.parent.parent for p in (work / "evals").glob("*/spec/logs/*")
+                        if p.parent.parent.parent not in earlier]):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.5)
-    eval_dir = next((work / "evals").glob("*/spec")).parent
+    eval_dir = ours[0]
     task_pid = int((eval_dir / "eval.pid").read_text())
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
