@@ -228,6 +228,45 @@ def chat_rule(params: dict) -> dict:
             "supervised": supervised}
 
 
+def is_prepared_dataset(path) -> bool:
+    """Whether ``path`` is a ``datasets`` ``save_to_disk`` directory (what speculators' prepare-data writes)."""
+    path = Path(path)
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+
+
+def prepared_rows(path, max_samples=None, vocab_size=None) -> list:
+    """``[(index, row number, "tokens", input_ids, loss_mask), ...]`` of a prepared Arrow dataset, as
+    speculators' prepare-data wrote them (taken as they are: no re-render), each checked as a JSONL
+    token row is (row number: 1-based, in the table's order).
+
+    :raises DatasetError: not a ``save_to_disk`` directory, or the ``input_ids`` / ``loss_mask`` column missing.
+    """
+    path = Path(path)
+    if not is_prepared_dataset(path):
+        raise DatasetError(path, 0, "a directory, but not one `datasets` save_to_disk wrote (no dataset_info.json "
+                           "and state.json)", "set 'dataset' to a JSONL file or to the --output directory of "
+                           "`speculators prepare-data`")
+    from datasets import load_from_disk  # heavy: only for a prepared dataset
+
+    table = load_from_disk(str(path)).with_format(None)  # prepare-data saves it torch-formatted: plain ints here
+    missing = [c for c in ("input_ids", "loss_mask") if c not in table.column_names]
+    if missing:
+        raise DatasetError(path, 0, f"the prepared dataset has no {' / '.join(missing)} column (columns: "
+                           f"{', '.join(table.column_names)})", "give the output of `speculators prepare-data` "
+                           "(columns input_ids and loss_mask), or a JSONL file")
+    limit = _limit(max_samples)
+    count = len(table) if limit is None else min(limit, len(table))
+    out = []
+    for index, row in enumerate(table.select(range(count)).select_columns(["input_ids", "loss_mask"])):
+        try:
+            out.append((index, index + 1) + check_row({"input_ids": list(row["input_ids"]),
+                                                       "loss_mask": list(row["loss_mask"])}, path, index + 1,
+                                                      vocab_size))
+        except DatasetError as exc:
+            raise exc.at_sample(index) from None
+    return out
+
+
 def load_token_samples(params: dict, model_path: str, vocab_size: int | None = None) -> list:
     """``[(input_ids, loss_mask), ...]`` for the run, in dataset order: :func:`prepare_samples`'s samples."""
     return prepare_samples(params, model_path, vocab_size)[0]
@@ -254,18 +293,22 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
     long_mode = param(params, "long_samples")
     minimum = int(param(params, "minimum_valid_tokens"))
     vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file")
-    checked = []  # every row judged before a tokenizer loads: a bad line fails in seconds
-    for index, (lineno, raw) in enumerate(rows(path, params.get("max_samples"))):
-        try:
-            checked.append((index, lineno) + check_row(parse_row(path, lineno, raw), path, lineno, vocab_size))
-        except DatasetError as exc:
-            raise exc.at_sample(index) from None
+    if path.is_dir():
+        source, checked = "prepared-arrow", prepared_rows(path, params.get("max_samples"), vocab_size)
+    elif not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file or "
+                                f"a directory speculators' prepare-data wrote")
+    else:
+        source, checked = "jsonl", []  # every row judged before a tokenizer loads: a bad line fails in seconds
+        for index, (lineno, raw) in enumerate(rows(path, params.get("max_samples"))):
+            try:
+                checked.append((index, lineno) + check_row(parse_row(path, lineno, raw), path, lineno, vocab_size))
+            except DatasetError as exc:
+                raise exc.at_sample(index) from None
     if not checked:
         raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
     rule = chat_rule(params) if any(kind == "chat" for _, _, kind, _, _ in checked) else None
-    report = {"file": str(path), "rows": len(checked), "samples": 0, "seq_len": seq_len, "long_samples": long_mode,
+    report = {"file": str(path), "source": source, "rows": len(checked), "samples": 0, "seq_len": seq_len, "long_samples": long_mode,
               "minimum_valid_tokens": minimum, "chat_rule": rule, "truncated_count": 0, "truncated": [],
               "dropped_count": 0, "dropped": [], "tokens_lost": 0}
 

@@ -155,6 +155,44 @@ def test_chat_rows_are_speculators_0_9_prepare_data_rows_with_its_token_freq(
                                                   for t in report["truncated"])
 
 
+#: the peer's prepared Arrow dir as specops' dataset, and specops' own rendering of the chat rows, in order
+PREPARED_SIDE = """
+def main(params, prepared_dir):
+    from remote import dataset
+    mine, _ = dataset.prepare_samples(params, params["model_path"])
+    taken, report = dataset.prepare_samples(dict(params, dataset=prepared_dir), params["model_path"])
+    missing = None
+    from datasets import load_from_disk
+    bad_dir = prepared_dir + "-no-mask"
+    load_from_disk(prepared_dir).remove_columns(["loss_mask"]).save_to_disk(bad_dir)
+    try:
+        dataset.prepare_samples(dict(params, dataset=bad_dir), params["model_path"])
+    except dataset.DatasetError as exc:
+        missing = str(exc)
+    return {"mine": sorted([list(i), list(m)] for i, m in mine), "taken": [[list(i), list(m)] for i, m in taken],
+            "report": report, "missing": missing}
+"""
+
+
+def test_speculators_prepared_arrow_is_taken_as_it_is(modern_vllm_python, tiny_models, chat_file, peer_prepared,
+                                                     tmp_path):
+    """The peer's prepare-data output as the dataset: its ids and masks taken as they are (equal, row for
+    row, to specops' own rendering of the same chat rows), still judged by seq_len / minimum_valid_tokens
+    and counted; a missing column is named with its fix."""
+    import shutil
+    prepared = tmp_path / "prepared"
+    shutil.copytree(peer_prepared, prepared)
+    params = {"dataset": str(chat_file), "model_path": str(tiny_models["llama"]), "seq_len": SEQ_LEN,
+              "max_samples": None, "minimum_valid_tokens": MINIMUM_VALID_TOKENS}
+    got = hostcall.run_code(modern_vllm_python, PREPARED_SIDE, params, str(prepared),
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    assert sorted(got["taken"]) == got["mine"], "the prepared rows, taken, differ from specops' rendering"
+    report = got["report"]
+    assert report["source"] == "prepared-arrow" and report["chat_rule"] is None
+    assert report["rows"] == report["samples"] == len(got["mine"]) and report["dropped_count"] == 0
+    assert "no loss_mask column" in got["missing"] and "prepare-data" in got["missing"], got["missing"]
+
+
 def test_whole_rows_are_speculators_0_3_rows(vllm_python, tiny_models, chat_file, tmp_path):
     """The seed stack (speculators 0.3): one sample per row, reply text supervised, by 0.3's own code."""
     code = SPECOPS_SIDE.replace("def main(", "def specops_side(") + """

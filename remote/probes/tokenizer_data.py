@@ -120,6 +120,10 @@ def probe_data(ctx: Context) -> list:
     dataset = ctx.params["dataset"]
     if not dataset:
         return [record("data.file", SKIPPED, "no dataset given", detail={})]
+    if rows_reader.is_prepared_dataset(dataset):  # its rows are Arrow: the run reads and checks them
+        return [record("data.file", OK, f"{dataset}: a prepared dataset (speculators prepare-data's Arrow "
+                       f"input_ids / loss_mask, taken as they are); the run checks its rows and its manifest's "
+                       f"dataset_report counts them", detail={"dataset": dataset, "source": "prepared-arrow"})]
     if not os.path.isfile(dataset):
         hub = dataset in HUB_DATASETS
         return [record("data.file", FAIL, f"dataset {dataset} does not exist" + (
