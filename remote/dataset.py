@@ -242,7 +242,7 @@ def prepared_rows(path, max_samples=None, vocab_size=None) -> list:
     :raises DatasetError: not a ``save_to_disk`` directory, or the ``input_ids`` / ``loss_mask`` column missing.
     """
     path = Path(path)
-    if not is_prepared_dataset(path):
+    if not is_prepared_dataset(path):  # prepare_samples says so first, naming the field
         raise DatasetError(path, 0, "a directory, but not one `datasets` save_to_disk wrote (no dataset_info.json "
                            "and state.json)", "set 'dataset' to a JSONL file or to the --output directory of "
                            "`speculators prepare-data`")
@@ -276,6 +276,11 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
     """``([(input_ids, loss_mask), ...], report)``: the run's samples, in dataset order, and what
     became of the rows.
 
+    ``dataset`` is one input or a list of them, concatenated in the order given: a JSONL file, or
+    the directory speculators' ``prepare-data`` wrote (its ``input_ids`` / ``loss_mask`` taken as
+    they are, :func:`prepared_rows`). Every input is found before a row is read; ``report["inputs"]``
+    names each, its source kind, its row count and the ``[start, stop)`` range of samples it gave.
+
     Rows as :func:`rows` reads them and :func:`check_row` judges them; chat rows rendered with
     the model tokenizer's chat template by :func:`chat_rule` (``turns``: a sample per assistant
     turn, or per row). ``max_samples`` keeps the first rows and at most that many samples. A
@@ -288,27 +293,44 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
     :raises DatasetError: naming the sample index, the file and the line of a row that
         cannot be used.
     """
-    path = Path(params["dataset"])
+    given = params["dataset"]
+    inputs = [Path(item) for item in (given if isinstance(given, (list, tuple)) else [given])]
+    if not inputs:
+        raise ValueError("dataset is an empty list; give one or more JSONL files or prepare-data directories")
     seq_len = int(param(params, "seq_len"))
     long_mode = param(params, "long_samples")
     minimum = int(param(params, "minimum_valid_tokens"))
     vocab_size = vocab_size if type(vocab_size) is int and vocab_size > 0 else None  # a bad config: preflight's
-    if path.is_dir():
-        source, checked = "prepared-arrow", prepared_rows(path, params.get("max_samples"), vocab_size)
-    elif not path.is_file():
-        raise FileNotFoundError(f"dataset {path} does not exist on this host; set 'dataset' to a JSONL file or "
-                                f"a directory speculators' prepare-data wrote")
-    else:
-        source, checked = "jsonl", []  # every row judged before a tokenizer loads: a bad line fails in seconds
-        for index, (lineno, raw) in enumerate(rows(path, params.get("max_samples"))):
-            try:
-                checked.append((index, lineno) + check_row(parse_row(path, lineno, raw), path, lineno, vocab_size))
-            except DatasetError as exc:
-                raise exc.at_sample(index) from None
+    for number, path in enumerate(inputs):  # every input found before a row is read
+        field = "dataset" if len(inputs) == 1 else f"dataset[{number}]"
+        if path.is_dir() and not is_prepared_dataset(path):
+            raise DatasetError(path, 0, f"{field} is a directory, but not one `datasets` save_to_disk wrote (no "
+                               f"dataset_info.json and state.json)", f"set {field} to a JSONL file or to the "
+                               f"--output directory of `speculators prepare-data`")
+        if not path.is_dir() and not path.is_file():
+            raise FileNotFoundError(f"{field} {path} does not exist on this host; set {field} to a JSONL file or "
+                                    f"a directory speculators' prepare-data wrote")
+    limit, checked, sources = _limit(params.get("max_samples")), [], []
+    for number, path in enumerate(inputs):  # concatenated in the order given; max_samples counts them all
+        left, first = None if limit is None else max(limit - len(checked), 0), len(checked)
+        if path.is_dir():
+            source = "prepared-arrow"
+            found = [(first + index, lineno, *rest) for index, lineno, *rest in prepared_rows(path, left, vocab_size)]
+        else:
+            source, found = "jsonl", []  # every row judged before a tokenizer loads: a bad line fails in seconds
+            for index, (lineno, raw) in enumerate(rows(path, left), first):
+                try:
+                    found.append((index, lineno) + check_row(parse_row(path, lineno, raw), path, lineno, vocab_size))
+                except DatasetError as exc:
+                    raise exc.at_sample(index) from None
+        checked.extend(row + (path, number) for row in found)
+        sources.append({"file": str(path), "source": source, "rows": len(found), "sample_range": None})
+    path = inputs[0] if len(inputs) == 1 else ", ".join(map(str, inputs))
     if not checked:
         raise ValueError(f"{path}: no samples (empty file or max_samples=0)")
-    rule = chat_rule(params) if any(kind == "chat" for _, _, kind, _, _ in checked) else None
-    report = {"file": str(path), "source": source, "rows": len(checked), "samples": 0, "seq_len": seq_len, "long_samples": long_mode,
+    rule = chat_rule(params) if any(row[2] == "chat" for row in checked) else None
+    report = {"file": str(path), "source": "+".join(sorted({i["source"] for i in sources})), "inputs": sources,
+              "rows": len(checked), "samples": 0, "seq_len": seq_len, "long_samples": long_mode,
               "minimum_valid_tokens": minimum, "chat_rule": rule, "truncated_count": 0, "truncated": [],
               "dropped_count": 0, "dropped": [], "tokens_lost": 0}
 
@@ -320,8 +342,10 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
 
     tokenizer = None
     out = []
-    for index, lineno, kind, ids, mask in checked:
+    for index, lineno, kind, ids, mask, path, number in checked:
         where = {"file": str(path), "line": lineno, "row": index}
+        if sources[number]["sample_range"] is None:
+            sources[number]["sample_range"] = [len(out), len(out)]
         try:
             if kind == "chat":
                 if tokenizer is None:
@@ -376,10 +400,13 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
                 out.append((c_ids, c_mask))
         except DatasetError as exc:
             raise exc.at_sample(index) from None
-    limit = _limit(params.get("max_samples"))
+        sources[number]["sample_range"][1] = len(out)
     if limit is not None and len(out) > limit:  # a row's turns past the cap: max_samples counts samples, as the peer's
         report["over_max_samples"] = len(out) - limit
         out = out[:limit]
+    for item in sources:  # [start, stop) of the samples each input gave, in the run's sample order
+        start, stop = item["sample_range"] or [len(out), len(out)]
+        item["sample_range"] = [min(start, len(out)), min(stop, len(out))]
     report["samples"] = len(out)
     if not out:
         first = (report["dropped"] or [{}])[0]

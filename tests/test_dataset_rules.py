@@ -266,3 +266,24 @@ def test_a_dataset_left_with_no_sample_says_why(hostenv_python, tmp_path):
     data_ok = hostcall.run_code(hostenv_python, PRETOKENIZED, {"dataset": str(data), "max_samples": None,
                                                                "minimum_valid_tokens": 0})
     assert data_ok["rows"] == [[[7, 8], [0, 0]]]
+
+
+def test_several_inputs_are_concatenated_in_order_and_each_named(hostenv_python, tmp_path):
+    """Two inputs: samples in the order given, each input's rows and sample range in the report,
+    max_samples across them all; a missing input is named (its index) before any row is read."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("\n".join(json.dumps(r) for r in [
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 4], "loss_mask": [0, 0]}]) + "\n")
+    second.write_text(json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n" + json.dumps({"input_ids": [9, 9]}) + "\n")
+    params = {"dataset": [str(second), str(first)], "seq_len": 8, "max_samples": None}
+    got = hostcall.run_code(hostenv_python, PRETOKENIZED, params)
+    assert got["rows"] == [[[5, 6, 7, 8], [1, 1, 1, 1]], [[9, 9], [1, 1]], [[1, 2, 3], [0, 1, 1]]]
+    report = got["report"]
+    assert [(i["file"], i["source"], i["rows"], i["sample_range"]) for i in report["inputs"]] == [
+        (str(second), "jsonl", 2, [0, 2]), (str(first), "jsonl", 2, [2, 3])]
+    assert report["rows"] == 4 and report["samples"] == 3 and report["dropped"][0]["file"] == str(first)
+    capped = hostcall.run_code(hostenv_python, PRETOKENIZED, dict(params, max_samples=3))
+    assert [i["rows"] for i in capped["report"]["inputs"]] == [2, 1] and len(capped["rows"]) == 3
+    missing = hostcall.run_code(hostenv_python, PRETOKENIZED.replace("(ValueError,", "(OSError, ValueError,"),
+                                dict(params, dataset=[str(first), str(tmp_path / "nope.jsonl")]))
+    assert "dataset[1]" in missing["error"] and "nope.jsonl" in missing["error"], missing
