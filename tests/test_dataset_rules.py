@@ -174,8 +174,8 @@ def main(params, prepared_dir):
 """
 
 
-def test_speculators_prepared_arrow_is_taken_as_it_is(modern_vllm_python, tiny_models, chat_file, peer_prepared,
-                                                     tmp_path):
+def test_speculators_prepared_arrow_is_taken_as_it_is(modern_vllm_python, hostenv_python, tiny_models, chat_file,
+                                                     peer_prepared, tmp_path):
     """The peer's prepare-data output as the dataset: its ids and masks taken as they are (equal, row for
     row, to specops' own rendering of the same chat rows), still judged by seq_len / minimum_valid_tokens
     and counted; a missing column is named with its fix."""
@@ -191,6 +191,9 @@ def test_speculators_prepared_arrow_is_taken_as_it_is(modern_vllm_python, tiny_m
     assert report["source"] == "prepared-arrow" and report["chat_rule"] is None
     assert report["rows"] == report["samples"] == len(got["mine"]) and report["dropped_count"] == 0
     assert "no loss_mask column" in got["missing"] and "prepare-data" in got["missing"], got["missing"]
+    from test_preflight_remote import base_params, host_preflight
+    checks = host_preflight(hostenv_python, base_params(Path(tiny_models["llama"]), tmp_path, dataset=str(prepared)))
+    assert checks["data.file"]["status"] == "ok" and "prepared dataset" in checks["data.file"]["summary"], checks
 
 
 def test_whole_rows_are_speculators_0_3_rows(vllm_python, tiny_models, chat_file, tmp_path):
