@@ -173,6 +173,45 @@ def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: st
     return records
 
 
+def _tensor_shapes(path: Path) -> dict:
+    """``{name: shape}`` of every tensor in the dir's ``*.safetensors``, read from their JSON headers
+    (8-byte little-endian length, then the header): nothing is loaded."""
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size)) if 0 < size < 100 * 2 ** 20 else {}
+        except (OSError, ValueError):
+            continue  # an unreadable file: vLLM's load names it
+        shapes.update({k: v.get("shape") for k, v in header.items() if isinstance(v, dict)})
+    return shapes
+
+
+def vocab_maps_record(draft: dict, path: Path, target: dict) -> dict | None:
+    """``eval.draft_vocab_maps``, for a draft with a reduced vocabulary (``draft_vocab_size`` below the
+    target's): vLLM maps its tokens back through ``d2t`` (one offset per draft token) and the trainer's
+    ``t2d`` (one flag per target token); either missing or of another length fails the load after the
+    target is up. None for a full-vocabulary draft."""
+    size, model_vocab = draft.get("draft_vocab_size"), modelconfig.text_value(target, "vocab_size")
+    if type(size) is not int or type(model_vocab) is not int or size >= model_vocab:
+        return None
+    shapes = _tensor_shapes(path)
+    d2t = next((v for k, v in shapes.items() if k.split(".")[-1] == "d2t"), None)
+    t2d = next((v for k, v in shapes.items() if k.split(".")[-1] == "t2d"), None)
+    problems = [f"{name} {'is missing' if got is None else f'has shape {got}, expected [{want}]'}"
+                for name, got, want in (("d2t", d2t, size), ("t2d", t2d, model_vocab)) if got != [want]]
+    detail = {"draft_vocab_size": size, "target_vocab": model_vocab, "d2t": d2t, "t2d": t2d}
+    if problems:
+        return protocol.record("eval.draft_vocab_maps", protocol.FAIL,
+                               f"the draft's reduced vocabulary ({size} of {model_vocab}): {', '.join(problems)} in "
+                               f"{path}/*.safetensors", detail=detail,
+                               fix="evaluate the checkpoint as speculators' trainer saved it (it writes d2t/t2d "
+                                   "with --draft-vocab-size), or retrain with --draft-vocab-size")
+    return protocol.record("eval.draft_vocab_maps", protocol.OK,
+                           f"the draft's reduced vocabulary: d2t [{size}] and t2d [{model_vocab}]", detail=detail)
+
+
 # --------------------------------------------------------------------------- prompts and metrics
 
 def held_out_prompts(params: dict, plan: trainplan.TrainPlan, doc: dict, target: dict) -> tuple[list, list]:
@@ -310,6 +349,9 @@ def evaluate(params: dict) -> dict:
         raise EvalError(exc.name.replace("train.", "eval."), exc.summary, exc.fix, exc.detail) from None
     target = modelconfig.read(plan.model_path)
     records = check_config(draft, plan, target, str(path)) + [draft_loadable_record(draft, str(path))]
+    maps = vocab_maps_record(draft, path, target)
+    if maps is not None:
+        records.append(maps)
     if any(r["status"] == protocol.FAIL for r in records):
         if not params.get("force"):
             return protocol.payload(records, draft=str(path), from_run=from_run)

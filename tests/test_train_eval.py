@@ -28,6 +28,7 @@ chat dataset, seq_len 128, ids ``input:2,4,5,8``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -205,6 +206,31 @@ def test_a_draft_vllm_cannot_load_is_refused_before_the_load(modern_hostenv_pyth
     assert draft_eval.draft_loadable_record(fixed, "/d", root)["status"] == "ok"
     three = {**four, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
     assert draft_eval.draft_loadable_record(three, "/d", root)["status"] == "ok"
+
+
+def _safetensors(path: Path, shapes: dict) -> None:
+    """A real safetensors file (header + zero int64 data) with these tensors: only its header is read."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 8 * math.prod(shape)
+        header[name] = {"dtype": "I64", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(offset))
+
+
+def test_a_reduced_vocabulary_draft_needs_its_vocab_maps_of_the_right_lengths(tmp_path):
+    """draft_vocab_size below the target's: d2t [draft_vocab_size] and t2d [target vocab] must be in the
+    weights (vLLM maps the draft's tokens through them), else eval fails before the load, naming them."""
+    target = {"vocab_size": 512}
+    draft = {"draft_vocab_size": 64, "transformer_layer_config": {"vocab_size": 512}}
+    _safetensors(tmp_path / "model.safetensors", {"d2t": [64], "t2d": [512], "fc.weight": [2, 2]})
+    assert draft_eval.vocab_maps_record(draft, tmp_path, target)["status"] == "ok"
+    assert draft_eval.vocab_maps_record({**draft, "draft_vocab_size": 512}, tmp_path, target) is None
+    _safetensors(tmp_path / "model.safetensors", {"d2t": [32], "fc.weight": [2, 2]})
+    bad = draft_eval.vocab_maps_record(draft, tmp_path, target)
+    assert bad["status"] == "fail" and "d2t has shape [32], expected [64]" in bad["summary"]
+    assert "t2d is missing" in bad["summary"] and "--draft-vocab-size" in bad["fix"]
 
 
 def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
