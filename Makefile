@@ -18,6 +18,7 @@ demo: bootstrap
 TEST_WORKERS ?= 2
 
 test: bootstrap
+	.venv/bin/python -m specops.testhost.sourcetree --quiet
 	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 bench: bootstrap

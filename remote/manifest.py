@@ -132,6 +132,9 @@ FIELDS = {
     "shard_map": Field("list", "the group run's shards: id, hosts, range, run id, moves", "group"),
     "hosts": Field("object", "host -> its engine and versions", "group"),
     "engines": Field("object", "shard id -> the engine its host ran", "group"),
+    "canaries": Field("object", "shard id -> its canary's verdict (each shard checks its own first samples); "
+                                "shards without a canary: absent", "group"),
+    "dataset_reports": Field("object", "shard id -> what its samples are made of (its dataset_report)", "group"),
 }
 #: the fields of one ``files`` entry; ``path`` is always there.
 ENTRY_FIELDS = {

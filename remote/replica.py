@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -119,6 +120,11 @@ class Lines:
 
 # --------------------------------------------------------------------------- the head's side
 
+def names_host(message: str, host: str) -> bool:
+    """Whether ``message`` names ``host`` as a whole word (``h1`` is not named by "h10 died")."""
+    return re.search(rf"(?<![\w.-]){re.escape(host)}(?![\w-]|\.\w)", message) is not None
+
+
 class HostWatch:
     """The head supervisor's watch of its replica's worker hosts (see the module doc).
 
@@ -198,7 +204,7 @@ class HostWatch:
             error["rank"] = ranks_of(self.replica, node)[0]
         error.update(host=host, node_rank=node, ranks=ranks_of(self.replica, node))
         message = str(error.get("message") or "")
-        if host not in message:
+        if not names_host(message, host):
             error["message"] = f"on host {host} (node {node}): {message}"
         with self._lock:
             if self.lost is not None or self._closing:

@@ -78,16 +78,37 @@ class LayerStats:
         }
 
 
-def non_finite(hidden_states, layer_ids) -> list[dict]:
-    """Per-layer NaN/Inf counts of one sample, only for layers that have any."""
+#: how many non-finite places a refusal lists in its detail (the count says how many there were)
+MAX_NONFINITE_LISTED = 20
+
+
+def non_finite(hidden_states, layer_ids, scales=None) -> list[dict]:
+    """Every ``{layer, token, what}`` place of one sample whose state is not finite, ``what`` being the first
+    non-finite value's kind (``NaN``, ``+Inf``, ``-Inf``). An fp8 file's non-finite per-token scale is named as
+    ``layer: "scale"`` and its token's layers are not listed again (the scale spoils all of them).
+
+    The one reader of non-finite states: the supervisor refuses a batch with it before writing, and
+    ``verify.states`` refuses a landed run with it."""
     import torch
 
-    bad = []
-    for lid, h in zip(layer_ids, hidden_states):
-        nan, inf = int(torch.isnan(h).sum()), int(torch.isinf(h).sum())
-        if nan or inf:
-            bad.append({"layer_id": lid, "nan": nan, "inf": inf})
-    return bad
+    found = []
+    if scales is not None:
+        flat = scales.reshape(-1)
+        for token in (~torch.isfinite(flat)).nonzero().flatten().tolist():
+            found.append({"layer": "scale", "token": token, "what": _value_kind(float(flat[token]))})
+    spoiled = {p["token"] for p in found}
+    for lid, states in zip(layer_ids, hidden_states):
+        rows = (~torch.isfinite(states)).reshape(states.shape[0], -1).any(dim=-1)
+        for token in rows.nonzero().flatten().tolist():
+            if token in spoiled:
+                continue
+            value = states[token].reshape(-1)
+            found.append({"layer": lid, "token": token, "what": _value_kind(float(value[~torch.isfinite(value)][0]))})
+    return found
+
+
+def _value_kind(value: float) -> str:
+    return "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
 
 
 def read_pt_sample(path, stats, layer_ids):

@@ -50,7 +50,7 @@ from remote.engines import engine_class
 from remote.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
 from remote.procgroup import kill_own_group_and_exit, stop_leftovers
 from remote.rundir import RunPaths, StatusFile, utc_now
-from remote.sampleread import non_finite
+from remote.sampleread import MAX_NONFINITE_LISTED, non_finite
 from remote.samplewriter import WRITE_QUEUE_BATCHES, SampleWriter
 
 HEARTBEAT_S = 5.0
@@ -462,11 +462,17 @@ class Supervisor:
                 if h.dim() != 2 or h.shape[0] != len(ids):
                     raise RuntimeError(f"sample {b0 + j}, layer {lid}: shape {list(h.shape)}, expected "
                                        f"[{len(ids)}, hidden]")
-            bad = non_finite(layer_states, layer_ids)
-            if bad:
+            places = non_finite(layer_states, layer_ids)
+            if places:
+                by_layer: dict = {}
+                for place in places:
+                    by_layer.setdefault(place["layer"], []).append(place)
                 exc = NonFiniteStates(f"sample {b0 + j}: non-finite hidden states: " + ", ".join(
-                    f"layer {b['layer_id']}: {b['nan']} NaN, {b['inf']} Inf" for b in bad))
-                exc.detail = {"sample": b0 + j, "layers": bad}
+                    f"layer {lid}: {len(hit)} token(s), first {hit[0]['what']} at token {hit[0]['token']}"
+                    for lid, hit in by_layer.items()))
+                exc.detail = {"sample": b0 + j, "count": len(places), "places": places[:MAX_NONFINITE_LISTED],
+                              "layers": [{"layer_id": lid, "tokens": len(hit), "first": hit[0]["what"],
+                                          "first_token": hit[0]["token"]} for lid, hit in by_layer.items()]}
                 raise exc
 
     def _save(self, idx, ids, mask, layer_states) -> None:

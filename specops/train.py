@@ -21,6 +21,8 @@ import math
 import time
 from pathlib import Path
 
+from rich.text import Text
+
 from specops import jobs
 from specops.assets import remote_manifest, remote_memuse
 from specops.errors import SpecopsError, UsageError
@@ -113,10 +115,10 @@ def _number(value, name: str, kind, low):
     return number
 
 
-def progress_line(host: str, st: dict) -> str:
-    """One line of a training run's progress from its status."""
+def progress_line(host: str, st: dict) -> Text:
+    """One line of a training run's progress from its status (its text is the remote's: never markup)."""
     acc = st.get("accuracy") or []
-    parts = [f"[bold]{host}[/]", st.get("state") or ""]
+    parts = [st.get("state") or ""]
     if st.get("step") is None and st.get("phase"):  # before the trainer: regenerating, extracting, starting
         parts.append(st["phase"])
     if st.get("step") is not None:
@@ -134,7 +136,7 @@ def progress_line(host: str, st: dict) -> str:
     if memory.get("peak_bytes"):  # the trainer's measured peak so far, against the preflight's estimate
         parts.append(f"peak {remote_memuse().human_bytes(memory['peak_bytes'])}" +
                      (f" ({memory['peak_over_estimate']:.2f}x est.)" if memory.get("peak_over_estimate") else ""))
-    return "  ".join(p for p in parts if p)
+    return Text(host, style="bold") + Text("  " + "  ".join(p for p in parts if p))
 
 
 #: the errors of a trainer that exited but whose draft learned nothing (remote.trainrun): diverged, or no signal
@@ -214,7 +216,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         return max((r.exit_code for r in reports), default=ExitCode.SUCCESS)
     if not as_json:
         print_reports(reports)
-        console.print(f"Following train run [bold]{run_id}[/] on {', '.join(started)} (Ctrl-C detaches)")
+        console.print(Text("Following train run ") + Text(run_id, style="bold")
+                      + Text(f" on {', '.join(started)} (Ctrl-C detaches)"))
     shown: dict[str, tuple] = {}
 
     def on_event(name: str, event: dict) -> None:
@@ -235,8 +238,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     except KeyboardInterrupt:
         for host in hosts.values():
             host.close()
-        err_console.print(f"\n[yellow]detached[/]: train run {run_id} goes on. Re-attach: the same command; "
-                          f"status: specops status --run-id {run_id}")
+        err_console.print(Text("\ndetached", style="yellow") + Text(
+            f": train run {run_id} goes on. Re-attach: the same command; status: specops status --run-id {run_id}"))
         return ExitCode.JOB_RUNNING
     fetched = run_on_hosts(inventory, ",".join(started), "fetch",
                            lambda h: fetch_run(hosts[h.name], run_id))

@@ -385,6 +385,9 @@ def test_two_modern_hosts_merge_into_one_dir_speculators_trains_on(tmp_path, tes
     assert merged["complete"] and [f["index"] for f in merged["files"]] == [0, 1, 2, 3]
     assert [f["path"] for f in merged["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(4)]
     assert [f["host"] for f in merged["files"]] == ["a", "a", "b", "b"]
+    # each shard ran its own canary over its first samples; the group manifest keeps both verdicts
+    assert set(merged["canaries"]) == {s["id"] for s in merged["shard_map"]}, merged.get("canaries")
+    assert all(c["status"] == "ok" and c["checked"] >= 1 for c in merged["canaries"].values()), merged["canaries"]
     samples = runs / "H2" / "samples"
     for f in merged["files"]:
         assert blake3_of(samples / f["path"]) == f["blake3"]

@@ -813,3 +813,40 @@ def test_round11_a_draft_for_the_8b_shaped_target_is_accepted_and_speeds_it_up_o
     assert forced["eval.draft_layer_ids"]["status"] == "warn"
     shifted = forced["eval.acceptance"]["detail"]
     assert abs(shifted["mean_acceptance_length"] - acc["detail"]["mean_acceptance_length"]) < 0.05, shifted
+
+
+def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_verify_through_the_cli():
+    """vLLM 0.26.0 (it pins the device's torch 2.11, as 0.25 does) staged like the 0.25 kit, on an H100 (the
+    device gave no H200 that hour): the unchanged CLI over SSH ran preflight, extract with the canary, status,
+    fetch and verify on the tiny Llama. Extraction was served by the V1 model runner: 0.26's server says V2
+    does not yet support extract_hidden_states and falls back; the aux ids it took are the run's."""
+    from remote.engines.vllm_server import aux_ids
+
+    pre = records("round12/cli/preflight_gpu-llama.json")
+    for name in ("drift.server-method", "drift.server-connector", "drift.server-args", "drift.server-eagle3",
+                 "drift.server-chunking", "drift.server-known-bad"):
+        assert pre[name]["status"] == "ok", pre[name]
+    assert "vllm/v1/spec_decode/extract_hidden_states.py:" in pre["drift.server-method"]["summary"]
+    manifest = json.loads(read("round12/cli/fetched_gpu-llama-3/manifest.json"))
+    assert manifest["versions"]["vllm"] == "0.26.0" and manifest["versions"]["torch"] == "2.11.0"
+    log = read("round12/cli/fetched_gpu-llama-3/logs/server.log")
+    runner = aux_ids.model_runner(log)
+    assert runner["runner"] == "V1" and "extract_hidden_states" in runner["why"], runner
+    assert aux_ids.aux_ids_used(log)["ids"] == manifest["layer_ids"] == [2, 4, 5, 8]
+    assert manifest["engine"]["aux_ids_used"]["ids"] == [2, 4, 5, 8]
+    assert manifest["canary"]["status"] == "ok" and manifest["canary"]["checked"] == 2, manifest["canary"]
+    status = records("round12/cli/status_llama.json")
+    assert status["job.status"]["status"] == status["job.canary"]["status"] == "ok"
+    verify = records("round12/cli/verify_llama.json")["verify.run"]
+    assert verify["status"] == "ok" and "every state is finite" in verify["summary"], verify
+
+
+def test_the_model_runner_line_of_each_vllm():
+    """The V2 runner's own line (vLLM 0.26-0.33 and the CPU build log it when it serves), the fall-back to V1
+    (round 12's log), and a log that names neither."""
+    from remote.engines.vllm_server import aux_ids
+
+    assert aux_ids.model_runner("(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner\n") == {
+        "runner": "V2", "why": "the server chose the V2 runner",
+        "line": "(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner"}
+    assert aux_ids.model_runner("INFO loading\nINFO ready\n") is None

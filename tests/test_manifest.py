@@ -171,7 +171,10 @@ def test_the_laptops_group_merge_is_the_same_merge(tmp_path, monkeypatch):
                                                       "convention": "output"},
                           shards=[Shard(id="s0", hosts=["a"], start=0, stop=2, run_id="G", output_dir="/o"),
                                   Shard(id="s1", hosts=["b"], start=2, stop=4, run_id="G", output_dir="/o")])
-    schema.write_atomic(tmp_path / "runs" / "G" / "hosts" / "a" / "G" / contract.MANIFEST, built())
+    canary = {"status": "ok", "asked": 2, "checked": 2, "samples": [0, 1], "summary": "ok: 2 samples"}
+    report = {"chat_rule": "whole", "rows": 2, "samples": 2}
+    schema.write_atomic(tmp_path / "runs" / "G" / "hosts" / "a" / "G" / contract.MANIFEST,
+                        built(canary=canary, dataset_report=report))
     listing = {"s0": [entry(0), entry(1), entry(2)], "s1": [entry(3)]}  # s0's 2 lies past its range
     reports = {sid: HostReport(host=sid, task="fetch", data={"listing": {"files": files}})
                for sid, files in listing.items()}
@@ -181,6 +184,8 @@ def test_the_laptops_group_merge_is_the_same_merge(tmp_path, monkeypatch):
     assert [(e["index"], e["shard"], e["host"]) for e in doc["files"]] == [(0, "s0", "a"), (1, "s0", "a"),
                                                                           (3, "s1", "b")]
     assert doc["engines"] == {"s0": built()["engine"]} and doc["format"] == schema.FORMAT_TEXT["pt"]
+    # each shard's canary verdict and dataset report, by shard (s1's manifest was not fetched: absent)
+    assert doc["canaries"] == {"s0": canary} and doc["dataset_reports"] == {"s0": report}
 
 
 # --------------------------------------------------------------------------- readers

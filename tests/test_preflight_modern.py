@@ -133,9 +133,9 @@ def test_preflight_reads_the_vllm_034_source_by_name(modern_hostenv_python, test
     reader and FrontendArgs: each record names where it found them."""
     from conftest import _inventory_writer
     from specops.testhost.hostenv import make_overlay_env, site_packages
-    from specops.testhost.sourcetree import ensure_source
+    from specops.testhost.sourcetree import source_of
 
-    source = ensure_source("vllm", "0.34.0")
+    source = source_of("vllm", "0.34.0")
     python = make_overlay_env(modern_hostenv_python, tmp_path / "env", own=(), rope_fix=False,
                               hidden_states_connector=True)
     for entry in source.iterdir():  # the overlay's site-packages comes first: this vllm is the one found

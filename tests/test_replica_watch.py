@@ -169,3 +169,12 @@ def test_a_worker_hosts_supervisor_is_known_alive_to_status_start_and_abort(tmp_
     finally:
         for left in supervisors():
             os.kill(left, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("message, named", [
+    ("h1 died", True), ("worker on h1: exit 9", True), ("host h1.", True), ("(h1)", True),
+    ("h10 died", False), ("gpu-h1 died", False), ("h1.example died", False), ("", False),
+])
+def test_a_lost_host_is_named_only_as_a_whole_word(message, named):
+    """The lost host's name is put in front of a message that does not name it; ``h1`` is not named by ``h10``."""
+    assert replica.names_host(message, "h1") is named

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 
 from remote.drift import server  # noqa: E402  (stdlib only)
 from remote.drift.pyindex import PackageIndex, forget_trees  # noqa: E402
-from specops.testhost.sourcetree import ensure_source  # noqa: E402
+from specops.testhost.sourcetree import RELEASES, source_of  # noqa: E402
 
 #: target -> the architecture its config.json names
 TARGETS = {"Llama": "LlamaForCausalLM", "Qwen3": "Qwen3ForCausalLM", "Qwen3-MoE": "Qwen3MoeForCausalLM",
@@ -73,7 +73,7 @@ def verdicts() -> dict:
     """(dist, version) -> {check: record} for every row, all read in this process."""
     out = {}
     for dist, version, *_ in VLLM_ROWS:
-        index = PackageIndex(ensure_source(dist, version), platform=_platform(dist))
+        index = PackageIndex(source_of(dist, version), platform=_platform(dist))
         recs = {"method": server.method_record(index, {}), "connector": server.connector_record(index, {}),
                 "flags": server.server_args_record(index, {}), "chunking": server.chunking_record(index, {})}
         for target, arch in TARGETS.items():
@@ -81,6 +81,12 @@ def verdicts() -> dict:
         out[(dist, version)] = recs
         forget_trees(index.root)  # one release's trees in memory at a time
     return out
+
+
+def test_the_matrix_checks_every_fetched_release():
+    """What ``make test`` fetches is what the rows check: no release fetched for nothing, none unchecked."""
+    checked = {(d, v) for d, v, *_ in VLLM_ROWS} | {("speculators", v) for v in SPECULATORS_ROWS}
+    assert checked == set(RELEASES)
 
 
 @pytest.mark.parametrize("row", VLLM_ROWS, ids=[f"{r[0]}-{r[1]}" for r in VLLM_ROWS])
@@ -135,8 +141,8 @@ def test_speculators_releases(version):
     engine is vLLM's own server and those rules skip. Every release's Eagle3 config has the aux-id field."""
     from remote.drift.source import speculators_files
 
-    root = ensure_source("speculators", version)
-    vllm_016 = PackageIndex(ensure_source("vllm", "0.16.0"))
+    root = source_of("speculators", version)
+    vllm_016 = PackageIndex(source_of("vllm", "0.16.0"))
     assert bool(speculators_files(root, vllm_016)) is SPECULATORS_ROWS[version]
     index = PackageIndex(root, package="speculators")
     config = index.find_classes("Eagle3SpeculatorConfig")
@@ -157,7 +163,7 @@ def _model(tmp_path, name: str, **config) -> str:
 
 
 def _known_bad(dist: str, version: str, **params) -> dict:
-    index = PackageIndex(ensure_source(dist, version), platform="cpu" if params.get("device") == "cpu" else "cuda")
+    index = PackageIndex(source_of(dist, version), platform="cpu" if params.get("device") == "cpu" else "cuda")
     return server.known_bad_record(index, params)
 
 
@@ -227,7 +233,7 @@ def test_draft_with_other_than_3_top_level_aux_ids_is_refused_on_034(ids, model_
     else 3; Eagle3Qwen3ForCausalLM reads the top-level ids itself."""
     from remote.drift.rules import known_bad
 
-    index = PackageIndex(ensure_source("vllm", "0.34.0"), platform="cuda")
+    index = PackageIndex(source_of("vllm", "0.34.0"), platform="cuda")
     draft = {"eagle_aux_hidden_state_layer_ids": ids, "speculators_model_type": "eagle3",
              "transformer_layer_config": dict({"model_type": model_type}, **layer_extra)}
     problem = known_bad.draft_aux_count_problem(index, draft, "/d")
@@ -245,7 +251,7 @@ def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, co
 
     from remote.engines.vllm_server import aux_ids
 
-    index = PackageIndex(ensure_source(dist, version))
+    index = PackageIndex(source_of(dist, version))
     formats = []
     for path, _text in index._texts("vllm.v1", "auxiliary layers from"):
         for node in ast.walk(ast.parse(path.read_text())):

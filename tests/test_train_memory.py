@@ -315,4 +315,7 @@ def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_p
     running = {**status, "state": "training", "samples_done": 40, "samples_total": 90}
     payload = job._status_payload("job.status", "d1", tmp_path, running)
     assert payload["records"][0]["summary"] == f"run d1 training: 40/90 samples; {line}", payload["records"]
-    assert progress_line("h", running).endswith("peak 4.8 GiB (0.87x est.)")
+    assert progress_line("h", running).plain.endswith("peak 4.8 GiB (0.87x est.)")
+    # a phase or host name holding brackets is printed as written, never read as rich markup
+    odd = progress_line("[/x]host", {"state": "running", "phase": "loading [bold]shard[/bold] 2"})
+    assert odd.plain == "[/x]host  running  loading [bold]shard[/bold] 2"

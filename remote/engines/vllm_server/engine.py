@@ -100,7 +100,9 @@ class VllmServerEngine(Engine):
         not the ids this run sent (its states would hold other layers under these ids' names)."""
         from remote.engines.vllm_server import aux_ids
 
-        used = aux_ids.aux_ids_used(aux_ids.read_log(self.server.log_path))
+        log_text = aux_ids.read_log(self.server.log_path)
+        self.model_runner = aux_ids.model_runner(log_text)
+        used = aux_ids.aux_ids_used(log_text)
         if used is not None and used["ids"] != list(self.file_layer_ids):
             raise ServerFailed(f"vLLM took aux layer ids {used['ids']} (from its {used['source']}), not the run's "
                                f"{list(self.file_layer_ids)}: '{used['line']}'", self.server.log_path)
@@ -413,6 +415,8 @@ class VllmServerEngine(Engine):
                 "chunked_prefill": getattr(self, "chunked", None),
                 # the aux ids vLLM's log says it took (checked equal to file_layer_ids at load)
                 "aux_ids_used": getattr(self, "aux_ids_used", None),
+                # which model runner served (V1 / V2), as the server's log says (None: it says none)
+                "model_runner": getattr(self, "model_runner", None),
                 # where landed files are digested: worker processes, or this process's threads (and why)
                 "digest_in": getattr(self, "digest_in", None),
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
