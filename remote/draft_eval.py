@@ -174,17 +174,15 @@ def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: st
 
 
 def _tensor_shapes(path: Path) -> dict:
-    """``{name: shape}`` of every tensor in the dir's ``*.safetensors``, read from their JSON headers
-    (8-byte little-endian length, then the header): nothing is loaded."""
+    """``{name: shape}`` of every tensor in the dir's ``*.safetensors``, from their headers: nothing is loaded."""
+    from remote.probes.checkpoint import ShardError, read_header
+
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
         try:
-            with open(file, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(size)) if 0 < size < 100 * 2 ** 20 else {}
-        except (OSError, ValueError):
+            shapes.update({k: v.get("shape") for k, v in read_header(str(file))["tensors"].items()})
+        except (OSError, ShardError):
             continue  # an unreadable file: vLLM's load names it
-        shapes.update({k: v.get("shape") for k, v in header.items() if isinstance(v, dict)})
     return shapes
 
 
