@@ -388,7 +388,9 @@ def hooks(*specs: Spec) -> dict:
 #: read (``contract.param``); a task that uses the defaults itself says ``defaults=contract.DEFAULTS``.
 RUN_ARGS = {
     "model_path": Arg("path", doc="the model's dir on the host"),
-    "dataset": Arg("path", doc="JSONL of chat records or token ids (remote.dataset)"),
+    "dataset": Arg(("path", "list"), elements="path",
+                   doc="JSONL of chat records or token ids, or speculators prepare-data's dir; a list: "
+                       "concatenated in the order given (remote.dataset)"),
     "output_dir": Arg("path", doc="where the samples go"),
     "work_dir": Arg("path", doc="specops' own dir on the host: runs/, smoke/, bundles/"),
     "python": Arg("path", doc="the inventory's python: the run's supervisor runs in it"),

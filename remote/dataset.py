@@ -79,6 +79,31 @@ def rows(path, max_samples=None):
             yield lineno, line
 
 
+def inputs_of(dataset) -> list:
+    """The run's dataset inputs, in the order given: ``dataset`` is one path or a list of them."""
+    given = dataset if isinstance(dataset, (list, tuple)) else [dataset] if dataset else []
+    return [Path(item) for item in given]
+
+
+def input_rows(dataset, max_samples=None):
+    r"""``(path, line number, raw bytes)`` of each row a run reads across its inputs, in order (the first
+    ``max_samples`` in all); a prepared Arrow input yields each row as the JSON bytes of its ``input_ids`` and
+    ``loss_mask`` (line number: its 1-based row number), so a digest of the rows covers its tokens too."""
+    limit, seen = _limit(max_samples), 0
+    for path in inputs_of(dataset):
+        left = None if limit is None else limit - seen
+        if left is not None and left <= 0:
+            return
+        if path.is_dir():
+            found = ((lineno, json.dumps({"input_ids": ids, "loss_mask": mask}).encode())
+                     for _, lineno, _, ids, mask in prepared_rows(path, left))
+        else:
+            found = rows(path, left)
+        for lineno, raw in found:
+            seen += 1
+            yield path, lineno, raw
+
+
 def parse_row(path, lineno: int, raw: bytes) -> dict:
     """One row as a JSON object. :raises DatasetError: not UTF-8, not JSON, or not an object."""
     try:
@@ -293,8 +318,7 @@ def prepare_samples(params: dict, model_path: str, vocab_size: int | None = None
     :raises DatasetError: naming the sample index, the file and the line of a row that
         cannot be used.
     """
-    given = params["dataset"]
-    inputs = [Path(item) for item in (given if isinstance(given, (list, tuple)) else [given])]
+    inputs = inputs_of(params["dataset"])
     if not inputs:
         raise ValueError("dataset is an empty list; give one or more JSONL files or prepare-data directories")
     seq_len = int(param(params, "seq_len"))

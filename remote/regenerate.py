@@ -62,28 +62,29 @@ def source_rows(doc: dict) -> tuple[str, list[tuple[int, list]]]:
 
     :raises RegenerateError: a pre-tokenized row (no turns to reply to), or no rows.
     """
-    from remote.dataset import DatasetError, chat_turns, parse_row, rows
+    from remote.dataset import DatasetError, chat_turns, input_rows, parse_row
 
     run_params = doc.get("params") or {}
-    dataset = str(run_params.get("dataset") or "")
+    given = run_params.get("dataset") or ""
+    dataset = ", ".join(map(str, given)) if isinstance(given, list) else str(given)
     used = int(doc.get("dataset_samples") or 0)
     if not dataset or used < 1:
         raise RegenerateError("train.regenerate", f"the states run records no dataset rows (dataset {dataset!r}, "
                               f"{used} rows read)", "extract from a chat dataset first")
     out = []
-    for index, (lineno, raw) in enumerate(rows(dataset, used)):
-        row = parse_row(dataset, lineno, raw)
+    for index, (path, lineno, raw) in enumerate(input_rows(given, used)):
+        row = parse_row(path, lineno, raw)
         if "input_ids" in row:
-            raise RegenerateError("train.regenerate", f"{dataset}:{lineno} is pre-tokenized (input_ids): the target "
+            raise RegenerateError("train.regenerate", f"{path}:{lineno} is pre-tokenized (input_ids): the target "
                                   f"needs a conversation's user turns to reply to",
                                   "extract from a dataset of chat rows (messages/conversations), or train without "
-                                  "--regenerate", detail={"dataset": dataset, "line": lineno})
+                                  "--regenerate", detail={"dataset": str(path), "line": lineno})
         try:
-            turns = chat_turns(row, dataset, lineno)
+            turns = chat_turns(row, path, lineno)
         except DatasetError as exc:
             raise RegenerateError("train.regenerate", str(exc), "fix the row, or train without --regenerate") from None
         if not any(t["role"] == "user" for t in turns):
-            raise RegenerateError("train.regenerate", f"{dataset}:{lineno} has no user turn to reply to",
+            raise RegenerateError("train.regenerate", f"{path}:{lineno} has no user turn to reply to",
                                   "drop the row, or train without --regenerate", detail={"line": lineno})
         out.append((index, turns))
     return dataset, out

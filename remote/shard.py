@@ -59,17 +59,18 @@ def main(params: dict) -> dict:
 
 # --------------------------------------------------------------------------- probe
 
-def count_rows(path: str, max_samples) -> tuple:
-    """``(rows, sha256)`` of the rows a run reads: :func:`remote.dataset.rows`, nothing parsed.
+def count_rows(dataset, max_samples) -> tuple:
+    """``(rows, sha256)`` of the rows a run reads across its inputs (:func:`remote.dataset.input_rows`),
+    nothing parsed.
 
     The digest covers each row's bytes without its line ending, so the same rows with
     other blank lines or CRLF endings are the same samples.
     """
-    from remote.dataset import rows as dataset_rows
+    from remote.dataset import input_rows
 
     digest = hashlib.sha256()
     count = 0
-    for _, line in dataset_rows(path, max_samples):
+    for _, _, line in input_rows(dataset, max_samples):
         digest.update(line.rstrip(b"\r\n") + b"\n")
         count += 1
     return count, digest.hexdigest()
@@ -106,19 +107,32 @@ def probe(params: dict, plan=None) -> dict:
     protocol.apply_job_env(params)
     records, data = [], {}
     dataset = params["dataset"]
-    if not dataset or not os.path.isfile(dataset):
-        records.append(protocol.record("shard.dataset", protocol.FAIL, f"dataset {dataset} does not exist",
-                                       detail={"dataset": dataset},
+    from remote.dataset import DatasetError, inputs_of
+
+    missing = [str(p) for p in inputs_of(dataset) if not p.exists()]
+    if not inputs_of(dataset) or missing:
+        records.append(protocol.record("shard.dataset", protocol.FAIL,
+                                       f"dataset {', '.join(missing) or dataset!r} does not exist",
+                                       detail={"dataset": dataset, "missing": missing},
                                        fix="copy the dataset to the host, or fix 'dataset' for this host"))
     else:
-        path = dataset
-        rows, digest = count_rows(path, params.get("max_samples"))
-        data["dataset"] = {"path": path, "samples": rows, "sha256": digest, "bytes": os.path.getsize(path),
+        try:
+            rows, digest = count_rows(dataset, params.get("max_samples"))
+        except (DatasetError, OSError, ImportError) as exc:
+            rows, digest, why = 0, None, str(exc)
+        else:
+            why = None
+        sizes = [p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+                 for p in inputs_of(dataset)]
+        data["dataset"] = {"path": dataset, "samples": rows, "sha256": digest, "bytes": sum(sizes),
                            "max_samples": params.get("max_samples")}
         status = protocol.OK if rows else protocol.FAIL
-        records.append(protocol.record("shard.dataset", status, f"{rows} samples in {path} (after max_samples)",
+        shown = dataset if isinstance(dataset, str) else ", ".join(map(str, dataset))
+        records.append(protocol.record("shard.dataset", status,
+                                       why or f"{rows} samples in {shown} (after max_samples)",
                                        detail=data["dataset"],
-                                       fix=None if rows else "fill the dataset, or raise max_samples"))
+                                       fix=None if rows else "fix the dataset named above" if why
+                                       else "fill the dataset, or raise max_samples"))
     records.append(_stack(params, data, plan))
     records.append(_width(params, data))
     if params.get("storage_probe"):

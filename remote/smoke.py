@@ -251,21 +251,28 @@ def ensure_twin(model_path: Path, root: Path, num_layers: int, rebuild: bool, de
 # --------------------------------------------------------------------------- samples
 
 def write_samples(dataset, dest: Path, count: int) -> dict:
-    """The first ``count`` rows of the target's dataset, or synthetic chat records."""
+    """The first ``count`` rows of the target's dataset (across its inputs, in order), or synthetic chat
+    records."""
+    from remote.dataset import DatasetError, input_rows, inputs_of
+
     rows, source = [], "synthetic"
-    path = Path(dataset) if dataset else None
-    if path is not None and path.is_file():
-        with open(path) as fh:
-            for line in fh:
-                if line.strip():
+    inputs = inputs_of(dataset)
+    found = [p for p in inputs if p.exists()]
+    if inputs and len(found) == len(inputs):
+        try:
+            for _, _, raw in input_rows(dataset):
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
                     try:
                         json.loads(line)
                     except ValueError:
                         continue
-                    rows.append(line.rstrip("\n"))
+                    rows.append(line)
                 if len(rows) >= count:
                     break
-        source = str(path) if rows else "synthetic"
+        except (DatasetError, OSError, ImportError):
+            rows = []
+        source = ", ".join(map(str, inputs)) if rows else "synthetic"
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     if rows:
         tmp.write_text("\n".join(rows) + "\n")
@@ -276,8 +283,9 @@ def write_samples(dataset, dest: Path, count: int) -> dict:
     os.replace(tmp, dest)
     why = None
     if source == "synthetic":
-        why = f"dataset {path} not found on the host" if path is not None and not path.is_file() \
-            else "no dataset given" if path is None else f"no JSON rows in {path}"
+        shown = ", ".join(map(str, inputs))
+        why = "no dataset given" if not inputs else f"dataset {shown} not found on the host" \
+            if len(found) < len(inputs) else f"no JSON rows in {shown}"
     return {"path": str(dest), "rows": len(rows) or count, "source": source, "why_synthetic": why}
 
 

@@ -105,7 +105,8 @@ class HostSpec(BaseModel):
     work_dir: str = "~/.specops"
     model_path: str
     output_dir: str
-    dataset: str | None = None
+    #: one input, or several concatenated in the order given (a JSONL file or a prepare-data dir each)
+    dataset: str | list[str] | None = None
     device: Literal["cuda", "cpu"] = "cuda"
     tp: int = Field(default=DEFAULTS["tp"], ge=1)
     #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
@@ -214,8 +215,13 @@ class HostSpec(BaseModel):
 
     @field_validator("python", "model_path", "output_dir", "work_dir", "dataset", "key", "known_hosts")
     @classmethod
-    def _path(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None:
+    def _path(cls, value, info: ValidationInfo):
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("is an empty list: give one path, or a list of paths read in that order")
+            for item in value:
+                check_path(info.field_name, item)
+        elif value is not None:
             check_path(info.field_name, value)
         return value
 

@@ -105,6 +105,13 @@ def _path(name: str, value: Any) -> str | None:
     return value
 
 
+def _datasets(value: Any) -> str | list[str] | None:
+    """``--dataset`` given once (a path) or several times (the inputs in the order given)."""
+    given = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if v not in (None, "")]
+    paths = [_path("dataset", v) for v in given]
+    return None if not paths else paths[0] if len(paths) == 1 else paths
+
+
 def check_state_format(fmt, engine, spec: HostSpec) -> str:
     """The run's ``format`` (``--format`` over the inventory's), refused where the engine the
     user named writes no fp8 (``engine: auto`` is judged on the host, by the run's plan).
@@ -145,7 +152,7 @@ def run_params(spec: HostSpec, *, model=None, dataset=None, tp=None, layer_ids=N
                          "give the fewest supervised tokens a sample needs, e.g. --minimum-valid-tokens 1")
     params = {
         "model_path": _path("model", model) or spec.model_path,
-        "dataset": _path("dataset", dataset) or spec.dataset,
+        "dataset": _datasets(dataset) or spec.dataset,
         "output_dir": _path("output-dir", output_dir) or spec.output_dir,
         "work_dir": spec.work_dir,
         "device": spec.device,

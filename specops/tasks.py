@@ -121,7 +121,8 @@ def facts(target):
 
 RUN_HELP = {
     "model": "model dir on the host (default: the inventory's model_path)",
-    "dataset": "chat JSONL on the host (default: the inventory's dataset)",
+    "dataset": "chat or token JSONL on the host, or speculators prepare-data's dir; repeat the flag for several, "
+               "read in the order given (default: the inventory's dataset)",
     "tp": "tensor parallel size (default: the inventory's tp)",
     "layer-ids": "comma-separated layer ids (default: the engine's own, convention recorded)",
     "engine": "extraction engine: auto (default: from the host's speculators), speculators-0.3, vllm-server or hf-reference",
@@ -140,10 +141,11 @@ RUN_HELP = {
 
 
 def _overrides(**flags):
-    return {k: v for k, v in flags.items() if v not in (None, "")}
+    return {k: v for k, v in flags.items() if v not in (None, "", [])}
 
 
-@host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"})
+@host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"},
+           iterable=["dataset"])
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
               max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
               turns=None, minimum_valid_tokens=None):
@@ -190,7 +192,8 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
                  "shard-by": "several hosts: size each host's range by capacity (devices / tp, the default), "
                              "equal, or HOST=WEIGHT,...",
                  "allow-partial": "several hosts: start on the hosts that passed preflight even if others did not",
-                 "reassign": "group run: move the unfinished rest of FROM's shard to TO (FROM=TO[,FROM=TO])"})
+                 "reassign": "group run: move the unfinished rest of FROM's shard to TO (FROM=TO[,FROM=TO])"},
+           iterable=["dataset"])
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,

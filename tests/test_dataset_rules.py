@@ -290,3 +290,76 @@ def test_several_inputs_are_concatenated_in_order_and_each_named(hostenv_python,
     missing = hostcall.run_code(hostenv_python, PRETOKENIZED.replace("(ValueError,", "(OSError, ValueError,"),
                                 dict(params, dataset=[str(first), str(tmp_path / "nope.jsonl")]))
     assert "dataset[1]" in missing["error"] and "nope.jsonl" in missing["error"], missing
+
+
+#: the other readers of a run's dataset, given a list: the group plan's row count and digest, the smoke twin's rows
+OTHER_READERS = """
+import json
+from remote import shard, smoke
+from pathlib import Path
+
+def main(params, dest):
+    out = {"count": shard.count_rows(params["dataset"], params.get("max_samples"))}
+    out["smoke"] = smoke.write_samples(params["dataset"], Path(dest), 3)
+    out["smoke_rows"] = Path(dest).read_text().splitlines()
+    return out
+"""
+
+
+def test_several_inputs_are_read_alike_by_preflight_the_group_plan_and_the_smoke_twin(hostenv_python, tiny_models,
+                                                                                     tmp_path):
+    """A dataset list (inventory ``dataset: [a, b]``, ``--dataset a --dataset b``) reaches every reader: the group
+    plan counts and digests the rows of both in order (the same as one file holding them), the smoke twin takes
+    its rows across them, and preflight checks the rows of both, naming a bad row as ``file:line`` and a missing
+    input by name."""
+    from test_preflight_remote import base_params, host_preflight
+
+    first, second, joined = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ab.jsonl"
+    rows_a = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5]}]
+    rows_b = [{"input_ids": [6, 7, 8]}]
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows_a))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows_b))
+    joined.write_text(first.read_text() + second.read_text())
+    got = hostcall.run_code(hostenv_python, OTHER_READERS, {"dataset": [str(first), str(second)]},
+                            str(tmp_path / "smoke.jsonl"))
+    one = hostcall.run_code(hostenv_python, OTHER_READERS, {"dataset": str(joined)}, str(tmp_path / "smoke1.jsonl"))
+    assert got["count"] == one["count"] and got["count"][0] == 3, (got, one)
+    assert [json.loads(r) for r in got["smoke_rows"]] == rows_a + rows_b
+    assert got["smoke"]["source"] == f"{first}, {second}"
+
+    model = Path(tiny_models["llama"])
+    checks = host_preflight(hostenv_python, base_params(model, tmp_path, dataset=[str(first), str(second)]))
+    assert checks["data.file"]["status"] == "ok" and "3 rows to send" in checks["data.file"]["summary"], checks
+    second.write_text(json.dumps({"input_ids": "six"}) + "\n")
+    checks = host_preflight(hostenv_python, base_params(model, tmp_path, dataset=[str(first), str(second)]))
+    assert checks["data.records"]["status"] == "fail" and "b.jsonl:1" in checks["data.records"]["summary"], checks
+    checks = host_preflight(hostenv_python, base_params(model, tmp_path,
+                                                        dataset=[str(first), str(tmp_path / "nope.jsonl")]))
+    assert checks["data.file"]["status"] == "fail" and "nope.jsonl does not exist" in checks["data.file"]["summary"]
+
+
+def test_a_dataset_list_from_the_inventory_and_the_repeated_flag(tmp_path):
+    """The inventory's ``dataset`` takes one path or a list (an empty list is refused naming the field); the
+    ``--dataset`` flag, repeated, gives the inputs in the order given and overrides the inventory's."""
+    from specops.errors import UsageError
+    from specops.errors import InventoryError
+    from specops.inventory import load_inventory
+    from specops.params import run_params
+
+    def inventory(dataset) -> Path:
+        path = tmp_path / "inv.yaml"
+        path.write_text(json.dumps({"hosts": {"h": {"address": "127.0.0.1", "python": "python3",
+                                                     "model_path": "/m", "output_dir": "/o", "work_dir": "/w",
+                                                     "dataset": dataset}}}))
+        return path
+
+    spec = load_inventory(inventory(["/d/a.jsonl", "/d/b"])).hosts["h"]
+    assert spec.dataset == ["/d/a.jsonl", "/d/b"] and run_params(spec)["dataset"] == ["/d/a.jsonl", "/d/b"]
+    assert run_params(spec, dataset=["/x.jsonl"])["dataset"] == "/x.jsonl"
+    assert run_params(spec, dataset=["/x.jsonl", "/y.jsonl"])["dataset"] == ["/x.jsonl", "/y.jsonl"]
+    assert run_params(spec, dataset=[])["dataset"] == ["/d/a.jsonl", "/d/b"]
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(inventory([]))
+    assert "dataset" in str(caught.value) and "empty list" in str(caught.value)
+    with pytest.raises(UsageError):
+        run_params(spec, dataset=["/ok.jsonl", "bad\0path"])

@@ -117,37 +117,53 @@ def _chat_template(ctx, path):
 # -- dataset ----------------------------------------------------------------------------------
 
 def probe_data(ctx: Context) -> list:
-    dataset = ctx.params["dataset"]
-    if not dataset:
+    inputs = rows_reader.inputs_of(ctx.params["dataset"])
+    if not inputs:
         return [record("data.file", SKIPPED, "no dataset given", detail={})]
-    if rows_reader.is_prepared_dataset(dataset):  # its rows are Arrow: the run reads and checks them
-        return [record("data.file", OK, f"{dataset}: a prepared dataset (speculators prepare-data's Arrow "
-                       f"input_ids / loss_mask, taken as they are); the run checks its rows and its manifest's "
-                       f"dataset_report counts them", detail={"dataset": dataset, "source": "prepared-arrow"})]
-    if not os.path.isfile(dataset):
-        hub = dataset in HUB_DATASETS
-        return [record("data.file", FAIL, f"dataset {dataset} does not exist" + (
+    dataset = str(inputs[0]) if len(inputs) == 1 else ", ".join(map(str, inputs))
+    missing = [str(p) for p in inputs if not p.exists()]
+    if missing:
+        hub = len(inputs) == 1 and dataset in HUB_DATASETS
+        return [record("data.file", FAIL, f"dataset {', '.join(missing)} does not exist" + (
                        f" (speculators' hub name {dataset!r}: specops reads a local file)" if hub else ""),
-                       detail={"dataset": dataset},
+                       detail={"dataset": ctx.params["dataset"], "missing": missing},
                        fix="download it ahead and pass the local .jsonl path" if hub
                        else "copy the dataset to the host, or fix the dataset path")]
-    size = os.path.getsize(dataset)
+    odd = [str(p) for p in inputs if p.is_dir() and not rows_reader.is_prepared_dataset(p)]
+    if odd:
+        return [record("data.file", FAIL, f"dataset {', '.join(odd)} is a directory, but not one `datasets` "
+                       f"save_to_disk wrote (no dataset_info.json and state.json)", detail={"dataset": odd},
+                       fix="give a JSONL file, or the --output directory of `speculators prepare-data`")]
+    prepared = [str(p) for p in inputs if p.is_dir()]
+    files = [p for p in inputs if not p.is_dir()]
+    # a prepared dir's rows are Arrow (read with `datasets`, which a host may lack): the run reads and checks them
+    prepared_note = (f"{', '.join(prepared)}: a prepared dataset (speculators prepare-data's Arrow input_ids / "
+                     f"loss_mask, taken as they are); the run checks its rows and its manifest's dataset_report "
+                     f"counts them") if prepared else ""
+    if not files:
+        return [record("data.file", OK, prepared_note, detail={"dataset": ctx.params["dataset"],
+                                                                 "source": "prepared-arrow"})]
+    size = sum(os.path.getsize(p) for p in files)
     try:
-        found = _rows(ctx, dataset)
+        found = _rows(ctx, files)
     except OSError as exc:  # the run would stop on it too
         return [record("data.file", FAIL, f"dataset {dataset} cannot be read: {exc.strerror or exc}",
-                       detail={"dataset": dataset}, fix="make the dataset readable for this user on this host")]
+                       detail={"dataset": ctx.params["dataset"]},
+                       fix="make the dataset readable for this user on this host")]
     total = found["rows"]
     ctx.data["records"] = total  # capacity counts at most this many samples
     limited = " (the first max_samples)" if found["limited"] else ""
-    return [record("data.file", OK, f"{dataset} ({size} bytes, {total} rows to send{limited})",
-                   detail={"dataset": dataset, "bytes": size, "records": total,
-                           "max_samples": ctx.params.get("max_samples")}),
+    shown = ", ".join(map(str, files))
+    return [record("data.file", OK, f"{shown} ({size} bytes, {total} rows to send{limited})"
+                   + (f"; {prepared_note}" if prepared else ""),
+                   detail={"dataset": ctx.params["dataset"], "bytes": size, "records": total,
+                           "max_samples": ctx.params.get("max_samples"), "prepared": prepared}),
             _records(ctx, dataset, found), _lengths(ctx, dataset, found)]
 
 
-def _rows(ctx, dataset) -> dict:
-    """Every row the run sends, through the run's reader; checked while under the byte budget."""
+def _rows(ctx, files) -> dict:
+    """Every row the run sends from the JSONL inputs (in order), through the run's reader; checked while
+    under the byte budget. With several inputs a row is named ``file:line``."""
     budget = int(ctx.params.get("data_check_bytes") or CHECK_BYTES)
     vocab = ctx.model.get("vocab_size")
     vocab = vocab if type(vocab) is int and vocab > 0 else None
@@ -156,36 +172,36 @@ def _rows(ctx, dataset) -> dict:
              "degraded_count": 0, "kinds": {}, "first_chat_line": None, "vocab_size": vocab, "budget_bytes": budget,
              "limited": False, "fix": None, "longest": 0, "longest_line": None, "over": 0, "over_lines": []}
     seq_len = int(param(ctx.params, "seq_len"))
-    for lineno, raw in rows_reader.rows(dataset, limit):
+    for path, lineno, raw in rows_reader.input_rows([str(p) for p in files], limit):
+        where = lineno if len(files) == 1 else f"{path.name}:{lineno}"
         found["rows"] += 1
         if found["checked_bytes"] >= budget:
             continue
         found["checked"] += 1
         found["checked_bytes"] += len(raw)
         try:
-            kind, turns, _ = rows_reader.check_row(rows_reader.parse_row(dataset, lineno, raw), dataset, lineno,
-                                                   vocab)
+            kind, turns, _ = rows_reader.check_row(rows_reader.parse_row(path, lineno, raw), path, lineno, vocab)
         except rows_reader.DatasetError as exc:
             found["bad_count"] += 1
             found["fix"] = found["fix"] or exc.fix
             if len(found["bad"]) < REPORT_LINES:
-                found["bad"].append({"line": lineno, "problem": exc.problem})
+                found["bad"].append({"line": where, "problem": exc.problem})
             continue
         found["kinds"][kind] = found["kinds"].get(kind, 0) + 1
         if kind == "tokens":  # a chat row's length is known once the run renders it
             if len(turns) > found["longest"]:
-                found["longest"], found["longest_line"] = len(turns), lineno
+                found["longest"], found["longest_line"] = len(turns), where
             if len(turns) > seq_len:
                 found["over"] += 1
                 if len(found["over_lines"]) < REPORT_LINES:
-                    found["over_lines"].append({"line": lineno, "tokens": len(turns)})
+                    found["over_lines"].append({"line": where, "tokens": len(turns)})
         if kind == "chat":
-            found["first_chat_line"] = found["first_chat_line"] or lineno
+            found["first_chat_line"] = found["first_chat_line"] or where
             if not any(t["role"] == "assistant" for t in turns):
                 found["degraded_count"] += 1
                 if len(found["degraded"]) < REPORT_LINES:
-                    found["degraded"].append({"line": lineno, "problem": "no assistant turn: nothing to train on "
-                                                                        "(empty loss mask)"})
+                    found["degraded"].append({"line": where, "problem": "no assistant turn: nothing to train on "
+                                                                       "(empty loss mask)"})
     found["limited"] = limit is not None and found["rows"] >= int(limit)
     return found
 
