@@ -188,17 +188,19 @@ def _tensor_shapes(path: Path) -> dict:
 
 def vocab_maps_record(draft: dict, path: Path, target: dict) -> dict | None:
     """``eval.draft_vocab_maps``, for a draft with a reduced vocabulary (``draft_vocab_size`` below the
-    target's): vLLM maps its tokens back through ``d2t`` (one offset per draft token) and the trainer's
-    ``t2d`` (one flag per target token); either missing or of another length fails the load after the
-    target is up. None for a full-vocabulary draft."""
+    target's): vLLM maps its tokens back through ``d2t`` (one offset per draft token); missing or of another
+    length it fails the load after the target is up. The trainer's ``t2d`` (one flag per target token) is
+    skipped by vLLM's loader, judged only when present. None for a full-vocabulary draft."""
     size, model_vocab = draft.get("draft_vocab_size"), modelconfig.text_value(target, "vocab_size")
     if type(size) is not int or type(model_vocab) is not int or size >= model_vocab:
         return None
     shapes = _tensor_shapes(path)
     d2t = next((v for k, v in shapes.items() if k.split(".")[-1] == "d2t"), None)
     t2d = next((v for k, v in shapes.items() if k.split(".")[-1] == "t2d"), None)
+    # vLLM maps draft tokens through d2t and skips t2d (the trainer's own mask): t2d is judged only when there
     problems = [f"{name} {'is missing' if got is None else f'has shape {got}, expected [{want}]'}"
-                for name, got, want in (("d2t", d2t, size), ("t2d", t2d, model_vocab)) if got != [want]]
+                for name, got, want in (("d2t", d2t, size), ("t2d", t2d, model_vocab))
+                if got != [want] and (got is not None or name == "d2t")]
     detail = {"draft_vocab_size": size, "target_vocab": model_vocab, "d2t": d2t, "t2d": t2d}
     if problems:
         return protocol.record("eval.draft_vocab_maps", protocol.FAIL,

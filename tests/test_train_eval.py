@@ -220,8 +220,8 @@ def _safetensors(path: Path, shapes: dict) -> None:
 
 
 def test_a_reduced_vocabulary_draft_needs_its_vocab_maps_of_the_right_lengths(tmp_path):
-    """draft_vocab_size below the target's: d2t [draft_vocab_size] and t2d [target vocab] must be in the
-    weights (vLLM maps the draft's tokens through them), else eval fails before the load, naming them."""
+    """draft_vocab_size below the target's: d2t [draft_vocab_size] must be in the weights (vLLM maps the draft's
+    tokens through it), and t2d, where there, [target vocab]; else eval fails before the load, naming them."""
     target = {"vocab_size": 512}
     draft = {"draft_vocab_size": 64, "transformer_layer_config": {"vocab_size": 512}}
     _safetensors(tmp_path / "model.safetensors", {"d2t": [64], "t2d": [512], "fc.weight": [2, 2]})
@@ -230,7 +230,12 @@ def test_a_reduced_vocabulary_draft_needs_its_vocab_maps_of_the_right_lengths(tm
     _safetensors(tmp_path / "model.safetensors", {"d2t": [32], "fc.weight": [2, 2]})
     bad = draft_eval.vocab_maps_record(draft, tmp_path, target)
     assert bad["status"] == "fail" and "d2t has shape [32], expected [64]" in bad["summary"]
-    assert "t2d is missing" in bad["summary"] and "--draft-vocab-size" in bad["fix"]
+    assert "t2d" not in bad["summary"] and "--draft-vocab-size" in bad["fix"]  # vLLM's loader skips t2d
+    _safetensors(tmp_path / "model.safetensors", {"d2t": [64], "t2d": [64]})
+    bad = draft_eval.vocab_maps_record(draft, tmp_path, target)
+    assert bad["status"] == "fail" and "t2d has shape [64], expected [512]" in bad["summary"]
+    _safetensors(tmp_path / "model.safetensors", {"fc.weight": [2, 2]})
+    assert "d2t is missing" in draft_eval.vocab_maps_record(draft, tmp_path, target)["summary"]
 
 
 def test_a_draft_config_that_does_not_fit_the_states_fails_with_both_values():
