@@ -442,8 +442,10 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     # --regenerate: the target writes its own replies to the rows the extraction read, their states are extracted
     # (run regen-states, the extraction's own parameters), the draft trains on them; eval sends the same held-out rows
     t = time.monotonic()
+    # ... with a reduced draft vocabulary (the 256 most frequent supervised tokens of its states run's
+    # token_freq.pt, of the target's 512), served by eval through its d2t map
     regen = specops("train", "--inventory", inv, "--run-id", "regen", "--from-run", run["run_id"], "--epochs", EPOCHS,
-                    "--regenerate", "--regen-max-tokens", 64, "--json", env=env)
+                    "--regenerate", "--regen-max-tokens", 64, "--draft-vocab-size", 256, "--json", env=env)
     assert regen.returncode == 0, regen.stdout[-4000:] + regen.stderr[-4000:]
     recs = records(regen)
     assert recs["train.regenerate"]["status"] == "ok" and recs["train.regenerate"]["detail"]["rows"] == [0, 4], recs
@@ -468,6 +470,8 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     recs = records(proc)
     assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the same held-out rows as the dataset-trained draft
+    maps = recs["eval.draft_vocab_maps"]
+    assert maps["status"] == "ok" and maps["detail"]["draft_vocab_size"] == 256 and maps["detail"]["d2t"] == [256], maps
     results["regen"] = recs["eval.acceptance"]["detail"]
     print(f"\nregenerate + extract + train ({EPOCHS} epochs): {t_regen:.0f}s; eval on the target's own replies: "
           f"{results['regen']}")
