@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shlex
 import socket
+import stat
 import threading
 
 import fabric
@@ -181,7 +182,17 @@ class Host:
             try:
                 sftp.stat(current)
             except FileNotFoundError:
-                sftp.mkdir(current)
+                try:
+                    sftp.mkdir(current)
+                except OSError as failure:
+                    # another upload (a host sharing this dir) made it between our stat and mkdir;
+                    # SFTP answers only "Failure" then, so the dir's existence is the test
+                    try:
+                        made = stat.S_ISDIR(sftp.stat(current).st_mode)
+                    except OSError:
+                        made = False
+                    if not made:
+                        raise failure
 
     def put_bytes(self, data: bytes, path: str, mode: int = 0o644) -> None:
         """Upload ``data`` to ``path`` atomically (write a part file, then rename)."""
