@@ -46,8 +46,8 @@ import json, os, sys, tempfile, time
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from remote import sampleread
-from remote.engines.vllm_server.landing import move_into_place
+from remote.extract import sampleread
+from remote.extract.engines.vllm_server.landing import move_into_place
 
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])

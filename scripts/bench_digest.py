@@ -1,7 +1,7 @@
 """Benchmark: the landing digest's cost per byte, for 1024- and 4096-token sample files, on one core.
 
 Every sample file the vllm-server engine lands is read once for its checks, its digest and
-its per-layer statistics (``remote.sampleread.digest_hs_file``). On the H200 the digest was
+its per-layer statistics (``remote.extract.sampleread.digest_hs_file``). On the H200 the digest was
 the limit of the run, and its cost per byte grew with the sample's length (a 2048-token
 file cost 3x per byte what a 1024-token one did). This prints, per core (one torch thread),
 for files of the ``llama_wide`` shape (4 layers x hidden 4096, bf16: 32 MB per 1024 tokens),
@@ -37,7 +37,8 @@ MEASURE = r"""
 import hashlib, json, math, os, sys, tempfile, time
 import torch
 from safetensors.torch import save_file
-from remote import fsutil, sampleread
+from remote.wire import fsutil
+from remote.extract import sampleread
 
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])

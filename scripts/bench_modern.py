@@ -38,8 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 DRIVER = r"""
 import concurrent.futures, json, random, sys, time
-from remote.engines.vllm_server import VllmServer, VllmServerEngine, SERVED_MODEL_NAME
-from remote import fsutil, layers, modelconfig, samples as hs_samples
+from remote.extract.engines.vllm_server import VllmServer, VllmServerEngine, SERVED_MODEL_NAME
+from remote.wire import fsutil, layers
+from remote.system import modelconfig
+from remote.extract import samples as hs_samples
 
 model, mode, work, n, tp, conc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 lengths = [int(x) for x in sys.argv[7].split(",")]

@@ -45,7 +45,7 @@ def write_ids(path: Path, model_path: str, samples: int, lengths: list[int]) -> 
     """``samples`` rows of random token ids (``input_ids``), lengths used in turn; the tokens written.
     The test host is this machine: the file is written where the host reads it."""
     sys.path.insert(0, str(REPO))  # remote/ is no package of the laptop's venv; its one config reader is
-    from remote import modelconfig
+    from remote.system import modelconfig
 
     vocab = int(modelconfig.text_value(modelconfig.read(Path(model_path).expanduser()), "vocab_size"))
     rng = random.Random(7)

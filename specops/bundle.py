@@ -19,7 +19,7 @@ BUNDLE_DIRS = ("remote", "patches")
 #: no host gets them (tests and scripts run them from the checkout); pyproject.toml keeps
 #: them out of the wheel too.
 DEV_ONLY = ("remote/dev",)
-#: ...but for what an armed test hook does (``remote/faults.py``): tests arm hooks on their
+#: ...but for what an armed test hook does (``remote/run/faults.py``): tests arm hooks on their
 #: hosts, so a bundle built from a checkout carries it. The wheel has no ``remote/dev`` at all,
 #: so an installed program's hosts never get it.
 DEV_TRAVELS = ("remote/dev/__init__.py", "remote/dev/faults.py")

@@ -18,7 +18,7 @@ import time
 
 from invoke import Exit
 
-from specops.assets import remote_contract, remote_fsutil
+from specops import wire
 from specops.exit_codes import ExitCode
 from specops.jobs import local_runs_root
 from specops.inventory import load_inventory
@@ -26,7 +26,7 @@ from specops.report import console, print_reports
 from specops.result import overall_exit
 
 
-VLLM_SERVER = remote_contract().VLLM_SERVER
+VLLM_SERVER = wire.contract.VLLM_SERVER
 
 
 def run_demo(inventory_path: str | None, selector: str | None) -> None:
@@ -78,5 +78,5 @@ DEMO_EPOCHS = 10
 
 def _engine_of(host: str, run_id: str) -> str | None:
     """The engine that wrote ``run_id`` on ``host``, from its fetched manifest."""
-    doc = remote_fsutil().read_json_quietly(local_runs_root() / host / run_id / "manifest.json")
+    doc = wire.fsutil.read_json_quietly(local_runs_root() / host / run_id / "manifest.json")
     return (doc.get("engine") or {}).get("name") if isinstance(doc, dict) else None

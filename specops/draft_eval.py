@@ -1,6 +1,6 @@
 """``specops eval``: a draft's acceptance on held-out prompts, served by vLLM with its target.
 
-The work happens on the host (``remote/draft_eval.py``), in the foreground: the draft's
+The work happens on the host (``remote/train/evaluate.py``), in the foreground: the draft's
 config checked against the states it belongs to before anything loads (aux layer ids,
 verifier, vocab: a mismatch is a fail showing both values and the fix), then vLLM started
 with the draft as ``eagle3`` and ``k`` speculative tokens, the dataset rows after the
@@ -86,12 +86,12 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
 
 def stop_eval(host: Host, name: str) -> str:
     """Stop eval ``name`` on ``host`` (SIGTERM to the host task, whose own handler stops the vLLM server it
-    started, and the server dies with it anyway: remote.engines.vllm_server.DIE_WITH_PARENT); what was done."""
+    started, and the server dies with it anyway: remote.extract.engines.vllm_server.DIE_WITH_PARENT); what was done."""
     import shlex
 
-    from specops.assets import remote_contract
+    from specops import wire
 
-    pid_file = f"{host.spec.work_dir.rstrip('/')}/evals/{name}/{remote_contract().EVAL_PID_FILE}"
+    pid_file = f"{host.spec.work_dir.rstrip('/')}/evals/{name}/{wire.contract.EVAL_PID_FILE}"
     try:
         out = host.run(f"pid=$(cat {shlex.quote(pid_file)} 2>/dev/null) && kill -TERM \"$pid\" && echo \"$pid\"",
                        timeout=30)

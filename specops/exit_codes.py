@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 
-from specops.assets import remote_contract
+from specops import wire
 
 
 class ExitCode(enum.IntEnum):
@@ -43,8 +43,8 @@ class ExitCode(enum.IntEnum):
 
     @classmethod
     def from_job_state(cls, state: str) -> "ExitCode":
-        """The code a run state means (``remote/contract.py``); a state it does not know is still running."""
-        return cls(remote_contract().job_exit_code(state))
+        """The code a run state means (``remote/wire/contract.py``); a state it does not know is still running."""
+        return cls(wire.contract.job_exit_code(state))
 
     @classmethod
     def help_text(cls) -> str:

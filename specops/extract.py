@@ -3,7 +3,7 @@
 :func:`specops.runs.run.extract` is the command: it opens the run (one host's, or a group's,
 :mod:`specops.runs`) and a host run comes here (:func:`extract_on`). Steps per host: preflight (stops on a fail unless skipped) -> smoke on a tiny twin of the
 model (the CLI runs it by default; stops on a fail) -> start the job detached
-(``remote/job.py``; the same run id re-attaches, never starts twice) -> follow it with a
+(``remote/run/job.py``; the same run id re-attaches, never starts twice) -> follow it with a
 progress bar (one remote python streaming status changes over one channel) -> fetch
 logs, manifest and summary into ``runs/<host>/<run-id>/``. Every step of a host runs
 over that host's one SSH connection. Ctrl-C while following detaches: the connection

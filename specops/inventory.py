@@ -34,12 +34,12 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from specops.assets import remote_contract
+from specops import wire
 from specops.errors import InventoryError, UsageError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: engines, layer conventions and run defaults, as the host defines them (``remote/contract.py``).
-CONTRACT = remote_contract()
+#: engines, layer conventions and run defaults, as the host defines them (``remote/wire/contract.py``).
+CONTRACT = wire.contract
 DEFAULTS = CONTRACT.DEFAULTS
 
 #: Linux limits a path can never pass: PATH_MAX (4096, with the final NUL) and NAME_MAX per component.

@@ -6,7 +6,7 @@ Exit codes follow the job (SkyPilot style): 0 done, 100 failed, 101 still runnin
 102 not found, 103 aborted.
 
 Following a run costs one python on the host for the whole follow, not one per look:
-:func:`follow_run` starts ``remote/job.py``'s ``follow`` verb over one SSH channel and
+:func:`follow_run` starts ``remote/run/job.py``'s ``follow`` verb over one SSH channel and
 reads the events it prints (status changes, new log lines, heartbeats) as they come.
 Closing the channel (Ctrl-C, a dropped connection) ends that python at once; the run,
 detached from SSH, goes on.
@@ -33,7 +33,7 @@ from typing import Callable
 from rich.table import Table
 from rich.text import Text
 
-from specops.assets import remote_contract, remote_fsutil, remote_manifest, remote_protocol
+from specops import wire
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
 from specops.parallel import report_from_payload
@@ -43,7 +43,7 @@ from specops.result import HostReport, Record, RunState
 
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).
-RUN_FILES, RUN_DIRS = remote_contract().RUN_FILES, remote_contract().RUN_DIRS
+RUN_FILES, RUN_DIRS = wire.contract.RUN_FILES, wire.contract.RUN_DIRS
 #: the follower says something at least this often (seconds) ...
 FOLLOW_HEARTBEAT_S = 2.0
 #: ... so this long without a word from it means the connection is gone.
@@ -57,7 +57,7 @@ def local_runs_root() -> Path:
 
 
 def job_call(host: Host, action: str, run_id: str, *, timeout: float | None = None, **params) -> dict:
-    """One ``remote/job.py`` verb on the host; returns the payload (``timeout``: seconds for the remote python)."""
+    """One ``remote/run/job.py`` verb on the host; returns the payload (``timeout``: seconds for the remote python)."""
     return host.run_task("job", {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir,
                                  **params}, timeout=timeout)
 
@@ -76,11 +76,11 @@ def status_report(host: Host, run_id: str) -> HostReport:
 
 def canary_record(name: str, state: RunState) -> Record | None:
     """The record that shows what a finished run's canary found (its status file's ``canary``, written by
-    the host's ``remote.canary.summarize``); None for an engine without a canary."""
+    the host's ``remote.verify.canary.summarize``); None for an engine without a canary."""
     found = (state.model_extra or {}).get("canary")
     if not isinstance(found, dict):
         return None
-    status = found.get("shown") or "warn"  # the host's remote.canary.SHOWN_AS
+    status = found.get("shown") or "warn"  # the host's remote.verify.canary.SHOWN_AS
     return Record(name=name, status=status, summary=f"canary {found.get('summary')}", detail=found,
                   fix=f"specops verify --run-id {state.run_id} --reference logits" if status == "warn" else None)
 
@@ -115,7 +115,7 @@ def follow_run(host: Host, run_id: str, on_event: Callable[[dict], None] | None 
               "offsets": offsets, "until": until, "timeout_s": timeout, "poll_s": poll_s,
               "heartbeat_s": FOLLOW_HEARTBEAT_S}
     # the event marker comes from the file the follower prints it with
-    payload = host.stream_task("job", params, on_line, prefix=remote_protocol().JOB_EVENT_PREFIX,
+    payload = host.stream_task("job", params, on_line, prefix=wire.protocol.JOB_EVENT_PREFIX,
                                idle_timeout=FOLLOW_SILENCE_S)
     return RunState.from_payload(payload)
 
@@ -224,16 +224,16 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     for name in RUN_FILES:
         data = read_remote(host, f"{run_dir}/{name}")
         if data is not None:
-            remote_fsutil().atomic_write(dest / name, data, mode=0o644)
+            wire.fsutil.atomic_write(dest / name, data, mode=0o644)
             fetched.append(name)
     for sub in RUN_DIRS:
         for name in list_remote(host, f"{run_dir}/{sub}"):
             data = read_remote(host, f"{run_dir}/{sub}/{name}")
             if data is not None:
                 (dest / sub).mkdir(exist_ok=True)
-                remote_fsutil().atomic_write(dest / sub / name, data, mode=0o644)
+                wire.fsutil.atomic_write(dest / sub / name, data, mode=0o644)
                 fetched.append(f"{sub}/{name}")
-    status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
+    status = wire.fsutil.read_json_quietly(dest / wire.contract.STATUS_FILE) or {}
     report = HostReport(host=host.name, task="fetch", data={"dest": str(dest), "files": fetched,
                                                             "state": state.state, "run_dir": run_dir,
                                                             "kind": status.get("kind") or "extract"})
@@ -245,9 +245,9 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
 
 
 def fetch_tensors(host: Host, dest: Path):
-    manifests = remote_manifest()
+    manifests = wire.manifest
     try:
-        manifest = manifests.read(dest / remote_contract().MANIFEST, manifests.FOR_FETCH)
+        manifest = manifests.read(dest / wire.contract.MANIFEST, manifests.FOR_FETCH)
     except FileNotFoundError:
         return _rec("fetch.tensors", "fail", "the run has no manifest yet: nothing to check tensors against",
                     {}, fix="wait for the run to finish (specops status), then fetch --tensors")
@@ -269,11 +269,11 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
 
     A file already there with the right digest is kept; a partial ``.part`` file is
     resumed where it stopped; every file is checked against its entry's digest, in that
-    entry's algorithm (:func:`remote.manifest.file_matches`), before it takes its name. A
+    entry's algorithm (:func:`remote.wire.manifest.file_matches`), before it takes its name. A
     BLAKE3 digest on a laptop without ``blake3`` fails before anything is fetched, naming the
     fix. A host silent for :data:`DOWNLOAD_IDLE_S` ends the download with an error.
     """
-    schema, fsutil = remote_manifest(), remote_fsutil()
+    schema, fsutil = wire.manifest, wire.fsutil
     hashes = schema.digest_names(entries)
     bare = [e["path"] for e in entries if schema.entry_digest(e) is None]
     if bare:
@@ -334,7 +334,7 @@ def download_files(host: Host, remote_dir: str, entries: list[dict], local_dir: 
 def summary_table(summary: dict) -> Table:
     table = Table(title=Text(f"summary of run {summary.get('run_id')} ({summary.get('samples')} samples, "
                              f"{summary.get('tokens')} tokens, {summary.get('tokens_per_s')} tok/s, "
-                             f"{summary.get('state_format') or remote_contract().BF16} states)"),
+                             f"{summary.get('state_format') or wire.contract.BF16} states)"),
                   title_justify="left")
     for col in ("layer", "shape", "dtype", "mean", "std", "abs max", "NaN", "Inf"):
         table.add_column(col, justify="right")
@@ -348,7 +348,7 @@ def summary_table(summary: dict) -> Table:
 
 
 def show_summary(dest: Path) -> None:
-    path = dest / remote_contract().SUMMARY
+    path = dest / wire.contract.SUMMARY
     if path.exists():
         console.print(summary_table(json.loads(path.read_text())))
 

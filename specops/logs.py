@@ -2,7 +2,7 @@
 
 The host keeps one log per TP rank plus the supervisor's. A first look prints the last
 lines of each; ``--follow`` then streams new lines from one follower process per host
-(``remote/job.py follow``, one SSH channel) until the run is final or Ctrl-C.
+(``remote/run/job.py follow``, one SSH channel) until the run is final or Ctrl-C.
 """
 from __future__ import annotations
 

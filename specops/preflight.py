@@ -1,6 +1,6 @@
 """``specops preflight``: every failure that would waste a model load, in seconds.
 
-One remote process per host runs every check (``remote/preflight.py``); hosts run in
+One remote process per host runs every check (``remote/probes/preflight.py``); hosts run in
 parallel. Nothing loads weights: configs, safetensors headers and package sources are
 read as files.
 """

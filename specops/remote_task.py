@@ -1,6 +1,6 @@
 """The remote-task protocol: render the entry script, bring the bundle, run it, read the result.
 
-``host.run_task("facts", {})`` runs ``remote.facts.main({})`` in the host's python and
+``host.run_task("facts", {})`` runs ``remote.system.facts.main({})`` in the host's python and
 returns its payload; :class:`RemoteTask` is what does it, over a host's (:class:`TaskHost`)
 shell and SFTP (as Fabric's ``Transfer`` works over a ``Connection``):
 
@@ -11,7 +11,7 @@ shell and SFTP (as Fabric's ``Transfer`` works over a ``Connection``):
 
 The entry script first looks for the bundle by its hash; only when the host lacks it is
 it uploaded (SFTP) or embedded (heredoc delivery), and the script run once more. The
-markers and exit codes both sides read come from ``remote/protocol.py``.
+markers and exit codes both sides read come from ``remote/wire/protocol.py``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Protocol
 
-from specops.assets import remote_protocol
+from specops import wire
 from specops.bundle import Bundle, build_bundle
 from specops.errors import PythonTooOldError, RemoteError, UnreachableError, UsageError, WorkDirError
 from specops.render import heredoc_command, render_entry
@@ -78,8 +78,8 @@ def shell_word(word: str) -> str:
 
 
 def needs_bundle(result) -> bool:
-    """The entry script's answer for "upload the bundle and run me again" (remote/protocol.py)."""
-    protocol = remote_protocol()
+    """The entry script's answer for "upload the bundle and run me again" (remote/wire/protocol.py)."""
+    protocol = wire.protocol
     return result.exited == protocol.NEED_BUNDLE_EXIT and protocol.NEED_BUNDLE_MARKER in result.stdout
 
 
@@ -145,7 +145,7 @@ class RemoteTask:
         The first try carries no bundle (the common case: the host has it by hash); the
         entry script answers "need bundle" when it does not, and the second try brings it
         over SFTP, or inside the heredoc for hosts without SFTP. ``params`` go as they are: the
-        task checks them against its declared spec on the host (``remote/argspec.py``).
+        task checks them against its declared spec on the host (``remote/wire/argspec.py``).
         """
         bundle = bundle or current_bundle()
         params = {**params, "_bundle_dir": self.host.bundle_dir(bundle)}
@@ -164,7 +164,7 @@ class RemoteTask:
     def parse(self, module: str, result) -> dict:
         """The task's payload from its output, or the error that says why there is none."""
         out = result.stdout
-        protocol = remote_protocol()  # the markers come from the file the host side prints them with
+        protocol = wire.protocol  # the markers come from the file the host side prints them with
         start = out.rfind(protocol.RESULT_BEGIN)
         end = out.rfind(protocol.RESULT_END)
         if start != -1 and end > start:

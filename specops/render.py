@@ -19,7 +19,8 @@ from functools import lru_cache
 import jinja2
 
 from specops import __version__
-from specops.assets import asset, remote_protocol
+from specops.assets import asset
+from specops import wire
 
 _MODULE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")
 
@@ -48,19 +49,21 @@ def render(template: str, **context) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def render_entry(module: str, params: dict, bundle_zip: bytes | None = None) -> str:
-    """The entry script that imports ``remote.<module>`` and calls ``main(params)``.
+def render_entry(task: str, params: dict, bundle_zip: bytes | None = None) -> str:
+    """The entry script that imports the task's module (``remote.<module>``, by
+    :data:`remote.wire.protocol.TASKS`) and calls its ``main(params)``.
 
     :param bundle_zip: embed the bundle itself (for heredoc delivery to a host that lacks it).
     """
-    if not _MODULE.match(module):
-        raise ValueError(f"not a remote module name: {module!r}")
+    module = wire.protocol.TASKS.get(task)
+    if module is None or not _MODULE.match(module):
+        raise ValueError(f"not a host task: {task!r} (one of {', '.join(wire.protocol.TASKS)})")
     embedded = None
     if bundle_zip is not None:
         raw = base64.b64encode(bundle_zip).decode("ascii")
         embedded = [raw[i:i + 76] for i in range(0, len(raw), 76)]
-    return render("entry.py.j2", module=module, params_b64=b64_json(params),
-                  bundle_lines=embedded, rendered_by=f"specops {__version__}", protocol=remote_protocol())
+    return render("entry.py.j2", task=task, module=module, params_b64=b64_json(params),
+                  bundle_lines=embedded, rendered_by=f"specops {__version__}", protocol=wire.protocol)
 
 
 def heredoc_delimiter(script: str) -> str:

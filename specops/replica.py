@@ -3,7 +3,7 @@
 The inventory names the replica (``replicas: {big: [a, b]}``, head first; see
 :class:`specops.inventory.ReplicaSpec`); a group run makes it one shard (``Shard.hosts``);
 this module gives each host's run its ``replica`` parameter (read on the host by
-:mod:`remote.replica` and the vllm-server engine), so the head starts the API server with
+:mod:`remote.extract.replica` and the vllm-server engine), so the head starts the API server with
 ranks ``0..k-1`` and every next host ``--headless`` ranks, all under the shard's run id.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specops.result import Record
 
 
 def node_block(inventory: Inventory, replica: ReplicaSpec, host: str) -> dict:
-    """``params["replica"]`` for ``host`` of ``replica`` (see :mod:`remote.replica`)."""
+    """``params["replica"]`` for ``host`` of ``replica`` (see :mod:`remote.extract.replica`)."""
     head = inventory.hosts[replica.head]
     return {"name": replica.name, "hosts": list(replica.hosts), "node_rank": replica.hosts.index(host),
             "nnodes": len(replica.hosts), "ranks_per_node": replica.ranks_per_host, "tp": replica.tp,
@@ -56,7 +56,7 @@ CLOCK_SKEW_WARN_S = 2.0
 
 
 def probe_hosts(inventory: Inventory, replica: ReplicaSpec, host_of, overrides: dict) -> dict:
-    """``remote/replica_probe.py`` on every host of ``replica`` at once (the head holds its ports
+    """``remote/extract/replica_probe.py`` on every host of ``replica`` at once (the head holds its ports
     open while the others connect): ``{host: payload or the exception}``, plus the laptop's
     clock reading around each call (``{host: (sent, received)}`` under ``"_clock"``)."""
     import concurrent.futures
@@ -83,7 +83,7 @@ def probe_hosts(inventory: Inventory, replica: ReplicaSpec, host_of, overrides: 
 
 
 def judge(replica: ReplicaSpec, answers: dict) -> list[Record]:
-    """The replica's preflight records from every host's probe (see ``remote/replica_probe.py``).
+    """The replica's preflight records from every host's probe (see ``remote/extract/replica_probe.py``).
 
     Only hosts whose probe answered with its findings are compared; every other host is named
     (``replica.hosts`` fails), and no check says "every host" of hosts it did not hear from."""

@@ -26,10 +26,10 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from specops.assets import remote_contract
+from specops import wire
 from specops.result import STATE, HostReport, Record, overall_exit
 
-_C = remote_contract()
+_C = wire.contract
 #: how each record status is shown.
 STYLE = {_C.OK: "green", _C.CHANGED: "yellow", _C.SKIPPED: "dim", _C.WARN: "magenta", _C.FAIL: "bold red"}
 #: how a run state is shown where a table lists runs (a running state is plain).

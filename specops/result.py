@@ -1,6 +1,6 @@
 """The result model on the controller side: records, per-host reports, the recap, run states.
 
-A :class:`Record` mirrors ``remote.protocol.record``; a :class:`HostReport` holds every
+A :class:`Record` mirrors ``remote.wire.protocol.record``; a :class:`HostReport` holds every
 record of one host, or the error that kept us from getting any (fabric's GroupResult
 idea: a host's error is a result, never lost). A :class:`RunState` is one extraction
 run's ``status.json`` as the host reported it, typed, with the two questions every
@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specops.assets import remote_contract
+from specops import wire
 from specops.exit_codes import ExitCode
 
-#: the host's definitions (``remote/contract.py``), loaded once.
-_CONTRACT = remote_contract()
+#: the host's definitions (``remote/wire/contract.py``), loaded once.
+_CONTRACT = wire.contract
 Status = Literal[_CONTRACT.STATUSES]
 
 
@@ -138,7 +138,7 @@ class RunState(BaseModel):
 
     @classmethod
     def from_payload(cls, payload: dict) -> "RunState":
-        """The state in a ``remote/job.py`` payload (``status``, ``start``, ``abort``, ``follow``)."""
+        """The state in a ``remote/run/job.py`` payload (``status``, ``start``, ``abort``, ``follow``)."""
         data = payload.get("data") or {}
         status = data.get("status")
         if not status:

@@ -5,7 +5,7 @@ import re
 import time
 from pathlib import Path
 
-from specops.assets import remote_contract
+from specops import wire
 from specops.errors import UsageError
 
 
@@ -16,7 +16,7 @@ def default_run_id(model_path: str) -> str:
 
 def check_run_id(run_id: str) -> str:
     """A run id a user gives: the host's rule, short enough for every suffix a group run appends."""
-    contract = remote_contract()
+    contract = wire.contract
     problem = contract.run_id_problem(run_id, contract.USER_RUN_ID_MAX)
     if problem:
         raise UsageError(f"--run-id: {problem}",

@@ -4,11 +4,11 @@ Static checks catch signatures; they cannot catch a calling convention that runs
 computes the wrong thing. Smoke closes that gap in about a minute, before paying for
 the real load:
 
-1. ``remote/smoke.py`` builds (or reuses, by content hash) a tiny random twin of the
+1. ``remote/extract/smoke.py`` builds (or reuses, by content hash) a tiny random twin of the
    target from its own config.json -- same model_type, architectures, family keys and
    ``text_config`` wrapping, the target's own tokenizer -- under
    ``<work_dir>/smoke/<hash>/``, plus a handful of the target's dataset rows;
-2. the run goes through ``remote/job.py`` exactly like ``specops extract``: same
+2. the run goes through ``remote/run/job.py`` exactly like ``specops extract``: same
    engine, same installed (patched) speculators, same TP size, same env, same
    supervisor; only ``model_path``/``dataset``/``max_samples``/``seq_len`` point at the
    twin, and the samples land in the run dir, never in the real output dir;
@@ -63,7 +63,7 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
     :param force: start even if the host runs another extraction (as ``extract --force``).
     :param timeout: seconds to wait for the smoke run before aborting it (default
         :data:`DEFAULT_TIMEOUT_S`, :data:`REAL_TIMEOUT_S` for ``real``).
-    :param real: no twin: a short verification run of the target itself (``remote/smoke.py``
+    :param real: no twin: a short verification run of the target itself (``remote/extract/smoke.py``
         ``prepare_real``): the run's ids plus a consecutive pair per kind of layer, every sample
         asking for its prompt logprobs; verified with ``--reference layer`` (each chosen decoder
         layer alone, from the real checkpoint) and, where the engine gives logprobs, ``logits``.

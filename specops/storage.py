@@ -1,6 +1,6 @@
 """Hosts of a group run that share one output dir (one filesystem mounted on every node).
 
-At plan time every host's shard probe (``remote/shard.py``) leaves a marker named by a
+At plan time every host's shard probe (``remote/extract/shard.py``) leaves a marker named by a
 token of its own in the run's output dir and looks up the other hosts' markers: two
 hosts share the dir when either sees the other's marker (of two hosts probing one dir
 at once, the one that looks last always sees the first's), or when they are one
@@ -9,7 +9,7 @@ machine (same kernel boot id) and see the same ``st_dev``/``st_ino``.
 Sharing changes nothing of the shard map: each shard still writes its own range, under
 global indices, into the one sample layout its trainer reads; its own manifest, summary
 and claim go under ``.specops-shards/<lo>-<hi>/`` there. After the run, the merged
-manifest of the shared dir is made on a host of it (``remote/merge.py``: it reads the
+manifest of the shared dir is made on a host of it (``remote/extract/merge.py``: it reads the
 shards' manifests, not the samples) and comes back to the laptop without a tensor.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``specops train``: an EAGLE-3 draft trained on a finished extraction run's states, detached.
 
-Per host: the training preflight and the start (``remote/train.py``: the plan from the
+Per host: the training preflight and the start (``remote/train/task.py``: the plan from the
 states run's manifest -- model, ids minus the final state, read backend, seq len, data
 path --, the samples whole, the installed trainer's flags, disk for the checkpoints),
 then the run followed like an extraction (one python on the host streaming status
@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.text import Text
 
 from specops import jobs
-from specops.assets import remote_manifest, remote_memuse
+from specops import wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.host import Host
@@ -134,21 +134,21 @@ def progress_line(host: str, st: dict) -> Text:
         parts.append(f"ETA {st['eta_s']:.0f}s")
     memory = st.get("memory") or {}
     if memory.get("peak_bytes"):  # the trainer's measured peak so far, against the preflight's estimate
-        parts.append(f"peak {remote_memuse().human_bytes(memory['peak_bytes'])}" +
+        parts.append(f"peak {wire.units.human_bytes(memory['peak_bytes'])}" +
                      (f" ({memory['peak_over_estimate']:.2f}x est.)" if memory.get("peak_over_estimate") else ""))
     return Text(host, style="bold") + Text("  " + "  ".join(p for p in parts if p))
 
 
-#: the errors of a trainer that exited but whose draft learned nothing (remote.trainrun): diverged, or no signal
+#: the errors of a trainer that exited but whose draft learned nothing (remote.train.supervisor): diverged, or no signal
 NOTHING_LEARNED = ("LossNotFinite", "NothingLearned")
 
 
 def run_record(run_id: str, state: RunState) -> Record:
     """``train.run``: how the run ended, with its last numbers (fail: its root cause)."""
     st = state.model_dump()
-    # what the trainer really held, beside the preflight's estimate (the host's remote.memuse)
+    # what the trainer really held, beside the preflight's estimate (the host's remote.train.memuse)
     memory = st.get("memory")
-    used = f"; {remote_memuse().usage_line(memory)}" if memory else ""
+    used = f"; {wire.units.usage_line(memory)}" if memory else ""
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
@@ -351,9 +351,9 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False) -> HostReport:
     report = jobs.fetch_run(host, run_id, tensors=tensors)
     if report.data.get("kind") == "train":
         dest = Path(report.data["dest"])
-        from specops.assets import remote_contract, remote_fsutil
+        from specops import wire
 
-        status = remote_fsutil().read_json_quietly(dest / remote_contract().STATUS_FILE) or {}
+        status = wire.fsutil.read_json_quietly(dest / wire.contract.STATUS_FILE) or {}
         report.records += fetch_artifacts(host, report.data["run_dir"], dest, status)
         if tensors:
             report.records.append(fetch_draft(host, run_id, dest, report.records))
@@ -363,9 +363,9 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False) -> HostReport:
 def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record]:
     """A train run's ``metrics.jsonl`` with its CSV and curve, and the best checkpoint's config (``best/``)."""
 
-    from specops.assets import remote_fsutil
+    from specops import wire
 
-    write, dest = remote_fsutil().atomic_write, Path(dest)
+    write, dest = wire.fsutil.atomic_write, Path(dest)
     data = jobs.read_remote(host, f"{run_dir}/{METRICS_JSONL}")
     if data is None:
         return [Record(name="fetch.metrics", status="skipped", summary="the trainer has logged no metrics yet")]
@@ -421,14 +421,14 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
 
 def _keep_or_write(path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically unless it holds exactly that already (a kept file keeps its inode)."""
-    from specops.assets import remote_fsutil
+    from specops import wire
 
     try:
         if path.read_bytes() == data:
             return
     except OSError:
         pass
-    remote_fsutil().atomic_write(path, data, mode=0o644)
+    wire.fsutil.atomic_write(path, data, mode=0o644)
 
 
 #: a draft's files are hashed on the host (every byte digested): bounded, not unbounded
@@ -440,7 +440,7 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     ``best/``, a dir ``vllm serve --speculative-config`` takes as it is.
 
     The checkpoint is the one :func:`fetch_artifacts` picked (its ``fetch.checkpoint`` record). One host call
-    lists its files with sizes and digests (``remote/train.py`` ``files``); :func:`specops.jobs.download_files`
+    lists its files with sizes and digests (``remote/train/task.py`` ``files``); :func:`specops.jobs.download_files`
     brings them over SFTP: a file already here with that digest stays as it is, a partial ``.part`` resumes,
     each is checked before it takes its name.
     """
@@ -484,7 +484,7 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
     return Record(name="fetch.tensors", status="ok",
                   summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
-                          f"({total / 2**20:.1f} MiB), {remote_manifest().digest_names(data['files'])} "
+                          f"({total / 2**20:.1f} MiB), {wire.manifest.digest_names(data['files'])} "
                           f"checked; {len(kept)} kept, "
                           f"{len(names) - len(kept)} downloaded ({done.detail.get('resumed', 0)} resumed); serve "
                           f"it with --speculative-config '{serve}'", detail=detail)

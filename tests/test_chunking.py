@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from remote.engines.vllm_server.chunking import when_it_writes
+from remote.extract.engines.vllm_server.chunking import when_it_writes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def test_a_connector_whose_writes_cannot_be_seen_is_not_trusted():
 
 
 def test_what_a_run_asks_for_meets_what_the_connector_allows():
-    from remote.engines.vllm_server.chunking import resolve
+    from remote.extract.engines.vllm_server.chunking import resolve
 
     safe, unsafe = when_it_writes(chain(WRITES_WHEN_FINISHED)), when_it_writes(chain(WRITES_EVERY_STEP))
     assert resolve(None, safe)["on"] and resolve("auto", safe)["on"] and resolve("on", safe)["on"]
@@ -101,7 +101,7 @@ def test_what_a_run_asks_for_meets_what_the_connector_allows():
 
 
 def test_prefix_caching_is_refused_by_name():
-    from remote.engines.vllm_server.chunking import refused_flags
+    from remote.extract.engines.vllm_server.chunking import refused_flags
 
     assert refused_flags(["--max-num-seqs", "4", "--enable-prefix-caching"]) == ["--enable-prefix-caching"]
     assert refused_flags(["--enable-prefix-caching=true"]) == ["--enable-prefix-caching=true"]
@@ -111,7 +111,7 @@ def test_prefix_caching_is_refused_by_name():
 def test_server_args_are_checked_as_vllm_reads_them_underscores_dotted_keys_and_prefixes():
     """vLLM's FlexibleArgumentParser turns ``_`` into ``-`` in a ``--`` name and reads ``--name.key=v`` as
     part of ``--name``; argparse takes a unique prefix for the flag: each spelling is refused as the flag."""
-    from remote.engines.vllm_server.chunking import refused_flags, server_args_problem
+    from remote.extract.engines.vllm_server.chunking import refused_flags, server_args_problem
 
     for spelling in ("--enable_prefix_caching", "--enable_prefix-caching=true", "--enable-prefix"):
         assert refused_flags([spelling]) == [spelling], spelling
@@ -133,7 +133,7 @@ def test_the_installed_connectors_of_the_modern_stack_write_when_a_request_is_do
     import json
     import subprocess
 
-    code = ("import json; from remote.engines.vllm_server import chunking, command; "
+    code = ("import json; from remote.extract.engines.vllm_server import chunking, command; "
             "print(json.dumps({'stock': chunking.installed_verdict((command.STOCK_CONNECTOR, None)), "
             "'fp8': chunking.installed_verdict((command.FP8_CONNECTOR_CLASS, command.fp8_connector_module()))}))")
     out = subprocess.run([str(modern_hostenv_python), "-c", code], cwd=REPO, capture_output=True, text=True,

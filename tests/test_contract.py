@@ -1,4 +1,4 @@
-"""remote/contract.py is the one definition of what both sides of the wire agree on.
+"""remote/wire/contract.py is the one definition of what both sides of the wire agree on.
 
 Run states and their exit codes, record statuses and their order, the engine table,
 the run-id rule, sample file names and run defaults: the laptop (loading the file by
@@ -19,33 +19,36 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import contract, dataset, job, layers, protocol, rundir, samples  # noqa: E402
-from specops.assets import remote_contract  # noqa: E402
+from remote.extract import samples  # noqa: E402
+from remote.wire import contract, layers, protocol
+from remote.extract import dataset
+from remote.run import job, rundir
+from specops import wire  # noqa: E402
 from specops.exit_codes import ExitCode  # noqa: E402
 from specops.inventory import HostSpec  # noqa: E402
 from specops.params import ENGINES, LAYER_CONVENTIONS, run_params  # noqa: E402
 from specops.result import HostReport, Record, RunState  # noqa: E402
 
-LAPTOP = remote_contract()
+LAPTOP = wire.contract
 ALL_STATES = [s.value for s in contract.RunState]
 
 LOAD_ON_LAPTOP = """
 import json, sys
 before = set(sys.modules)
-from specops.assets import remote_contract, remote_protocol
-contract = remote_contract()
-print(json.dumps({"file": contract.__file__, "same": contract is remote_protocol().contract,
+from specops import wire
+contract = wire.contract
+print(json.dumps({"file": contract.__file__, "same": contract is wire.protocol.contract,
                   "new_remote": sorted(m for m in set(sys.modules) - before
-                                       if m.split(".")[0] == "remote" or "contract" in m)}))
+                                       if m.split(".")[0] == "remote")}))
 """
 
 
-def test_the_laptop_loads_the_hosts_file_once_and_registers_nothing(tmp_path):
+def test_the_laptop_imports_the_hosts_file_once_and_no_remote_package(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LOAD_ON_LAPTOP], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert Path(out["file"]).resolve() == (REPO / "remote" / "contract.py").resolve()
+    assert Path(out["file"]).resolve() == (REPO / "remote" / "wire" / "contract.py").resolve()
     assert out["same"] and out["new_remote"] == [], out
     assert protocol.contract is contract  # the host imports it: one module, not a second load
 
@@ -84,7 +87,7 @@ def test_record_statuses_and_their_order():
 
 
 def test_engine_table_is_read_by_every_side():
-    from remote import engines
+    from remote.extract import engines
 
     assert set(engines.ENGINES) == set(contract.ENGINES)  # the registry loads exactly these
     assert not hasattr(engines, "ALIASES") and not hasattr(engines, "resolve_engine")  # one engine choice
@@ -115,7 +118,7 @@ def test_defaults_agree_inventory_params_and_job():
     for key, value in contract.DEFAULTS.items():
         assert getattr(spec, key) == value, key
         assert params[key] == value, key
-    from remote import preflight
+    from remote.probes import preflight
 
     for key in ("tp", "engine", "seq_len", "max_samples", "gpu_memory_utilization"):
         assert preflight.DEFAULTS[key] == contract.DEFAULTS[key], key

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from remote import cpu
+from remote.system import cpu
 from remote.probes import cpu_kernels
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cpu"
@@ -107,7 +107,7 @@ def test_an_aten_cap_without_a_onednn_cap_is_named_on_an_amx_cpu():
 def test_the_intel_cpu_showed_why_vllm_ranks_need_the_permission_hook():
     """Kept from the lent Intel host: an AMX instruction without the request is SIGILL (-4), the
     request is cleared by exec (every spawned rank starts without it), and a spawned python with
-    ``remote/amx_hook`` on its path starts permitted and runs the instruction."""
+    ``remote/system/amx_hook`` on its path starts permitted and runs the instruction."""
     seen = json.loads((FIXTURES / "intel_xeon_amx_permission.json").read_text())
     assert seen["amx_tile_without_request"]["returncode"] == -4
     assert seen["amx_tile_after_request"]["returncode"] == 0
@@ -130,7 +130,7 @@ def test_the_hook_asks_in_a_real_child_and_keeps_the_envs_own_sitecustomize(tmp_
     own = tmp_path / "own"
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE_RAN'] = '1'\n")
-    probe = ("import json, os; from remote import cpu; "
+    probe = ("import json, os; from remote.system import cpu; "
              "print(json.dumps({'permitted': cpu.amx_permitted(), 'own': os.environ.get('OWN_SITECUSTOMIZE_RAN')}))")
     repo = str(Path(__file__).resolve().parents[1])
     results = {}
@@ -151,7 +151,7 @@ def test_the_hook_asks_in_a_real_child_and_keeps_the_envs_own_sitecustomize(tmp_
 def test_preflight_names_the_kernel_path_on_this_host(hostenv_python, modern_hostenv_python, tiny_models, tmp_path):
     """The probe inside a real preflight on this machine's CPU, for both stacks' vLLM."""
     for python, engine in ((hostenv_python, "speculators-0.3"), (modern_hostenv_python, "vllm-server")):
-        script = ("import json, sys; from remote import preflight; "
+        script = ("import json, sys; from remote.probes import preflight; "
                   "p = preflight.main(json.loads(sys.argv[1])); "
                   "print(json.dumps([r for r in p['records'] if r['name'].startswith('host.cpu_kernels')]))")
         params = {"model_path": str(tiny_models["llama"]), "device": "cpu", "engine": engine,

@@ -2,7 +2,7 @@
 
 * modern stack: the same chat rows through speculators 0.9's own ``prepare-data`` (with the
   GPU-less vLLM render server it needs, ``vllm launch render``: started once, seconds) and
-  through specops' reader (``remote.dataset.prepare_samples`` + ``remote.samples.save_token_dataset``,
+  through specops' reader (``remote.extract.dataset.prepare_samples`` + ``remote.extract.samples.save_token_dataset``,
   what the run calls) in the modern env: the same token ids and loss masks, one sample per
   assistant turn, the same rows left out, and ``token_freq.pt`` equal.
 * seed stack: specops' ``whole`` rows equal speculators 0.3's own ``_preprocess_batch`` rule.
@@ -113,7 +113,7 @@ SPECOPS_SIDE = """
 def main(params, out_dir, peer_dir):
     import torch
     from datasets import load_from_disk
-    from remote import dataset, samples
+    from remote.extract import dataset, samples
     rows, report = dataset.prepare_samples(params, params["model_path"])
     import os
     os.makedirs(out_dir, exist_ok=True)
@@ -158,7 +158,7 @@ def test_chat_rows_are_speculators_0_9_prepare_data_rows_with_its_token_freq(
 #: the peer's prepared Arrow dir as specops' dataset, and specops' own rendering of the chat rows, in order
 PREPARED_SIDE = """
 def main(params, prepared_dir):
-    from remote import dataset
+    from remote.extract import dataset
     mine, _ = dataset.prepare_samples(params, params["model_path"])
     taken, report = dataset.prepare_samples(dict(params, dataset=prepared_dir), params["model_path"])
     missing = None
@@ -221,7 +221,7 @@ def main(params, out_dir):
 
 PRETOKENIZED = """
 def main(params):
-    from remote import dataset
+    from remote.extract import dataset
     try:
         rows, report = dataset.prepare_samples(params, "/no/model")
     except (ValueError, dataset.DatasetError) as exc:
@@ -295,7 +295,7 @@ def test_several_inputs_are_concatenated_in_order_and_each_named(hostenv_python,
 #: the other readers of a run's dataset, given a list: the group plan's row count and digest, the smoke twin's rows
 OTHER_READERS = """
 import json
-from remote import shard, smoke
+from remote.extract import shard, smoke
 from pathlib import Path
 
 def main(params, dest):

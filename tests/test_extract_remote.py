@@ -1,6 +1,6 @@
 """The host side of ``extract``: job verbs, the supervisor and the engines, for real.
 
-Every call goes through the host env's python in a subprocess (``remote.job.main``),
+Every call goes through the host env's python in a subprocess (``remote.run.job.main``),
 exactly as the controller's entry script would make it; the supervisor is a real
 detached process, the models are the tiny test models, vLLM is the real CPU build.
 Tensors are checked by a small script in the same python (the controller has no torch).
@@ -38,10 +38,10 @@ def host_env():
 
 
 def job(python, **params) -> dict:
-    """``remote.job.main(params)`` in the host env's python; returns the payload."""
+    """``remote.run.job.main(params)`` in the host env's python; returns the payload."""
     # a call that hangs says where before it is killed (one status call once hung for 120 s in CI)
     code = ("import faulthandler,json,sys; faulthandler.dump_traceback_later(150, exit=True); "
-            "from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))")
+            "from remote.run import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))")
     out = subprocess.run([str(python), "-c", code, json.dumps(params)], cwd=REPO, env=host_env(),
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
@@ -458,7 +458,7 @@ def test_failure_in_tp_rank_1_comes_back_with_root_cause(at, hostenv_python, tin
 
 def test_last_traceback_reads_prefixed_worker_logs():
     """The log parser behind the root cause, on vLLM-prefixed lines (runs without torch)."""
-    from remote.rootcause import last_traceback
+    from remote.run.rootcause import last_traceback
 
     log = "\n".join([
         "(Worker_TP1 pid=7) INFO loading",
@@ -484,8 +484,8 @@ def test_last_traceback_reads_prefixed_worker_logs():
 
 def test_root_cause_prefers_the_rank_that_failed_over_the_peers_that_lost_it(tmp_path):
     """A rank's own error beats a peer's "connection reset" and the driver's generic message (stdlib only)."""
-    from remote.rootcause import root_cause
-    from remote.rundir import RunPaths
+    from remote.run.rootcause import root_cause
+    from remote.run.rundir import RunPaths
 
     paths = RunPaths(tmp_path / "run")
     paths.errors.mkdir(parents=True)
@@ -508,7 +508,7 @@ def test_root_cause_prefers_the_rank_that_failed_over_the_peers_that_lost_it(tmp
 
 def test_pre_tokenized_dataset_rows_are_truncated_and_bad_rows_named(tmp_path):
     """The dataset reader on pre-tokenized rows: no tokenizer, so no transformers (stdlib only)."""
-    from remote.dataset import load_token_samples
+    from remote.extract.dataset import load_token_samples
 
     data = tmp_path / "tok.jsonl"
     data.write_text('{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n\n{"input_ids": [4, 5]}\n')
@@ -521,7 +521,7 @@ def test_pre_tokenized_dataset_rows_are_truncated_and_bad_rows_named(tmp_path):
 
 def test_status_of_a_supervisor_that_died_unrecorded(tmp_path):
     """A dead pid with a live state is a failure; the log's traceback names why (stdlib only)."""
-    from remote import job as job_module
+    from remote.run import job as job_module
 
     run_dir = tmp_path / "work" / "runs" / "gone"
     (run_dir / "logs").mkdir(parents=True)
@@ -573,7 +573,7 @@ def test_hf_reference_runs_the_text_model_of_a_kimi_k25_wrapper(hostenv_python, 
 
 
 def test_logs_tail_first_then_follow_new_files_from_their_start(tmp_path):
-    from remote import job as job_module
+    from remote.run import job as job_module
 
     run_dir = tmp_path / "work" / "runs" / "lg"
     (run_dir / "logs").mkdir(parents=True)
@@ -592,7 +592,7 @@ def test_logs_tail_first_then_follow_new_files_from_their_start(tmp_path):
 
 def test_layer_ids_resolve_with_their_convention():
     """Defaults are the engine's own; ids given in the other convention are converted, never mixed."""
-    from remote import runplan
+    from remote.extract import runplan
 
     def resolve_layer_ids(params, engine, n):  # the run's plan for a model of n layers
         plan = runplan.resolve(params, {"num_hidden_layers": n}, engine=(engine, "given")).require()

@@ -186,11 +186,11 @@ def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_in
 
 def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answers(
         slow_inventory, host_c, tmp_path):  # noqa: F811
-    from specops.assets import remote_protocol
+    from specops import wire
 
     runs, inv = tmp_path / "runs", str(slow_inventory)
     port = host_c.port
-    rid = "L5-" + "x" * (remote_protocol().USER_RUN_ID_MAX - 3)  # the longest a user may give
+    rid = "L5-" + "x" * (wire.protocol.USER_RUN_ID_MAX - 3)  # the longest a user may give
     started = cli("extract", "--inventory", inv, "--on", "trio", "--run-id", rid, "--skip-preflight", "--skip-smoke",
                   "--detach", runs=runs)
     assert started.returncode == ExitCode.SUCCESS, started.stdout + started.stderr
@@ -217,7 +217,7 @@ def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answ
     assert gap["status"] == "changed" and f"[8, {cut}) is made again there as s2m2@c" in gap["summary"]
     assert shard_map(runs, rid)[2:] == [("s2", ["c"], 8, 8, rid), ("s2m2", ["c"], 8, cut, f"{rid}.s2m2"),
                                         ("s2m1", ["a"], cut, 12, f"{rid}.s2m1")]
-    assert len(f"{rid}.s2m2") <= remote_protocol().RUN_ID_MAX
+    assert len(f"{rid}.s2m2") <= wire.protocol.RUN_ID_MAX
     merged = assert_merged(runs, rid, 12, tmp_path)
     assert {f["shard"] for f in merged["files"] if 8 <= f["index"] < cut} == {"s2m2"}
     final = cli("status", "--inventory", inv, "--run-id", rid, runs=runs, timeout=120)
@@ -227,7 +227,7 @@ def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answ
 # --------------------------------------------------------------------------- 4, 11: bad ids and weights
 
 def test_a_run_id_without_room_for_the_move_suffix_and_huge_weights_are_usage_errors(fast_inventory, tmp_path):
-    from specops.assets import remote_protocol
+    from specops import wire
 
     runs, inv = tmp_path / "runs", str(fast_inventory)
     long_id = "r" * 126  # the host takes 128, but a moved range would append .s2m1
@@ -235,7 +235,7 @@ def test_a_run_id_without_room_for_the_move_suffix_and_huge_weights_are_usage_er
               timeout=120)
     said = got.stdout + got.stderr
     assert got.returncode == ExitCode.USAGE and "--run-id" in said, said
-    assert f"at most {remote_protocol().USER_RUN_ID_MAX}" in said
+    assert f"at most {wire.protocol.USER_RUN_ID_MAX}" in said
     for weights in ("a=1e308", "a=1e308,b=1e308,c=1e308", "a=1e308,b=1e308"):
         got = cli("extract", "--inventory", inv, "--on", "trio", "--run-id", "L6", "--skip-preflight",
                   "--shard-by", weights, runs=runs, timeout=120)

@@ -214,8 +214,8 @@ def remote_pkg(monkeypatch):
 def test_the_host_counts_the_rows_the_supervisor_reads(tmp_path, remote_pkg):
     import json
 
-    from remote.dataset import load_token_samples
-    from remote.shard import count_rows
+    from remote.extract.dataset import load_token_samples
+    from remote.extract.shard import count_rows
 
     rows = [json.dumps({"input_ids": [i, i + 1]}) for i in range(7)]
     path = tmp_path / "d.jsonl"
@@ -236,7 +236,7 @@ def test_the_host_lists_a_ranges_files_in_either_format(tmp_path, remote_pkg):
 
     import blake3
 
-    from remote import shard
+    from remote.extract import shard
 
     out = tmp_path / "out"
     (out / "hidden_states").mkdir(parents=True)
@@ -277,7 +277,7 @@ def test_split_is_exact_for_extreme_weight_ratios():
 
 
 def test_moved_ids_stay_bounded_and_fit_the_host_for_any_user_run_id(remote_pkg):
-    from remote import protocol
+    from remote.wire import protocol
 
     longest = "r" * protocol.USER_RUN_ID_MAX
     manifest = FleetManifest(run_id=longest, total=30)
@@ -296,9 +296,9 @@ def test_moved_ids_stay_bounded_and_fit_the_host_for_any_user_run_id(remote_pkg)
 def test_a_user_run_id_leaves_room_for_every_suffix():
     from specops.runid import check_run_id
 
-    from specops.assets import remote_protocol
+    from specops import wire
 
-    protocol = remote_protocol()
+    protocol = wire.protocol
     assert check_run_id("r" * protocol.USER_RUN_ID_MAX)
     with pytest.raises(UsageError) as err:
         check_run_id("r" * (protocol.USER_RUN_ID_MAX + 1))
@@ -321,7 +321,7 @@ def test_the_host_flags_a_file_whose_size_differs_from_its_manifest(tmp_path, re
     import hashlib
     import json
 
-    from remote import shard
+    from remote.extract import shard
 
     out = tmp_path / "out"
     out.mkdir()

@@ -33,7 +33,7 @@ def remote_pkg(monkeypatch):
 
 def test_two_ranges_of_one_run_share_a_dir_and_another_run_or_dataset_is_refused_field_by_field(tmp_path,
                                                                                                remote_pkg):
-    from remote import samples
+    from remote.extract import samples
 
     out = tmp_path / "out"
     out.mkdir()
@@ -61,7 +61,7 @@ def test_two_ranges_of_one_run_share_a_dir_and_another_run_or_dataset_is_refused
 
 
 def test_a_shard_sweeps_only_its_own_temp_files_on_a_shared_dir(tmp_path, remote_pkg):
-    from remote import samples
+    from remote.extract import samples
 
     out = tmp_path / "out"
     out.mkdir()
@@ -78,7 +78,7 @@ def test_a_shard_sweeps_only_its_own_temp_files_on_a_shared_dir(tmp_path, remote
 
 
 def test_the_token_dataset_is_written_once_per_shared_dir(tmp_path, remote_pkg):
-    from remote import samples
+    from remote.extract import samples
 
     out = tmp_path / "out"
     out.mkdir()
@@ -100,7 +100,7 @@ def test_the_token_dataset_is_written_once_per_shared_dir(tmp_path, remote_pkg):
 
 
 def test_the_host_merge_refuses_ranges_made_from_other_inputs(tmp_path, remote_pkg):
-    from remote import merge, samples
+    from remote.extract import merge, samples
 
     out = tmp_path / "out"
     for (lo, hi), identity in (((0, 2), IDENTITY), ((2, 4), dict(IDENTITY, layer_ids=[1, 2, 3, 4]))):

@@ -94,7 +94,7 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     assert "Traceback" not in said
 
     # engine auto resolved on the host to the seed engine: the run's plan refuses it, naming the field
-    from remote import runplan
+    from remote.extract import runplan
 
     with pytest.raises(runplan.PlanError) as plan:
         runplan.resolve({"format": "fp8"}, {"num_hidden_layers": 8}, engine=("speculators-0.3", "speculators 0.3.0"))
@@ -118,7 +118,7 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
 def test_the_status_record_and_the_summary_table_name_the_state_format(tmp_path):
     """``status`` (the host's ``job.status`` record, once the run's plan is made) and the summary table
     ``extract``/``fetch`` print say bf16 or fp8; a run before its plan says nothing of it."""
-    from remote import job
+    from remote.run import job
     from specops.jobs import summary_table
 
     def said(**status):
@@ -133,7 +133,7 @@ def test_the_status_record_and_the_summary_table_name_the_state_format(tmp_path)
 
 
 def test_resume_refuses_to_mix_formats_in_one_output_dir(tmp_path):
-    from remote import samples
+    from remote.extract import samples
 
     rows = [([1, 2, 3], [0, 1, 1])]
     bf16 = samples.run_identity(rows, model={"n": 8}, fmt="hs", layer_ids=[2, 4], layer_convention="input")
@@ -186,8 +186,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
-from remote import samples
-from remote.sampleread import LayerStats
+from remote.extract import samples
+from remote.extract.sampleread import LayerStats
 from remote.verify.run import load_sample
 
 out = Path(sys.argv[1]) / "hidden_states"
@@ -261,7 +261,7 @@ import _specops_cpu_fp8_hidden_states_connector as cpu_fp8
 from _specops_cpu_hidden_states_connector import CpuHiddenStatesConnector, _CopyDone
 from hs_connectors.fp8_hidden_states_connector import FP8HiddenStatesConnector
 from hs_connectors.fp8_utils import quantize_tensor_to_fp8
-from remote.engines import vllm_server
+from remote.extract.engines import vllm_server
 
 cls = getattr(cpu_fp8, vllm_server.CPU_FP8_CONNECTOR_CLASS)
 # the CPU copy of the bf16 connector, the fp8 write of hs-connectors' own class
@@ -285,7 +285,7 @@ def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(
     """The test host's CPU fp8 connector adds no code of its own: the CPU connector's copy out of the
     KV cache, then FP8HiddenStatesConnector's quantize + save_file, which runs on a CPU torch and
     writes exactly what hs-connectors' quantizer makes (fp8 [T, L, H] + float32 scales [T, 1, 1])."""
-    from remote.engines import vllm_server
+    from remote.extract.engines import vllm_server
     from specops.testhost import hostenv
 
     assert hostenv.CPU_FP8_CONNECTOR_MODULE == vllm_server.CPU_FP8_CONNECTOR_MODULE
@@ -303,7 +303,7 @@ def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(
 
 CONNECTOR_OPTIONS = r"""
 import json
-from remote.engines import vllm_server
+from remote.extract.engines import vllm_server
 
 given = {"shared_storage_path": "/run/server/storage"}
 print(json.dumps({name: vllm_server.connector_options((name, module), given) for name, module in (

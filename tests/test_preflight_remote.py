@@ -1,7 +1,7 @@
-"""Remote preflight (``remote/preflight.py``) against the real host env and real tiny models.
+"""Remote preflight (``remote/probes/preflight.py``) against the real host env and real tiny models.
 
 Every test copies a tiny model into ``tmp_path``, breaks one thing in the copy, runs
-``remote.preflight.main`` in the host env's python (the controller env has no torch or
+``remote.probes.preflight.main`` in the host env's python (the controller env has no torch or
 transformers) and checks that exactly that thing fails, with its cause and a fix.
 The nvidia-smi parsers are tested on output recorded on a real H200
 (``tests/fixtures/nvidia-smi/record.sh`` says how).
@@ -26,7 +26,7 @@ MARK = "@@PREFLIGHT-TEST@@"
 RUNNER = f"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from remote import preflight
+from remote.probes import preflight
 print({MARK!r} + json.dumps(preflight.main(json.loads(sys.argv[2])), default=str))
 """
 #: What a CPU test host needs in the job env (FACTS.md); healthy runs pass these.
@@ -61,7 +61,7 @@ def checked(payload: dict) -> Result:
 
 
 def run_preflight(python: Path, params: dict, *, bundle: Path = REPO, env: dict | None = None) -> Result:
-    """``remote.preflight.main(params)`` in a fresh process of ``python`` (for tests where a fresh
+    """``remote.probes.preflight.main(params)`` in a fresh process of ``python`` (for tests where a fresh
     interpreter is the point, such as a never-imported env); :func:`host_preflight` otherwise."""
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
     proc = subprocess.run([str(python), "-c", RUNNER, str(bundle), json.dumps(params)], capture_output=True,
@@ -76,7 +76,7 @@ def host_preflight(python: Path, params: dict, *, env: dict | None = None) -> Re
     """:func:`run_preflight`, answered by the env's long-lived host python (``tests/hostcall.py``):
     the same call, the same process environment, without a new interpreter and import per call."""
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
-    return checked(hostcall.call(python, "remote.preflight:main", params, env=full_env, timeout=240))
+    return checked(hostcall.call(python, "remote.probes.preflight:main", params, env=full_env, timeout=240))
 
 
 def base_params(model_dir: Path, tmp_path: Path, **overrides) -> dict:

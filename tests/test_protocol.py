@@ -1,6 +1,6 @@
-"""remote/protocol.py is the one home of the markers and exit codes: host, template and controller.
+"""remote/wire/protocol.py is the one home of the markers and exit codes: host, template and controller.
 
-The controller loads that very file on the laptop (``specops.assets.remote_protocol``),
+The controller imports that very file on the laptop (as ``specops.wire.protocol``),
 so it must import nothing but the standard library and change nothing when loaded; the
 entry template gets the values from it when rendered. These tests run the real rendered
 entry script and the real parser in ``specops/remote_task.py``.
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specops.assets import remote_protocol
+from specops import wire
 from specops.remote_task import StdinResult, needs_bundle
 from specops.render import render_entry
 
@@ -21,12 +21,12 @@ PROBE = """
 import json, os, sys
 before = (list(sys.path), dict(os.environ), set(sys.modules))
 import specops.host
-from specops.assets import remote_protocol
-protocol = remote_protocol()
+from specops import wire
+protocol = wire.protocol
 after = (list(sys.path), dict(os.environ), set(sys.modules))
 print(json.dumps({"path_same": before[0] == after[0], "env_same": before[1] == after[1],
                   "new_remote": sorted(m for m in after[2] - before[2]
-                                     if m.split(".")[0] == "remote" or "_remote_protocol" in m),
+                                     if m.split(".")[0] == "remote"),
                   "file": protocol.__file__, "codes": [protocol.NEED_BUNDLE_EXIT, protocol.ENTRY_ERROR_EXIT]}))
 """
 
@@ -37,14 +37,14 @@ def test_protocol_loads_on_the_laptop_without_side_effects(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["path_same"] and out["env_same"], out
-    assert out["new_remote"] == [], out  # loaded by path, never registered as a package
-    assert Path(out["file"]).resolve() == (REPO / "remote" / "protocol.py").resolve()
+    assert out["new_remote"] == [], out  # the laptop's name for it is specops.wire: no `remote` package
+    assert Path(out["file"]).resolve() == (REPO / "remote" / "wire" / "protocol.py").resolve()
     assert out["codes"] == [75, 78]
 
 
 def test_rendered_entry_takes_markers_from_protocol_and_host_reads_them(tmp_path):
     """The rendered script, run for real without its bundle, asks for it the way remote_task.py expects."""
-    protocol = remote_protocol()
+    protocol = wire.protocol
     script = render_entry("facts", {"_bundle_dir": str(tmp_path / "bundles" / "0123456789abcdef0123")})
     for marker in (protocol.NEED_BUNDLE_MARKER, protocol.ENTRY_ERROR_MARKER):
         assert script.count(marker) == 1, marker  # one constant, no literal copies elsewhere

@@ -51,8 +51,8 @@ def test_every_bundled_module_imports_with_the_standard_library_only(hostenv_pyt
         zf.extractall(tmp_path)
     modules = bundle_modules(tmp_path)
     # the walk really covers the modules the old hand-written lists missed
-    for expected in ("remote.drift", "remote.preflight", "remote.probes.model", "remote.verify", "remote.smoke",
-                     "remote.facts", "remote.layers", "remote.versions", "remote.tinymodel"):
+    for expected in ("remote.drift", "remote.probes.preflight", "remote.probes.model", "remote.verify", "remote.extract.smoke",
+                     "remote.system.facts", "remote.wire.layers", "remote.system.versions", "remote.extract.tinymodel"):
         assert expected in modules, expected
     proc = subprocess.run([str(hostenv_python), "-I", "-S", "-c", IMPORT_EACH, str(tmp_path), json.dumps(modules)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -87,9 +87,9 @@ def test_the_bundle_leaves_the_development_tools_in_the_checkout(tmp_path):
     with zipfile.ZipFile(io.BytesIO(bundle.data)) as zf:
         names = zf.namelist()
     assert names == list(bundle.files)
-    # of remote/dev only what an armed test hook does travels (remote/faults.py); the tools stay
+    # of remote/dev only what an armed test hook does travels (remote/run/faults.py); the tools stay
     assert [n for n in names if n.startswith("remote/dev")] == list(DEV_TRAVELS)
-    assert "remote/tinymodel.py" in names and "remote/protocol.py" in names
+    assert "remote/extract/tinymodel.py" in names and "remote/wire/protocol.py" in names
     # a file added under remote/dev changes nothing a host gets
     root = tmp_path / "tree"
     for rel in ["remote/__init__.py", *dev]:
@@ -104,10 +104,10 @@ def test_an_armed_test_hook_without_its_behaviour_is_refused_by_name(tmp_path):
     """A host task sent by an installed program (no ``remote/dev``) refuses an armed hook
     instead of ignoring it; unarmed, every fault point is a no-op there."""
     root = tmp_path / "tree"
-    for rel in ["remote/__init__.py", "remote/faults.py"]:
+    for rel in ["remote/__init__.py", "remote/run/faults.py"]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes((REPO / rel).read_bytes())
-    script = ("from remote import faults\n"
+    script = ("from remote.run import faults\n"
               "faults.engine_step({}, 'load'); faults.file_written(3, None); faults.lock_held(0)\n"
               "assert faults.batch_delay_s({}) == 0\n"
               "faults.engine_step({'inject_failure': {'at': 'load'}}, 'load')\n")

@@ -1,4 +1,4 @@
-"""Preflight of a replica over several hosts: every host's probe (``remote/replica_probe.py``) run for real,
+"""Preflight of a replica over several hosts: every host's probe (``remote/extract/replica_probe.py``) run for real,
 at once, on loopback, and judged as the laptop judges it (:func:`specops.replica.judge`)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from remote import replica_probe
+from remote.extract import replica_probe
 from specops.inventory import ReplicaSpec
 from specops.replica import judge
 from test_replica_remote import free_port_pair  # P and P + 1 free: the master port and the watch

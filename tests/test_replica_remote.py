@@ -108,7 +108,7 @@ def hs_files(root: Path) -> dict[int, Path]:
 
 
 def run_processes(run_dir: Path) -> list[int]:
-    from remote import procscan
+    from remote.system import procscan
 
     return procscan.live_pids(env_any={f"SPECOPS_RUN_DIR={run_dir}".encode()})
 
@@ -202,7 +202,7 @@ def lose_the_worker_host(host_b: TestHost, inventory: Path, runs: Path, run_id: 
 def stop_the_worker_ranks(head_dir: Path, worker_dir: Path) -> None:
     """SIGSTOP every vLLM process of worker host ``b`` mid-run: the head's run fails naming it, and both
     hosts' processes end."""
-    from remote import procscan
+    from remote.system import procscan
 
     supervisor = int((worker_dir / "pid").read_text())
     # the host's vLLM processes run in its supervisor's process group (its retitled workers no longer show
@@ -328,7 +328,7 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
     known alive (the same command re-attaches to it, ``status`` names its ranks and writes no failure over it),
     and ``abort`` still reaches it; the head, which the laptop cannot reach, then ends the replica aborted by
     itself, naming the worker host. Nothing of the run is left on either host."""
-    from remote import procscan
+    from remote.system import procscan
 
     inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models, detached=True)
     doc = yaml.safe_load(inventory.read_text())
@@ -351,7 +351,7 @@ def test_abort_takes_every_hosts_processes_down(tmp_path, testhost, host_b, mode
 
     def worker_supervisors() -> list[int]:
         return sorted(pid for pid in run_processes(worker_dir)
-                      if b"remote.replica" in Path(f"/proc/{pid}/cmdline").read_bytes())
+                      if b"remote.extract.replica" in Path(f"/proc/{pid}/cmdline").read_bytes())
 
     # the same command again re-attaches to both hosts' runs: no second supervisor (nor its second set of ranks)
     start_detached(inventory, runs, "pair", "rep4")
@@ -401,7 +401,7 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     at TP=1: one group run, the dataset sharded by replica. Replica c+d loses its head mid-way (host c killed):
     its worker host d stops its ranks and says the head is gone, and status names the head. The rest of its
     shard moves to e (``--reassign``): every sample once, none twice, none lost."""
-    from remote import procscan
+    from remote.system import procscan
 
     inventory = replica_inventory(tmp_path, testhost, host_b, modern_fixed_python, tiny_models)
     doc = yaml.safe_load(inventory.read_text())

@@ -1,4 +1,4 @@
-"""The supervisors' watch of a replica's hosts (``remote/replica.py``), on loopback: a worker host that says
+"""The supervisors' watch of a replica's hosts (``remote/extract/replica.py``), on loopback: a worker host that says
 it failed, or whose connection closes with no word, is lost by name; the head's end reaches every host."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from remote import replica
-from remote.engines.vllm_server import MARKER_ENV
+from remote.extract import replica
+from remote.extract.engines.vllm_server import MARKER_ENV
 
 
 def free_port() -> int:
@@ -123,11 +123,12 @@ def test_a_stopped_rank_of_the_head_loses_the_head_by_name(watch, monkeypatch):
 
 
 def test_a_worker_hosts_supervisor_is_known_alive_to_status_start_and_abort(tmp_path, monkeypatch):
-    """A replica's worker-host supervisor (``python -m remote.replica``, a real process here, waiting for a head
+    """A replica's worker-host supervisor (``python -m remote.extract.replica``, a real process here, waiting for a head
     that never answers): ``status`` sees it alive and writes no failure over it, the same ``start`` re-attaches
     instead of starting a second one, and ``abort`` stops it by SIGTERM (it records its own abort)."""
-    from remote import job, procscan
-    from remote.rundir import SUPERVISOR_MODULES
+    from remote.run import job
+    from remote.system import procscan
+    from remote.run.rundir import SUPERVISOR_MODULES
 
     monkeypatch.setattr(job, "STARTING_GRACE_S", 0.0)  # judge liveness at once, as a look minutes later would
     block = {"name": "pair", "hosts": ["a", "b"], "nnodes": 2, "ranks_per_node": 1, "tp": 2, "node_rank": 1,

@@ -1,4 +1,4 @@
-"""remote/runplan.py: a run's parameters resolved once; preflight, the shard probe, the supervisor,
+"""remote/extract/runplan.py: a run's parameters resolved once; preflight, the shard probe, the supervisor,
 the engines and verify read the same plan."""
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from remote import contract, runplan
-from remote.contract import HF_REFERENCE, INPUT, OUTPUT, SPECULATORS_03, VLLM_SERVER
+from remote.wire import contract
+from remote.extract import runplan
+from remote.wire.contract import HF_REFERENCE, INPUT, OUTPUT, SPECULATORS_03, VLLM_SERVER
 
 LLAMA8 = {"num_hidden_layers": 8}
 
@@ -27,7 +28,7 @@ def test_a_plan_names_its_ids_in_both_conventions_with_the_engine_facts():
 
 @pytest.mark.parametrize("engine", [SPECULATORS_03, VLLM_SERVER, HF_REFERENCE])
 def test_the_default_ids_count_the_language_model_of_a_wrapper(engine):
-    from remote import layers
+    from remote.wire import layers
 
     wrapped = {"num_hidden_layers": 2, "language_config": {"num_hidden_layers": 30}}
     plan = runplan.resolve({}, wrapped, engine=(engine, "given"))
@@ -74,9 +75,9 @@ def test_verify_reads_the_plan_the_manifest_records(tmp_path):
 
 def test_preflight_and_the_shard_probe_report_one_plan(tmp_path):
     """The layers probe leaves the plan in its context; the shard probe hands the same one to the laptop."""
-    from remote import shard
+    from remote.extract import shard
     from remote.probes import Context, layer_ids, model as model_probe
-    from remote import modelconfig
+    from remote.system import modelconfig
 
     model = tmp_path / "m"
     model.mkdir()
@@ -98,7 +99,7 @@ def test_preflight_and_the_shard_probe_report_one_plan(tmp_path):
 def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(tmp_path, monkeypatch):
     """Preflight with ``shard_probe`` runs the shard probe in its own process, from its own plan; the
     laptop's plan step makes that one call per host and reads the probe's facts from it."""
-    from remote import preflight
+    from remote.probes import preflight
     from specops.result import HostReport
     from specops.runs import plan as group_plan
 
@@ -140,7 +141,7 @@ def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(
 
 
 def test_an_engine_takes_the_runs_plan_or_resolves_its_own_from_the_config(tmp_path):
-    from remote.engines import engine_class
+    from remote.extract.engines import engine_class
 
     model = tmp_path / "m"
     model.mkdir()
@@ -163,7 +164,7 @@ def test_an_engine_takes_the_runs_plan_or_resolves_its_own_from_the_config(tmp_p
 ])
 def test_the_smoke_twin_keeps_the_runs_ids_where_they_name_its_layers(engine, given, typed, note):
     """Range-checked in the convention the ids were typed in, else the engine's own (the plan's rule)."""
-    from remote import smoke
+    from remote.extract import smoke
 
     said = smoke.twin_layer_ids_note({"engine": engine, "layer_ids": given, "layer_convention": typed}, 8)
     assert (said is not None) == note, said

@@ -1,6 +1,6 @@
 """The ``hs`` sample file's one read: checks, digest (BLAKE3, else sha256) and layer statistics, and the resume rule.
 
-Runs ``remote/samples.py`` in the modern test-host env (torch 2.13 + safetensors), on
+Runs ``remote/extract/samples.py`` in the modern test-host env (torch 2.13 + safetensors), on
 files written by safetensors itself, the way vLLM's hidden-states connector writes them.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ SCRIPT = r"""
 import hashlib, json, math, sys
 import torch
 from safetensors.torch import save_file
-from remote import samples
+from remote.extract import samples
 
 out = sys.argv[1]
 T, L, H = 40, 4, 48
@@ -37,7 +37,7 @@ res["good_problems"] = d["problems"]
 import blake3
 res["hash"] = d["hash"] == {"blake3": blake3.blake3(open(good, "rb").read()).hexdigest()}
 # a host python without blake3 (no vLLM) names sha256 instead: the same one read, another digest
-from remote import fsutil
+from remote.wire import fsutil
 sys.modules["blake3"] = None  # what an absent package looks like to `import`
 fsutil.default_hash.cache_clear()
 res["fallback"] = samples.digest_hs_file(good, asked, file_ids)["hash"] == {
@@ -56,9 +56,9 @@ res["stats_close"] = all(
     m["shape"] == s["shape"] and m["dtype"] == s["dtype"] and m["abs_max"] == s["abs_max"]
     and math.isclose(m["std"], s["std"], rel_tol=1e-5) and abs(m["mean"] - s["mean"]) <= 1e-5 * s["std"]
     for m, s in zip(merged, direct))
-# the statistics go a block of tokens at a time (remote/sampleread.py STATS_BLOCK_BYTES): 7 rows a block here,
+# the statistics go a block of tokens at a time (remote/extract/sampleread.py STATS_BLOCK_BYTES): 7 rows a block here,
 # the last one short, give the same numbers as one block
-from remote import sampleread
+from remote.extract import sampleread
 whole_block, sampleread.STATS_BLOCK_BYTES = sampleread.STATS_BLOCK_BYTES, 4 * H * 7
 blocked = samples.digest_hs_file(good, asked, file_ids)["layers"]
 sampleread.STATS_BLOCK_BYTES = whole_block
@@ -136,7 +136,7 @@ def test_resume_counts_only_whole_files(modern_hostenv_python, tmp_path):
     (hs / "hs_9.txt").write_text("not a sample")
     proc = subprocess.run(
         [str(modern_hostenv_python), "-c",
-         "import sys, json; from remote import samples; "
+         "import sys, json; from remote.extract import samples; "
          "print(json.dumps(sorted(samples.present_indices(sys.argv[1], samples.HS))))", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr

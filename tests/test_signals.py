@@ -1,6 +1,6 @@
 """A process of a run killed by a signal is named, and nothing of a run outlives its abort.
 
-The decoder (``remote/signals.py``) alone first: real child processes killed by each
+The decoder (``remote/system/signals.py``) alone first: real child processes killed by each
 signal, and the exact lines the installed vLLM versions log when a worker dies (read
 from their own sources, so a vLLM that changes the line fails here, not in a user's run).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from remote import signals
+from remote.system import signals
 from test_extract_remote import FINAL, group_members, job, patched_speculators, vllm_params  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_the_seed_vllm_worker_death_line_is_read(hostenv_python):
 
 
 def test_the_modern_vllm_worker_death_line_is_read(modern_hostenv_python):
-    from remote.engines.vllm_server import ServerFailed, log_death
+    from remote.extract.engines.vllm_server import ServerFailed, log_death
 
     fmt = _worker_death_format(modern_hostenv_python)  # 0.32: "(exit code: %s)"
     assert fmt.count("%s") == 2, fmt
@@ -252,8 +252,8 @@ def test_a_rank_killed_by_a_signal_is_named_on_the_seed_engine(phase, kills, hos
 def test_a_second_rank_that_faulted_is_named_beside_the_first_and_in_its_log(tmp_path):
     """Stdlib only: two fault deaths (the second one's faulthandler dump in its log) and a peer
     stopped by SIGTERM: the first is the error, the second is named too, the SIGTERM is not."""
-    from remote.rootcause import note_in_rank_log, root_cause
-    from remote.rundir import RunPaths
+    from remote.run.rootcause import note_in_rank_log, root_cause
+    from remote.run.rundir import RunPaths
 
     paths = RunPaths(tmp_path / "run")
     paths.logs.mkdir(parents=True)
@@ -390,7 +390,7 @@ def test_abort_kills_what_a_dead_supervisor_left_running(tmp_path):
     """The issue's leftover without a model: the supervisor is gone (SIGKILLed mid-stop) and a
     process of the run, in a session of its own and deaf to SIGTERM (a server still starting),
     lives on under init. abort must kill it and say so; before, it answered "not running"."""
-    from remote import job as job_module
+    from remote.run import job as job_module
 
     work = tmp_path / "work"
     run_dir = work / "runs" / "orphan"

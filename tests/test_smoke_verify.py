@@ -367,7 +367,8 @@ ENGINE_SCRIPT = r"""
 import json, random, sys
 from pathlib import Path
 import torch
-from remote import samples, verify
+from remote import verify
+from remote.extract import samples
 
 model_path, run_dir, dtype, plant = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 reference = verify.load_reference(model_path, dtype, False)
@@ -527,7 +528,7 @@ def test_verify_refuses_a_run_that_is_not_done(tmp_path, hostenv_python):
 
 
 def test_smoke_and_verify_import_only_the_standard_library(hostenv_python):
-    code = ("import sys; import remote.smoke, remote.verify; "
+    code = ("import sys; import remote.extract.smoke, remote.verify; "
             "bad = [m for m in ('torch', 'transformers', 'vllm', 'safetensors', 'speculators') if m in sys.modules]; "
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -535,7 +536,7 @@ def test_smoke_and_verify_import_only_the_standard_library(hostenv_python):
 
 
 def test_smoke_uses_synthetic_samples_without_a_dataset(tmp_path, hostenv_python, tiny_models):
-    code = ("import json,sys; from remote import smoke; "
+    code = ("import json,sys; from remote.extract import smoke; "
             "print(json.dumps(smoke.main(json.loads(sys.argv[1]))))")
     params = {"model_path": str(tiny_models["llama"]), "work_dir": str(tmp_path / "work"),
               "dataset": str(tmp_path / "missing.jsonl"), "samples": 3}
@@ -576,7 +577,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from remote import samples
+from remote.extract import samples
 
 model_path, run_dir = sys.argv[1], Path(sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=torch.float32).eval()

@@ -172,7 +172,7 @@ def copy_run(run: dict, run_id: str) -> Path:
 def rewrite_manifest(run_dir: Path, **changes) -> dict:
     """Change manifest keys (and re-hash every listed file in its entry's own algorithm, so only the planted
     change differs)."""
-    from remote import fsutil, manifest as schema
+    from remote.wire import fsutil, manifest as schema
 
     out = Path(json.loads((run_dir / "status.json").read_text())["output_dir"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -387,7 +387,7 @@ def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(unfixed_env, tiny_mo
 # --------------------------------------------------------------------------- smoke
 
 #: argv: a JSON list of [model path, work dir]; smoke's twin of each, built in one process
-TWIN = ("import json, sys; from remote import smoke; "
+TWIN = ("import json, sys; from remote.extract import smoke; "
         "print(json.dumps([smoke.main({'model_path': model, 'work_dir': work, 'samples': 2}) "
         "for model, work in json.loads(sys.argv[1])]))")
 

@@ -249,7 +249,7 @@ def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, co
     vLLM formats it, is read back to the ids (what eval and extraction compare)."""
     import ast
 
-    from remote.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import aux_ids
 
     index = PackageIndex(source_of(dist, version))
     formats = []

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import tinymodel  # noqa: E402  (stdlib-only at import, like all of remote/)
+from remote.extract import tinymodel  # noqa: E402  stdlib-only at import, like all of remote/
 from specops.testhost import reference_models  # noqa: E402  (the same)
 
 MODELS = ("llama", "deepseek_v3", "kimi_k25")
@@ -242,7 +242,7 @@ HF_CASES = CASE_LOOP + textwrap.dedent('''
         return result
 
     def twin(real, dest):
-        from remote import tinymodel
+        from remote.extract import tinymodel
         out = tinymodel.build_twin(real, dest, num_layers=9)
         tok = AutoTokenizer.from_pretrained(out)
         return {"files": sorted(p.name for p in out.iterdir()), "template": tok.chat_template is not None}

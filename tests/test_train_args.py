@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import trainplan  # noqa: E402
+from remote.train import plan as trainplan  # noqa: E402
 from trainplans import train_plan  # noqa: E402
 
 #: the argparse parser speculators' trainer builds, each flag's kind and choices, as JSON
@@ -162,7 +162,7 @@ def test_the_packed_tokens_per_step_default_by_device_and_are_refused_below_the_
     """``--total-seq-len``: speculators packs that many tokens of several samples into a step. A GPU gets
     the trainer's own default (a step of one 256-token sample kept the H200 at 600 tok/s, round 8); a CPU
     host one sample's worth; below the states' seq_len every longer sample would be cut, so refused."""
-    from remote import trainplan
+    from remote.train import plan as trainplan
 
     assert trainplan.total_seq_len({"device": "cpu"}, 128) == 128
     assert trainplan.total_seq_len({"device": "cuda"}, 256) == trainplan.TRAINER_TOTAL_SEQ_LEN == 8192
@@ -195,8 +195,8 @@ def test_a_number_that_is_not_finite_is_a_usage_error_naming_its_flag(args, says
 
 
 def test_the_host_task_refuses_a_number_that_is_not_finite_naming_the_field():
-    """The host's own check (remote/argspec.py) too: nan passes every bound (nan < 0 is False)."""
-    from remote import train
+    """The host's own check (remote/wire/argspec.py) too: nan passes every bound (nan < 0 is False)."""
+    from remote.train import task as train
 
     for value in ("nan", float("nan"), float("inf"), "-inf"):
         with pytest.raises(Exception) as caught:

@@ -44,7 +44,8 @@ from specops_cli import records, specops  # noqa: E402
 from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
-from remote import draft_eval, trainplan, trainrun  # noqa: E402
+from remote.train import supervisor as trainrun  # noqa: E402
+from remote.train import evaluate as draft_eval, plan as trainplan
 
 EPOCHS = 20
 
@@ -176,7 +177,7 @@ def test_the_aux_ids_vllm_took_are_read_from_its_log(tmp_path):
     """The line a real server printed (the H200, vLLM 0.25: the V1 runner's form), and 0.34's two forms
     (eagle3_utils.py: from the draft's config, or the model's defaults): ok when they are the states' ids,
     a fail naming both lists when not, a warn when the log names none."""
-    from remote.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import aux_ids
 
     used = aux_ids.aux_ids_used(GPU_SERVER_LOG.read_text())
     assert used["ids"] == [2, 4, 5, 8] and used["source"] == "config" and "gpu_model_runner.py" in used["line"]

@@ -1,5 +1,5 @@
 """The training preflight's memory estimate (``train.memory``), the memory the trainer really holds
-(:mod:`remote.memuse`, sampled by the train supervisor) and the host's listing of a draft's files.
+(:mod:`remote.train.memuse`, sampled by the train supervisor) and the host's listing of a draft's files.
 
 Real inputs only: the draft speculators 0.9.0 trained on the modern test host
 (``tests/fixtures/train/tiny_llama_draft/``: its ``config.json`` and the header of its
@@ -20,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from remote import memuse, procscan, train, trainmem
+from remote.train import memuse, task as train, memory as trainmem
+from remote.system import procscan
+from remote.wire import units
 from remote.probes import host
 from specops.testhost.reference_models import DEEPSEEK_V3_LIKE, KIMI_K25_LIKE, LLAMA_LIKE
 
@@ -130,7 +132,7 @@ def _checkpoints(tmp_path) -> Path:
 def test_the_host_lists_a_drafts_files_with_sha256_through_the_best_link(tmp_path):
     import hashlib
 
-    from remote import fsutil
+    from remote.wire import fsutil
 
     def digest(data: bytes) -> dict:  # computed apart from the host's helper, in the manifest's hash
         if fsutil.default_hash() == "blake3":
@@ -167,7 +169,7 @@ def test_the_host_refuses_a_dir_outside_the_run_and_a_dir_without_weights(tmp_pa
 
 
 def _plan(tmp_path, extra_args, device="cpu"):
-    from remote.trainplan import TrainPlan
+    from remote.train.plan import TrainPlan
 
     return TrainPlan(run_id="t1", from_run="r1", states_run_dir=str(tmp_path / "r1"), data_path=str(tmp_path / "out"),
                      model_path=str(tmp_path / "model"), layer_ids=[2, 16, 29, 32], trainer_layer_ids=[2, 16, 29],
@@ -198,7 +200,7 @@ def test_a_draft_vocab_size_without_vocab_maps_is_sized_as_the_full_vocab_specul
 
 
 def test_the_run_measures_against_the_preflights_own_estimate(tmp_path):
-    """The supervisor's ``estimate_bytes`` is :func:`remote.trainmem.plan_estimate`, which ``train.memory`` reports."""
+    """The supervisor's ``estimate_bytes`` is :func:`remote.train.memory.plan_estimate`, which ``train.memory`` reports."""
     (tmp_path / "out").mkdir()
     plan = _plan(tmp_path, ["--total-seq-len", "4096"])
     est, ignored = trainmem.plan_estimate(plan, LLAMA_LIKE)
@@ -269,7 +271,7 @@ def test_sampling_that_breaks_ends_with_why_and_never_raises(tmp_path):
     final = sampler.start().stop()
     assert final["samples"] == 0 and final["peak_bytes"] == 0 and "nvidia-smi" in final["why"], final
     assert final["where"] == "GPU 0 (NVIDIA H200)" and final["source"] == "nvidia-smi --query-compute-apps"
-    assert memuse.usage_line(final).startswith("memory not measured (GPU 0 (NVIDIA H200)): RuntimeError: nvidia-smi")
+    assert units.usage_line(final).startswith("memory not measured (GPU 0 (NVIDIA H200)): RuntimeError: nvidia-smi")
 
 
 def test_the_gpu_memory_of_the_trainers_pids_from_what_nvidia_smi_printed_on_the_h200():
@@ -288,21 +290,21 @@ def test_the_gpu_memory_of_the_trainers_pids_from_what_nvidia_smi_printed_on_the
 
 
 def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_path):
-    from remote import job
+    from remote.run import job
     from specops.result import RunState
     from specops.train import progress_line, run_record
 
     gpu = {"where": "GPU 0 (NVIDIA H200)", "source": memuse.GPU_SOURCE, "peak_bytes": int(4.8 * GiB),
-           "estimate_bytes": int(5.5 * GiB), "peak_over_estimate": memuse.ratio(int(4.8 * GiB), int(5.5 * GiB)),
+           "estimate_bytes": int(5.5 * GiB), "peak_over_estimate": units.ratio(int(4.8 * GiB), int(5.5 * GiB)),
            "samples": 300}
     assert gpu["peak_over_estimate"] == 0.873
     line = "peak 4.8 GiB on GPU 0 (NVIDIA H200), 0.87x the 5.5 GiB estimated"
-    assert memuse.usage_line(gpu) == line
+    assert units.usage_line(gpu) == line
     ram = {"where": "RAM", "peak_bytes": 706105344, "estimate_bytes": None, "peak_over_estimate": None}
-    assert memuse.usage_line(ram) == "peak 673.4 MiB in RAM (no estimate to compare with)"
-    assert memuse.usage_line({**gpu, "why": "RuntimeError: nvidia-smi: x"}).endswith(
+    assert units.usage_line(ram) == "peak 673.4 MiB in RAM (no estimate to compare with)"
+    assert units.usage_line({**gpu, "why": "RuntimeError: nvidia-smi: x"}).endswith(
         "estimated (sampling stopped early: RuntimeError: nvidia-smi: x)")
-    assert memuse.usage_line(None) is None
+    assert units.usage_line(None) is None
     status = {"run_id": "d1", "kind": "train", "state": "done", "step": 90, "epoch": 19, "loss": 0.009,
               "accuracy": [0.46], "checkpoint": {"path": "/w/ckpt/19"}, "memory": gpu}
     rec = run_record("d1", RunState(**status))

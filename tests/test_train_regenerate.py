@@ -21,7 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import regenerate, trainplan  # noqa: E402
+from remote.train import plan as trainplan  # noqa: E402
+from remote.train import regenerate
 
 FIX = REPO / "tests" / "fixtures" / "train" / "regenerate_responses.jsonl"
 

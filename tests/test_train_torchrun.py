@@ -1,6 +1,6 @@
 """A train run on a host with several GPUs starts one trainer per GPU under torchrun, and a failing rank is named.
 
-No GPU here: the launcher's argv (:meth:`remote.trainplan.TrainPlan.launch_argv`) is run by the real
+No GPU here: the launcher's argv (:meth:`remote.train.plan.TrainPlan.launch_argv`) is run by the real
 ``torch.distributed.run`` of the modern test-host env (torch 2.13) on two CPU processes, with a
 two-rank program in the trainer's place (speculators' distributed trainer needs an accelerator:
 ``No accelerator found``); rank 1 raises. What the supervisor reads back from that log is what it
@@ -15,8 +15,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import trainplan  # noqa: E402
-from remote.rootcause import last_traceback  # noqa: E402
+from remote.train import plan as trainplan  # noqa: E402
+from remote.run.rootcause import last_traceback  # noqa: E402
 
 RANKED = '''
 import os, sys, time

@@ -99,7 +99,7 @@ def test_bundle_uploads_once_then_again_when_code_changes(make_inventory, tmp_pa
 
     copy = tmp_path / "src"
     shutil.copytree(REPO_ROOT / "remote", copy / "remote", ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "remote" / "facts.py").write_text((copy / "remote" / "facts.py").read_text() + "\n# changed\n")
+    (copy / "remote" / "system" / "facts.py").write_text((copy / "remote" / "system" / "facts.py").read_text() + "\n# changed\n")
     changed = build_bundle(root=copy)
     assert changed.digest != bundle.digest
     third = host_for(path)

@@ -235,7 +235,7 @@ import json, random, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
-from remote import samples
+from remote.extract import samples
 from remote.dev.server_run import write_run
 from remote.verify import StreamRecorder, load_reference
 model_dir, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -285,7 +285,7 @@ def test_the_layer_check_holds_one_layer_not_the_model(modern_fixed_python, tmp_
 
 LAYER_VS_MODEL = r"""
 import json, sys, torch
-from remote import modelconfig
+from remote.system import modelconfig
 from remote.verify import StreamRecorder, load_reference, layerload
 path = sys.argv[1]
 config = modelconfig.read(path)

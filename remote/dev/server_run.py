@@ -11,7 +11,7 @@ dataset, supervisor) would add nothing but time::
 Token ids are random ids of the model's vocabulary (seeded), or the ``token_ids`` rows
 of ``--samples-file``. The layout is the one an ``extract`` run leaves:
 ``<run-dir>/output/hidden_states/hs_{i}.safetensors``, ``<run-dir>/manifest.json``
-(:func:`remote.manifest.build`: ``layer_convention: input``, the engine's
+(:func:`remote.wire.manifest.build`: ``layer_convention: input``, the engine's
 ``file_layer_ids``, one ``files`` entry per sample), and
 ``<run-dir>/status.json`` in state ``done``. Prints one JSON object: the engine's
 description, start and extraction seconds, tokens/s, or the error.
@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from remote import layers, modelconfig, samples
-from remote import manifest as run_manifest
+from remote.wire import layers
+from remote.system import modelconfig
+from remote.extract import samples
+from remote.wire import manifest as run_manifest
 
 OUTPUT = "output"
 HS_DIR = "hidden_states"
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--params", default="{}", help="JSON object of engine params")
     args = parser.parse_args(argv)
 
-    from remote.engines.vllm_server import VllmServerEngine
+    from remote.extract.engines.vllm_server import VllmServerEngine
 
     run_dir = Path(args.run_dir)
     config = modelconfig.read(args.model)

@@ -7,7 +7,7 @@ batch of prompts, and compares every request, layer and token against a referenc
 ``hf``     a transformers float32 forward of the same checkpoint, with forward hooks on
            the decoder layers (HF's ``hidden_states[N]`` is post-norm, the hooks give
            the pre-norm residual stream the generator captures: ``output`` convention,
-           see ``remote/layers.py``).
+           see ``remote/wire/layers.py``).
 ``vllm``   vLLM's *own* model forward (the patched forward removed, hooks on the layers),
            run in the same workers. This is the reference for what HF cannot do, such as
            DeepSeek's ``llama_4_scaling`` past ``original_max_position_embeddings``.
@@ -40,10 +40,12 @@ import random
 import sys
 
 try:  # run as ``python -m remote.dev.smoke_generator`` or imported as ``remote.dev.smoke_generator``
-    from remote import modelconfig, protocol
+    from remote.system import modelconfig
+    from remote.wire import protocol
 except ImportError:  # pragma: no cover - run as a plain file: the checkout's root is three levels up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from remote import modelconfig, protocol
+    from remote.system import modelconfig
+    from remote.wire import protocol
 
 #: Prompt lengths of the default batch: 30 short requests, then 13 long ones. Step 1
 #: holds 32 requests (max_num_seqs), step 2 hits 8192 tokens (the generator's smallest

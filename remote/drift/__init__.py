@@ -78,9 +78,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from remote.contract import VLLM_SERVER
-from remote import patchsets, protocol
-from remote.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
+from remote.wire.contract import VLLM_SERVER
+from remote.patcher import patchsets
+from remote.wire import protocol
+from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
 from remote.drift.pyindex import PackageIndex
 from remote.drift.rules import Context, bound_model, calls, gates, imports, model_object, runtime
 from remote.drift.source import SPECULATORS_DIR, file_digests, package_versions, site_packages, speculators_files
@@ -168,7 +169,7 @@ def to_records(findings: list, patch_sets: list, installed: dict, applied: set =
 def engine_of(params: dict) -> str | None:
     """The engine these params run: the named one, or what ``auto`` picks from the installed
     speculators; None when none fits (the speculators-0.3 rules then run as before)."""
-    from remote.contract import resolve_engine
+    from remote.wire.contract import resolve_engine
 
     try:
         return resolve_engine(params.get("engine"))[0]

@@ -1,8 +1,8 @@
 """A hidden-states connector's source as this python has it, read with :mod:`ast` (nothing imported).
 
 The drift check (:mod:`remote.drift.server`), the chunked-prefill verdict
-(:mod:`remote.engines.vllm_server.chunking`) and the options a run records
-(:mod:`remote.engines.vllm_server.command`) all read the same class chain: the connector's
+(:mod:`remote.extract.engines.vllm_server.chunking`) and the options a run records
+(:mod:`remote.extract.engines.vllm_server.command`) all read the same class chain: the connector's
 class and its bases, across vLLM, hs-connectors and a test host's overlay.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Static check of the vllm-server engine's path against the installed vLLM (nothing imported).
 
 The speculators >= 0.5 era has no in-process generator to patch: hidden states come
-from vLLM's own server, started by :mod:`remote.engines.vllm_server` with the
+from vLLM's own server, started by :mod:`remote.extract.engines.vllm_server` with the
 ``extract_hidden_states`` speculative method and a hidden-states KV connector. What
 can drift is vLLM's side of that contract, and it is read here from the installed
 files with :mod:`ast`, as :mod:`remote.drift` reads speculators 0.3's:
@@ -12,16 +12,16 @@ files with :mod:`ast`, as :mod:`remote.drift` reads speculators 0.3's:
   asserts that the inner model mixes in ``EagleModelMixin``;
 * **method**    ``extract_hidden_states`` is a speculative method of this vLLM (its
   ``SpeculativeMethod`` literal and proposer), reads ``eagle_aux_hidden_state_layer_ids``,
-  and every key :func:`~remote.engines.vllm_server.speculative_config` passes is a
+  and every key :func:`~remote.extract.engines.vllm_server.speculative_config` passes is a
   ``SpeculativeConfig`` field;
 * **connector** the connector the engine would load exists (registered by name in
   vLLM's connector factory, or the module named by ``kv_connector_module_path``), reads
   ``shared_storage_path`` and answers with ``hidden_states_path``; every key of
-  :func:`~remote.engines.vllm_server.kv_transfer_config` is a ``KVTransferConfig``
+  :func:`~remote.extract.engines.vllm_server.kv_transfer_config` is a ``KVTransferConfig``
   field and its ``kv_role`` a producer role; a CPU connector subclass (test hosts) only
   uses names and attributes the stock connector still has;
 * **server**    the module the engine runs (``python -m vllm.entrypoints.openai.api_server``)
-  is there and runnable, and every flag of :func:`~remote.engines.vllm_server.server_command`
+  is there and runnable, and every flag of :func:`~remote.extract.engines.vllm_server.server_command`
   (plus ``params["server_args"]``) is an engine or frontend argument of this vLLM.
 
 The flags and keys come from the engine's own functions, so this check and the command
@@ -45,13 +45,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from remote.contract import FP8, VLLM_SERVER, param
-from remote import protocol, versions
+from remote.wire.contract import FP8, VLLM_SERVER, param
+from remote.wire import protocol
+from remote.system import versions
 from remote.drift.connector_source import class_chain, connector_module, module_file, registered_connectors
 from remote.drift.pyindex import PackageIndex, dotted, parse
 from remote.drift.source import package_versions, site_packages
 from remote.drift.targets import resolve_targets
-from remote.engines import vllm_server
+from remote.extract.engines import vllm_server
 
 INTERFACES = "vllm.model_executor.models.interfaces"
 SPECULATIVE = "vllm.config.speculative"
@@ -197,7 +198,7 @@ def method_record(index: PackageIndex, params: dict):
                    f"{AUX_IDS_KEY} ({readers[0] if readers else ''}), {detail['speculative_config']} takes "
                    f"{', '.join(sorted(passed))}", detail,
                    "install a vLLM >= 0.17 whose extract_hidden_states takes these keys, or update "
-                   "remote/engines/vllm_server/command.py's speculative_config to this vLLM")
+                   "remote/extract/engines/vllm_server/command.py's speculative_config to this vLLM")
 
 
 # ---------------------------------------------------------------------------- the connector
@@ -206,7 +207,7 @@ def method_record(index: PackageIndex, params: dict):
 def _connector_choice(params: dict) -> tuple[str, str | None]:
     """The connector the engine would load here, decided without importing torch.
 
-    Mirrors :func:`remote.engines.vllm_server.pick_connector`, with ``device`` standing
+    Mirrors :func:`remote.extract.engines.vllm_server.pick_connector`, with ``device`` standing
     in for ``torch.cuda.is_available()``.
     """
     explicit = params.get("kv_connector")
@@ -406,7 +407,7 @@ def server_args_record(index: PackageIndex, params: dict):
         if not guard:
             problems.append(f"{index.rel(path)} has no `if __name__ == \"__main__\"` entry: `python -m {module}` "
                             f"would do nothing")
-    from remote.engines.vllm_server import chunking
+    from remote.extract.engines.vllm_server import chunking
 
     given = [str(a) for a in params.get("server_args") or []]
     refused = chunking.refused_flags(given)
@@ -431,7 +432,7 @@ def server_args_record(index: PackageIndex, params: dict):
                             f"(not a field of {', '.join(c.name + ' (' + c.where + ')' for c in classes)})")
     note = " (deprecated there, still runs)" if detail.get("deprecated") else ""
     fix = (f"drop {' '.join(refused)} from the run's server_args" if refused else
-           "update remote/engines/vllm_server/command.py's server_command (or server_args) to this "
+           "update remote/extract/engines/vllm_server/command.py's server_command (or server_args) to this "
            "vLLM's flags, or install the vLLM it was written for")
     return _record("drift.server-args", problems, f"`python -m {module}`{note} takes all {len(fields)} flags "
                    f"the engine passes ({', '.join(c.name + ' ' + c.where for c in classes)})", detail, fix)
@@ -442,7 +443,7 @@ def chunking_record(index: PackageIndex, params: dict):
     done (chunked prefill safe: a sample longer than the step budget extracts whole) or every step, and what
     the run's ``chunked_prefill`` (auto|on|off) makes of it; ``on`` against a per-step writer fails here,
     before the load, as it would at the engine's start."""
-    from remote.engines.vllm_server import chunking
+    from remote.extract.engines.vllm_server import chunking
 
     connector = _connector_choice(params)
     module = connector_module(connector, index)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from remote import modelconfig
+from remote.system import modelconfig
 from remote.drift.pyindex import PackageIndex, Ref, class_body_member
 
 #: what to check when neither the family nor the model's config says (one per family).

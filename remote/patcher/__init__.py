@@ -2,7 +2,7 @@
 
 A *patch set* is a folder under ``patches/`` with unified diffs against files of an
 installed package and a ``manifest.json`` (its schema, the choice of the set that fits
-the installed versions, and its revision live in :mod:`remote.patchsets`).
+the installed versions, and its revision live in :mod:`remote.patcher.patchsets`).
 
 ``main(params)`` runs one action (the controller's ``fab patch`` calls it); :data:`SPEC`
 declares its params, a run's parameters among them (``engine`` decides whether a patch
@@ -11,12 +11,12 @@ is needed at all)::
     {"action": "check" | "apply" | "revert" | "status",
      "patches_root": "<dir>",        # default: <_bundle_dir>/patches
      "site_packages": "<dir>",       # default: where speculators is installed
-     "inject_failure_after": 1,      # test hooks (remote/faults.py): fail after writing this many files
+     "inject_failure_after": 1,      # test hooks (remote/run/faults.py): fail after writing this many files
      "hold_lock_s": 5}               # test hook: keep the lock this long after the action
 
 Guarantees, in the spirit of Ansible's file modules:
 
-* versions come from package metadata (:mod:`remote.versions`): vLLM and speculators
+* versions come from package metadata (:mod:`remote.system.versions`): vLLM and speculators
   are never imported;
 * ``check`` writes nothing and returns the unified diff that ``apply`` would make;
 * ``apply`` touches nothing unless every target is pristine or already patched (by
@@ -32,7 +32,7 @@ Guarantees, in the spirit of Ansible's file modules:
   the current revision in one transaction, ``revert`` restores pristine, ``status``
   warns, ``check`` shows the diff to the new patched text. A file that matches neither
   the record nor the manifest is still refused as edited by hand;
-* one run at a time per site-packages: a non-blocking :class:`remote.fsutil.FileLock`
+* one run at a time per site-packages: a non-blocking :class:`remote.wire.fsutil.FileLock`
   refuses a second.
 
 The package, one module per part:
@@ -52,9 +52,12 @@ import json
 import os
 from pathlib import Path
 
-from remote import faults, patchsets, protocol, versions
-from remote.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
-from remote.fsutil import atomic_write, sha256_bytes
+from remote.run import faults
+from remote.patcher import patchsets
+from remote.wire import protocol
+from remote.system import versions
+from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
+from remote.wire.fsutil import atomic_write, sha256_bytes
 # The names below are the patcher's public surface: callers and tests use them as
 # ``patcher.<name>``, whichever module of the package defines them.
 from remote.patcher.hunks import HunkMismatch, apply_hunks, changed_lines, parse_unified_diff, unified_diff
@@ -268,7 +271,7 @@ def no_patch_record(params: dict) -> dict | None:
     ``extract_hidden_states`` server and no speculators code, so there is nothing to
     patch, and no set to look for.
     """
-    from remote.contract import engine_for_versions, resolve_engine
+    from remote.wire.contract import engine_for_versions, resolve_engine
 
     asked = params.get("engine") or "auto"
     try:

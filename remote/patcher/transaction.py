@@ -21,8 +21,9 @@ import py_compile
 from contextlib import contextmanager
 from pathlib import Path
 
-from remote import faults, fsutil, protocol
-from remote.fsutil import atomic_write, sha256_bytes
+from remote.run import faults
+from remote.wire import fsutil, protocol
+from remote.wire.fsutil import atomic_write, sha256_bytes
 from remote.patcher.hunks import unified_diff
 from remote.patcher.target import EARLIER, PatchError
 

@@ -2,7 +2,7 @@
 
 A probe reads what it needs from ``ctx.params`` and from facts earlier probes left on
 the context (``ctx.host``, ``ctx.model``, ...), and returns a list of
-:func:`remote.protocol.record`. Probes never raise for a broken host or model: a
+:func:`remote.wire.protocol.record`. Probes never raise for a broken host or model: a
 missing file or a bad value is a ``fail`` record with a fix. They import only the
 standard library; the one probe that needs transformers runs it in a subprocess
 (:mod:`remote.probes.hf_load`).
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 
-GiB = 1024 ** 3
-MiB = 1024 ** 2
 
 #: What a value must be, as :func:`expect` names it in its message.
 OBJECT, LIST, STRING = "an object", "a list", "a string"
@@ -103,7 +101,7 @@ def field(mapping: dict, key: str, kind: str, file: str, where: str = "", requir
 class Context:
     """What the probes of one preflight run share.
 
-    :param params: the checked params (``remote.preflight.SPEC``).
+    :param params: the checked params (``remote.probes.preflight.SPEC``).
     """
 
     def __init__(self, params: dict):
@@ -120,7 +118,7 @@ class Context:
         self.data: dict = {}
         #: ``(engine, why)`` as preflight resolved ``params["engine"]`` (None: the name as given).
         self.engine: tuple | None = None
-        #: the run's :class:`remote.runplan.Plan` (filled by ``layer_ids``); None when none could be made.
+        #: the run's :class:`remote.extract.runplan.Plan` (filled by ``layer_ids``); None when none could be made.
         self.plan = None
 
     def env(self, name: str, default=None):
@@ -129,18 +127,6 @@ class Context:
         if name in job_env:
             return str(job_env[name])
         return os.environ.get(name, default)
-
-
-def human_bytes(n) -> str:
-    """``1536 -> '1.5 KiB'``; ``None -> '?'``."""
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
 
 
 def nearest_existing(path: str) -> str:

@@ -17,8 +17,9 @@ import json
 import os
 import re
 
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import OBJECT, Context, Malformed, MiB, describe, expect, field, human_bytes
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import OBJECT, Context, Malformed, describe, expect, field
+from remote.wire.units import MiB, human_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -10,7 +10,7 @@ Read from the two vLLM builds we run (``vllm/platforms/cpu.py::import_kernels`` 
   16 * odd); ``vec`` otherwise. A build without AMX kernels asked for ``amx`` fails the
   first request: ``Unsupported CPU attention configuration: head_dim=64 isa=0``.
 - A build with AMX kernels runs them without asking Linux for AMX tile state; see
-  :mod:`remote.cpu` for why that is SIGILL and how specops asks in every rank.
+  :mod:`remote.system.cpu` for why that is SIGILL and how specops asks in every rank.
 
 Also: ``ATEN_CPU_CAPABILITY`` capped below AVX-512 on an AMX CPU while oneDNN is not makes
 torch's bf16 SDPA of 256+ tokens raise ``pack_vnni2 is only supported when avx512 is
@@ -26,9 +26,9 @@ import mmap
 import os
 import re
 
-from remote.contract import SPECULATORS_03
-from remote import cpu
-from remote.protocol import FAIL, OK, WARN, record
+from remote.wire.contract import SPECULATORS_03
+from remote.system import cpu
+from remote.wire.protocol import FAIL, OK, WARN, record
 
 #: the seed engine's KV block size: speculators 0.3's generator passes ``VLLM_BLOCK_SIZE = 16``.
 GENERATOR_BLOCK_SIZE = 16
@@ -90,7 +90,7 @@ def kernel_path(*, flags, package_dir: str | None, vllm_version: str | None, eng
                 aten_capability: str | None = None, onednn_max_isa: str | None = None) -> list:
     """Records for the path vLLM takes on this CPU: ``host.cpu_kernels`` (+ ``host.cpu_capability_cap``).
 
-    :param kernel_amx: whether Linux gives processes AMX tile state (:func:`remote.cpu.kernel_allows_amx`).
+    :param kernel_amx: whether Linux gives processes AMX tile state (:func:`remote.system.cpu.kernel_allows_amx`).
     """
     records = []
     cap = (aten_capability or "").strip().lower()

@@ -32,9 +32,10 @@ import os
 import re
 import shutil
 
-from remote import modelconfig
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import GiB, MiB, Context, human_bytes
+from remote.system import modelconfig
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import Context
+from remote.wire.units import GiB, MiB, human_bytes
 
 #: vLLM's memory outside weights and KV cache on one rank: CUDA context, cuBLAS/NCCL
 #: workspaces, the profile run's activation peak and the CUDA graph pool. A floor; the

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
 from remote.probes.tokenizer_data import tokenizer_files
 

@@ -18,10 +18,11 @@ import subprocess
 import sys
 import tempfile
 
-from remote import cpu
-from remote.contract import VLLM_SERVER
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import GiB, MiB, Context, human_bytes, nearest_existing
+from remote.system import cpu
+from remote.wire.contract import VLLM_SERVER
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import Context, nearest_existing
+from remote.wire.units import GiB, MiB, human_bytes
 
 #: Fields asked of ``--query-gpu``; ``name`` last because it is free text.
 GPU_FIELDS = ("index", "uuid", "driver_version", "memory.total", "memory.used", "memory.free",
@@ -334,7 +335,7 @@ def _cpu_engine(ctx) -> list:
     ram = ctx.host.get("ram", {})
     avail = ram.get("available_bytes")
     tp = ctx.params["tp"]
-    # a host of a replica over several hosts runs its share of the ranks (remote/replica.py): the KV cache
+    # a host of a replica over several hosts runs its share of the ranks (remote/extract/replica.py): the KV cache
     # and the thread binding are this host's ranks', not the whole TP's
     local = int((ctx.params.get("replica") or {}).get("ranks_per_node") or tp)
     ranks_here = f"TP={tp}" if local == tp else f"{local} rank(s) of TP={tp} on this host"

@@ -1,9 +1,9 @@
 """Layers probe: which decoder layers the run captures, and in which convention.
 
-The convention follows the engine (``remote.layers.ENGINE_CONVENTION``): ``output`` of
+The convention follows the engine (``remote.wire.layers.ENGINE_CONVENTION``): ``output`` of
 layer i for speculators-0.3, ``input`` of layer i for vllm-server. The engine's default
 ids are computed from the model's layer count; ids the user gave are validated with
-:func:`remote.runplan.resolve` (the run's plan, as the supervisor and the shard probe resolve it; the
+:func:`remote.extract.runplan.resolve` (the run's plan, as the supervisor and the shard probe resolve it; the
 probe leaves it in ``ctx.plan``). Ids given in the other convention
 (``params["layer_convention"]``, ``--layer-ids output:2,4,5,7``) name the same tensors
 under other numbers: they are translated (``output:i`` == ``input:i+1``) and the record
@@ -13,8 +13,10 @@ thing this probe exists to prevent.
 """
 from __future__ import annotations
 
-from remote import layers, modelconfig, runplan
-from remote.protocol import FAIL, OK, SKIPPED, record
+from remote.wire import layers
+from remote.system import modelconfig
+from remote.extract import runplan
+from remote.wire.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
 

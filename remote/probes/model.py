@@ -28,10 +28,11 @@ import importlib.util
 import os
 import re
 
-from remote.contract import VLLM_SERVER
-from remote import contract, modelconfig
+from remote.wire.contract import VLLM_SERVER
+from remote.wire import contract
+from remote.system import modelconfig
 from remote.drift import pyindex, source, targets
-from remote.protocol import FAIL, OK, WARN, record
+from remote.wire.protocol import FAIL, OK, WARN, record
 from remote.probes import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Context,
                            Malformed, describe, expect, field)
 

@@ -20,7 +20,7 @@ import os
 import re
 import struct
 
-from remote import versions
+from remote.system import versions
 
 #: torch's companions whose CUDA builds break beside a CPU torch (and their import breaks speculators').
 TORCH_ADDONS = ("torchvision", "torchaudio", "torchcodec")

@@ -13,8 +13,8 @@ is refused here.
 """
 from __future__ import annotations
 
-from remote.contract import VLLM_SERVER
-from remote.protocol import FAIL, OK, SKIPPED, record
+from remote.wire.contract import VLLM_SERVER
+from remote.wire.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
 
 
@@ -33,7 +33,7 @@ PP_FLAGS = ("--pipeline-parallel-size", "-pp")
 
 def probe(ctx: Context) -> list:
     tp = ctx.params["tp"]
-    # a host of a replica over several hosts runs its share of the ranks (remote/replica.py)
+    # a host of a replica over several hosts runs its share of the ranks (remote/extract/replica.py)
     local = int((ctx.params.get("replica") or {}).get("ranks_per_node") or tp)
     records = [_devices(ctx, local), _heads(ctx, tp)]
     if ctx.params["engine"] == VLLM_SERVER:

@@ -1,6 +1,6 @@
 """Tokenizer files and chat template (static), and the dataset's rows.
 
-The dataset is judged by the run's own reader (:mod:`remote.dataset`): the same rows
+The dataset is judged by the run's own reader (:mod:`remote.extract.dataset`): the same rows
 (``dataset.rows``: JSON lines split on ``\\n`` only), the same checks (``dataset.check_row``:
 UTF-8, one JSON object, ``input_ids`` of whole numbers inside the model's ``vocab_size``
 with an optional 0/1 ``loss_mask``, or ``messages``/``conversations`` turns of
@@ -14,10 +14,11 @@ import glob
 import json
 import os
 
-from remote.contract import SPECULATORS_03, param
-from remote import dataset as rows_reader
-from remote.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import OBJECT, Context, Malformed, expect, human_bytes
+from remote.wire.contract import SPECULATORS_03, param
+from remote.extract import dataset as rows_reader
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.probes import OBJECT, Context, Malformed, expect
+from remote.wire.units import human_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")

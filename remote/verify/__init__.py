@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from remote import protocol
-from remote.argspec import RUN_ARGS, Arg, Spec
+from remote.wire import protocol
+from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL,
                                    TOLERANCES, WARN_SHARE, beyond_rounding, convention_record, expected_indices,
                                    layer_numbers, layer_record, merge, nrmse_by_index,

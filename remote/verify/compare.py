@@ -19,8 +19,8 @@ output of layer 3".
 """
 from __future__ import annotations
 
-from remote.contract import VLLM_SERVER
-from remote import layers, protocol
+from remote.wire.contract import VLLM_SERVER
+from remote.wire import layers, protocol
 from remote.verify.run import VerifyError
 
 REL_TOL = 0.05
@@ -224,7 +224,7 @@ def convention_record(layer_ids: list[int], convention: str, expected: dict, by_
             findings[0] + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""),
             detail={"findings": findings, **detail},
             fix="the worker captures other layers than the manifest says: check the engine's layer ids and "
-                "convention (remote/layers.py) against the worker's capture loop")
+                "convention (remote/wire/layers.py) against the worker's capture loop")
     return protocol.record(
         "verify.convention", protocol.OK,
         f"every captured layer best matches its recorded index ({convention} convention: "

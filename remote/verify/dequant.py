@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from remote import modelconfig
+from remote.system import modelconfig
 from remote.verify.run import VerifyError
 
 SUPPORTED = ("fp8 with weight_block_size (float8 weights and weight_scale_inv per block, as DeepSeek-V3/R1 "

@@ -19,7 +19,7 @@ far as the connector's own rounding did.
 """
 from __future__ import annotations
 
-from remote import contract
+from remote.wire import contract
 from remote.verify.reference import StreamRecorder, load_reference
 from remote.verify.routing import RouterControl
 

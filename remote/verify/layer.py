@@ -41,7 +41,8 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from remote import modelconfig, protocol
+from remote.system import modelconfig
+from remote.wire import protocol
 from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES, expected_indices, layer_fix,
                                    layer_numbers, layer_status, merge)
 from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
@@ -420,7 +421,7 @@ def layer_record(result: LayerResult, run) -> dict:
                     input_from="captured" if first is not None else "embedding rows",
                     floor=result.floor, weights=result.facts, shift=result.shift, rel_tol=REL_TOL, cos_tol=COS_TOL),
         fix=(("the captured states are shifted by one layer: check the engine's layer ids and convention "
-              "(remote/layers.py) against what it captures") if result.shift else layer_fix(run.manifest))
+              "(remote/wire/layers.py) against what it captures") if result.shift else layer_fix(run.manifest))
         if status == protocol.FAIL else None)
 
 
@@ -464,7 +465,7 @@ def convention_record(results: list, run) -> dict:
             f"{r.shift['layer']}, not {r.j}: the states are shifted by {r.shift['by']:+d} against the recorded "
             f"{run.convention} convention (a layer id given in the other convention?)", detail=detail,
             fix="the engine captures other layers than the manifest says: check the layer ids and their convention "
-                "(remote/layers.py: output:i == input:i+1) against what the engine captures")
+                "(remote/wire/layers.py: output:i == input:i+1) against what the engine captures")
     failed = [r.j for r in results if r.numbers["status"] == protocol.FAIL]
     if failed:
         return protocol.record("verify.convention", protocol.WARN,

@@ -21,7 +21,7 @@ import os
 import re
 from contextlib import ExitStack, contextmanager
 
-from remote import modelconfig
+from remote.system import modelconfig
 from remote.probes.checkpoint import ShardError, find_weights, read_header
 from remote.verify.dequant import LayerView, config_block, method_of
 from remote.verify.run import VerifyError
@@ -316,8 +316,8 @@ class LayerFactory:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from remote.engines.hf_reference import decoder_layers
-        from remote.tinymodel import _hf_config_class
+        from remote.extract.engines.hf_reference import decoder_layers
+        from remote.extract.tinymodel import _hf_config_class
 
         text = modelconfig.text_config(config)
         self.text = text

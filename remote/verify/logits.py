@@ -8,7 +8,7 @@ only those two tensors from the checkpoint (``<root>norm.weight`` and ``lm_head.
 or ``embed_tokens.weight`` where ``tie_word_embeddings``; through the safetensors index or
 the shards' headers, ``safe_open`` on those keys alone) and applying them in float32 to
 the captured state must give the logprobs the engine recorded for its canary samples
-(:mod:`remote.engines.vllm_server.prompt_logprobs`): for each position, the prompt's next
+(:mod:`remote.extract.engines.vllm_server.prompt_logprobs`): for each position, the prompt's next
 token and the engine's top ``k``.
 
 Numbers per sample (:func:`compare`): top-1 agreement (a disagreement where our own top
@@ -41,7 +41,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remote import contract, modelconfig, protocol
+from remote.wire import contract, protocol
+from remote.system import modelconfig
 from remote.verify.compare import expected_indices
 from remote.verify.run import VerifyError, check_files, load_sample, open_run, sample_index
 
@@ -174,7 +175,7 @@ class Sample:
     ids: list
     #: layer id -> captured ``[T, H]``
     states: dict
-    #: what the engine recorded (:mod:`remote.engines.vllm_server.prompt_logprobs`)
+    #: what the engine recorded (:mod:`remote.extract.engines.vllm_server.prompt_logprobs`)
     logprobs: dict
     result: dict = field(default_factory=dict)
     cause: dict | None = None
@@ -453,7 +454,7 @@ def logits_record(samples: list, run, last: int) -> dict:
         fixes = {"swapped": "the sample files do not belong to their indices: re-run the extraction (the engine "
                             "landed one request's file under another's index)",
                  "shifted": "the final id is shifted by one (it holds the state one decoder layer before it): check "
-                            "the engine's layer ids and convention (remote/layers.py) against what it captures",
+                            "the engine's layer ids and convention (remote/wire/layers.py) against what it captures",
                  "layer": "the file's layer axis does not follow the recorded ids: check file_layer_ids"}
         if cause and cause.get("kind"):
             text = f"DIFFERS: {sample_line(first)}: {cause['why']}"

@@ -19,7 +19,8 @@ Everything is read from ``config.json`` and the checkpoint's index or headers; s
 """
 from __future__ import annotations
 
-from remote import layers, modelconfig
+from remote.wire import layers
+from remote.system import modelconfig
 from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, layer_kinds
 
 

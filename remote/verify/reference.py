@@ -6,7 +6,7 @@ The residual stream is taken with forward hooks on every decoder layer
 :class:`StreamRecorder`): HF applies the final norm to ``hidden_states[N]``, while the
 engines capture the last layer *before* that norm, and a hook sees exactly what each
 layer returned. A recorded layer id maps to a stream index through its recorded
-convention (``remote.layers.hf_hidden_state_index``: ``output:i`` -> ``stream[i+1]``,
+convention (``remote.wire.layers.hf_hidden_state_index``: ``output:i`` -> ``stream[i+1]``,
 ``input:i`` -> ``stream[i]``; ``input:N`` is the last layer's output before the norm).
 It runs under transformers 4 (the seed stack) and 5 (the modern stack) alike. A model
 with ``llama_4_scaling`` gets it as vLLM computes it (:mod:`remote.verify.scaling`).
@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote import modelconfig, protocol
+from remote.system import modelconfig
+from remote.wire import protocol
 from remote.verify.compare import COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, WARN_SHARE
 from remote.verify.scaling import Llama4Scaling, hf_implements_llama4, scaling_config
 
@@ -66,7 +67,7 @@ def load_reference(model_path: str, dtype: str, trust_remote_code: bool) -> Refe
     else:
         # The wrapper (e.g. kimi_k25) is remote code we may not have; its text model is a
         # plain transformers model whose weights sit under ``language_model.``.
-        from remote.tinymodel import _hf_config_class
+        from remote.extract.tinymodel import _hf_config_class
 
         config_cls = _hf_config_class(text)
         hf_config = config_cls(**{k: v for k, v in text.items() if k != "model_type"})
@@ -132,7 +133,7 @@ def load_prefixed(model_dir: Path, prefix: str, hf_config, kwargs: dict):
 
 
 def decoder_layers(model):
-    from remote.engines.hf_reference import decoder_layers as find
+    from remote.extract.engines.hf_reference import decoder_layers as find
 
     return find(model)
 

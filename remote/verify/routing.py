@@ -25,7 +25,7 @@ fails.
 """
 from __future__ import annotations
 
-from remote import protocol
+from remote.wire import protocol
 from remote.verify.compare import BF16_REL, REL_TOL, token_errors
 
 #: A router decision is a near-tie when its score gap is within this many standard

@@ -14,10 +14,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote import contract, fsutil, protocol, runplan, samples
-from remote import manifest as run_manifest
-from remote.contract import STATUS_FILE, RunState
-from remote.sampleread import MAX_NONFINITE_LISTED, non_finite
+from remote.wire import contract, fsutil, protocol
+from remote.extract import runplan, samples
+from remote.wire import manifest as run_manifest
+from remote.wire.contract import STATUS_FILE, RunState
+from remote.extract.sampleread import MAX_NONFINITE_LISTED, non_finite
 
 DEFAULT_SAMPLES = 3
 #: the ``hs_{i}.safetensors`` format's suffix; anything else is read as ``data_{i}.pt``.
@@ -30,7 +31,7 @@ class VerifyError(protocol.TaskError):
 
 @dataclass
 class Run:
-    """A finished run as verify reads it: its plan (:func:`remote.runplan.from_manifest`) as its
+    """A finished run as verify reads it: its plan (:func:`remote.extract.runplan.from_manifest`) as its
     manifest records it."""
 
     run_dir: Path
@@ -52,7 +53,7 @@ def open_run(params: dict) -> Run:
     """The run named by ``params`` (``run_dir``, or ``run_id`` + ``work_dir``).
 
     :raises VerifyError: no such run, a run that is not done, no manifest, or a manifest
-        that lacks what verify reads (:data:`remote.manifest.FOR_VERIFY`), the field named.
+        that lacks what verify reads (:data:`remote.wire.manifest.FOR_VERIFY`), the field named.
     """
     found = locate_run(params)
     return Run(plan=runplan.from_manifest(found["manifest"], found["output_dir"]), **found)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-from remote import protocol
+from remote.wire import protocol
 from remote.verify.compare import REL_TOL, layer_numbers
 
 #: the name the attention function is registered under (one per loaded reference).

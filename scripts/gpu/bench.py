@@ -5,7 +5,7 @@
         [--concurrency 32,64] [--kinds plain,server_only,specops] [--once keep@64,specops+dw8@64,sustained@64]
         [--profile-digest 48] [--util 0.4] [--kv-gib 24] [--eager] [--batched-tokens 16384] [--device cuda]
 
-Two servers of the same vLLM with the same flags (``remote.engines.vllm_server.server_command``)
+Two servers of the same vLLM with the same flags (``remote.extract.engines.vllm_server.server_command``)
 start side by side on the one GPU, so one start-up pays for both: the *extraction* server
 (extract_hidden_states + the hidden-states connector, driven by ``VllmServerEngine``) and
 the *plain* server (the same argv minus ``--speculative-config`` and ``--kv-transfer-config``).
@@ -40,7 +40,7 @@ default ``auto``: on where the connector allows it), so plain and extraction pre
 ``--format fp8`` makes the extraction server write fp8 states (hs-connectors' fp8 connector).
 
 ``--profile-digest N`` then lands N files and times, per file and single-threaded, each part
-of :func:`remote.samples.digest_hs_file` (sha256 of the mapping, the layer statistics, the
+of :func:`remote.extract.samples.digest_hs_file` (sha256 of the mapping, the layer statistics, the
 whole digest) and the whole digest with 1/4/8/16 threads at once (files in the page cache),
 again with torch's intra-op pool at one thread: the client's digest throughput in GB/s
 against what prefill speed would need (33.5 MB per 1024 tokens: 5.5 GB/s at 166k tok/s).
@@ -69,10 +69,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from remote import fsutil  # noqa: E402
-from remote import samples as hs_samples  # noqa: E402
-from remote.engines import vllm_server as vs  # noqa: E402
-from remote.engines.vllm_server import chunking as vs_chunking  # noqa: E402
+from remote.wire import fsutil  # noqa: E402
+from remote.extract import samples as hs_samples  # noqa: E402
+from remote.extract.engines import vllm_server as vs  # noqa: E402
+from remote.extract.engines.vllm_server import chunking as vs_chunking  # noqa: E402
 
 _ORIGINAL_COMMAND = vs.server_command
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from remote import tinymodel  # noqa: E402
+from remote.extract import tinymodel  # noqa: E402
 from specops.testhost import reference_models  # noqa: E402
 
 VOCAB = tinymodel.REFERENCE_VOCAB

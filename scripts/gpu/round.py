@@ -23,7 +23,7 @@ The host side runs exactly as over SSH from a laptop: ``scripts/gpu/loopback_ssh
 brings an SSH server up on 127.0.0.1 (OpenSSH when the machine has it, else asyncssh),
 and the unchanged ``specops`` program (Fabric/paramiko, host-key checked) drives it
 with an inventory whose hosts are that server. The engine runs standalone too
-(``python -m remote.engines.vllm_server``), for numbers that need no supervisor.
+(``python -m remote.extract.engines.vllm_server``), for numbers that need no supervisor.
 """
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def preflight_all():
 
 
 def token_samples(model: str, dataset: str, n: int, seq_len: int, path: Path) -> Path:
-    from remote.dataset import load_token_samples
+    from remote.extract.dataset import load_token_samples
     rows = load_token_samples({"dataset": dataset, "max_samples": n, "seq_len": seq_len}, model)
     with open(path, "w") as fh:
         for i, (ids, _) in enumerate(rows):
@@ -296,7 +296,8 @@ def gpus_now(out: Path) -> list:
 def memory_report(model: Path, log_text: str, gpus_before: list, smi_peak: dict, util: float, seq_len: int,
                   n_ids: int | None = None) -> dict:
     """The preflight's memory plan for one rank against what vLLM's log and nvidia-smi's peak then said."""
-    from remote import layers, modelconfig
+    from remote.wire import layers
+    from remote.system import modelconfig
     from remote.probes import gpu
     config = modelconfig.read(str(model))
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
@@ -322,8 +323,9 @@ def log_excerpt(text: str, lines: int = 30) -> str:
 
 
 def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24, seq_len=256):
-    """``python -m remote.engines.vllm_server`` on the GPU; memory plan vs log; HF comparison."""
-    from remote import layers, modelconfig
+    """``python -m remote.extract.engines.vllm_server`` on the GPU; memory plan vs log; HF comparison."""
+    from remote.wire import layers
+    from remote.system import modelconfig
     from remote.probes import gpu, host as hostprobe
     d = ROOT / "engine" / name
     shutil.rmtree(d, ignore_errors=True)
@@ -334,7 +336,7 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
     params = {"device": DEVICE, "gpu_memory_utilization": util, "seq_len": seq_len, "work_dir": str(d / "server"),
               **(extra or {})}
     with SmiSampler() as smi:
-        res = sh([HOST_PY, "-m", "remote.engines.vllm_server", "--model", str(model), "--samples", str(samples),
+        res = sh([HOST_PY, "-m", "remote.extract.engines.vllm_server", "--model", str(model), "--samples", str(samples),
                   "--out", str(d / "hs"), "--params", json.dumps(params)], d / "engine_stdout.txt", timeout=420,
                  env=VLLM_ENV)
     result = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
@@ -432,8 +434,8 @@ def bench_shape(label: str, model: str, ids: str, n: int, layer_ids: str, fmt: s
 
 
 def host_job(params: dict, out_name: str, timeout=90) -> dict:
-    """``remote.job.main(params)`` in the host python (a run started as ``specops extract`` starts it)."""
-    code = "import json, sys; from remote import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))"
+    """``remote.run.job.main(params)`` in the host python (a run started as ``specops extract`` starts it)."""
+    code = "import json, sys; from remote.run import job; print(json.dumps(job.main(json.loads(sys.argv[1]))))"
     res = sh([HOST_PY, "-c", code, json.dumps(params)], ROOT / "canary" / out_name, timeout=timeout, env=VLLM_ENV)
     return last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-2000:]}
 
@@ -805,7 +807,7 @@ def mla_diagnosis():
     twin = MODELS / "deepseek_v3_twin_tiny_mla"
     if not (twin / "config.json").exists():
         shutil.rmtree(twin, ignore_errors=True)
-        build = ("import json, sys; from pathlib import Path; from remote import modelconfig, smoke\n"
+        build = ("import json, sys; from pathlib import Path; from remote.system import modelconfig; from remote.extract import smoke\n"
                  "target, twin = Path(sys.argv[1]), Path(sys.argv[2])\n"
                  "print(json.dumps(smoke.build_twin(target, twin, modelconfig.read(target), 8)))\n")  # no device: tiny
         sh([HOST_PY, "-c", build, str(target), str(twin)], ROOT / "engine" / "twin_build.txt", timeout=180,

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from remote import tinymodel
+    from remote.extract import tinymodel
     from round import stats_of_replies
     from specops.testhost import reference_models
 

@@ -3,8 +3,8 @@
 ``specops extract --on GROUP --run-id R`` with more than one host:
 
 1. **plan** -- every host at once, each bounded by a timeout, one host python each:
-   preflight (unless skipped), which runs ``remote/shard.py probe`` in the same process
-   from the run plan it made (``remote/runplan.py``: dataset sample count and sha256 of
+   preflight (unless skipped), which runs ``remote/extract/shard.py probe`` in the same process
+   from the run plan it made (``remote/extract/runplan.py``: dataset sample count and sha256 of
    the rows used, engine, layer convention and ids, sample format, versions,
    data-parallel width). One recap says which hosts are ready; the run starts only when all are,
    or on the ready ones with ``--allow-partial``. Hosts must agree on the dataset
@@ -15,7 +15,7 @@
    ``[0, total)`` is split into contiguous ranges sized by capacity
    (:mod:`specops.runs.shardmap`), and the map is written to ``runs/R/fleet.json`` before
    anything starts.
-2. **start** -- each shard's run is started detached on its host (``remote/job.py``,
+2. **start** -- each shard's run is started detached on its host (``remote/run/job.py``,
    ``sample_range`` in its parameters; run id ``R`` on every host, so the host's run
    dir and output dir are named by the group's id).
 3. **follow** -- one rich view: a bar per shard and a total with tokens/s and ETA. A

@@ -6,7 +6,7 @@ from pathlib import Path
 from specops import jobs
 from specops import storage
 from specops.errors import SpecopsError
-from specops.assets import remote_contract
+from specops import wire
 from specops.exit_codes import ExitCode
 from specops.host import Host
 from specops.inventory import Inventory
@@ -84,7 +84,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
     absent = [f["path"] for f in merged["files"] if tensors and not _local_copy_ok(root / "samples", f)]
     # a dir the shards share gets its merged manifest there, made on a host of it (no tensor moves)
     reports += storage.host_merges(manifest, conns, root)
-    merged_path = root / remote_contract().MANIFEST
+    merged_path = root / wire.contract.MANIFEST
     group = HostReport(host=GROUP, task="fetch", data={"dest": str(root), "manifest": str(merged_path)})
     if absent:
         group.records.append(Record(

@@ -1,11 +1,11 @@
 """The merged manifest of a group run, ``runs/R/manifest.json``: every sample once, by global index.
 
-Its schema and the merge of the shards' files are the host's (``remote/manifest.py``, the
-``group`` document), loaded by path (:func:`specops.assets.remote_manifest`).
+Its schema and the merge of the shards' files are the host's (``remote/wire/manifest.py``, the
+``group`` document, :mod:`specops.wire.manifest`).
 """
 from __future__ import annotations
 
-from specops.assets import remote_contract, remote_manifest
+from specops import wire
 from specops.result import HostReport
 from specops.runs.store import run_root
 from specops.runs.shardmap import FleetManifest
@@ -17,7 +17,7 @@ def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dic
     A shard's listing entry outside its range (a cut shard's samples past its cut, made
     before it was stopped) is never used.
     """
-    schema, name = remote_manifest(), remote_contract().MANIFEST
+    schema, name = wire.manifest, wire.contract.MANIFEST
     ranges = []
     for shard in manifest.shards:
         if shard.empty:

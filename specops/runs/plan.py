@@ -34,7 +34,7 @@ def check_shared_params(specs, overrides: dict) -> dict[str, dict]:
     return params
 
 
-#: the names of the shard probe's records (``remote/shard.py``), which a preflight of a plan carries too.
+#: the names of the shard probe's records (``remote/extract/shard.py``), which a preflight of a plan carries too.
 SHARD_RECORDS = "shard."
 
 

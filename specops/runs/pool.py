@@ -62,7 +62,7 @@ def per_shard(items: list[Shard], manifest: FleetManifest, conns: Connections, t
 
 
 def shard_files(host: Host, shard: Shard, *, sha256: bool, timeout: float) -> dict:
-    """What ``shard``'s range holds on its head's disk (``remote/shard.py files``): the truth a
+    """What ``shard``'s range holds on its head's disk (``remote/extract/shard.py files``): the truth a
     resume, a cut and a fetch go by, whatever a status file says."""
     payload = host.run_task("shard", {"action": "files", "output_dir": shard.output_dir, "start": shard.start,
                                       "stop": shard.stop, "sha256": sha256}, timeout=timeout)

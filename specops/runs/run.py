@@ -12,7 +12,7 @@ The answer is given here, once:
   each selected host under the same run id; its files come back into
   ``runs/<host>/<run-id>/``, the layout a one-host run has always had.
 
-On the host both are the same thing: ``remote/job.py`` starts one run per shard
+On the host both are the same thing: ``remote/run/job.py`` starts one run per shard
 (:func:`specops.runs.start.start_job`), named by the run id, in ``<output_dir>/<run-id>``;
 a group's shard adds its ``sample_range``.
 """

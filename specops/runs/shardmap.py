@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from specops.assets import remote_protocol
+from specops import wire
 from specops.errors import UsageError
 from specops.result import STATE
 
@@ -261,7 +261,7 @@ def moved_run_id(run_id: str, shard_id: str) -> str:
     The suffix is at most ``protocol.MOVED_SUFFIX_MAX`` long, which a user's run id leaves
     room for (``protocol.USER_RUN_ID_MAX``); a longer id never reaches a host.
     """
-    protocol = remote_protocol()
+    protocol = wire.protocol
     moved = f"{run_id}.{shard_id}"
     if not protocol.RUN_ID_RE.match(moved):
         raise UsageError(f"the run id of the moved range, {moved[:40]!r}... ({len(moved)} characters), is longer "
@@ -286,7 +286,7 @@ def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
     taken = {int(s.id[len(root) + 1:]) for s in manifest.shards
              if s.id.startswith(f"{root}m") and s.id[len(root) + 1:].isdigit()}
     k = max(taken, default=0) + 1
-    if k >= remote_protocol().MOVE_LIMIT:
+    if k >= wire.protocol.MOVE_LIMIT:
         raise UsageError(f"shard {root} of run {manifest.run_id} was moved {k - 1} times already",
                          "start the unfinished part as a new run")
     return f"{root}m{k}"

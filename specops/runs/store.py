@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specops import jobs
 from specops.runs import shardmap
-from specops.assets import remote_fsutil
+from specops import wire
 from specops.errors import SpecopsError, UsageError
 from specops.runs.shardmap import FleetManifest
 
@@ -51,7 +51,7 @@ def save_manifest(manifest: FleetManifest) -> None:
     path = manifest_path(manifest.run_id)
     with _save_lock:
         path.parent.mkdir(parents=True, exist_ok=True)
-        remote_fsutil().atomic_write(path, manifest.model_dump_json(indent=2), mode=0o644)
+        wire.fsutil.atomic_write(path, manifest.model_dump_json(indent=2), mode=0o644)
 
 
 def is_fleet_run(run_id: str | None) -> bool:

@@ -178,7 +178,7 @@ CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
 CPU_FP8_CONNECTOR = Path(__file__).with_name("cpu_fp8_hidden_states_connector.py")
 CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
 CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
-#: speculators' trainer on a CPU host (``remote/trainplan.py`` CPU_LAUNCHER_MODULE): test hosts only
+#: speculators' trainer on a CPU host (``remote/train/plan.py`` CPU_LAUNCHER_MODULE): test hosts only
 CPU_TRAIN_LAUNCHER = Path(__file__).with_name("cpu_train_launcher.py")
 CPU_TRAIN_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 

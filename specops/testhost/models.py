@@ -1,6 +1,6 @@
 """The test host's tiny models and chat dataset, built once and cached (controller side).
 
-``reference_models.py`` (beside this file, with ``remote/tinymodel.py``'s twin machinery)
+``reference_models.py`` (beside this file, with ``remote/extract/tinymodel.py``'s twin machinery)
 does the building inside the host env's python (it needs torch and transformers, which
 the controller does not have). The result is cached under ``<cache_root>/models/<hash>``
 where the hash covers both builders' bytes and the python version, so changing a
@@ -40,7 +40,7 @@ def models_hash(python: Path) -> str:
         [str(python), "-c", "import sys;print(sys.version.split()[0])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    digest = hashlib.sha256((asset("remote") / "tinymodel.py").read_bytes())
+    digest = hashlib.sha256((asset("remote") / "extract" / "tinymodel.py").read_bytes())
     digest.update(REFERENCE_BUILDER.read_bytes())
     digest.update(f"\0python={ver}".encode())
     return digest.hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 ``llama/``, ``deepseek_v3/`` (DeepSeek-V3 with ``llama_4_scaling``), ``kimi_k25/`` (a
 ``text_config`` wrapper with a vision tower config) and ``chat.jsonl``, built by the
-twin machinery of :mod:`remote.tinymodel` from the real-sized configs below, with a small
+twin machinery of :mod:`remote.extract.tinymodel` from the real-sized configs below, with a small
 word-level reference tokenizer. This is test-host knowledge, not something a real host
 needs, so it lives with the test host and travels in no bundle.
 
@@ -58,7 +58,7 @@ import os
 import sys
 from pathlib import Path
 
-from remote.tinymodel import (MIN_LAYERS, REFERENCE_VOCAB, ROLE_TOKENS, SPECIAL_TOKENS, build_model,
+from remote.extract.tinymodel import (MIN_LAYERS, REFERENCE_VOCAB, ROLE_TOKENS, SPECIAL_TOKENS, build_model,
                               reference_vocab, shrink_config, write_chat_dataset)
 
 #: Renders ``<|start|>ROLE<|message|>TEXT<|end|>`` per message. speculators 0.3.0

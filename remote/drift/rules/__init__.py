@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from remote import protocol
+from remote.wire import protocol
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import difflib
 
-from remote import protocol
+from remote.wire import protocol
 from remote.drift.pyindex import Ref, Signature, layer_calls, supplied_params
 from remote.drift.rules import Context, slug
 from remote.drift.rules.calls import bind

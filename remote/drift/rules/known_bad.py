@@ -31,7 +31,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from remote import layers, modelconfig, protocol, versions
+from remote.wire import layers, protocol
+from remote.system import modelconfig, versions
 from remote.drift.pyindex import PackageIndex, dotted
 
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 
-from remote import protocol
+from remote.wire import protocol
 from remote.drift.pyindex import ancestors, class_signature, dotted, enclosing_function, parent, supplied_params
 from remote.drift.rules import Context, slug
 

@@ -1,7 +1,0 @@
-"""Runs :func:`remote.engines.vllm_server.cli.main` for ``python -m remote.engines.vllm_server``."""
-import sys
-
-from .cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())

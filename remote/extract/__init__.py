@@ -1,0 +1,2 @@
+"""Extraction of hidden states: supervisor, plan, dataset, samples, shards, replicas, engines.
+"""

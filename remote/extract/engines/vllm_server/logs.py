@@ -1,0 +1,200 @@
+"""Reading the server's log: the root-cause exception, the process that died, the per-rank split.
+
+vLLM prefixes the lines of each process it starts with ``(EngineCore pid=..)``,
+``(Worker_TP1 pid=..)``; :func:`log_failure` and :func:`log_death` read those
+prefixes to name the rank behind a failure, and :class:`ServerFailed` carries what
+they found up to the supervisor as the run's error.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from remote.wire import fsutil
+from remote.system import signals
+from remote.run.rootcause import last_traceback
+
+SERVER_LOG = "server.log"
+
+_PROCESS_PREFIX = re.compile(r"\((?P<proc>[A-Za-z][\w]*) pid=(?P<pid>\d+)\)")
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|\s)(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Timeout)\w*): (?P<msg>.*)$")
+
+
+class ServerFailed(RuntimeError):
+    """The server died, never got ready, or stopped answering.
+
+    :ivar rank: the TP rank whose traceback the log shows last (None: the API server
+        or engine core, or no traceback at all).
+    :ivar process: vLLM's name of that process (``Worker_TP1``, ``EngineCore``, ...).
+    :ivar exception: ``"Type: message"`` of the last exception in the log, if any.
+    :ivar traceback: that traceback's text; ``log_tail``: the end of the server log.
+    """
+
+    def __init__(self, summary: str, log_path=None, failure: dict | None = None, log_tail: str = "",
+                 death: dict | None = None):
+        failure = failure or {}
+        self.rank = failure.get("rank")
+        self.process = failure.get("process")
+        self.exception = failure.get("exception")
+        self.traceback = failure.get("traceback") or ""
+        self.log_path = str(log_path) if log_path else None
+        self.log_tail = log_tail
+        #: a process of the server that died by a signal (or vanished): the run's error
+        #: (:func:`remote.system.signals.death_record`), ahead of whatever the others raised after it
+        self.death = None
+        if death:
+            self.death = signals.death_record(death.get("name"), death.get("exit_code"), pid=death.get("pid"),
+                                              source=death.get("source") or "logs/server.log",
+                                              fatal=death.get("fatal"))
+            if death.get("line"):
+                self.death["log_line"] = death["line"]
+            self.rank, self.process = self.death["rank"], death.get("name")
+        if self.death:
+            detail = f"; {self.death['message']}"
+        else:
+            detail = f"; {self.process or 'server'}: {self.exception}" if self.exception else ""
+        where = f" (log: {self.log_path})" if self.log_path else ""
+        super().__init__(f"{summary}{detail}{where}")
+
+
+
+def read_tail(path, nbytes: int = 65536) -> str:
+    """The last ``nbytes`` of a log file as text ("" when there is none yet)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - nbytes))
+            return handle.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _rank_of(process: str | None):
+    if not process or not process.startswith("Worker"):
+        return None
+    found = re.search(r"_TP(\d+)", process)
+    return int(found.group(1)) if found else 0
+
+
+def log_failure(text: str) -> dict | None:
+    """The last exception in a vLLM server log: which process, which rank, what, and its traceback.
+
+    vLLM prefixes the lines of each process it starts with ``(EngineCore pid=..)``,
+    ``(Worker_TP1 pid=..)`` (``(Worker pid=..)`` at TP=1); a worker's exception is
+    logged there first and re-raised by the engine core and the API server after it,
+    so the *first* traceback of the last failure burst is the root cause. None when the
+    log shows no exception at all.
+    """
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    if not starts:
+        for line in reversed(lines):
+            found = _EXCEPTION_LINE.search(line)
+            if found:
+                proc = _PROCESS_PREFIX.search(line)
+                process = proc.group("proc") if proc else None
+                return {"process": process, "rank": _rank_of(process),
+                        "exception": f"{found.group('type')}: {found.group('msg').strip()}",
+                        "traceback": line}
+        return None
+    # a worker's traceback sits before the engine core's re-raise; prefer a worker's
+    blocks = []
+    for n, start in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(lines)
+        block = lines[start:end]
+        exc_line = next((ln for ln in block[1:] if _EXCEPTION_LINE.search(ln)
+                         and not ln.lstrip().startswith(("File ", "Traceback"))), None)
+        proc = _PROCESS_PREFIX.search(lines[start]) or next(
+            (p for p in map(_PROCESS_PREFIX.search, block) if p), None)
+        process = proc.group("proc") if proc else None
+        exception = None
+        if exc_line:
+            found = _EXCEPTION_LINE.search(exc_line)
+            exception = f"{found.group('type')}: {found.group('msg').strip()}"
+        blocks.append({"process": process, "rank": _rank_of(process), "exception": exception,
+                       "traceback": "\n".join(block).strip()})
+    workers = [b for b in blocks if b["rank"] is not None and b["exception"]]
+    if workers:
+        return workers[0]
+    # no Worker process (TP=1 on a GPU runs the model inside EngineCore): the API server's
+    # EngineDeadError comes last and says nothing; the engine core's own exception is the cause
+    with_exception = [b for b in blocks if b["exception"]]
+    root = [b for b in with_exception if "EngineDeadError" not in b["exception"]]
+    return (root or with_exception or blocks)[-1]
+
+
+#: vLLM 0.32's API server when its engine core vanished: it names neither process nor exit code
+_ENGINE_CORE_GONE = re.compile(r"engine core exited unexpectedly", re.I)
+
+
+def log_death(text: str) -> dict | None:
+    """The first process of the server that vLLM logged as dead: ``{name, exit_code, line, pid, fatal}``.
+
+    vLLM's engine core logs ``Worker proc VllmWorker-0 died unexpectedly (exit code: -4)``
+    before anything else fails (the driver then raises ``RuntimeError: cancelled`` and
+    the API server answers HTTP 500): that line is the cause. Its exit code is racy --
+    vLLM reads it the moment the worker's pipe closes, often before the worker can be
+    reaped (``exit code: None``) -- so the signal also comes from faulthandler's dump
+    just before it (``PYTHONFAULTHANDLER`` is on in every server process: see
+    :func:`~.command.server_env`), which is kept as ``fatal``. A worker gone with neither leaves
+    ``exit_code`` None (SIGKILL cannot be caught). The API server logs only "engine core
+    exited unexpectedly" for a dead engine core (it is not our child); that is returned
+    as ``EngineCore`` when no worker death is logged. None when the log shows no death.
+    """
+    deaths, start = [], 0
+    for death in signals.deaths_in_log(text):
+        at = text.find(death["line"], start)
+        before, start = text[start:at], at + len(death["line"])
+        fatal = last_traceback(before)
+        if fatal and fatal["type"] == "FatalError":
+            death["fatal"] = {"message": fatal["message"], "traceback": fatal["traceback"]}
+            if death["exit_code"] is None:
+                death["exit_code"] = signals.exit_code_of_fatal(fatal["message"])
+        # the line names the process, not its pid: the pid is in that rank's own line prefixes
+        rank = signals.process_label(death["name"])[1]
+        pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:at].splitlines())
+                if m and rank is not None and _rank_of(m.group("proc")) == rank]
+        if pids:
+            death["pid"] = int(pids[-1])
+        deaths.append(death)
+    by_signal = [d for d in deaths if d["exit_code"] is not None and signals.describe_exit(d["exit_code"])["signal"]]
+    unknown = [d for d in deaths if d["exit_code"] is None]
+    if by_signal or unknown:
+        return (by_signal or unknown)[0]
+    gone = next((ln.strip() for ln in text.splitlines() if _ENGINE_CORE_GONE.search(ln)), None)
+    if gone:
+        fatal = last_traceback(text[:text.find(gone)])
+        death = {"name": "EngineCore", "exit_code": None, "line": gone}
+        if fatal and fatal["type"] == "FatalError":
+            death.update(fatal={"message": fatal["message"], "traceback": fatal["traceback"]},
+                         exit_code=signals.exit_code_of_fatal(fatal["message"]))
+        return death
+    return None
+
+
+def split_rank_logs(server_log, log_dir) -> list[Path]:
+    """Write ``rank<k>.log`` beside the server log: the lines of TP rank ``k``'s worker.
+
+    Lines without a worker prefix (API server, engine core) stay in ``server.log`` only.
+    :returns: the files written.
+    """
+    per_rank: dict[int, list[str]] = {}
+    try:
+        text = Path(server_log).read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines(keepends=True):
+        found = _PROCESS_PREFIX.search(line)
+        rank = _rank_of(found.group("proc")) if found else None
+        if rank is not None:
+            per_rank.setdefault(rank, []).append(line)
+    written = []
+    for rank, rank_lines in sorted(per_rank.items()):
+        path = Path(log_dir) / f"rank{rank}.log"
+        fsutil.atomic_write(path, "".join(rank_lines), mode=0o644)
+        written.append(path)
+    return written
+

@@ -1,0 +1,2 @@
+"""Facts about this machine: CPU, installed versions, model config, signals, processes, GPUs.
+"""

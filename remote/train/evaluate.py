@@ -1,0 +1,451 @@
+"""``specops eval``, host side: a draft's acceptance, served by vLLM with its target (stdlib only at import).
+
+A task module (``main(params) -> payload``), run in the foreground like ``verify``. Steps:
+
+1. **The draft's config against the states, before anything loads.** The draft is a train
+   run's id (its last epoch checkpoint; the states run is the one it trained from) or a
+   checkpoint dir (``from_run`` names the states). Its ``eagle_aux_hidden_state_layer_ids``
+   must be the ids the states' trainer takes (:attr:`remote.train.plan.TrainPlan.trainer_layer_ids`:
+   the extraction's minus the final state), its verifier the states' model, its vocab the
+   model's: each mismatch is a fail showing both values and the fix (a draft whose ids
+   miss by one serves at chance with no warning: vLLM issue 50170).
+2. **Held-out prompts.** The rows of the states' dataset after the ones the extraction
+   read (``dataset_samples``: never a training row), through the same reader
+   (:mod:`remote.extract.dataset`); a chat row's prompt is its tokens up to the first assistant
+   token. The slice is recorded.
+3. **Serving.** vLLM's OpenAI server as the extraction engine starts it
+   (:class:`remote.extract.engines.vllm_server.VllmServer`: loopback, its own process group, logs
+   under ``<work_dir>/evals/<name>/logs``), without extraction and with
+   ``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``;
+   greedy completions of ``max_tokens`` each, one at a time.
+4. **Acceptance from the server's own /metrics**: ``vllm:spec_decode_num_drafts``,
+   ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._per_pos``: mean acceptance
+   length (1 + accepted / drafts), the rate per position, output tokens/s; with ``baseline``
+   the same prompts on the plain server too (a second start).
+
+Parameters: :data:`SPEC`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from remote.wire import contract, protocol
+from remote.system import modelconfig
+from remote.extract import samples
+from remote.train import plan as trainplan
+from remote.wire.argspec import RUN_ARGS, Arg, Spec
+from remote.wire.contract import RunState
+
+DEFAULT_K = 3
+#: the spec-decode counters of vLLM >= 0.10's /metrics (a counter's samples end in ``_total``).
+METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+           "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+_SAMPLE_RE = re.compile(r'^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfaN]+)')
+_POS_RE = re.compile(r'position="(\d+)"')
+
+SPEC = Spec("draft_eval", {
+    "work_dir": RUN_ARGS["work_dir"].but(required=True),
+    "draft": Arg("path", required=True, doc="a train run id on this host, or a draft checkpoint dir (~ expanded)"),
+    "from_run": Arg("str", doc="the states run the draft is checked against (default: the one it trained on)"),
+    "k": Arg("int", min=1, max=16, doc="num_speculative_tokens (default: the draft config's, else 3)"),
+    "prompts": Arg("int", 8, min=1, doc="held-out rows to send"),
+    "max_tokens": Arg("int", 32, min=1, doc="tokens to generate per prompt"),
+    "baseline": Arg("bool", False, doc="also serve the prompts without the draft (a second server start)"),
+    "force": Arg("bool", False, doc="serve a draft whose config does not fit the states anyway (each misfit a warn): "
+                                    "to measure what the mismatch costs"),
+    "name": Arg("str", doc="the eval's dir under <work_dir>/evals (default: draft and time)"),
+    "python": RUN_ARGS["python"], "device": RUN_ARGS["device"], "env": RUN_ARGS["env"], "tp": RUN_ARGS["tp"],
+    "trust_remote_code": RUN_ARGS["trust_remote_code"],
+    "ready_timeout_s": Arg("float", 900.0, above=0),
+})
+
+
+class EvalError(protocol.TaskError):
+    """A refusal of eval (see protocol.TaskError)."""
+
+
+@SPEC.task
+def main(params: dict) -> dict:
+    try:
+        return protocol.run_in_job_env(evaluate, params)
+    except Stopped as exc:  # nobody may read this (the laptop left): the server is stopped all the same
+        return protocol.payload([protocol.record("eval.server", protocol.FAIL, f"stopped by request ({exc}: Ctrl-C "
+                                                 f"at the laptop) while serving; the server it started is stopped",
+                                                 fix="run the same eval again")])
+
+
+# --------------------------------------------------------------------------- the draft
+
+def locate_draft(params: dict) -> tuple[Path, str, str]:
+    """``(checkpoint dir, states run id, what it is)`` for ``params["draft"]``.
+
+    :raises EvalError: an unfinished train run, a dir without config.json, no states run.
+    """
+    work_dir = Path(params["work_dir"])
+    draft = str(params["draft"])
+    run_dir = work_dir / "runs" / draft
+    if contract.run_id_problem(draft) is None and (run_dir / contract.STATUS_FILE).is_file():
+        status = samples.read_json_quietly(run_dir / contract.STATUS_FILE) or {}
+        run_params = samples.read_json_quietly(run_dir / contract.PARAMS_FILE) or {}
+        if status.get("kind") != "train":
+            raise EvalError("eval.draft", f"run {draft} is not a train run", "pass a train run id or a draft dir")
+        if status.get("state") != RunState.DONE:
+            raise EvalError("eval.draft", f"train run {draft} is {status.get('state')!r}, not done",
+                            f"wait for it or resume it (specops train --run-id {draft} ...)")
+        last = trainplan.last_checkpoint(trainplan.checkpoints_dir(run_dir))
+        if last is None:
+            raise EvalError("eval.draft", f"train run {draft} has no checkpoint in {trainplan.checkpoints_dir(run_dir)}",
+                            "train it again")
+        epoch = "untrained (--dry-run)" if last["epoch"] is None else f"epoch {last['epoch']}"
+        return Path(last["path"]), params.get("from_run") or run_params.get("from_run"), f"train run {draft}, {epoch}"
+    path = Path(draft)
+    if not (path / "config.json").is_file():
+        raise EvalError("eval.draft", f"{draft} is neither a train run on this host nor a dir with config.json",
+                        "pass a train run id (specops train --run-id) or a draft checkpoint dir")
+    if not params.get("from_run"):
+        raise EvalError("eval.params", f"draft {draft} is a dir: which states it belongs to is not known",
+                        "pass --from-run with the extraction run the draft was trained on")
+    return path, params["from_run"], f"dir {path}"
+
+
+def read_draft(path: Path) -> dict:
+    """The draft dir's config (a JSON object), once it is known to hold weights: both before anything loads.
+
+    :raises EvalError: naming the file that cannot be read, is no object, or the weights that are not there.
+    """
+    config = path / "config.json"
+    try:
+        draft = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalError("eval.draft", f"{config} cannot be read ({exc})", "pass a draft checkpoint dir") from None
+    if not isinstance(draft, dict):
+        raise EvalError("eval.draft", f"{config} holds a JSON {type(draft).__name__}, not the object of a draft's "
+                        f"config", "pass a draft checkpoint dir as specops train (speculators) wrote it",
+                        detail={"file": str(config)})
+    if not any(path.glob("*.safetensors")):
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise EvalError("eval.draft", f"{path} holds no draft weights (*.safetensors), only "
+                        f"{', '.join(found) or 'nothing'}: vLLM would load the target and then fail",
+                        "pass the checkpoint dir with the weights (a train run id picks its last whole epoch), "
+                        "or fetch them again (specops fetch --tensors)", detail={"dir": str(path), "files": found})
+    return draft
+
+
+def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: str) -> list[dict]:
+    """The draft config's records against the states' plan and the target's config (fails carry both values)."""
+    records = []
+    ids = draft.get("eagle_aux_hidden_state_layer_ids")
+    want = plan.trainer_layer_ids
+    if ids != want:
+        shift = {b - a for a, b in zip(want, ids or [])} if isinstance(ids, list) and len(ids) == len(want) else set()
+        why = (f" (every id {next(iter(shift)):+d}: ids in another convention, e.g. SpecForge/SGLang's output:k)"
+               if len(shift) == 1 and 0 not in shift else "")
+        records.append(protocol.record(
+            "eval.draft_layer_ids", protocol.FAIL,
+            f"the draft's eagle_aux_hidden_state_layer_ids {ids} are not {want}, the aux ids of run "
+            f"{plan.from_run}'s states (input convention; extraction ids {plan.layer_ids} minus the final state "
+            f"{plan.num_layers}){why}",
+            fix=f"train the draft on these states (specops train --from-run {plan.from_run}), or, if it was trained "
+                f"on them under other ids, set eagle_aux_hidden_state_layer_ids to {want} in {where}/config.json",
+            detail={"draft": ids, "states": want, "extraction_ids": plan.layer_ids}))
+    else:
+        records.append(protocol.record("eval.draft_layer_ids", protocol.OK,
+                                       f"the draft's aux layer ids {ids} are run {plan.from_run}'s"))
+    verifier = ((draft.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    same = verifier and os.path.realpath(str(verifier)) == os.path.realpath(plan.model_path)
+    records.append(protocol.record(
+        "eval.draft_target", protocol.OK if same else protocol.FAIL,
+        f"the draft's verifier is {verifier}" + ("" if same else f", not the states' model {plan.model_path}"),
+        fix=None if same else f"evaluate a draft trained for {plan.model_path}, or the states of {verifier}",
+        detail={"draft": verifier, "states": plan.model_path}))
+    vocab = (draft.get("transformer_layer_config") or {}).get("vocab_size")
+    model_vocab = modelconfig.text_value(target, "vocab_size")
+    records.append(protocol.record(
+        "eval.draft_vocab", protocol.OK if vocab == model_vocab else protocol.FAIL,
+        f"the draft's vocab_size {vocab}" + (" is the target's" if vocab == model_vocab
+                                            else f" is not the target's {model_vocab}"),
+        fix=None if vocab == model_vocab else "train the draft against this target (its vocab comes from it)",
+        detail={"draft": vocab, "target": model_vocab, "draft_vocab_size": draft.get("draft_vocab_size")}))
+    return records
+
+
+def _tensor_shapes(path: Path) -> dict:
+    """``{name: shape}`` of every tensor in the dir's ``*.safetensors``, from their headers: nothing is loaded."""
+    from remote.probes.checkpoint import ShardError, read_header
+
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            shapes.update({k: v.get("shape") for k, v in read_header(str(file))["tensors"].items()})
+        except (OSError, ShardError):
+            continue  # an unreadable file: vLLM's load names it
+    return shapes
+
+
+def vocab_maps_record(draft: dict, path: Path, target: dict) -> dict | None:
+    """``eval.draft_vocab_maps``, for a draft with a reduced vocabulary (``draft_vocab_size`` below the
+    target's): vLLM maps its tokens back through ``d2t`` (one offset per draft token); missing or of another
+    length it fails the load after the target is up. The trainer's ``t2d`` (one flag per target token) is
+    skipped by vLLM's loader, judged only when present. None for a full-vocabulary draft."""
+    size, model_vocab = draft.get("draft_vocab_size"), modelconfig.text_value(target, "vocab_size")
+    if type(size) is not int or type(model_vocab) is not int or size >= model_vocab:
+        return None
+    shapes = _tensor_shapes(path)
+    d2t = next((v for k, v in shapes.items() if k.split(".")[-1] == "d2t"), None)
+    t2d = next((v for k, v in shapes.items() if k.split(".")[-1] == "t2d"), None)
+    # vLLM maps draft tokens through d2t and skips t2d (the trainer's own mask): t2d is judged only when there
+    problems = [f"{name} {'is missing' if got is None else f'has shape {got}, expected [{want}]'}"
+                for name, got, want in (("d2t", d2t, size), ("t2d", t2d, model_vocab))
+                if got != [want] and (got is not None or name == "d2t")]
+    detail = {"draft_vocab_size": size, "target_vocab": model_vocab, "d2t": d2t, "t2d": t2d}
+    if problems:
+        return protocol.record("eval.draft_vocab_maps", protocol.FAIL,
+                               f"the draft's reduced vocabulary ({size} of {model_vocab}): {', '.join(problems)} in "
+                               f"{path}/*.safetensors", detail=detail,
+                               fix="evaluate the checkpoint as speculators' trainer saved it (it writes d2t/t2d "
+                                   "with --draft-vocab-size), or retrain with --draft-vocab-size")
+    return protocol.record("eval.draft_vocab_maps", protocol.OK,
+                           f"the draft's reduced vocabulary: d2t [{size}] and t2d [{model_vocab}]", detail=detail)
+
+
+# --------------------------------------------------------------------------- prompts and metrics
+
+def held_out_prompts(params: dict, plan: trainplan.TrainPlan, doc: dict, target: dict) -> tuple[list, list]:
+    """``(prompts, [first row, stop row))``: the dataset rows after those the extraction read.
+
+    :raises EvalError: when the dataset has none left.
+    """
+    from remote.extract.dataset import load_token_samples
+
+    run_params = doc.get("params") or {}
+    used = int(doc.get("dataset_samples") or 0)
+    want = int(params["prompts"])
+    rows = load_token_samples({**run_params, "max_samples": used + want, "seq_len": plan.sample_tokens},
+                              plan.model_path, vocab_size=modelconfig.text_value(target, "vocab_size"))
+    held = rows[used:]
+    if not held:
+        raise EvalError("eval.prompts", f"dataset {run_params.get('dataset')} has {len(rows)} rows and run "
+                        f"{plan.from_run} read all of them: no held-out row to send",
+                        "extract with --max-samples below the dataset's rows, so eval has rows the draft never saw")
+    prompts = []
+    for ids, mask in held:
+        cut = mask.index(1) if 1 in mask and mask.index(1) > 0 and 0 in mask else max(1, len(ids) // 2)
+        prompts.append(list(ids[:cut]))
+    return prompts, [used, used + len(held)]
+
+
+def read_metrics(text: str) -> dict:
+    """The spec-decode counters of a /metrics page, summed over label sets; ``per_pos``: position -> count."""
+    out = {name: 0.0 for name in METRICS}
+    per_pos: dict[int, float] = {}
+    seen = False
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        base = name[:-6] if name.endswith("_total") else name
+        if base in out:
+            out[base] += value
+            seen = True
+        elif base == PER_POS:
+            pos = _POS_RE.search(labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+    return {"found": seen, **out, "per_pos": per_pos}
+
+
+def acceptance(before: dict, after: dict, k: int) -> dict:
+    """Mean acceptance length and rates from two /metrics readings (the prompts' share alone)."""
+    delta = {name: after[name] - before[name] for name in METRICS}
+    drafts, draft_tokens, accepted = (delta[n] for n in METRICS)
+    per_pos = [after["per_pos"].get(i, 0.0) - before["per_pos"].get(i, 0.0) for i in range(k)]
+    return {"drafts": int(drafts), "draft_tokens": int(draft_tokens), "accepted": int(accepted),
+            "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
+            "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+            "per_position": [round(a / drafts, 4) if drafts else None for a in per_pos],
+            "per_position_accepted": [int(a) for a in per_pos]}
+
+
+def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path, spec: dict | None) -> dict:
+    """Start the server (with ``spec`` as its speculative config, or plain), send ``prompts``, read
+    /metrics around them, stop it. :raises ServerFailed: naming the server's own exception."""
+    import urllib.request
+
+    from remote.extract.engines.vllm_server import SERVED_MODEL_NAME, VllmServer
+
+    device = params.get("device") or ""
+    max_len = max(len(p) for p in prompts) + params["max_tokens"] + 2 * ((spec or {}).get("num_speculative_tokens") or 0) + 16
+    server_args = ["--speculative-config", json.dumps(spec)] if spec else []
+    server = VllmServer(plan.model_path, tp=int(params.get("tp") or 1), layer_ids=[],
+                        work_dir=eval_dir / ("spec" if spec else "plain"), max_model_len=max_len,
+                        params={"plain": True, "device": device, "enforce_eager": device == "cpu",
+                                "trust_remote_code": params.get("trust_remote_code"), "server_args": server_args},
+                        python=params.get("python") or sys.executable)
+
+    def metrics() -> dict:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+            return read_metrics(resp.read().decode("utf-8", "replace"))
+
+    server.start()
+    try:
+        ready = server.wait_ready(params["ready_timeout_s"])
+        before = metrics()
+        t0, out_tokens, texts = time.monotonic(), 0, []
+        for ids in prompts:
+            reply = server.post_json("/v1/completions", {
+                "model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": params["max_tokens"],
+                "temperature": 0, "ignore_eos": True})
+            out_tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
+            texts.append((reply.get("choices") or [{}])[0].get("text"))
+        seconds = time.monotonic() - t0
+        after = metrics()
+    finally:
+        server.stop()
+    return {"ready_s": round(ready, 1), "seconds": round(seconds, 2), "output_tokens": out_tokens,
+            "tokens_per_s": round(out_tokens / seconds, 1) if seconds else None, "before": before, "after": after,
+            "log": str(server.log_path), "outputs": texts}
+
+
+class Stopped(BaseException):
+    """SIGTERM from the laptop's Ctrl-C (specops.draft_eval.stop_eval): unwinds through ``serve``'s ``finally``,
+    which stops the server."""
+
+
+@contextlib.contextmanager
+def stoppable(eval_dir: Path):
+    """While serving: this task's pid in ``eval_dir`` (:data:`remote.wire.contract.EVAL_PID_FILE`) and SIGTERM raising
+    :class:`Stopped`, so a Ctrl-C at the laptop stops the server this task started, not just the task."""
+    import signal
+
+    def on_term(signum, _frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    pid_file = eval_dir / contract.EVAL_PID_FILE
+    pid_file.write_text(str(os.getpid()))
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        pid_file.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- the task
+
+def evaluate(params: dict) -> dict:
+    from remote.wire import manifest as run_manifest
+
+    path, from_run, what = locate_draft(params)
+    draft = read_draft(path)
+    try:
+        plan = trainplan.resolve({"work_dir": params["work_dir"], "run_id": "eval", "from_run": from_run})
+    except trainplan.TrainError as exc:
+        raise EvalError(exc.name.replace("train.", "eval."), exc.summary, exc.fix, exc.detail) from None
+    target = modelconfig.read(plan.model_path)
+    records = check_config(draft, plan, target, str(path)) + [draft_loadable_record(draft, str(path))]
+    maps = vocab_maps_record(draft, path, target)
+    if maps is not None:
+        records.append(maps)
+    if any(r["status"] == protocol.FAIL for r in records):
+        if not params.get("force"):
+            return protocol.payload(records, draft=str(path), from_run=from_run)
+        # --force: served as it is, each misfit kept as a warn beside the acceptance it costs
+        records = [dict(r, status=protocol.WARN, summary=f"forced: {r['summary']}") if r["status"] == protocol.FAIL
+                   else r for r in records]
+    doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+    k = int(params.get("k") or _draft_k(draft) or DEFAULT_K)
+    prompts, rows = held_out_prompts(params, plan, doc, target)
+    records.append(protocol.record("eval.prompts", protocol.OK,
+                                   f"{len(prompts)} held-out prompt(s): dataset rows {rows[0]}..{rows[1] - 1} (run "
+                                   f"{from_run} read rows 0..{rows[0] - 1}), {sum(map(len, prompts))} tokens",
+                                   detail={"rows": rows, "dataset": (doc.get("params") or {}).get("dataset")}))
+    name = params.get("name") or f"{Path(str(params['draft'])).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    eval_dir = Path(params["work_dir"]) / "evals" / name
+    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
+    try:
+        with stoppable(eval_dir):
+            served = serve(params, plan, prompts, eval_dir, spec)
+    except Exception as exc:  # the server's own exception, as its log names it (ServerFailed)
+        raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
+                        f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
+                        f"its config or weights there") from None
+    records.append(aux_ids_used_record(served["log"], plan, params))
+    if not served["after"]["found"]:
+        records.append(protocol.record("eval.acceptance", protocol.FAIL,
+                                       "the server's /metrics has no vllm:spec_decode_* counters",
+                                       fix="check that this vLLM serves eagle3 drafts (its log: " + served["log"] + ")"))
+        return protocol.payload(records, draft=str(path), served=served)
+    acc = acceptance(served["before"], served["after"], k)
+    if not acc["draft_tokens"]:  # no number to report: exit 0 would claim a measurement that never happened
+        records.append(protocol.record("eval.acceptance", protocol.FAIL,
+                                       f"the server drafted no token for {len(prompts)} prompt(s): no acceptance "
+                                       f"was measured", detail={"draft": str(path), **acc},
+                                       fix=f"read the server log ({served['log']}): the draft was not used"))
+        return protocol.payload(records, draft=str(path), served=served)
+    result = {"draft": str(path), "what": what, "from_run": from_run, "k": k, "rows": rows, **acc,
+              "tokens_per_s": served["tokens_per_s"], "output_tokens": served["output_tokens"],
+              "ready_s": served["ready_s"], "eval_dir": str(eval_dir)}
+    rate = acc["acceptance_rate"] or 0.0
+    chance = rate <= 1.0 / max(2, int(modelconfig.text_value(target, "vocab_size") or 2))
+    summary = (f"{what}, k={k}: mean acceptance length {acc['mean_acceptance_length']}, {acc['accepted']} of "
+               f"{acc['draft_tokens']} draft tokens accepted ({rate:.1%}); per position "
+               f"{', '.join(f'{x:.1%}' for x in acc['per_position'] if x is not None)}; "
+               f"{served['tokens_per_s']} output tok/s")
+    records.append(protocol.record(
+        "eval.acceptance", protocol.WARN if chance else protocol.OK,
+        summary + ("; at chance: check the draft's aux layer ids and convention, that it trained on this target's "
+                   "states (and on replies the target writes), its epochs and loss" if chance else ""),
+        detail=result))
+    if params["baseline"]:
+        with stoppable(eval_dir):
+            plain = serve(params, plan, prompts, eval_dir, None)
+        result["baseline_tokens_per_s"] = plain["tokens_per_s"]
+        speedup = served["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+        records.append(protocol.record("eval.baseline", protocol.OK,
+                                       f"plain server {plain['tokens_per_s']} output tok/s on the same prompts; with "
+                                       f"the draft {served['tokens_per_s']} ({speedup:.2f}x)" if speedup else
+                                       "plain server gave no tokens", detail={"plain": plain["tokens_per_s"],
+                                                                              "speedup": speedup}))
+    return protocol.payload(records, **result)
+
+
+def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:
+    """``eval.draft_loadable``: whether this host's vLLM can load the draft's config, read from the draft
+    class's source before anything loads (a known-bad pair: :mod:`remote.drift.rules.known_bad`)."""
+    from remote.drift.pyindex import PackageIndex
+    from remote.drift.rules import known_bad
+    from remote.drift.source import site_packages
+
+    root = vllm_root or site_packages({})[1]
+    problem = known_bad.draft_aux_count_problem(PackageIndex(root), draft, where) if root else None
+    if problem is None:
+        return protocol.record("eval.draft_loadable", protocol.OK,
+                               "no known-bad draft config form for this vLLM" + ("" if root else " (no vLLM found)"))
+    return protocol.record("eval.draft_loadable", protocol.FAIL, problem["summary"], fix=problem["fix"],
+                           detail=problem)
+
+
+def aux_ids_used_record(log_path, plan: trainplan.TrainPlan, params: dict) -> dict:
+    """``eval.aux_ids_used``: the aux ids vLLM logged taking for the draft against the states' ids (a
+    draft config vLLM does not read falls back to the target's defaults with no error)."""
+    from remote.extract.engines.vllm_server import aux_ids
+
+    return aux_ids.used_ids_record(
+        "eval.aux_ids_used", log_path, plan.trainer_layer_ids, f"run {plan.from_run}'s states' aux ids",
+        fix=f"make the draft's config say eagle_aux_hidden_state_layer_ids {plan.trainer_layer_ids} in the form this "
+            f"vLLM reads (its log line: 'Using ... auxiliary layers from ...'), or evaluate it on states of those ids",
+        force=bool(params.get("force")))
+
+
+def _draft_k(draft: dict):
+    methods = (draft.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")

@@ -1,0 +1,436 @@
+"""The supervisor of a training run: ``python -m remote.train.supervisor RUN_DIR`` (stdlib only at import).
+
+Started detached by :mod:`remote.run.job` (``remote/train/task.py`` passes it as the run's entry),
+like :mod:`remote.extract.supervisor` for an extraction, and keeps the same run dir contract:
+``status.json`` (state, phase, heartbeat, error with traceback), ``logs/``, the pid file.
+It resolves the plan from the states run's manifest (:func:`remote.train.plan.resolve`),
+runs speculators' trainer as its child and reads the trainer's own log lines:
+
+* each step's metrics line (``train/loss_0=..., train/full_acc_0=..., ..., epoch=E,
+  global_step=S``) becomes the status's ``step``, ``epoch``, ``loss``, per-position
+  ``accuracy`` and tokens/s (the trainer's ``profile/tokens_per_s``), and one line of
+  ``metrics.jsonl`` in the run dir; each validation line (``val/...``) the same, marked ``val``;
+* its progress bar (``N/M``) gives the steps per epoch, so the total and an ETA;
+* the line goes to ``logs/train.log`` with its padding and bars shortened (the trainer
+  is given a wide terminal so that no record wraps).
+
+Meanwhile :class:`remote.train.memuse.MemorySampler` samples what the trainer's process tree holds
+(GPU memory on a CUDA run, else resident) into the status's ``memory``, beside the
+``train.memory`` preflight's estimate; final before done, failed or aborted is written.
+
+The trainer is ``python -m speculators.train`` on a GPU host, or the test host's CPU
+launcher shim where the env carries it and torch sees no CUDA device. On SIGTERM (``job
+abort``) the trainer, in the same process group, gets it too: speculators saves an
+``interrupted`` checkpoint and exits; the supervisor waits for that, then records
+``aborted``. Starting the same run again resumes: speculators loads the last numbered
+checkpoint in its save path (:func:`remote.train.plan.last_checkpoint`); the status says which
+(``resumed_from``: epoch, global step).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from remote.train import memuse, memory as trainmem, plan as trainplan
+from remote.system import modelconfig, signals
+from remote.extract import samples
+from remote.wire.contract import RunState
+from remote.run.rootcause import error_record, last_traceback
+from remote.run.rundir import RunPaths, StatusFile, tail_text, utc_now
+
+HEARTBEAT_S = 5.0
+#: the terminal width the trainer's rich console is given: a metrics record stays on one line.
+TRAINER_COLUMNS = "4000"
+#: how long an aborted trainer may take to save its ``interrupted`` checkpoint
+#: (job abort SIGKILLs the group 10 s after its SIGTERM).
+ABORT_WAIT_S = 8.0
+_METRIC_RE = re.compile(r"([A-Za-z_][\w/]*)=([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))")
+_PROGRESS_RE = re.compile(r"(\d+)/(\d+)\s+\[")
+_BAR_RE = re.compile(r"━{8,}")
+_PAD_RE = re.compile(r" {8,}")
+
+
+def parse_metrics(line: str) -> dict | None:
+    """The numbers of one trainer metrics line (``train/...`` or ``val/...``), else None.
+
+    >>> parse_metrics("[12:00:01] INFO train/loss_0=0.004, train/full_acc_0=0.419, epoch=19, global_step=88  trainer.py:587")
+    {'train/loss_0': 0.004, 'train/full_acc_0': 0.419, 'epoch': 19.0, 'global_step': 88.0}
+    """
+    if "train/" not in line and "val/" not in line:
+        return None
+    found = {k: float(v) for k, v in _METRIC_RE.findall(line)}
+    return found if any(k.startswith(("train/", "val/")) for k in found) else None
+
+
+def summarize(metrics: dict) -> dict:
+    """Status fields from one metrics record: step, epoch, loss, per-position accuracy, tokens/s."""
+    kind = "val" if any(k.startswith("val/") for k in metrics) else "train"
+    suffix = "_epoch" if kind == "val" else ""
+    accs = sorted((int(m.group(1)), v) for k, v in metrics.items()
+                  if (m := re.fullmatch(rf"{kind}/full_acc_(\d+){suffix}", k)))
+    out = {"kind": kind, "epoch": int(metrics.get("epoch", 0)),
+           "loss": metrics.get(f"{kind}/loss{suffix}"), "accuracy": [round(v, 4) for _, v in accs]}
+    if kind == "train":
+        out["step"] = int(metrics.get("global_step", 0))
+        out["tokens_per_s"] = metrics.get("profile/tokens_per_s")
+    return out
+
+
+def trainer_processes(params: dict, launcher: str) -> int:
+    """Trainer processes to start: one per GPU the job sees (``CUDA_VISIBLE_DEVICES``, the job's env first)
+    when the trainer's own module runs on a CUDA host, else one; ``gpus`` (a train parameter) caps it."""
+    if launcher != trainplan.TRAINER_MODULE or str(params.get("device") or "cuda") != "cuda":
+        return 1
+    import shutil
+
+    from remote.probes import host
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 1
+    found = host.query_nvidia_smi(smi)
+    if found["error"]:
+        return 1
+    cvd = (params.get("env") or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    visible = len(host.visible_gpus(found["gpus"], cvd))
+    asked = params.get("gpus")
+    return max(1, min(visible, int(asked)) if asked else visible)
+
+
+def pick_launcher() -> str:
+    """The CPU launcher shim where this env carries it and torch sees no CUDA device, else the trainer's own module."""
+    import importlib.util
+
+    if importlib.util.find_spec(trainplan.CPU_LAUNCHER_MODULE) is None:
+        return trainplan.TRAINER_MODULE
+    from remote.extract.engines.vllm_server.command import cuda_available
+
+    return trainplan.TRAINER_MODULE if cuda_available() else trainplan.CPU_LAUNCHER_MODULE
+
+
+class TrainSupervisor:
+    def __init__(self, run_dir):
+        self.paths = RunPaths(run_dir)
+        self.params = json.loads(self.paths.params.read_text())
+        previous = samples.read_json_quietly(self.paths.status) or {}
+        self.status = StatusFile(self.paths.status, {
+            "run_id": self.params.get("run_id"), "kind": "train", "state": RunState.PENDING.value,
+            "phase": "starting", "started_at": utc_now(), "error": None, "pid": os.getpid(),
+            "attempt": int(previous.get("attempt", 0)) + 1,
+            "previous_error": previous.get("error") or previous.get("previous_error"),
+            "step": previous.get("step"), "steps_total": previous.get("steps_total"),
+        })
+        self.proc: subprocess.Popen | None = None
+        self.aborted = False
+        self._stop = threading.Event()
+        self.steps_per_epoch = None
+        self.in_validation = False
+        self.epoch_seen, self.epoch_start = None, 0
+        #: this attempt's training losses by step, and the first non-finite one ({"step", "epoch", "loss"})
+        self.losses: dict[int, float] = {}
+        self.diverged: dict | None = None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.status.update()
+
+    def run(self) -> int:
+        threading.Thread(target=self._heartbeat, daemon=True).start()
+        try:
+            return self._run()
+        except Aborted:
+            self.status.update(state=RunState.ABORTED.value, phase="aborted", error={
+                "rank": None, "type": "Aborted", "where": "supervisor", "traceback": "",
+                "message": f"aborted by request (SIGTERM); the trainer saved {self.status.data.get('checkpoints')}"
+                           f"/interrupted; the same train command resumes from the last epoch checkpoint"})
+            return 143
+        except BaseException as exc:  # every failure ends in status.json
+            traceback.print_exc()
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=error_record(exc))
+            return 1
+        finally:
+            self._stop.set()
+
+    def _run(self) -> int:
+        plan = trainplan.resolve(self.params)
+        if self.params.get("regenerate"):
+            plan = self._regenerate(plan)
+        launcher = pick_launcher()
+        nproc = trainer_processes(self.params, launcher)
+        argv = plan.launch_argv(self.params.get("python") or sys.executable, launcher, nproc,
+                                self.paths.log(trainplan.RANK_LOGS))
+        # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
+        set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
+        for moved in set_aside:
+            print(f"[specops] epoch {moved['epoch']}'s checkpoint lacks {', '.join(moved['missing'])} (the last "
+                  f"attempt stopped while saving it): moved to {moved['to']}", flush=True)
+        found = trainplan.last_checkpoint(plan.save_path)
+        resumed = found if found and found["epoch"] is not None and not plan.dry_run else None
+        self.status.update(state=RunState.LOADING.value, phase="starting the trainer", plan=plan.as_dict(),
+                           launcher=launcher, processes=nproc, command=argv, resumed_from=resumed, set_aside=set_aside,
+                           checkpoints=plan.save_path, epochs=plan.epochs)
+        print(f"[specops] train run {plan.run_id}: {' '.join(argv)}" +
+              (f"; resumes after epoch {resumed['epoch']} (global step {resumed['global_step']})" if resumed else ""),
+              flush=True)
+        # faulthandler: a trainer that faults leaves its stacks in train.log
+        env = dict(os.environ, COLUMNS=TRAINER_COLUMNS, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+        log_path = self.paths.log(trainplan.TRAIN_LOG)
+        t0 = time.monotonic()
+        with open(log_path, "a", encoding="utf-8") as log, \
+                open(self.paths.run_dir / trainplan.METRICS_FILE, "a", encoding="utf-8") as metrics_out:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
+                                         text=True, errors="replace", bufsize=1)
+            sampler = self._memory_sampler(plan, self.proc.pid)
+            try:
+                for raw in self.proc.stdout:
+                    line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
+                    log.write(line + "\n")
+                    log.flush()
+                    self._on_line(line, metrics_out, t0)
+                code = self.proc.wait()
+            finally:  # the final peak is in the status before done, failed or aborted is
+                self.status.update(memory=sampler.stop())
+        if self.diverged:
+            self.status.update(state=RunState.FAILED.value, phase="failed", error=diverged_error(self.diverged))
+            return 1
+        if self.aborted:
+            raise Aborted("SIGTERM")
+        if code != 0:
+            tail = tail_text(log_path, 20000)
+            rank = trainplan.failing_rank(tail) if nproc > 1 else None
+            found = last_traceback(trainplan.rank_lines(tail, rank) if rank is not None else tail) or {}
+            error = {"rank": rank or 0, "where": "trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)", "type": found.get("type") or "TrainerExited",
+                     "message": found.get("message") or f"the trainer exited with code {code}",
+                     "traceback": found.get("traceback") or "", "exit_code": code}
+            if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means
+                error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
+                         "where": "trainer"}
+                error["message"] += "; the same train command resumes from the last epoch checkpoint"
+            full = disk_full(plan.save_path, tail)
+            if full:  # torch's save says "file write failed", not why: the cause first
+                error = {**error, "cause": "ENOSPC", "message": f"{full}; the trainer's own error: {error['message']}"}
+            self.status.update(state=RunState.FAILED.value, phase="failed", error={**error, "log_tail": tail[-4000:]})
+            return 1
+        final = trainplan.last_checkpoint(plan.save_path)
+        if final is None:
+            raise RuntimeError(f"the trainer exited 0 but left no checkpoint in {plan.save_path}")
+        learned = learned_nothing(self.losses, plan.dry_run, resumed is not None)
+        if learned:
+            self.status.update(state=RunState.FAILED.value, phase="failed", checkpoint=final, error=learned)
+            return 1
+        done = {"steps_total": self.status.data.get("step")} if self.status.data.get("step") else {}
+        self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
+                           wall_s=round(time.monotonic() - t0, 1), **done)
+        return 0
+
+    def _memory_sampler(self, plan: trainplan.TrainPlan, pid: int) -> memuse.MemorySampler:
+        """Samples what the trainer's processes hold (GPU memory on a CUDA run, else resident), beside the
+        preflight's estimate; status.json's ``memory`` shows the peak so far."""
+        import shutil
+
+        from remote.probes import host
+
+        try:  # the preflight's own estimate; a draft it cannot size is measured without one
+            estimate = trainmem.plan_estimate(plan, modelconfig.read(plan.model_path))[0]["need_bytes"]
+        except Exception:  # measuring never fails the run
+            estimate = None
+        smi = shutil.which("nvidia-smi") if plan.device == "cuda" else None
+        gpus, where = [], None
+        if smi:
+            found = host.query_nvidia_smi(smi)
+            gpus = found["gpus"]
+            where = trainmem.free_memory("cuda", self.params.get("env"), gpus=gpus).get("where")
+        sampler = memuse.MemorySampler(pid, estimate_bytes=estimate, smi=smi, gpus=gpus, where=where,
+                                       on_update=lambda memory: self.status.update(memory=memory))
+        self.status.update(memory=sampler.as_dict())
+        return sampler.start()
+
+    def _regenerate(self, plan: trainplan.TrainPlan) -> trainplan.TrainPlan:
+        """``train --regenerate``: the target's own replies to ``from_run``'s rows, then their states
+        (an extraction run with ``from_run``'s parameters), waited for; the plan of those states."""
+        from remote.run import job
+        from remote.train import regenerate
+        from remote.wire import manifest as run_manifest
+
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        self.status.update(state=RunState.LOADING.value, phase="regenerating: the target writes its own replies")
+        record = regenerate.regenerate(self.paths.run_dir, doc=doc, model_path=plan.model_path,
+                                       params={**self.params, "tp": (doc.get("params") or {}).get("tp")},
+                                       seq_len=plan.sample_tokens, log=lambda line: print(line, flush=True))
+        source = samples.read_json_quietly(Path(plan.states_run_dir) / "params.json") or doc.get("params") or {}
+        start = regenerate.states_params(source, doc, work_dir=self.params["work_dir"], run_id=plan.run_id,
+                                         rows_file=record["file"], samples=record["samples"])
+        start["python"] = self.params.get("python") or sys.executable
+        states = start["run_id"]
+        made = {**{k: v for k, v in record.items() if k != "command"}, "states_run": states, "from_run": plan.from_run}
+        self.status.update(phase=f"extracting the regenerated text (run {states})", states_run=states,
+                           regenerated=made)
+        print(f"[specops] extracting the states of the regenerated text: run {states}", flush=True)
+        started = job.main(start)
+        failed = [r for r in started["records"] if r["status"] == "fail"]
+        if failed:
+            raise RuntimeError(f"the extraction of the regenerated text (run {states}) did not start: "
+                               f"{failed[0]['summary']}")
+        try:
+            final = regenerate.wait_run({"work_dir": self.params["work_dir"], "run_id": states})
+        except BaseException:  # aborted while it runs: it goes down with this run
+            job.main({"action": "abort", "work_dir": self.params["work_dir"], "run_id": states})
+            raise
+        if final.get("state") != RunState.DONE.value:
+            err = final.get("error") or {}
+            raise RuntimeError(f"the extraction of the regenerated text (run {states}) ended {final.get('state')}: "
+                               f"{err.get('type')}: {err.get('message')} (specops logs --run-id {states})")
+        regen_plan = trainplan.resolve({**self.params, "from_run": states})
+        regen_plan.regenerated = made
+        from remote.train.task import check_data  # the regenerated states' own dataset, bound to them as any run's
+
+        self.status.update(data_check=check_data(regen_plan))
+        return regen_plan
+
+    def _on_line(self, line: str, metrics_out, t0: float) -> None:
+        progress = _PROGRESS_RE.search(line)
+        if progress and "Epoch" in line and not self.in_validation:
+            self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends
+        if "Validation epoch" in line:
+            self.in_validation = "started" in line
+        found = parse_metrics(line)
+        if not found:
+            if "Training epoch" in line and "started" in line:
+                self.status.update(state=RunState.TRAINING.value, phase=line.split("INFO", 1)[-1].split("  ")[0].strip())
+            return
+        summary = summarize(found)
+        metrics_out.write(json.dumps({"t": round(time.monotonic() - t0, 3), **summary, "metrics": found}) + "\n")
+        metrics_out.flush()
+        if summary["kind"] == "val":
+            self.status.update(val_loss=summary["loss"], val_accuracy=summary["accuracy"])
+            return
+        loss = summary["loss"]
+        if loss is not None:
+            self.losses[summary["step"]] = loss
+            if not math.isfinite(loss) and self.diverged is None:  # every later step is nan too: stop now
+                self.diverged = {"step": summary["step"], "epoch": summary["epoch"], "loss": loss}
+                print(f"[specops] the training loss is {loss} at step {summary['step']}: stopping the trainer",
+                      flush=True)
+                if self.proc is not None and self.proc.poll() is None:
+                    self.proc.terminate()
+        epochs = int(self.status.data.get("epochs") or 1)
+        step = summary["step"] + 1
+        if summary["epoch"] != self.epoch_seen:  # batches per epoch vary a little (packing): estimate per epoch
+            self.epoch_seen, self.epoch_start = summary["epoch"], step - 1
+        total = (max(step, self.epoch_start + self.steps_per_epoch * (epochs - summary["epoch"]))
+                 if self.steps_per_epoch else None)
+        rate = summary.get("tokens_per_s")
+        elapsed = time.monotonic() - t0
+        first = self.status.data.get("first_step_this_attempt") or step
+        eta = (total - step) * elapsed / max(1, step - first + 1) if total else None
+        self.status.update(state=RunState.TRAINING.value, phase=f"training (epoch {summary['epoch'] + 1}/{epochs})",
+                           step=step, steps_total=total, epoch=summary["epoch"], loss=summary["loss"],
+                           accuracy=summary["accuracy"], tokens_per_s=rate, first_step_this_attempt=first,
+                           eta_s=round(eta, 1) if eta is not None else None,
+                           samples_done=step, samples_total=total)
+
+
+#: what a write to a full disk leaves in a trainer's log (errno 28; torch's writer says only "file write failed")
+_NO_SPACE_RE = re.compile(r"No space left on device|Errno 28\b|ENOSPC")
+#: free bytes below which the save path's disk counts as full once a trainer failed
+FULL_BELOW_BYTES = 64 << 20
+
+
+def disk_full(save_path, log_tail: str) -> str | None:
+    """The cause of a failed trainer when its checkpoint disk is full (its log says ENOSPC, or the disk has
+    under :data:`FULL_BELOW_BYTES` free), in words with the numbers and what to do; else None."""
+    import shutil
+
+    where = Path(save_path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        usage = None
+    said = bool(_NO_SPACE_RE.search(log_tail or ""))
+    if not said and (usage is None or usage.free >= FULL_BELOW_BYTES):
+        return None
+    free = f"{usage.free / 2**20:.0f} MiB free of {usage.total / 2**30:.1f} GiB" if usage else "its size unknown"
+    return (f"the disk holding the checkpoints ({where}) is full (ENOSPC: {free}): free space there (or train "
+            f"under a work_dir with room), then run the same train command to resume from the last whole epoch")
+
+
+def diverged_error(found: dict) -> dict:
+    """The run's error when the training loss became nan/inf (``found``: its first such step)."""
+    return {"rank": 0, "where": "trainer", "type": "LossNotFinite", "step": found["step"], "epoch": found["epoch"],
+            "message": f"the training loss is {found['loss']} at step {found['step']} (epoch {found['epoch']}): the "
+                       f"run diverged and its draft is useless; train again under a new --run-id with a lower "
+                       f"learning rate (--trainer-arg=--lr=...), or check the states (specops verify)",
+            "traceback": ""}
+
+
+def learned_nothing(losses: dict, dry_run: bool, resumed: bool) -> dict | None:
+    """The run's error when a trainer that exited 0 cannot have learned anything, else None: no training
+    step at all (a fresh run), a loss of 0 at every step (no token supervised: every sample skipped or
+    masked), or one loss that never moved over several steps. A dry run trains nothing by design."""
+    if dry_run:
+        return None
+    values = [losses[k] for k in sorted(losses)]
+    why = None
+    if not values and not resumed:
+        why = "the trainer exited 0 without a single training step"
+    elif values and all(v == 0 for v in values):
+        why = (f"the training loss was 0 at every one of {len(values)} step(s): no token was supervised (every "
+               f"sample skipped, or every loss_mask 0)")
+    elif len(values) > 2 and len(set(values)) == 1:
+        why = f"the training loss stayed {values[0]} over {len(values)} steps: the draft learned nothing"
+    if why is None:
+        return None
+    return {"rank": 0, "where": "trainer", "type": "NothingLearned", "traceback": "",
+            "message": f"{why}; its checkpoint is not a trained draft. Check the states and their token dataset "
+                       f"(specops train runs train.data first; specops verify), then train under a new --run-id"}
+
+
+class Aborted(BaseException):
+    """SIGTERM/SIGINT reached the supervisor (``job abort``)."""
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m remote.train.supervisor RUN_DIR", file=sys.stderr)
+        return 2
+    sup = TrainSupervisor(argv[0])
+    os.environ["SPECOPS_RUN_DIR"] = str(sup.paths.run_dir)
+
+    def on_signal(signum, _frame):
+        # the trainer is in our process group and got the same signal from job abort; it saves
+        # its interrupted checkpoint and exits, which ends the read loop
+        sup.aborted = True
+        if sup.proc is not None and sup.proc.poll() is None:
+            try:
+                sup.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                sup.proc.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                sup.proc.kill()
+        else:
+            raise Aborted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = sup.run()
+    print(f"[specops] supervisor exits {code} (state {sup.status.data.get('state')})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

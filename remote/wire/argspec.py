@@ -1,0 +1,475 @@
+"""The declared parameters of every host task, checked once before the task runs (stdlib only).
+
+Ansible's ``argument_spec`` is the model: a task module (``main(params) -> payload``)
+declares each parameter it takes -- type, default, whether it is required, whether it
+is a path -- and :meth:`Spec.task` checks every call against that declaration before the
+task's own code sees a value, whoever calls it (the entry script the laptop sends, a
+test, a benchmark)::
+
+    SPEC = Spec("shard", RUN_ARGS, {"action": Arg("str", "probe", choices=("probe", "files")),
+                                    "start": Arg("int", min=0), "stop": Arg("int", min=0)},
+                required_if=[("action", "files", ("output_dir", "start", "stop"))])
+
+    @SPEC.task
+    def main(params):          # every declared key present: checked, defaulted, ~ expanded
+        ...
+
+    >>> main({"action": "probe", "seq_lenn": 8})["records"][0]["summary"]
+    "unknown parameter 'seq_lenn' for task shard; known: action, batch_delay_s, ..., work_dir"
+    >>> main({"action": "files", "output_dir": "~/out", "start": "x", "stop": 4})["records"][0]["summary"]
+    "parameter 'start' of task shard must be an integer, got 'x'"
+
+What a check does, key by key:
+
+* a key starting with ``_`` is internal (``_bundle_dir``, which the entry script sets) and
+  passes as it is;
+* a key the spec does not declare is refused by name, with the known ones and the nearest
+  spelling as the fix;
+* a value that is None or ``""`` is unset: the declared default takes its place (None
+  when there is none), so ``params[name]`` never raises inside a task;
+* a set value must have the declared type (``int`` takes ``8``, ``8.0`` and ``"8"``,
+  never ``True``), and lie within ``choices`` / ``min`` / ``max`` / ``above``;
+* a ``path`` starting with ``~`` is expanded to this host's home -- here, and nowhere
+  else on the host;
+* a required parameter left unset is refused (``required_if``: only for one verb).
+
+Every problem of a call is one :class:`protocol.TaskError` named ``<task>.params`` (the
+first problem in its summary, all of them in ``detail.problems``), returned as the
+task's one failed record. A *lenient* spec (preflight's: its other checks still tell the
+user something) hands the problems to the task instead, each bad value replaced by its
+default. The checked dict is a :class:`Params`, which also knows the keys the caller
+actually sent (a run records those, not the defaults).
+
+**Test hooks.** Parameters only tests (and benchmarks) send are declared like any other,
+with ``hook=True``, so a misspelt one is refused too and :func:`hooks` lists them all. The
+fault points they arm are named in :mod:`remote.run.faults`; what an armed one does lives in
+``remote/dev/faults.py``, which no wheel holds:
+
+``inject_failure`` (job; ``{"rank", "at": load|extract, "message"}``)
+    the engine raises there, to prove a failure's root cause
+    comes back (the job passes it to the engines as ``SPECOPS_INJECT_FAILURE``).
+``batch_delay_s`` (job)
+    a pause after each batch, to act mid-run. ``SPECOPS_BATCH_DELAY_S`` in the run's
+    ``env`` does the same without being a run parameter (a resume need not repeat it).
+``inject_failure_after``, ``hold_lock_s`` (patcher, drift)
+    fail after writing this many files (proves the rollback); keep the lock this long.
+``plain`` (job)
+    the vLLM server without extraction: the benchmarks' baseline (eval's baseline server
+    passes it in-process, :mod:`remote.train.evaluate`).
+``swap_sample_states`` (job, vllm-server)
+    ``[i, j]``: once both requests are answered, the two files the server wrote exchange
+    their states (each keeps its own token ids, so the landing's checks pass): the engine
+    mixing up two requests, which the canary must stop and name.
+``server_args_unchecked`` (job)
+    vLLM server flags appended after ``server_args`` without its check: the GPU round plants
+    a shifted final id with a second ``--speculative-config``, which ``server_args`` refuses.
+``cli`` (facts)
+    echoed back in ``data.received``: the wire carries any value intact.
+``_python_min`` (any task; read by the entry preamble, not by a task)
+    demand this python instead of 3.10, so a modern interpreter takes the "python too
+    old" path (``tests/test_bad_input.py`` sends it).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import os
+import re
+
+from . import contract, protocol
+
+#: every type a parameter may declare; a tuple of them means any one of them (tried in order).
+TYPE_WORDS = {
+    "str": "a string", "path": "a path (a string)", "int": "an integer", "float": "a number",
+    "bool": "true or false", "list": "a list", "dict": "a mapping", "env": "a mapping of names to strings",
+    "any": "any JSON value",
+}
+_INT_TEXT = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
+
+
+class ArgError(protocol.TaskError):
+    """The parameters of one call do not fit the task's spec; every problem is in ``detail.problems``."""
+
+
+class Arg:
+    """One declared parameter.
+
+    :param type: one of :data:`TYPE_WORDS`, or a tuple of them (``("path", "list")``).
+    :param default: the value when unset (None or ``""``); a ``path`` default is expanded too.
+    :param required: unset is refused.
+    :param choices: the values allowed.
+    :param min: / :param max: inclusive bounds of an ``int``/``float``; :param above: an exclusive lower bound.
+    :param elements: the type of each item of a ``list``.
+    :param options: for a ``dict``: its own declared keys (checked the same way, with the
+        field named ``outer.inner``); :param open: other keys of it pass unchecked.
+    :param call: steers one call, not the run (a job records the run's parameters without these).
+    :param hook: sent only by tests and benchmarks (see the module docstring).
+    :param doc: what it means, for a reader of the spec.
+    """
+
+    __slots__ = ("types", "default", "required", "choices", "min", "max", "above", "elements", "options", "open",
+                 "call", "hook", "doc")
+
+    def __init__(self, type="str", default=None, *, required=False, choices=None, min=None, max=None, above=None,
+                 elements=None, options=None, open=False, call=False, hook=False, doc=""):
+        self.types = (type,) if isinstance(type, str) else tuple(type)
+        unknown = [t for t in self.types + ((elements,) if elements else ()) if t not in TYPE_WORDS]
+        if unknown:
+            raise ValueError(f"unknown parameter type(s) {unknown}; use {sorted(TYPE_WORDS)}")
+        self.default, self.required, self.choices = default, required, tuple(choices) if choices else None
+        self.min, self.max, self.above, self.elements = min, max, above, elements
+        self.options, self.open = dict(options) if options else None, open
+        self.call, self.hook, self.doc = call, hook, doc
+
+    @property
+    def is_path(self) -> bool:
+        return "path" in self.types or self.elements == "path"
+
+    def but(self, **changes) -> "Arg":
+        """A copy with ``changes`` (``RUN_ARGS["python"].but(call=True)``)."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields["type"] = fields.pop("types")
+        fields.update(changes)
+        return Arg(fields.pop("type"), **fields)
+
+    def __repr__(self) -> str:
+        return f"Arg({'|'.join(self.types)}, default={self.default!r}{', required' if self.required else ''})"
+
+
+class Params(dict):
+    """The checked parameters of one call; :attr:`given` are the declared keys the caller sent
+    (None-valued ones too; no ``_`` ones)."""
+
+    given: frozenset = frozenset()
+
+
+class _Bad(ValueError):
+    """A value that does not fit; the message says what was expected."""
+
+
+def _unset(value) -> bool:
+    return value is None or value == ""
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert(kind: str, value, arg: Arg, field: str, problems: list, task: str):
+    """``value`` as ``kind``, or :class:`_Bad`."""
+    if kind == "any":
+        return value
+    if kind in ("str", "path"):
+        if not isinstance(value, str):
+            raise _Bad()
+        return os.path.expanduser(value) if kind == "path" and value.startswith("~") else value
+    if kind == "int":
+        if isinstance(value, bool):
+            raise _Bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and _INT_TEXT.fullmatch(value):
+            return int(value)
+        raise _Bad()
+    if kind == "float":
+        if isinstance(value, bool):
+            raise _Bad()
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise _Bad() from None
+        if not math.isfinite(number):  # nan passes every bound check (nan < 0 is False)
+            raise _Bad(f"a finite number, got {_shown(value)}")
+        return number
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise _Bad()
+    if kind == "list":
+        if not isinstance(value, (list, tuple)):
+            raise _Bad()
+        if not arg.elements:
+            return list(value)
+        out = []
+        for i, item in enumerate(value):
+            try:
+                out.append(_convert(arg.elements, item, arg, f"{field}[{i}]", problems, task))
+            except _Bad:
+                raise _Bad(f"item {i} must be {TYPE_WORDS[arg.elements]}, got {_shown(item)}") from None
+        return out
+    if kind == "env":
+        if not isinstance(value, dict):
+            raise _Bad()
+        bad = [k for k, v in value.items() if isinstance(v, (dict, list, tuple)) or v is None]
+        if bad:
+            raise _Bad(f"{bad[0]!r} must be a string, got {_shown(value[bad[0]])}")
+        return {str(k): str(v) for k, v in value.items()}
+    if kind == "dict":
+        if not isinstance(value, dict):
+            raise _Bad()
+        if arg.options is None:
+            return dict(value)
+        return _check_mapping(value, arg.options, {}, arg.open, field + ".", problems, task)
+    raise AssertionError(kind)
+
+
+def _check_value(field: str, arg: Arg, value, problems: list, task: str):
+    """The checked value of one set parameter; a problem noted (and the default returned) when it does not fit."""
+    why = None
+    for kind in arg.types:
+        try:
+            value = _convert(kind, value, arg, field, problems, task)
+            break
+        except _Bad as exc:
+            why = str(exc) or None
+    else:
+        words = " or ".join(TYPE_WORDS[t] for t in arg.types)
+        problems.append((field, f"parameter {field!r} of task {task} must be {words}"
+                                + (f" ({why})" if why else f", got {_shown(value)}"),
+                         f"pass {field} as {words}"))
+        return _default(arg)
+    bound = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if arg.min is not None and value < arg.min:
+            bound = f"at least {arg.min}"
+        elif arg.above is not None and value <= arg.above:
+            bound = f"above {arg.above}"
+        elif arg.max is not None and value > arg.max:
+            bound = f"at most {arg.max}"
+    if bound:
+        problems.append((field, f"parameter {field!r} of task {task} must be {bound}, got {_shown(value)}",
+                         f"pass a value of {field} that is {bound}"))
+        return _default(arg)
+    if arg.choices is not None and value not in arg.choices:
+        known = ", ".join(map(str, arg.choices))
+        problems.append((field, f"parameter {field!r} of task {task} must be one of {known}, got {_shown(value)}",
+                         f"use one of: {known}"))
+        return _default(arg)
+    return value
+
+
+def _default(arg: Arg):
+    """The default, as a fresh copy per call: a path's ``~`` expanded, a mapping's declared keys filled."""
+    value = arg.default
+    if isinstance(value, str) and value.startswith("~") and arg.is_path:
+        return os.path.expanduser(value)
+    if isinstance(value, dict) and arg.options is not None:
+        return _check_mapping(value, arg.options, {}, True, "", [], "")
+    return type(value)(value) if isinstance(value, (dict, list)) else value
+
+
+def _check_mapping(values: dict, args: dict, prefixes: dict, open_: bool, head: str, problems: list,
+                   task: str) -> dict:
+    out = {}
+    for key, value in values.items():
+        key = str(key)
+        if key.startswith("_") and not head:
+            out[key] = value  # internal: set by the entry script, never by a user
+            continue
+        arg = args.get(key) or next((a for p, a in prefixes.items() if key.startswith(p)), None)
+        if arg is None:
+            if open_:
+                out[key] = value
+                continue
+            known = sorted(args) + [p + "*" for p in sorted(prefixes)]
+            near = difflib.get_close_matches(key, known, n=1)
+            problems.append((head + key, f"unknown parameter {head + key!r} for task {task}; known: "
+                                         f"{', '.join(known)}",
+                             f"remove {head + key}" + (f", or spell it {head + near[0]}" if near else "")
+                             + " (a specops version mismatch between laptop and host also does this)"))
+            continue
+        out[key] = _default(arg) if _unset(value) else _check_value(head + key, arg, value, problems, task)
+    for key, arg in args.items():
+        if key not in out:
+            out[key] = _default(arg)
+        if arg.required and _unset(out[key]) and not any(f == head + key for f, _, _ in problems):
+            problems.append((head + key, f"missing parameter {head + key!r} for task {task}",
+                             f"set {head + key} (in the inventory, or as a flag)"))
+    return out
+
+
+class Spec:
+    """What one task takes: the union of ``groups`` (dicts of name -> :class:`Arg`, later ones win).
+
+    A name ending in ``*`` declares a prefix (``"model_has_*"``: every ``model_has_<x>``).
+
+    :param task: the task's name (:attr:`name`), as messages and the refusal record say it.
+    :param defaults: name -> default, replacing declared defaults (``contract.DEFAULTS``).
+    :param required_if: ``(name, value, required names)``: those are required when ``name`` is ``value``.
+    :param lenient: problems go to the task (with defaults in place) instead of refusing the call.
+    """
+
+    def __init__(self, task: str, *groups: dict, defaults: dict | None = None, required_if=(),
+                 lenient: bool = False):
+        self.name, self.lenient, self.required_if = task, lenient, tuple(required_if)
+        merged = {}
+        for group in groups:
+            merged.update(group)
+        for name, value in (defaults or {}).items():
+            if name not in merged:
+                raise ValueError(f"default for {name!r}, which task {task} does not declare")
+            merged[name] = merged[name].but(default=value)
+        self.args = {k: v for k, v in merged.items() if not k.endswith("*")}
+        self.prefixes = {k[:-1]: v for k, v in merged.items() if k.endswith("*")}
+
+    @property
+    def defaults(self) -> dict:
+        """name -> the value an unset parameter gets."""
+        return {name: arg.default for name, arg in self.args.items()}
+
+    def names(self, **flags) -> list:
+        """Declared names whose :class:`Arg` has every attribute of ``flags`` (``names(hook=True)``)."""
+        return sorted(n for n, a in self.args.items() if all(getattr(a, k) == v for k, v in flags.items()))
+
+    def check(self, params) -> tuple:
+        """``(Params, problems)``: every declared key present, each problem ``(field, message, fix)``."""
+        problems: list = []
+        if not isinstance(params, dict):
+            problems.append(("", f"the parameters of task {self.name} must be a mapping, got {_shown(params)}",
+                             "pass a JSON object"))
+            params = {}
+        out = Params(_check_mapping(params, self.args, self.prefixes, False, "", problems, self.name))
+        out.given = frozenset(k for k in map(str, params) if k in out and not k.startswith("_"))
+        for name, value, needed in self.required_if:
+            missing = [n for n in needed if _unset(out.get(n)) and not any(f == n for f, _, _ in problems)]
+            if out.get(name) == value and missing:
+                problems.append((missing[0], f"task {self.name} with {name} {value!r} needs parameter(s) "
+                                             f"{', '.join(missing)}", "set them in the inventory, or as flags"))
+        return out, problems
+
+    def error(self, problems: list) -> ArgError:
+        field, summary, fix = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        return ArgError(f"{self.name}.params", summary + more, fix,
+                        detail={"problems": [p[1] for p in problems], "fields": [p[0] for p in problems]})
+
+    def validate(self, params) -> Params:
+        """The checked parameters.
+
+        :raises ArgError: naming the field of each problem (the first in the summary).
+        """
+        checked, problems = self.check(params)
+        if problems:
+            raise self.error(problems)
+        return checked
+
+    def task(self, fn):
+        """Make ``fn`` the task's ``main``: ``main(params)`` checks ``params`` first, and a call that
+        does not fit returns the one failed record without running ``fn``. ``fn(params)`` gets
+        the :class:`Params`; a lenient spec's ``fn(params, problems)`` also gets the problems'
+        messages. ``main.spec`` is this spec."""
+        @functools.wraps(fn)
+        def main(params=None):
+            checked, problems = self.check({} if params is None else params)
+            if self.lenient:
+                return fn(checked, [message for _, message, _ in problems])
+            if problems:
+                return self.error(problems).payload()
+            return fn(checked)
+
+        main.spec = self
+        return main
+
+
+def hooks(*specs: Spec) -> dict:
+    """task -> its test hooks (see the module docstring)."""
+    return {spec.name: spec.names(hook=True) for spec in specs}
+
+
+# --------------------------------------------------------------------------- shared declarations
+
+#: a run's parameters: what ``specops/params.py`` ``run_params`` sends to every step of a run
+#: (preflight, smoke, the job's start, the shard probe, patch), and what a run's ``params.json``
+#: holds for the supervisor and its engine. Unset, each means :data:`contract.DEFAULTS` where it is
+#: read (``contract.param``); a task that uses the defaults itself says ``defaults=contract.DEFAULTS``.
+RUN_ARGS = {
+    "model_path": Arg("path", doc="the model's dir on the host"),
+    "dataset": Arg(("path", "list"), elements="path",
+                   doc="JSONL of chat records or token ids, or speculators prepare-data's dir; a list: "
+                       "concatenated in the order given (remote.extract.dataset)"),
+    "output_dir": Arg("path", doc="where the samples go"),
+    "work_dir": Arg("path", doc="specops' own dir on the host: runs/, smoke/, bundles/"),
+    "python": Arg("path", doc="the inventory's python: the run's supervisor runs in it"),
+    "device": Arg("str", choices=("cuda", "cpu")),
+    "tp": Arg("int", min=1),
+    "engine": Arg("str", doc="auto, an engine or an alias of one (remote.wire.contract.resolve_engine judges it)"),
+    "layer_ids": Arg("list", doc="None: the engine's default ids; each id is judged by preflight and the run"),
+    "layer_convention": Arg("str", doc="what layer_ids mean (output/input); None: the engine's own"),
+    "seq_len": Arg("int", min=1),
+    "long_samples": Arg("str", choices=contract.LONG_SAMPLES,
+                        doc="a sample longer than seq_len: truncate (keep its first seq_len tokens, warn), "
+                            "refuse or drop"),
+    "turns": Arg("str", choices=contract.CHAT_TURNS,
+                 doc="chat rows: per-turn (a sample per assistant turn, end-of-turn supervised: speculators "
+                     "0.9), whole (a sample per row: 0.3) or auto (the installed speculators' rule)"),
+    "minimum_valid_tokens": Arg("int", min=0, doc="a sample with fewer supervised tokens is left out"),
+    "max_samples": Arg("int", min=0),
+    "batch_size": Arg("int", min=1),
+    "gpu_memory_utilization": Arg("float", above=0, max=1),
+    "trust_remote_code": Arg("bool"),
+    "env": Arg("env", doc="exported for the run's processes"),
+    "sample_range": Arg("list", doc="[start, stop): the dataset range of a group run's shard"),
+    "replica": Arg("dict", doc="this host's place in a replica over several hosts (remote.extract.replica)"),
+    "format": Arg("str", choices=contract.STATE_FORMATS,
+                  doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only)"),
+    # the engines' own knobs: read from the run's params (remote/extract/engines, remote/extract/supervisor)
+    "writer_threads": Arg("int", min=1, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "
+                                             "capped at the host's usable cores)"),
+    "chunked_prefill": Arg("str", choices=contract.CHUNKED_PREFILL,
+                           doc="vllm-server: prefill a sample longer than the step budget in chunks; auto: on where "
+                               "the installed connector writes once a request is done (chunking.py)"),
+    "dtype": Arg("str", doc="the engine's dtype (vLLM's --dtype; hf-reference: bfloat16)"),
+    "enforce_eager": Arg("bool", doc="vLLM without graph compilation (default on CPU hosts)"),
+    "server_args": Arg("list", elements="str", doc="more vLLM server flags, appended as given"),
+    "kv_connector": Arg("str", doc="the hidden-states connector the server loads (default: by device)"),
+    "language_model_only": Arg("bool"),
+    "max_num_seqs": Arg("int", min=1),
+    "max_num_batched_tokens": Arg("int", min=1),
+    "port": Arg("int", min=1, max=65535, doc="the server's port (default: a free one)"),
+    "die_with_parent": Arg("bool", doc="the server dies with the supervisor (default true)"),
+    "ready_timeout_s": Arg("float", above=0),
+    "request_timeout_s": Arg("float", above=0),
+    "stop_grace_s": Arg("float", min=0),
+    "concurrency": Arg("int", min=1, doc="requests in flight (default: batch_size)"),
+    "digest_workers": Arg("int", min=1),
+    "digest_in": Arg("str", choices=("auto", "processes", "threads"),
+                     doc="where landed files are digested: worker processes, the engine's threads, or auto "
+                         "(processes on hosts of more than 4 cores)"),
+    "worker_error_grace_s": Arg("float", min=0,
+                                doc="how long a rank's recorded error may go unanswered by the driver (20)"),
+    "write_queue_batches": Arg("int", min=0, doc="batches that may wait for the sample writer (1; 0: no writer thread)"),
+    "canary_samples": Arg("int", min=0, doc="the run's first N samples also ask the engine for their prompt logprobs "
+                          "(vllm-server; contract.CANARY_SAMPLES) and are checked as they land (remote/verify/canary.py); 0: none"),
+    "prompt_logprobs_top": Arg("int", min=1, max=20, doc="top tokens kept per position (contract.PROMPT_LOGPROBS_TOP)"),
+    "canary": Arg("bool", doc="stop the run when a canary sample fails its logits check (default true)"),
+    # test hooks (the module docstring says what each does)
+    "inject_failure": Arg("dict", hook=True, doc="{rank, at: load|extract, message}"),
+    "batch_delay_s": Arg("float", min=0, hook=True, doc="a pause after each batch"),
+    "plain": Arg("bool", hook=True, doc="the server without extraction (the benchmarks' baseline)"),
+    "server_args_unchecked": Arg("list", elements="str", hook=True,
+                                 doc="server flags appended unchecked (a planted fault)"),
+    "swap_sample_states": Arg("list", elements="int", hook=True,
+                              doc="[i, j]: samples i and j land with each other's states (a planted fault)"),
+}
+
+#: which installed packages a check looks at, and what it checks them for: the drift check, the
+#: patcher and preflight (which runs both) read these.
+STACK_ARGS = {
+    "site_packages": Arg(("path", "list"), elements="path",
+                         doc="dir(s) searched first for speculators/vLLM (default: this python's)"),
+    "patches_root": Arg("path", doc="the patch sets (default: <bundle>/patches)"),
+    "architecture": Arg("str", doc="check this architecture (default: from model_path's config)"),
+    "model_family": Arg("str", doc="check this family's architecture (llama, deepseek_v3, ...)"),
+    "model_has_*": Arg("bool", doc="model_has_<feature>: the model uses it (default: from its config)"),
+}
+
+#: ``specops patch`` sends these to the patcher and then, as they are, to the drift check.
+PATCH_ARGS = {
+    "action": Arg("str", "status", choices=("check", "apply", "revert", "status")),
+    "inject_failure_after": Arg("int", min=0, hook=True, doc="fail after writing this many files"),
+    "hold_lock_s": Arg("float", min=0, hook=True, doc="keep the lock this long after the action"),
+}
