@@ -134,7 +134,7 @@ def progress_line(host: str, st: dict) -> Text:
         parts.append(f"ETA {st['eta_s']:.0f}s")
     memory = st.get("memory") or {}
     if memory.get("peak_bytes"):  # the trainer's measured peak so far, against the preflight's estimate
-        parts.append(f"peak {wire.units.human_bytes(memory['peak_bytes'])}" +
+        parts.append(f"peak {wire.words.human_bytes(memory['peak_bytes'])}" +
                      (f" ({memory['peak_over_estimate']:.2f}x est.)" if memory.get("peak_over_estimate") else ""))
     return Text(host, style="bold") + Text("  " + "  ".join(p for p in parts if p))
 
@@ -148,7 +148,7 @@ def run_record(run_id: str, state: RunState) -> Record:
     st = state.model_dump()
     # what the trainer really held, beside the preflight's estimate (the host's remote.train.memuse)
     memory = st.get("memory")
-    used = f"; {wire.units.usage_line(memory)}" if memory else ""
+    used = f"; {wire.words.usage_line(memory)}" if memory else ""
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from remote.probes import Context, gpu, host
+from remote.probes import Context, gpu
+from remote.system import devices
 
 FIX = Path(__file__).parent / "fixtures" / "gpu"
 MODELS = ("llama", "deepseek_v3", "deepseek_dense")
@@ -43,10 +44,10 @@ def records(rel: str) -> dict:
 
 
 def test_nvidia_smi_query_and_banner_of_the_h200():
-    gpus = host.parse_gpus(read("env/gpus.csv"))
+    gpus = devices.parse_gpus(read("env/gpus.csv"))
     assert [(g["index"], g["name"], g["driver"], g["memory_total_mib"]) for g in gpus] == [
         (0, "NVIDIA H200", "580.159.04", 143771)]
-    assert host.parse_apps(read("env/apps.csv")) == []
+    assert devices.parse_apps(read("env/apps.csv")) == []
     banner = gpu.parse_smi_banner(read("env/nvidia-smi.txt"))
     assert banner == {"smi_version": "580.159.04", "driver_version": "580.159.04", "cuda_version": "13.0"}
 
@@ -114,7 +115,7 @@ def test_memory_plan_per_rank_matches_what_vllm_then_used(model):
     """The preflight's plan from config + nvidia-smi, against the server's own log and nvidia-smi's peak."""
     memory = json.loads(read(f"engine/{model}/memory.json"))
     config = json.loads(read(f"engine/{model}/config.json"))
-    smi = host.parse_gpus(read(f"engine/{model}/gpus_before.csv"))[0]
+    smi = devices.parse_gpus(read(f"engine/{model}/gpus_before.csv"))[0]
     plan = gpu.plan_from_config(config, gpu=smi, util=0.5, weight_bytes=memory["plan"]["weight_bytes"], tp=1,
                                 n_layer_ids=4, seq_len=256)
     assert plan == memory["plan"]
@@ -142,7 +143,7 @@ def test_gpu_probe_records_from_the_h200_facts(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(read("engine/deepseek_v3/config.json"))
     ctx = Context({"device": "cuda", "tp": 1, "model_path": str(tmp_path), "seq_len": 256,
                    "gpu_memory_utilization": 0.5, "hidden_dtype_bytes": 2})
-    ctx.host["visible_gpus"] = host.parse_gpus(read("engine/deepseek_v3/gpus_before.csv"))
+    ctx.host["visible_gpus"] = devices.parse_gpus(read("engine/deepseek_v3/gpus_before.csv"))
     ctx.checkpoint["data_bytes"] = json.loads(read("engine/deepseek_v3/memory.json"))["plan"]["weight_bytes"]
     ctx.layers["ids"] = [2, 4, 5, 8]
     monkeypatch.setattr(gpu, "_smi_banner", lambda: (gpu.parse_smi_banner(read("env/nvidia-smi.txt")), None))
@@ -227,7 +228,7 @@ def _layer_records(rel: str) -> dict:
 
 
 def test_round3_h200_facts():
-    gpus = host.parse_gpus(read("env/round3/gpus.csv"))
+    gpus = devices.parse_gpus(read("env/round3/gpus.csv"))
     assert [(g["name"], g["driver"], g["memory_total_mib"]) for g in gpus] == [("NVIDIA H200", "580.159.04", 143771)]
     assert gpu.parse_smi_banner(read("env/round3/nvidia-smi.txt"))["cuda_version"] == "13.0"
 
@@ -820,7 +821,7 @@ def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_veri
     device gave no H200 that hour): the unchanged CLI over SSH ran preflight, extract with the canary, status,
     fetch and verify on the tiny Llama. Extraction was served by the V1 model runner: 0.26's server says V2
     does not yet support extract_hidden_states and falls back; the aux ids it took are the run's."""
-    from remote.extract.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import logs as server_log
 
     pre = records("round12/cli/preflight_gpu-llama.json")
     for name in ("drift.server-method", "drift.server-connector", "drift.server-args", "drift.server-eagle3",
@@ -830,9 +831,9 @@ def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_veri
     manifest = json.loads(read("round12/cli/fetched_gpu-llama-3/manifest.json"))
     assert manifest["versions"]["vllm"] == "0.26.0" and manifest["versions"]["torch"] == "2.11.0"
     log = read("round12/cli/fetched_gpu-llama-3/logs/server.log")
-    runner = aux_ids.model_runner(log)
+    runner = server_log.model_runner(log)
     assert runner["runner"] == "V1" and "extract_hidden_states" in runner["why"], runner
-    assert aux_ids.aux_ids_used(log)["ids"] == manifest["layer_ids"] == [2, 4, 5, 8]
+    assert server_log.aux_ids_used(log)["ids"] == manifest["layer_ids"] == [2, 4, 5, 8]
     assert manifest["engine"]["aux_ids_used"]["ids"] == [2, 4, 5, 8]
     assert manifest["canary"]["status"] == "ok" and manifest["canary"]["checked"] == 2, manifest["canary"]
     status = records("round12/cli/status_llama.json")
@@ -844,9 +845,9 @@ def test_round12_vllm_026_on_the_h100_preflight_extract_with_the_canary_and_veri
 def test_the_model_runner_line_of_each_vllm():
     """The V2 runner's own line (vLLM 0.26-0.33 and the CPU build log it when it serves), the fall-back to V1
     (round 12's log), and a log that names neither."""
-    from remote.extract.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import logs as server_log
 
-    assert aux_ids.model_runner("(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner\n") == {
+    assert server_log.model_runner("(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner\n") == {
         "runner": "V2", "why": "the server chose the V2 runner",
         "line": "(EngineCore pid=9) INFO 12-05 [gpu_worker.py:378] Using V2 Model Runner"}
-    assert aux_ids.model_runner("INFO loading\nINFO ready\n") is None
+    assert server_log.model_runner("INFO loading\nINFO ready\n") is None

@@ -512,16 +512,16 @@ def test_a_crashing_drift_check_is_one_fail_record(hostenv_python, llama_copy, t
 
 # -- nvidia-smi, parsed from output recorded on a real H200 -----------------------------------
 
-def _host_module():
+def _devices():
     sys.path.insert(0, str(REPO))
-    from remote.probes import host
-    return host
+    from remote.system import devices
+    return devices
 
 
 def test_nvidia_smi_gpu_fixtures_parse():
-    host = _host_module()
-    idle = host.parse_gpus((FIXTURES / "gpus_idle.csv").read_text())
-    busy = host.parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
+    devices = _devices()
+    idle = devices.parse_gpus((FIXTURES / "gpus_idle.csv").read_text())
+    busy = devices.parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
     assert len(idle) == 1 and idle[0]["name"] == "NVIDIA H200" and idle[0]["index"] == 0
     assert idle[0]["uuid"].startswith("GPU-") and idle[0]["driver"] == "580.159.04"
     assert idle[0]["memory_total_mib"] == 143771 and idle[0]["memory_used_mib"] == 0
@@ -529,30 +529,31 @@ def test_nvidia_smi_gpu_fixtures_parse():
 
 
 def test_nvidia_smi_apps_fixtures_parse_and_flag_busy_gpus():
-    host = _host_module()
-    gpus = host.parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
-    assert host.parse_apps((FIXTURES / "apps_idle.csv").read_text()) == []
-    apps = host.parse_apps((FIXTURES / "apps_busy.csv").read_text())
+    devices = _devices()
+    gpus = devices.parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
+    assert devices.parse_apps((FIXTURES / "apps_idle.csv").read_text()) == []
+    apps = devices.parse_apps((FIXTURES / "apps_busy.csv").read_text())
     assert len(apps) == 1 and apps[0]["gpu_uuid"] == gpus[0]["uuid"] and apps[0]["used_memory_mib"] > 4000
+    from remote.probes import host
     busy = host.summarize_gpu_use(gpus, apps)
     assert busy[0]["index"] == 0 and busy[0]["processes"][0]["pid"] == apps[0]["pid"]
-    idle_gpus = host.parse_gpus((FIXTURES / "gpus_idle.csv").read_text())
+    idle_gpus = devices.parse_gpus((FIXTURES / "gpus_idle.csv").read_text())
     assert host.summarize_gpu_use(idle_gpus, []) == []
     # memory held by a process this PID namespace cannot see is still flagged
     assert host.summarize_gpu_use(gpus, [])[0]["processes"] == []
 
 
 def test_nvidia_smi_odd_cells_and_visible_devices():
-    host = _host_module()
+    devices = _devices()
     text = ("0, GPU-aaaa, 550.54.15, 81559, [N/A], 81000, [Not Supported], NVIDIA A100-SXM4-80GB\n"
             "1, GPU-bbbb, 550.54.15, 81559, 10, 81000, 0, NVIDIA A100-SXM4-80GB\n")
-    gpus = host.parse_gpus(text)
+    gpus = devices.parse_gpus(text)
     assert gpus[0]["memory_used_mib"] is None and gpus[0]["utilization_pct"] is None
-    assert [g["index"] for g in host.visible_gpus(gpus, "1")] == [1]
-    assert [g["index"] for g in host.visible_gpus(gpus, "GPU-bbbb,0")] == [1, 0]
-    assert host.visible_gpus(gpus, "") == []
+    assert [g["index"] for g in devices.visible_gpus(gpus, "1")] == [1]
+    assert [g["index"] for g in devices.visible_gpus(gpus, "GPU-bbbb,0")] == [1, 0]
+    assert devices.visible_gpus(gpus, "") == []
     with pytest.raises(ValueError):
-        host.parse_gpus("0, GPU-aaaa\n")
+        devices.parse_gpus("0, GPU-aaaa\n")
 
 
 def test_host_probe_ran_on_the_real_gpu_host():
@@ -561,7 +562,7 @@ def test_host_probe_ran_on_the_real_gpu_host():
     by_name = {r["name"]: r for r in recorded["records"]}
     assert by_name["host.gpus"]["status"] == "ok" and "NVIDIA H200" in by_name["host.gpus"]["summary"]
     assert by_name["host.gpu_processes"]["status"] == "warn"
-    assert recorded["host"]["gpus"] == _host_module().parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
+    assert recorded["host"]["gpus"] == _devices().parse_gpus((FIXTURES / "gpus_busy.csv").read_text())
 
 
 def test_cuda_host_end_to_end_on_recorded_nvidia_smi(hostenv_python, llama_copy, tmp_path):

@@ -249,7 +249,7 @@ def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, co
     vLLM formats it, is read back to the ids (what eval and extraction compare)."""
     import ast
 
-    from remote.extract.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import logs as server_log
 
     index = PackageIndex(source_of(dist, version))
     formats = []
@@ -260,5 +260,5 @@ def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, co
                 formats.append(node.args[0].value)
     assert len(formats) == count, formats
     for fmt in formats:
-        used = aux_ids.aux_ids_used(f"(EngineCore pid=7) INFO [x.py:1] {fmt % ((2, 4, 5, 8),)}\n")
+        used = server_log.aux_ids_used(f"(EngineCore pid=7) INFO [x.py:1] {fmt % ((2, 4, 5, 8),)}\n")
         assert used["ids"] == [2, 4, 5, 8] and used["source"] == ("model" if fmt.endswith("model: %s") else "config")

@@ -177,9 +177,9 @@ def test_the_aux_ids_vllm_took_are_read_from_its_log(tmp_path):
     """The line a real server printed (the H200, vLLM 0.25: the V1 runner's form), and 0.34's two forms
     (eagle3_utils.py: from the draft's config, or the model's defaults): ok when they are the states' ids,
     a fail naming both lists when not, a warn when the log names none."""
-    from remote.extract.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import logs as server_log
 
-    used = aux_ids.aux_ids_used(GPU_SERVER_LOG.read_text())
+    used = server_log.aux_ids_used(GPU_SERVER_LOG.read_text())
     assert used["ids"] == [2, 4, 5, 8] and used["source"] == "config" and "gpu_model_runner.py" in used["line"]
     log = tmp_path / "server.log"
     log.write_text("(EngineCore pid=1) INFO [eagle3_utils.py:29] Using Eagle3 auxiliary layers from model: (2, 16, 29)\n")

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from remote.train import memuse, task as train, memory as trainmem
-from remote.system import procscan
-from remote.wire import units
-from remote.probes import host
+from remote.system import devices, procscan
+from remote.wire import words
 from specops.testhost.reference_models import DEEPSEEK_V3_LIKE, KIMI_K25_LIKE, LLAMA_LIKE
 
 FIX = Path(__file__).parent / "fixtures"
@@ -32,7 +31,7 @@ GiB = 1024 ** 3
 
 
 def _h200(name="gpu/env/gpus.csv") -> list:
-    return host.parse_gpus((FIX / name).read_text())
+    return devices.parse_gpus((FIX / name).read_text())
 
 
 def test_the_parameter_count_is_the_trained_drafts_own():
@@ -104,7 +103,7 @@ def test_cuda_visible_devices_picks_the_gpu_and_none_visible_is_unknown_not_ok()
 def test_on_a_cpu_host_the_ram_available_is_what_it_is_compared_with():
     free = trainmem.free_memory("cpu")
     with open("/proc/meminfo") as fh:
-        total = host.parse_meminfo(fh.read())["MemTotal"]
+        total = devices.parse_meminfo(fh.read())["MemTotal"]
     assert free["where"] == "RAM (MemAvailable)" and 0 < free["free_bytes"] <= free["total_bytes"] == total
     config = json.loads((DRAFT / "config.json").read_text())
     est = trainmem.estimate(config, total_seq_len=128, device="cpu")
@@ -271,15 +270,15 @@ def test_sampling_that_breaks_ends_with_why_and_never_raises(tmp_path):
     final = sampler.start().stop()
     assert final["samples"] == 0 and final["peak_bytes"] == 0 and "nvidia-smi" in final["why"], final
     assert final["where"] == "GPU 0 (NVIDIA H200)" and final["source"] == "nvidia-smi --query-compute-apps"
-    assert units.usage_line(final).startswith("memory not measured (GPU 0 (NVIDIA H200)): RuntimeError: nvidia-smi")
+    assert words.usage_line(final).startswith("memory not measured (GPU 0 (NVIDIA H200)): RuntimeError: nvidia-smi")
 
 
 def test_the_gpu_memory_of_the_trainers_pids_from_what_nvidia_smi_printed_on_the_h200():
     """``--query-compute-apps`` as the lent H200 printed it: idle (nothing) and with a torch process holding
     4 GiB (pid 429: 4614 MiB, its CUDA context included); only the tree's pids count."""
-    assert host.parse_apps((FIX / "gpu/env/apps.csv").read_text()) == []
+    assert devices.parse_apps((FIX / "gpu/env/apps.csv").read_text()) == []
     assert memuse.gpu_use([], [429]) == {}
-    apps = host.parse_apps((FIX / "nvidia-smi/apps_busy.csv").read_text())
+    apps = devices.parse_apps((FIX / "nvidia-smi/apps_busy.csv").read_text())
     assert apps == [{"gpu_uuid": "GPU-7aed90a3-46c5-b801-8988-afc1a8581ad2", "pid": 429, "used_memory_mib": 4614,
                      "process_name": "python3"}]
     gpus = _h200("nvidia-smi/gpus_busy.csv")
@@ -295,16 +294,16 @@ def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_p
     from specops.train import progress_line, run_record
 
     gpu = {"where": "GPU 0 (NVIDIA H200)", "source": memuse.GPU_SOURCE, "peak_bytes": int(4.8 * GiB),
-           "estimate_bytes": int(5.5 * GiB), "peak_over_estimate": units.ratio(int(4.8 * GiB), int(5.5 * GiB)),
+           "estimate_bytes": int(5.5 * GiB), "peak_over_estimate": words.ratio(int(4.8 * GiB), int(5.5 * GiB)),
            "samples": 300}
     assert gpu["peak_over_estimate"] == 0.873
     line = "peak 4.8 GiB on GPU 0 (NVIDIA H200), 0.87x the 5.5 GiB estimated"
-    assert units.usage_line(gpu) == line
+    assert words.usage_line(gpu) == line
     ram = {"where": "RAM", "peak_bytes": 706105344, "estimate_bytes": None, "peak_over_estimate": None}
-    assert units.usage_line(ram) == "peak 673.4 MiB in RAM (no estimate to compare with)"
-    assert units.usage_line({**gpu, "why": "RuntimeError: nvidia-smi: x"}).endswith(
+    assert words.usage_line(ram) == "peak 673.4 MiB in RAM (no estimate to compare with)"
+    assert words.usage_line({**gpu, "why": "RuntimeError: nvidia-smi: x"}).endswith(
         "estimated (sampling stopped early: RuntimeError: nvidia-smi: x)")
-    assert units.usage_line(None) is None
+    assert words.usage_line(None) is None
     status = {"run_id": "d1", "kind": "train", "state": "done", "step": 90, "epoch": 19, "loss": 0.009,
               "accuracy": [0.46], "checkpoint": {"path": "/w/ckpt/19"}, "memory": gpu}
     rec = run_record("d1", RunState(**status))

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from remote.wire.contract import param
-from remote.probes import describe
+from remote.system.jsonfile import describe
 
 #: JSON's own whitespace (RFC 8259): a line of only these is blank; \x1c or \u2028 are not.
 JSON_WHITESPACE = b" \t\r\n"

@@ -88,7 +88,7 @@ def _devices(params: dict) -> dict:
         return {"kind": "cpu", "count": usable}
     import shutil
 
-    from remote.probes.host import query_nvidia_smi, visible_gpus
+    from remote.system.devices import query_nvidia_smi, visible_gpus
 
     smi = shutil.which("nvidia-smi")
     if smi is None:

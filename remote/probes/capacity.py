@@ -16,7 +16,7 @@ from __future__ import annotations
 from remote.wire.contract import FP8, FP8_SCALES_KEY, HS, PT, VLLM_SERVER, sample_name, state_format
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
-from remote.wire.units import human_bytes
+from remote.wire.words import human_bytes
 
 TOKEN_ID_BYTES = 8  # one int64 per token per id array
 PER_SAMPLE_OVERHEAD = 4096  # torch.save's zip container and pickle, or a safetensors header, per file

@@ -35,7 +35,7 @@ import shutil
 from remote.system import modelconfig
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
-from remote.wire.units import GiB, MiB, human_bytes
+from remote.wire.words import GiB, MiB, human_bytes
 
 #: vLLM's memory outside weights and KV cache on one rank: CUDA context, cuBLAS/NCCL
 #: workspaces, the profile run's activation peak and the CUDA graph pool. A floor; the
@@ -250,7 +250,7 @@ def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_b
 def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, n_layer_ids: int,
                      seq_len: int, dtype_bytes: int = 2, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> dict:
     """:func:`plan_rank_memory` for a model config (``text_config`` unwrapped) and one GPU
-    as :func:`remote.probes.host.parse_gpus` gives it."""
+    as :func:`remote.system.devices.parse_gpus` gives it."""
     text = modelconfig.text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     return plan_rank_memory(
@@ -293,12 +293,12 @@ def compare(plan: dict, engine_memory: dict, smi_used_mib=None, rank: int = 0) -
 
 def _smi_banner():
     """The plain nvidia-smi banner facts, or (None, why)."""
-    from remote.probes import host
+    from remote.system import devices
 
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None, "nvidia-smi is not on PATH"
-    text, error = host._run_smi([smi])
+    text, error = devices._run_smi([smi])
     if error:
         return None, error
     banner = parse_smi_banner(text)

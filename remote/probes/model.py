@@ -33,8 +33,9 @@ from remote.wire import contract
 from remote.system import modelconfig
 from remote.drift import pyindex, source, targets
 from remote.wire.protocol import FAIL, OK, WARN, record
-from remote.probes import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Context,
-                           Malformed, describe, expect, field)
+from remote.probes import Context
+from remote.system.jsonfile import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Malformed,
+                                    describe, expect, field)
 
 CONFIG = modelconfig.CONFIG_FILE
 DEEPSEEK_V2 = "deepseek_v2"
@@ -86,7 +87,7 @@ def read_config(model_path: str):
 
 def summarize(cfg: dict) -> tuple:
     """``(summary, problems)``: the facts an extraction run depends on, from the (possibly
-    wrapped) config, and a :class:`~remote.probes.Malformed` for every value of the wrong shape.
+    wrapped) config, and a :class:`~remote.system.jsonfile.Malformed` for every value of the wrong shape.
 
     A malformed value is left out of the summary (None), so later probes skip what
     depends on it instead of computing with it.

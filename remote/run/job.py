@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from remote.run import faults
-from remote.wire import units
+from remote.wire import words
 from remote.wire import protocol
 from remote.extract import runplan, samples
 from remote.system import signals
@@ -300,8 +300,8 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
     """One record that says how the run stands (fail when it failed), and the status itself."""
     state = st.get("state")
     progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
-    # a train run's measured memory, the peak so far (remote.wire.units)
-    used = f"; {units.usage_line(st['memory'])}" if st.get("memory") else ""
+    # a train run's measured memory, the peak so far (remote.wire.words)
+    used = f"; {words.usage_line(st['memory'])}" if st.get("memory") else ""
     if state == RunState.FAILED:
         err = st.get("error") or {}
         return _payload(name, protocol.FAIL, f"run {run_id} failed: {err.get('type')}: {err.get('message')}{used}",

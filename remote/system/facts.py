@@ -17,7 +17,7 @@ import sys
 from remote.wire import protocol
 from remote.system import versions
 from remote.wire.argspec import Arg, Spec
-from remote.probes.host import read_meminfo
+from remote.system.devices import read_meminfo
 
 SPEC = Spec("facts", {
     # the host's inventory entry as the laptop has it; only these keys are read here, the rest is echoed

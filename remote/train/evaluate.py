@@ -178,7 +178,7 @@ def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: st
 
 def _tensor_shapes(path: Path) -> dict:
     """``{name: shape}`` of every tensor in the dir's ``*.safetensors``, from their headers: nothing is loaded."""
-    from remote.probes.checkpoint import ShardError, read_header
+    from remote.system.weights import ShardError, read_header
 
     shapes = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -437,9 +437,9 @@ def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:
 def aux_ids_used_record(log_path, plan: trainplan.TrainPlan, params: dict) -> dict:
     """``eval.aux_ids_used``: the aux ids vLLM logged taking for the draft against the states' ids (a
     draft config vLLM does not read falls back to the target's defaults with no error)."""
-    from remote.extract.engines.vllm_server import aux_ids
+    from remote.extract.engines.vllm_server import logs as server_log
 
-    return aux_ids.used_ids_record(
+    return server_log.used_ids_record(
         "eval.aux_ids_used", log_path, plan.trainer_layer_ids, f"run {plan.from_run}'s states' aux ids",
         fix=f"make the draft's config say eagle_aux_hidden_state_layer_ids {plan.trainer_layer_ids} in the form this "
             f"vLLM reads (its log line: 'Using ... auxiliary layers from ...'), or evaluate it on states of those ids",

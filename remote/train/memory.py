@@ -2,7 +2,7 @@
 
 Before a train run starts, ``train.memory`` estimates what speculators' trainer will hold
 on its one device and compares it with the free memory there: the first visible GPU's
-``memory.free`` from nvidia-smi (:func:`remote.probes.host.query_nvidia_smi`) on a CUDA
+``memory.free`` from nvidia-smi (:func:`remote.system.devices.query_nvidia_smi`) on a CUDA
 host, ``MemAvailable`` on a CPU host. A run that cannot fit dies with an OOM minutes in,
 after loading its data; this says so, with the numbers, before anything loads.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 
 from remote.system import modelconfig
-from remote.wire.units import GiB, MiB, human_bytes
+from remote.wire.words import GiB, MiB, human_bytes
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 
 #: fp32 master weights, fp32 grads, AdamW's exp_avg + exp_avg_sq in fp32.
@@ -147,16 +147,16 @@ def free_memory(device: str, env: dict | None = None, *, gpus: list | None = Non
                 ) -> dict:
     """Where the trainer runs and what it has free: ``{"where", "free_bytes", "total_bytes"}`` (``why`` when unknown).
 
-    ``gpus`` (:func:`remote.probes.host.parse_gpus` rows) and ``meminfo``
-    (:func:`remote.probes.host.parse_meminfo`) are read from the host when not given. The
+    ``gpus`` (:func:`remote.system.devices.parse_gpus` rows) and ``meminfo``
+    (:func:`remote.system.devices.parse_meminfo`) are read from the host when not given. The
     trainer takes the first GPU ``CUDA_VISIBLE_DEVICES`` (the job's ``env`` first) leaves it.
     """
-    from remote.probes import host
+    from remote.system import devices
 
     if device != "cuda":
         if meminfo is None:
             try:
-                meminfo = host.read_meminfo()
+                meminfo = devices.read_meminfo()
             except OSError as exc:
                 return {"where": "RAM", "why": f"cannot read /proc/meminfo: {exc}"}
         free = meminfo.get("MemAvailable", meminfo.get("MemFree"))
@@ -167,12 +167,12 @@ def free_memory(device: str, env: dict | None = None, *, gpus: list | None = Non
         smi = shutil.which("nvidia-smi")
         if smi is None:
             return {"where": "GPU", "why": "nvidia-smi is not on PATH"}
-        found = host.query_nvidia_smi(smi)
+        found = devices.query_nvidia_smi(smi)
         if found["error"]:
             return {"where": "GPU", "why": f"nvidia-smi: {found['error']}"}
         gpus = found["gpus"]
     cvd = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-    visible = host.visible_gpus(gpus, cvd)
+    visible = devices.visible_gpus(gpus, cvd)
     if not visible:
         return {"where": "GPU", "why": f"no visible GPU (CUDA_VISIBLE_DEVICES={cvd!r})"}
     gpu = visible[0]

@@ -6,7 +6,7 @@ trainer's pid; about once a second, on a daemon thread, it reads the trainer's p
 :func:`remote.system.procscan.process_tree`) and adds up what those processes hold:
 
 * on a CUDA run, their GPU memory as ``nvidia-smi --query-compute-apps`` lists it
-  (:func:`remote.probes.host.compute_apps`), per GPU; with several GPUs the busiest one is
+  (:func:`remote.system.devices.compute_apps`), per GPU; with several GPUs the busiest one is
   what compares with the estimate (each rank holds its own copy of the draft);
 * on CPU, the sum of their ``VmRSS``; and each process's own ``VmHWM`` (the kernel's resident
   peak), so a peak between two samples is not missed.
@@ -15,13 +15,13 @@ The result is the status's ``memory`` (:meth:`MemorySampler.as_dict`), beside th
 ``train.memory`` preflight's ``need_bytes`` (:func:`remote.train.memory.plan_estimate`): an estimate
 3x off rents the wrong GPU. Sampling never fails the run: an error ends it, recorded as ``why``.
 
-Its wording (:func:`remote.wire.units.usage_line`) is the wire's: the laptop prints it too.
+Its wording (:func:`remote.wire.words.usage_line`) is the wire's: the laptop prints it too.
 """
 from __future__ import annotations
 
 import threading
 
-from remote.wire.units import MiB, ratio
+from remote.wire.words import MiB, ratio
 
 #: seconds between two samples.
 SAMPLE_EVERY_S = 1.0
@@ -34,8 +34,8 @@ RAM_SOURCE = "/proc VmRSS/VmHWM"
 
 
 def gpu_use(apps: list, pids, gpus=()) -> dict:
-    """``{GPU index: bytes}`` the processes ``pids`` hold, from :func:`remote.probes.host.parse_apps` rows;
-    a GPU missing from ``gpus`` (:func:`remote.probes.host.parse_gpus` rows) is keyed by its UUID."""
+    """``{GPU index: bytes}`` the processes ``pids`` hold, from :func:`remote.system.devices.parse_apps` rows;
+    a GPU missing from ``gpus`` (:func:`remote.system.devices.parse_gpus` rows) is keyed by its UUID."""
     index_of = {g["uuid"]: g["index"] for g in gpus}
     pids, used = set(pids), {}
     for app in apps:
@@ -49,7 +49,7 @@ class MemorySampler:
     """Samples the memory of ``pid``'s process tree until :meth:`stop`; the peak so far is :meth:`as_dict`.
 
     :param smi: the nvidia-smi to ask (a CUDA run), else None: the resident memory is read.
-    :param gpus: :func:`remote.probes.host.parse_gpus` rows, to name the GPUs by index and model.
+    :param gpus: :func:`remote.system.devices.parse_gpus` rows, to name the GPUs by index and model.
     :param on_update: gets :meth:`as_dict` when the peak grows (and now and then); its errors end the sampling.
     """
 
@@ -105,9 +105,9 @@ class MemorySampler:
         tree = procscan.process_tree(self.pid)
         self.pids_seen.update(tree)
         if self.smi:
-            from remote.probes import host
+            from remote.system import devices
 
-            apps, err = host.compute_apps(self.smi)
+            apps, err = devices.compute_apps(self.smi)
             if err:
                 raise RuntimeError(f"nvidia-smi: {err}")
             by_gpu = gpu_use(apps, tree, self.gpus.values())

@@ -92,16 +92,16 @@ def trainer_processes(params: dict, launcher: str) -> int:
         return 1
     import shutil
 
-    from remote.probes import host
+    from remote.system import devices
 
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return 1
-    found = host.query_nvidia_smi(smi)
+    found = devices.query_nvidia_smi(smi)
     if found["error"]:
         return 1
     cvd = (params.get("env") or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-    visible = len(host.visible_gpus(found["gpus"], cvd))
+    visible = len(devices.visible_gpus(found["gpus"], cvd))
     asked = params.get("gpus")
     return max(1, min(visible, int(asked)) if asked else visible)
 
@@ -238,7 +238,7 @@ class TrainSupervisor:
         preflight's estimate; status.json's ``memory`` shows the peak so far."""
         import shutil
 
-        from remote.probes import host
+        from remote.system import devices
 
         try:  # the preflight's own estimate; a draft it cannot size is measured without one
             estimate = trainmem.plan_estimate(plan, modelconfig.read(plan.model_path))[0]["need_bytes"]
@@ -247,7 +247,7 @@ class TrainSupervisor:
         smi = shutil.which("nvidia-smi") if plan.device == "cuda" else None
         gpus, where = [], None
         if smi:
-            found = host.query_nvidia_smi(smi)
+            found = devices.query_nvidia_smi(smi)
             gpus = found["gpus"]
             where = trainmem.free_memory("cuda", self.params.get("env"), gpus=gpus).get("where")
         sampler = memuse.MemorySampler(pid, estimate_bytes=estimate, smi=smi, gpus=gpus, where=where,

@@ -22,7 +22,7 @@ import re
 from contextlib import ExitStack, contextmanager
 
 from remote.system import modelconfig
-from remote.probes.checkpoint import ShardError, find_weights, read_header
+from remote.system.weights import ShardError, find_weights, read_header
 from remote.verify.dequant import LayerView, config_block, method_of
 from remote.verify.run import VerifyError
 from remote.verify.scaling import Llama4Scaling, hf_implements_llama4, scaling_config

@@ -174,12 +174,12 @@ def step(name, deadline_s=None, skip_done=False):
 def do_env():
     d = ROOT / "env"
     d.mkdir(parents=True, exist_ok=True)
-    from remote.probes import host as hostprobe
+    from remote.system import devices
     facts = {}
     for name, cmd in {
         "nvidia-smi.txt": ["nvidia-smi"],
-        "gpus.csv": hostprobe.GPU_QUERY,
-        "apps.csv": hostprobe.APPS_QUERY,
+        "gpus.csv": devices.GPU_QUERY,
+        "apps.csv": devices.APPS_QUERY,
         "nvidia-smi-q-memory.txt": ["nvidia-smi", "-q", "-d", "MEMORY,COMPUTE"],
         "nvidia-smi-topo.txt": ["nvidia-smi", "topo", "-m"],
     }.items():
@@ -287,10 +287,10 @@ def token_samples(model: str, dataset: str, n: int, seq_len: int, path: Path) ->
 
 def gpus_now(out: Path) -> list:
     """nvidia-smi's per-GPU facts now (kept in ``out``), as the preflight parses them."""
-    from remote.probes import host as hostprobe
+    from remote.system import devices
     if not shutil.which("nvidia-smi"):
         return [{"index": 0, "memory_total_mib": 0, "memory_free_mib": 0}]
-    return hostprobe.parse_gpus(sh(hostprobe.GPU_QUERY, out)["text"].split("\n--- stderr")[0])
+    return devices.parse_gpus(sh(devices.GPU_QUERY, out)["text"].split("\n--- stderr")[0])
 
 
 def memory_report(model: Path, log_text: str, gpus_before: list, smi_peak: dict, util: float, seq_len: int,
@@ -326,12 +326,13 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
     """``python -m remote.extract.engines.vllm_server`` on the GPU; memory plan vs log; HF comparison."""
     from remote.wire import layers
     from remote.system import modelconfig
-    from remote.probes import gpu, host as hostprobe
+    from remote.probes import gpu
+    from remote.system import devices
     d = ROOT / "engine" / name
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     samples = token_samples(str(model), str(MODELS / "chat.jsonl"), n, seq_len, d / "samples.jsonl")
-    gpus_before = hostprobe.parse_gpus(sh(hostprobe.GPU_QUERY, d / "gpus_before.csv")["text"].split("\n--- stderr")[0]) \
+    gpus_before = devices.parse_gpus(sh(devices.GPU_QUERY, d / "gpus_before.csv")["text"].split("\n--- stderr")[0]) \
         if shutil.which("nvidia-smi") else [{"index": 0, "memory_total_mib": 0, "memory_free_mib": 0}]
     params = {"device": DEVICE, "gpu_memory_utilization": util, "seq_len": seq_len, "work_dir": str(d / "server"),
               **(extra or {})}

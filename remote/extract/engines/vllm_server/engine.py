@@ -101,11 +101,11 @@ class VllmServerEngine(Engine):
     def _aux_ids_used(self) -> dict | None:
         """The aux ids vLLM logged taking (:mod:`.aux_ids`); a ServerFailed naming both lists when they are
         not the ids this run sent (its states would hold other layers under these ids' names)."""
-        from remote.extract.engines.vllm_server import aux_ids
+        from remote.extract.engines.vllm_server import logs as server_log
 
-        log_text = aux_ids.read_log(self.server.log_path)
-        self.model_runner = aux_ids.model_runner(log_text)
-        used = aux_ids.aux_ids_used(log_text)
+        log_text = server_log.read_log(self.server.log_path)
+        self.model_runner = server_log.model_runner(log_text)
+        used = server_log.aux_ids_used(log_text)
         if used is not None and used["ids"] != list(self.file_layer_ids):
             raise ServerFailed(f"vLLM took aux layer ids {used['ids']} (from its {used['source']}), not the run's "
                                f"{list(self.file_layer_ids)}: '{used['line']}'", self.server.log_path)
