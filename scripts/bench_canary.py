@@ -144,7 +144,7 @@ def one_run(host, params: dict, run_id: str, canary: int) -> dict:
 
 
 def run(args) -> int:
-    from specops.host import Host
+    from specops.transport.host import Host
     from specops.inventory import load_inventory
     from specops.params import run_params
     from specops.smoke import smoke_step

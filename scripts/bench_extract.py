@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 from specops import jobs
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.patch import patch_step
-from specops.remote_task import shell_word
+from specops.transport.remote_task import shell_word
 
 REPO = Path(__file__).resolve().parents[1]
 INVENTORY = REPO / "inventory.yaml"

@@ -31,7 +31,7 @@ import paramiko.sftp
 import yaml
 
 from specops import jobs
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.result import RunState

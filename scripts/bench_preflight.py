@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.preflight import preflight_params
 from specops.testhost.sshd import ALIAS, TestHost

@@ -17,9 +17,9 @@ import time
 from pathlib import PurePosixPath
 
 from specops.errors import SpecopsError, TaskInterrupted, UsageError
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
-from specops.parallel import report_from_payload, run_on_hosts
+from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.result import HostReport
 
 #: a CPU server start is 40-300 s, a second one with --baseline as long again.

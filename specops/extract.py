@@ -20,8 +20,8 @@ from rich.text import Text
 from specops import jobs
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.parallel import report_from_payload, run_on_hosts
-from specops.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports

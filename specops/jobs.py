@@ -36,8 +36,8 @@ from rich.text import Text
 from specops import wire
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
-from specops.parallel import report_from_payload
-from specops.host import Host
+from specops.transport.parallel import report_from_payload
+from specops.transport.host import Host
 from specops.report import console
 from specops.result import HostReport, Record, RunState
 

@@ -14,7 +14,7 @@ from rich.text import Text
 from specops import jobs
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.host import Host
+from specops.transport.host import Host
 from specops.report import console
 from specops.result import RunState
 

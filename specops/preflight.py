@@ -6,8 +6,8 @@ read as files.
 """
 from __future__ import annotations
 
-from specops.parallel import report_from_payload, run_on_hosts
-from specops.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import HostReport

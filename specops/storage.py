@@ -18,7 +18,7 @@ import secrets
 from pathlib import Path
 
 from specops import jobs
-from specops.parallel import report_from_payload, run_steps
+from specops.transport.parallel import report_from_payload, run_steps
 from specops.result import STATE, HostReport, Record
 
 #: the record name of the plan's verdict in the recap.

@@ -61,8 +61,8 @@ class Target:
     as_json: bool
 
     def hosts(self) -> list:
-        """One :class:`specops.host.Host` per selected host (connections open lazily)."""
-        from specops.host import Host
+        """One :class:`specops.transport.host.Host` per selected host (connections open lazily)."""
+        from specops.transport.host import Host
 
         return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
 

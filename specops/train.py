@@ -27,9 +27,9 @@ from specops import jobs
 from specops import wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
-from specops.parallel import report_from_payload, run_on_hosts
+from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunState
 

@@ -46,8 +46,8 @@ tensors pack-quantized) are dequantized as each layer loads; other quantizations
 """
 from __future__ import annotations
 
-from specops.parallel import report_from_payload
-from specops.host import Host
+from specops.transport.parallel import report_from_payload
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport
 

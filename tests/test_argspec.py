@@ -262,8 +262,8 @@ def test_every_key_the_laptop_sends_is_declared():
 
 def test_the_entry_script_runs_a_task_with_checked_params(tmp_path):
     """The rendered entry script, run for real over a bundle dir that is this checkout's remote/."""
-    from specops.remote_task import RemoteTask
-    from specops.render import render_entry
+    from specops.transport.remote_task import RemoteTask
+    from specops.transport.render import render_entry
 
     bundle = tmp_path / "bundles" / "checkout"
     bundle.mkdir(parents=True)

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import pytest
 
-import specops.host
+import specops.transport.host
 from specops.errors import InventoryError, PythonTooOldError
 from specops.exit_codes import ExitCode
 from specops.facts import facts
 from specops.inventory import MAX_ARG_STRLEN, load_inventory
-from specops.render import render_entry
+from specops.transport.render import render_entry
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ def test_python_too_old_says_found_and_needed(make_inventory, tmp_path, delivery
     too_old = {"_python_min": [3, 99]}  # the preamble's test hook (remote/wire/argspec.py)
     inv = load_inventory(make_inventory(delivery=delivery, work_dir=str(tmp_path / "fresh")))
     with pytest.raises(PythonTooOldError) as err:
-        with specops.host.Host(inv.hosts["th"], inv) as host:
+        with specops.transport.host.Host(inv.hosts["th"], inv) as host:
             host.run_task("facts", dict(too_old))
     assert err.value.found == found and err.value.needed == "3.99"
     assert f"is python {found}; specops needs python >= 3.99" in str(err.value)
@@ -342,7 +342,7 @@ def test_step_timeout_has_one_meaning_and_refuses_what_is_no_number(monkeypatch)
     """``SPECOPS_STEP_TIMEOUT`` replaces every built-in step limit (a group run's quick steps too) and
     leaves the steps that bound themselves unbounded; a value that is no number is a usage error."""
     from specops.errors import UsageError
-    from specops.parallel import STEP_TIMEOUT_ENV, TASK_TIMEOUTS, step_timeout
+    from specops.transport.parallel import STEP_TIMEOUT_ENV, TASK_TIMEOUTS, step_timeout
 
     monkeypatch.delenv(STEP_TIMEOUT_ENV, raising=False)
     assert [step_timeout(t) for t in ("facts", "quick", "smoke")] == [TASK_TIMEOUTS["facts"], 180.0, 0.0]

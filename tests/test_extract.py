@@ -20,7 +20,7 @@ import pytest
 from specops import jobs
 from specops.exit_codes import ExitCode
 from specops.runs.run import extract
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

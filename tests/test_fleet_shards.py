@@ -8,7 +8,7 @@ import pytest
 
 from specops.runs import shardmap as shards
 from specops.errors import UsageError
-from specops.parallel import run_steps
+from specops.transport.parallel import run_steps
 from specops.runs.plan import agreement, check_shared_params
 from specops.result import HostReport
 from specops.runs.shardmap import FleetManifest, Shard

@@ -23,7 +23,7 @@ import pytest
 from specops import jobs
 from specops.exit_codes import ExitCode
 from specops.runs.run import extract
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.result import RunState

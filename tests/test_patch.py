@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.patch import patch, patch_step
 from specops.testhost.hostenv import make_overlay_env, site_packages

@@ -3,7 +3,7 @@
 The controller imports that very file on the laptop (as ``specops.wire.protocol``),
 so it must import nothing but the standard library and change nothing when loaded; the
 entry template gets the values from it when rendered. These tests run the real rendered
-entry script and the real parser in ``specops/remote_task.py``.
+entry script and the real parser in ``specops/transport/remote_task.py``.
 """
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 from specops import wire
-from specops.remote_task import StdinResult, needs_bundle
-from specops.render import render_entry
+from specops.transport.remote_task import StdinResult, needs_bundle
+from specops.transport.render import render_entry
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import json, os, sys
 before = (list(sys.path), dict(os.environ), set(sys.modules))
-import specops.host
+import specops.transport.host
 from specops import wire
 protocol = wire.protocol
 after = (list(sys.path), dict(os.environ), set(sys.modules))

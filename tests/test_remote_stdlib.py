@@ -18,7 +18,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from specops.bundle import DEV_ONLY, DEV_TRAVELS, build_bundle
+from specops.transport.bundle import DEV_ONLY, DEV_TRAVELS, build_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.result import HostReport
 from specops.smoke import smoke_step

@@ -43,7 +43,7 @@ import yaml
 
 from conftest import SHARED_RUN_LAYER_IDS
 
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.smoke import smoke_step
 from specops.verify import verify_step

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from specops.bundle import build_bundle
+from specops.transport.bundle import build_bundle
 from specops.errors import HostKeyError, UnreachableError
 from specops.exit_codes import ExitCode
 from specops.facts import facts
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import load_inventory
-from specops.remote_task import current_bundle
-from specops.render import render_entry
+from specops.transport.remote_task import current_bundle
+from specops.transport.render import render_entry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.bundle import is_dev_only
+from specops.transport.bundle import is_dev_only
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_installed_wheel_drives_the_test_host_from_elsewhere(installed_specops, 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = run_installed(installed_specops.parent / "python", "-c",
-                          "import specops.assets as a; print(a.asset_root())", cwd=elsewhere)
+                          "import specops.transport.assets as a; print(a.asset_root())", cwd=elsewhere)
     assert where.returncode == 0, where.stderr
     assert "site-packages" in where.stdout and str(REPO) not in where.stdout
 

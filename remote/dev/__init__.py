@@ -6,7 +6,7 @@ vLLM references; ``bench_prefill`` times vLLM's own prefill as the baseline of
 token ids and leaves a run dir ``specops verify`` reads. All start vLLM, so they run as
 ``python -m remote.dev.<name>`` in a host env's python with the checkout's root as the
 working directory (or on ``PYTHONPATH``): the tests and scripts that use them run where the
-checkout is. ``specops/bundle.py`` (``DEV_ONLY``) and ``pyproject.toml`` keep them off hosts
+checkout is. ``specops/transport/bundle.py`` (``DEV_ONLY``) and ``pyproject.toml`` keep them off hosts
 and out of installs; nothing under ``remote/`` imports them.
 
 One exception travels: ``faults`` (what an armed test hook does, :mod:`remote.run.faults`) is in

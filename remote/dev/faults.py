@@ -1,7 +1,7 @@
 """What an armed fault point (``remote/run/faults.py``) does: raise or pause where a test said.
 
 Kept in the checkout with the other development tools: no wheel holds it, and only a bundle
-built from a checkout carries it (``specops/bundle.py``), so tests reach it on their hosts.
+built from a checkout carries it (``specops/transport/bundle.py``), so tests reach it on their hosts.
 """
 from __future__ import annotations
 

@@ -49,5 +49,5 @@ One module per job: :mod:`~specops.runs.run` (a run by its id, either kind),
 (the follow view and the shard table), :mod:`~specops.runs.extract` (the whole group run),
 :mod:`~specops.runs.status` (status, logs, abort), :mod:`~specops.runs.verify`,
 :mod:`~specops.runs.fetch` and :mod:`~specops.runs.merge`.
-(Parallel steps over hosts, which all of them use, are :mod:`specops.parallel`.)
+(Parallel steps over hosts, which all of them use, are :mod:`specops.transport.parallel`.)
 """

@@ -7,7 +7,7 @@ from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
 from specops.jobs import canary_record
-from specops.parallel import run_steps
+from specops.transport.parallel import run_steps
 from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit
 from specops.runs.fetch import fetch

@@ -8,7 +8,7 @@ from specops import storage
 from specops.errors import SpecopsError
 from specops import wire
 from specops.exit_codes import ExitCode
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.report import console
 from specops.result import HostReport, Record, overall_exit

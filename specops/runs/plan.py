@@ -6,9 +6,9 @@ import json
 from specops.runs import shardmap
 from specops import storage
 from specops.errors import UsageError
-from specops.host import Host
+from specops.transport.host import Host
 from specops.params import run_params
-from specops.parallel import report_from_payload, run_steps, step_timeout
+from specops.transport.parallel import report_from_payload, run_steps, step_timeout
 from specops.preflight import preflight_step
 from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record

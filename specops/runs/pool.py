@@ -4,9 +4,9 @@ from __future__ import annotations
 import threading
 
 from specops.errors import UsageError
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
-from specops.parallel import run_steps, step_timeout
+from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport
 from specops.runs.shardmap import FleetManifest, Shard
 

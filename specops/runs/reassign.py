@@ -5,7 +5,7 @@ from specops import jobs
 from specops.replica import replica_overrides
 from specops.runs import shardmap
 from specops.errors import UsageError
-from specops.parallel import run_steps, step_timeout
+from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport, Record
 from specops.runs.plan import agreement, probe_step, rehearse_hosts, shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files

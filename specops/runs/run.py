@@ -40,12 +40,12 @@ class HostRun(Run):
     """A run of its own on each selected host (one shard each, the whole dataset)."""
 
     def _hosts(self) -> list:
-        from specops.host import Host
+        from specops.transport.host import Host
 
         return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
 
     def _on_hosts(self, task: str, step) -> list[HostReport]:
-        from specops.parallel import run_on_hosts
+        from specops.transport.parallel import run_on_hosts
 
         return run_on_hosts(self.inventory, self.selector, task, step, self.accept_new_host_key)
 
@@ -81,7 +81,7 @@ class HostRun(Run):
 
     def abort(self) -> list[HostReport]:
         from specops import jobs
-        from specops.parallel import report_from_payload
+        from specops.transport.parallel import report_from_payload
 
         return self._on_hosts("abort", lambda h: report_from_payload(h.name, "abort",
                                                                      jobs.job_call(h, "abort", self.run_id)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 from specops import jobs
 from specops.runs import shardmap
 from specops.errors import SpecopsError
-from specops.host import Host
+from specops.transport.host import Host
 from specops.params import run_params
-from specops.parallel import report_from_payload
+from specops.transport.parallel import report_from_payload
 from specops.replica import node_params
 from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir

@@ -8,10 +8,10 @@ from rich.text import Text
 from specops import jobs
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.logs import log_printer
-from specops.parallel import report_from_payload, run_steps
+from specops.transport.parallel import report_from_payload, run_steps
 from specops.report import console
 from specops.result import STATE, HostReport, Record, RunState, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files

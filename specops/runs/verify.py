@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specops import jobs
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import STATE, HostReport, Record
 from specops.runs.pool import Connections, per_shard

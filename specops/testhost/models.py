@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specops.assets import asset, asset_root
+from specops.transport.assets import asset, asset_root
 from specops.testhost.hostenv import cache_root
 
 #: What the builder writes, relative to the cache dir; also what callers get back.

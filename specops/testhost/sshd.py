@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specops.errors import SpecopsError
-from specops.render import render
+from specops.transport.render import render
 from specops.testhost.hostenv import cache_root
 
 SSHD = Path("/usr/sbin/sshd")

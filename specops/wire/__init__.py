@@ -3,10 +3,10 @@
 The host imports the same files as ``remote.wire`` from the uploaded bundle. They import
 only the standard library and each other (relative imports), so one copy of each rule
 (the result records, the run contract, the argument spec, the manifest schema) serves both
-sides. The package's path is the folder the install carries (:func:`specops.assets.asset`):
+sides. The package's path is the folder the install carries (:func:`specops.transport.assets.asset`):
 the top-level ``remote/wire/`` in a checkout, ``specops/_assets/remote/wire/`` in a wheel.
 """
-from specops.assets import asset
+from specops.transport.assets import asset
 
 __path__ = [str(asset("remote") / "wire")]
 

@@ -11,7 +11,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specops.assets import asset_root
+from specops.transport.assets import asset_root
 
 #: folders of the repo that travel to the host.
 BUNDLE_DIRS = ("remote", "patches")

@@ -1,8 +1,8 @@
 """One host: a verified SSH connection, its shell and SFTP, and the one way we run code there.
 
-:class:`Host` holds a :class:`~specops.ssh.VerifiedConnection` (opened lazily, kept for
+:class:`Host` holds a :class:`~specops.transport.ssh.VerifiedConnection` (opened lazily, kept for
 every step of a task, host key checked before any byte of authentication is sent) and
-hands tasks to :class:`~specops.remote_task.RemoteTask`, as Fabric's ``Connection`` hands
+hands tasks to :class:`~specops.transport.remote_task.RemoteTask`, as Fabric's ``Connection`` hands
 ``put`` to ``Transfer``:
 
     >>> host = Host(spec)                       # nothing happens yet
@@ -24,12 +24,12 @@ import threading
 import fabric
 from invoke.exceptions import CommandTimedOut
 
-from specops.bundle import Bundle
+from specops.transport.bundle import Bundle
 from specops.errors import RemoteError, WorkDirError
 from specops.inventory import HostSpec, Inventory
-from specops.remote_task import RemoteTask, StdinResult
-from specops.render import heredoc_command
-from specops.ssh import VerifiedConnection
+from specops.transport.remote_task import RemoteTask, StdinResult
+from specops.transport.render import heredoc_command
+from specops.transport.ssh import VerifiedConnection
 
 
 class Host:
@@ -54,13 +54,13 @@ class Host:
         #: bytes of bundle uploaded by this object (0 when the host had the bundle).
         self.bundle_bytes_sent = 0
 
-    # -- connection: specops.ssh ---------------------------------------------------
+    # -- connection: specops.transport.ssh ---------------------------------------------------
     @property
     def cxn(self) -> fabric.Connection:
         return self.connection.cxn
 
     def open(self) -> None:
-        """Connect and authenticate; see :meth:`specops.ssh.VerifiedConnection.open`."""
+        """Connect and authenticate; see :meth:`specops.transport.ssh.VerifiedConnection.open`."""
         self.connection.open()
 
     def close(self) -> None:
@@ -72,7 +72,7 @@ class Host:
     def __exit__(self, *exc):
         self.close()
 
-    # -- tasks: specops.remote_task -----------------------------------------------
+    # -- tasks: specops.transport.remote_task -----------------------------------------------
     def run_task(self, module: str, params: dict, *, sudo: bool = False,
                  timeout: float | None = None, bundle: Bundle | None = None) -> dict:
         """Run ``remote.<module>.main(params)`` on the host and return its payload.

@@ -15,7 +15,7 @@ from pathlib import Path
 #: the trees every install must carry, by their folder names.
 SHIPPED = ("templates", "remote", "patches")
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # specops/
 
 
 @lru_cache(maxsize=None)

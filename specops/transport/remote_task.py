@@ -25,14 +25,14 @@ import time
 from typing import Protocol
 
 from specops import wire
-from specops.bundle import Bundle, build_bundle
+from specops.transport.bundle import Bundle, build_bundle
 from specops.errors import PythonTooOldError, RemoteError, UnreachableError, UsageError, WorkDirError
-from specops.render import heredoc_command, render_entry
+from specops.transport.render import heredoc_command, render_entry
 
 
 
 class TaskHost(Protocol):
-    """What a task needs of its host (:class:`specops.host.Host` is one): its name and inventory
+    """What a task needs of its host (:class:`specops.transport.host.Host` is one): its name and inventory
     entry, a shell (``run``, ``run_heredoc``), SFTP into the work dir, and the connection for streams."""
 
     name: str
@@ -95,13 +95,13 @@ class RemoteTask:
 
     def run(self, module: str, params: dict, *, sudo: bool = False,
             timeout: float | None = None, bundle: Bundle | None = None) -> dict:
-        """See :meth:`specops.host.Host.run_task`."""
+        """See :meth:`specops.transport.host.Host.run_task`."""
         return self._run_entry(module, params, bundle,
                                lambda script: self.exec_script(script, sudo=sudo, timeout=timeout))
 
     def stream(self, module: str, params: dict, on_line, *, prefix: str,
                bundle: Bundle | None = None, idle_timeout: float | None = None) -> dict:
-        """See :meth:`specops.host.Host.stream_task`."""
+        """See :meth:`specops.transport.host.Host.stream_task`."""
         return self._run_entry(module, params, bundle,
                                lambda script: self._stream_script(script, on_line, prefix, idle_timeout))
 

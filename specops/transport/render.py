@@ -19,7 +19,7 @@ from functools import lru_cache
 import jinja2
 
 from specops import __version__
-from specops.assets import asset
+from specops.transport.assets import asset
 from specops import wire
 
 _MODULE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")

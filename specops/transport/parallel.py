@@ -19,7 +19,7 @@ from typing import Callable
 
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
-from specops.host import Host
+from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport, Record
 
