@@ -22,8 +22,8 @@ from specops.transport.parallel import report_from_payload, run_steps
 from specops.result import STATE, HostReport, Record
 
 #: the record name of the plan's verdict in the recap.
-RECORD = "fleet.storage"
-WORK_RECORD = "fleet.work_dir"
+RECORD = "group.storage"
+WORK_RECORD = "group.work_dir"
 #: seconds for the host-side merge (it reads the shards' manifests, never a sample)
 MERGE_TIMEOUT_S = 600.0
 
@@ -100,7 +100,7 @@ def plan_records(probes: dict[str, dict], run_id: str) -> tuple[list[Record], li
 
 
 def remember(manifest, probes: dict[str, dict], groups: list[list[str]]) -> None:
-    """Keep in the fleet manifest which hosts share an output dir (fetch merges there)."""
+    """Keep in the group manifest which hosts share an output dir (fetch merges there)."""
     for host, probe in probes.items():
         info = manifest.hosts.setdefault(host, {})
         info["storage"] = dict(probe.get("storage") or {},
@@ -140,7 +140,7 @@ def host_merges(manifest, conns, root: Path) -> list[HostReport]:
             report.records.append(jobs.download_files(
                 host, host.remote_path(str(remote.parent)),
                 [{"path": remote.name, "bytes": data["bytes"], **data["digest"]}], local,
-                name="fleet.shared_manifest"))
+                name="group.shared_manifest"))
             data["local"] = str(local / remote.name)
         return report
 

@@ -215,7 +215,7 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
 
 def _run(target, run_id):
     """The run ``--run-id`` names on the selected hosts: a group run when this laptop holds its shard map
-    (``runs/<run-id>/fleet.json``: status, logs, abort and fetch act on every shard, on whichever host holds
+    (``runs/<run-id>/group.json``: status, logs, abort and fetch act on every shard, on whichever host holds
     it), else each selected host's run of that id (:func:`specops.runs.run.open_run`)."""
     from specops.runs.run import open_run
 

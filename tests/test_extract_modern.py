@@ -170,7 +170,7 @@ def test_a_shard_aborted_while_its_server_starts_leaves_nothing_and_a_resume_fin
     tokens as the full run's.
 
     (An abort mid-extraction, a live server's process group, is the seed engine's and the
-    fleet's: tests/test_signals.py, tests/test_fleet_remote.py.)
+    group's: tests/test_signals.py, tests/test_group_remote.py.)
     """
     from test_signals import assert_abort_leaves_nothing, run_processes, server_pid
 

@@ -1,7 +1,7 @@
-"""Preflight, the fleet plan and the run read the same inputs the same way (issue 20: 5, 6, 8, 10, 14).
+"""Preflight, the group plan and the run read the same inputs the same way (issue 20: 5, 6, 8, 10, 14).
 
 Every case runs the real pieces: the host code in the test host's own python env (the
-shard probe a fleet plan is built from, ``remote.probes.preflight.main``, the supervisor's
+shard probe a group plan is built from, ``remote.probes.preflight.main``, the supervisor's
 dataset reader), and ``specops`` over the real sshd where the run itself is the point.
 A run that must refuse its input does so before any model loads (it fails while
 tokenizing), so no case here waits for vLLM. The host-side cases are answered by the env's
@@ -24,7 +24,7 @@ from test_preflight_remote import base_params, host_preflight
 
 REPO = Path(__file__).resolve().parents[1]
 SPECOPS = Path(sys.executable).parent / "specops"
-#: the shard probe a fleet plan is built from, preflight's data records and the supervisor's reader, on one
+#: the shard probe a group plan is built from, preflight's data records and the supervisor's reader, on one
 #: input; run by the host env's long-lived python (tests/hostcall.py), so the cases share its imports
 AGREE = """
 def main(params):

@@ -165,10 +165,10 @@ def test_the_host_merge_names_the_field_a_range_lacks(tmp_path):
 def test_the_laptops_group_merge_is_the_same_merge(tmp_path, monkeypatch):
     from specops.result import HostReport
     from specops.runs.merge import merge
-    from specops.runs.shardmap import FleetManifest, Shard
+    from specops.runs.shardmap import GroupMap, Shard
 
     monkeypatch.setenv("SPECOPS_RUNS", str(tmp_path / "runs"))
-    group = FleetManifest(run_id="G", total=4, stack={"format": "pt", "layer_ids": [2, 4, 5, 7],
+    group = GroupMap(run_id="G", total=4, stack={"format": "pt", "layer_ids": [2, 4, 5, 7],
                                                       "convention": "output"},
                           shards=[Shard(id="s0", hosts=["a"], start=0, stop=2, run_id="G", output_dir="/o"),
                                   Shard(id="s1", hosts=["b"], start=2, stop=4, run_id="G", output_dir="/o")])

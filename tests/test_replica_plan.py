@@ -48,7 +48,7 @@ def test_a_replica_is_one_shard_of_the_plan(inventory):
 
 def test_a_range_moves_to_a_replica_as_one(inventory):
     units = inventory.units(["e", "a", "b"])
-    manifest = shardmap.FleetManifest(run_id="r", total=6, shards=shardmap.plan("r", 6, {"e": 1.0, "a": 1.0}, {},
+    manifest = shardmap.GroupMap(run_id="r", total=6, shards=shardmap.plan("r", 6, {"e": 1.0, "a": 1.0}, {},
                                                                               members=units))
     assert _as_units(inventory, "e", "wide") == ("e", "c")
     assert _as_units(inventory, "big", "e") == ("a", "e")

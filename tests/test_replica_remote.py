@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from specops.testhost.sshd import TestHost
-from test_fleet_remote import kill_host, wait_for
+from test_group_remote import kill_host, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -255,8 +255,8 @@ def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b
     print(f"\n{model}: replica extract over two hosts, {fault} and resumed: {time.monotonic() - t0:.0f} s")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     assert state_of(head_dir)["resumed_from"] >= 1
-    fleet = json.loads((runs / "rep1" / "fleet.json").read_text())
-    assert [s["hosts"] for s in fleet["shards"]] == [["a", "b"]]
+    group_doc = json.loads((runs / "rep1" / "group.json").read_text())
+    assert [s["hosts"] for s in group_doc["shards"]] == [["a", "b"]]
     # the worker host ran its ranks headless under the same run id, and ended with the head
     worker = state_of(worker_dir)
     assert worker["state"] == "done" and worker["replica"]["ranks"] == [1], worker
@@ -268,7 +268,7 @@ def test_two_hosts_one_tp2_replica_equal_one_host_tp2(tmp_path, testhost, host_b
     for run_dir in (head_dir, worker_dir):  # a done supervisor may still be closing its server
         wait_for(lambda: not run_processes(run_dir), timeout=120, what=f"the run's processes in {run_dir} to end")
     if model == "llama":
-        logs_and_fetch_name_every_host(inventory, runs, fleet["shards"][0]["id"])
+        logs_and_fetch_name_every_host(inventory, runs, group_doc["shards"][0]["id"])
 
     one_host = hs_files(modern_ssh_run(model, 2)["dest"])
     two_hosts = hs_files(runs / "rep1")
@@ -421,8 +421,8 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     runs = tmp_path / "runs"
     t0 = time.monotonic()
     start_detached(inventory, runs, "pair,other,e", "grp", "--shard-by", "equal")
-    fleet = json.loads((runs / "grp" / "fleet.json").read_text())
-    assert [(s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [
+    group_doc = json.loads((runs / "grp" / "group.json").read_text())
+    assert [(s["hosts"], s["start"], s["stop"]) for s in group_doc["shards"]] == [
         (["a", "b"], 0, 4), (["c", "d"], 4, 8), (["e"], 8, 12)]
     run_dir = {h: tmp_path / h / "work" / "runs" / "grp" for h in hosts}
     wait_first_sample(run_dir["c"])
@@ -451,12 +451,12 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
                 "--tensors", "--json", runs=runs, timeout=1500)
     print(f"\ntwo replicas and a host, one group run, a head lost and its rest moved: {time.monotonic() - t0:.0f} s")
     assert moved.returncode == 0, moved.stdout[-6000:] + moved.stderr[-4000:]
-    fleet = json.loads((runs / "grp" / "fleet.json").read_text())
-    shards = {tuple(s["hosts"]): (s["start"], s["stop"]) for s in fleet["shards"] if s["stop"] > s["start"]}
+    group_doc = json.loads((runs / "grp" / "group.json").read_text())
+    shards = {tuple(s["hosts"]): (s["start"], s["stop"]) for s in group_doc["shards"] if s["stop"] > s["start"]}
     cut = shards[("c", "d")][1]
     assert cut == kept[-1] + 1, (cut, kept)  # cut where c's disk said
-    assert sorted(fleet_ranges(fleet)) == sorted([(0, 4, ("a", "b")), (4, cut, ("c", "d")), (8, 12, ("e",))] + (
-        [(cut, 8, ("e",))] if cut < 8 else [])), fleet["shards"]
+    assert sorted(group_ranges(group_doc)) == sorted([(0, 4, ("a", "b")), (4, cut, ("c", "d")), (8, 12, ("e",))] + (
+        [(cut, 8, ("e",))] if cut < 8 else [])), group_doc["shards"]
     merged = json.loads((runs / "grp" / "manifest.json").read_text())
     indices = sorted(int(Path(f["path"]).stem.split("_")[1]) for f in merged["files"]
                      if Path(f["path"]).name.startswith("hs_"))
@@ -470,5 +470,5 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     assert state_of(run_dir["b"])["state"] == "done", state_of(run_dir["b"])
 
 
-def fleet_ranges(fleet: dict) -> list[tuple]:
-    return [(s["start"], s["stop"], tuple(s["hosts"])) for s in fleet["shards"] if s["stop"] > s["start"]]
+def group_ranges(group_doc: dict) -> list[tuple]:
+    return [(s["start"], s["stop"], tuple(s["hosts"])) for s in group_doc["shards"] if s["stop"] > s["start"]]

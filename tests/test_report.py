@@ -251,7 +251,7 @@ def test_bracketed_text_in_records_is_printed_as_written_never_as_markup():
     """A summary, fix, check name or table cell holding ``[/x]`` or ``[bold]`` (a user's path, a remote
     message) is shown as written on a wide terminal (the table), in a log (blocks) and in the shard table;
     rich markup in it used to raise MarkupError or vanish."""
-    from specops.runs.shardmap import FleetManifest
+    from specops.runs.shardmap import GroupMap
     from specops.runs.view import shard_table
 
     said = "dataset /data/[/x]/rows.jsonl has [bold]5[/bold] rows, [red] kept"
@@ -263,7 +263,7 @@ def test_bracketed_text_in_records_is_printed_as_written_never_as_markup():
         text = " ".join(ANSI.sub("", out.file.getvalue()).split())
         for part in ("[/x]/rows.jsonl", "[bold]5[/bold] rows, [red] kept", "/data/[b]/ok.jsonl", "rows[/x]"):
             assert part in text, (terminal, part, text)
-    manifest = FleetManifest.model_validate({
+    manifest = GroupMap.model_validate({
         "run_id": "r1", "total": 4, "shards": [{"id": "s0", "hosts": ["h[/x]"], "start": 0, "stop": 4,
                                                  "run_id": "r1", "moved_from": "[bold]old[/]"}]})
     out = Console(file=io.StringIO(), force_terminal=True, width=250)

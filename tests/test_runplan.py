@@ -135,7 +135,7 @@ def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(
     assert host.calls[0][1]["shard_probe"] == {"storage_probe": {"dir": "/o", "token": "t"}}
     assert isinstance(report, HostReport) and report.data["probe"] == data["shard"]
     names = [r.name for r in report.records]
-    cut = names.index("fleet.preflight")
+    cut = names.index("group.preflight")
     assert all(r.status == "fail" for r in report.records[:cut])  # preflight's failures only, then its verdict
     assert names[cut + 1:] == ["shard.dataset", "shard.stack", "shard.capacity", "shard.storage"], names
 

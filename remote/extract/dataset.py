@@ -1,4 +1,4 @@
-r"""The run's dataset: one reader of its rows, used by the run, preflight and the fleet plan.
+r"""The run's dataset: one reader of its rows, used by the run, preflight and the group plan.
 
 A dataset is a JSON-lines file, one sample a line, in one of two shapes:
 

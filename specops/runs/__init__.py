@@ -13,20 +13,20 @@
    each ready host rehearses on a tiny twin of the model (``specops smoke``; unless
    ``--skip-smoke``), and a host whose rehearsal fails is not ready. The dataset's
    ``[0, total)`` is split into contiguous ranges sized by capacity
-   (:mod:`specops.runs.shardmap`), and the map is written to ``runs/R/fleet.json`` before
+   (:mod:`specops.runs.shardmap`), and the map is written to ``runs/R/group.json`` before
    anything starts.
 2. **start** -- each shard's run is started detached on its host (``remote/run/job.py``,
    ``sample_range`` in its parameters; run id ``R`` on every host, so the host's run
    dir and output dir are named by the group's id).
 3. **follow** -- one rich view: a bar per shard and a total with tokens/s and ETA. A
    host that drops out is marked and the others go on; its last seen progress is kept
-   in ``fleet.json``.
+   in ``group.json``.
 4. **fetch** -- logs, status and manifests of every shard into ``runs/R/hosts/``, and
    once every shard is done, ``runs/R/manifest.json``: one manifest of every sample by
    global index (``--tensors``: the files too, into ``runs/R/samples/``, digest-checked).
 
 The same ``extract --run-id R`` again resumes what is unfinished (the map and the flags
-come from ``fleet.json``); ``--reassign FROM=TO`` moves an unfinished shard's remaining
+come from ``group.json``); ``--reassign FROM=TO`` moves an unfinished shard's remaining
 range -- from the first index not on FROM's disk, read from FROM when it answers, from
 its last seen status when it does not -- to TO, as a new shard (run id ``R.<shard>``
 there). ``status``, ``logs``, ``abort``, ``fetch`` and ``verify`` with the run id act on every
@@ -43,7 +43,7 @@ Whether a run id is a group run or each host's own is decided once, by
 :func:`specops.runs.run.open_run`; the commands call its verbs.
 
 One module per job: :mod:`~specops.runs.run` (a run by its id, either kind),
-:mod:`~specops.runs.store` (``fleet.json`` on the laptop),
+:mod:`~specops.runs.store` (``group.json`` on the laptop),
 :mod:`~specops.runs.pool` (one connection per shard), :mod:`~specops.runs.plan`,
 :mod:`~specops.runs.reassign`, :mod:`~specops.runs.start`, :mod:`~specops.runs.view`
 (the follow view and the shard table), :mod:`~specops.runs.extract` (the whole group run),

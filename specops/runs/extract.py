@@ -16,8 +16,8 @@ from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard
 from specops.runs.reassign import parse_reassign, reassign
 from specops.runs.start import lanes_of, remake_gaps, settle_closed, start_lane
 from specops.runs.store import GROUP, load_manifest, manifest_path, save_manifest
-from specops.runs.view import NotStarted, follow, print_fleet, shard_table
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.view import NotStarted, follow, print_group, shard_table
+from specops.runs.shardmap import GroupMap, Shard
 
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str, detach: bool, force: bool,
@@ -39,7 +39,7 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
         conns.close()
 
 
-def _resume_overrides(manifest: FleetManifest, overrides: dict) -> dict:
+def _resume_overrides(manifest: GroupMap, overrides: dict) -> dict:
     """The run's own flags; a flag given again must say the same thing."""
     changed = {k: (manifest.overrides.get(k), v) for k, v in overrides.items()
                if k in manifest.overrides and str(manifest.overrides[k]) != str(v)}
@@ -59,14 +59,14 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
     reports: list[HostReport] = []
     if manifest is None:
         if reassign_text:
-            raise UsageError(f"--reassign needs a fleet run, and this laptop has none called {run_id!r} "
+            raise UsageError(f"--reassign needs a group run, and this laptop has none called {run_id!r} "
                              f"({manifest_path(run_id)} does not exist)", "pass the id of a running group run")
         specs = inventory.select(selector)
         manifest, reports = plan(run_id, overrides, specs, conns, shard_by=shard_by, allow_partial=allow_partial,
                                  skip_preflight=skip_preflight, skip_smoke=skip_smoke, force=force,
                                  smoke_real=smoke_real)
         if manifest is None:
-            print_fleet(reports, as_json=as_json)
+            print_group(reports, as_json=as_json)
             return overall_exit(reports)
     else:
         if shard_by:
@@ -77,7 +77,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
             reports = reassign(manifest, parse_reassign(reassign_text), conns, overrides, skip_preflight,
                                skip_smoke=skip_smoke, force=force, smoke_real=smoke_real)
             if any(r.failed for r in reports):
-                print_fleet(reports, as_json=as_json)
+                print_group(reports, as_json=as_json)
                 return overall_exit(reports)
     # hosts left out by --allow-partial are shown, but their failures are not this run's any more
     left_out = set(manifest.history[-1].get("left_out") or {}) if manifest.history else set()
@@ -108,7 +108,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
     if not running and not detach:
         return _nothing_to_run(manifest, conns, reports, tensors=tensors, as_json=as_json, left_out=left_out)
     if detach or not running:
-        print_fleet(reports, as_json=as_json)
+        print_group(reports, as_json=as_json)
         if not as_json:
             console.print(shard_table(manifest, {}))
             console.print(Text.assemble("run ", (run_id, "bold"), f" started detached ({len(running)} shard(s) running"
@@ -117,7 +117,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                           + f"). Follow: specops extract --run-id {run_id};  status: specops status --run-id {run_id}"))
         return overall_exit([r for r in reports if r.host not in left_out])
     if not as_json:
-        print_fleet(reports)
+        print_group(reports)
         console.print(Text.assemble("Following run ", (run_id, "bold"), f" on {len(running)} host(s)"
                                     + (f" ({', '.join(waiting)} start when their host's shard is done)" if waiting
                                        else "") + " (Ctrl-C detaches; the runs go on)"))
@@ -133,30 +133,30 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                      left_out=left_out)
 
 
-def _nothing_to_run(manifest: FleetManifest, conns: Connections, reports: list[HostReport], *, tensors: bool,
+def _nothing_to_run(manifest: GroupMap, conns: Connections, reports: list[HostReport], *, tensors: bool,
                     as_json: bool, left_out: set[str]) -> ExitCode:
     """No shard is running after the starts: every one is done on its disk (a done run missing
     samples was restarted, so it runs), or the starts failed. Say which; fetch what is done."""
     mine = [r for r in reports if r.host not in left_out]
     group = HostReport(host=GROUP, task="extract")
     if any(r.failed for r in mine):
-        group.records.append(Record(name="fleet.run", status="fail",
+        group.records.append(Record(name="group.run", status="fail",
                                     summary=f"no shard of run {manifest.run_id} is running: the starts above failed",
                                     fix="fix the causes above, then run the same command again"))
         fetched = []
     else:
-        group.records.append(Record(name="fleet.run", status="ok",
+        group.records.append(Record(name="group.run", status="ok",
                                     summary=f"nothing left to run: every shard of run {manifest.run_id} is done; "
                                             f"fetching" + (" the files" if tensors else "")))
         fetched = fetch(manifest, conns, tensors=tensors)
     everything = [*reports, group, *fetched]
-    print_fleet(everything, as_json=as_json)
+    print_group(everything, as_json=as_json)
     if not as_json:
         console.print(shard_table(manifest, {}))
     return overall_exit([r for r in everything if r.host not in left_out])
 
 
-def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tensors: bool, as_json: bool,
+def _conclude(manifest: GroupMap, conns: Connections, final: dict, *, tensors: bool, as_json: bool,
               printed: list[HostReport], late: list[HostReport], left_out: set[str] = frozenset()) -> ExitCode:
     """Say how each shard ended; fetch and merge when every shard is done.
 
@@ -171,20 +171,20 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
         report = HostReport(host=shard.label, task="extract")
         if isinstance(result, NotStarted):
             report.records.append(Record(
-                name="fleet.run", status="fail", summary=f"not started: {result}",
+                name="group.run", status="fail", summary=f"not started: {result}",
                 fix=f"once the shard before it is done, run the same command again (specops extract --run-id "
                     f"{manifest.run_id})"))
             codes.append(ExitCode.FAILED)
         elif isinstance(result, Exception):
             report.records.append(Record(
-                name="fleet.run", status="fail", summary=f"lost {shard.head}: {str(result).splitlines()[0]}",
+                name="group.run", status="fail", summary=f"lost {shard.head}: {str(result).splitlines()[0]}",
                 detail={"last_seen": shard.seen},
                 fix=f"the other shards went on. Once {shard.head} answers, run the same command again to resume it; "
                     f"or move its remaining range: specops extract --run-id {manifest.run_id} --reassign "
                     f"{shard.head}=OTHER_HOST"))
             codes.append(result.code if isinstance(result, SpecopsError) else ExitCode.INTERNAL)
         elif result.state == STATE.DONE:
-            report.records.append(Record(name="fleet.run", status="ok",
+            report.records.append(Record(name="group.run", status="ok",
                                          summary=f"[{shard.start}, {shard.stop}) done on {shard.head}"))
             shown = canary_record("extract.canary", result)
             if shown is not None:
@@ -193,7 +193,7 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
         else:
             err = result.error
             report.records.append(Record(
-                name="fleet.run", status="fail",
+                name="group.run", status="fail",
                 summary=f"{shard.run_id} on {shard.head} {result.state}: "
                         + (err.headline() if err else "no error recorded"),
                 detail={"error": err.model_dump() if err else None},
@@ -210,9 +210,9 @@ def _conclude(manifest: FleetManifest, conns: Connections, final: dict, *, tenso
             report.error, report.error_code = got.error, got.error_code
     reports.extend(fetched.values())
     if as_json:
-        print_fleet([*printed, *late, *reports], as_json=True)
+        print_group([*printed, *late, *reports], as_json=True)
     else:
-        print_fleet([*[r for r in late if r.failed], *reports])
+        print_group([*[r for r in late if r.failed], *reports])
         console.print(shard_table(manifest, final))
     # a shard that could not even start (its host busy with another run, unreachable) counts too
     everything = [r for r in (*printed, *late, *reports) if r.host not in left_out]

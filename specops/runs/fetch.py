@@ -15,11 +15,11 @@ from specops.result import HostReport, Record, overall_exit
 from specops.runs.merge import merge
 from specops.runs.pool import FILES_TIMEOUT_S, QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import GROUP, load_manifest, run_root, save_manifest
-from specops.runs.view import print_fleet, shard_table
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.view import print_group, shard_table
+from specops.runs.shardmap import GroupMap, Shard
 
 
-def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list[HostReport]:
+def fetch(manifest: GroupMap, conns: Connections, *, tensors: bool) -> list[HostReport]:
     """Every shard's run files into ``runs/R/hosts/``; the merged manifest (and samples) once all are done.
 
     Each host is fetched on its own thread; a host that does not answer is reported and
@@ -41,7 +41,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
         if changed:  # never fetched, never merged: a good copy fetched before stays as it is
             paths = [c["path"] for c in changed]
             report.records.append(Record(
-                name="fleet.changed", status="fail",
+                name="group.changed", status="fail",
                 summary=f"{len(changed)} sample file(s) of [{shard.start}, {shard.stop}) on {shard.head} changed since "
                         f"its run wrote them ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}: size differs "
                         f"from the host's manifest); not fetched, not merged",
@@ -51,12 +51,12 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
                     f"again"))
         have = len(files.get("files") or [])
         if have == shard.size:
-            report.records.append(Record(name="fleet.files", status="ok",
+            report.records.append(Record(name="group.files", status="ok",
                                          summary=f"all {have} sample(s) of [{shard.start}, {shard.stop}) on "
                                                  f"{shard.head}", detail={"hashed_on_host": files.get("hashed_here")}))
         else:
             report.records.append(Record(
-                name="fleet.files", status="warn",
+                name="group.files", status="warn",
                 summary=f"{have} of {shard.size} sample(s) of [{shard.start}, {shard.stop}) on {shard.head} yet "
                         f"(first missing {files.get('first_missing')})",
                 detail={"missing_head": files.get("missing_head")},
@@ -64,7 +64,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
                     f"--run-id {manifest.run_id}"))
         if tensors and files.get("files"):
             report.records.append(jobs.download_files(host, host.remote_path(files["output_dir"]), files["files"],
-                                                      root / "samples", name="fleet.tensors"))
+                                                      root / "samples", name="group.tensors"))
         return report
 
     reports = per_shard(shards, manifest, conns, "fetch", one, timeout=0)
@@ -78,7 +78,7 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
         host = conns.for_shard(manifest, source)
         by_label[source.label].records.append(jobs.download_files(
             host, host.remote_path(listing["output_dir"]), listing["dataset_files"], root / "samples",
-            name="fleet.dataset_files"))
+            name="group.dataset_files"))
     merged = merge(manifest, {s.id: by_label.get(s.label) for s in shards})
     # the merged dir must hold what the merged manifest names (a download that failed leaves none)
     absent = [f["path"] for f in merged["files"] if tensors and not _local_copy_ok(root / "samples", f)]
@@ -88,19 +88,19 @@ def fetch(manifest: FleetManifest, conns: Connections, *, tensors: bool) -> list
     group = HostReport(host=GROUP, task="fetch", data={"dest": str(root), "manifest": str(merged_path)})
     if absent:
         group.records.append(Record(
-            name="fleet.merge", status="fail",
+            name="group.merge", status="fail",
             summary=f"{len(absent)} of {merged['samples']} merged sample file(s) are not in {root / 'samples'} "
                     f"({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''})",
             detail={"absent": absent[:50], "missing_head": merged["missing"][:50]},
             fix=f"see the download records above; fetch again (specops fetch --run-id {manifest.run_id} --tensors)"))
     elif merged["complete"]:
-        group.records.append(Record(name="fleet.merge", status="ok",
+        group.records.append(Record(name="group.merge", status="ok",
                                     summary=f"{merged['samples']} sample(s) of {manifest.total} in one manifest "
                                             f"({merged_path})"
                                             + (f", files in {root / 'samples'}" if tensors else "")))
     else:
         group.records.append(Record(
-            name="fleet.merge", status="warn",
+            name="group.merge", status="warn",
             summary=f"{merged['samples']} of {manifest.total} sample(s) so far; {len(merged['missing'])} missing "
                     f"(first {merged['missing'][:5]})",
             detail={"missing_head": merged["missing"][:50]},
@@ -145,7 +145,7 @@ def fetch_run_id(inventory: Inventory, run_id: str, *, tensors: bool, as_json: b
         reports = fetch(manifest, conns, tensors=tensors)
     finally:
         conns.close()
-    print_fleet(reports, as_json=as_json)
+    print_group(reports, as_json=as_json)
     if not as_json:
         console.print(shard_table(manifest, {}))
     return overall_exit(reports)

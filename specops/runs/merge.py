@@ -8,10 +8,10 @@ from __future__ import annotations
 from specops import wire
 from specops.result import HostReport
 from specops.runs.store import run_root
-from specops.runs.shardmap import FleetManifest
+from specops.runs.shardmap import GroupMap
 
 
-def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dict:
+def merge(manifest: GroupMap, reports: dict[str, HostReport | None]) -> dict:
     """``runs/R/manifest.json``: every sample once, by global index, from the shard that owns it.
 
     A shard's listing entry outside its range (a cut shard's samples past its cut, made
@@ -55,7 +55,7 @@ def merge(manifest: FleetManifest, reports: dict[str, HostReport | None]) -> dic
                             if m.get("dataset_report") is not None},
         "file_layer_ids": some.get("file_layer_ids"),
         "dataset_files": some.get("dataset_files") or [],
-        # the states' dtype (bf16/fp8): every shard's plan agreed on it (fleet.stack)
+        # the states' dtype (bf16/fp8): every shard's plan agreed on it (group.stack)
         "state_format": some.get("state_format") or manifest.stack.get("state_format"),
         "scales_key": some.get("scales_key"),
         "hidden_states_backend": some.get("hidden_states_backend"),

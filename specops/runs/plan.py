@@ -14,7 +14,7 @@ from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record
 from specops.runs.pool import Connections
 from specops.runs.store import GROUP, save_manifest
-from specops.runs.shardmap import FleetManifest
+from specops.runs.shardmap import GroupMap
 
 #: run parameters that decide what sample i is: every host must have the same value.
 SHARED_PARAMS = {"max_samples": "--max-samples", "seq_len": "--seq-len", "layer_ids": "--layer-ids",
@@ -59,7 +59,7 @@ def probe_step(host: Host, overrides: dict, *, preflight: bool, storage_probe: d
     failed = [r for r in checks if r.status == "fail"]
     report.records.extend(failed)
     report.records.append(Record(
-        name="fleet.preflight", status="fail" if failed else "ok",
+        name="group.preflight", status="fail" if failed else "ok",
         summary=(f"preflight found {len(failed)} failure(s)" if failed
                  else f"preflight passed ({len(checks)} checks)"),
         fix=("fix the failures above (specops preflight --on HOST shows every check), or leave this host out "
@@ -74,7 +74,7 @@ def _describe_stack(stack: dict) -> str:
             f"({stack.get('convention')} of layer i)")
 
 
-def agreement(probes: dict[str, dict], expected: FleetManifest | None = None) -> list[Record]:
+def agreement(probes: dict[str, dict], expected: GroupMap | None = None) -> list[Record]:
     """Whether the hosts (and, with ``expected``, an existing run) agree on dataset, model and stack.
 
     Different engines are fine when they write the same files: the same sample format
@@ -87,13 +87,13 @@ def agreement(probes: dict[str, dict], expected: FleetManifest | None = None) ->
                     **datasets}
     if len(set(datasets.values())) > 1:
         said = "; ".join(f"{h}: {n} samples, sha256 {d[:12]}" for h, (n, d) in datasets.items())
-        records.append(Record(name="fleet.dataset", status="fail",
+        records.append(Record(name="group.dataset", status="fail",
                               summary=f"the hosts' datasets differ ({said}): index i would name different samples",
                               detail={"datasets": {h: {"samples": n, "sha256": d} for h, (n, d) in datasets.items()}},
                               fix="copy the same dataset file to every host (same rows, same order)"))
     else:
         (count, digest), = set(datasets.values())
-        records.append(Record(name="fleet.dataset", status="ok",
+        records.append(Record(name="group.dataset", status="ok",
                               summary=f"{len(probes)} host(s) read the same {count} samples (sha256 {digest[:12]})"))
     stacks = {h: p.get("stack") or {} for h, p in probes.items()}
     if expected is not None:
@@ -103,7 +103,7 @@ def agreement(probes: dict[str, dict], expected: FleetManifest | None = None) ->
             for h, s in stacks.items()}
     if len(set(keys.values())) > 1:
         said = "; ".join(f"{h}: {_describe_stack(s)}" for h, s in stacks.items())
-        records.append(Record(name="fleet.stack", status="fail",
+        records.append(Record(name="group.stack", status="fail",
                               summary=f"mixed stacks: the hosts would write different files ({said})",
                               detail={"stacks": stacks},
                               fix="make every host write the same files: pin --engine, or give --layer-ids "
@@ -111,14 +111,14 @@ def agreement(probes: dict[str, dict], expected: FleetManifest | None = None) ->
     else:
         engines = sorted({s["engine"] for s in stacks.values() if s.get("engine")})
         first = next(iter(stacks.values()))
-        records.append(Record(name="fleet.stack", status="ok",
+        records.append(Record(name="group.stack", status="ok",
                               summary=f"one stack: {first.get('format')}, layers {first.get('layer_ids')} "
                                       f"({first.get('convention')} of layer i); engine(s) {', '.join(engines)}"))
     models = {h: p.get("model") for h, p in probes.items()}
     if expected is not None:
         models = {f"run {expected.run_id}": (expected.stack or {}).get("model"), **models}
     if len({json.dumps(m, sort_keys=True) for m in models.values()}) > 1:
-        records.append(Record(name="fleet.model", status="fail",
+        records.append(Record(name="group.model", status="fail",
                               summary="the hosts' models differ: " + "; ".join(
                                   f"{h}: {(m or {}).get('model_type')} {(m or {}).get('num_hidden_layers')} layers "
                                   f"hidden {(m or {}).get('hidden_size')}" for h, m in models.items()),
@@ -143,7 +143,7 @@ def shard_output_dir(spec, overrides: dict, run_id: str) -> str:
 def _why_not_ready(report: HostReport) -> str:
     if report.error is not None:
         return report.error.splitlines()[0]
-    failed = [r.name for r in report.records if r.status == "fail" and r.name != "fleet.preflight"]
+    failed = [r.name for r in report.records if r.status == "fail" and r.name != "group.preflight"]
     return f"{len(failed)} failed check(s): {', '.join(failed[:3])}" + (", ..." if len(failed) > 3 else "")
 
 
@@ -159,7 +159,7 @@ def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force:
     by_host = {r.host: r for r in reports}
     for report in smoked:
         records = report.records if report.error is None else [Record(
-            name="fleet.smoke", status="fail", summary=f"smoke on {report.host}: {report.error.splitlines()[0]}",
+            name="group.smoke", status="fail", summary=f"smoke on {report.host}: {report.error.splitlines()[0]}",
             fix="fix the host, or pass --skip-smoke")]
         by_host[report.host].records.extend(records)
     return [r.host for r in smoked if r.failed]
@@ -168,15 +168,15 @@ def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force:
 def _rehearse_both(host, overrides: dict, force: bool, twin: bool, real: bool) -> list:
     from specops.smoke import rehearse
 
-    records = rehearse(host, overrides, force=force, name="fleet.smoke") if twin else []
+    records = rehearse(host, overrides, force=force, name="group.smoke") if twin else []
     if real and not any(r.status == "fail" for r in records):
-        records += rehearse(host, overrides, force=force, name="fleet.smoke", real=True)
+        records += rehearse(host, overrides, force=force, name="group.smoke", real=True)
     return records
 
 
 def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: str | None, allow_partial: bool,
          skip_preflight: bool, skip_smoke: bool = False, force: bool = False, smoke_real: bool = False
-         ) -> tuple[FleetManifest | None, list[HostReport]]:
+         ) -> tuple[GroupMap | None, list[HostReport]]:
     """Probe every host at once and write the shard map; (None, reports) when the run must not start.
 
     The smoke rehearsal runs once the hosts agree (a mismatch is found in seconds, without a
@@ -206,21 +206,21 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     if left_out:
         if not ready or not allow_partial:
             group.records.append(Record(
-                name="fleet.ready", status="fail",
+                name="group.ready", status="fail",
                 summary=f"{len(ready)} of {len(names)} host(s) ready ({', '.join(ready) or 'none'}); not ready: "
                         + "; ".join(f"{h}: {why}" for h, why in left_out.items()),
                 detail={"ready": ready, "not_ready": left_out},
                 fix=("fix the hosts above and run the same command again, or start on the ready hosts only "
                      "with --allow-partial") if ready else "fix the hosts above and run the same command again"))
             return None, [*reports, group]
-        group.records.append(Record(name="fleet.ready", status="warn",
+        group.records.append(Record(name="group.ready", status="warn",
                                     summary=f"--allow-partial: starting on {', '.join(ready)}; left out: "
                                             + "; ".join(f"{h}: {why}" for h, why in left_out.items()),
                                     detail={"ready": ready, "not_ready": left_out}))
         if mode == "weights":
             given = {h: w for h, w in (given or {}).items() if h in ready}
     else:
-        group.records.append(Record(name="fleet.ready", status="ok", summary=f"all {len(names)} hosts ready"))
+        group.records.append(Record(name="group.ready", status="ok", summary=f"all {len(names)} hosts ready"))
     probes = {r.host: r.data["probe"] for r in reports if r.host in ready}
     checks = agreement(probes)
     group.records.extend(checks)
@@ -238,14 +238,14 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
         ready = [h for h in ready if h not in failed_smoke]
         if not ready or not allow_partial:
             group.records.append(Record(
-                name="fleet.smoke", status="fail",
+                name="group.smoke", status="fail",
                 summary=f"smoke failed on {', '.join(failed_smoke)}: the real run would fail there; not starting",
                 detail={"ready": ready, "not_ready": left_out},
                 fix=("fix the failures above (specops smoke --on HOST shows them alone), or start on the other "
                      "hosts with --allow-partial, or pass --skip-smoke") if ready else
                     "fix the failures above (specops smoke --on HOST shows them alone), or pass --skip-smoke"))
             return None, [*reports, group]
-        group.records.append(Record(name="fleet.smoke", status="warn",
+        group.records.append(Record(name="group.smoke", status="warn",
                                     summary=f"--allow-partial: smoke failed on {', '.join(failed_smoke)}; starting "
                                             f"on {', '.join(ready)}", detail={"ready": ready, "not_ready": left_out}))
         probes = {h: p for h, p in probes.items() if h in ready}
@@ -255,7 +255,7 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     first = probes[ready[0]]
     total = first["dataset"]["samples"]
     weights = _weights(mode, given, probes)
-    manifest = FleetManifest(
+    manifest = GroupMap(
         run_id=run_id, total=total, dataset={k: first["dataset"][k] for k in ("samples", "sha256")},
         shard_by=mode, weights=weights, overrides=overrides,
         stack={k: first["stack"].get(k) for k in ("convention", "format", "format_text", "layer_ids",
@@ -271,7 +271,7 @@ def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: s
     storage.remember(manifest, probes, shared_groups)
     idle = [s.head for s in manifest.shards if s.empty]
     group.records.append(Record(
-        name="fleet.plan", status="ok",
+        name="group.plan", status="ok",
         summary=f"{total} samples over {len(ready)} host(s) by {mode}: " + ", ".join(
             f"{s.head} [{s.start}, {s.stop})" for s in manifest.shards)
         + (f"; {', '.join(idle)} get(s) no samples (more hosts than samples)" if idle else ""),

@@ -8,7 +8,7 @@ from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.shardmap import GroupMap, Shard
 
 #: seconds for the quick per-shard steps (start a job, look at it, abort it, read its logs):
 #: ``step_timeout("quick")``, so ``SPECOPS_STEP_TIMEOUT`` means here what it means for every
@@ -45,7 +45,7 @@ class Connections:
                 self._by_key[key] = Host(self.spec(name), self.inventory, self.accept_new)
             return self._by_key[key]
 
-    def for_shard(self, manifest: FleetManifest, shard: Shard) -> Host:
+    def for_shard(self, manifest: GroupMap, shard: Shard) -> Host:
         slot = [s.id for s in manifest.shards_on(shard.head)].index(shard.id)
         return self.host(shard.head, slot)
 
@@ -54,7 +54,7 @@ class Connections:
             host.close()
 
 
-def per_shard(items: list[Shard], manifest: FleetManifest, conns: Connections, task: str, step,
+def per_shard(items: list[Shard], manifest: GroupMap, conns: Connections, task: str, step,
                timeout: float | None) -> list[HostReport]:
     """``step(shard, host)`` for every shard in parallel, each bounded by ``timeout``."""
     return run_steps(items, lambda s: step(s, conns.for_shard(manifest, s)), name_of=lambda s: s.label, task=task,

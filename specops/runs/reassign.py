@@ -10,7 +10,7 @@ from specops.result import HostReport, Record
 from specops.runs.plan import agreement, probe_step, rehearse_hosts, shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
 from specops.runs.store import GROUP, save_manifest
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.shardmap import GroupMap, Shard
 
 
 def parse_reassign(text: str) -> list[tuple[str, str]]:
@@ -34,7 +34,7 @@ def parse_reassign(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _cut_point(manifest: FleetManifest, shard: Shard, conns: Connections) -> tuple[int, str, bool]:
+def _cut_point(manifest: GroupMap, shard: Shard, conns: Connections) -> tuple[int, str, bool]:
     """The first index of ``shard`` not on its host's disk, how it was learned, and whether
     that was read on the disk.
 
@@ -86,7 +86,7 @@ def _as_units(inventory, src: str, dst: str) -> tuple[str, str]:
     return src, dst
 
 
-def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
+def reassign(manifest: GroupMap, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
              skip_preflight: bool, skip_smoke: bool = False, force: bool = False,
              smoke_real: bool = False) -> list[HostReport]:
     """Move every unfinished shard of each FROM to its TO; the map is saved when all moves are settled.
@@ -115,7 +115,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
     if not bad and (smoke_real or not skip_smoke) and new and not any(r.status == "fail" for r in checks):
         bad = rehearse_hosts(new, conns, overrides, force, reports, real=smoke_real, twin=not skip_smoke)
     if bad or any(r.status == "fail" for r in checks):
-        group.records.append(Record(name="fleet.reassign", status="fail",
+        group.records.append(Record(name="group.reassign", status="fail",
                                     summary=f"not moving anything: {', '.join(bad) or 'the new host'} cannot take a "
                                             f"shard of run {manifest.run_id}",
                                     fix="fix the target host (see its records), or pick another one"))
@@ -128,7 +128,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
             kept = f" (the rest moved to {', '.join(shard.moved_to)} before)" if shard.closed else ""
             if shard.closed and not checked:
                 group.records.append(Record(
-                    name="fleet.reassign", status="skipped",
+                    name="group.reassign", status="skipped",
                     summary=f"{shard.label}: [{shard.start}, {shard.stop}) stays on {src}{kept}; nothing more to move "
                             f"while it does not answer ({how.split(';')[0]})",
                     fix=f"once {src} answers, specops extract --run-id {manifest.run_id} reads its disk and makes "
@@ -140,7 +140,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
             if moved is None:
                 if checked:
                     shard.cut_checked = True
-                group.records.append(Record(name="fleet.reassign", status="skipped",
+                group.records.append(Record(name="group.reassign", status="skipped",
                                             summary=f"{shard.label}: every sample of [{shard.start}, {shard.stop}) "
                                                     f"is on {src}{kept} ({how}); nothing to move"))
                 continue
@@ -150,7 +150,7 @@ def reassign(manifest: FleetManifest, pairs: list[tuple[str, str]], conns: Conne
                                             "capacity": probes[dst].get("capacity"),
                                             "dataset_path": probes[dst]["dataset"].get("path")})
             group.records.append(Record(
-                name="fleet.reassign", status="changed",
+                name="group.reassign", status="changed",
                 summary=f"{shard.id}: [{cut}, {moved.stop}) moved from {src} to {dst} as {moved.label} (run id "
                         f"{moved.run_id}); [{shard.start}, {cut}) stays on {src} (cut {how})",
                 detail={"from": shard.model_dump(), "to": moved.model_dump(), "how": how}))

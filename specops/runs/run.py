@@ -5,7 +5,7 @@ asks :func:`open_run` for it and calls the verb; none of them asks "is this a gr
 The answer is given here, once:
 
 - a **group run** (:class:`GroupRun`) is one this laptop planned (its shard map,
-  ``runs/<run-id>/fleet.json``, exists), or an extraction asked to be one (several hosts,
+  ``runs/<run-id>/group.json``, exists), or an extraction asked to be one (several hosts,
   or ``--shard-by``/``--allow-partial``/``--reassign``): one run, the dataset sharded, every
   shard on the host that holds it now (:mod:`specops.runs`);
 - otherwise a **host run** (:class:`HostRun`): one shard that is the whole dataset, on
@@ -158,9 +158,9 @@ def open_run(inventory: Inventory, selector: str | None, run_id: str, *, accept_
     """The run called ``run_id``: a :class:`GroupRun` when this laptop holds its shard map or
     ``as_group`` asks for one (an extraction over several hosts, or with a group flag), else a
     :class:`HostRun` on the selected hosts."""
-    from specops.runs.store import is_fleet_run
+    from specops.runs.store import is_group_run
 
-    kind = GroupRun if as_group or is_fleet_run(run_id) else HostRun
+    kind = GroupRun if as_group or is_group_run(run_id) else HostRun
     return kind(inventory, selector, run_id, accept_new_host_key)
 
 
@@ -188,7 +188,7 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
 def verify(inventory: Inventory, selector: str | None, run_id: str, samples: int = 3, reference: str = "hf",
            accept_new_host_key: bool = False) -> list[HostReport]:
     """``specops verify``: ``run_id`` on every selected host; a group run this laptop started (its
-    ``runs/<run-id>/fleet.json``) shard by shard wherever each is now."""
+    ``runs/<run-id>/group.json``) shard by shard wherever each is now."""
     from specops.errors import UsageError
     from specops.verify import REFERENCES
 

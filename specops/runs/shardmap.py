@@ -1,6 +1,6 @@
-"""The shard map of a fleet run: which hosts extract which global sample indices (pure, no I/O).
+"""The shard map of a group run: which hosts extract which global sample indices (pure, no I/O).
 
-A fleet run splits ``dataset[0:total]`` (after ``max_samples``) into contiguous
+A group run splits ``dataset[0:total]`` (after ``max_samples``) into contiguous
 ranges, one per host, sized by each host's capacity (its data-parallel width,
 devices // tp) unless ``--shard-by`` says otherwise. Indices stay global: sample ``i``
 is ``data_{i}`` (or ``hs_{i}``) on whichever host made it.
@@ -116,8 +116,8 @@ class Shard(BaseModel):
                      "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-class FleetManifest(BaseModel):
-    """``runs/<run-id>/fleet.json`` on the laptop: everything needed to act on the group later."""
+class GroupMap(BaseModel):
+    """``runs/<run-id>/group.json`` on the laptop: everything needed to act on the group later."""
 
     schema_version: int = SCHEMA
     run_id: str
@@ -276,7 +276,7 @@ def root_id(shard_id: str) -> str:
     return shard_id.split("m", 1)[0]
 
 
-def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
+def next_moved_id(manifest: GroupMap, shard: Shard) -> str:
     """The id the next range moved off ``shard`` gets: ``s1m1``, ``s1m2``, ...
 
     A move of a moved range keeps the root (``s1m1`` -> ``s1m2``, not ``s1m1m1``), so ids,
@@ -292,7 +292,7 @@ def next_moved_id(manifest: FleetManifest, shard: Shard) -> str:
     return f"{root}m{k}"
 
 
-def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, output_dir: str,
+def reassign(manifest: GroupMap, shard: Shard, to_host: str, cut: int, output_dir: str,
              hosts: list[str] | None = None) -> Shard | None:
     """Close ``shard`` at ``cut`` and give ``[cut, old stop)`` to ``to_host`` as a new shard.
 
@@ -319,7 +319,7 @@ def reassign(manifest: FleetManifest, shard: Shard, to_host: str, cut: int, outp
     return moved
 
 
-def coverage_problems(manifest: FleetManifest) -> list[str]:
+def coverage_problems(manifest: GroupMap) -> list[str]:
     """Why the shards do not partition ``[0, total)`` exactly once (empty: they do)."""
     problems = []
     ranges = sorted((s.start, s.stop, s.id) for s in manifest.shards if not s.empty)
@@ -340,7 +340,7 @@ def coverage_problems(manifest: FleetManifest) -> list[str]:
     return problems
 
 
-def owner_of(manifest: FleetManifest, index: int) -> Shard:
+def owner_of(manifest: GroupMap, index: int) -> Shard:
     """The shard whose range holds global sample ``index``."""
     for shard in manifest.shards:
         if shard.start <= index < shard.stop:

@@ -11,7 +11,7 @@ from specops.replica import node_params
 from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.shardmap import GroupMap, Shard
 
 
 def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_dir: str | None = None,
@@ -30,7 +30,7 @@ def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_d
     return jobs.job_call(host, "start", run_id, **params)
 
 
-def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dict, force: bool,
+def start_step(manifest: GroupMap, shard: Shard, host: Host, overrides: dict, force: bool,
                conns: Connections | None = None) -> HostReport:
     """Start (or re-attach to, or resume) one shard's run on its head host, and on a replica's
     other hosts their headless ranks under the same run id (the head first: its watch of them
@@ -53,7 +53,7 @@ def start_step(manifest: FleetManifest, shard: Shard, host: Host, overrides: dic
     return report
 
 
-def settle_closed(manifest: FleetManifest, shard: Shard, host: Host) -> HostReport:
+def settle_closed(manifest: GroupMap, shard: Shard, host: Host) -> HostReport:
     """A cut shard's run must not go on past its cut: stop it if it runs; read what its host's disk
     holds of the kept range (``data["first_missing"]``: where a gap starts, or its stop)."""
     report = HostReport(host=shard.label, task="extract")
@@ -61,7 +61,7 @@ def settle_closed(manifest: FleetManifest, shard: Shard, host: Host) -> HostRepo
     moved = ", ".join(shard.moved_to)
     if state.alive and not state.is_final:
         jobs.job_call(host, "abort", shard.run_id)
-        report.records.append(Record(name="fleet.cut", status="changed",
+        report.records.append(Record(name="group.cut", status="changed",
                                      summary=f"stopped run {shard.run_id} on {shard.head}: its range past {shard.stop} "
                                              f"moved to {moved}"))
         state = jobs.run_state(host, shard.run_id)
@@ -71,13 +71,13 @@ def settle_closed(manifest: FleetManifest, shard: Shard, host: Host) -> HostRepo
     have = int(listing["first_missing"])
     report.data["first_missing"] = have
     if have >= shard.stop:
-        report.records.append(Record(name="fleet.cut", status="ok",
+        report.records.append(Record(name="group.cut", status="ok",
                                      summary=f"[{shard.start}, {shard.stop}) kept on {shard.head}, every sample on "
                                              f"its disk (the rest moved to {moved})", detail={"first_missing": have}))
     return report
 
 
-def remake_gaps(manifest: FleetManifest, settled: list[tuple[Shard, HostReport]], conns: Connections,
+def remake_gaps(manifest: GroupMap, settled: list[tuple[Shard, HostReport]], conns: Connections,
                 overrides: dict) -> list[Record]:
     """A cut shard whose kept range has a gap on its host's disk (a file lost in a crash before an
     unchecked cut, or deleted since): ``[gap, stop)`` becomes a new shard on the same host, so it is
@@ -95,7 +95,7 @@ def remake_gaps(manifest: FleetManifest, settled: list[tuple[Shard, HostReport]]
         if moved is None:
             continue
         records.append(Record(
-            name="fleet.gap", status="changed",
+            name="group.gap", status="changed",
             summary=f"{shard.label}: sample {cut} of its kept range [{shard.start}, {old_stop}) is not on "
                     f"{shard.head}'s disk; [{cut}, {old_stop}) is made again there as {moved.label} (run id "
                     f"{moved.run_id})", detail={"from": shard.model_dump(), "to": moved.model_dump()}))
@@ -111,7 +111,7 @@ def lanes_of(shard_list: list[Shard]) -> dict[str, list[Shard]]:
     return lanes
 
 
-def start_lane(manifest: FleetManifest, lane: list[Shard], conns: Connections, overrides: dict,
+def start_lane(manifest: GroupMap, lane: list[Shard], conns: Connections, overrides: dict,
                force: bool) -> HostReport:
     """Start a host's first unfinished shard (shards already done just say so); ``data["current"]`` names it."""
     out = HostReport(host=lane[0].head, task="extract")

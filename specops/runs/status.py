@@ -16,8 +16,8 @@ from specops.report import console
 from specops.result import STATE, HostReport, Record, RunState, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
 from specops.runs.store import load_manifest, save_manifest
-from specops.runs.view import INCOMPLETE, print_fleet, shard_state, shard_table
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.view import INCOMPLETE, print_group, shard_state, shard_table
+from specops.runs.shardmap import GroupMap, Shard
 
 
 def host_label(shard: Shard, host: str) -> str:
@@ -29,7 +29,7 @@ class UnreachableMarker(Exception):
     """A shard whose host did not answer a look (shown with its last seen progress)."""
 
 
-def _look_step(manifest: FleetManifest, shard: Shard, host: Host, conns: Connections | None = None) -> HostReport:
+def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: Connections | None = None) -> HostReport:
     payload = jobs.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
     state = RunState.from_payload(payload)
@@ -47,7 +47,7 @@ def _look_step(manifest: FleetManifest, shard: Shard, host: Host, conns: Connect
         if gone:
             report.data.update(state=INCOMPLETE, on_disk=shard.size - gone, disk_first_missing=listing["first_missing"])
             report.records.append(Record(
-                name="fleet.disk", status="fail",
+                name="group.disk", status="fail",
                 summary=f"{shard.label} is done by its status, but {gone} of its {shard.size} sample(s) are not on "
                         f"{shard.head}'s disk, or changed there (first {listing['first_missing']})",
                 detail={"missing_head": listing.get("missing_head"), "changed": listing.get("changed")},
@@ -104,7 +104,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
             report.data["last_seen"] = shard.seen
         else:
             states[shard.id] = RunState.model_validate(report.data["run_state"])
-    print_fleet(reports, as_json=as_json)
+    print_group(reports, as_json=as_json)
     if not as_json:
         console.print(shard_table(manifest, states, {
             s.id: (r.data["on_disk"], r.data["disk_first_missing"]) for s, r in zip(shards, reports)

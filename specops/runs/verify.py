@@ -28,7 +28,7 @@ def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
             state = jobs.run_state(host, shard.run_id)
             if state.state != STATE.DONE:
                 return HostReport(host=shard.label, task="verify", records=[Record(
-                    name="fleet.verify", status="warn",
+                    name="group.verify", status="warn",
                     summary=f"{shard.label}: not verified: its run {shard.run_id} was cut at {shard.stop} (the rest "
                             f"moved to {', '.join(shard.moved_to)}) and ended {state.state}, so it has no manifest "
                             f"of [{shard.start}, {shard.stop})", detail={"range": [shard.start, shard.stop]})])
@@ -42,9 +42,9 @@ def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
     finally:
         conns.close()
     failed = [r.host for r in reports if r.failed]
-    unverified = [r.host for r in reports if not r.failed and any(x.name == "fleet.verify" for x in r.records)]
+    unverified = [r.host for r in reports if not r.failed and any(x.name == "group.verify" for x in r.records)]
     verdict = Record(
-        name="fleet.verify", status="fail" if failed else "warn" if unverified else "ok",
+        name="group.verify", status="fail" if failed else "warn" if unverified else "ok",
         summary=(f"{len(reports) - len(failed) - len(unverified)} of {len(reports)} shard(s) of run {run_id} "
                  f"verified" + (f"; failed: {', '.join(failed)}" if failed else "")
                  + (f"; not verifiable: {', '.join(unverified)}" if unverified else "")),

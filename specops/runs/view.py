@@ -17,15 +17,15 @@ from specops.result import STATE, HostReport, RunState
 from specops.runs.pool import Connections
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.shardmap import GroupMap, Shard
 
-#: how often the follow view writes last seen progress to fleet.json (seconds).
+#: how often the follow view writes last seen progress to group.json (seconds).
 SAVE_EVERY_S = 2.0
 #: a shard whose status says done while its disk lacks samples (status's word for it).
 INCOMPLETE = "incomplete"
 
 
-def print_fleet(reports: list[HostReport], as_json: bool = False) -> None:
+def print_group(reports: list[HostReport], as_json: bool = False) -> None:
     """``print_reports``, made for many hosts: with ``--json`` every record; for people, the
     tables of the hosts that have something to say (a failure, a warning, a change of plan)
     and one recap line for every host."""
@@ -58,7 +58,7 @@ class NotStarted(Exception):
     """A shard that waited for another shard of its host, which did not end done."""
 
 
-def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Shard]], overrides: dict,
+def follow(manifest: GroupMap, conns: Connections, lanes: dict[str, list[Shard]], overrides: dict,
            force: bool) -> tuple[dict[str, RunState | Exception], list[HostReport]]:
     """One view over every lane until each shard is final, lost or left waiting.
 
@@ -163,7 +163,7 @@ def follow(manifest: FleetManifest, conns: Connections, lanes: dict[str, list[Sh
     return results, started
 
 
-def shard_table(manifest: FleetManifest, states: dict[str, RunState | Exception | None],
+def shard_table(manifest: GroupMap, states: dict[str, RunState | Exception | None],
                 disk: dict[str, tuple[int, int]] | None = None) -> Table:
     """One row per shard; ``disk`` (``{shard id: (samples on disk, first missing)}``) overrides a done
     status for shards whose disk lacks samples."""

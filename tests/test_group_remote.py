@@ -49,7 +49,7 @@ def start_cli(*args, runs: Path) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def host_c(tmp_path_factory):
     """A second sshd, so that one host can be killed while the others keep theirs."""
-    host = TestHost(name=f"pytest-fleet-{os.getpid()}", root=tmp_path_factory.mktemp("host-c"))
+    host = TestHost(name=f"pytest-group-{os.getpid()}", root=tmp_path_factory.mktemp("host-c"))
     host.up()
     yield host
     host.destroy()
@@ -140,12 +140,12 @@ def records_of(stdout: str) -> dict:
 def assert_merged(runs: Path, run_id: str, total: int, tmp_path: Path) -> dict:
     """The merged manifest names every sample once, matches each owner's files, and equals the union of shards."""
     root = runs / run_id
-    fleet = json.loads((root / "fleet.json").read_text())
+    group_doc = json.loads((root / "group.json").read_text())
     merged = json.loads((root / "manifest.json").read_text())
     assert merged["complete"] and merged["samples"] == total and not merged["missing"]
     assert [f["index"] for f in merged["files"]] == list(range(total)), "every index once, in order"
     union = set()
-    for shard in fleet["shards"]:
+    for shard in group_doc["shards"]:
         if shard["stop"] <= shard["start"]:
             continue
         out = Path(shard["output_dir"])
@@ -183,9 +183,9 @@ def test_a_host_lost_mid_run_leaves_the_others_running_then_resumes(ref_inventor
     port = host_c.port
     follower = start_cli("extract", "--inventory", inv, "--on", "trio", "--run-id", "F1", "--skip-preflight",
                          "--skip-smoke", "--json", runs=runs)
-    def laptop_saw_c() -> bool:  # the follow view keeps each shard's progress in fleet.json as it comes
+    def laptop_saw_c() -> bool:  # the follow view keeps each shard's progress in group.json as it comes
         try:
-            seen = json.loads((runs / "F1" / "fleet.json").read_text())["shards"][2]["seen"]
+            seen = json.loads((runs / "F1" / "group.json").read_text())["shards"][2]["seen"]
         except (FileNotFoundError, ValueError, IndexError, KeyError):
             return False
         return (seen.get("samples_done") or 0) >= 1
@@ -194,14 +194,14 @@ def test_a_host_lost_mid_run_leaves_the_others_running_then_resumes(ref_inventor
     kill_host(host_c, tmp_path / "c" / "work" / "runs" / "F1")
     out, err = follower.communicate(timeout=600)
     assert follower.returncode == ExitCode.UNREACHABLE, out + err
-    lost = records_of(out)["s2@c"]["fleet.run"]
+    lost = records_of(out)["s2@c"]["group.run"]
     assert lost["status"] == "fail" and lost["summary"].startswith("lost c") and "--reassign c=" in lost["fix"]
     for name in ("a", "b"):  # the others finished their shards without c
         assert status_file(tmp_path, name, "F1")["state"] == "done"
-    fleet = json.loads((runs / "F1" / "fleet.json").read_text())
-    assert [(s["id"], s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [
+    group_doc = json.loads((runs / "F1" / "group.json").read_text())
+    assert [(s["id"], s["hosts"], s["start"], s["stop"]) for s in group_doc["shards"]] == [
         ("s0", ["a"], 0, 4), ("s1", ["b"], 4, 8), ("s2", ["c"], 8, 12)]
-    assert fleet["shards"][2]["seen"]["samples_done"] >= 1, "c's last seen progress is kept"
+    assert group_doc["shards"][2]["seen"]["samples_done"] >= 1, "c's last seen progress is kept"
 
     looked = cli("status", "--inventory", inv, "--run-id", "F1", "--json", runs=runs, timeout=120)
     assert looked.returncode == ExitCode.UNREACHABLE, looked.stdout + looked.stderr
@@ -232,19 +232,19 @@ def test_reassign_moves_the_rest_of_a_dead_hosts_shard_no_sample_twice_none_lost
     looked = cli("status", "--inventory", inv, "--run-id", "F2", runs=runs, timeout=120)  # the laptop sees c's progress
     assert looked.returncode == ExitCode.JOB_RUNNING, looked.stdout + looked.stderr
     kill_host(host_c, tmp_path / "c" / "work" / "runs" / "F2")
-    seen = json.loads((runs / "F2" / "fleet.json").read_text())["shards"][2]["seen"]["samples_done"]
+    seen = json.loads((runs / "F2" / "group.json").read_text())["shards"][2]["seen"]["samples_done"]
     on_c = len(list((tmp_path / "c" / "out" / "F2").glob("data_*.pt")))
     assert on_c >= seen >= 1
 
     moved = cli("extract", "--inventory", inv, "--run-id", "F2", "--reassign", "c=a", "--tensors", "--json", runs=runs)
     # everything but c's kept part is done and fetched; c itself cannot be reached for its part yet
     assert moved.returncode == ExitCode.UNREACHABLE, moved.stdout[-3000:] + moved.stderr[-3000:]
-    fleet = json.loads((runs / "F2" / "fleet.json").read_text())
+    group_doc = json.loads((runs / "F2" / "group.json").read_text())
     cut = 8 + seen
-    assert [(s["id"], s["hosts"], s["start"], s["stop"], s["run_id"]) for s in fleet["shards"]] == [
+    assert [(s["id"], s["hosts"], s["start"], s["stop"], s["run_id"]) for s in group_doc["shards"]] == [
         ("s0", ["a"], 0, 4, "F2"), ("s1", ["b"], 4, 8, "F2"), ("s2", ["c"], 8, cut, "F2"),
         ("s2m1", ["a"], cut, 12, "F2.s2m1")]
-    said = records_of(moved.stdout)["fleet"]["fleet.reassign"]
+    said = records_of(moved.stdout)["group"]["group.reassign"]
     assert said["status"] == "changed" and f"[{cut}, 12) moved from c to a" in said["summary"]
     assert "did not answer" in said["detail"]["how"]
     moved_out = tmp_path / "a" / "out" / "F2.s2m1"
@@ -264,12 +264,12 @@ def test_reassign_moves_the_rest_of_a_dead_hosts_shard_no_sample_twice_none_lost
     checked = cli("verify", "--inventory", inv, "--run-id", "F2", "--samples", "1", "--json", runs=runs, timeout=900)
     assert checked.returncode == ExitCode.SUCCESS, checked.stdout[-4000:] + checked.stderr[-4000:]
     said = records_of(checked.stdout)
-    assert set(said) == {"s0@a", "s1@b", "s2@c", "s2m1@a", "fleet"}
+    assert set(said) == {"s0@a", "s1@b", "s2@c", "s2m1@a", "group"}
     for label in ("s0@a", "s1@b", "s2m1@a"):
         assert said[label]["verify.run"]["status"] == "ok", said[label]
     assert said["s2m1@a"]["verify.run"]["summary"].startswith("run F2.s2m1:")
-    assert said["s2@c"]["fleet.verify"]["status"] == "warn" and "not verified" in said["s2@c"]["fleet.verify"]["summary"]
-    verdict = said["fleet"]["fleet.verify"]
+    assert said["s2@c"]["group.verify"]["status"] == "warn" and "not verified" in said["s2@c"]["group.verify"]["summary"]
+    verdict = said["group"]["group.verify"]
     assert verdict["status"] == "warn" and "3 of 4 shard(s)" in verdict["summary"] and "s2@c" in verdict["summary"]
 
 
@@ -287,7 +287,7 @@ def test_mixed_stacks_and_unready_hosts_start_nothing_until_allowed(tmp_path, te
                 runs=runs, timeout=300)
     assert mixed.returncode == ExitCode.FAILED, mixed.stdout + mixed.stderr
     records = {r["name"]: r for h in json.loads(mixed.stdout)["hosts"] for r in h["records"]}
-    assert records["fleet.stack"]["status"] == "fail" and "mixed stacks" in records["fleet.stack"]["summary"]
+    assert records["group.stack"]["status"] == "fail" and "mixed stacks" in records["group.stack"]["summary"]
     assert not (runs / "M1").exists() and not (tmp_path / "a" / "work" / "runs" / "M1").exists()
 
     # b's dataset is missing and c hangs: the recap says so, nothing starts without --allow-partial
@@ -305,16 +305,16 @@ def test_mixed_stacks_and_unready_hosts_start_nothing_until_allowed(tmp_path, te
     assert held.returncode == ExitCode.UNREACHABLE, held.stdout + held.stderr
     hosts = {h["host"]: h for h in json.loads(held.stdout)["hosts"]}
     assert "no answer within 20s" in hosts["c"]["error"]
-    ready = next(r for r in hosts["fleet"]["records"] if r["name"] == "fleet.ready")
+    ready = next(r for r in hosts["group"]["records"] if r["name"] == "group.ready")
     assert ready["status"] == "fail" and "1 of 3 host(s) ready (a)" in ready["summary"]
     assert "--allow-partial" in ready["fix"] and not (runs / "P1").exists()
 
     go = cli("extract", "--inventory", str(inv), "--on", "trio", "--run-id", "P1", "--skip-preflight", "--skip-smoke",
              "--allow-partial", "--detach", runs=runs, env=env, timeout=600)
     assert go.returncode == ExitCode.SUCCESS, go.stdout[-3000:] + go.stderr[-3000:]
-    fleet = json.loads((runs / "P1" / "fleet.json").read_text())
-    assert [(s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [(["a"], 0, 4)]
-    assert set(fleet["history"][0]["left_out"]) == {"b", "c"}
+    group_doc = json.loads((runs / "P1" / "group.json").read_text())
+    assert [(s["hosts"], s["start"], s["stop"]) for s in group_doc["shards"]] == [(["a"], 0, 4)]
+    assert set(group_doc["history"][0]["left_out"]) == {"b", "c"}
     # abort and status act on the group by its run id; the same extract again resumes it
     stopped = cli("abort", "--inventory", str(inv), "--run-id", "P1", runs=runs, timeout=120)
     assert stopped.returncode == ExitCode.SUCCESS, stopped.stdout + stopped.stderr
@@ -338,15 +338,15 @@ def test_three_hosts_extract_one_dataset_at_tp1_deepseek(tmp_path, testhost, c_u
                "--json", runs=runs, timeout=900)
     assert proc.returncode == ExitCode.SUCCESS, proc.stdout[-4000:] + proc.stderr[-4000:]
     said = records_of(proc.stdout)
-    assert all(said[h]["fleet.preflight"]["status"] == "ok" for h in "abc"), "every host was preflighted first"
-    assert said["s0@a"]["fleet.run"]["status"] == "ok" and said["fleet"]["fleet.merge"]["status"] == "ok"
-    fleet = json.loads((runs / "D3" / "fleet.json").read_text())
+    assert all(said[h]["group.preflight"]["status"] == "ok" for h in "abc"), "every host was preflighted first"
+    assert said["s0@a"]["group.run"]["status"] == "ok" and said["group"]["group.merge"]["status"] == "ok"
+    group_doc = json.loads((runs / "D3" / "group.json").read_text())
     # equal capacity (2 cores / tp 1 each): 8 samples as 3 + 3 + 2, contiguous, global indices
-    assert [(s["hosts"], s["start"], s["stop"]) for s in fleet["shards"]] == [(["a"], 0, 3), (["b"], 3, 6),
+    assert [(s["hosts"], s["start"], s["stop"]) for s in group_doc["shards"]] == [(["a"], 0, 3), (["b"], 3, 6),
                                                                               (["c"], 6, 8)]
-    assert fleet["stack"]["convention"] == "output" and fleet["stack"]["layer_ids"] == [2, 4, 5, 7]
-    assert {h["engine"] for h in fleet["hosts"].values()} == {"speculators-0.3"}
-    assert all(h["versions"]["speculators"] == "0.3.0" for h in fleet["hosts"].values())
+    assert group_doc["stack"]["convention"] == "output" and group_doc["stack"]["layer_ids"] == [2, 4, 5, 7]
+    assert {h["engine"] for h in group_doc["hosts"].values()} == {"speculators-0.3"}
+    assert all(h["versions"]["speculators"] == "0.3.0" for h in group_doc["hosts"].values())
     for name, (start, stop) in {"a": (0, 3), "b": (3, 6), "c": (6, 8)}.items():
         names = sorted(p.name for p in (tmp_path / name / "out" / "D3").glob("data_*.pt"))
         assert names == sorted(f"data_{i}.pt" for i in range(start, stop)), (name, names)
@@ -378,9 +378,9 @@ def test_two_modern_hosts_merge_into_one_dir_speculators_trains_on(tmp_path, tes
     proc = cli("extract", "--inventory", str(inv), "--on", "a,b", "--run-id", "H2", "--skip-smoke", "--skip-preflight",
                "--tensors", "--json", runs=runs, timeout=1500)
     assert proc.returncode == ExitCode.SUCCESS, proc.stdout[-4000:] + proc.stderr[-4000:]
-    fleet = json.loads((runs / "H2" / "fleet.json").read_text())
-    assert fleet["stack"]["format"] == "hs" and fleet["stack"]["convention"] == "input"
-    assert {h["engine"] for h in fleet["hosts"].values()} == {"vllm-server"}
+    group_doc = json.loads((runs / "H2" / "group.json").read_text())
+    assert group_doc["stack"]["format"] == "hs" and group_doc["stack"]["convention"] == "input"
+    assert {h["engine"] for h in group_doc["hosts"].values()} == {"vllm-server"}
     merged = json.loads((runs / "H2" / "manifest.json").read_text())
     assert merged["complete"] and [f["index"] for f in merged["files"]] == [0, 1, 2, 3]
     assert [f["path"] for f in merged["files"]] == [f"hidden_states/hs_{i}.safetensors" for i in range(4)]

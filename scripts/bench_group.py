@@ -13,9 +13,9 @@
    after the core limit: with more single-core hosts than cores, each can have at most
    cores / hosts of one. Target: every host within 10 % of that.
 
-    .venv/bin/python scripts/bench_fleet.py [--repeat 2] [--samples 384] [--skip-extract] [--skip-preflight]
+    .venv/bin/python scripts/bench_group.py [--repeat 2] [--samples 384] [--skip-extract] [--skip-preflight]
 
-Brings up its own test sshd (``<cache>/testhost/bench-fleet``) and its own patched env;
+Brings up its own test sshd (``<cache>/testhost/bench-group``) and its own patched env;
 run after ``make bootstrap``. The machine is shared and noisy: read the ratios, not the
 seconds.
 """
@@ -127,9 +127,9 @@ def run_group(inv: Path, names: list[str], run_id: str, runs: Path) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"group run {run_id} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    fleet = json.loads((runs / run_id / "fleet.json").read_text())
+    group_doc = json.loads((runs / run_id / "group.json").read_text())
     rates = {}
-    for shard in fleet["shards"]:
+    for shard in group_doc["shards"]:
         if shard["stop"] > shard["start"]:
             summary = json.loads((runs / run_id / "hosts" / shard["hosts"][0] / shard["run_id"] /
                                   "summary.json").read_text())
@@ -182,10 +182,10 @@ def main() -> None:
     args = parser.parse_args()
     base = ensure_hostenv(quiet=True)
     models = ensure_models(base)
-    sshd = TestHost(name="bench-fleet")
+    sshd = TestHost(name="bench-group")
     info = sshd.up()
     python = make_overlay_env(base, sshd.root / "env")
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-", dir=cache_root()) as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-group-", dir=cache_root()) as tmp:
         root = Path(tmp)
         if not args.skip_preflight:
             bench_preflight(root, sshd, info, python, models, args.repeat, args.skip_autoconfig)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specops.exit_codes import ExitCode
-from test_fleet_remote import OFFLINE, cli, records_of, blake3_of, status_file, wait_for
+from test_group_remote import OFFLINE, cli, records_of, blake3_of, status_file, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDENTITY = {"dataset_sha256": "ab" * 32, "dataset_samples": 8, "model": {"model_type": "llama", "hidden_size": 256},
@@ -134,14 +134,14 @@ def shared_inventory(tmp_path: Path, testhost: dict, python, model, dataset, **f
 def assert_shared_run(tmp_path: Path, runs: Path, run_id: str, total: int) -> dict:
     """Every sample once in the shared dir, each range's own files apart, one merged manifest there and here."""
     out = tmp_path / "shared" / run_id
-    fleet = json.loads((runs / run_id / "fleet.json").read_text())
-    assert {s["output_dir"] for s in fleet["shards"]} == {str(out)}
-    assert fleet["hosts"]["a"]["storage"]["shared_with"] == ["a", "b"]
+    group_doc = json.loads((runs / run_id / "group.json").read_text())
+    assert {s["output_dir"] for s in group_doc["shards"]} == {str(out)}
+    assert group_doc["hosts"]["a"]["storage"]["shared_with"] == ["a", "b"]
     assert sorted(p.name for p in out.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(total))
     assert not list(out.glob(".partial-*")) and not list(out.glob(".specops-probe-*"))
-    ranges = sorted(f"{s['start']}-{s['stop']}" for s in fleet["shards"])
+    ranges = sorted(f"{s['start']}-{s['stop']}" for s in group_doc["shards"])
     assert sorted(p.name for p in (out / ".specops-shards").iterdir()) == ranges
-    for shard in fleet["shards"]:  # each range's own manifest lists its own samples only
+    for shard in group_doc["shards"]:  # each range's own manifest lists its own samples only
         own = json.loads((out / ".specops-shards" / f"{shard['start']}-{shard['stop']}" / "manifest.json").read_text())
         assert [f["index"] for f in own["files"]] == list(range(shard["start"], shard["stop"]))
         st = status_file(tmp_path, shard["hosts"][0], run_id)
@@ -151,7 +151,7 @@ def assert_shared_run(tmp_path: Path, runs: Path, run_id: str, total: int) -> di
     assert on_host["complete"] and [f["index"] for f in on_host["files"]] == list(range(total))
     for f in on_host["files"]:
         assert blake3_of(out / f["path"]) == f["blake3"]
-    group = "+".join(fleet["hosts"]["a"]["storage"]["shared_with"])
+    group = "+".join(group_doc["hosts"]["a"]["storage"]["shared_with"])
     fetched = runs / run_id / "shared" / group / "manifest.json"  # and brought back without a tensor
     assert json.loads(fetched.read_text()) == on_host
     assert not (runs / run_id / "samples").exists()
@@ -172,7 +172,7 @@ def test_two_hosts_on_one_shared_output_dir_extract_every_sample_once_seed_engin
                "--skip-preflight", "--json", runs=runs, timeout=900)
     assert proc.returncode == ExitCode.SUCCESS, proc.stdout[-4000:] + proc.stderr[-4000:]
     said = records_of(proc.stdout)
-    shared = said["fleet"]["fleet.storage"]
+    shared = said["group"]["group.storage"]
     assert "a, b share one output dir" in shared["summary"] and shared["detail"]["groups"] == [["a", "b"]]
     assert said["a"]["shard.storage"]["status"] == "ok"
     assert said["shared@a+b"]["merge.manifest"]["status"] == "ok"
@@ -231,7 +231,7 @@ def test_a_shared_dir_resumes_each_shard_in_its_own_range_and_refuses_another_da
                 "--skip-preflight", "--skip-smoke", "--json", runs=tmp_path / "runs-other")
     assert other.returncode == ExitCode.from_job_state("failed"), other.stdout[-3000:] + other.stderr[-3000:]
     for shard in ("s0@a", "s1@b"):
-        run = records_of(other.stdout)[shard]["fleet.run"]
+        run = records_of(other.stdout)[shard]["group.run"]
         assert run["status"] == "fail" and "was first written with other inputs" in run["summary"], run
         error = run["detail"]["error"]["message"]
         assert "dataset_samples (the number of samples in the dataset): 8 -> 12" in error, error
@@ -252,9 +252,9 @@ def test_hosts_that_share_a_work_dir_are_refused_before_anything_starts(tmp_path
     proc = cli("extract", "--inventory", str(inv), "--on", "pair", "--run-id", "SW1", "--skip-preflight", "--json",
                runs=runs, timeout=300)
     assert proc.returncode == ExitCode.FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
-    fleet = records_of(proc.stdout).get("fleet", {})
-    assert "fleet.work_dir" in fleet, proc.stdout[-4000:] + proc.stderr[-2000:]
-    said = fleet["fleet.work_dir"]
+    group_doc = records_of(proc.stdout).get("group", {})
+    assert "group.work_dir" in group_doc, proc.stdout[-4000:] + proc.stderr[-2000:]
+    said = group_doc["group.work_dir"]
     assert said["status"] == "fail" and f"a, b share one work dir ({tmp_path / 'a' / 'work'})" in said["summary"]
     assert "give each host its own work_dir" in said["fix"]
     assert not (runs / "SW1").exists() and not (tmp_path / "a" / "work" / "runs" / "SW1").exists()

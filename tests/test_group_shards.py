@@ -11,7 +11,7 @@ from specops.errors import UsageError
 from specops.transport.parallel import run_steps
 from specops.runs.plan import agreement, check_shared_params
 from specops.result import HostReport
-from specops.runs.shardmap import FleetManifest, Shard
+from specops.runs.shardmap import GroupMap, Shard
 
 
 def sizes(ranges):
@@ -38,7 +38,7 @@ def test_equal_split_is_contiguous_and_uneven_by_at_most_one(total, hosts):
 def test_more_hosts_than_samples_leaves_the_last_hosts_empty():
     ranges = shards.split(2, {"a": 1, "b": 1, "c": 1, "d": 1})
     assert ranges == {"a": (0, 1), "b": (1, 2), "c": (2, 2), "d": (2, 2)}
-    manifest = FleetManifest(run_id="r", total=2, shards=shards.plan("r", 2, {"a": 1, "b": 1, "c": 1, "d": 1}, {}))
+    manifest = GroupMap(run_id="r", total=2, shards=shards.plan("r", 2, {"a": 1, "b": 1, "c": 1, "d": 1}, {}))
     assert [s.empty for s in manifest.shards] == [False, False, True, True]
     assert [s.head for s in manifest.active()] == ["a", "b"]
     assert shards.coverage_problems(manifest) == []
@@ -79,7 +79,7 @@ def test_shard_by_parsing_names_the_flag_and_the_fix():
 
 
 def three_shards(total=30):
-    manifest = FleetManifest(run_id="g", total=total)
+    manifest = GroupMap(run_id="g", total=total)
     manifest.shards = shards.plan("g", total, {"a": 1, "b": 1, "c": 1}, {"a": "/o/g", "b": "/o/g", "c": "/o/g"})
     return manifest
 
@@ -113,7 +113,7 @@ def test_a_done_shard_counts_whole_and_a_manifest_round_trips():
     assert s.first_missing() == s.start
     s.remember({"state": "done", "samples_done": 3})
     assert s.first_missing() == s.stop
-    again = FleetManifest.model_validate_json(manifest.model_dump_json())
+    again = GroupMap.model_validate_json(manifest.model_dump_json())
     assert again == manifest and again.shard("s0").seen["state"] == "done"
 
 
@@ -132,7 +132,7 @@ def test_coverage_problems_find_gaps_overlaps_and_overruns():
 def test_a_shard_may_name_several_hosts():
     shard = Shard(id="s0", hosts=["head", "worker"], start=0, stop=4, run_id="r")
     assert shard.head == "head" and shard.label == "s0@head+worker"
-    manifest = FleetManifest(run_id="r", total=4, shards=[shard])
+    manifest = GroupMap(run_id="r", total=4, shards=[shard])
     assert manifest.host_names() == ["head", "worker"] and manifest.shards_on("worker") == [shard]
 
 
@@ -150,18 +150,18 @@ def statuses(records):
 
 def test_mixed_stacks_are_refused_unless_convention_format_and_tensors_agree():
     same = agreement({"a": probe(), "b": probe(engine="hf-reference")})
-    assert statuses(same) == {"fleet.dataset": "ok", "fleet.stack": "ok"}
+    assert statuses(same) == {"group.dataset": "ok", "group.stack": "ok"}
     mixed = agreement({"a": probe(), "b": probe(engine="vllm-server", convention="input", fmt="hs_{i}.safetensors",
                                                 ids=(3, 5, 6, 8))})
-    assert statuses(mixed)["fleet.stack"] == "fail"
-    bad = next(r for r in mixed if r.name == "fleet.stack")
+    assert statuses(mixed)["group.stack"] == "fail"
+    bad = next(r for r in mixed if r.name == "group.stack")
     assert "hs_{i}.safetensors" in bad.summary and "data_{i}.pt" in bad.summary and bad.fix
     other_layers = agreement({"a": probe(), "b": probe(ids=(1, 4, 5, 7))})
-    assert statuses(other_layers)["fleet.stack"] == "fail"
+    assert statuses(other_layers)["group.stack"] == "fail"
     other_data = agreement({"a": probe(), "b": probe(digest="d2")})
-    assert statuses(other_data)["fleet.dataset"] == "fail"
+    assert statuses(other_data)["group.dataset"] == "fail"
     other_model = agreement({"a": probe(), "b": probe(model_type="llama")})
-    assert statuses(other_model)["fleet.model"] == "fail"
+    assert statuses(other_model)["group.model"] == "fail"
 
 
 def test_hosts_that_disagree_on_what_sample_i_is_are_a_usage_error(tmp_path):
@@ -280,7 +280,7 @@ def test_moved_ids_stay_bounded_and_fit_the_host_for_any_user_run_id(remote_pkg)
     from remote.wire import protocol
 
     longest = "r" * protocol.USER_RUN_ID_MAX
-    manifest = FleetManifest(run_id=longest, total=30)
+    manifest = GroupMap(run_id=longest, total=30)
     manifest.shards = shards.plan(longest, 30, {"a": 1, "b": 1, "c": 1}, {"a": "/o", "b": "/o", "c": "/o"})
     shard = manifest.shard("s2")
     for step in range(1, 6):  # move, then move the moved range again and again

@@ -1,6 +1,6 @@
 """No sample lost, none wrong: a group run over real SSH whose disks change under it (issue 20).
 
-Three hosts as in :mod:`test_fleet_remote` (``a`` and ``b`` on the session's sshd, ``c`` on
+Three hosts as in :mod:`test_group_remote` (``a`` and ``b`` on the session's sshd, ``c`` on
 its own, so it can die), the transformers reference engine, 12 samples: ``a`` makes
 ``[0, 4)``, ``b`` ``[4, 8)``, ``c`` ``[8, 12)``. Each stage damages what a finished (or
 half-finished) run left on a host's disk or on the laptop, and checks that the next
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specops.exit_codes import ExitCode
-from test_fleet_remote import (OFFLINE, assert_merged, c_up, cli, host_c, kill_host, records_of,  # noqa: F401
+from test_group_remote import (OFFLINE, assert_merged, c_up, cli, host_c, kill_host, records_of,  # noqa: F401
                                revive_host, blake3_of, status_file, wait_for, write_inventory)
 
 
@@ -46,8 +46,8 @@ def done_run(inv: Path, runs: Path, run_id: str, *extra: str) -> None:
 
 
 def shard_map(runs: Path, run_id: str) -> list[tuple]:
-    fleet = json.loads((runs / run_id / "fleet.json").read_text())
-    return [(s["id"], s["hosts"], s["start"], s["stop"], s["run_id"]) for s in fleet["shards"]]
+    group_doc = json.loads((runs / run_id / "group.json").read_text())
+    return [(s["id"], s["hosts"], s["start"], s["stop"], s["run_id"]) for s in group_doc["shards"]]
 
 
 # ------------------------------------------------------------------- 1: a sample deleted after its shard finished
@@ -71,7 +71,7 @@ def a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inven
     assert looked.returncode == ExitCode.FAILED, looked.stdout[-3000:] + looked.stderr[-3000:]
     shown = {h["host"]: h for h in json.loads(looked.stdout)["hosts"]}
     assert shown["s1@b"]["data"]["state"] == "incomplete" and shown["s1@b"]["data"]["disk_first_missing"] == 5
-    said = {r["name"]: r for r in shown["s1@b"]["records"]}["fleet.disk"]
+    said = {r["name"]: r for r in shown["s1@b"]["records"]}["group.disk"]
     assert said["status"] == "fail" and "extract --run-id L" in said["fix"]
     assert shown["s0@a"]["data"]["state"] == shown["s2@c"]["data"]["state"] == "done"
 
@@ -95,9 +95,9 @@ def a_sample_deleted_after_its_shard_finished_is_made_again_by_resume(fast_inven
     (runs / "L" / "samples" / "data_9.pt").unlink()
     idle = cli("extract", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert idle.returncode == ExitCode.SUCCESS, idle.stdout[-3000:] + idle.stderr[-3000:]
-    group = records_of(idle.stdout)["fleet"]
-    assert group["fleet.run"]["status"] == "ok" and "nothing left to run" in group["fleet.run"]["summary"]
-    assert group["fleet.merge"]["status"] == "ok" and "12 sample(s) of 12" in group["fleet.merge"]["summary"]
+    group = records_of(idle.stdout)["group"]
+    assert group["group.run"]["status"] == "ok" and "nothing left to run" in group["group.run"]["summary"]
+    assert group["group.merge"]["status"] == "ok" and "12 sample(s) of 12" in group["group.merge"]["summary"]
     assert_merged(runs, "L", 12, tmp_path)
     human = cli("extract", "--inventory", inv, "--run-id", "L", runs=runs)
     assert human.returncode == ExitCode.SUCCESS and "started detached" not in human.stdout, human.stdout[-2000:]
@@ -112,7 +112,7 @@ def reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_
     moved = cli("extract", "--inventory", inv, "--run-id", "L", "--reassign", "b=a", "--tensors", "--json",
                 runs=runs)
     assert moved.returncode == ExitCode.SUCCESS, moved.stdout[-3000:] + moved.stderr[-3000:]
-    said = records_of(moved.stdout)["fleet"]["fleet.reassign"]
+    said = records_of(moved.stdout)["group"]["group.reassign"]
     assert said["status"] == "changed" and "[6, 8) moved from b to a" in said["summary"]
     assert "disk" in said["detail"]["how"]
     assert shard_map(runs, "L") == [("s0", ["a"], 0, 4, "L"), ("s1", ["b"], 4, 6, "L"),
@@ -122,7 +122,7 @@ def reassign_believes_the_disk_of_a_finished_shard_and_a_second_one_says_why_it_
 
     twice = cli("extract", "--inventory", inv, "--run-id", "L", "--reassign", "b=a", "--json", runs=runs)
     assert twice.returncode == ExitCode.SUCCESS, twice.stdout[-3000:] + twice.stderr[-3000:]
-    again = records_of(twice.stdout)["fleet"]["fleet.reassign"]
+    again = records_of(twice.stdout)["group"]["group.reassign"]
     assert again["status"] == "skipped" and "nothing to move" in again["summary"] and "s1@b" in again["summary"]
     assert len(shard_map(runs, "L")) == 4, "a move asked twice changes nothing"
 
@@ -146,13 +146,13 @@ def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_in
 
     fetched = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert fetched.returncode == ExitCode.FAILED, fetched.stdout[-3000:] + fetched.stderr[-3000:]
-    said = records_of(fetched.stdout)["s1@b"]["fleet.changed"]
+    said = records_of(fetched.stdout)["s1@b"]["group.changed"]
     assert said["status"] == "fail" and "data_5.pt" in said["summary"]
     assert said["detail"]["changed"][0]["manifest_blake3"] == good and said["detail"]["changed"][0]["bytes"] == 1000
     assert blake3_of(local) == good, "the good local copy is never overwritten"
     merged = json.loads((runs / "L" / "manifest.json").read_text())
     assert 5 in merged["missing"] and 5 not in {f["index"] for f in merged["files"]}
-    assert records_of(fetched.stdout)["fleet"]["fleet.merge"]["status"] != "ok"
+    assert records_of(fetched.stdout)["group"]["group.merge"]["status"] != "ok"
 
     # its fix works: remove the damaged copy on the host, resume, and the sample is made again
     on_b.unlink()
@@ -165,7 +165,7 @@ def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_in
     (runs / "L" / "samples" / "data_2.pt.part").write_bytes(b"junk" * 16)
     refetched = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert refetched.returncode == ExitCode.SUCCESS, refetched.stdout[-3000:] + refetched.stderr[-3000:]
-    assert records_of(refetched.stdout)["fleet"]["fleet.merge"]["status"] == "ok"
+    assert records_of(refetched.stdout)["group"]["group.merge"]["status"] == "ok"
     assert not (runs / "L" / "samples" / "data_2.pt.part").exists()
     assert_merged(runs, "L", 12, tmp_path)
 
@@ -177,8 +177,8 @@ def fetch_refuses_a_host_file_whose_size_changed_and_keeps_the_good_copy(fast_in
     (runs / "L" / "samples" / "data_9.pt").unlink()
     broken = cli("fetch", "--inventory", inv, "--run-id", "L", "--tensors", "--json", runs=runs)
     assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
-    assert records_of(broken.stdout)["s2@c"]["fleet.tensors"]["status"] == "fail"
-    merge = records_of(broken.stdout)["fleet"]["fleet.merge"]
+    assert records_of(broken.stdout)["s2@c"]["group.tensors"]["status"] == "fail"
+    merge = records_of(broken.stdout)["group"]["group.merge"]
     assert merge["status"] == "fail" and "data_9.pt" in merge["summary"], merge
 
 
@@ -198,22 +198,22 @@ def test_reassign_from_a_dead_host_with_a_hole_makes_the_hole_again_once_it_answ
     looked = cli("status", "--inventory", inv, "--run-id", rid, runs=runs, timeout=120)  # the laptop sees c's progress
     assert looked.returncode == ExitCode.JOB_RUNNING, looked.stdout + looked.stderr
     kill_host(host_c, tmp_path / "c" / "work" / "runs" / rid)
-    seen = json.loads((runs / rid / "fleet.json").read_text())["shards"][2]["seen"]["samples_done"]
+    seen = json.loads((runs / rid / "group.json").read_text())["shards"][2]["seen"]["samples_done"]
     assert seen >= 2
     (tmp_path / "c" / "out" / rid / "data_8.pt").unlink()  # a hole below what the status counted
 
     moved = cli("extract", "--inventory", inv, "--run-id", rid, "--reassign", "c=a", "--json", runs=runs)
     assert moved.returncode == ExitCode.UNREACHABLE, moved.stdout[-3000:] + moved.stderr[-3000:]
-    said = records_of(moved.stdout)["fleet"]["fleet.reassign"]
+    said = records_of(moved.stdout)["group"]["group.reassign"]
     assert said["status"] == "changed" and "not checked on its disk" in said["detail"]["how"]
     cut = 8 + seen
     assert shard_map(runs, rid)[2:] == [("s2", ["c"], 8, cut, rid), ("s2m1", ["a"], cut, 12, f"{rid}.s2m1")]
-    assert not json.loads((runs / rid / "fleet.json").read_text())["shards"][2]["cut_checked"]
+    assert not json.loads((runs / rid / "group.json").read_text())["shards"][2]["cut_checked"]
 
     revive_host(host_c, port)
     again = cli("extract", "--inventory", inv, "--run-id", rid, "--tensors", "--json", runs=runs)
     assert again.returncode == ExitCode.SUCCESS, again.stdout[-3000:] + again.stderr[-3000:]
-    gap = records_of(again.stdout)["fleet"]["fleet.gap"]
+    gap = records_of(again.stdout)["group"]["group.gap"]
     assert gap["status"] == "changed" and f"[8, {cut}) is made again there as s2m2@c" in gap["summary"]
     assert shard_map(runs, rid)[2:] == [("s2", ["c"], 8, 8, rid), ("s2m2", ["c"], 8, cut, f"{rid}.s2m2"),
                                         ("s2m1", ["a"], cut, 12, f"{rid}.s2m1")]
