@@ -142,7 +142,7 @@ def test_test_hooks_are_declared_and_documented_once():
     doc = argspec.__doc__
     for name in {h for names in hooks.values() for h in names} | {"_python_min", "SPECOPS_BATCH_DELAY_S"}:
         assert f"``{name}``" in doc, name
-    assert "PYTHON_MIN_OVERRIDE" not in (REPO / "specops" / "remote_task.py").read_text()
+    assert "PYTHON_MIN_OVERRIDE" not in (REPO / "specops" / "transport" / "remote_task.py").read_text()
     assert "inject_failure" not in (REPO / "specops" / "extract.py").read_text()
 
 

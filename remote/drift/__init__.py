@@ -169,7 +169,7 @@ def to_records(findings: list, patch_sets: list, installed: dict, applied: set =
 def engine_of(params: dict) -> str | None:
     """The engine these params run: the named one, or what ``auto`` picks from the installed
     speculators; None when none fits (the speculators-0.3 rules then run as before)."""
-    from remote.wire.contract import resolve_engine
+    from remote.system.versions import resolve_engine
 
     try:
         return resolve_engine(params.get("engine"))[0]

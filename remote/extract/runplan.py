@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from remote.wire import contract, layers
-from remote.system import modelconfig
+from remote.system import modelconfig, versions
 
 #: where a run's samples go when its parameters name no output dir (inside its run dir).
 DEFAULT_OUTPUT_SUBDIR = "samples"
@@ -169,7 +169,7 @@ def resolve_engine(asked) -> tuple[str, str]:
     :raises PlanError: an unknown name, or ``auto`` on a host where no engine fits.
     """
     try:
-        return contract.resolve_engine(asked)
+        return versions.resolve_engine(asked)
     except ValueError as exc:
         raise PlanError("engine", str(exc)) from None
 

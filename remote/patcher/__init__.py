@@ -271,7 +271,7 @@ def no_patch_record(params: dict) -> dict | None:
     ``extract_hidden_states`` server and no speculators code, so there is nothing to
     patch, and no set to look for.
     """
-    from remote.wire.contract import engine_for_versions, resolve_engine
+    from remote.system.versions import engine_for_versions, resolve_engine
 
     asked = params.get("engine") or "auto"
     try:

@@ -9,14 +9,14 @@ preflight): ``speculators-0.3`` drives speculators 0.3/0.4's in-process generato
 (transformers < 5, a patched vLLM 0.12-0.16); ``vllm-server`` drives vLLM's own
 ``extract_hidden_states`` server (speculators >= 0.5, transformers 5 is fine, vLLM
 >= :data:`VLLM_SERVER_MIN`). The installed speculators says which engine fits
-(:func:`remote.wire.contract.engine_for_versions`); an engine named in the inventory that
+(:func:`remote.system.versions.engine_for_versions`); an engine named in the inventory that
 does not fit is a fail whose fix names the one that does.
 """
 from __future__ import annotations
 
 from remote.wire.contract import SPECULATORS_03, VLLM_SERVER
 from remote.system import versions
-from remote.wire.contract import engine_for_versions
+from remote.system.versions import engine_for_versions
 from remote.wire.protocol import FAIL, OK, WARN, record
 from remote.probes import Context, native
 

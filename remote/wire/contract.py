@@ -133,54 +133,6 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def engine_for_versions(speculators_version: str | None) -> tuple[str | None, str]:
-    """``(engine, why)`` that ``engine: auto`` means for a host with this speculators.
-
-    ``(None, why)`` when no engine drives it (speculators missing or unparsable).
-
-    >>> engine_for_versions("0.3.0")
-    ('speculators-0.3', 'speculators 0.3.0 has the in-process generator (< 0.5)')
-    >>> engine_for_versions("0.9.0")[0]
-    'vllm-server'
-    """
-    from remote.system import versions
-
-    if not speculators_version:
-        return None, "speculators is not installed"
-    try:
-        version = versions.parse_version(speculators_version)
-    except ValueError:
-        return None, f"speculators version {speculators_version!r} is not a PEP 440 version"
-    for specifier, engine in ENGINE_FOR_SPECULATORS:
-        if versions.version_matches(version, specifier):
-            why = ("has the in-process generator (< 0.5)" if engine == SPECULATORS_03
-                   else "extracts through a vLLM server (>= 0.5)")
-            return engine, f"speculators {speculators_version} {why}"
-    return None, f"no engine drives speculators {speculators_version}"
-
-
-def resolve_engine(name: str | None, search_path=None) -> tuple[str, str]:
-    """``(engine, why)``: ``name`` made canonical, or what ``auto``/None picks from the installed versions.
-
-    :raises ValueError: an unknown name, or ``auto`` on a host where no engine fits.
-    """
-    if name and name != AUTO_ENGINE:
-        return canonical_name(name), "given"
-    from remote.system import versions
-
-    engine, why = engine_for_versions(versions.installed_version("speculators", search_path))
-    if engine is None:
-        raise ValueError(f"engine auto: {why}; install speculators (0.3.x for vLLM 0.12-0.16, "
-                         f">= 0.5 for a vLLM with extract_hidden_states) or name an engine")
-    return engine, f"auto: {why}"
-
-# --------------------------------------------------------------------------- state formats
-
-#: the dtype a ``hs`` file stores the states in (the run parameter ``format``): ``bf16`` (the
-#: default) keeps what the model computes, unquantized; ``fp8`` is hs-connectors'
-#: ``FP8HiddenStatesConnector``: ``hidden_states`` float8_e4m3fn [T, L, H] with one float32 scale per
-#: token in ``hidden_states_scales`` [T, 1, 1] (value = fp8 * scale), about half the bytes. Only the
-#: ``vllm-server`` engine writes fp8.
 BF16, FP8 = "bf16", "fp8"
 STATE_FORMATS = (BF16, FP8)
 #: the tensor of an fp8 file that holds the per-token scales (hs-connectors' ``fp8_utils.SCALES_KEY``).

@@ -37,7 +37,7 @@ ENGINES = {
 
 def engine_class(name: str):
     """The class of the engine ``name`` (or an alias of it) names; which engine ``auto`` means is the
-    contract's (:func:`remote.wire.contract.resolve_engine`)."""
+    (:func:`remote.system.versions.resolve_engine`)."""
     module_name, _, cls_name = ENGINES[contract.canonical_name(name)].partition(":")
     module = importlib.import_module(f"{__name__}.{module_name}")
     return getattr(module, cls_name)
