@@ -18,6 +18,7 @@ from pathlib import PurePosixPath
 
 from specops.errors import SpecopsError, TaskInterrupted, UsageError
 from specops.transport.host import Host
+from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.result import HostReport
@@ -79,7 +80,7 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
         return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
                             accept_new_host_key=accept_new_host_key)
     except KeyboardInterrupt:
-        stopped = [stop_eval(Host(spec, inventory, accept_new_host_key), name) for spec in inventory.select(selector)]
+        stopped = [stop_eval(host, name) for host in HostPool(inventory, accept_new_host_key).selected(selector)]
         raise TaskInterrupted(f"eval interrupted (Ctrl-C): {'; '.join(stopped)}",
                               "run the same eval again; nothing of this one is kept but its server log") from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.transport.host import Host
+from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import HostReport
@@ -48,16 +49,11 @@ def preflight(inventory: Inventory, selector: str | None, overrides: dict | None
     if whole:
         from specops.replica import preflight_replicas
 
-        hosts: dict[str, Host] = {}
-
-        def host_of(name: str) -> Host:
-            return hosts.setdefault(name, Host(inventory.hosts[name], inventory, accept_new_host_key))
-
+        pool = HostPool(inventory, accept_new_host_key)
         try:
-            checked = preflight_replicas(inventory, [r.head for r in whole], host_of, overrides or {})
+            checked = preflight_replicas(inventory, [r.head for r in whole], pool.host, overrides or {})
         finally:
-            for host in hosts.values():
-                host.close()
+            pool.close()
         reports.extend(HostReport(host=f"replica {r.name}", task="preflight", records=checked[r.head])
                        for r in whole)
     return reports

@@ -62,9 +62,9 @@ class Target:
 
     def hosts(self) -> list:
         """One :class:`specops.transport.host.Host` per selected host (connections open lazily)."""
-        from specops.transport.host import Host
+        from specops.transport.pool import HostPool
 
-        return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
+        return HostPool(self.inventory, self.accept_new_host_key).selected(self.selector)
 
 
 _COMMON_PARAMETERS = [

@@ -28,6 +28,7 @@ from specops import wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
+from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.report import console, err_console, print_reports
@@ -206,7 +207,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     elif regen_max_tokens is not None or regen_temperature is not None:
         raise UsageError("--regen-max-tokens and --regen-temperature set how the target writes its replies",
                          "add --regenerate, or drop them")
-    hosts = {spec.name: Host(spec, inventory, accept_new_host_key) for spec in inventory.select(selector)}
+    hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
     reports = run_on_hosts(inventory, ",".join(hosts), "train", lambda h: start_step(
         hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force, trainer_args=extra,
         regenerate=regen, gpus=gpus, total_seq_len=total_seq_len))

@@ -12,7 +12,8 @@ from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit
 from specops.runs.fetch import fetch
 from specops.runs.plan import plan
-from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard
+from specops.runs.pool import QUICK_TIMEOUT_S, per_shard
+from specops.transport.pool import HostPool
 from specops.runs.reassign import parse_reassign, reassign
 from specops.runs.start import lanes_of, remake_gaps, settle_closed, start_lane
 from specops.runs.store import GROUP, load_manifest, manifest_path, save_manifest
@@ -29,7 +30,7 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     Every host of a new plan (and a new host a shard moves to) gets the smoke rehearsal
     first unless ``skip_smoke``; a resumed shard does not (it was checked when planned).
     """
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
     try:
         return _extract(inventory, selector, overrides, conns, run_id=run_id, detach=detach, force=force,
                         skip_preflight=skip_preflight, skip_smoke=skip_smoke, as_json=as_json, tensors=tensors,
@@ -53,7 +54,7 @@ def _resume_overrides(manifest: GroupMap, overrides: dict) -> dict:
     return dict(manifest.overrides)
 
 
-def _extract(inventory, selector, overrides, conns: Connections, *, run_id, detach, force, skip_preflight, skip_smoke,
+def _extract(inventory, selector, overrides, conns: HostPool, *, run_id, detach, force, skip_preflight, skip_smoke,
              as_json, tensors, shard_by, allow_partial, reassign_text, smoke_real=False) -> ExitCode:
     manifest = load_manifest(run_id)
     reports: list[HostReport] = []
@@ -133,7 +134,7 @@ def _extract(inventory, selector, overrides, conns: Connections, *, run_id, deta
                      left_out=left_out)
 
 
-def _nothing_to_run(manifest: GroupMap, conns: Connections, reports: list[HostReport], *, tensors: bool,
+def _nothing_to_run(manifest: GroupMap, conns: HostPool, reports: list[HostReport], *, tensors: bool,
                     as_json: bool, left_out: set[str]) -> ExitCode:
     """No shard is running after the starts: every one is done on its disk (a done run missing
     samples was restarted, so it runs), or the starts failed. Say which; fetch what is done."""
@@ -156,7 +157,7 @@ def _nothing_to_run(manifest: GroupMap, conns: Connections, reports: list[HostRe
     return overall_exit([r for r in everything if r.host not in left_out])
 
 
-def _conclude(manifest: GroupMap, conns: Connections, final: dict, *, tensors: bool, as_json: bool,
+def _conclude(manifest: GroupMap, conns: HostPool, final: dict, *, tensors: bool, as_json: bool,
               printed: list[HostReport], late: list[HostReport], left_out: set[str] = frozenset()) -> ExitCode:
     """Say how each shard ended; fetch and merge when every shard is done.
 

@@ -13,13 +13,14 @@ from specops.inventory import Inventory
 from specops.report import console
 from specops.result import HostReport, Record, overall_exit
 from specops.runs.merge import merge
-from specops.runs.pool import FILES_TIMEOUT_S, QUICK_TIMEOUT_S, Connections, per_shard, shard_files
+from specops.runs.pool import FILES_TIMEOUT_S, QUICK_TIMEOUT_S, per_shard, shard_files
+from specops.transport.pool import HostPool
 from specops.runs.store import GROUP, load_manifest, run_root, save_manifest
 from specops.runs.view import print_group, shard_table
 from specops.runs.shardmap import GroupMap, Shard
 
 
-def fetch(manifest: GroupMap, conns: Connections, *, tensors: bool) -> list[HostReport]:
+def fetch(manifest: GroupMap, conns: HostPool, *, tensors: bool) -> list[HostReport]:
     """Every shard's run files into ``runs/R/hosts/``; the merged manifest (and samples) once all are done.
 
     Each host is fetched on its own thread; a host that does not answer is reported and
@@ -110,7 +111,7 @@ def fetch(manifest: GroupMap, conns: Connections, *, tensors: bool) -> list[Host
     return [*reports, group]
 
 
-def _worker_runs(shard: Shard, conns: Connections, root: Path) -> list[Record]:
+def _worker_runs(shard: Shard, conns: HostPool, root: Path) -> list[Record]:
     """The run files (logs, status, params) of each worker host of a replica shard, into
     ``runs/R/hosts/<worker>/<run id>/`` beside the head's: their ranks' logs are on them only."""
     records = []
@@ -140,7 +141,7 @@ def _local_copy_ok(local_dir: Path, entry: dict) -> bool:
 def fetch_run_id(inventory: Inventory, run_id: str, *, tensors: bool, as_json: bool,
                  accept_new_host_key: bool = False) -> ExitCode:
     manifest = load_manifest(run_id)
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
     try:
         reports = fetch(manifest, conns, tensors=tensors)
     finally:

@@ -12,7 +12,7 @@ from specops.transport.parallel import report_from_payload, run_steps, step_time
 from specops.preflight import preflight_step
 from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record
-from specops.runs.pool import Connections
+from specops.transport.pool import HostPool
 from specops.runs.store import GROUP, save_manifest
 from specops.runs.shardmap import GroupMap
 
@@ -147,7 +147,7 @@ def _why_not_ready(report: HostReport) -> str:
     return f"{len(failed)} failed check(s): {', '.join(failed[:3])}" + (", ..." if len(failed) > 3 else "")
 
 
-def rehearse_hosts(names: list[str], conns: Connections, overrides: dict, force: bool,
+def rehearse_hosts(names: list[str], conns: HostPool, overrides: dict, force: bool,
                    reports: list[HostReport], real: bool = False, twin: bool = True) -> list[str]:
     """Smoke on every named host at once (each host's records join its report in ``reports``);
     returns the hosts whose rehearsal failed. ``twin``: on the tiny twin; ``real``: on the real model
@@ -174,7 +174,7 @@ def _rehearse_both(host, overrides: dict, force: bool, twin: bool, real: bool) -
     return records
 
 
-def plan(run_id: str, overrides: dict, specs, conns: Connections, *, shard_by: str | None, allow_partial: bool,
+def plan(run_id: str, overrides: dict, specs, conns: HostPool, *, shard_by: str | None, allow_partial: bool,
          skip_preflight: bool, skip_smoke: bool = False, force: bool = False, smoke_real: bool = False
          ) -> tuple[GroupMap | None, list[HostReport]]:
     """Probe every host at once and write the shard map; (None, reports) when the run must not start.

@@ -1,11 +1,8 @@
 """The connections of a group run, one per shard, and steps over every shard in parallel."""
 from __future__ import annotations
 
-import threading
-
-from specops.errors import UsageError
 from specops.transport.host import Host
-from specops.inventory import Inventory
+from specops.transport.pool import HostPool
 from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport
 from specops.runs.shardmap import GroupMap, Shard
@@ -19,42 +16,7 @@ QUICK_TIMEOUT_S = step_timeout("quick")
 FILES_TIMEOUT_S = 3600.0
 
 
-class Connections:
-    """One :class:`Host` per host for the plan, and one per shard after that.
-
-    A host that holds two shards of a group gets a connection per shard, so their
-    steps and follows never share an SFTP session; the first shard of a host reuses
-    the connection the plan opened.
-    """
-
-    def __init__(self, inventory: Inventory, accept_new_host_key: bool):
-        self.inventory, self.accept_new = inventory, accept_new_host_key
-        self._by_key: dict[tuple[str, int], Host] = {}
-        self._lock = threading.Lock()  # steps of several shards ask at once
-
-    def spec(self, name: str):
-        if name not in self.inventory.hosts:
-            raise UsageError(f"host {name!r} of this run is not in {self.inventory.path}",
-                             f"add {name!r} back to the inventory (or pass the inventory the run was started with)")
-        return self.inventory.hosts[name]
-
-    def host(self, name: str, slot: int = 0) -> Host:
-        key = (name, slot)
-        with self._lock:
-            if key not in self._by_key:
-                self._by_key[key] = Host(self.spec(name), self.inventory, self.accept_new)
-            return self._by_key[key]
-
-    def for_shard(self, manifest: GroupMap, shard: Shard) -> Host:
-        slot = [s.id for s in manifest.shards_on(shard.head)].index(shard.id)
-        return self.host(shard.head, slot)
-
-    def close(self) -> None:
-        for host in self._by_key.values():
-            host.close()
-
-
-def per_shard(items: list[Shard], manifest: GroupMap, conns: Connections, task: str, step,
+def per_shard(items: list[Shard], manifest: GroupMap, conns: HostPool, task: str, step,
                timeout: float | None) -> list[HostReport]:
     """``step(shard, host)`` for every shard in parallel, each bounded by ``timeout``."""
     return run_steps(items, lambda s: step(s, conns.for_shard(manifest, s)), name_of=lambda s: s.label, task=task,

@@ -8,7 +8,8 @@ from specops.errors import UsageError
 from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport, Record
 from specops.runs.plan import agreement, probe_step, rehearse_hosts, shard_output_dir
-from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
+from specops.runs.pool import QUICK_TIMEOUT_S, shard_files
+from specops.transport.pool import HostPool
 from specops.runs.store import GROUP, save_manifest
 from specops.runs.shardmap import GroupMap, Shard
 
@@ -34,7 +35,7 @@ def parse_reassign(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _cut_point(manifest: GroupMap, shard: Shard, conns: Connections) -> tuple[int, str, bool]:
+def _cut_point(manifest: GroupMap, shard: Shard, conns: HostPool) -> tuple[int, str, bool]:
     """The first index of ``shard`` not on its host's disk, how it was learned, and whether
     that was read on the disk.
 
@@ -86,7 +87,7 @@ def _as_units(inventory, src: str, dst: str) -> tuple[str, str]:
     return src, dst
 
 
-def reassign(manifest: GroupMap, pairs: list[tuple[str, str]], conns: Connections, overrides: dict,
+def reassign(manifest: GroupMap, pairs: list[tuple[str, str]], conns: HostPool, overrides: dict,
              skip_preflight: bool, skip_smoke: bool = False, force: bool = False,
              smoke_real: bool = False) -> list[HostReport]:
     """Move every unfinished shard of each FROM to its TO; the map is saved when all moves are settled.

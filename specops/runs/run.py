@@ -40,9 +40,9 @@ class HostRun(Run):
     """A run of its own on each selected host (one shard each, the whole dataset)."""
 
     def _hosts(self) -> list:
-        from specops.transport.host import Host
+        from specops.transport.pool import HostPool
 
-        return [Host(spec, self.inventory, self.accept_new_host_key) for spec in self.inventory.select(self.selector)]
+        return HostPool(self.inventory, self.accept_new_host_key).selected(self.selector)
 
     def _on_hosts(self, task: str, step) -> list[HostReport]:
         from specops.transport.parallel import run_on_hosts

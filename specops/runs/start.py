@@ -10,7 +10,8 @@ from specops.transport.parallel import report_from_payload
 from specops.replica import node_params
 from specops.result import STATE, HostReport, Record
 from specops.runs.plan import shard_output_dir
-from specops.runs.pool import QUICK_TIMEOUT_S, Connections, shard_files
+from specops.runs.pool import QUICK_TIMEOUT_S, shard_files
+from specops.transport.pool import HostPool
 from specops.runs.shardmap import GroupMap, Shard
 
 
@@ -31,7 +32,7 @@ def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_d
 
 
 def start_step(manifest: GroupMap, shard: Shard, host: Host, overrides: dict, force: bool,
-               conns: Connections | None = None) -> HostReport:
+               conns: HostPool | None = None) -> HostReport:
     """Start (or re-attach to, or resume) one shard's run on its head host, and on a replica's
     other hosts their headless ranks under the same run id (the head first: its watch of them
     listens before they knock)."""
@@ -77,7 +78,7 @@ def settle_closed(manifest: GroupMap, shard: Shard, host: Host) -> HostReport:
     return report
 
 
-def remake_gaps(manifest: GroupMap, settled: list[tuple[Shard, HostReport]], conns: Connections,
+def remake_gaps(manifest: GroupMap, settled: list[tuple[Shard, HostReport]], conns: HostPool,
                 overrides: dict) -> list[Record]:
     """A cut shard whose kept range has a gap on its host's disk (a file lost in a crash before an
     unchecked cut, or deleted since): ``[gap, stop)`` becomes a new shard on the same host, so it is
@@ -111,7 +112,7 @@ def lanes_of(shard_list: list[Shard]) -> dict[str, list[Shard]]:
     return lanes
 
 
-def start_lane(manifest: GroupMap, lane: list[Shard], conns: Connections, overrides: dict,
+def start_lane(manifest: GroupMap, lane: list[Shard], conns: HostPool, overrides: dict,
                force: bool) -> HostReport:
     """Start a host's first unfinished shard (shards already done just say so); ``data["current"]`` names it."""
     out = HostReport(host=lane[0].head, task="extract")

@@ -14,7 +14,8 @@ from specops.logs import log_printer
 from specops.transport.parallel import report_from_payload, run_steps
 from specops.report import console
 from specops.result import STATE, HostReport, Record, RunState, overall_exit
-from specops.runs.pool import QUICK_TIMEOUT_S, Connections, per_shard, shard_files
+from specops.runs.pool import QUICK_TIMEOUT_S, per_shard, shard_files
+from specops.transport.pool import HostPool
 from specops.runs.store import load_manifest, save_manifest
 from specops.runs.view import INCOMPLETE, print_group, shard_state, shard_table
 from specops.runs.shardmap import GroupMap, Shard
@@ -29,7 +30,7 @@ class UnreachableMarker(Exception):
     """A shard whose host did not answer a look (shown with its last seen progress)."""
 
 
-def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: Connections | None = None) -> HostReport:
+def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: HostPool | None = None) -> HostReport:
     payload = jobs.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
     state = RunState.from_payload(payload)
@@ -57,7 +58,7 @@ def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: Connections 
     return report
 
 
-def _worker_records(shard: Shard, conns: Connections) -> list[Record]:
+def _worker_records(shard: Shard, conns: HostPool) -> list[Record]:
     """One record per worker host of a replica: its headless ranks' run (the head's run is the shard's)."""
     records = []
     for worker in shard.hosts[1:]:
@@ -82,7 +83,7 @@ def _worker_records(shard: Shard, conns: Connections) -> list[Record]:
 def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_key: bool = False) -> ExitCode:
     """Every shard's state, bounded per host; an unreachable host is shown with its last seen progress."""
     manifest = load_manifest(run_id)
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
         reports = per_shard(shards, manifest, conns, "status", lambda s, h: _look_step(manifest, s, h, conns),
@@ -118,7 +119,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
 def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = False) -> list[HostReport]:
     """Stop every shard's run (cut shards too, should theirs still run)."""
     manifest = load_manifest(run_id)
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
     try:
         shards = [s for s in manifest.shards if not s.empty]
         return per_shard(shards, manifest, conns, "abort", lambda s, h: _abort_shard(s, h, conns), QUICK_TIMEOUT_S)
@@ -126,7 +127,7 @@ def abort(inventory: Inventory, run_id: str, *, accept_new_host_key: bool = Fals
         conns.close()
 
 
-def _abort_shard(shard: Shard, head: Host, conns: Connections) -> HostReport:
+def _abort_shard(shard: Shard, head: Host, conns: HostPool) -> HostReport:
     """Abort the shard's run on its head, then on every other host of its replica (their headless
     ranks); a host that does not answer is named, the others are still aborted. A head that does
     not answer leaves the shard's report in error (its run may still go on), and its worker hosts
@@ -158,7 +159,7 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
          accept_new_host_key: bool = False) -> ExitCode:
     """Every shard's logs, each line prefixed by its shard and host; ``follow_logs`` streams until all are final."""
     manifest = load_manifest(run_id)
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
     shards = [s for s in manifest.shards if not s.empty]
     # a replica over several hosts: every host's logs, each under its own label (the head's is the shard's key)
     collected: dict[str, dict[str, str]] = {host_label(s, h): {} for s in shards for h in s.hosts}

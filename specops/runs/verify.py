@@ -5,7 +5,8 @@ from specops import jobs
 from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import STATE, HostReport, Record
-from specops.runs.pool import Connections, per_shard
+from specops.runs.pool import per_shard
+from specops.transport.pool import HostPool
 from specops.runs.store import GROUP, load_manifest
 from specops.runs.shardmap import Shard
 
@@ -21,7 +22,7 @@ def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
     from specops.verify import verify_step
 
     manifest = load_manifest(run_id)
-    conns = Connections(inventory, accept_new_host_key)
+    conns = HostPool(inventory, accept_new_host_key)
 
     def one(shard: Shard, host: Host) -> HostReport:
         if shard.closed:

@@ -14,7 +14,7 @@ from rich.text import Text
 from specops import jobs
 from specops.report import STATE_STYLE, console, err_console, host_view, print_reports, recap_line
 from specops.result import STATE, HostReport, RunState
-from specops.runs.pool import Connections
+from specops.transport.pool import HostPool
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
 from specops.runs.shardmap import GroupMap, Shard
@@ -58,7 +58,7 @@ class NotStarted(Exception):
     """A shard that waited for another shard of its host, which did not end done."""
 
 
-def follow(manifest: GroupMap, conns: Connections, lanes: dict[str, list[Shard]], overrides: dict,
+def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], overrides: dict,
            force: bool) -> tuple[dict[str, RunState | Exception], list[HostReport]]:
     """One view over every lane until each shard is final, lost or left waiting.
 

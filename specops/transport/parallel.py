@@ -20,6 +20,7 @@ from typing import Callable
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
+from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.result import HostReport, Record
 
@@ -126,8 +127,7 @@ def run_on_hosts(inventory: Inventory, selector: str | None, task: str,
 
     :param timeout: seconds one host's step may take (default: :func:`step_timeout` of ``task``).
     """
-    specs = inventory.select(selector)
-    hosts = [Host(spec, inventory, accept_new_host_key=accept_new_host_key) for spec in specs]
+    hosts = HostPool(inventory, accept_new_host_key).selected(selector)
 
     def one(host: Host) -> HostReport:
         try:
