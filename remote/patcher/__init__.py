@@ -199,30 +199,30 @@ class Patcher:
         return records
 
     def apply(self):
-        refused = self._refuse_unknown()
-        if refused:
-            return refused
-        todo = [t for t in self.targets if t.state in (PRISTINE, EARLIER)]
-        # Compute (and verify) every new content before touching anything.
-        planned = {t.rel: t.patched_text().encode("utf-8") for t in todo}
-        records = self._transaction(todo, planned, "patched", backup=True)
-        if not todo and self.applied_record().get("revision") != self.revision:
+        records, todo = self._change((PRISTINE, EARLIER), lambda t: t.patched_text(), "patched", backup=True)
+        if todo == [] and self.applied_record().get("revision") != self.revision:
             # Patched before records existed (or by a run that lost it): record it now,
             # so that the next revision can upgrade these files.
             self.write_applied_record()
         return records
 
     def revert(self):
-        refused = self._refuse_unknown()
-        if refused:
-            return refused
-        todo = [t for t in self.targets if t.state in (PATCHED, EARLIER)]
-        planned = {t.rel: t.pristine_text().encode("utf-8") for t in todo}
-        records = self._transaction(todo, planned, "reverted", backup=False)
-        if all(r["status"] != protocol.FAIL for r in records):
+        records, todo = self._change((PATCHED, EARLIER), lambda t: t.pristine_text(), "reverted", backup=False)
+        if todo is not None and all(r["status"] != protocol.FAIL for r in records):
             # Every file is pristine now: nothing specops wrote is left to recognise.
             (self.backup_root / APPLIED_FILE).unlink(missing_ok=True)
         return records
+
+    def _change(self, states: tuple, text_of, verb: str, backup: bool) -> tuple:
+        """``(records, targets changed)``: every target in ``states`` rewritten to ``text_of(target)``
+        in one transaction, every new content computed (and verified) before anything is touched;
+        ``(fail records, None)`` while a target is neither pristine nor patched."""
+        refused = self._refuse_unknown()
+        if refused:
+            return refused, None
+        todo = [t for t in self.targets if t.state in states]
+        planned = {t.rel: text_of(t).encode("utf-8") for t in todo}
+        return self._transaction(todo, planned, verb, backup=backup), todo
 
     def status(self):
         states = {t.rel: t.state for t in self.targets}
