@@ -435,20 +435,21 @@ def routing_record(results: list) -> dict:
     detail = {"layers": [r.j for r in results], "flips": flips, "per_sample": routing,
               "near_tie_sigmas": NEAR_TIE_SIGMAS}
     if not flips:
-        return protocol.record("verify.routing", protocol.OK,
-                               f"the engine took the reference's experts for every token of the checked MoE layers "
-                               f"({near} router decision(s) within bf16 reach of a tie)", detail=detail)
-    first = flips[0]
-    where = (f"first: {first['sample']} layer {first['layer']} token {first['token']}: experts "
-             f"{first['reference_experts']} -> {first['engine_experts']}")
-    if beyond:
-        return protocol.record("verify.routing", protocol.WARN,
-                               f"{len(flips)} of {tokens} token(s) took other experts, but layers {beyond} differ "
-                               f"beyond rounding, so these may be the defect's ({where})", detail=detail)
-    return protocol.record("verify.routing", protocol.OK,
-                           f"{len(flips)} of {tokens} token(s) took other experts than the float32 layer where the "
-                           f"router's scores nearly tie (within {NEAR_TIE_SIGMAS:g} sigma of bf16 rounding); "
-                           f"recomputed with the engine's choice they agree ({where})", detail=detail)
+        status, summary = protocol.OK, (f"the engine took the reference's experts for every token of the checked "
+                                        f"MoE layers ({near} router decision(s) within bf16 reach of a tie)")
+    else:
+        first = flips[0]
+        where = (f"first: {first['sample']} layer {first['layer']} token {first['token']}: experts "
+                 f"{first['reference_experts']} -> {first['engine_experts']}")
+        if beyond:
+            status, summary = protocol.WARN, (f"{len(flips)} of {tokens} token(s) took other experts, but layers "
+                                              f"{beyond} differ beyond rounding, so these may be the defect's ({where})")
+        else:
+            status, summary = protocol.OK, (
+                f"{len(flips)} of {tokens} token(s) took other experts than the float32 layer where the router's "
+                f"scores nearly tie (within {NEAR_TIE_SIGMAS:g} sigma of bf16 rounding); recomputed with the "
+                f"engine's choice they agree ({where})")
+    return protocol.record("verify.routing", status, summary, detail=detail)
 
 
 def convention_record(results: list, run) -> dict:
