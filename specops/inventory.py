@@ -198,7 +198,7 @@ class HostSpec(BaseModel):
     def _run_arg(cls, value, info: ValidationInfo):
         """A run field (one of :data:`RUN_ARGS`) is held to its entry there: the bounds and choices the host
         checks, in the same words (``BadValue``); the value stays as written (a path's ``~`` is the host's)."""
-        arg = RUN_ARGS.get(info.field_name)
+        arg = RUN_ARGS.get(info.field_name) if info.field_name in RUN_FIELDS else None
         if arg is not None and value is not None:
             try:
                 wire.argspec.judge(arg, value)
@@ -241,8 +241,11 @@ class HostSpec(BaseModel):
         return value
 
 
+#: the host's fields that are the laptop's own: how to reach it (``port`` is ssh's, not the run's server port).
+REACH_FIELDS = ("name", "address", "port", "user", "key", "known_hosts", "host_key_policy", "connect_timeout",
+                "keepalive", "delivery", "sudo", "node_address")
 #: the host's fields that are run parameters (sent to every step of a run, ``specops/params.py``).
-RUN_FIELDS = tuple(name for name in HostSpec.model_fields if name in RUN_ARGS)
+RUN_FIELDS = tuple(name for name in HostSpec.model_fields if name in RUN_ARGS and name not in REACH_FIELDS)
 
 #: the master port a replica's head listens on for vLLM's ranks when the inventory names none
 #: (torch.distributed's customary one); specops' own watch of the hosts takes the port after it.

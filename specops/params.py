@@ -57,10 +57,12 @@ def parse_layer_convention(text: str | None) -> str | None:
     if text is None or ":" not in str(text):
         return None
     head = str(text).partition(":")[0].strip().lower()
-    if head not in LAYER_CONVENTIONS:
+    try:
+        argspec.judge(RUN_ARGS["layer_convention"], head)
+    except argspec.BadValue:
         raise UsageError(f"--layer-ids {text!r}: unknown convention {head!r}",
                          "prefix the ids with output: (output of layer i: speculators 0.3, SpecForge) or "
-                         "input: (input of layer i: vLLM, speculators >= 0.5), or give no prefix")
+                         "input: (input of layer i: vLLM, speculators >= 0.5), or give no prefix") from None
     return head
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 from remote.wire import argspec, contract, layers
 from remote.system import modelconfig
 
+#: the run's sizes a :class:`Plan` carries, defaulted once (:data:`remote.wire.contract.DEFAULTS`).
+SIZES = ("seq_len", "batch_size", "max_samples")
 #: where a run's samples go when its parameters name no output dir (inside its run dir).
 DEFAULT_OUTPUT_SUBDIR = "samples"
 
@@ -64,6 +66,11 @@ class Plan:
     #: how many of the run's first samples also ask the engine for their prompt logprobs and are
     #: checked as they land (:mod:`remote.verify.canary`); 0: no canary (an engine without prompt logprobs).
     canary_samples: int = contract.CANARY_SAMPLES
+    #: the run's sizes, defaulted once here (:data:`remote.wire.contract.DEFAULTS`) for every later reader:
+    #: tokens per sample, samples per engine call, samples in all.
+    seq_len: int = contract.DEFAULTS["seq_len"]
+    batch_size: int = contract.DEFAULTS["batch_size"]
+    max_samples: int = contract.DEFAULTS["max_samples"]
     #: where the samples go (None: not known to the caller; a run dir's ``samples/``).
     output_dir: str | None = None
     #: the ``[start, stop)`` of global sample indices asked for (None: the whole dataset).
@@ -197,10 +204,11 @@ def resolve(params: dict, config: dict, *, run_dir=None, engine: tuple[str, str]
     sample_range = check_sample_range(params.get("sample_range"))
     state_format = check_state_format(params.get("format"), name)
     canary_samples = check_canary_samples(params.get("canary_samples"), name)
+    sizes = {key: _checked(key, params.get(key)) for key in SIZES}
     picked = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), name, n)
     return Plan(engine=name, engine_why=why, convention=facts.convention, layer_ids=picked["ids"],
                 format=facts.sample_format, num_layers=n, state_format=state_format, canary_samples=canary_samples,
-                output_dir=output_dir(params, run_dir),
+                **sizes, output_dir=output_dir(params, run_dir),
                 sample_range=sample_range, source=picked["source"], default=list(picked["default"] or []),
                 mapping=picked["mapping"], refused=picked["refused"], problems=picked["problems"])
 
@@ -222,6 +230,7 @@ def from_manifest(doc: dict, output_dir) -> Plan:
                 layer_ids=[int(x) for x in doc["layer_ids"]], format=doc.get("format_name") or "",
                 num_layers=n if isinstance(n, int) else 0, state_format=doc.get("state_format") or contract.BF16,
                 canary_samples=_recorded_canary(doc, str(name or "")), output_dir=str(output_dir),
+                **{key: int(contract.param(doc.get("params") or {}, key)) for key in SIZES},
                 sample_range=doc.get("sample_range"), source="recorded")
 
 

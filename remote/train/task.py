@@ -60,7 +60,7 @@ SPEC = Spec("train", {
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
     "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
     "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
-    "ready_timeout_s": Arg("float", above=0, doc="regenerate: how long the target's server may take to start"),
+    "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
     "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
 }, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])
