@@ -24,7 +24,7 @@ from specops.exit_codes import ExitCode  # noqa: E402
 from specops.inventory import REACH_FIELDS, RUN_FIELDS, HostSpec  # noqa: E402
 from specops.params import FLAGS, check_flags  # noqa: E402
 from specops.wire import argspec, contract  # noqa: E402
-from specops.wire.argspec import RUN_ARGS  # noqa: E402
+from specops.wire.argspec import RUN_ARGS, TRAIN_ARGS  # noqa: E402
 
 #: the tasks that start or rehearse a run, and so take run flags
 RUN_TASKS = ("preflight", "extract", "smoke")
@@ -114,6 +114,22 @@ def test_every_host_argument_of_the_run_tasks_comes_from_the_table(spec):
         assert shape(spec.args[name]) == shape(arg), name
 
 
+def test_the_train_flags_the_host_declares_are_checked_on_the_laptop_by_the_same_entries():
+    """``specops train``'s numbers (epochs, gpus, ...) are TRAIN_ARGS entries: the train task's spec on the host
+    takes them as they are, and the laptop refuses a bad one in the same words before connecting."""
+    from remote.train import task as train_task
+    from specops.train import _train_flag
+
+    for name, arg in TRAIN_ARGS.items():
+        assert shape(train_task.SPEC.args[name]) == shape(arg), name
+        flag = f"--{name.replace('_', '-')}"
+        assert flag[2:] in {a.names[0] for a in tasks.ns.tasks["train"].get_arguments()}
+        with pytest.raises(UsageError) as err:
+            _train_flag(name, "-1")
+        assert str(err.value).startswith(f"{flag} '-1' must be at least "), str(err.value)
+    assert _train_flag("epochs", None) == 1 and _train_flag("regen_temperature", "0.5") == 0.5
+
+
 #: modules that may name a constant a run parameter's choices or bound is made of: the table itself, the file
 #: that defines the constants, and manifest.py, which checks a finished run's recorded document (the plan's
 #: convention and state format), not a parameter
@@ -167,6 +183,7 @@ def test_no_other_module_restates_a_bound_or_choices_of_a_run_parameter():
             elif isinstance(node, ast.Dict):  # {"tp": Arg("int", min=1)}: a run parameter's bound declared again
                 found += [f"{where}:{node.lineno} (an Arg with bounds for run parameter {k.value})"
                           for k, v in zip(node.keys, node.values)
-                          if isinstance(k, ast.Constant) and k.value in RUN_ARGS and isinstance(v, ast.Call)
+                          if isinstance(k, ast.Constant) and k.value in {**RUN_ARGS, **TRAIN_ARGS}
+                          and isinstance(v, ast.Call)
                           and named(v.func) == "Arg" and {w.arg for w in v.keywords} & BOUND_WORDS]
     assert not found, found

@@ -520,6 +520,18 @@ RUN_ARGS = {
                               doc="[i, j]: samples i and j land with each other's states (a planted fault)"),
 }
 
+#: a train run's own numbers that ``specops train`` flags set: the laptop checks a flag against these before
+#: connecting (``specops/train.py``), the train task's spec again (``remote/train/task.py``).
+TRAIN_ARGS = {
+    "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
+    "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
+                                  "GPU the job sees, remote.train.supervisor.trainer_processes)"),
+    "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
+                         "remote.train.plan.default_total_seq_len); not below the states' seq_len"),
+    "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
+    "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
+}
+
 #: which installed packages a check looks at, and what it checks them for: the drift check, the
 #: patcher and preflight (which runs both) read these.
 STACK_ARGS = {
