@@ -425,8 +425,11 @@ def hooks(*specs: Spec) -> dict:
 
 #: a run's parameters: what ``specops/params.py`` ``run_params`` sends to every step of a run
 #: (preflight, smoke, the job's start, the shard probe, patch), and what a run's ``params.json``
-#: holds for the supervisor and its engine. Unset, each means :data:`contract.DEFAULTS` where it is
-#: read (``contract.param``); a task that uses the defaults itself says ``defaults=contract.DEFAULTS``.
+#: holds for the supervisor and its engine. Unset, each means :data:`contract.DEFAULTS` (the run's
+#: sizes are defaulted once into its plan, ``remote.extract.runplan.Plan``); a task that uses the defaults
+#: itself says ``defaults=contract.DEFAULTS``. The one table of run parameters: an entry with ``help`` is a
+#: flag of the run tasks (specops/tasks.py), the inventory's field of its name is checked by it, and no
+#: other module states its bounds or choices (tests/test_param_table.py).
 RUN_ARGS = {
     "model_path": Arg("path", doc="the model's dir on the host", flag="model",
                       help="model dir on the host (default: the inventory's model_path)"),
