@@ -41,6 +41,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 #: engines, layer conventions and run defaults, as the host defines them (``remote/wire/contract.py``).
 CONTRACT = wire.contract
 DEFAULTS = CONTRACT.DEFAULTS
+#: the parameter table of a run (``remote/wire/argspec.py``): an inventory field of the same name is a run field.
+RUN_ARGS = wire.argspec.RUN_ARGS
 
 #: Linux limits a path can never pass: PATH_MAX (4096, with the final NUL) and NAME_MAX per component.
 PATH_MAX = 4096
@@ -107,33 +109,35 @@ class HostSpec(BaseModel):
     output_dir: str
     #: one input, or several concatenated in the order given (a JSONL file or a prepare-data dir each)
     dataset: str | list[str] | None = None
-    device: Literal["cuda", "cpu"] = "cuda"
-    tp: int = Field(default=DEFAULTS["tp"], ge=1)
+    # the run fields from here on: their bounds and choices are RUN_ARGS' (remote/wire/argspec.py), checked by
+    # _run_arg below; a field states its type (pydantic's strict check) and default only
+    device: str = "cuda"
+    tp: int = DEFAULTS["tp"]
     #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
-    engine: Literal[CONTRACT.ENGINE_CHOICES] = DEFAULTS["engine"]
+    engine: str = DEFAULTS["engine"]
     layer_ids: list[int] | None = None
     #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
-    layer_convention: Literal[CONTRACT.LAYER_CONVENTIONS] | None = None
-    seq_len: int = Field(default=DEFAULTS["seq_len"], ge=1)
+    layer_convention: str | None = None
+    seq_len: int = DEFAULTS["seq_len"]
     #: a sample longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens, warn), ``refuse``
     #: (the run stops before the load naming the sample; preflight fails first) or ``drop`` (left out).
-    long_samples: Literal[CONTRACT.LONG_SAMPLES] = DEFAULTS["long_samples"]
+    long_samples: str = DEFAULTS["long_samples"]
     #: chat rows: a sample per assistant turn (per-turn), per row (whole), or the installed speculators' rule (auto).
-    turns: Literal[CONTRACT.CHAT_TURNS] = DEFAULTS["turns"]
+    turns: str = DEFAULTS["turns"]
     #: a sample with fewer supervised tokens is left out (the manifest counts it).
-    minimum_valid_tokens: int = Field(default=DEFAULTS["minimum_valid_tokens"], ge=0)
+    minimum_valid_tokens: int = DEFAULTS["minimum_valid_tokens"]
     #: vllm-server: prefill a sample longer than the step budget in chunks; ``auto``: on where the
     #: installed connector writes a request's states once it is done (vLLM >= the get_finished write).
-    chunked_prefill: Literal[CONTRACT.CHUNKED_PREFILL] = CONTRACT.CHUNKED_PREFILL[0]
+    chunked_prefill: str = CONTRACT.CHUNKED_PREFILL[0]
     #: vllm-server: the connector's ``num_writer_threads`` (None: its own 8, capped at the host's cores).
-    writer_threads: int | None = Field(default=None, ge=1, le=256)
-    max_samples: int = Field(default=DEFAULTS["max_samples"], ge=1)
-    batch_size: int = Field(default=DEFAULTS["batch_size"], ge=1)
-    gpu_memory_utilization: float = Field(default=DEFAULTS["gpu_memory_utilization"], gt=0, le=1)
+    writer_threads: int | None = None
+    max_samples: int = DEFAULTS["max_samples"]
+    batch_size: int = DEFAULTS["batch_size"]
+    gpu_memory_utilization: float = DEFAULTS["gpu_memory_utilization"]
     trust_remote_code: bool = False
     #: the states' dtype on disk: ``bf16`` (what the model computes) or ``fp8`` (hs-connectors'
     #: FP8HiddenStatesConnector, about half the bytes; the vllm-server engine only).
-    format: Literal[CONTRACT.STATE_FORMATS] = CONTRACT.BF16
+    format: str = CONTRACT.BF16
     #: the canary: how many of a run's first samples also ask the engine for their prompt logprobs and
     #: are checked as they land (a fail stops the run); 0: none. The vllm-server engine only.
     canary_samples: int = DEFAULTS["canary_samples"]
@@ -189,14 +193,17 @@ class HostSpec(BaseModel):
         # YAML 1.1 reads a bare on/off as true/false: take them for what was written
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
-    @field_validator("canary_samples")
+    @field_validator("*")
     @classmethod
-    def _canary_samples(cls, value: int) -> int:
-        top = CONTRACT.CANARY_SAMPLES_MAX
-        if not 0 <= value <= top:
-            raise ValueError(f"must be 0 (no canary) to {top}: the run's first samples checked against the "
-                             f"engine's own logprobs as they land; set canary_samples: {DEFAULTS['canary_samples']} "
-                             f"(the default), or 0 to run without a canary")
+    def _run_arg(cls, value, info: ValidationInfo):
+        """A run field (one of :data:`RUN_ARGS`) is held to its entry there: the bounds and choices the host
+        checks, in the same words (``BadValue``); the value stays as written (a path's ``~`` is the host's)."""
+        arg = RUN_ARGS.get(info.field_name) if info.field_name in RUN_FIELDS else None
+        if arg is not None and value is not None:
+            try:
+                wire.argspec.judge(arg, value)
+            except wire.argspec.BadValue as exc:
+                raise ValueError(str(exc)) from None  # "must be from 0 to 32": what to write there
         return value
 
     @field_validator("address", "user")
@@ -233,6 +240,12 @@ class HostSpec(BaseModel):
             raise ValueError("must be a path or a command name, not an option (it starts with '-')")
         return value
 
+
+#: the host's fields that are the laptop's own: how to reach it (``port`` is ssh's, not the run's server port).
+REACH_FIELDS = ("name", "address", "port", "user", "key", "known_hosts", "host_key_policy", "connect_timeout",
+                "keepalive", "delivery", "sudo", "node_address")
+#: the host's fields that are run parameters (sent to every step of a run, ``specops/params.py``).
+RUN_FIELDS = tuple(name for name in HostSpec.model_fields if name in RUN_ARGS and name not in REACH_FIELDS)
 
 #: the master port a replica's head listens on for vLLM's ranks when the inventory names none
 #: (torch.distributed's customary one); specops' own watch of the hosts takes the port after it.

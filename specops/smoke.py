@@ -35,7 +35,7 @@ from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import FINAL_STATES, STATE, HostReport, Record
 from specops.verify import verify_step
-from specops.inventory import CONTRACT
+from specops.inventory import CONTRACT, RUN_ARGS
 
 #: Keys of the run parameters the twin replaces.
 TWIN_KEYS = ("model_path", "dataset", "max_samples", "seq_len", "output_dir")
@@ -84,7 +84,7 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
            "force": force}
     if real:  # the chosen ids, and every sample's prompt logprobs for the logits check
         job.update(layer_ids=data["layer_ids"], layer_convention=data["layer_convention"], sample_range=None,
-                   canary_samples=min(int(data["samples"]), CONTRACT.CANARY_SAMPLES_MAX))
+                   canary_samples=min(int(data["samples"]), RUN_ARGS["canary_samples"].max))
         verify_samples = int(data["samples"])
     if data.get("layer_ids_note"):
         # ids chosen for the real depth do not exist in the 8-layer twin (the host's plan says):

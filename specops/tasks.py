@@ -20,6 +20,7 @@ from specops.errors import SpecopsError
 from specops.inventory import Inventory, load_inventory
 from specops.report import err_console, print_reports
 from specops.result import overall_exit
+from specops.wire import argspec
 
 COMMON_HELP = {
     "on": "hosts or groups from the inventory, comma-separated (default: all)",
@@ -76,13 +77,25 @@ def host_task(help: dict | None = None, iterable: list | None = None):
     """Make ``body(target, **flags)`` a task that takes ``--on``, ``--inventory``, ``--json`` and
     ``--accept-new-host-key`` besides its own flags.
 
+    A flag of ``body`` that sets a run parameter (``model``, ``seq_len``: :data:`specops.params.FLAGS`) takes
+    its help from the one parameter table (``RUN_ARGS``, ``help=`` gives none for it), and is checked against
+    that table before the inventory is read or a host reached (a bad one exits 3, naming the flag).
+    The signature's order stays written out: invoke hands out short flags in that order.
+
     The decorator loads the inventory, resolves the selector, and finishes: a body that
     returns host reports gets them printed (tables, or ``--json``) and exits with their
     worst code; a body that returns an exit code exits with it. Our errors become one
     message and their exit code, never a traceback.
     """
     def decorate(body):
+        from specops.params import FLAGS, check_flags
+
         own = list(inspect.signature(body).parameters.values())[1:]  # the first is the Target
+        run_flags = [p.name for p in own if p.name in FLAGS]
+        restated = sorted(set(help or {}) & {name.replace("_", "-") for name in run_flags})
+        if restated:
+            raise TypeError(f"help of run flags {restated} is RUN_ARGS' (remote/wire/argspec.py)")
+        run_help = argspec.flag_help(argspec.RUN_ARGS, [FLAGS[name] for name in run_flags])
 
         @functools.wraps(body)
         def run(c, *args, **kwargs):
@@ -94,6 +107,7 @@ def host_task(help: dict | None = None, iterable: list | None = None):
 
             @_guard
             def go():
+                check_flags({name: flags[name] for name in run_flags})
                 target = Target(load_inventory(common["inventory"]), _selector(c, common["on"]),
                                 bool(common["accept_new_host_key"]), bool(common["json"]))
                 outcome = body(target, **flags)
@@ -107,7 +121,8 @@ def host_task(help: dict | None = None, iterable: list | None = None):
         context = inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)
         # common flags first: invoke hands out short flags (-o, -i, -j, -a) in this order
         run.__signature__ = inspect.Signature([context, *_COMMON_PARAMETERS, *own])
-        return task(help={**COMMON_HELP, **(help or {})}, iterable=iterable or [])(run)
+        run.run_flags = tuple(run_flags)
+        return task(help={**COMMON_HELP, **run_help, **(help or {})}, iterable=iterable or [])(run)
     return decorate
 
 
@@ -119,32 +134,11 @@ def facts(target):
     return run(target.inventory, target.selector, target.accept_new_host_key)
 
 
-RUN_HELP = {
-    "model": "model dir on the host (default: the inventory's model_path)",
-    "dataset": "chat or token JSONL on the host, or speculators prepare-data's dir; repeat the flag for several, "
-               "read in the order given (default: the inventory's dataset)",
-    "tp": "tensor parallel size (default: the inventory's tp)",
-    "layer-ids": "comma-separated layer ids (default: the engine's own, convention recorded)",
-    "engine": "extraction engine: auto (default: from the host's speculators), speculators-0.3, vllm-server or hf-reference",
-    "seq-len": "max tokens per sample",
-    "max-samples": "number of samples to extract",
-    "format": "the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes; "
-              "vllm-server engine; train with --hidden-states-backend fp8)",
-    "long-samples": "a sample longer than --seq-len: truncate (default: keep its first seq_len tokens, warn), "
-                    "refuse (stop before the load, naming it) or drop (leave it out; counted in the manifest)",
-    "turns": "chat rows: per-turn (a sample per assistant turn, end-of-turn token supervised: speculators 0.9), "
-             "whole (a sample per row, reply text supervised: 0.3) or auto (default: the host's speculators' rule)",
-    "minimum-valid-tokens": "leave out a sample with fewer supervised tokens (default 1: none with nothing to learn)",
-    "canary-samples": "the canary: the run's first N samples checked against the engine's own logprobs as they land, "
-                      "a fail stops the run (default: the inventory's canary_samples, else 2; 0: none; vllm-server)",
-}
-
-
 def _overrides(**flags):
     return {k: v for k, v in flags.items() if v not in (None, "", [])}
 
 
-@host_task(help={**RUN_HELP, "skip-autoconfig": "skip loading the config through transformers (the slowest check)"},
+@host_task(help={"skip-autoconfig": "skip loading the config through transformers (the slowest check)"},
            iterable=["dataset"])
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
               max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
@@ -178,8 +172,7 @@ def patch(target, check=False, revert=False, status=False, sudo=False):
 JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id acts on every shard"}
 
 
-@host_task(help={**RUN_HELP,
-                 "run-id": "name the run (default: <model>-<time>); the same id re-attaches or resumes",
+@host_task(help={"run-id": "name the run (default: <model>-<time>); the same id re-attaches or resumes",
                  "detach": "start and return at once",
                  "force": "start even if the host already runs another extraction",
                  "skip-preflight": "do not run preflight first",
@@ -187,7 +180,6 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
                  "smoke-real": "rehearse on the real model too, before the run: a short verification run (one more "
                                "load of the model) whose ids give the layer check a pair per kind of layer; a layer "
                                "or logits check that fails there stops the run before it starts (specops smoke --real)",
-                 "batch-size": "samples per engine call",
                  "tensors": "also fetch every sample file at the end (checked by its manifest digest)",
                  "shard-by": "several hosts: size each host's range by capacity (devices / tp, the default), "
                              "equal, or HOST=WEIGHT,...",
@@ -278,8 +270,7 @@ def fetch(target, run_id=None, tensors=False):
     return _run(target, run_id).fetch(tensors=tensors, as_json=target.as_json)
 
 
-@host_task(help={**{k: RUN_HELP[k] for k in ("model", "tp", "layer-ids", "engine")},
-                 "samples": "how many samples the rehearsal extracts",
+@host_task(help={"samples": "how many samples the rehearsal extracts",
                  "real": "rehearse on the target model itself, not a twin: a short verification run (one load of "
                          "the real model) that captures the run's ids plus a consecutive pair per kind of layer, "
                          "checked one decoder layer at a time (verify --reference layer) and, on vllm-server, "

@@ -17,7 +17,6 @@ from its last epoch checkpoint (speculators resumes from its save path).
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from rich.text import Text
 
 from specops import jobs
 from specops import wire
+from specops.wire import argspec
+from specops.wire.argspec import TRAIN_ARGS
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
@@ -100,20 +101,16 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
     return report
 
 
-def _number(value, name: str, kind, low):
-    """``value`` as ``kind`` (None stays None), at least ``low``. :raises UsageError: naming ``name``."""
+def _train_flag(name: str, value):
+    """Flag ``--<name>``'s value checked by its :data:`TRAIN_ARGS` entry (the train task's spec on the host checks
+    the same), its default when unset. :raises UsageError: naming the flag, in the table's words."""
+    arg, flag = TRAIN_ARGS[name], "--" + name.replace("_", "-")
     if value is None or value == "":
-        return None
+        return arg.default
     try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} {value!r} is not a {'whole ' if kind is int else ''}number",
-                         f"pass {name} N (N >= {low})") from None
-    if not math.isfinite(number):  # nan passes the bound below (nan < 0 is False) and fails after a load
-        raise UsageError(f"{name} {value!r} is not a finite number", f"pass {name} N (N >= {low})")
-    if number < low:
-        raise UsageError(f"{name} {value} must be at least {low}", f"pass {name} N (N >= {low})")
-    return number
+        return argspec.judge(arg, value)
+    except argspec.BadValue as exc:
+        raise UsageError(exc.about(flag, value), exc.fix_for(flag)) from None
 
 
 def progress_line(host: str, st: dict) -> Text:
@@ -191,19 +188,14 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError("--from-run is required", "name the finished extraction run whose states to train on")
     check_run_id(run_id)
     check_run_id(from_run)
-    try:
-        epochs = int(epochs)
-    except (TypeError, ValueError):
-        raise UsageError(f"--epochs {epochs!r} is not a whole number", "pass --epochs N (N >= 1)") from None
-    if epochs < 1:
-        raise UsageError(f"--epochs {epochs} must be at least 1", "pass --epochs N (N >= 1)")
+    epochs = _train_flag("epochs", epochs)
     extra = trainer_argv(trainer_args)
-    gpus = _number(gpus, "--gpus", int, low=1)
-    total_seq_len = _number(total_seq_len, "--total-seq-len", int, low=1)
+    gpus = _train_flag("gpus", gpus)
+    total_seq_len = _train_flag("total_seq_len", total_seq_len)
     regen = None
     if regenerate:
-        regen = {"regen_max_tokens": _number(regen_max_tokens, "--regen-max-tokens", int, low=1),
-                 "regen_temperature": _number(regen_temperature, "--regen-temperature", float, low=0)}
+        regen = {"regen_max_tokens": _train_flag("regen_max_tokens", regen_max_tokens),
+                 "regen_temperature": _train_flag("regen_temperature", regen_temperature)}
     elif regen_max_tokens is not None or regen_temperature is not None:
         raise UsageError("--regen-max-tokens and --regen-temperature set how the target writes its replies",
                          "add --regenerate, or drop them")

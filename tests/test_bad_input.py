@@ -319,8 +319,10 @@ def test_env_at_the_linux_limit_arrives_and_one_byte_more_is_refused(make_invent
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--tp", "true"], "--tp 'true' must be a positive integer"),
-    (["--tp", "2.5"], "--tp '2.5' must be a positive integer"),
+    # the table's words (RUN_ARGS in remote/wire/argspec.py), as the host would say them
+    (["--tp", "true"], "--tp 'true' must be an integer"),
+    (["--tp", "2.5"], "--tp '2.5' must be an integer"),
+    (["--tp", "0"], "--tp '0' must be at least 1 hint: give --tp a value at least 1"),
     (["--layer-ids", "true,2"], "--layer-ids 'true,2' is not a comma-separated list of integers"),
     # int() takes fullwidth digits and underscores; a layer id is ASCII digits, quoted as typed
     (["--layer-ids", "\uff12,\uff14"], "--layer-ids '\uff12,\uff14' is not a comma-separated list of integers "

@@ -96,7 +96,7 @@ def test_what_a_run_asks_for_meets_what_the_connector_allows():
     assert not resolve("off", safe)["on"]
     with pytest.raises(ValueError, match=r"chunked_prefill: on, but .* set chunked_prefill: auto or off"):
         resolve("on", unsafe)
-    with pytest.raises(ValueError, match=r"chunked_prefill: 'yes' is not one of auto, on, off"):
+    with pytest.raises(ValueError, match=r"chunked_prefill 'yes' must be one of auto, on, off"):
         resolve("yes", safe)
 
 

@@ -26,7 +26,8 @@ from remote.run import job, rundir
 from specops import wire  # noqa: E402
 from specops.exit_codes import ExitCode  # noqa: E402
 from specops.inventory import HostSpec  # noqa: E402
-from specops.params import ENGINES, LAYER_CONVENTIONS, run_params  # noqa: E402
+from specops.params import LAYER_CONVENTIONS, run_params  # noqa: E402
+from specops.wire.argspec import RUN_ARGS  # noqa: E402
 from specops.result import HostReport, Record, RunState  # noqa: E402
 
 LAPTOP = wire.contract
@@ -91,9 +92,9 @@ def test_engine_table_is_read_by_every_side():
 
     assert set(engines.ENGINES) == set(contract.ENGINES)  # the registry loads exactly these
     assert not hasattr(engines, "ALIASES") and not hasattr(engines, "resolve_engine")  # one engine choice
-    assert ENGINES == contract.ENGINE_CHOICES
+    # the laptop (flags, inventory) and the host check the engine against the one table: a name or an alias
+    assert RUN_ARGS["engine"].choices == (*contract.ENGINE_CHOICES, *contract.ENGINE_ALIASES)
     assert LAYER_CONVENTIONS == contract.LAYER_CONVENTIONS == tuple(layers.CONVENTIONS)
-    assert HostSpec.model_fields["engine"].annotation.__args__ == contract.ENGINE_CHOICES
     for name, facts in contract.ENGINES.items():
         assert layers.ENGINE_CONVENTION[name] == facts.convention
         assert samples.ENGINE_FORMAT[name] == facts.sample_format

@@ -80,7 +80,7 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     assert seed.value.code == ExitCode.USAGE
     said = str(seed.value)
     assert "--format fp8" in said and "speculators-0.3" in said and "format: bf16" in said, said
-    with pytest.raises(UsageError, match=r"h: format: fp8: engine speculators-0.3"):
+    with pytest.raises(UsageError, match=r"h: format: fp8 needs the vllm-server engine; engine speculators-0.3"):
         run_params(inventory(format="fp8"), engine="speculators-0.3")
 
     # the CLI: exit 3, nothing ran (the host in this inventory does not exist)
@@ -90,7 +90,7 @@ def test_format_is_an_inventory_field_and_a_flag_and_the_seed_engine_refuses_fp8
     proc = specops("preflight", "--inventory", path, "--format", "fp8", timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     said = proc.stdout + proc.stderr
-    assert "--format fp8: engine speculators-0.3" in said and "hint: set format: bf16" in said, said
+    assert "--format fp8 needs the vllm-server engine; engine speculators-0.3" in said and "hint: set format: bf16" in said, said
     assert "Traceback" not in said
 
     # engine auto resolved on the host to the seed engine: the run's plan refuses it, naming the field

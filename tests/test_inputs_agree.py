@@ -184,7 +184,11 @@ def test_the_supervisor_and_the_shard_probe_refuse_what_preflight_refuses(hosten
     if engine == "speculators-0.3":  # the seed env resolves this engine: its stack record is the one to judge
         assert stack["status"] == "fail" and says in stack["summary"], stack
     params = base_params(Path(tiny_models["llama"]), tmp_path, engine=engine, layer_ids=given, layer_convention=asked)
-    if engine == "speculators-0.3":
+    if engine == "speculators-0.3" and asked == "sideways":  # no convention at all: the table's check refuses it
+        rec = host_preflight(hostenv_python, params)["params.values"]  # first (RUN_ARGS["layer_convention"])
+        assert rec["status"] == "fail" and "'layer_convention' of task preflight must be one of output, input" \
+            in rec["summary"], rec
+    elif engine == "speculators-0.3":
         rec = host_preflight(hostenv_python, params)["layers.ids"]
         assert rec["status"] == "fail" and says in rec["summary"], rec
 

@@ -184,8 +184,8 @@ def test_the_packed_tokens_per_step_default_by_device_and_are_refused_below_the_
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--regenerate", "--regen-temperature", "nan"], "--regen-temperature 'nan' is not a finite number"),
-    (["--regenerate", "--regen-temperature", "inf"], "--regen-temperature 'inf' is not a finite number"),
+    (["--regenerate", "--regen-temperature", "nan"], "--regen-temperature 'nan' must be a number (a finite number"),
+    (["--regenerate", "--regen-temperature", "inf"], "--regen-temperature 'inf' must be a number (a finite number"),
 ])
 def test_a_number_that_is_not_finite_is_a_usage_error_naming_its_flag(args, says, tmp_path):
     (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "

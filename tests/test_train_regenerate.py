@@ -125,8 +125,9 @@ def test_the_regenerated_text_is_extracted_with_the_states_runs_own_parameters()
 
 @pytest.mark.parametrize("args, says", [
     (["--regen-max-tokens", "8"], "add --regenerate"),
-    (["--regenerate", "--regen-max-tokens", "0"], "--regen-max-tokens 0 must be at least 1"),
-    (["--regenerate", "--regen-temperature", "hot"], "--regen-temperature 'hot' is not a number"),
+    # the words of TRAIN_ARGS (remote/wire/argspec.py), which the train task's spec says on the host too
+    (["--regenerate", "--regen-max-tokens", "0"], "--regen-max-tokens '0' must be at least 1"),
+    (["--regenerate", "--regen-temperature", "hot"], "--regen-temperature 'hot' must be a number"),
 ])
 def test_bad_regenerate_flags_are_usage_errors(args, says, tmp_path):
     (tmp_path / "inv.yaml").write_text("hosts:\n  h: {address: 127.0.0.1, python: python3, model_path: /m, "

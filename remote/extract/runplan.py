@@ -28,9 +28,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from remote.wire import contract, layers
+from remote.wire import argspec, contract, layers
 from remote.system import modelconfig, versions
 
+#: the run's sizes a :class:`Plan` carries, defaulted once (:data:`remote.wire.contract.DEFAULTS`).
+SIZES = ("seq_len", "batch_size", "max_samples")
 #: where a run's samples go when its parameters name no output dir (inside its run dir).
 DEFAULT_OUTPUT_SUBDIR = "samples"
 
@@ -64,6 +66,11 @@ class Plan:
     #: how many of the run's first samples also ask the engine for their prompt logprobs and are
     #: checked as they land (:mod:`remote.verify.canary`); 0: no canary (an engine without prompt logprobs).
     canary_samples: int = contract.CANARY_SAMPLES
+    #: the run's sizes, defaulted once here (:data:`remote.wire.contract.DEFAULTS`) for every later reader:
+    #: tokens per sample, samples per engine call, samples in all.
+    seq_len: int = contract.DEFAULTS["seq_len"]
+    batch_size: int = contract.DEFAULTS["batch_size"]
+    max_samples: int = contract.DEFAULTS["max_samples"]
     #: where the samples go (None: not known to the caller; a run dir's ``samples/``).
     output_dir: str | None = None
     #: the ``[start, stop)`` of global sample indices asked for (None: the whole dataset).
@@ -132,17 +139,29 @@ def check_sample_range(asked) -> list | None:
     return [asked[0], asked[1]]
 
 
+def _checked(name: str, asked):
+    """Run parameter ``name`` as asked, else its default (:data:`remote.wire.contract.DEFAULTS`), held to its
+    entry of the one table (:data:`remote.wire.argspec.RUN_ARGS`: a caller that skipped the task's spec, such
+    as a benchmark building a plan directly, gets the same check).
+
+    :raises PlanError: naming the field, what it must be and the fix.
+    """
+    value = contract.param({name: asked}, name) if name in contract.DEFAULTS else asked
+    try:
+        return argspec.judge(argspec.RUN_ARGS[name], value)
+    except argspec.BadValue as exc:
+        raise PlanError(name, f"{exc.about(name, value)}. Fix: {exc.fix_for(name)}") from None
+
+
 def check_state_format(asked, engine: str) -> str:
     """The run's ``format`` (bf16 when unset), when ``engine`` writes it.
 
     :raises PlanError: an unknown format, or fp8 on an engine that writes no fp8 states.
     """
-    fmt = asked or contract.BF16
-    if fmt not in contract.STATE_FORMATS:
-        raise PlanError("format", f"format {fmt!r} is not known; use one of {', '.join(contract.STATE_FORMATS)}")
-    if fmt == contract.FP8 and engine not in contract.FP8_ENGINES:
-        raise PlanError("format", f"format fp8 needs the {' or '.join(contract.FP8_ENGINES)} engine; engine {engine} "
-                                  f"writes its states unquantized. Fix: set format: bf16 (or drop --format fp8), "
+    fmt = _checked("format", asked or contract.BF16)
+    problem = contract.state_format_problem(fmt, engine)
+    if problem:
+        raise PlanError("format", f"format fp8 {problem}. Fix: set format: bf16 (or drop --format fp8), "
                                   f"or run on a host whose speculators >= 0.5 picks the vllm-server engine")
     return fmt
 
@@ -151,15 +170,9 @@ def check_canary_samples(asked, engine: str) -> int:
     """The run's ``canary_samples`` (:data:`remote.wire.contract.CANARY_SAMPLES` when unset); 0 on an engine
     that gives no prompt logprobs (the seed engine computes no logits), whatever was asked.
 
-    :raises PlanError: not a whole number from 0 to :data:`remote.wire.contract.CANARY_SAMPLES_MAX`.
+    :raises PlanError: out of its :data:`remote.wire.argspec.RUN_ARGS` bounds.
     """
-    count = contract.param({"canary_samples": asked}, "canary_samples")
-    top = contract.CANARY_SAMPLES_MAX
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= top:
-        raise PlanError("canary_samples", f"canary_samples {count!r} must be a whole number from 0 to {top} (the run's "
-                                          f"first samples checked against the engine's own logprobs as they land). "
-                                          f"Fix: set canary_samples: {contract.CANARY_SAMPLES} (the default) or "
-                                          f"--canary-samples N, 0 to run without a canary")
+    count = _checked("canary_samples", asked)
     return count if engine in contract.CANARY_ENGINES else 0
 
 
@@ -191,10 +204,11 @@ def resolve(params: dict, config: dict, *, run_dir=None, engine: tuple[str, str]
     sample_range = check_sample_range(params.get("sample_range"))
     state_format = check_state_format(params.get("format"), name)
     canary_samples = check_canary_samples(params.get("canary_samples"), name)
+    sizes = {key: _checked(key, params.get(key)) for key in SIZES}
     picked = layers.resolve(params.get("layer_ids"), params.get("layer_convention"), name, n)
     return Plan(engine=name, engine_why=why, convention=facts.convention, layer_ids=picked["ids"],
                 format=facts.sample_format, num_layers=n, state_format=state_format, canary_samples=canary_samples,
-                output_dir=output_dir(params, run_dir),
+                **sizes, output_dir=output_dir(params, run_dir),
                 sample_range=sample_range, source=picked["source"], default=list(picked["default"] or []),
                 mapping=picked["mapping"], refused=picked["refused"], problems=picked["problems"])
 
@@ -216,6 +230,7 @@ def from_manifest(doc: dict, output_dir) -> Plan:
                 layer_ids=[int(x) for x in doc["layer_ids"]], format=doc.get("format_name") or "",
                 num_layers=n if isinstance(n, int) else 0, state_format=doc.get("state_format") or contract.BF16,
                 canary_samples=_recorded_canary(doc, str(name or "")), output_dir=str(output_dir),
+                **{key: int(contract.param(doc.get("params") or {}, key)) for key in SIZES},
                 sample_range=doc.get("sample_range"), source="recorded")
 
 

@@ -63,7 +63,7 @@ SPEC = Spec("draft_eval", {
     "name": Arg("str", doc="the eval's dir under <work_dir>/evals (default: draft and time)"),
     "python": RUN_ARGS["python"], "device": RUN_ARGS["device"], "env": RUN_ARGS["env"], "tp": RUN_ARGS["tp"],
     "trust_remote_code": RUN_ARGS["trust_remote_code"],
-    "ready_timeout_s": Arg("float", 900.0, above=0),
+    "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(default=900.0),
 })
 
 

@@ -30,7 +30,7 @@ from remote.run import job
 from remote.system import modelconfig
 from remote.extract import samples
 from remote.train import memory as trainmem, plan as trainplan
-from remote.wire.argspec import RUN_ARGS, Arg, Spec
+from remote.wire.argspec import RUN_ARGS, TRAIN_ARGS, Arg, Spec
 from remote.train.plan import TrainError
 
 #: a states run up to this many bytes has every file's digest checked before training; above
@@ -39,17 +39,12 @@ DIGEST_LIMIT = 2 << 30
 #: bytes a checkpoint keeps per draft parameter: bf16 weights + AdamW's two fp32 moments.
 CHECKPOINT_BYTES_PER_PARAM = 10
 
-SPEC = Spec("train", {
+SPEC = Spec("train", TRAIN_ARGS, {
     "action": Arg("str", "check", choices=("check", "start", "files"), call=True),
     "run_id": Arg("str", required=True, doc="the train run's id (remote.wire.contract.run_id_problem)"),
     "work_dir": RUN_ARGS["work_dir"].but(required=True),
     "from_run": Arg("str", doc="check, start: the finished extraction run whose states it trains on"),
-    "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
-    "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
-                                  "GPU the job sees, remote.train.supervisor.trainer_processes)"),
-    "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
-                         "remote.train.plan.default_total_seq_len); not below the states' seq_len"),
     "train_args": Arg("list", elements="str", doc="more trainer flags (argv tokens), checked against the installed "
                       "trainer's (remote.train.plan.check_extra_args), appended to its command, recorded"),
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
@@ -58,9 +53,7 @@ SPEC = Spec("train", {
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
     "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
-    "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
-    "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
-    "ready_timeout_s": Arg("float", above=0, doc="regenerate: how long the target's server may take to start"),
+    "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
     "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
 }, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])

@@ -106,13 +106,16 @@ class Arg:
     :param call: steers one call, not the run (a job records the run's parameters without these).
     :param hook: sent only by tests and benchmarks (see the module docstring).
     :param doc: what it means, for a reader of the spec.
+    :param help: the laptop's command-line help of the flag that sets it (a run parameter the CLI takes:
+        ``specops/tasks.py`` builds its flags and their help from these, :func:`flag_help`).
+    :param flag: the flag's name where it is not the key's (``model_path`` is ``--model``).
     """
 
     __slots__ = ("types", "default", "required", "choices", "min", "max", "above", "elements", "options", "open",
-                 "call", "hook", "doc")
+                 "call", "hook", "doc", "help", "flag")
 
     def __init__(self, type="str", default=None, *, required=False, choices=None, min=None, max=None, above=None,
-                 elements=None, options=None, open=False, call=False, hook=False, doc=""):
+                 elements=None, options=None, open=False, call=False, hook=False, doc="", help="", flag=None):
         self.types = (type,) if isinstance(type, str) else tuple(type)
         unknown = [t for t in self.types + ((elements,) if elements else ()) if t not in TYPE_WORDS]
         if unknown:
@@ -120,7 +123,20 @@ class Arg:
         self.default, self.required, self.choices = default, required, tuple(choices) if choices else None
         self.min, self.max, self.above, self.elements = min, max, above, elements
         self.options, self.open = dict(options) if options else None, open
-        self.call, self.hook, self.doc = call, hook, doc
+        self.call, self.hook, self.doc, self.help, self.flag = call, hook, doc, help, flag
+
+    def flag_of(self, name: str) -> str:
+        """The command-line flag (without ``--``) that sets parameter ``name``."""
+        return self.flag or name.replace("_", "-")
+
+    def bound(self) -> str | None:
+        """What a number must be, in words (``at least 1``, ``from 0 to 32``), or None when unbounded."""
+        if self.min is not None and self.max is not None:
+            return f"from {self.min} to {self.max}"
+        parts = [f"at least {self.min}" if self.min is not None else None,
+                 f"above {self.above}" if self.above is not None else None,
+                 f"at most {self.max}" if self.max is not None else None]
+        return " and ".join(p for p in parts if p) or None
 
     @property
     def is_path(self) -> bool:
@@ -217,39 +233,59 @@ def _convert(kind: str, value, arg: Arg, field: str, problems: list, task: str):
     raise AssertionError(kind)
 
 
-def _check_value(field: str, arg: Arg, value, problems: list, task: str):
-    """The checked value of one set parameter; a problem noted (and the default returned) when it does not fit."""
+class BadValue(ValueError):
+    """A set value that does not fit its :class:`Arg`: ``str(self)`` says what it must be (``must be at least 1``),
+    :attr:`fix` what to do, with ``{name}`` where the caller's name of it goes (a task's parameter, an inventory
+    field, a ``--flag``): the one wording of each check, whoever makes it."""
+
+    def __init__(self, must: str, fix: str, *, says_value: bool = False):
+        super().__init__(must)
+        self.fix, self.says_value = fix, says_value
+
+    def fix_for(self, name: str) -> str:
+        return self.fix.replace("{name}", name)
+
+    def about(self, name: str, value) -> str:
+        """The problem, said of ``name`` (a field, ``--flag``): ``--tp 'x' must be an integer``."""
+        return f"{name} {_shown(value)} {self}"
+
+
+def judge(arg: Arg, value, field: str = "", problems: list | None = None, task: str = ""):
+    """The checked value of a set ``value`` of ``arg``: of its type, within its bounds and choices.
+
+    :param problems: where a ``dict`` parameter's own keys note theirs (``field.key``).
+    :raises BadValue: saying what the value must be.
+    """
     why = None
     for kind in arg.types:
         try:
-            value = _convert(kind, value, arg, field, problems, task)
+            value = _convert(kind, value, arg, field, [] if problems is None else problems, task)
             break
         except _Bad as exc:
             why = str(exc) or None
     else:
         words = " or ".join(TYPE_WORDS[t] for t in arg.types)
-        problems.append((field, f"parameter {field!r} of task {task} must be {words}"
-                                + (f" ({why})" if why else f", got {_shown(value)}"),
-                         f"pass {field} as {words}"))
-        return _default(arg)
-    bound = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if arg.min is not None and value < arg.min:
-            bound = f"at least {arg.min}"
-        elif arg.above is not None and value <= arg.above:
-            bound = f"above {arg.above}"
-        elif arg.max is not None and value > arg.max:
-            bound = f"at most {arg.max}"
-    if bound:
-        problems.append((field, f"parameter {field!r} of task {task} must be {bound}, got {_shown(value)}",
-                         f"pass a value of {field} that is {bound}"))
-        return _default(arg)
+        raise BadValue(f"must be {words}" + (f" ({why})" if why else ""), f"pass {{name}} as {words}",
+                       says_value=bool(why))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            (arg.min is not None and value < arg.min) or (arg.above is not None and value <= arg.above)
+            or (arg.max is not None and value > arg.max)):
+        raise BadValue(f"must be {arg.bound()}", f"give {{name}} a value {arg.bound()}")
     if arg.choices is not None and value not in arg.choices:
         known = ", ".join(map(str, arg.choices))
-        problems.append((field, f"parameter {field!r} of task {task} must be one of {known}, got {_shown(value)}",
-                         f"use one of: {known}"))
-        return _default(arg)
+        raise BadValue(f"must be one of {known}", f"use one of: {known}")
     return value
+
+
+def _check_value(field: str, arg: Arg, value, problems: list, task: str):
+    """The checked value of one set parameter; a problem noted (and the default returned) when it does not fit."""
+    try:
+        return judge(arg, value, field, problems, task)
+    except BadValue as exc:
+        why = str(exc)
+        problems.append((field, f"parameter {field!r} of task {task} {why}"
+                                + ("" if exc.says_value else f", got {_shown(value)}"), exc.fix_for(field)))
+        return _default(arg)
 
 
 def _default(arg: Arg):
@@ -375,6 +411,11 @@ class Spec:
         return main
 
 
+def flag_help(args: dict, names) -> dict:
+    """``--flag`` name -> its help, for the parameters ``names`` of ``args`` (invoke's ``task(help=...)``)."""
+    return {args[n].flag_of(n): args[n].help for n in names}
+
+
 def hooks(*specs: Spec) -> dict:
     """task -> its test hooks (see the module docstring)."""
     return {spec.name: spec.names(hook=True) for spec in specs}
@@ -384,40 +425,62 @@ def hooks(*specs: Spec) -> dict:
 
 #: a run's parameters: what ``specops/params.py`` ``run_params`` sends to every step of a run
 #: (preflight, smoke, the job's start, the shard probe, patch), and what a run's ``params.json``
-#: holds for the supervisor and its engine. Unset, each means :data:`contract.DEFAULTS` where it is
-#: read (``contract.param``); a task that uses the defaults itself says ``defaults=contract.DEFAULTS``.
+#: holds for the supervisor and its engine. Unset, each means :data:`contract.DEFAULTS` (the run's
+#: sizes are defaulted once into its plan, ``remote.extract.runplan.Plan``); a task that uses the defaults
+#: itself says ``defaults=contract.DEFAULTS``. The one table of run parameters: an entry with ``help`` is a
+#: flag of the run tasks (specops/tasks.py), the inventory's field of its name is checked by it, and no
+#: other module states its bounds or choices (tests/test_param_table.py).
 RUN_ARGS = {
-    "model_path": Arg("path", doc="the model's dir on the host"),
+    "model_path": Arg("path", doc="the model's dir on the host", flag="model",
+                      help="model dir on the host (default: the inventory's model_path)"),
     "dataset": Arg(("path", "list"), elements="path",
                    doc="JSONL of chat records or token ids, or speculators prepare-data's dir; a list: "
-                       "concatenated in the order given (remote.extract.dataset)"),
+                       "concatenated in the order given (remote.extract.dataset)",
+                   help="chat or token JSONL on the host, or speculators prepare-data's dir; repeat the flag for "
+                        "several, read in the order given (default: the inventory's dataset)"),
     "output_dir": Arg("path", doc="where the samples go"),
     "work_dir": Arg("path", doc="specops' own dir on the host: runs/, smoke/, bundles/"),
     "python": Arg("path", doc="the inventory's python: the run's supervisor runs in it"),
     "device": Arg("str", choices=("cuda", "cpu")),
-    "tp": Arg("int", min=1),
-    "engine": Arg("str", doc="auto, an engine or an alias of one (remote.system.versions.resolve_engine judges it)"),
-    "layer_ids": Arg("list", doc="None: the engine's default ids; each id is judged by preflight and the run"),
-    "layer_convention": Arg("str", doc="what layer_ids mean (output/input); None: the engine's own"),
-    "seq_len": Arg("int", min=1),
+    "tp": Arg("int", min=1, help="tensor parallel size (default: the inventory's tp)"),
+    "engine": Arg("str", choices=(*contract.ENGINE_CHOICES, *contract.ENGINE_ALIASES),
+                  doc="auto, an engine or an alias of one (remote.system.versions.resolve_engine judges it)",
+                  help="extraction engine: auto (default: from the host's speculators), speculators-0.3, "
+                       "vllm-server or hf-reference"),
+    "layer_ids": Arg("list", doc="None: the engine's default ids; each id is judged by preflight and the run",
+                     help="comma-separated layer ids (default: the engine's own, convention recorded)"),
+    "layer_convention": Arg("str", choices=contract.LAYER_CONVENTIONS,
+                            doc="what layer_ids mean (output/input); None: the engine's own"),
+    "seq_len": Arg("int", min=1, help="max tokens per sample"),
     "long_samples": Arg("str", choices=contract.LONG_SAMPLES,
                         doc="a sample longer than seq_len: truncate (keep its first seq_len tokens, warn), "
-                            "refuse or drop"),
+                            "refuse or drop",
+                        help="a sample longer than --seq-len: truncate (default: keep its first seq_len tokens, "
+                             "warn), refuse (stop before the load, naming it) or drop (leave it out; counted in the "
+                             "manifest)"),
     "turns": Arg("str", choices=contract.CHAT_TURNS,
                  doc="chat rows: per-turn (a sample per assistant turn, end-of-turn supervised: speculators "
-                     "0.9), whole (a sample per row: 0.3) or auto (the installed speculators' rule)"),
-    "minimum_valid_tokens": Arg("int", min=0, doc="a sample with fewer supervised tokens is left out"),
-    "max_samples": Arg("int", min=0),
-    "batch_size": Arg("int", min=1),
+                     "0.9), whole (a sample per row: 0.3) or auto (the installed speculators' rule)",
+                 help="chat rows: per-turn (a sample per assistant turn, end-of-turn token supervised: speculators "
+                      "0.9), whole (a sample per row, reply text supervised: 0.3) or auto (default: the host's "
+                      "speculators' rule)"),
+    "minimum_valid_tokens": Arg("int", min=0, doc="a sample with fewer supervised tokens is left out",
+                                help="leave out a sample with fewer supervised tokens (default 1: none with "
+                                     "nothing to learn)"),
+    "max_samples": Arg("int", min=1, help="number of samples to extract"),
+    "batch_size": Arg("int", min=1, help="samples per engine call"),
     "gpu_memory_utilization": Arg("float", above=0, max=1),
     "trust_remote_code": Arg("bool"),
     "env": Arg("env", doc="exported for the run's processes"),
     "sample_range": Arg("list", doc="[start, stop): the dataset range of a group run's shard"),
     "replica": Arg("dict", doc="this host's place in a replica over several hosts (remote.extract.replica)"),
     "format": Arg("str", choices=contract.STATE_FORMATS,
-                  doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only)"),
+                  doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only: "
+                      "contract.state_format_problem)",
+                  help="the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes; "
+                       "vllm-server engine; train with --hidden-states-backend fp8)"),
     # the engines' own knobs: read from the run's params (remote/extract/engines, remote/extract/supervisor)
-    "writer_threads": Arg("int", min=1, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "
+    "writer_threads": Arg("int", min=1, max=256, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "
                                              "capped at the host's usable cores)"),
     "chunked_prefill": Arg("str", choices=contract.CHUNKED_PREFILL,
                            doc="vllm-server: prefill a sample longer than the step budget in chunks; auto: on where "
@@ -442,8 +505,12 @@ RUN_ARGS = {
     "worker_error_grace_s": Arg("float", min=0,
                                 doc="how long a rank's recorded error may go unanswered by the driver (20)"),
     "write_queue_batches": Arg("int", min=0, doc="batches that may wait for the sample writer (1; 0: no writer thread)"),
-    "canary_samples": Arg("int", min=0, doc="the run's first N samples also ask the engine for their prompt logprobs "
-                          "(vllm-server; contract.CANARY_SAMPLES) and are checked as they land (remote/verify/canary.py); 0: none"),
+    "canary_samples": Arg("int", min=0, max=contract.CANARY_SAMPLES_MAX,
+                          doc="the run's first N samples also ask the engine for their prompt logprobs "
+                          "(vllm-server; contract.CANARY_SAMPLES) and are checked as they land (remote/verify/canary.py); 0: none",
+                          help="the canary: the run's first N samples checked against the engine's own logprobs as "
+                               "they land, a fail stops the run (default: the inventory's canary_samples, else 2; "
+                               "0: none; vllm-server)"),
     "prompt_logprobs_top": Arg("int", min=1, max=20, doc="top tokens kept per position (contract.PROMPT_LOGPROBS_TOP)"),
     "canary": Arg("bool", doc="stop the run when a canary sample fails its logits check (default true)"),
     # test hooks (the module docstring says what each does)
@@ -454,6 +521,18 @@ RUN_ARGS = {
                                  doc="server flags appended unchecked (a planted fault)"),
     "swap_sample_states": Arg("list", elements="int", hook=True,
                               doc="[i, j]: samples i and j land with each other's states (a planted fault)"),
+}
+
+#: a train run's own numbers that ``specops train`` flags set: the laptop checks a flag against these before
+#: connecting (``specops/train.py``), the train task's spec again (``remote/train/task.py``).
+TRAIN_ARGS = {
+    "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
+    "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
+                                  "GPU the job sees, remote.train.supervisor.trainer_processes)"),
+    "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
+                         "remote.train.plan.default_total_seq_len); not below the states' seq_len"),
+    "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
+    "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
 }
 
 #: which installed packages a check looks at, and what it checks them for: the drift check, the

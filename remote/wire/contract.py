@@ -279,6 +279,15 @@ DEFAULTS = {
 }
 
 
+def state_format_problem(fmt, engine) -> str | None:
+    """Why ``engine`` (a name, an alias or ``auto``: judged once it is concrete) cannot write states of ``fmt``
+    (``needs the vllm-server engine; ...``, said after the format), or None: the one rule of fp8 (the laptop checks it before connecting, the run's plan on the host)."""
+    name = ENGINE_ALIASES.get(engine, engine)
+    if fmt == FP8 and name != AUTO_ENGINE and name not in FP8_ENGINES:
+        return f"needs the {' or '.join(FP8_ENGINES)} engine; engine {name} writes its states unquantized"
+    return None
+
+
 def param(params: dict, name: str):
     """Run parameter ``name`` from ``params``, or its :data:`DEFAULTS` value when unset (missing, None or empty)."""
     value = params.get(name)

@@ -49,7 +49,7 @@ class Engine:
     :param model_path: the model directory on the host.
     :param tp: tensor-parallel size (engines that cannot shard ignore it and say so).
     :param layer_ids: layer ids in this engine's convention.
-    :param params: the run parameters (``seq_len``, ``inject_failure``, ... ).
+    :param params: the run parameters (``inject_failure``, ... ; its sizes are the plan's: ``plan.seq_len``).
     :param plan: the run's :class:`remote.extract.runplan.Plan`; None: resolved here from the model's
         config for ``layer_ids`` (an engine built outside a run), when first read.
     """
@@ -87,10 +87,9 @@ class Engine:
     def model_len(self, config: dict) -> int:
         """vLLM's ``max_model_len`` for this run: room for the longest sample (``seq_len``) plus
         the one token each request generates, within the language model's own position limit."""
-        from remote.wire import contract
         from remote.system import modelconfig
 
-        seq_len = int(contract.param(self.params, "seq_len"))
+        seq_len = self.plan.seq_len
         limit = modelconfig.text_value(config, "max_position_embeddings")
         return min(seq_len + 1, int(limit)) if limit else seq_len + 1
 

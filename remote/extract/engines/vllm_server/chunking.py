@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ast
 
-from remote.wire import contract
+from remote.wire import argspec
 
 #: calls that put a sample on disk
 WRITE_CALLS = frozenset({"save_file", "save", "torch.save"})
@@ -88,8 +88,6 @@ def when_it_writes(chain) -> dict:
                    f"chunked prefill is safe"}
 
 
-#: what a run may ask for (``chunked_prefill``): auto = on where the connector allows it
-CHOICES = contract.CHUNKED_PREFILL
 #: server flags that would make the files wrong: with prefix caching on, a request's
 #: ``hidden_states`` and ``token_ids`` lengths differ (vLLM issue 44485)
 REFUSED_FLAGS = ("--enable-prefix-caching",)
@@ -106,13 +104,15 @@ def installed_verdict(connector: tuple) -> dict:
 def resolve(asked, verdict: dict) -> dict:
     """Chunked prefill for a run: ``{"on", "asked", "why"}``.
 
-    :raises ValueError: naming the field and the fix, for a value not in :data:`CHOICES`, and
-        for ``on`` where the connector writes every step (its files would be partial).
+    :raises ValueError: naming the field and the fix, for a value its entry of the parameter table
+        (``RUN_ARGS["chunked_prefill"]``: auto = on where the connector allows it) refuses, and for ``on``
+        where the connector writes every step (its files would be partial).
     """
     asked = "auto" if asked in (None, "") else asked
-    if asked not in CHOICES:
-        raise ValueError(f"chunked_prefill: {asked!r} is not one of {', '.join(CHOICES)}; "
-                         f"set chunked_prefill: auto (on where the connector allows it)")
+    try:
+        argspec.judge(argspec.RUN_ARGS["chunked_prefill"], asked)
+    except argspec.BadValue as exc:
+        raise ValueError(f"{exc.about('chunked_prefill', asked)}; {exc.fix_for('chunked_prefill')}") from None
     if asked == "off":
         return {"on": False, "asked": asked, "why": "chunked_prefill: off, as asked: every sample is one step"}
     if not verdict["safe"]:

@@ -205,7 +205,7 @@ class VllmServerEngine(Engine):
     def _max_model_len(self) -> int:
         """seq_len + 1 (each request generates one token); refused before the server starts when the model
         has fewer positions (preflight's ``model.seq_len`` says the same)."""
-        seq_len = int(contract.param(self.params, "seq_len"))
+        seq_len = self.plan.seq_len
         limit = modelconfig.text_value(self.config, "max_position_embeddings")
         if limit and seq_len > contract.seq_len_limit(self.name, int(limit)):
             raise ValueError(f"seq_len {seq_len} leaves no room for the one token each request generates "
@@ -303,7 +303,7 @@ class VllmServerEngine(Engine):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         records = []
-        workers = max(1, int(self.params.get("concurrency") or contract.param(self.params, "batch_size")))
+        workers = max(1, int(self.params.get("concurrency") or self.plan.batch_size))
         digesters = max(1, int(self.params.get("digest_workers") or default_digest_workers()))
         import torch
         # each digest is one thread's work; torch's intra-op pool on top of several digesters
