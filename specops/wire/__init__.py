@@ -10,6 +10,6 @@ from specops.assets import asset
 
 __path__ = [str(asset("remote") / "wire")]
 
-from . import argspec, contract, fsutil, layers, manifest, protocol, units  # noqa: E402  (after __path__)
+from . import argspec, contract, fsutil, layers, manifest, protocol, status, units  # noqa: E402  (after __path__)
 
-__all__ = ["argspec", "contract", "fsutil", "layers", "manifest", "protocol", "units"]
+__all__ = ["argspec", "contract", "fsutil", "layers", "manifest", "protocol", "status", "units"]
