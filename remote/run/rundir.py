@@ -23,7 +23,6 @@ from pathlib import Path
 
 from remote.wire import contract
 from remote.system import procscan
-from remote.run.lifecycle import utc_now  # noqa: F401 -- the job verbs' clock
 
 #: every state a run passes through, in order; the last three are final (:class:`remote.wire.contract.RunState`).
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES

@@ -22,42 +22,32 @@ The laptop imports this very module as ``specops.wire.status``.
 """
 from __future__ import annotations
 
-import json
 import traceback as _traceback
 from typing import NamedTuple
 
-from . import contract
+from . import contract, manifest
 
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
 #: the states a run works in, in the order it passes through them (a run never goes back).
 LIVE_STATES = tuple(s for s in STATES if s not in FINAL_STATES)
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_int = manifest._int
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-#: kind -> (test, what a value of it is, said in a refusal).
+#: kind -> (test, what a value of it is, said in a refusal): the manifest's kinds, and the status's own.
 KINDS = {
-    "text": (lambda v: isinstance(v, str), "a string"),
-    "int": (lambda v: _int(v) and v >= 0, "a whole number >= 0"),
+    **{kind: manifest.KINDS[kind] for kind in ("text", "int", "flag", "object", "list", "ids", "names", "range",
+                                               "convention")},
     "number": (_number, "a number"),
-    "flag": (lambda v: isinstance(v, bool), "true or false"),
-    "object": (lambda v: isinstance(v, dict), "an object"),
-    "list": (lambda v: isinstance(v, list), "a list"),
     "numbers": (lambda v: isinstance(v, list) and all(_number(x) for x in v), "a list of numbers"),
-    "ids": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of integers"),
-    "names": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "seconds": (lambda v: isinstance(v, dict) and all(_number(x) for x in v.values()),
                 "an object of phase -> seconds"),
-    "range": (lambda v: isinstance(v, list) and len(v) == 2 and all(_int(x) for x in v) and 0 <= v[0] <= v[1],
-              "[start, stop] with 0 <= start <= stop"),
     "state": (lambda v: v in STATES, f"one of {list(STATES)}"),
-    "convention": (lambda v: v in contract.LAYER_CONVENTIONS, f"one of {list(contract.LAYER_CONVENTIONS)}"),
     "rank": (_int, "a rank (a whole number)"),
     "int_or_object": (lambda v: _int(v) or isinstance(v, dict), "a whole number or an object"),
     "error": (lambda v: isinstance(v, dict), "an error object (ERROR_FIELDS)"),
@@ -65,12 +55,14 @@ KINDS = {
 }
 
 
-class Field(NamedTuple):
-    kind: str
-    what: str
-    #: the run kinds whose supervisor writes it: extract (an extraction, a replica's head included),
-    #: replica (a replica's worker host), train; ``job`` (written by the job verbs).
-    kinds: str = "extract replica train"
+#: a field: its kind (:data:`KINDS`), what it holds, and (manifest's ``docs``) the run kinds whose status
+#: carries it: extract (an extraction, a replica's head included), replica (a replica's worker host), train;
+#: ``job`` (the job verbs add it).
+ALL_KINDS = "extract replica train"
+
+
+def Field(kind: str, what: str, docs: str = ALL_KINDS) -> manifest.Field:
+    return manifest.Field(kind, what, docs)
 
 
 #: every top-level field of ``status.json``, what it holds, and which run kinds write it.
@@ -185,12 +177,8 @@ class TransitionError(StatusError):
         super().__init__(where, None, f"no move from {old!r} to {new!r} ({why})")
 
 
-def _check_value(where, name: str, value, field: Field) -> None:
-    test, expected = KINDS[field.kind]
-    if value is not None and not test(value):
-        shown = json.dumps(value, default=str)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise StatusError(where, name, f"is {shown}, expected {expected}", value)
+def _check_value(where, name: str, value, field) -> None:
+    manifest.check_value(where, name, value, field, KINDS, StatusError)
 
 
 def check_error(error, name: str = "error", where="status.json") -> dict:
