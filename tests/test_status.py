@@ -171,6 +171,15 @@ def test_the_writer_begins_moves_and_refuses_without_changing_the_file(tmp_path)
         status.heartbeat(state="failed")
 
 
+def test_an_odd_old_error_never_stops_a_restart(tmp_path):
+    path = tmp_path / "r2" / contract.STATUS_FILE
+    path.parent.mkdir()
+    path.write_text(json.dumps({"run_id": "r2", "state": "failed", "error": {"message": "no type"}}))
+    StatusFile.begin(path, "r2").update(phase="tokenizing")
+    kept = json.loads(path.read_text())["previous_error"]
+    assert kept["type"] == "UnreadableError" and "no type" in kept["message"] and "'previous_error.type'" in kept["message"]
+
+
 def test_job_start_status_and_abort_write_through_the_one_writer(tmp_path):
     """job start's restart, job status's dead-supervisor correction: the same writer, the same schema."""
     run_dir = tmp_path / "runs" / "gone"

@@ -59,7 +59,7 @@ class StatusFile:
         initial = {
             "run_id": run_id, "state": RunState.PENDING.value, "phase": "starting", "started_at": utc_now(),
             "error": None, "pid": os.getpid(), "attempt": int(previous.get("attempt") or 0) + 1,
-            "previous_error": previous.get("error") or previous.get("previous_error"),
+            "previous_error": wire_status.kept_error(previous.get("error") or previous.get("previous_error")),
         }
         for name, value in fields.items():
             initial[name] = value(previous) if callable(value) else value
@@ -133,7 +133,7 @@ class StatusFile:
     def restart(self, run_id: str) -> dict:
         """``job start``: the run pending again, its last error kept as ``previous_error``."""
         return self.update(run_id=run_id, state=RunState.PENDING.value, phase="starting", error=None,
-                           previous_error=self.data.get("error"), moves=("restart",))
+                           previous_error=wire_status.kept_error(self.data.get("error")), moves=("restart",))
 
     @property
     def state(self):

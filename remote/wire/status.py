@@ -110,7 +110,7 @@ FIELDS = {
     "first_step_this_attempt": Field("int", "the first step this attempt trained", "train"),
     "launcher": Field("text", "the trainer's module", "train"),
     "processes": Field("int", "trainer processes", "train"),
-    "command": Field("names", "the trainer's command line", "train"),
+    "command": Field("list", "the trainer's command line", "train"),
     "set_aside": Field("list", "half-written epoch dirs moved aside", "train"),
     "checkpoints": Field("text", "the checkpoints' dir", "train"),
     "checkpoint": Field("object", "the last checkpoint (epoch, global step, path)", "train"),
@@ -231,6 +231,18 @@ def error_from(exc: BaseException, rank=None, where: str = "supervisor", **extra
     """``exc`` as the run's ``error``: its type, message and full traceback."""
     return error(type(exc).__name__, str(exc) or repr(exc), rank=rank, where=where,
                  traceback="".join(_traceback.format_exception(type(exc), exc, exc.__traceback__)), **extra)
+
+
+def kept_error(old) -> dict | None:
+    """An earlier attempt's ``error`` as the next attempt keeps it (``previous_error``): as it was where it
+    fits :data:`ERROR_FIELDS`, else its text in an error that does (an odd old error never stops a restart)."""
+    if old is None:
+        return None
+    try:
+        return check_error(old, "previous_error")
+    except StatusError as exc:
+        return error("UnreadableError", f"{str(old)[:2000]} (field {exc.field!r} {exc.problem})",
+                     where="an earlier attempt")
 
 
 # --------------------------------------------------------------------------- moves between states
