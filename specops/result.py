@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specops import wire
 from specops.exit_codes import ExitCode
@@ -91,7 +91,9 @@ FINAL_STATES: tuple[str, ...] = _CONTRACT.FINAL_STATES
 
 
 class RunError(BaseModel):
-    """Why a run failed: the failing TP rank (None: the supervisor), the exception and its traceback."""
+    """Why a run failed: the failing TP rank (None: the supervisor), the exception and its traceback.
+
+    The laptop's view of ``specops.wire.status.ERROR_FIELDS`` (tests/test_contract.py holds them in step)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -108,6 +110,9 @@ class RunError(BaseModel):
 
 class RunState(BaseModel):
     """One run on one host, as its status file (plus the supervisor's liveness) says.
+
+    The laptop's view of ``specops.wire.status.FIELDS``, checked against it on every parse (a test holds
+    the fields in step).
 
     Unknown keys of the status file are kept, so :meth:`model_dump` gives the file back.
 
@@ -135,6 +140,15 @@ class RunState(BaseModel):
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     #: the run's directory on the host (from the payload, not the status file).
     run_dir: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fits_the_wire(cls, data: Any) -> Any:
+        """The host's status checked against the one schema both sides read (``specops.wire.status``):
+        a field of the wrong kind is refused naming it (``error.message``), as the host's writer would."""
+        if isinstance(data, dict) and data.get("state") not in (None, _CONTRACT.RunState.MISSING.value):
+            wire.status.check(data, where=f"status.json of run {data.get('run_id')}")
+        return data
 
     @classmethod
     def from_payload(cls, payload: dict) -> "RunState":

@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from remote.wire import layers
+from remote.wire import contract, layers
+from remote.run.lifecycle import StatusFile
 from remote.system import modelconfig
 from remote.extract import samples
 from remote.wire import manifest as run_manifest
@@ -54,7 +55,7 @@ def write_run(run_dir: Path, model: str, layer_ids, engine_info: dict, records: 
         params={"trust_remote_code": False}, file_layer_ids=engine_info.get("file_layer_ids"))
     for target in (run_dir, output):
         run_manifest.write_atomic(target / samples.MANIFEST, doc)
-    samples.write_json_atomic(run_dir / "status.json", {"state": "done", "output_dir": str(output)})
+    StatusFile(run_dir / contract.STATUS_FILE, {}).update(state="done", phase="done", output_dir=str(output))
     return doc
 
 

@@ -44,6 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
+from remote.wire import status
 from remote.wire.contract import RunState
 
 #: keepalive on every watch connection: a host that vanishes (no FIN, no RST) is lost after
@@ -192,11 +193,10 @@ class HostWatch:
         if node is None or self._closing or self.nodes.get(node, {}).get("bye"):
             return
         host = host_of(self.replica, node)
-        self._lose(node, {"type": "HostLost", "where": f"host {host}",
-                          "message": f"host {host} (node {node}, ranks {ranks_of(self.replica, node)}) is gone: its "
-                                     f"specops connection closed with no word from it (the host died, its processes "
-                                     f"were killed, or it dropped off the network)",
-                          "traceback": ""})
+        self._lose(node, status.error(
+            "HostLost", f"host {host} (node {node}, ranks {ranks_of(self.replica, node)}) is gone: its specops "
+                        f"connection closed with no word from it (the host died, its processes were killed, or it "
+                        f"dropped off the network)", where=f"host {host}"))
 
     def _lose(self, node: int, error: dict) -> None:
         host = host_of(self.replica, node)
@@ -243,10 +243,10 @@ class HostWatch:
             held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
             if held:
                 ranks = ranks_of(self.replica, 0)
-                self._lose(0, {"type": "RanksStopped", "where": f"host {head}", "traceback": "",
-                               "message": f"process(es) {held} of ranks {ranks} on {head} (the head) are stopped "
-                                          f"(SIGSTOP or a debugger) for {STOPPED_GRACE_S:.0f} s: the replica's "
-                                          f"requests hang on them"})
+                self._lose(0, status.error(
+                    "RanksStopped", f"process(es) {held} of ranks {ranks} on {head} (the head) are stopped (SIGSTOP or "
+                                    f"a debugger) for {STOPPED_GRACE_S:.0f} s: the replica's requests hang on them",
+                    where=f"host {head}"))
                 return
 
     def wait_lost(self, timeout: float) -> dict | None:
@@ -285,7 +285,8 @@ class NodeSupervisor:
     """A worker host's run: its headless ranks, joined to the head, watched both ways."""
 
     def __init__(self, run_dir):
-        from remote.run.rundir import RunPaths, StatusFile, utc_now
+        from remote.run.lifecycle import StatusFile
+        from remote.run.rundir import RunPaths
 
         self.paths = RunPaths(run_dir)
         self.params = json.loads(self.paths.params.read_text())
@@ -294,19 +295,10 @@ class NodeSupervisor:
         self.host = host_of(self.replica, self.node)
         self.ranks = ranks_of(self.replica, self.node)
         self.run_id = self.params.get("run_id") or self.paths.run_dir.name
-        previous = {}
-        try:
-            previous = json.loads(self.paths.status.read_text())
-        except (FileNotFoundError, ValueError):
-            pass
-        self.status = StatusFile(self.paths.status, {
-            "run_id": self.run_id, "state": RunState.PENDING.value, "phase": "starting", "error": None,
-            "started_at": utc_now(), "pid": os.getpid(), "attempt": int(previous.get("attempt", 0)) + 1,
-            "samples_done": None, "samples_total": None,
-            "replica": {"name": self.replica.get("name"), "head": host_of(self.replica, 0), "host": self.host,
-                        "node_rank": self.node, "ranks": self.ranks},
-            "previous_error": previous.get("error") or previous.get("previous_error"),
-        })
+        self.status = StatusFile.begin(
+            self.paths.status, self.run_id, samples_done=None, samples_total=None,
+            replica={"name": self.replica.get("name"), "head": host_of(self.replica, 0), "host": self.host,
+                     "node_rank": self.node, "ranks": self.ranks})
         self.engine = None
         self.sock: socket.socket | None = None
 
@@ -360,15 +352,20 @@ class NodeSupervisor:
             print(f"[specops] ranks {self.ranks} of replica {self.replica.get('name')} started headless; head "
                   f"{head}", flush=True)
             state, message = self._watch(head)
-            self.status.update(state=state, phase=state,
-                               error=None if state == RunState.DONE.value else self.status.data.get("error"))
+            if state == RunState.DONE.value:
+                self.status.finish(error=None)
+            elif state == RunState.ABORTED.value:
+                self.status.abort(self.status.data.get("error"))
+            else:  # failed, or a state no head sends: the replica did not finish
+                self.status.fail(self.status.data.get("error") or status.error(
+                    "HeadFailed", f"the head {head} ended the run {state!r}: {message}", where=f"host {head}"))
             send(self.sock, "bye", state=state)
             return 0 if state == RunState.DONE.value else 1
         except Aborted:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            error = {"rank": None, "type": "Aborted", "where": f"host {self.host}",
-                     "message": f"ranks {self.ranks} on {self.host} aborted by request (SIGTERM)", "traceback": ""}
-            self.status.update(state=RunState.ABORTED.value, phase="aborted", error=error)
+            error = status.error("Aborted", f"ranks {self.ranks} on {self.host} aborted by request (SIGTERM)",
+                                 where=f"host {self.host}")
+            self.status.end(error, aborted=True)
             if self.sock is not None:
                 # the head cannot go on without these ranks: it ends the replica as aborted, naming this
                 # host (an abort that reached only this host, the head unreachable from the laptop)
@@ -379,7 +376,7 @@ class NodeSupervisor:
         except BaseException as exc:  # noqa: BLE001 -- every failure ends in status.json, and at the head
             traceback.print_exc()
             error = self._error(exc)
-            self.status.update(state=RunState.FAILED.value, phase="failed", error=error)
+            self.status.end(error)
             if self.sock is not None:
                 send(self.sock, "failed", error=error)
             return 1
@@ -406,8 +403,7 @@ class NodeSupervisor:
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
         if record is None:
-            record = {"rank": None, "type": type(exc).__name__, "message": str(exc),
-                      "traceback": "".join(traceback.format_exception(exc)), "where": f"host {self.host}"}
+            record = status.error_from(exc, where=f"host {self.host}")
         record.update(host=self.host, node_rank=self.node, ranks=self.ranks)
         return record
 
@@ -430,9 +426,8 @@ class NodeSupervisor:
                 elif msg.get("event") == "end":
                     state = str(msg.get("state") or RunState.FAILED.value)
                     if state == RunState.FAILED.value:
-                        self.status.update(error={"rank": None, "type": "HeadFailed", "where": f"host {head}",
-                                                  "message": f"the head {head}'s run failed: {msg.get('message')}",
-                                                  "traceback": ""})
+                        self.status.update(error=status.error(
+                            "HeadFailed", f"the head {head}'s run failed: {msg.get('message')}", where=f"host {head}"))
                     return state, str(msg.get("message") or "")
             now = time.monotonic()
             # the ranks' process group: this supervisor's (own_session False, see _engine), else the server's

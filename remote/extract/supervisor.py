@@ -51,9 +51,11 @@ from remote.wire import manifest as run_manifest
 from remote.wire.contract import RunState, param
 from remote.extract.dataset import dataset_warnings, prepare_samples
 from remote.extract.engines import engine_class
-from remote.run.rootcause import error_record, note_in_rank_log, root_cause, worker_errors
+from remote.run.rootcause import note_in_rank_log, root_cause, worker_errors
 from remote.system.procgroup import kill_own_group_and_exit, stop_leftovers
-from remote.run.rundir import RunPaths, StatusFile, utc_now
+from remote.run.lifecycle import StatusFile
+from remote.run.rundir import RunPaths
+from remote.wire import status as wire_status
 from remote.extract.sampleread import MAX_NONFINITE_LISTED, non_finite
 from remote.extract.samplewriter import WRITE_QUEUE_BATCHES, SampleWriter
 
@@ -103,21 +105,9 @@ class Supervisor:
         self.params = json.loads(self.paths.params.read_text())
         self.run_id = self.params.get("run_id") or self.paths.run_dir.name
         self.output_dir = Path(runplan.output_dir(self.params, self.paths.run_dir))
-        previous = {}
-        if self.paths.status.exists():
-            try:
-                previous = json.loads(self.paths.status.read_text())
-            except ValueError:
-                previous = {}
-        self.status = StatusFile(self.paths.status, {
-            "run_id": self.run_id, "state": RunState.PENDING.value, "phase": "starting",
-            "samples_done": 0, "samples_total": None, "tokens_done": 0, "tokens_per_s": None,
-            "eta_s": None, "started_at": utc_now(), "error": None, "phase_seconds": {},
-            "attempt": int(previous.get("attempt", 0)) + 1, "pid": os.getpid(),
-            "output_dir": str(self.output_dir),
-            # job.start moves the last attempt's error to previous_error before launching us
-            "previous_error": previous.get("error") or previous.get("previous_error"),
-        })
+        self.status = StatusFile.begin(
+            self.paths.status, self.run_id, samples_done=0, samples_total=None, tokens_done=0, tokens_per_s=None,
+            eta_s=None, phase_seconds={}, output_dir=str(self.output_dir))
         # This attempt's root cause only: older worker errors go, rank logs are read from here on.
         for stale in self.paths.errors.glob("rank*.json"):
             stale.unlink()
@@ -141,7 +131,7 @@ class Supervisor:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self.status.update(phase_seconds=dict(self.phase_seconds))
+            self.status.heartbeat(phase_seconds=dict(self.phase_seconds))
 
     def _watchdog(self) -> None:
         """Fail the run when a worker recorded an error the driver never answers."""
@@ -159,8 +149,7 @@ class Supervisor:
             error = root_cause(self.paths, None, deaths=self._deaths())
             error["note"] = (f"the driver was still waiting {grace:.0f}s after rank {error.get('rank')} "
                              f"failed (peers hang in collectives); the supervisor stopped the run")
-            self.status.update(state=RunState.FAILED.value, phase="failed", error=error,
-                               phase_seconds=dict(self.phase_seconds))
+            self.status.fail(error, phase_seconds=dict(self.phase_seconds))
             print(f"[specops] watchdog: {error['type']}: {error['message']}", flush=True)
             note_in_rank_log(self.paths, error)
             kill_own_group_and_exit(1)
@@ -177,11 +166,8 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if self.engine is not None:
                 self.engine.params["stop_grace_s"] = ABORT_STOP_GRACE_S
-            self.status.update(state=RunState.ABORTED.value, phase="aborted",
-                               phase_seconds=dict(self.phase_seconds),
-                               error={"rank": None, "type": "Aborted", "where": "supervisor",
-                                      "message": "aborted by request (SIGTERM)", "traceback": ""})
-            return 143
+            return self.status.end(wire_status.error("Aborted", "aborted by request (SIGTERM)"), aborted=True,
+                                   phase_seconds=dict(self.phase_seconds))
         except BaseException as exc:  # every failure ends in status.json, with its root cause
             seen_at = time.monotonic()
             traceback.print_exc()
@@ -189,14 +175,11 @@ class Supervisor:
             error = (self.engine.error_record(exc) if self.engine is not None else None) or \
                 root_cause(self.paths, exc, exc_rank=0 if in_engine else None, deaths=self._deaths())
             if isinstance(exc, NonFiniteStates):
-                error = error_record(exc)
-                error["detail"] = getattr(exc, "detail", None)
+                error = wire_status.error_from(exc, detail=getattr(exc, "detail", None))
             error = self._lost_host(error, seen_at)
             # a replica's worker host aborted (the head unreachable from the laptop): the replica is aborted
-            state = RunState.ABORTED if error.get("type") == "Aborted" else RunState.FAILED
-            self.status.update(state=state.value, phase=state.value, error=error,
-                               phase_seconds=dict(self.phase_seconds))
-            return 143 if state == RunState.ABORTED else 1
+            return self.status.end(error, aborted=error.get("type") == "Aborted",
+                                   phase_seconds=dict(self.phase_seconds))
         finally:
             self._stop.set()
             self._release_replica(self.status.data.get("state"),
@@ -552,7 +535,7 @@ class Supervisor:
                 f"layer {s['layer_id']}: {s['nan']} NaN, {s['inf']} Inf" for s in non_finite))
             exc.detail = {"layers": non_finite}
             raise exc
-        self.status.update(state=RunState.DONE.value, phase="done", samples_done=count, eta_s=0,
+        self.status.finish(samples_done=count, eta_s=0,
                            tokens_per_s=summary["tokens_per_s"], phase_seconds=dict(self.phase_seconds),
                            **({"canary": canary_found} if canary_found is not None else {}))
 

@@ -65,8 +65,10 @@ from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.wire.fsutil import FileLock
 from remote.run.rootcause import last_traceback
+from remote.run.lifecycle import StatusFile
+from remote.wire import status as wire_status
 from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
-                           run_alive, run_busy, signal_group, tail_text, utc_now)
+                           run_alive, run_busy, signal_group, tail_text)
 
 VERBS = ("start", "status", "logs", "abort", "follow")
 #: a run's parameters (recorded by ``start``; the others take them and ignore them), and the
@@ -197,14 +199,7 @@ def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
     (run_dir / "errors").mkdir(exist_ok=True)
     if not resumed:
         samples.write_json_atomic(run_dir / PARAMS_FILE, wanted)
-    previous = read_json(run_dir / STATUS_FILE) or {}
-    samples.write_json_atomic(run_dir / STATUS_FILE, {
-        **previous,
-        "run_id": wanted["run_id"], "state": RunState.PENDING.value, "phase": "starting",
-        "updated_at": utc_now(),
-        "heartbeat_unix": time.time(), "error": None,
-        "previous_error": previous.get("error"),
-    })
+    StatusFile.of_job(run_dir / STATUS_FILE).restart(wanted["run_id"])
     try:
         (run_dir / "pid").unlink()
     except FileNotFoundError:
@@ -265,22 +260,19 @@ def current_status(run_dir: Path) -> dict | None:
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
     if crashed:  # it died of an exception it could not record (e.g. at import)
-        error = {"rank": None, "where": "supervisor", "type": crashed["type"],
-                 "message": (f"supervisor exited without recording a result: {crashed['message']} "
-                             f"(state was {st.get('state')!r} at {where})"),
-                 "traceback": crashed["traceback"], "log_tail": tail}
+        error = wire_status.error(crashed["type"], (f"supervisor exited without recording a result: "
+                                                   f"{crashed['message']} (state was {st.get('state')!r} at {where})"),
+                                  traceback=crashed["traceback"], log_tail=tail)
     else:
         # not our child: how it ended is unknown; the kernel may still tell of an OOM kill
         oom = signals.oom_evidence(pid)
-        error = {"rank": None, "type": "SupervisorDied", "where": "supervisor", "traceback": "",
-                 "log_tail": tail, "oom": oom,
-                 "message": (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
-                             f"{st.get('state')!r} at {where} (killed by SIGKILL, the OOM killer, or "
-                             f"a reboot; {oom['text']}); starting the same run id again resumes after "
-                             f"the last complete sample")}
-    st.update(state=RunState.FAILED.value, phase="failed", error=error)
-    samples.write_json_atomic(run_dir / STATUS_FILE, {k: v for k, v in st.items() if k != "alive"})
-    return st
+        error = wire_status.error(
+            "SupervisorDied", (f"supervisor died (SIGKILL?): pid {pid} is gone while the run was "
+                               f"{st.get('state')!r} at {where} (killed by SIGKILL, the OOM killer, or "
+                               f"a reboot; {oom['text']}); starting the same run id again resumes after "
+                               f"the last complete sample"), log_tail=tail, oom=oom)
+    written = StatusFile.of_job(run_dir / STATUS_FILE, {k: v for k, v in st.items() if k != "alive"}).fail(error)
+    return {**written, "alive": alive}
 
 
 def status(params: dict) -> dict:
@@ -523,14 +515,13 @@ def abort(params: dict) -> dict:
            else "the supervisor stopped on SIGTERM")
     if swept or left:
         how += "; " + _leftovers_text(swept, left)
-    st = read_json(run_dir / STATUS_FILE) or {}
+    status_file = StatusFile.of_job(run_dir / STATUS_FILE)
+    st = dict(status_file.data)
     if st.get("state") != RunState.DONE:
-        st.update(state=RunState.ABORTED.value, phase="aborted",
-                  error={"rank": None, "type": "Aborted", "where": "job.abort", "traceback": "",
-                         "message": f"aborted by request: {how}", "signal": "SIGKILL" if killed else "SIGTERM",
-                         "killed_after_grace": killed, "swept": swept, "left": left,
-                         "supervisor_error": (st.get("error") or {}).get("message")})
-        samples.write_json_atomic(run_dir / STATUS_FILE, st)
+        st = status_file.abort(wire_status.error(
+            "Aborted", f"aborted by request: {how}", where="job.abort", signal="SIGKILL" if killed else "SIGTERM",
+            killed_after_grace=killed, swept=swept, left=left,
+            supervisor_error=(st.get("error") or {}).get("message")), by_request=True)
     st["alive"] = pid_alive(pid, run_dir)
     status_ = protocol.FAIL if left else protocol.CHANGED
     return _payload("job.abort", status_, f"run {params['run_id']} aborted: {how}", run_dir, st,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import json
 import re
-import traceback
 from pathlib import Path
 
 from remote.system import signals
+from remote.wire import status
 from remote.run.rundir import RunPaths
 
 
@@ -41,13 +41,7 @@ _RANK_LOG_HEAD_RE = re.compile(r"\[specops\] rank log of pid (\d+)(?: \(([\w.-]+
 
 def error_record(exc: BaseException, rank=None, where: str = "supervisor") -> dict:
     """``exc`` as the error dict a failed run reports: rank, type, message, full traceback, where."""
-    return {
-        "rank": rank,
-        "type": type(exc).__name__,
-        "message": str(exc) or repr(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "where": where,
-    }
+    return status.error_from(exc, rank=rank, where=where)
 
 
 def worker_errors(errors_dir: Path) -> list[dict]:
@@ -187,8 +181,7 @@ def root_cause(paths: RunPaths, exc: BaseException | None, exc_rank=None, deaths
     ranked = fatal + own + from_logs + peer_loss
     if not ranked:
         if seen is None:
-            seen = {"rank": None, "type": "UnknownError", "message": "the run failed without an exception",
-                    "traceback": "", "where": "supervisor"}
+            seen = status.error("UnknownError", "the run failed without an exception")
         seen.setdefault("source", "supervisor")
         return seen
     best = dict(ranked[0])

@@ -19,13 +19,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 from remote.wire import contract
 from remote.system import procscan
-from remote.extract import samples
 
 #: every state a run passes through, in order; the last three are final (:class:`remote.wire.contract.RunState`).
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES
@@ -72,28 +69,6 @@ class RunPaths:
         if not self.logs.is_dir():
             return []
         return sorted(self.logs.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name))
-
-
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-class StatusFile:
-    """``status.json``, rewritten atomically on every change and on a heartbeat."""
-
-    def __init__(self, path: Path, initial: dict):
-        self.path = path
-        self.data = dict(initial)
-        self.lock = threading.Lock()
-
-    def update(self, **fields) -> dict:
-        with self.lock:
-            self.data.update(fields)
-            self.data["updated_at"] = utc_now()
-            self.data["heartbeat_unix"] = time.time()
-            samples.write_json_atomic(self.path, self.data)
-            return dict(self.data)
-
 
 
 def read_json(path: Path):

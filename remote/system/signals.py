@@ -192,9 +192,10 @@ def death_record(process: str | None, exit_code, *, pid=None, rank=None, source:
     else:
         message = f"{head} {how['text']}"
         etype = "ProcessExited"
-    record = {"rank": rank, "type": etype, "message": message, "traceback": "", "where": label,
-              "process": process, "pid": pid, "exit_code": exit_code, "signal": how["signal"],
-              "signal_meaning": how["meaning"], "source": source}
+    from remote.wire import status  # the run's error has one builder
+
+    record = status.error(etype, message, rank=rank, where=label, process=process, pid=pid, exit_code=exit_code,
+                          signal=how["signal"], signal_meaning=how["meaning"], source=source)
     if how["signal"] == "SIGKILL" or (exit_code is None and not fatal):
         oom = oom_evidence(pid)
         record["oom"] = oom

@@ -44,8 +44,10 @@ from remote.train import memuse, memory as trainmem, plan as trainplan
 from remote.system import modelconfig, signals
 from remote.extract import samples
 from remote.wire.contract import RunState
-from remote.run.rootcause import error_record, last_traceback
-from remote.run.rundir import RunPaths, StatusFile, tail_text, utc_now
+from remote.run.rootcause import last_traceback
+from remote.run.lifecycle import StatusFile
+from remote.run.rundir import RunPaths, tail_text
+from remote.wire import status as wire_status
 
 HEARTBEAT_S = 5.0
 #: the terminal width the trainer's rich console is given: a metrics record stays on one line.
@@ -121,14 +123,10 @@ class TrainSupervisor:
     def __init__(self, run_dir):
         self.paths = RunPaths(run_dir)
         self.params = json.loads(self.paths.params.read_text())
-        previous = samples.read_json_quietly(self.paths.status) or {}
-        self.status = StatusFile(self.paths.status, {
-            "run_id": self.params.get("run_id"), "kind": "train", "state": RunState.PENDING.value,
-            "phase": "starting", "started_at": utc_now(), "error": None, "pid": os.getpid(),
-            "attempt": int(previous.get("attempt", 0)) + 1,
-            "previous_error": previous.get("error") or previous.get("previous_error"),
-            "step": previous.get("step"), "steps_total": previous.get("steps_total"),
-        })
+        # the last attempt's step and total stand until this one trains
+        self.status = StatusFile.begin(self.paths.status, self.params.get("run_id"), kind="train",
+                                       step=lambda previous: previous.get("step"),
+                                       steps_total=lambda previous: previous.get("steps_total"))
         self.proc: subprocess.Popen | None = None
         self.aborted = False
         self._stop = threading.Event()
@@ -141,21 +139,20 @@ class TrainSupervisor:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self.status.update()
+            self.status.heartbeat()
 
     def run(self) -> int:
         threading.Thread(target=self._heartbeat, daemon=True).start()
         try:
             return self._run()
         except Aborted:
-            self.status.update(state=RunState.ABORTED.value, phase="aborted", error={
-                "rank": None, "type": "Aborted", "where": "supervisor", "traceback": "",
-                "message": f"aborted by request (SIGTERM); the trainer saved {self.status.data.get('checkpoints')}"
-                           f"/interrupted; the same train command resumes from the last epoch checkpoint"})
+            self.status.end(wire_status.error(
+                "Aborted", f"aborted by request (SIGTERM); the trainer saved {self.status.data.get('checkpoints')}"
+                           f"/interrupted; the same train command resumes from the last epoch checkpoint"), aborted=True)
             return 143
         except BaseException as exc:  # every failure ends in status.json
             traceback.print_exc()
-            self.status.update(state=RunState.FAILED.value, phase="failed", error=error_record(exc))
+            self.status.end(wire_status.error_from(exc))
             return 1
         finally:
             self._stop.set()
@@ -201,7 +198,7 @@ class TrainSupervisor:
             finally:  # the final peak is in the status before done, failed or aborted is
                 self.status.update(memory=sampler.stop())
         if self.diverged:
-            self.status.update(state=RunState.FAILED.value, phase="failed", error=diverged_error(self.diverged))
+            self.status.fail(diverged_error(self.diverged))
             return 1
         if self.aborted:
             raise Aborted("SIGTERM")
@@ -209,9 +206,10 @@ class TrainSupervisor:
             tail = tail_text(log_path, 20000)
             rank = trainplan.failing_rank(tail) if nproc > 1 else None
             found = last_traceback(trainplan.rank_lines(tail, rank) if rank is not None else tail) or {}
-            error = {"rank": rank or 0, "where": "trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)", "type": found.get("type") or "TrainerExited",
-                     "message": found.get("message") or f"the trainer exited with code {code}",
-                     "traceback": found.get("traceback") or "", "exit_code": code}
+            error = wire_status.error(found.get("type") or "TrainerExited",
+                                      found.get("message") or f"the trainer exited with code {code}", rank=rank or 0,
+                                      where="trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)",
+                                      traceback=found.get("traceback") or "", exit_code=code)
             if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means
                 error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
                          "where": "trainer"}
@@ -219,17 +217,17 @@ class TrainSupervisor:
             full = disk_full(plan.save_path, tail)
             if full:  # torch's save says "file write failed", not why: the cause first
                 error = {**error, "cause": "ENOSPC", "message": f"{full}; the trainer's own error: {error['message']}"}
-            self.status.update(state=RunState.FAILED.value, phase="failed", error={**error, "log_tail": tail[-4000:]})
+            self.status.fail({**error, "log_tail": tail[-4000:]})
             return 1
         final = trainplan.last_checkpoint(plan.save_path)
         if final is None:
             raise RuntimeError(f"the trainer exited 0 but left no checkpoint in {plan.save_path}")
         learned = learned_nothing(self.losses, plan.dry_run, resumed is not None)
         if learned:
-            self.status.update(state=RunState.FAILED.value, phase="failed", checkpoint=final, error=learned)
+            self.status.fail(learned, checkpoint=final)
             return 1
         done = {"steps_total": self.status.data.get("step")} if self.status.data.get("step") else {}
-        self.status.update(state=RunState.DONE.value, phase="done", eta_s=0, checkpoint=final,
+        self.status.finish(eta_s=0, checkpoint=final,
                            wall_s=round(time.monotonic() - t0, 1), **done)
         return 0
 
@@ -368,11 +366,11 @@ def disk_full(save_path, log_tail: str) -> str | None:
 
 def diverged_error(found: dict) -> dict:
     """The run's error when the training loss became nan/inf (``found``: its first such step)."""
-    return {"rank": 0, "where": "trainer", "type": "LossNotFinite", "step": found["step"], "epoch": found["epoch"],
-            "message": f"the training loss is {found['loss']} at step {found['step']} (epoch {found['epoch']}): the "
-                       f"run diverged and its draft is useless; train again under a new --run-id with a lower "
-                       f"learning rate (--trainer-arg=--lr=...), or check the states (specops verify)",
-            "traceback": ""}
+    return wire_status.error(
+        "LossNotFinite", f"the training loss is {found['loss']} at step {found['step']} (epoch {found['epoch']}): the "
+                         f"run diverged and its draft is useless; train again under a new --run-id with a lower "
+                         f"learning rate (--trainer-arg=--lr=...), or check the states (specops verify)",
+        rank=0, where="trainer", step=found["step"], epoch=found["epoch"])
 
 
 def learned_nothing(losses: dict, dry_run: bool, resumed: bool) -> dict | None:
@@ -392,9 +390,10 @@ def learned_nothing(losses: dict, dry_run: bool, resumed: bool) -> dict | None:
         why = f"the training loss stayed {values[0]} over {len(values)} steps: the draft learned nothing"
     if why is None:
         return None
-    return {"rank": 0, "where": "trainer", "type": "NothingLearned", "traceback": "",
-            "message": f"{why}; its checkpoint is not a trained draft. Check the states and their token dataset "
-                       f"(specops train runs train.data first; specops verify), then train under a new --run-id"}
+    return wire_status.error(
+        "NothingLearned", f"{why}; its checkpoint is not a trained draft. Check the states and their token dataset "
+                          f"(specops train runs train.data first; specops verify), then train under a new --run-id",
+        rank=0, where="trainer")
 
 
 class Aborted(BaseException):

@@ -43,10 +43,11 @@ class CanaryFailed(RuntimeError):
 
     def error(self) -> dict:
         """The run's error (``status.json``): the check named, its cause and fix."""
-        return {"rank": None, "type": "CanaryFailed", "where": "canary", "check": self.record["name"],
-                "message": self.record["summary"], "fix": self.record.get("fix"), "traceback": "",
-                "detail": self.record.get("detail"), "source": str(contract.PROMPT_LOGPROBS_DIR + "/" +
-                                                                  contract.CANARY_FILE)}
+        from remote.wire import status
+
+        return status.error("CanaryFailed", self.record["summary"], where="canary", check=self.record["name"],
+                            fix=self.record.get("fix"), detail=self.record.get("detail"),
+                            source=f"{contract.PROMPT_LOGPROBS_DIR}/{contract.CANARY_FILE}")
 
 
 class Canary:

@@ -253,7 +253,7 @@ def check(doc, require=(), where="manifest") -> dict:
         if not name.startswith("files[]") and doc.get(name) is None:
             raise ManifestError(where, name, "is missing")
     for name, field in FIELDS.items():
-        _check_value(where, name, doc.get(name), field)
+        check_value(where, name, doc.get(name), field)
     needed = [name[len("files[]."):] for name in require if name.startswith("files[].")]
     for i, entry in enumerate(doc.get("files") or []):
         if not isinstance(entry, dict):
@@ -265,7 +265,7 @@ def check(doc, require=(), where="manifest") -> dict:
             elif entry.get(key) in (None, ""):
                 raise ManifestError(where, f"files[{i}].{key}", "is missing")
         for key, field in ENTRY_FIELDS.items():
-            _check_value(where, f"files[{i}].{key}", entry.get(key), field)
+            check_value(where, f"files[{i}].{key}", entry.get(key), field)
     return doc
 
 
@@ -296,12 +296,17 @@ def digest_names(entries) -> str:
     return " and ".join(names) or "no digest"
 
 
-def _check_value(where, name: str, value, field: Field) -> None:
-    test, expected = KINDS[field.kind]
+def check_value(where, name: str, value, field: Field, kinds=None, error=None) -> None:
+    """Refuse ``value`` of field ``name`` when it is not of ``field``'s kind (None passes: missing).
+
+    :param kinds: the kinds table (default :data:`KINDS`); :param error: the error class raised
+        (default :class:`ManifestError`; ``status.json``'s schema passes its own).
+    """
+    test, expected = (kinds or KINDS)[field.kind]
     if value is not None and not test(value):
         shown = json.dumps(value, default=str)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ManifestError(where, name, f"is {shown}, expected {expected}", value)
+        raise (error or ManifestError)(where, name, f"is {shown}, expected {expected}", value)
 
 
 def read(path, require=()) -> dict:

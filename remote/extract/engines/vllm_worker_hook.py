@@ -34,7 +34,7 @@ import time
 import traceback
 
 from remote.run import faults
-from remote.wire import fsutil
+from remote.wire import fsutil, status
 
 ENV_RUN_DIR = "SPECOPS_RUN_DIR"
 #: vLLM's logger that reports worker exceptions ("WorkerProc hit an exception." ...).
@@ -97,15 +97,8 @@ class ErrorRecorder:
         if os.path.exists(self.path):
             return
         text = "".join(traceback.format_exception(etype, value, tb))
-        self.write({
-            "rank": self.rank,
-            "type": etype.__name__,
-            "message": str(value) or repr(value),
-            "traceback": text,
-            "where": where,
-            "pid": os.getpid(),
-            "time": time.time(),
-        })
+        self.write(status.error(etype.__name__, str(value) or repr(value), rank=self.rank, traceback=text,
+                                where=where, pid=os.getpid(), time=time.time()))
 
     def write(self, record: dict) -> None:
         fsutil.write_json(self.path, record)  # atomic: the supervisor may read it any moment

@@ -9,7 +9,7 @@ import json
 import time
 
 from remote.wire.contract import VLLM_SERVER
-from remote.wire import layers
+from remote.wire import layers, status
 from remote.system import modelconfig
 from remote.extract import runplan
 
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
         tokens = sum(r["tokens"] for r in result["samples"])
         result.update(extract_s=round(seconds, 3), tokens=tokens, tok_per_s=round(tokens / seconds, 1))
     except (ServerFailed, SampleRejected, ValueError, RuntimeError) as exc:
-        result["error"] = {"type": type(exc).__name__, "message": str(exc),
-                           "rank": getattr(exc, "rank", None), "exception": getattr(exc, "exception", None),
-                           "traceback": getattr(exc, "traceback", None)}
+        result["error"] = status.error(type(exc).__name__, str(exc), rank=getattr(exc, "rank", None),
+                                      exception=getattr(exc, "exception", None),
+                                      traceback=getattr(exc, "traceback", None), where="vllm-server cli")
     finally:
         engine.close()
         result["engine"] = engine.describe()

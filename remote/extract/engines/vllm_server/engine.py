@@ -399,10 +399,11 @@ class VllmServerEngine(Engine):
         if failure.death:
             return dict(failure.death, reported_as={"type": type(exc).__name__, "message": str(exc)})
         etype, _, message = (failure.exception or "").partition(": ")
-        return {"rank": failure.rank, "type": etype or type(failure).__name__,
-                "message": message or str(failure), "traceback": failure.traceback or "",
-                "where": failure.process or "vLLM server", "source": "logs/server.log",
-                "reported_as": {"type": type(exc).__name__, "message": str(exc)}}
+        from remote.wire import status
+
+        return status.error(etype or type(failure).__name__, message or str(failure), rank=failure.rank,
+                            traceback=failure.traceback or "", where=failure.process or "vLLM server",
+                            source="logs/server.log", reported_as={"type": type(exc).__name__, "message": str(exc)})
 
     def describe(self) -> dict:
         server = getattr(self, "server", None)
