@@ -34,7 +34,7 @@ from specops import jobs
 from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
-from specops.result import RunState
+from specops.result import RunStatus
 from specops.testhost.hostenv import ensure_hostenv
 from specops.testhost.models import ensure_models
 from specops.testhost.sshd import TestHost
@@ -105,7 +105,7 @@ def follow_old_way(host: Host, run_id: str, seconds: float) -> int:
     seen = set()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        state = RunState.from_payload(jobs.job_call(host, "status", run_id))
+        state = RunStatus.from_payload(jobs.job_call(host, "status", run_id))
         seen.add((state.state, state.samples_done))
         time.sleep(1.0)
     return len(seen)
@@ -159,7 +159,7 @@ def run(inv, rows: int, seconds: float) -> None:
     delay = round((seconds + 30) / rows, 2)
     with Host(inv.hosts["sftp"], inv) as starter:
         params = run_params(starter.spec, max_samples=rows)
-        started = RunState.from_payload(jobs.job_call(starter, "start", run_id, **params, batch_delay_s=delay))
+        started = RunStatus.from_payload(jobs.job_call(starter, "start", run_id, **params, batch_delay_s=delay))
         if not started.found:
             raise SystemExit(f"the run did not start: {started}")
         try:
@@ -191,7 +191,7 @@ def run(inv, rows: int, seconds: float) -> None:
     report(followers, seconds, wall, final)
 
 
-def report(followers, seconds: float, wall: float, final: RunState) -> None:
+def report(followers, seconds: float, wall: float, final: RunStatus) -> None:
     columns = [f"{way}, {delivery}" for way, delivery, *_ in followers]
     rows = [
         ("remote pythons started", lambda c, o: c.commands),

@@ -25,7 +25,7 @@ from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports
-from specops.result import HostReport, Record, RunState
+from specops.result import HostReport, Record, RunStatus
 from specops.runs.start import start_job
 from specops.smoke import rehearse
 
@@ -64,7 +64,7 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
     return report
 
 
-def follow(hosts: list[Host], run_id: str) -> dict[str, RunState | Exception]:
+def follow(hosts: list[Host], run_id: str) -> dict[str, RunStatus | Exception]:
     """Show progress until every run is final; returns each host's last state (or the error
     that cut its follow short).
 
@@ -78,7 +78,7 @@ def follow(hosts: list[Host], run_id: str) -> dict[str, RunState | Exception]:
         bars = {h.name: progress.add_task("", host=h.name, phase="starting", rate="", eta="?", total=None)
                 for h in hosts}
 
-        def show(name: str, state: RunState) -> None:
+        def show(name: str, state: RunStatus) -> None:
             rate, eta = state.tokens_per_s, state.eta_s
             progress.update(bars[name], completed=state.samples_done or 0, total=state.samples_total,
                             phase=state.state, rate=f"{rate:.0f} tok/s" if rate else "",
@@ -86,11 +86,11 @@ def follow(hosts: list[Host], run_id: str) -> dict[str, RunState | Exception]:
 
         def on_event(name: str, event: dict) -> None:
             if event["event"] == "status":
-                show(name, RunState.model_validate(event["status"]))
+                show(name, RunStatus.model_validate(event["status"]))
 
         final = jobs.follow_runs(hosts, run_id, on_event)
         for name, result in final.items():
-            if isinstance(result, RunState):
+            if isinstance(result, RunStatus):
                 show(name, result)
     return final
 

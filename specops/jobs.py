@@ -39,7 +39,7 @@ from specops.exit_codes import ExitCode
 from specops.transport.parallel import report_from_payload
 from specops.transport.host import Host
 from specops.report import console
-from specops.result import HostReport, Record, RunState
+from specops.result import HostReport, Record, RunStatus
 
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).
@@ -62,19 +62,19 @@ def job_call(host: Host, action: str, run_id: str, *, timeout: float | None = No
                                  **params}, timeout=timeout)
 
 
-def run_state(host: Host, run_id: str) -> RunState:
+def run_state(host: Host, run_id: str) -> RunStatus:
     """The run's state now (``missing`` when the host has no such run); one look."""
-    return RunState.from_payload(job_call(host, "status", run_id))
+    return RunStatus.from_payload(job_call(host, "status", run_id))
 
 
 def status_report(host: Host, run_id: str) -> HostReport:
     payload = job_call(host, "status", run_id)
     report = report_from_payload(host.name, "status", payload)
-    report.data["state"] = RunState.from_payload(payload).state
+    report.data["state"] = RunStatus.from_payload(payload).state
     return report
 
 
-def canary_record(name: str, state: RunState) -> Record | None:
+def canary_record(name: str, state: RunStatus) -> Record | None:
     """The record that shows what a finished run's canary found (its status file's ``canary``, written by
     the host's ``remote.verify.canary.summarize``); None for an engine without a canary."""
     found = (state.model_extra or {}).get("canary")
@@ -93,7 +93,7 @@ def job_exit_code(state: str) -> ExitCode:
 
 def follow_run(host: Host, run_id: str, on_event: Callable[[dict], None] | None = None, *,
                logs: bool = False, offsets: dict | None = None, until: str = "final",
-               timeout: float | None = None, poll_s: float = 0.5) -> RunState:
+               timeout: float | None = None, poll_s: float = 0.5) -> RunStatus:
     """Follow one run until it is final, over one channel with one python on the host.
 
     :param on_event: gets each event dict as it arrives: ``hello`` (the follower's pid),
@@ -117,11 +117,11 @@ def follow_run(host: Host, run_id: str, on_event: Callable[[dict], None] | None 
     # the event marker comes from the file the follower prints it with
     payload = host.stream_task("job", params, on_line, prefix=wire.protocol.JOB_EVENT_PREFIX,
                                idle_timeout=FOLLOW_SILENCE_S)
-    return RunState.from_payload(payload)
+    return RunStatus.from_payload(payload)
 
 
 def follow_runs(hosts: list[Host], run_id: str, on_event: Callable[[str, dict], None], **options
-                ) -> dict[str, RunState | Exception]:
+                ) -> dict[str, RunStatus | Exception]:
     """Follow the run on every host at once; one channel and one remote python per host.
 
     ``on_event(host_name, event)`` runs in the caller's thread, so it may draw on the
@@ -135,8 +135,8 @@ def follow_runs(hosts: list[Host], run_id: str, on_event: Callable[[str, dict], 
 
 
 def follow_many(targets: list[tuple[str, Host, str]], on_event: Callable[[str, dict], None],
-                on_result: Callable[[str, RunState | Exception], None] | None = None, **options
-                ) -> dict[str, RunState | Exception]:
+                on_result: Callable[[str, RunStatus | Exception], None] | None = None, **options
+                ) -> dict[str, RunStatus | Exception]:
     """Follow several runs at once, each named by a key: ``(key, host, run_id)`` triples.
 
     What :func:`follow_runs` does for one run id on many hosts, for any runs (the
@@ -154,7 +154,7 @@ def follow_many(targets: list[tuple[str, Host, str]], on_event: Callable[[str, d
 
     for key, host, run_id in targets:
         threading.Thread(target=follow_one, args=(key, host, run_id), daemon=True, name=f"follow-{key}").start()
-    results: dict[str, RunState | Exception] = {}
+    results: dict[str, RunStatus | Exception] = {}
     while len(results) < len(targets):
         try:
             key, item = events.get(timeout=0.5)  # a timeout keeps Ctrl-C deliverable here
@@ -214,7 +214,7 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
     payload = job_call(host, "status", run_id, timeout=timeout)
     if host.spec.delivery == "sftp":
         host.cxn.sftp().get_channel().settimeout(DOWNLOAD_IDLE_S)
-    state = RunState.from_payload(payload)
+    state = RunStatus.from_payload(payload)
     if not state.found:
         return report_from_payload(host.name, "fetch", payload)
     run_dir = host.remote_path(state.run_dir)
@@ -363,6 +363,6 @@ def _rec(name, status, summary, detail, fix=None):
 
 
 
-def wait_final(host: Host, run_id: str, timeout: float) -> RunState:
+def wait_final(host: Host, run_id: str, timeout: float) -> RunStatus:
     """Wait until the run is final (for scripts); returns its state, not final after ``timeout``."""
     return follow_run(host, run_id, timeout=timeout)

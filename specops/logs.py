@@ -16,7 +16,7 @@ from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
 from specops.report import console
-from specops.result import RunState
+from specops.result import RunStatus
 
 
 def log_printer(collected: dict[str, dict[str, str]], only: str | None, as_json: bool):
@@ -78,9 +78,9 @@ def _follow(hosts: list[Host], run_id: str, show) -> ExitCode:
         return ExitCode.SUCCESS
     codes = [ExitCode.SUCCESS]
     for name, result in final.items():
-        if isinstance(result, RunState) and result.found:
+        if isinstance(result, RunStatus) and result.found:
             continue
-        if isinstance(result, RunState):
+        if isinstance(result, RunStatus):
             console.print(Text(f"{name}: no run {run_id} on this host", style="bold red"))
             codes.append(ExitCode.JOB_NOT_FOUND)
         else:

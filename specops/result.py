@@ -2,9 +2,9 @@
 
 A :class:`Record` mirrors ``remote.wire.protocol.record``; a :class:`HostReport` holds every
 record of one host, or the error that kept us from getting any (fabric's GroupResult
-idea: a host's error is a result, never lost). A :class:`RunState` is one extraction
+idea: a host's error is a result, never lost). A :class:`RunStatus` is one extraction
 run's ``status.json`` as the host reported it, typed, with the two questions every
-caller asks of it: is it over (:attr:`RunState.is_final`), and which exit code it means.
+caller asks of it: is it over (:attr:`RunStatus.is_final`), and which exit code it means.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class RunError(BaseModel):
         return f"rank {self.rank}: {self.type}: {self.message}"
 
 
-class RunState(BaseModel):
+class RunStatus(BaseModel):
     """One run on one host, as its status file (plus the supervisor's liveness) says.
 
     The laptop's view of ``specops.wire.status.FIELDS``, checked against it on every parse (a test holds
@@ -116,12 +116,12 @@ class RunState(BaseModel):
 
     Unknown keys of the status file are kept, so :meth:`model_dump` gives the file back.
 
-        >>> state = RunState.from_payload(jobs.job_call(host, "status", "r1"))
+        >>> state = RunStatus.from_payload(jobs.job_call(host, "status", "r1"))
         >>> state.state, state.is_final, state.exit_code
         ('failed', True, <ExitCode.JOB_FAILED: 100>)
         >>> state.error.headline()
         'rank 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB'
-        >>> RunState.from_payload({"records": [...], "data": {}}).state   # no such run
+        >>> RunStatus.from_payload({"records": [...], "data": {}}).state   # no such run
         'missing'
     """
 
@@ -151,7 +151,7 @@ class RunState(BaseModel):
         return data
 
     @classmethod
-    def from_payload(cls, payload: dict) -> "RunState":
+    def from_payload(cls, payload: dict) -> "RunStatus":
         """The state in a ``remote/run/job.py`` payload (``status``, ``start``, ``abort``, ``follow``)."""
         data = payload.get("data") or {}
         status = data.get("status")

@@ -33,7 +33,7 @@ from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.report import console, err_console, print_reports
-from specops.result import HostReport, Record, RunState
+from specops.result import HostReport, Record, RunStatus
 
 
 #: at most one progress line a host this often (seconds), besides one per state or epoch change
@@ -141,7 +141,7 @@ def progress_line(host: str, st: dict) -> Text:
 NOTHING_LEARNED = ("LossNotFinite", "NothingLearned")
 
 
-def run_record(run_id: str, state: RunState) -> Record:
+def run_record(run_id: str, state: RunStatus) -> Record:
     """``train.run``: how the run ended, with its last numbers (fail: its root cause)."""
     st = state.model_dump()
     # what the trainer really held, beside the preflight's estimate (the host's remote.train.memuse)

@@ -28,7 +28,7 @@ from specops.exit_codes import ExitCode  # noqa: E402
 from specops.inventory import HostSpec  # noqa: E402
 from specops.params import LAYER_CONVENTIONS, run_params  # noqa: E402
 from specops.wire.argspec import RUN_ARGS  # noqa: E402
-from specops.result import HostReport, Record, RunState  # noqa: E402
+from specops.result import HostReport, Record, RunStatus  # noqa: E402
 
 LAPTOP = wire.contract
 ALL_STATES = [s.value for s in contract.RunState]
@@ -65,10 +65,10 @@ def test_run_states_and_exit_codes_have_one_home():
         assert code == expected.get(state, ExitCode.JOB_RUNNING), state
         assert code == contract.job_exit_code(state)
         if state in ALL_STATES:
-            laptop = RunState(state=state)
+            laptop = RunStatus(state=state)
             assert (laptop.is_final, laptop.exit_code) == (contract.RunState(state).is_final, code)
     with pytest.raises(ValueError):
-        RunState(state="finished")  # a state the host never writes is refused, not guessed
+        RunStatus(state="finished")  # a state the host never writes is refused, not guessed
 
 
 def test_record_statuses_and_their_order():

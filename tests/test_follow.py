@@ -26,7 +26,7 @@ from specops.runs.run import extract
 from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
-from specops.result import RunState
+from specops.result import RunStatus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -37,10 +37,10 @@ def one_host(path) -> Host:
     return Host(inv.hosts["th"], inv)
 
 
-def start(host: Host, run_id: str, **overrides) -> RunState:
+def start(host: Host, run_id: str, **overrides) -> RunStatus:
     params = run_params(host.spec)
     params.update(overrides)
-    state = RunState.from_payload(jobs.job_call(host, "start", run_id, **params))
+    state = RunStatus.from_payload(jobs.job_call(host, "start", run_id, **params))
     assert state.found, f"run {run_id} did not start"
     return state
 
@@ -123,17 +123,17 @@ def llama_inventory(make_inventory, tiny_models, tmp_path):
 
 
 def test_run_state_is_typed_from_any_job_payload():
-    failed = RunState.from_payload({"data": {"run_dir": "/w/runs/r", "status": {
+    failed = RunStatus.from_payload({"data": {"run_dir": "/w/runs/r", "status": {
         "state": "failed", "samples_done": 2, "samples_total": 6, "attempt": 1,
         "error": {"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory", "traceback": "tb"}}}})
     assert failed.is_final and failed.exit_code == ExitCode.JOB_FAILED
     assert failed.error.headline() == "rank 1: OutOfMemoryError: CUDA out of memory"
     assert failed.model_dump()["attempt"] == 1  # keys we do not model are kept
-    missing = RunState.from_payload({"records": [{"status": "fail"}], "data": {}})
+    missing = RunStatus.from_payload({"records": [{"status": "fail"}], "data": {}})
     assert (missing.found, missing.is_final, missing.exit_code) == (False, False, ExitCode.JOB_NOT_FOUND)
-    running = RunState.from_payload({"data": {"status": {"state": "extracting", "alive": True}}})
+    running = RunStatus.from_payload({"data": {"status": {"state": "extracting", "alive": True}}})
     assert not running.is_final and running.exit_code == ExitCode.JOB_RUNNING
-    assert RunState.from_payload({"data": {"status": {"state": "aborted"}}}).exit_code == ExitCode.JOB_ABORTED
+    assert RunStatus.from_payload({"data": {"status": {"state": "aborted"}}}).exit_code == ExitCode.JOB_ABORTED
 
 
 @pytest.mark.parametrize("delivery", ["sftp", "heredoc"])

@@ -22,7 +22,7 @@ from remote.run.lifecycle import StatusFile
 from remote.wire import contract
 from remote.wire import status as schema
 from specops import wire
-from specops.result import RunError, RunState
+from specops.result import RunError, RunStatus
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -76,7 +76,7 @@ def test_a_wrong_field_is_named(doc, field):
 
 
 def test_the_laptop_reads_through_the_same_schema():
-    """specops.wire.status is remote/wire/status.py; RunState/RunError's fields are the wire's, of matching
+    """specops.wire.status is remote/wire/status.py; RunStatus/RunError's fields are the wire's, of matching
     kinds; a status the wire refuses is refused on the laptop, naming the field."""
     assert Path(wire.status.__file__).resolve() == Path(schema.__file__).resolve()
     kinds = {int: {"int", "rank"}, float: {"number"}, str: {"text", "state"}, bool: {"flag"},
@@ -90,7 +90,7 @@ def test_the_laptop_reads_through_the_same_schema():
         annotation = args[0] if args and typing.get_origin(annotation) is not dict else annotation
         return typing.get_origin(annotation) or annotation
 
-    for model, fields in ((RunState, schema.FIELDS), (RunError, schema.ERROR_FIELDS)):
+    for model, fields in ((RunStatus, schema.FIELDS), (RunError, schema.ERROR_FIELDS)):
         for name, info in model.model_fields.items():
             if name in laptop_only:
                 continue
@@ -99,8 +99,8 @@ def test_the_laptop_reads_through_the_same_schema():
             wanted = dict if wanted is RunError else wanted
             assert fields[name].kind in kinds[wanted], (model.__name__, name, fields[name].kind, wanted)
     with pytest.raises(ValueError, match="'error.message' is missing"):
-        RunState.from_payload({"data": {"status": {"run_id": "r", "state": "failed", "error": {"type": "X"}}}})
-    assert RunState.from_payload({"data": {}}).state == "missing"
+        RunStatus.from_payload({"data": {"status": {"run_id": "r", "state": "failed", "error": {"type": "X"}}}})
+    assert RunStatus.from_payload({"data": {}}).state == "missing"
 
 
 EXTRACT = ["pending", "loading", "extracting", "writing", "done"]

@@ -290,7 +290,7 @@ def test_the_gpu_memory_of_the_trainers_pids_from_what_nvidia_smi_printed_on_the
 
 def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_path):
     from remote.run import job
-    from specops.result import RunState
+    from specops.result import RunStatus
     from specops.train import progress_line, run_record
 
     gpu = {"where": "GPU 0 (NVIDIA H200)", "source": memuse.GPU_SOURCE, "peak_bytes": int(4.8 * GiB),
@@ -306,12 +306,12 @@ def test_the_measured_peak_in_words_in_the_train_run_record_and_the_status(tmp_p
     assert words.usage_line(None) is None
     status = {"run_id": "d1", "kind": "train", "state": "done", "step": 90, "epoch": 19, "loss": 0.009,
               "accuracy": [0.46], "checkpoint": {"path": "/w/ckpt/19"}, "memory": gpu}
-    rec = run_record("d1", RunState(**status))
+    rec = run_record("d1", RunStatus(**status))
     assert rec.summary.endswith(f"checkpoint /w/ckpt/19; {line}") and rec.detail["memory"] == gpu, rec
-    failed = run_record("d1", RunState(**{**status, "state": "failed", "error": {"type": "OutOfMemoryError",
+    failed = run_record("d1", RunStatus(**{**status, "state": "failed", "error": {"type": "OutOfMemoryError",
                                                                                    "message": "CUDA out of memory"}}))
     assert failed.summary == f"run d1 failed: OutOfMemoryError: CUDA out of memory; {line}"
-    assert run_record("d1", RunState(**{k: v for k, v in status.items() if k != "memory"})).summary.endswith("/19")
+    assert run_record("d1", RunStatus(**{k: v for k, v in status.items() if k != "memory"})).summary.endswith("/19")
     # specops status of a train run (the host's job.status record) and the follow's progress line: the peak so far
     running = {**status, "state": "training", "samples_done": 40, "samples_total": 90}
     payload = job._status_payload("job.status", "d1", tmp_path, running)

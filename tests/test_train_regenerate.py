@@ -55,7 +55,7 @@ def test_rows_the_target_did_not_answer_are_counted_by_cause_and_the_train_run_w
     """Round 11 on the H200: 1952 of 4096 rows came back as errors and the record said only how many. Now
     the record counts them by cause (speculators' own error lines, numbers as N) and the done train run is a
     warn naming what is not in the states."""
-    from specops.result import RunState
+    from specops.result import RunStatus
     from specops.train import run_record
 
     lines = FIX.read_text().splitlines()
@@ -76,10 +76,10 @@ def test_rows_the_target_did_not_answer_are_counted_by_cause_and_the_train_run_w
     assert line.startswith(f"the target answered {len(answered)} of 5 row(s): {5 - len(answered)} not in the states")
     assert "2x ValueError('empty assistant generation (sample N)')" in line
 
-    state = RunState(run_id="t", state="done", step=3, epoch=0, regenerated={**record, "unanswered": line})
+    state = RunStatus(run_id="t", state="done", step=3, epoch=0, regenerated={**record, "unanswered": line})
     rec = run_record("t", state)
     assert rec.status == "warn" and f"regenerate: {line}" in rec.summary and "responses.errors.jsonl" in rec.fix
-    whole = RunState(run_id="t", state="done", step=3, epoch=0, regenerated={"unanswered": None})
+    whole = RunStatus(run_id="t", state="done", step=3, epoch=0, regenerated={"unanswered": None})
     assert run_record("t", whole).status == "ok"
 
 

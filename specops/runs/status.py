@@ -13,7 +13,7 @@ from specops.inventory import Inventory
 from specops.logs import log_printer
 from specops.transport.parallel import report_from_payload, run_steps
 from specops.report import console
-from specops.result import STATE, HostReport, Record, RunState, overall_exit
+from specops.result import STATE, HostReport, Record, RunStatus, overall_exit
 from specops.runs.pool import QUICK_TIMEOUT_S, per_shard, shard_files
 from specops.transport.pool import HostPool
 from specops.runs.store import load_manifest, save_manifest
@@ -33,7 +33,7 @@ class UnreachableMarker(Exception):
 def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: HostPool | None = None) -> HostReport:
     payload = jobs.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
-    state = RunState.from_payload(payload)
+    state = RunStatus.from_payload(payload)
     if state.found:
         shard.remember(state.model_dump())
     report.data["state"] = shard_state(shard, state)
@@ -104,7 +104,7 @@ def status(inventory: Inventory, run_id: str, *, as_json: bool, accept_new_host_
             states[shard.id] = UnreachableMarker(report.error)
             report.data["last_seen"] = shard.seen
         else:
-            states[shard.id] = RunState.model_validate(report.data["run_state"])
+            states[shard.id] = RunStatus.model_validate(report.data["run_state"])
     print_group(reports, as_json=as_json)
     if not as_json:
         console.print(shard_table(manifest, states, {

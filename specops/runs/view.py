@@ -13,7 +13,7 @@ from rich.text import Text
 
 from specops import jobs
 from specops.report import STATE_STYLE, console, err_console, host_view, print_reports, recap_line
-from specops.result import STATE, HostReport, RunState
+from specops.result import STATE, HostReport, RunStatus
 from specops.transport.pool import HostPool
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
@@ -43,7 +43,7 @@ def print_group(reports: list[HostReport], as_json: bool = False) -> None:
         console.print(recap_line(report))
 
 
-def shard_state(shard: Shard, state: RunState | None) -> str:
+def shard_state(shard: Shard, state: RunStatus | None) -> str:
     """A shard's state for people: a cut shard is done once its kept range is on disk."""
     if shard.empty:
         return "empty"
@@ -59,7 +59,7 @@ class NotStarted(Exception):
 
 
 def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], overrides: dict,
-           force: bool) -> tuple[dict[str, RunState | Exception], list[HostReport]]:
+           force: bool) -> tuple[dict[str, RunStatus | Exception], list[HostReport]]:
     """One view over every lane until each shard is final, lost or left waiting.
 
     Each host's lane runs on a thread of its own: it follows the running shard (one
@@ -71,8 +71,8 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
     """
     shard_list = [s for lane in lanes.values() for s in lane]
     events: queue.Queue = queue.Queue()
-    states: dict[str, RunState] = {}
-    results: dict[str, RunState | Exception] = {}
+    states: dict[str, RunStatus] = {}
+    results: dict[str, RunStatus | Exception] = {}
     started: list[HostReport] = []
     last_save = [0.0]
 
@@ -92,7 +92,7 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
             except Exception as exc:  # noqa: BLE001 -- this shard's result; the other lanes go on
                 result = exc
             events.put(("result", shard.id, result))
-            if not (isinstance(result, RunState) and result.state == STATE.DONE):
+            if not (isinstance(result, RunStatus) and result.state == STATE.DONE):
                 for rest in lane[i + 1:]:
                     events.put(("result", rest.id, NotStarted(f"waits for {shard.id} on {shard.head}, which did not "
                                                               f"end done")))
@@ -123,7 +123,7 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
             progress.update(total_bar, completed=done, rate=f"{rate:.0f} tok/s" if rate else "", eta=eta,
                             phase=f"{len(lost)} lost" if lost else "")
 
-        def show(shard: Shard, state: RunState) -> None:
+        def show(shard: Shard, state: RunStatus) -> None:
             states[shard.id] = state
             before = (shard.seen.get("state"), shard.seen.get("samples_done"))
             shard.remember(state.model_dump())
@@ -147,12 +147,12 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
                 continue
             if kind == "event":
                 if item["event"] == "status":
-                    show(by_id[sid], RunState.model_validate(item["status"]))
+                    show(by_id[sid], RunStatus.model_validate(item["status"]))
             elif kind == "report":
                 started.append(item)
             else:
                 results[sid] = item
-                if isinstance(item, RunState):
+                if isinstance(item, RunStatus):
                     if item.found:
                         show(by_id[sid], item)
                 else:
@@ -163,7 +163,7 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
     return results, started
 
 
-def shard_table(manifest: GroupMap, states: dict[str, RunState | Exception | None],
+def shard_table(manifest: GroupMap, states: dict[str, RunStatus | Exception | None],
                 disk: dict[str, tuple[int, int]] | None = None) -> Table:
     """One row per shard; ``disk`` (``{shard id: (samples on disk, first missing)}``) overrides a done
     status for shards whose disk lacks samples."""
@@ -174,9 +174,9 @@ def shard_table(manifest: GroupMap, states: dict[str, RunState | Exception | Non
     for s in manifest.shards:
         result = states.get(s.id)
         if result is None and s.seen.get("state"):  # not looked at now: what was seen last
-            result = RunState(state=s.seen["state"], samples_done=s.seen.get("samples_done"),
+            result = RunStatus(state=s.seen["state"], samples_done=s.seen.get("samples_done"),
                               samples_total=s.seen.get("samples_total"), alive=s.seen.get("alive"))
-        state = result if isinstance(result, RunState) else None
+        state = result if isinstance(result, RunStatus) else None
         if isinstance(result, Exception):
             text = Text("unreachable", style="bold red")
             first = s.first_missing()
