@@ -121,20 +121,20 @@ def write_ids(path: Path, model_path: str, samples: int, lengths: list[int]) -> 
 
 def one_run(host, params: dict, run_id: str, canary: int) -> dict:
     """A detached extraction with ``canary`` canary samples, waited for; its rates and the canary's own time."""
-    from specops import jobs
+    from specops.runs import hostjob
 
     out = f"{params['work_dir']}/bench/{run_id}"
-    jobs.job_call(host, "start", run_id, **{**params, "output_dir": out, "canary_samples": canary})
-    final = jobs.wait_final(host, run_id, timeout=1800)
+    hostjob.job_call(host, "start", run_id, **{**params, "output_dir": out, "canary_samples": canary})
+    final = hostjob.wait_final(host, run_id, timeout=1800)
     if final.state != "done":
         raise SystemExit(f"extraction {run_id} (canary {canary}) ended {final.state}: {final.error}")
-    summary = json.loads(jobs.read_remote(host, host.remote_path(f"{out}/summary.json")))
-    manifest = json.loads(jobs.read_remote(host, host.remote_path(f"{out}/manifest.json")))
+    summary = json.loads(hostjob.read_remote(host, host.remote_path(f"{out}/summary.json")))
+    manifest = json.loads(hostjob.read_remote(host, host.remote_path(f"{out}/manifest.json")))
     tokens = sum(f["tokens"] for f in manifest["files"])
     checks = []
     if canary:
         run_dir = host.remote_path(f"{params['work_dir']}/runs/{run_id}/prompt_logprobs/canary.json")
-        checks = json.loads(jobs.read_remote(host, run_dir))
+        checks = json.loads(hostjob.read_remote(host, run_dir))
         bad = [c for c in checks if c["status"] != "ok"]
         if len(checks) != canary or bad:
             raise SystemExit(f"run {run_id}: {len(checks)} canary checks, not ok: {[c['summary'] for c in bad]}")

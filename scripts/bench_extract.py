@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
@@ -80,11 +80,11 @@ def main() -> None:
                 run_id = f"bench-{time.strftime('%H%M%S')}-{i}-q{depth}"
                 out = f"{params['work_dir']}/bench/{run_id}"
                 job = {**params, "output_dir": out, "write_queue_batches": depth}
-                jobs.job_call(host, "start", run_id, **job)
-                final = jobs.wait_final(host, run_id, timeout=1200)
+                hostjob.job_call(host, "start", run_id, **job)
+                final = hostjob.wait_final(host, run_id, timeout=1200)
                 if final.state != "done":
                     raise SystemExit(f"extraction {run_id} ended {final.state}: {final.error}")
-                summary = json.loads(jobs.read_remote(host, host.remote_path(f"{out}/summary.json")))
+                summary = json.loads(hostjob.read_remote(host, host.remote_path(f"{out}/summary.json")))
                 tokens = summary["tokens_this_attempt"]
                 extract_engine.append(tokens / summary["phase_seconds"]["extract"])
                 # the extraction loop's own rate: engine calls and writing samples, as the run saw them

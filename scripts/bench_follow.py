@@ -30,7 +30,7 @@ from pathlib import Path
 import paramiko.sftp
 import yaml
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
@@ -105,7 +105,7 @@ def follow_old_way(host: Host, run_id: str, seconds: float) -> int:
     seen = set()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        state = RunStatus.from_payload(jobs.job_call(host, "status", run_id))
+        state = RunStatus.from_payload(hostjob.job_call(host, "status", run_id))
         seen.add((state.state, state.samples_done))
         time.sleep(1.0)
     return len(seen)
@@ -119,7 +119,7 @@ def follow_new_way(host: Host, run_id: str, seconds: float) -> int:
         if event["event"] == "status":
             seen.add((event["status"].get("state"), event["status"].get("samples_done")))
 
-    jobs.follow_run(host, run_id, on_event, timeout=seconds)
+    hostjob.follow_run(host, run_id, on_event, timeout=seconds)
     return len(seen)
 
 
@@ -159,7 +159,7 @@ def run(inv, rows: int, seconds: float) -> None:
     delay = round((seconds + 30) / rows, 2)
     with Host(inv.hosts["sftp"], inv) as starter:
         params = run_params(starter.spec, max_samples=rows)
-        started = RunStatus.from_payload(jobs.job_call(starter, "start", run_id, **params, batch_delay_s=delay))
+        started = RunStatus.from_payload(hostjob.job_call(starter, "start", run_id, **params, batch_delay_s=delay))
         if not started.found:
             raise SystemExit(f"the run did not start: {started}")
         try:
@@ -167,7 +167,7 @@ def run(inv, rows: int, seconds: float) -> None:
             for way, follow in (("old", follow_old_way), ("new", follow_new_way)):
                 for delivery in DELIVERIES:
                     host = Host(inv.hosts[delivery], inv)
-                    jobs.run_state(host, run_id)  # warm: connected, the bundle is on the host
+                    hostjob.run_state(host, run_id)  # warm: connected, the bundle is on the host
                     followers.append((way, delivery, host, follow, Counted(host), {}))
             print(f"following run {run_id} ({rows} samples, one every ~{delay:.1f}s) for {seconds:.0f}s "
                   f"with 4 followers at once ...", flush=True)
@@ -183,9 +183,9 @@ def run(inv, rows: int, seconds: float) -> None:
             for thread in threads:
                 thread.join()
             wall = time.monotonic() - t0
-            final = jobs.run_state(starter, run_id)
+            final = hostjob.run_state(starter, run_id)
         finally:
-            jobs.job_call(starter, "abort", run_id, grace_s=2)
+            hostjob.job_call(starter, "abort", run_id, grace_s=2)
     for _, _, host, *_ in followers:
         host.close()
     report(followers, seconds, wall, final)

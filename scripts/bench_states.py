@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
@@ -58,12 +58,12 @@ def write_ids(path: Path, model_path: str, samples: int, lengths: list[int]) -> 
 def one_run(host: Host, params: dict, run_id: str, fmt: str) -> dict:
     """A detached extraction in ``fmt``, waited for; its bytes, tokens and rates."""
     out = f"{params['work_dir']}/bench/{run_id}"
-    jobs.job_call(host, "start", run_id, **{**params, "output_dir": out, "format": fmt, "canary_samples": 0})
-    final = jobs.wait_final(host, run_id, timeout=1800)
+    hostjob.job_call(host, "start", run_id, **{**params, "output_dir": out, "format": fmt, "canary_samples": 0})
+    final = hostjob.wait_final(host, run_id, timeout=1800)
     if final.state != "done":
         raise SystemExit(f"extraction {run_id} ({fmt}) ended {final.state}: {final.error}")
-    summary = json.loads(jobs.read_remote(host, host.remote_path(f"{out}/summary.json")))
-    manifest = json.loads(jobs.read_remote(host, host.remote_path(f"{out}/manifest.json")))
+    summary = json.loads(hostjob.read_remote(host, host.remote_path(f"{out}/summary.json")))
+    manifest = json.loads(hostjob.read_remote(host, host.remote_path(f"{out}/manifest.json")))
     if manifest.get("state_format", "bf16") != fmt:
         raise SystemExit(f"run {run_id} asked for {fmt} but wrote {manifest.get('state_format')}")
     tokens = sum(f["tokens"] for f in manifest["files"])

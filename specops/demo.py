@@ -20,7 +20,7 @@ from invoke import Exit
 
 from specops import wire
 from specops.exit_codes import ExitCode
-from specops.jobs import local_runs_root
+from specops.runs.hostjob import local_runs_root
 from specops.inventory import load_inventory
 from specops.report import console, print_reports
 from specops.result import overall_exit

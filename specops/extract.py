@@ -17,7 +17,7 @@ from typing import Callable
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.transport.parallel import report_from_payload, run_on_hosts
@@ -35,7 +35,7 @@ def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool
                skip_smoke: bool = False, smoke_real: bool = False) -> HostReport:
     """Preflight, smoke (``smoke_real``: on the real model too), then start (or re-attach to) the run on one host."""
     report = HostReport(host=host.name, task="extract")
-    if jobs.run_state(host, run_id).found:
+    if hostjob.run_state(host, run_id).found:
         skip_preflight = skip_smoke = True  # re-attaching or resuming: the checks ran before
         smoke_real = False
     if not skip_preflight:
@@ -88,7 +88,7 @@ def follow(hosts: list[Host], run_id: str) -> dict[str, RunStatus | Exception]:
             if event["event"] == "status":
                 show(name, RunStatus.model_validate(event["status"]))
 
-        final = jobs.follow_runs(hosts, run_id, on_event)
+        final = hostjob.follow_runs(hosts, run_id, on_event)
         for name, result in final.items():
             if isinstance(result, RunStatus):
                 show(name, result)
@@ -134,7 +134,7 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
                                         f"extract --run-id {run_id} --on {','.join(started)}; logs: specops logs "
                                         f"--run-id {run_id} --follow"))
         return ExitCode.JOB_RUNNING
-    fetched = _on_hosts(inventory, started, "fetch", hosts, lambda h: jobs.fetch_run(h, run_id, tensors=tensors))
+    fetched = _on_hosts(inventory, started, "fetch", hosts, lambda h: hostjob.fetch_run(h, run_id, tensors=tensors))
     codes = []
     for report in fetched:
         result = final[report.host]
@@ -147,7 +147,7 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
             continue
         if result.state == "done":
             report.records.append(Record(name="extract.run", status="ok", summary=f"run {run_id} done"))
-            shown = jobs.canary_record("extract.canary", result)
+            shown = hostjob.canary_record("extract.canary", result)
             if shown is not None:
                 report.records.append(shown)
         else:
@@ -166,5 +166,5 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
     print_reports(fetched, as_json=as_json)
     if not as_json:
         for report in fetched:
-            jobs.show_summary(Path(report.data.get("dest", "")))
+            hostjob.show_summary(Path(report.data.get("dest", "")))
     return max(codes, default=ExitCode.SUCCESS)

@@ -11,7 +11,7 @@ import sys
 
 from rich.text import Text
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
@@ -53,7 +53,7 @@ def show_logs(hosts: list[Host], run_id: str, follow: bool = False, only: str | 
 def _look(hosts: list[Host], run_id: str, show) -> ExitCode:
     """The last lines of each log, one remote call per host."""
     for host in hosts:
-        payload = jobs.job_call(host, "logs", run_id)
+        payload = hostjob.job_call(host, "logs", run_id)
         data = payload.get("data") or {}
         if "logs" not in data:
             console.print(Text(f"{host.name}: {payload['records'][0]['summary']}", style="bold red"))
@@ -70,7 +70,7 @@ def _follow(hosts: list[Host], run_id: str, show) -> ExitCode:
             show(host_name, event["file"], event["text"])
 
     try:
-        final = jobs.follow_runs(hosts, run_id, on_event, logs=True)
+        final = hostjob.follow_runs(hosts, run_id, on_event, logs=True)
     except KeyboardInterrupt:
         for host in hosts:
             host.close()  # ends the followers on the hosts

@@ -116,7 +116,7 @@ class RunStatus(BaseModel):
 
     Unknown keys of the status file are kept, so :meth:`model_dump` gives the file back.
 
-        >>> state = RunStatus.from_payload(jobs.job_call(host, "status", "r1"))
+        >>> state = RunStatus.from_payload(hostjob.job_call(host, "status", "r1"))
         >>> state.state, state.is_final, state.exit_code
         ('failed', True, <ExitCode.JOB_FAILED: 100>)
         >>> state.error.headline()

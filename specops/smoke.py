@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.transport.host import Host
 from specops.inventory import Inventory
@@ -93,20 +93,20 @@ def smoke_step(host: Host, overrides: dict | None = None, samples: int = 4, *, v
         job["layer_ids"] = None
     report.data.update(run_id=run_id, twin=data.get("twin"))
     t0 = time.monotonic()
-    started = jobs.job_call(host, "start", run_id, **job)
+    started = hostjob.job_call(host, "start", run_id, **job)
     start_records = report_from_payload(host.name, "smoke", started).records
     if any(r.status == "fail" for r in start_records):
         report.records.extend(start_records)
         return report
     # until="exited": a done supervisor may still be closing the engine, and the real run
     # started right after smoke would be refused as "already running" while it lives.
-    state = jobs.follow_run(host, run_id, until="exited", timeout=timeout)
+    state = hostjob.follow_run(host, run_id, until="exited", timeout=timeout)
     seconds = time.monotonic() - t0
     status = state.model_dump(exclude={"run_dir"})
     report.data.update(seconds=round(seconds, 1), status=status)
     report.records.append(run_record(run_id, status, seconds, params, timeout))
     if not state.is_final:
-        jobs.job_call(host, "abort", run_id)
+        hostjob.job_call(host, "abort", run_id)
     if state.state == STATE.DONE and verify:
         references = ["layer"] + (["logits"] if data.get("engine") in CONTRACT.CANARY_ENGINES else []) if real else ["hf"]
         for reference in references:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.parallel import report_from_payload, run_steps
 from specops.result import STATE, HostReport, Record
 
@@ -137,7 +137,7 @@ def host_merges(manifest, conns, root: Path) -> list[HostReport]:
         if data.get("path"):
             local = root / "shared" / "+".join(group)
             remote = Path(data["path"])
-            report.records.append(jobs.download_files(
+            report.records.append(hostjob.download_files(
                 host, host.remote_path(str(remote.parent)),
                 [{"path": remote.name, "bytes": data["bytes"], **data["digest"]}], local,
                 name="group.shared_manifest"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from specops import jobs
+from specops.runs import hostjob
 from specops import wire
 from specops.wire import argspec
 from specops.wire.argspec import TRAIN_ARGS
@@ -227,7 +227,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
             err_console.print(line)
 
     try:
-        final = jobs.follow_runs([hosts[n] for n in started], run_id, on_event)
+        final = hostjob.follow_runs([hosts[n] for n in started], run_id, on_event)
     except KeyboardInterrupt:
         for host in hosts.values():
             host.close()
@@ -339,9 +339,9 @@ def draw_curve(rows: list[dict], path, title: str) -> str | None:
 
 
 def fetch_run(host: Host, run_id: str, tensors: bool = False) -> HostReport:
-    """:func:`specops.jobs.fetch_run`, and for a train run its metrics, curve and best checkpoint's
+    """:func:`specops.runs.hostjob.fetch_run`, and for a train run its metrics, curve and best checkpoint's
     config (with ``tensors``: the best checkpoint's draft, servable as it lands in ``best/``)."""
-    report = jobs.fetch_run(host, run_id, tensors=tensors)
+    report = hostjob.fetch_run(host, run_id, tensors=tensors)
     if report.data.get("kind") == "train":
         dest = Path(report.data["dest"])
         from specops import wire
@@ -359,7 +359,7 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
     from specops import wire
 
     write, dest = wire.fsutil.atomic_write, Path(dest)
-    data = jobs.read_remote(host, f"{run_dir}/{METRICS_JSONL}")
+    data = hostjob.read_remote(host, f"{run_dir}/{METRICS_JSONL}")
     if data is None:
         return [Record(name="fetch.metrics", status="skipped", summary="the trainer has logged no metrics yet")]
     rows = read_metrics(data.decode("utf-8", "replace"))
@@ -388,7 +388,7 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
         candidates += [(f"{save_path}/{e}", f"epoch {e}'s checkpoint, the newest so far ({going})", e)
                        for e in range(int(status.get("epoch") or 0), -1, -1)]
     for remote_ckpt, why, epoch in candidates:
-        config = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/config.json")
+        config = hostjob.read_remote(host, f"{host.remote_path(remote_ckpt)}/config.json")
         if config is not None:
             break
     else:
@@ -401,7 +401,7 @@ def fetch_artifacts(host: Host, run_dir: str, dest, status: dict) -> list[Record
     _keep_or_write(dest / BEST_DIR / "config.json", config)
     got = ["config.json"]
     for name in CHECKPOINT_FILES[1:]:
-        blob = jobs.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
+        blob = hostjob.read_remote(host, f"{host.remote_path(remote_ckpt)}/{name}")
         if blob is not None:
             _keep_or_write(dest / BEST_DIR / name, blob)
             got.append(name)
@@ -433,7 +433,7 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     ``best/``, a dir ``vllm serve --speculative-config`` takes as it is.
 
     The checkpoint is the one :func:`fetch_artifacts` picked (its ``fetch.checkpoint`` record). One host call
-    lists its files with sizes and digests (``remote/train/task.py`` ``files``); :func:`specops.jobs.download_files`
+    lists its files with sizes and digests (``remote/train/task.py`` ``files``); :func:`specops.runs.hostjob.download_files`
     brings them over SFTP: a file already here with that digest stays as it is, a partial ``.part`` resumes,
     each is checked before it takes its name.
     """
@@ -459,7 +459,7 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     local = dest / BEST_DIR
     local.mkdir(parents=True, exist_ok=True)
     before = {e["path"]: _inode(local / e["path"]) for e in data["files"]}
-    done = jobs.download_files(host, data["dir"], data["files"], local, name="fetch.tensors")
+    done = hostjob.download_files(host, data["dir"], data["files"], local, name="fetch.tensors")
     names = [e["path"] for e in data["files"]]
     total = sum(int(e["bytes"]) for e in data["files"])
     kept = [n for n in names if before[n] is not None and before[n] == _inode(local / n)]

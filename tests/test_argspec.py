@@ -190,7 +190,7 @@ class StandIn:
 
 
 def test_every_key_the_laptop_sends_is_declared():
-    from specops import jobs
+    from specops.runs import hostjob
     from specops.extract import start_step
     from specops.facts import facts_step
     from specops.inventory import HostSpec
@@ -218,8 +218,8 @@ def test_every_key_the_laptop_sends_is_declared():
     smoke_step(host, overrides, samples=2, real=True)
     start_step(host, "r2", overrides, skip_preflight=True, force=True, skip_smoke=True, smoke_real=True)
     for action in ("status", "logs", "abort"):
-        jobs.job_call(host, action, "r1")
-    jobs.follow_run(host, "r1", logs=True, offsets={"supervisor.log": 3}, until="exited", timeout=5)
+        hostjob.job_call(host, action, "r1")
+    hostjob.follow_run(host, "r1", logs=True, offsets={"supervisor.log": 3}, until="exited", timeout=5)
     shard_ = Shard(id="s0", hosts=["h"], start=0, stop=4, run_id="R", output_dir="/o/R")
     group_start.start_step(None, shard_, host, overrides, False)
     pool.shard_files(host, shard_, sha256=True, timeout=5)

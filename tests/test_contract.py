@@ -163,8 +163,8 @@ def test_sample_file_names(tmp_path, fmt, name, sub):
 
 
 def test_run_dir_files_are_the_ones_the_laptop_fetches(tmp_path):
-    from specops import jobs
+    from specops.runs import hostjob
 
     paths = rundir.RunPaths(tmp_path)
-    assert jobs.RUN_FILES == contract.RUN_FILES
-    assert {paths.params.name, paths.status.name} | {contract.MANIFEST, contract.SUMMARY} == set(jobs.RUN_FILES)
+    assert hostjob.RUN_FILES == contract.RUN_FILES
+    assert {paths.params.name, paths.status.name} | {contract.MANIFEST, contract.SUMMARY} == set(hostjob.RUN_FILES)

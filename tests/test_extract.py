@@ -17,7 +17,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.exit_codes import ExitCode
 from specops.runs.run import extract
 from specops.transport.host import Host
@@ -91,7 +91,7 @@ def test_extract_follows_and_fetches_proof(llama_inventory, tmp_path, monkeypatc
     victim.unlink()
     (victim.with_name(victim.name + ".part")).write_bytes(data[: len(data) // 2])
     with one_host(llama_inventory) as host:
-        rec = jobs.fetch_run(host, "r1", tensors=True, dest_root=tmp_path / "runs").records[-1]
+        rec = hostjob.fetch_run(host, "r1", tensors=True, dest_root=tmp_path / "runs").records[-1]
     assert rec.status == "ok" and rec.detail["resumed"] == 1 and "verified by blake3" in rec.summary
     assert blake3_of(victim) == manifest["files"][0]["blake3"]
 
@@ -115,7 +115,7 @@ def test_an_older_runs_sha256_manifest_still_fetches_lists_and_verifies_and_blak
         path.write_text(json.dumps(older))
 
     with one_host(llama_inventory) as host:
-        fetched = jobs.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "runs").records[-1]
+        fetched = hostjob.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "runs").records[-1]
         listing = host.run_task("shard", {"action": "files", "output_dir": str(out_dir), "start": 0, "stop": 3})
     assert fetched.status == "ok" and "3 sample file(s) verified by sha256" in fetched.summary, fetched
     assert [(f["path"], f["sha256"]) for f in listing["data"]["files"]] == [(e["path"], e["sha256"])
@@ -133,7 +133,7 @@ def test_an_older_runs_sha256_manifest_still_fetches_lists_and_verifies_and_blak
     data[len(data) // 2] ^= 1
     victim.write_bytes(bytes(data))
     with one_host(llama_inventory) as host:
-        caught = jobs.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "again").records[-1]
+        caught = hostjob.fetch_run(host, "old", tensors=True, dest_root=tmp_path / "again").records[-1]
     assert caught.status == "fail" and "1 sample file(s) do not match the manifest blake3" in caught.summary, caught
     assert caught.detail["bad"] == [new["files"][0]["path"]]
     checked = cli("verify", *common, "--samples", "3", "--json", env=env)
@@ -150,12 +150,12 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
     with one_host(llama_inventory) as host:
         deadline = time.monotonic() + 120
         # kill the follower as soon as the run exists: its imports alone outlast this
-        while not jobs.run_state(host, "r2").found:
+        while not hostjob.run_state(host, "r2").found:
             assert time.monotonic() < deadline, "run never started"
             time.sleep(0.2)
         follower.send_signal(signal.SIGKILL)  # the laptop vanishes: its SSH connection dies with it
         follower.wait()
-        state = jobs.run_state(host, "r2")
+        state = hostjob.run_state(host, "r2")
         assert state.alive and not state.is_final
     # the same run id again re-attaches instead of starting a second copy
     again = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r2", "--skip-preflight", "--skip-smoke",
@@ -163,7 +163,7 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     with one_host(llama_inventory) as host:
-        final = jobs.run_state(host, "r2")
+        final = hostjob.run_state(host, "r2")
     assert final.state == "done" and final.samples_done == 12
     assert (final.model_dump().get("attempt") or 1) == 1, "re-attaching must not restart the run"
     proc = cli("status", "--inventory", str(llama_inventory), "--run-id", "r2")

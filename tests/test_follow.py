@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.exit_codes import ExitCode
 from specops.runs.run import extract
 from specops.transport.host import Host
@@ -40,7 +40,7 @@ def one_host(path) -> Host:
 def start(host: Host, run_id: str, **overrides) -> RunStatus:
     params = run_params(host.spec)
     params.update(overrides)
-    state = RunStatus.from_payload(jobs.job_call(host, "start", run_id, **params))
+    state = RunStatus.from_payload(hostjob.job_call(host, "start", run_id, **params))
     assert state.found, f"run {run_id} did not start"
     return state
 
@@ -142,7 +142,7 @@ def test_one_python_streams_status_and_logs_to_the_end(llama_inventory, delivery
         start(host, "f1", batch_delay_s=0.5)
         channels = ChannelLog(host)
         events: list[dict] = []
-        final = jobs.follow_run(host, "f1", events.append, logs=True)
+        final = hostjob.follow_run(host, "f1", events.append, logs=True)
 
     assert final.state == "done" and final.samples_done == 6 and final.is_final
     # one remote command for the whole follow, and with SFTP one upload (its entry script)
@@ -162,7 +162,7 @@ def test_one_python_streams_status_and_logs_to_the_end(llama_inventory, delivery
 
 def test_a_follow_of_a_missing_run_says_so(llama_inventory):
     with one_host(llama_inventory()) as host:
-        state = jobs.follow_run(host, "no-such-run", lambda e: pytest.fail(f"event for no run: {e}"))
+        state = hostjob.follow_run(host, "no-such-run", lambda e: pytest.fail(f"event for no run: {e}"))
     assert not state.found and state.exit_code == ExitCode.JOB_NOT_FOUND
 
 
@@ -190,7 +190,7 @@ def test_follower_never_outlives_its_channel(llama_inventory, tmp_path):
 
             def follow():
                 try:
-                    jobs.follow_run(host, "slow", on_event)
+                    hostjob.follow_run(host, "slow", on_event)
                 except BaseException as exc:  # noqa: BLE001 -- the closed connection, expected
                     errors.append(exc)
 
@@ -202,7 +202,7 @@ def test_follower_never_outlives_its_channel(llama_inventory, tmp_path):
             thread.join(30)
             assert not thread.is_alive() and errors, "the follow did not end with its connection"
             wait_until(lambda: not followers_on_host(work_dir), 10, "the follower to exit")
-            assert jobs.run_state(host, "slow").alive  # reconnects: the run goes on
+            assert hostjob.run_state(host, "slow").alive  # reconnects: the run goes on
 
             # 2. the laptop vanishes (SIGKILL: no goodbye on the channel)
             logs = subprocess.Popen([str(BIN / "specops"), "logs", "--inventory", str(path), "--run-id", "slow",
@@ -235,10 +235,10 @@ def test_follower_never_outlives_its_channel(llama_inventory, tmp_path):
             assert cli.returncode == ExitCode.JOB_RUNNING, out + err
             assert "detached" in err and "Following run slow" in out
             wait_until(lambda: not followers_on_host(work_dir), 10, "extract's follower to exit")
-            state = jobs.run_state(host, "slow")
+            state = hostjob.run_state(host, "slow")
             assert state.alive and not state.is_final
         finally:
-            jobs.job_call(host, "abort", "slow", grace_s=2)
+            hostjob.job_call(host, "abort", "slow", grace_s=2)
 
 
 def test_logs_follow_prints_new_lines_until_the_run_ends(llama_inventory):
@@ -251,7 +251,7 @@ def test_logs_follow_prints_new_lines_until_the_run_ends(llama_inventory):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "run lf: 6 samples" in proc.stdout
     with one_host(path) as host:
-        assert jobs.run_state(host, "lf").state == "done"  # it followed to the end, not a snapshot
+        assert hostjob.run_state(host, "lf").state == "done"  # it followed to the end, not a snapshot
 
 
 def test_smoke_follows_its_run_until_the_supervisor_is_gone(llama_inventory):
@@ -262,6 +262,6 @@ def test_smoke_follows_its_run_until_the_supervisor_is_gone(llama_inventory):
     with one_host(llama_inventory()) as host:
         report = smoke_step(host, {"engine": "hf-reference", "tp": 1}, samples=2, verify=False)
         assert not report.failed, [(r.name, r.summary) for r in report.records]
-        state = jobs.run_state(host, report.data["run_id"])
+        state = hostjob.run_state(host, report.data["run_id"])
     assert state.state == "done" and state.alive is False
     assert report.data["status"]["state"] == "done" and report.data["status"]["samples_done"] == 2

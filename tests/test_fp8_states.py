@@ -119,7 +119,7 @@ def test_the_status_record_and_the_summary_table_name_the_state_format(tmp_path)
     """``status`` (the host's ``job.status`` record, once the run's plan is made) and the summary table
     ``extract``/``fetch`` print say bf16 or fp8; a run before its plan says nothing of it."""
     from remote.run import job
-    from specops.jobs import summary_table
+    from specops.runs.hostjob import summary_table
 
     def said(**status):
         return job._status_payload("job.status", "r1", tmp_path, {"samples_done": 4, "samples_total": 4, **status})[

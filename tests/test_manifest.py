@@ -212,7 +212,7 @@ def test_verify_names_the_field_its_run_lacks(tmp_path):
 
 
 def test_fetch_names_the_field_its_manifest_lacks(tmp_path):
-    from specops.jobs import fetch_tensors
+    from specops.runs.hostjob import fetch_tensors
 
     (tmp_path / contract.MANIFEST).write_text(json.dumps({"files": [entry(0)]}))
     rec = fetch_tensors(None, tmp_path)
@@ -297,7 +297,7 @@ FETCH_WITHOUT_BLAKE3 = """
 import json, sys
 from pathlib import Path
 sys.modules["blake3"] = None  # a laptop without the blake3 package: `import blake3` fails
-from specops.jobs import download_files
+from specops.runs.hostjob import download_files
 from specops import wire
 dest = Path(sys.argv[1])
 rec = download_files(None, "/nowhere", [{"path": "hs_0.safetensors", "bytes": 3, "blake3": "0" * 64}], dest)

@@ -359,7 +359,7 @@ def test_extract_with_smoke_real_stops_before_the_run_where_a_layer_differs(unfi
     verification run first; decoder layer 0 differs from the checkpoint's own layer, so the real run is
     never started. (The logits check passes there: the engine's logprobs come from the same wrong forward.)"""
     import specops.smoke
-    from specops import jobs
+    from specops.runs import hostjob
     from specops.extract import start_step
     from test_smoke_verify_modern import inventory
 
@@ -372,7 +372,7 @@ def test_extract_with_smoke_real_stops_before_the_run_where_a_layer_differs(unfi
     with host_of(inv) as host:
         report = start_step(host, "rope-real", {}, skip_preflight=True, force=False, skip_smoke=True,
                             smoke_real=True)
-        started = jobs.run_state(host, "rope-real").found
+        started = hostjob.run_state(host, "rope-real").found
     wall = time.monotonic() - t0
     recs = {r.name: r for r in report.records}
     assert report.failed and not started, summaries(recs)

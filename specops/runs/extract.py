@@ -6,7 +6,7 @@ from rich.text import Text
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
-from specops.jobs import canary_record
+from specops.runs.hostjob import canary_record
 from specops.transport.parallel import run_steps
 from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specops import jobs
+from specops.runs import hostjob
 from specops import storage
 from specops.errors import SpecopsError
 from specops import wire
@@ -32,7 +32,7 @@ def fetch(manifest: GroupMap, conns: HostPool, *, tensors: bool) -> list[HostRep
     shards = [s for s in manifest.shards if not s.empty]
 
     def one(shard: Shard, host: Host) -> HostReport:
-        report = jobs.fetch_run(host, shard.run_id, tensors=False, dest_root=root / "hosts", timeout=QUICK_TIMEOUT_S)
+        report = hostjob.fetch_run(host, shard.run_id, tensors=False, dest_root=root / "hosts", timeout=QUICK_TIMEOUT_S)
         report.host = shard.label
         report.records.extend(_worker_runs(shard, conns, root))
         # hashing on the host (files no manifest lists yet) reads every byte: a long bound, not none
@@ -64,7 +64,7 @@ def fetch(manifest: GroupMap, conns: HostPool, *, tensors: bool) -> list[HostRep
                 fix=f"let the run finish (specops status --run-id {manifest.run_id}), or resume it: specops extract "
                     f"--run-id {manifest.run_id}"))
         if tensors and files.get("files"):
-            report.records.append(jobs.download_files(host, host.remote_path(files["output_dir"]), files["files"],
+            report.records.append(hostjob.download_files(host, host.remote_path(files["output_dir"]), files["files"],
                                                       root / "samples", name="group.tensors"))
         return report
 
@@ -77,7 +77,7 @@ def fetch(manifest: GroupMap, conns: HostPool, *, tensors: bool) -> list[HostRep
         source = with_dataset[0]
         listing = by_label[source.label].data["listing"]
         host = conns.for_shard(manifest, source)
-        by_label[source.label].records.append(jobs.download_files(
+        by_label[source.label].records.append(hostjob.download_files(
             host, host.remote_path(listing["output_dir"]), listing["dataset_files"], root / "samples",
             name="group.dataset_files"))
     merged = merge(manifest, {s.id: by_label.get(s.label) for s in shards})
@@ -117,7 +117,7 @@ def _worker_runs(shard: Shard, conns: HostPool, root: Path) -> list[Record]:
     records = []
     for worker in shard.hosts[1:]:
         try:
-            got = jobs.fetch_run(conns.host(worker), shard.run_id, tensors=False, dest_root=root / "hosts",
+            got = hostjob.fetch_run(conns.host(worker), shard.run_id, tensors=False, dest_root=root / "hosts",
                                  timeout=QUICK_TIMEOUT_S)
         except SpecopsError as exc:
             records.append(Record(name=f"fetch.run@{worker}", status="warn",

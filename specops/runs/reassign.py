@@ -1,7 +1,7 @@
 """``--reassign FROM=TO``: move the unfinished rest of a shard to another host, cut where FROM's disk says."""
 from __future__ import annotations
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.replica import replica_overrides
 from specops.runs import shardmap
 from specops.errors import UsageError
@@ -48,9 +48,9 @@ def _cut_point(manifest: GroupMap, shard: Shard, conns: HostPool) -> tuple[int, 
     host = conns.for_shard(manifest, shard)
 
     def ask(_shard) -> HostReport:
-        state = jobs.run_state(host, shard.run_id)
+        state = hostjob.run_state(host, shard.run_id)
         if state.alive and not state.is_final:
-            jobs.job_call(host, "abort", shard.run_id)
+            hostjob.job_call(host, "abort", shard.run_id)
         listing = shard_files(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)
         return HostReport(host=shard.label, task="extract", data={"first_missing": listing["first_missing"],
                                                                   "state": state.state})

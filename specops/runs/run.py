@@ -64,15 +64,15 @@ class HostRun(Run):
                 host.close()
 
     def status(self, *, as_json: bool) -> ExitCode:
-        from specops import jobs
+        from specops.runs import hostjob
         from specops.report import print_reports
 
-        reports = self._on_hosts("status", lambda h: jobs.status_report(h, self.run_id))
+        reports = self._on_hosts("status", lambda h: hostjob.status_report(h, self.run_id))
         print_reports(reports, as_json=as_json)
         unreachable = [r for r in reports if r.error is not None]
         if unreachable:
             return overall_exit(unreachable)
-        return max(jobs.job_exit_code(r.data.get("state", STATE.MISSING)) for r in reports)
+        return max(hostjob.job_exit_code(r.data.get("state", STATE.MISSING)) for r in reports)
 
     def logs(self, *, follow: bool, only: str | None, as_json: bool) -> ExitCode:
         from specops.logs import show_logs
@@ -80,14 +80,14 @@ class HostRun(Run):
         return show_logs(self._hosts(), self.run_id, follow=follow, only=only, as_json=as_json)
 
     def abort(self) -> list[HostReport]:
-        from specops import jobs
+        from specops.runs import hostjob
         from specops.transport.parallel import report_from_payload
 
         return self._on_hosts("abort", lambda h: report_from_payload(h.name, "abort",
-                                                                     jobs.job_call(h, "abort", self.run_id)))
+                                                                     hostjob.job_call(h, "abort", self.run_id)))
 
     def fetch(self, *, tensors: bool, as_json: bool) -> ExitCode:
-        from specops import jobs
+        from specops.runs import hostjob
         from specops.report import print_reports
         from specops.train import fetch_run  # a train run's artifacts too
 
@@ -96,7 +96,7 @@ class HostRun(Run):
         if not as_json:
             for report in reports:
                 if report.data.get("dest"):
-                    jobs.show_summary(Path(report.data["dest"]))
+                    hostjob.show_summary(Path(report.data["dest"]))
         return overall_exit(reports)
 
 

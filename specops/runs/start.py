@@ -1,7 +1,7 @@
 """Start a group run's shards: one lane of shards per host, cut shards settled, gaps made again."""
 from __future__ import annotations
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.runs import shardmap
 from specops.errors import SpecopsError
 from specops.transport.host import Host
@@ -28,7 +28,7 @@ def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_d
     if sample_range is not None:
         params["sample_range"] = list(sample_range)
     params.update(node or {})
-    return jobs.job_call(host, "start", run_id, **params)
+    return hostjob.job_call(host, "start", run_id, **params)
 
 
 def start_step(manifest: GroupMap, shard: Shard, host: Host, overrides: dict, force: bool,
@@ -58,14 +58,14 @@ def settle_closed(manifest: GroupMap, shard: Shard, host: Host) -> HostReport:
     """A cut shard's run must not go on past its cut: stop it if it runs; read what its host's disk
     holds of the kept range (``data["first_missing"]``: where a gap starts, or its stop)."""
     report = HostReport(host=shard.label, task="extract")
-    state = jobs.run_state(host, shard.run_id)
+    state = hostjob.run_state(host, shard.run_id)
     moved = ", ".join(shard.moved_to)
     if state.alive and not state.is_final:
-        jobs.job_call(host, "abort", shard.run_id)
+        hostjob.job_call(host, "abort", shard.run_id)
         report.records.append(Record(name="group.cut", status="changed",
                                      summary=f"stopped run {shard.run_id} on {shard.head}: its range past {shard.stop} "
                                              f"moved to {moved}"))
-        state = jobs.run_state(host, shard.run_id)
+        state = hostjob.run_state(host, shard.run_id)
     if state.found:
         shard.remember(state.model_dump())
     listing = shard_files(host, shard, sha256=False, timeout=QUICK_TIMEOUT_S)

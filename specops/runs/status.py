@@ -5,7 +5,7 @@ import json
 
 from rich.text import Text
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
 from specops.transport.host import Host
@@ -31,7 +31,7 @@ class UnreachableMarker(Exception):
 
 
 def _look_step(manifest: GroupMap, shard: Shard, host: Host, conns: HostPool | None = None) -> HostReport:
-    payload = jobs.job_call(host, "status", shard.run_id)
+    payload = hostjob.job_call(host, "status", shard.run_id)
     report = report_from_payload(shard.label, "status", payload)
     state = RunStatus.from_payload(payload)
     if state.found:
@@ -63,7 +63,7 @@ def _worker_records(shard: Shard, conns: HostPool) -> list[Record]:
     records = []
     for worker in shard.hosts[1:]:
         try:
-            payload = jobs.job_call(conns.host(worker), "status", shard.run_id, timeout=QUICK_TIMEOUT_S)
+            payload = hostjob.job_call(conns.host(worker), "status", shard.run_id, timeout=QUICK_TIMEOUT_S)
         except SpecopsError as exc:
             records.append(Record(name="replica.host", status="warn",
                                   summary=f"{worker} (ranks of {shard.label}) did not answer: "
@@ -133,7 +133,7 @@ def _abort_shard(shard: Shard, head: Host, conns: HostPool) -> HostReport:
     not answer leaves the shard's report in error (its run may still go on), and its worker hosts
     are aborted all the same: the head cannot go on without their ranks and ends the replica."""
     try:
-        report = report_from_payload(shard.label, "abort", jobs.job_call(head, "abort", shard.run_id))
+        report = report_from_payload(shard.label, "abort", hostjob.job_call(head, "abort", shard.run_id))
     except SpecopsError as exc:
         if len(shard.hosts) == 1:
             raise
@@ -142,7 +142,7 @@ def _abort_shard(shard: Shard, head: Host, conns: HostPool) -> HostReport:
                                   f"(see below); the head ends the replica once their ranks are gone")
     for worker in shard.hosts[1:]:
         try:
-            payload = jobs.job_call(conns.host(worker), "abort", shard.run_id, timeout=QUICK_TIMEOUT_S)
+            payload = hostjob.job_call(conns.host(worker), "abort", shard.run_id, timeout=QUICK_TIMEOUT_S)
         except SpecopsError as exc:
             report.records.append(Record(name=f"job.abort@{worker}", status="fail",
                                          summary=f"{worker} (ranks of replica {shard.label}) did not answer: "
@@ -175,7 +175,7 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
                     show(labels[sid], event["file"], event["text"])
 
             try:
-                final = jobs.follow_many([(s.id, conns.for_shard(manifest, s), s.run_id) for s in shards]
+                final = hostjob.follow_many([(s.id, conns.for_shard(manifest, s), s.run_id) for s in shards]
                                          + [(f"{s.id}@{w}", conns.host(w), s.run_id) for s in shards
                                             for w in s.hosts[1:]], on_event, logs=True)
             except KeyboardInterrupt:
@@ -194,7 +194,7 @@ def logs(inventory: Inventory, run_id: str, *, follow_logs: bool, only: str | No
             def look(item: tuple[Shard, str]) -> HostReport:
                 shard, name = item
                 host = host_of(item)
-                payload = jobs.job_call(host, "logs", shard.run_id)
+                payload = hostjob.job_call(host, "logs", shard.run_id)
                 return HostReport(host=host_label(shard, name), task="logs", data=payload.get("data") or {},
                                   records=[Record(**r) for r in payload.get("records", [])])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.runs import shardmap
 from specops import wire
 from specops.errors import SpecopsError, UsageError
@@ -21,7 +21,7 @@ _save_lock = threading.Lock()
 
 
 def run_root(run_id: str) -> Path:
-    return jobs.local_runs_root() / run_id
+    return hostjob.local_runs_root() / run_id
 
 
 #: the group run's map on the laptop, and its name where an earlier specops (before "group run" was the

@@ -1,7 +1,7 @@
 """``specops verify`` of a group run: every shard where it is now, under its own run id."""
 from __future__ import annotations
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import STATE, HostReport, Record
@@ -26,7 +26,7 @@ def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,
 
     def one(shard: Shard, host: Host) -> HostReport:
         if shard.closed:
-            state = jobs.run_state(host, shard.run_id)
+            state = hostjob.run_state(host, shard.run_id)
             if state.state != STATE.DONE:
                 return HostReport(host=shard.label, task="verify", records=[Record(
                     name="group.verify", status="warn",

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specops import jobs
+from specops.runs import hostjob
 from specops.report import STATE_STYLE, console, err_console, host_view, print_reports, recap_line
 from specops.result import STATE, HostReport, RunStatus
 from specops.transport.pool import HostPool
@@ -87,7 +87,7 @@ def follow(manifest: GroupMap, conns: HostPool, lanes: dict[str, list[Shard]], o
                         raise NotStarted(report.error or next(r.summary for r in report.records if r.status == "fail"))
                 # a next shard waits until this one's supervisor has exited (its engine freed the devices)
                 until = "exited" if i + 1 < len(lane) else "final"
-                result = jobs.follow_run(host, shard.run_id, lambda e, sid=shard.id: events.put(("event", sid, e)),
+                result = hostjob.follow_run(host, shard.run_id, lambda e, sid=shard.id: events.put(("event", sid, e)),
                                          until=until)
             except Exception as exc:  # noqa: BLE001 -- this shard's result; the other lanes go on
                 result = exc
