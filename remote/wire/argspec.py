@@ -105,7 +105,7 @@ class Arg:
         field named ``outer.inner``); :param open: other keys of it pass unchecked.
     :param call: steers one call, not the run (a job records the run's parameters without these).
     :param hook: sent only by tests and benchmarks (see the module docstring).
-    :param doc: what it means, for a reader of the spec.
+    :param doc: what it means, for a reader of the spec (a run flag's ``help`` where not given).
     :param help: the laptop's command-line help of the flag that sets it (a run parameter the CLI takes:
         ``specops/tasks.py`` builds its flags and their help from these, :func:`flag_help`).
     :param flag: the flag's name where it is not the key's (``model_path`` is ``--model``).
@@ -123,7 +123,8 @@ class Arg:
         self.default, self.required, self.choices = default, required, tuple(choices) if choices else None
         self.min, self.max, self.above, self.elements = min, max, above, elements
         self.options, self.open = dict(options) if options else None, open
-        self.call, self.hook, self.doc, self.help, self.flag = call, hook, doc, help, flag
+        self.call, self.hook, self.help, self.flag = call, hook, help, flag
+        self.doc = doc or help  # a run flag's help says what it means: no second text
 
     def flag_of(self, name: str) -> str:
         """The command-line flag (without ``--``) that sets parameter ``name``."""
@@ -447,24 +448,19 @@ RUN_ARGS = {
                   doc="auto, an engine or an alias of one (remote.system.versions.resolve_engine judges it)",
                   help="extraction engine: auto (default: from the host's speculators), speculators-0.3, "
                        "vllm-server or hf-reference"),
-    "layer_ids": Arg("list", doc="None: the engine's default ids; each id is judged by preflight and the run",
-                     help="comma-separated layer ids (default: the engine's own, convention recorded)"),
+    "layer_ids": Arg("list", help="comma-separated layer ids (default: the engine's own, convention recorded)"),
     "layer_convention": Arg("str", choices=contract.LAYER_CONVENTIONS,
                             doc="what layer_ids mean (output/input); None: the engine's own"),
     "seq_len": Arg("int", min=1, help="max tokens per sample"),
     "long_samples": Arg("str", choices=contract.LONG_SAMPLES,
-                        doc="a sample longer than seq_len: truncate (keep its first seq_len tokens, warn), "
-                            "refuse or drop",
                         help="a sample longer than --seq-len: truncate (default: keep its first seq_len tokens, "
                              "warn), refuse (stop before the load, naming it) or drop (leave it out; counted in the "
                              "manifest)"),
     "turns": Arg("str", choices=contract.CHAT_TURNS,
-                 doc="chat rows: per-turn (a sample per assistant turn, end-of-turn supervised: speculators "
-                     "0.9), whole (a sample per row: 0.3) or auto (the installed speculators' rule)",
                  help="chat rows: per-turn (a sample per assistant turn, end-of-turn token supervised: speculators "
                       "0.9), whole (a sample per row, reply text supervised: 0.3) or auto (default: the host's "
                       "speculators' rule)"),
-    "minimum_valid_tokens": Arg("int", min=0, doc="a sample with fewer supervised tokens is left out",
+    "minimum_valid_tokens": Arg("int", min=0,
                                 help="leave out a sample with fewer supervised tokens (default 1: none with "
                                      "nothing to learn)"),
     "max_samples": Arg("int", min=1, help="number of samples to extract"),
