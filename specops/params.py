@@ -136,7 +136,7 @@ def check_flags(flags: dict) -> dict:
         if name == "layer_ids":
             if value is not None:
                 out["layer_ids"], out["layer_convention"] = parse_layer_ids(value), parse_layer_convention(value)
-        elif value is None or value == "":
+        elif value is None or value == "" or value == []:  # a repeatable flag never given is []
             continue
         elif name == "dataset":
             out[name] = _datasets(value)

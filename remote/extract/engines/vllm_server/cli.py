@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                 row = json.loads(line)
                 samples.append((int(row.get("index", n)), row["token_ids"]))
     given = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None  # None: the engine's default
-    plan = runplan.resolve({"layer_ids": given}, modelconfig.read(args.model), engine=(VLLM_SERVER, "given"))
+    plan = runplan.resolve({**params, "layer_ids": given}, modelconfig.read(args.model), engine=(VLLM_SERVER, "given"))
     layer_ids = plan.layer_ids
     engine = VllmServerEngine(args.model, args.tp, layer_ids, params, plan=plan)
     result = {"layer_ids": layer_ids, "layer_convention": layers.INPUT}
