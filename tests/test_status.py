@@ -247,3 +247,35 @@ def test_no_module_spells_the_run_error_by_hand():
                 if {"rank", "type", "message", "traceback"} <= keys:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, f"the run's error spelled by hand (use remote.wire.status.error): {offenders}"
+
+
+def test_a_supervisor_started_by_an_older_bundle_is_still_found_alive(tmp_path):
+    """Bundles before the wings ran ``python -m remote.supervisor RUN_DIR``; after an upgrade, status, follow and
+    abort must still see that process as the run's live supervisor, and a stranger naming the dir as no supervisor."""
+    import subprocess
+    import sys
+
+    from remote.run import rundir
+
+    old = tmp_path / "old-bundle" / "remote"
+    old.mkdir(parents=True)
+    (old / "__init__.py").write_text("")
+    for name in ("supervisor", "stranger"):
+        (old / f"{name}.py").write_text("import time\ntime.sleep(60)\n")
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k not in (rundir.RUN_DIR_ENV, "PYTHONPATH")}
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"remote.{name}", str(run_dir)], cwd=old.parent, env=env)
+             for name in ("supervisor", "stranger")}
+    try:
+        deadline = time.monotonic() + 30
+        while not all(Path(f"/proc/{p.pid}/cmdline").read_bytes().count(b"remote.") for p in procs.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "remote.supervisor" in rundir.EARLIER_SUPERVISOR_MODULES
+        assert rundir.pid_alive(procs["supervisor"].pid, run_dir)
+        assert not rundir.pid_alive(procs["stranger"].pid, run_dir)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
