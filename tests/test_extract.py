@@ -171,7 +171,11 @@ def test_connection_killed_mid_run_then_reattach(llama_inventory, tmp_path):
     assert proc.returncode == ExitCode.SUCCESS
 
 
-def test_detach_status_abort_codes(llama_inventory, tmp_path):
+def test_detach_status_abort_codes(make_inventory, tiny_models, tmp_path):
+    # a pause after each batch keeps the run going until the abort reaches it, however loaded the box
+    llama_inventory = make_inventory(model_path=str(tiny_models["llama"]), dataset=str(tiny_models["dataset"]),
+                                     engine="hf-reference", max_samples=6, seq_len=64, batch_size=2, tp=1,
+                                     output_dir=str(tmp_path / "out"), env={"SPECOPS_BATCH_DELAY_S": "5"})
     env = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     # the CLI's default: a rehearsal on a tiny twin of the model first (here on the reference engine)
     proc = cli("extract", "--inventory", str(llama_inventory), "--run-id", "r3", "--skip-preflight",
