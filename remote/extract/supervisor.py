@@ -323,7 +323,7 @@ class Supervisor:
             # storage/ and logs/ (server.log, split into rank<k>.log at the end) inside the run dir,
             # where `specops logs` and the root-cause reader look
             p.update(work_dir=str(self.paths.run_dir), python=sys.executable,
-                     concurrency=int(p.get("concurrency") or param(p, "batch_size")))
+                     concurrency=int(p.get("concurrency") or self.plan.batch_size))
             p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
         return p
 
@@ -349,7 +349,7 @@ class Supervisor:
         self._timed("load", time.monotonic() - t)
         self.engine_info = self.engine.describe()
 
-        batch_size = max(1, int(param(p, "batch_size")))
+        batch_size = self.plan.batch_size
         delay = faults.batch_delay_s(p)  # a test's pause after each batch widens the mid-run window
         progress = {"done": done, "tokens_done": tokens_before, "run_tokens": 0}
         loop_t0 = time.monotonic()
