@@ -37,7 +37,7 @@ from pathlib import Path
 from remote.wire import contract, fsutil, manifest
 from remote.system import versions
 from remote.wire.contract import HS, MANIFEST, PT, SUMMARY, sample_name
-from remote.wire.fsutil import file_digest, read_json_quietly, sha256_file  # noqa: F401  (sha256_file: scripts, tests)
+from remote.wire.fsutil import TEMP_PREFIX, file_digest, read_json_quietly, sha256_file  # noqa: F401  (sha256_file: scripts, tests)
 # layer_partial too: scripts and benchmarks read it as samples.layer_partial
 from remote.extract.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
 
@@ -47,7 +47,6 @@ FORMATS = {fmt: (contract.sample_pattern(fmt), contract.SAMPLE_FILES[fmt][1], ma
            for fmt in (PT, HS)}
 #: engine -> the format it writes (the engine table of :mod:`remote.wire.contract`)
 ENGINE_FORMAT = {name: facts.sample_format for name, facts in contract.ENGINES.items()}
-TEMP_PREFIX = ".partial-"
 #: the token dataset's fallback file on a host without ``datasets``
 TOKEN_JSONL = "token_dataset.jsonl"
 

@@ -59,7 +59,7 @@ from pathlib import Path
 from remote.run import faults
 from remote.wire import words
 from remote.wire import protocol
-from remote.extract import runplan, samples
+from remote.extract import runplan
 from remote.system import signals
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
@@ -198,7 +198,7 @@ def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "errors").mkdir(exist_ok=True)
     if not resumed:
-        samples.write_json_atomic(run_dir / PARAMS_FILE, wanted)
+        fsutil.write_json(run_dir / PARAMS_FILE, wanted, temp_prefix=fsutil.TEMP_PREFIX)
     StatusFile.of_job(run_dir / STATUS_FILE).restart(wanted["run_id"])
     try:
         (run_dir / "pid").unlink()

@@ -20,8 +20,6 @@ from remote.wire import fsutil
 from remote.wire import status as wire_status
 from remote.wire.contract import RunState
 
-from remote.extract.samples import TEMP_PREFIX  # the temp files' prefix, as before the one writer
-
 
 #: a supervisor's exit code by the run's final state.
 SUPERVISOR_EXIT = {RunState.DONE.value: 0, RunState.FAILED.value: 1, RunState.ABORTED.value: 143}
@@ -100,7 +98,7 @@ class StatusFile:
             doc = json.loads(json.dumps(data, default=str))
             wire_status.check(doc, require=wire_status.FOR_WRITE, where=self.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fsutil.write_json(self.path, doc, temp_prefix=TEMP_PREFIX)
+            fsutil.write_json(self.path, doc, temp_prefix=fsutil.TEMP_PREFIX)
             self.data = data
             return dict(data)
 

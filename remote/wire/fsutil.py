@@ -30,6 +30,11 @@ from pathlib import Path
 TEMP_SUFFIX = ".specops-tmp"
 
 
+#: the name prefix of a run's files while they are written (samples, manifests, status): listings and
+#: sweeps of a run's dirs skip and clear them.
+TEMP_PREFIX = ".partial-"
+
+
 @contextmanager
 def atomic_open(path, mode: int | None = None, temp_prefix: str | None = None, suffix: str = TEMP_SUFFIX):
     """A binary file handle whose content replaces ``path`` atomically when the block ends.
