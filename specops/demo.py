@@ -20,20 +20,19 @@ from invoke import Exit
 
 from specops import wire
 from specops.exit_codes import ExitCode
-from specops.runs.hostjob import local_runs_root
 from specops.inventory import load_inventory
 from specops.report import console, print_reports
 from specops.result import overall_exit
-
+from specops.runs.hostjob import local_runs_root
 
 VLLM_SERVER = wire.contract.VLLM_SERVER
 
 
 def run_demo(inventory_path: str | None, selector: str | None) -> None:
-    from specops.runs.run import extract
     from specops.facts import facts
     from specops.patch import patch
     from specops.preflight import preflight
+    from specops.runs.run import extract
 
     inventory = load_inventory(inventory_path)
 

@@ -17,11 +17,11 @@ import time
 from pathlib import PurePosixPath
 
 from specops.errors import SpecopsError, TaskInterrupted, UsageError
-from specops.transport.host import Host
-from specops.transport.pool import HostPool
 from specops.inventory import Inventory
-from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.result import HostReport
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
+from specops.transport.pool import HostPool
 
 #: a CPU server start is 40-300 s, a second one with --baseline as long again.
 EVAL_TIMEOUT_S = 3600.0

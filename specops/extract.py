@@ -17,18 +17,17 @@ from typing import Callable
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.transport.parallel import report_from_payload, run_on_hosts
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.preflight import preflight_step
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunStatus
+from specops.runs import hostjob
 from specops.runs.start import start_job
 from specops.smoke import rehearse
-
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
 
 
 def start_step(host: Host, run_id: str, overrides: dict, *, skip_preflight: bool, force: bool,

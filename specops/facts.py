@@ -4,10 +4,10 @@ render -> bundle -> upload once -> one python -> one JSON result -> table or ``-
 """
 from __future__ import annotations
 
-from specops.transport.parallel import report_from_payload, run_on_hosts
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
 
 
 def inventory_params(host: Host) -> dict:

@@ -11,12 +11,12 @@ import sys
 
 from rich.text import Text
 
-from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.transport.host import Host
 from specops.report import console
 from specops.result import RunStatus
+from specops.runs import hostjob
+from specops.transport.host import Host
 
 
 def log_printer(collected: dict[str, dict[str, str]], only: str | None, as_json: bool):

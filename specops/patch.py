@@ -7,11 +7,11 @@ must be clean for the patch to count as done.
 """
 from __future__ import annotations
 
-from specops.transport.parallel import report_from_payload, run_on_hosts
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import HostReport, Record
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
 
 ACTIONS = ("apply", "check", "revert", "status")
 

@@ -6,12 +6,12 @@ read as files.
 """
 from __future__ import annotations
 
-from specops.transport.parallel import report_from_payload, run_on_hosts
-from specops.transport.host import Host
-from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.params import run_params
 from specops.result import HostReport
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
+from specops.transport.pool import HostPool
 
 
 def preflight_params(host: Host, overrides: dict, *, skip_autoconfig: bool = False,

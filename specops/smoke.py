@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import time
 
-from specops.runs import hostjob
-from specops.transport.parallel import report_from_payload, run_on_hosts
-from specops.transport.host import Host
-from specops.inventory import Inventory
+from specops.inventory import CONTRACT, RUN_ARGS, Inventory
 from specops.params import run_params
 from specops.result import FINAL_STATES, STATE, HostReport, Record
+from specops.runs import hostjob
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.verify import verify_step
-from specops.inventory import CONTRACT, RUN_ARGS
 
 #: Keys of the run parameters the twin replaces.
 TWIN_KEYS = ("model_path", "dataset", "max_samples", "seq_len", "output_dir")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+from specops.result import STATE, HostReport, Record
 from specops.runs import hostjob
 from specops.transport.parallel import report_from_payload, run_steps
-from specops.result import STATE, HostReport, Record
 
 #: the record name of the plan's verdict in the recap.
 RECORD = "group.storage"

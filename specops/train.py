@@ -22,19 +22,18 @@ from pathlib import Path
 
 from rich.text import Text
 
-from specops.runs import hostjob
 from specops import wire
-from specops.wire import argspec
-from specops.wire.argspec import TRAIN_ARGS
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
-from specops.transport.host import Host
-from specops.transport.pool import HostPool
 from specops.inventory import Inventory
-from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.report import console, err_console, print_reports
 from specops.result import HostReport, Record, RunStatus
-
+from specops.runs import hostjob
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_on_hosts
+from specops.transport.pool import HostPool
+from specops.wire import argspec
+from specops.wire.argspec import TRAIN_ARGS
 
 #: at most one progress line a host this often (seconds), besides one per state or epoch change
 PROGRESS_EVERY_S = 5.0

@@ -46,10 +46,10 @@ tensors pack-quantized) are dequantized as each layer loads; other quantizations
 """
 from __future__ import annotations
 
-from specops.transport.parallel import report_from_payload
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import HostReport
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload
 
 #: ``hf``: the whole model in transformers (twins, small models); ``layer``: each captured
 #: decoder layer alone, one layer of weights in memory (``remote/verify/layer.py``); ``logits``: the last

@@ -28,10 +28,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from speculators.data_generation import vllm_hidden_states_generator as gen
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from speculators.data_generation import vllm_hidden_states_generator as gen
 
     prompts = []
     for path in sorted(glob.glob(os.path.join(args.samples, "data_*.pt")),

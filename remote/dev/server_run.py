@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from remote.wire import contract, layers
+from remote.extract import samples
 from remote.run.lifecycle import StatusFile
 from remote.system import modelconfig
-from remote.extract import samples
-from remote.wire import manifest as run_manifest
+from remote.wire import contract, layers, manifest as run_manifest
 
 OUTPUT = "output"
 HS_DIR = "hidden_states"

@@ -275,13 +275,10 @@ def run(model_dir: str, tp: int = 1, layer_ids=None, lengths=DEFAULT_LENGTHS,
 
         model_dir = all_experts_twin(model_dir, tempfile.mkdtemp(prefix="specops-all-experts-"))
     import time
-
     import types
 
     import speculators
-    from speculators.data_generation.vllm_hidden_states_generator import (
-        VllmHiddenStatesGenerator,
-    )
+    from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
     # config.json as data: a wrapper (Kimi-K2.5) may need remote code for AutoConfig.
     config = modelconfig.read(model_dir)

@@ -78,14 +78,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from remote.wire.contract import VLLM_SERVER
-from remote.patcher import patchsets
-from remote.wire import protocol
-from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
 from remote.drift.pyindex import PackageIndex
 from remote.drift.rules import Context, bound_model, calls, gates, imports, model_object, runtime
 from remote.drift.source import SPECULATORS_DIR, file_digests, package_versions, site_packages, speculators_files
 from remote.drift.targets import resolve_targets
+from remote.patcher import patchsets
+from remote.wire import protocol
+from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
+from remote.wire.contract import VLLM_SERVER
 
 #: The stable ids shared with the patch sets' ``fixes`` lists.
 KNOWN_IDS = (

@@ -45,14 +45,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from remote.wire.contract import FP8, VLLM_SERVER, param
-from remote.wire import protocol
-from remote.system import versions
 from remote.drift.connector_source import class_chain, connector_module, module_file, registered_connectors
 from remote.drift.pyindex import PackageIndex, dotted, parse
 from remote.drift.source import package_versions, site_packages
 from remote.drift.targets import resolve_targets
 from remote.extract.engines import vllm_server
+from remote.system import versions
+from remote.wire import protocol
+from remote.wire.contract import FP8, VLLM_SERVER, param
 
 INTERFACES = "vllm.model_executor.models.interfaces"
 SPECULATIVE = "vllm.config.speculative"

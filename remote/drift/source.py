@@ -15,9 +15,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from remote.wire import fsutil
-from remote.system import versions
 from remote.drift.pyindex import PackageIndex, Ref, ancestors, dotted, enclosing_function, parse
+from remote.system import versions
+from remote.wire import fsutil
 
 #: speculators files that drive vLLM in-process (0.3/0.4 era).
 SPECULATORS_DIR = ("speculators", "data_generation")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from remote.system import modelconfig
 from remote.drift.pyindex import PackageIndex, Ref, class_body_member
+from remote.system import modelconfig
 
 #: what to check when neither the family nor the model's config says (one per family).
 DEFAULT_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV3ForCausalLM")

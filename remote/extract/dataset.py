@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from remote.wire.contract import param
 from remote.system.jsonfile import describe
+from remote.wire.contract import param
 
 #: JSON's own whitespace (RFC 8259): a line of only these is blank; \x1c or \u2028 are not.
 JSON_WHITESPACE = b" \t\r\n"

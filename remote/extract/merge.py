@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from remote.wire import manifest, protocol
 from remote.extract import samples
+from remote.wire import manifest, protocol
 from remote.wire.argspec import Arg, Spec
 
 SPEC = Spec("merge", {"output_dir": Arg("path", required=True), "run_id": Arg("str", required=True),

@@ -320,9 +320,9 @@ class NodeSupervisor:
 
     def _engine(self):
         """The same engine the head runs (same plan, same server flags), started headless here."""
-        from remote.system import modelconfig
         from remote.extract import runplan
         from remote.extract.engines import engine_class
+        from remote.system import modelconfig
 
         p = dict(self.params)
         engine_name = runplan.resolve_engine(p.get("engine"))
@@ -456,8 +456,8 @@ def stopped_pids(marker: str, pgrp: int | None = None) -> list[int]:
     """The processes of one vLLM server that are stopped: those with its marker in their environment,
     and those of its process group (``pgrp``: vLLM retitles its workers, ``VLLM::Worker_TP1``, which
     overwrites the environment ``/proc`` shows)."""
-    from remote.system import procscan
     from remote.extract.engines.vllm_server import MARKER_ENV
+    from remote.system import procscan
 
     found = []
     pids = set(procscan.live_pids(env_any={f"{MARKER_ENV}={marker}".encode()}))

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from remote.wire import argspec, contract, layers
 from remote.system import modelconfig, versions
+from remote.wire import argspec, contract, layers
 
 #: the run's sizes a :class:`Plan` carries, defaulted once (:data:`remote.wire.contract.DEFAULTS`).
 SIZES = ("seq_len", "batch_size", "max_samples")

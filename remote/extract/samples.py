@@ -34,12 +34,14 @@ import re
 import tempfile
 from pathlib import Path
 
-from remote.wire import contract, fsutil, manifest
-from remote.system import versions
-from remote.wire.contract import HS, MANIFEST, PT, SUMMARY, sample_name
-from remote.wire.fsutil import TEMP_PREFIX, file_digest, read_json_quietly, sha256_file  # noqa: F401  (sha256_file: scripts, tests)
 # layer_partial too: scripts and benchmarks read it as samples.layer_partial
-from remote.extract.sampleread import LayerStats, digest_hs_file, hs_file_problem, layer_partial, read_pt_sample  # noqa: F401
+from remote.extract.sampleread import (LayerStats, digest_hs_file, hs_file_problem, layer_partial,  # noqa: F401
+                                       read_pt_sample)
+from remote.system import versions
+from remote.wire import contract, fsutil, manifest
+from remote.wire.contract import HS, MANIFEST, PT, SUMMARY, sample_name
+from remote.wire.fsutil import (TEMP_PREFIX, file_digest,  # noqa: F401  (sha256_file: scripts, tests)
+                                read_json_quietly, sha256_file)
 
 #: format -> (file name pattern, directory under the output dir, what the manifest says); the
 #: names are :data:`remote.wire.contract.SAMPLE_FILES`, the text :data:`remote.wire.manifest.FORMAT_TEXT`

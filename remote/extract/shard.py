@@ -27,9 +27,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from remote.wire import contract, layers, manifest as run_manifest, protocol
-from remote.system import modelconfig
 from remote.extract import runplan, samples
+from remote.system import modelconfig
+from remote.wire import contract, layers, manifest as run_manifest, protocol
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import param
 from remote.wire.fsutil import file_digest

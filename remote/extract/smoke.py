@@ -69,9 +69,9 @@ import shutil
 import time
 from pathlib import Path
 
-from remote.wire import fsutil, layers, protocol
-from remote.system import modelconfig
 from remote.extract import runplan
+from remote.system import modelconfig
+from remote.wire import fsutil, layers, protocol
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 
 #: Bump when the recipe below changes in a way the hashed inputs do not show.

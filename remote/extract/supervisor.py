@@ -42,22 +42,20 @@ import time
 import traceback
 from pathlib import Path
 
-from remote.verify import canary
-from remote.run import faults
-from remote.wire import fsutil
-from remote.system import modelconfig
 from remote.extract import runplan, samples
-from remote.wire import manifest as run_manifest
-from remote.wire.contract import RunState, param
 from remote.extract.dataset import dataset_warnings, prepare_samples
 from remote.extract.engines import engine_class
-from remote.run.rootcause import note_in_rank_log, root_cause, worker_errors
-from remote.system.procgroup import kill_own_group_and_exit, stop_leftovers
-from remote.run.lifecycle import StatusFile
-from remote.run.rundir import RunPaths
-from remote.wire import status as wire_status
 from remote.extract.sampleread import MAX_NONFINITE_LISTED, non_finite
 from remote.extract.samplewriter import WRITE_QUEUE_BATCHES, SampleWriter
+from remote.run import faults
+from remote.run.lifecycle import StatusFile
+from remote.run.rootcause import note_in_rank_log, root_cause, worker_errors
+from remote.run.rundir import RunPaths
+from remote.system import modelconfig
+from remote.system.procgroup import kill_own_group_and_exit, stop_leftovers
+from remote.verify import canary
+from remote.wire import fsutil, manifest as run_manifest, status as wire_status
+from remote.wire.contract import RunState, param
 
 HEARTBEAT_S = 5.0
 #: how long an aborted run gives its engine's processes to stop before they are killed:

@@ -52,19 +52,17 @@ import json
 import os
 from pathlib import Path
 
-from remote.run import faults
-from remote.patcher import patchsets
-from remote.wire import protocol
-from remote.system import versions
-from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
-from remote.wire.fsutil import atomic_write, sha256_bytes
+from remote.patcher import patchsets, transaction
 # The names below are the patcher's public surface: callers and tests use them as
 # ``patcher.<name>``, whichever module of the package defines them.
 from remote.patcher.hunks import HunkMismatch, apply_hunks, changed_lines, parse_unified_diff, unified_diff
-from remote.patcher.target import (BACKUP_DIR, EARLIER, MISSING, MODIFIED, PATCHED, PRISTINE, PatchError,
-                                   Target)
+from remote.patcher.target import BACKUP_DIR, EARLIER, MISSING, MODIFIED, PATCHED, PRISTINE, PatchError, Target
 from remote.patcher.transaction import LOCK_FILE, patch_lock
-from remote.patcher import transaction
+from remote.run import faults
+from remote.system import versions
+from remote.wire import protocol
+from remote.wire.argspec import PATCH_ARGS, RUN_ARGS, STACK_ARGS, Spec
+from remote.wire.fsutil import atomic_write, sha256_bytes
 
 #: a run's parameters, the packages to patch and the verb (``specops patch`` sends the drift check the same).
 SPEC = Spec("patcher", RUN_ARGS, STACK_ARGS, PATCH_ARGS)

@@ -29,8 +29,8 @@ import json
 import re
 from pathlib import Path
 
-from remote.wire import fsutil, protocol
 from remote.system import versions
+from remote.wire import fsutil, protocol
 
 MANIFEST = "manifest.json"
 #: the manifest keys that hold a PEP 440 specifier, one per package the set depends on.

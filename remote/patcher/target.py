@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from remote.patcher.hunks import HunkMismatch, apply_hunks, changed_lines, parse_unified_diff, unified_diff
 from remote.wire import protocol
 from remote.wire.fsutil import sha256_bytes
-from remote.patcher.hunks import HunkMismatch, apply_hunks, changed_lines, parse_unified_diff, unified_diff
 
 #: In ``<site-packages>/``: the folder of pristine copies, one sub-folder per set.
 BACKUP_DIR = ".specops-backup"

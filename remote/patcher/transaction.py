@@ -21,11 +21,11 @@ import py_compile
 from contextlib import contextmanager
 from pathlib import Path
 
+from remote.patcher.hunks import unified_diff
+from remote.patcher.target import EARLIER, PatchError
 from remote.run import faults
 from remote.wire import fsutil, protocol
 from remote.wire.fsutil import atomic_write, sha256_bytes
-from remote.patcher.hunks import unified_diff
-from remote.patcher.target import EARLIER, PatchError
 
 #: In ``<site-packages>/``: held (``flock``) while apply or revert runs.
 LOCK_FILE = ".specops-patch.lock"

@@ -13,9 +13,9 @@ adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16
 """
 from __future__ import annotations
 
+from remote.probes import Context
 from remote.wire.contract import FP8, FP8_SCALES_KEY, HS, PT, VLLM_SERVER, sample_name, state_format
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import Context
 from remote.wire.words import human_bytes
 
 TOKEN_ID_BYTES = 8  # one int64 per token per id array

@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 
-from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
 from remote.system.jsonfile import Malformed
 from remote.system.weights import INDEX_NAME, ShardError, find_weights, read_header
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.wire.words import MiB, human_bytes
 
 #: Weights above this share of the per-GPU budget leave too little room for the KV cache.

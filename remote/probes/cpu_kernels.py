@@ -26,8 +26,8 @@ import mmap
 import os
 import re
 
-from remote.wire.contract import SPECULATORS_03
 from remote.system import cpu
+from remote.wire.contract import SPECULATORS_03
 from remote.wire.protocol import FAIL, OK, WARN, record
 
 #: the seed engine's KV block size: speculators 0.3's generator passes ``VLLM_BLOCK_SIZE = 16``.

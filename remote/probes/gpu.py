@@ -32,9 +32,9 @@ import os
 import re
 import shutil
 
+from remote.probes import Context
 from remote.system import modelconfig
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import Context
 from remote.wire.words import GiB, MiB, human_bytes
 
 #: vLLM's memory outside weights and KV cache on one rank: CUDA context, cuBLAS/NCCL

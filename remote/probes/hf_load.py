@@ -19,9 +19,9 @@ import subprocess
 import sys
 import time
 
-from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
 from remote.probes.tokenizer_data import tokenizer_files
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 
 MARKER = "@@SPECOPS-HF-LOAD@@"
 

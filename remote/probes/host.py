@@ -13,11 +13,11 @@ import socket
 import sys
 import tempfile
 
+from remote.probes import Context, nearest_existing
 from remote.system import cpu
 from remote.system.devices import query_nvidia_smi, read_meminfo, visible_gpus
 from remote.wire.contract import VLLM_SERVER
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
-from remote.probes import Context, nearest_existing
 from remote.wire.words import GiB, MiB, human_bytes
 
 #: memory.used above this on a GPU with no listed process means someone we cannot see

@@ -13,12 +13,11 @@ thing this probe exists to prevent.
 """
 from __future__ import annotations
 
-from remote.wire import layers
-from remote.system import modelconfig
 from remote.extract import runplan
-from remote.wire.protocol import FAIL, OK, SKIPPED, record
 from remote.probes import Context
-
+from remote.system import modelconfig
+from remote.wire import layers
+from remote.wire.protocol import FAIL, OK, SKIPPED, record
 
 #: kept under its old name: the probe's callers and doctests know it here
 translate = layers.translate

@@ -28,14 +28,14 @@ import importlib.util
 import os
 import re
 
-from remote.wire.contract import VLLM_SERVER
-from remote.wire import contract
-from remote.system import modelconfig
 from remote.drift import pyindex, source, targets
-from remote.wire.protocol import FAIL, OK, WARN, record
 from remote.probes import Context
+from remote.system import modelconfig
 from remote.system.jsonfile import (NON_NEGATIVE_INT, NUMBER, OBJECT, POSITIVE_INT, STRING, STRING_LIST, Malformed,
                                     describe, expect, field)
+from remote.wire import contract
+from remote.wire.contract import VLLM_SERVER
+from remote.wire.protocol import FAIL, OK, WARN, record
 
 CONFIG = modelconfig.CONFIG_FILE
 DEEPSEEK_V2 = "deepseek_v2"

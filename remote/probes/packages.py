@@ -14,11 +14,11 @@ does not fit is a fail whose fix names the one that does.
 """
 from __future__ import annotations
 
-from remote.wire.contract import SPECULATORS_03, VLLM_SERVER
+from remote.probes import Context, native
 from remote.system import versions
 from remote.system.versions import engine_for_versions
+from remote.wire.contract import SPECULATORS_03, VLLM_SERVER
 from remote.wire.protocol import FAIL, OK, WARN, record
-from remote.probes import Context, native
 
 #: role -> distributions that fill it, first found wins; and the pip hint when none is.
 REQUIRED = {

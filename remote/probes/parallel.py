@@ -13,9 +13,9 @@ is refused here.
 """
 from __future__ import annotations
 
+from remote.probes import Context
 from remote.wire.contract import VLLM_SERVER
 from remote.wire.protocol import FAIL, OK, SKIPPED, record
-from remote.probes import Context
 
 
 def kv_heads_problem(kv_heads: int, tp: int) -> str | None:

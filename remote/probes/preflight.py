@@ -26,13 +26,13 @@ import time
 import traceback
 
 from remote import drift, patcher
-from remote.wire import contract, protocol
 from remote.extract import runplan, shard
-from remote.wire.argspec import RUN_ARGS, STACK_ARGS, Arg, Spec
-from remote.wire.protocol import FAIL, OK, SKIPPED, STATUSES, record
 from remote.probes import (Context, capacity, checkpoint, cpu_kernels, gpu, hf_load, host, layer_ids, model, packages,
                            parallel, tokenizer_data)
 from remote.system.jsonfile import Malformed
+from remote.wire import contract, protocol
+from remote.wire.argspec import RUN_ARGS, STACK_ARGS, Arg, Spec
+from remote.wire.protocol import FAIL, OK, SKIPPED, STATUSES, record
 
 #: what preflight takes: a run's parameters (defaults from :data:`remote.wire.contract.DEFAULTS`), which
 #: packages to check (the drift and patch checks read those), and its own switches.

@@ -14,11 +14,11 @@ import glob
 import json
 import os
 
-from remote.wire.contract import SPECULATORS_03, param
 from remote.extract import dataset as rows_reader
-from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.probes import Context
 from remote.system.jsonfile import OBJECT, Malformed, expect
+from remote.wire.contract import SPECULATORS_03, param
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.wire.words import human_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")

@@ -56,19 +56,17 @@ import sys
 import time
 from pathlib import Path
 
-from remote.run import faults
-from remote.wire import words
-from remote.wire import protocol
 from remote.extract import runplan
+from remote.run import faults
+from remote.run.lifecycle import StatusFile
+from remote.run.rootcause import last_traceback
+from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
+                               run_alive, run_busy, signal_group, tail_text)
 from remote.system import signals
+from remote.wire import fsutil, protocol, status as wire_status, words
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.wire.fsutil import FileLock
-from remote.run.rootcause import last_traceback
-from remote.run.lifecycle import StatusFile
-from remote.wire import status as wire_status
-from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
-                           run_alive, run_busy, signal_group, tail_text)
 
 VERBS = ("start", "status", "logs", "abort", "follow")
 #: a run's parameters (recorded by ``start``; the others take them and ignore them), and the

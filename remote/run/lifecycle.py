@@ -16,10 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from remote.wire import fsutil
-from remote.wire import status as wire_status
+from remote.wire import fsutil, status as wire_status
 from remote.wire.contract import RunState
-
 
 #: a supervisor's exit code by the run's final state.
 SUPERVISOR_EXIT = {RunState.DONE.value: 0, RunState.FAILED.value: 1, RunState.ABORTED.value: 143}

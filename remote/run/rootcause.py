@@ -26,10 +26,9 @@ import json
 import re
 from pathlib import Path
 
+from remote.run.rundir import RunPaths
 from remote.system import signals
 from remote.wire import status
-from remote.run.rundir import RunPaths
-
 
 TRACEBACK_HEAD = "Traceback (most recent call last):"
 # vLLM prefixes each worker's output with "(Worker_TP1 pid=123) "; dropped before parsing.

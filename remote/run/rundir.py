@@ -21,8 +21,8 @@ import os
 import signal
 from pathlib import Path
 
-from remote.wire import contract
 from remote.system import procscan
+from remote.wire import contract
 
 #: every state a run passes through, in order; the last three are final (:class:`remote.wire.contract.RunState`).
 STATES, FINAL_STATES = contract.STATES, contract.FINAL_STATES

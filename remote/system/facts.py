@@ -14,10 +14,10 @@ import shutil
 import subprocess
 import sys
 
-from remote.wire import protocol
 from remote.system import versions
-from remote.wire.argspec import Arg, Spec
 from remote.system.devices import read_meminfo
+from remote.wire import protocol
+from remote.wire.argspec import Arg, Spec
 
 SPEC = Spec("facts", {
     # the host's inventory entry as the laptop has it; only these keys are read here, the rest is echoed

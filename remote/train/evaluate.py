@@ -35,10 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from remote.wire import contract, protocol
-from remote.system import modelconfig
 from remote.extract import samples
+from remote.system import modelconfig
 from remote.train import plan as trainplan
+from remote.wire import contract, protocol
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import RunState
 

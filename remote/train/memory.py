@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 
 from remote.system import modelconfig
-from remote.wire.words import GiB, MiB, human_bytes
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
+from remote.wire.words import GiB, MiB, human_bytes
 
 #: fp32 master weights, fp32 grads, AdamW's exp_avg + exp_avg_sq in fp32.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_STATES, STATE_BYTES = 4, 4, 2, 4

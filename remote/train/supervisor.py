@@ -40,14 +40,14 @@ import time
 import traceback
 from pathlib import Path
 
-from remote.train import memuse, memory as trainmem, plan as trainplan
-from remote.system import modelconfig, signals
 from remote.extract import samples
-from remote.wire.contract import RunState
-from remote.run.rootcause import last_traceback
 from remote.run.lifecycle import StatusFile
+from remote.run.rootcause import last_traceback
 from remote.run.rundir import RunPaths, tail_text
+from remote.system import modelconfig, signals
+from remote.train import memory as trainmem, memuse, plan as trainplan
 from remote.wire import status as wire_status
+from remote.wire.contract import RunState
 
 HEARTBEAT_S = 5.0
 #: the terminal width the trainer's rich console is given: a metrics record stays on one line.

@@ -25,13 +25,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from remote.wire import fsutil, protocol
+from remote.extract import samples
 from remote.run import job
 from remote.system import modelconfig
-from remote.extract import samples
 from remote.train import memory as trainmem, plan as trainplan
-from remote.wire.argspec import RUN_ARGS, TRAIN_ARGS, Arg, Spec
 from remote.train.plan import TrainError
+from remote.wire import fsutil, protocol
+from remote.wire.argspec import RUN_ARGS, TRAIN_ARGS, Arg, Spec
 
 #: a states run up to this many bytes has every file's digest checked before training; above
 #: it, sizes only (a 540 GB run would take hours to hash), and the record says so.
@@ -124,8 +124,8 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
     records.append(check_states(plan))
     records.append(check_data(plan))
     if params.get("regenerate"):
-        from remote.wire import manifest as run_manifest
         from remote.train import regenerate
+        from remote.wire import manifest as run_manifest
 
         doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
         records.append(regenerate.check(doc, params, plan.sample_tokens))

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from remote.wire import protocol
-from remote.wire.argspec import RUN_ARGS, Arg, Spec
-from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL,
-                                   TOLERANCES, WARN_SHARE, beyond_rounding, convention_record, expected_indices,
-                                   layer_numbers, layer_record, merge, nrmse_by_index,
-                                   token_errors)
+from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES,
+                                   WARN_SHARE, beyond_rounding, convention_record, expected_indices, layer_numbers,
+                                   layer_record, merge, nrmse_by_index, token_errors)
 from remote.verify.floor import rounding_floor
 from remote.verify.reference import Reference, StreamRecorder, load_reference, reference_record
 from remote.verify.routing import (MAX_ROUTE_FORWARDS, NEAR_TIE_SIGMAS, ROUTE_KEEP_SHARE, RouterControl,
                                    RouterDecisions, match_routing, router_spec, routing_record)
-from remote.verify.run import (DEFAULT_SAMPLES, Run, VerifyError, check_files, choose_samples, load_sample,
-                               open_run, trust_remote_code)
+from remote.verify.run import (DEFAULT_SAMPLES, Run, VerifyError, check_files, choose_samples, load_sample, open_run,
+                               trust_remote_code)
 from remote.verify.scaling import Llama4Scaling, llama4_record
+from remote.wire import protocol
+from remote.wire.argspec import RUN_ARGS, Arg, Spec
 
 __all__ = [
     "BF16_REL", "CONVENTION_MARGIN", "COS_TOL", "DEFAULT_SAMPLES", "FLOOR_FACTOR", "FLOOR_MIN",

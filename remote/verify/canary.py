@@ -25,9 +25,8 @@ import time
 import traceback
 from pathlib import Path
 
-from remote.wire import contract, fsutil, layers, protocol
 from remote.system import modelconfig
-
+from remote.wire import contract, fsutil, layers, protocol
 
 #: positions a canary check computes at most (its first ones): a real ``lm_head`` is ~10 GFLOP a
 #: position in float32 and bf16, on a landing thread that the engine keeps at one torch thread.

@@ -19,9 +19,9 @@ output of layer 3".
 """
 from __future__ import annotations
 
-from remote.wire.contract import VLLM_SERVER
-from remote.wire import layers, protocol
 from remote.verify.run import VerifyError
+from remote.wire import layers, protocol
+from remote.wire.contract import VLLM_SERVER
 
 REL_TOL = 0.05
 COS_TOL = 0.995

@@ -19,9 +19,9 @@ far as the connector's own rounding did.
 """
 from __future__ import annotations
 
-from remote.wire import contract
 from remote.verify.reference import StreamRecorder, load_reference
 from remote.verify.routing import RouterControl
+from remote.wire import contract
 
 LOW_PRECISION = ("bfloat16", "float16")
 #: the capture dtype of an fp8 run's states (dequantized when read: float32 values on the fp8 grid)

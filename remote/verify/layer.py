@@ -42,15 +42,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from remote.system import modelconfig
-from remote.wire import protocol
 from remote.verify.compare import (COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES, expected_indices, layer_fix,
                                    layer_numbers, layer_status, merge)
-from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
 from remote.verify.dequant import activation_rounding, scheme_of
+from remote.verify.floor import FP8, LOW_PRECISION, fp8_regrid, fp8_with_scales
 from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, LayerFactory, forward, layer_kinds
 from remote.verify.memory import MMAP_THRESHOLD_BYTES, PeakMemory, heap_returns_memory, trim_heap, warm_up
 from remote.verify.routing import NEAR_TIE_SIGMAS, RouterControl, match_routing
 from remote.verify.run import DEFAULT_SAMPLES, VerifyError, check_files, choose_samples, load_sample, open_run
+from remote.wire import protocol
 
 MiB = 1024 * 1024
 #: A neighbour layer whose own expert choice leaves it within this many times the floor is

@@ -41,10 +41,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remote.wire import contract, protocol
 from remote.system import modelconfig
 from remote.verify.compare import expected_indices
 from remote.verify.run import VerifyError, check_files, load_sample, open_run, sample_index
+from remote.wire import contract, protocol
 
 MiB = 1024 * 1024
 #: a sample fails when its max abs logprob difference is above this many times the bf16 floor.

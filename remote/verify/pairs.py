@@ -19,9 +19,9 @@ Everything is read from ``config.json`` and the checkpoint's index or headers; s
 """
 from __future__ import annotations
 
-from remote.wire import layers
 from remote.system import modelconfig
 from remote.verify.layerload import PLAIN_EMBEDDING_TYPES, Checkpoint, layer_kinds
+from remote.wire import layers
 
 
 def choose_layers(kinds: dict, num_layers: int, plain_embedding: bool) -> list:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remote.system import modelconfig
-from remote.wire import protocol
 from remote.verify.compare import COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, WARN_SHARE
 from remote.verify.scaling import Llama4Scaling, hf_implements_llama4, scaling_config
+from remote.wire import protocol
 
 
 @dataclass

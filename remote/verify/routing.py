@@ -25,8 +25,8 @@ fails.
 """
 from __future__ import annotations
 
-from remote.wire import protocol
 from remote.verify.compare import BF16_REL, REL_TOL, token_errors
+from remote.wire import protocol
 
 #: A router decision is a near-tie when its score gap is within this many standard
 #: deviations of what the engine's own measured error can move it, plus bf16 rounding.

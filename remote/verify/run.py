@@ -14,11 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from remote.wire import contract, fsutil, protocol
 from remote.extract import runplan, samples
-from remote.wire import manifest as run_manifest
-from remote.wire.contract import STATUS_FILE, RunState
 from remote.extract.sampleread import MAX_NONFINITE_LISTED, non_finite
+from remote.wire import contract, fsutil, manifest as run_manifest, protocol
+from remote.wire.contract import STATUS_FILE, RunState
 
 DEFAULT_SAMPLES = 3
 #: the ``hs_{i}.safetensors`` format's suffix; anything else is read as ``data_{i}.pt``.

@@ -20,8 +20,8 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-from remote.wire import protocol
 from remote.verify.compare import REL_TOL, layer_numbers
+from remote.wire import protocol
 
 #: the name the attention function is registered under (one per loaded reference).
 LLAMA4_ATTENTION = "specops_llama4_sdpa"

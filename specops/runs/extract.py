@@ -6,19 +6,19 @@ from rich.text import Text
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
-from specops.runs.hostjob import canary_record
-from specops.transport.parallel import run_steps
 from specops.report import console, err_console
 from specops.result import STATE, HostReport, Record, overall_exit
 from specops.runs.fetch import fetch
+from specops.runs.hostjob import canary_record
 from specops.runs.plan import plan
 from specops.runs.pool import QUICK_TIMEOUT_S, per_shard
-from specops.transport.pool import HostPool
 from specops.runs.reassign import parse_reassign, reassign
+from specops.runs.shardmap import GroupMap, Shard
 from specops.runs.start import lanes_of, remake_gaps, settle_closed, start_lane
 from specops.runs.store import GROUP, load_manifest, manifest_path, save_manifest
 from specops.runs.view import NotStarted, follow, print_group, shard_table
-from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.parallel import run_steps
+from specops.transport.pool import HostPool
 
 
 def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_id: str, detach: bool, force: bool,

@@ -3,21 +3,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specops.runs import hostjob
-from specops import storage
+from specops import storage, wire
 from specops.errors import SpecopsError
-from specops import wire
 from specops.exit_codes import ExitCode
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.report import console
 from specops.result import HostReport, Record, overall_exit
+from specops.runs import hostjob
 from specops.runs.merge import merge
 from specops.runs.pool import FILES_TIMEOUT_S, QUICK_TIMEOUT_S, per_shard, shard_files
-from specops.transport.pool import HostPool
+from specops.runs.shardmap import GroupMap, Shard
 from specops.runs.store import GROUP, load_manifest, run_root, save_manifest
 from specops.runs.view import print_group, shard_table
-from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.host import Host
+from specops.transport.pool import HostPool
 
 
 def fetch(manifest: GroupMap, conns: HostPool, *, tensors: bool) -> list[HostReport]:

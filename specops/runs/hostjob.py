@@ -36,10 +36,10 @@ from rich.text import Text
 from specops import wire
 from specops.errors import UnreachableError
 from specops.exit_codes import ExitCode
-from specops.transport.parallel import report_from_payload
-from specops.transport.host import Host
 from specops.report import console
 from specops.result import HostReport, Record, RunStatus
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload
 
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).

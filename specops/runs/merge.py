@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from specops import wire
 from specops.result import HostReport
-from specops.runs.store import run_root
 from specops.runs.shardmap import GroupMap
+from specops.runs.store import run_root
 
 
 def merge(manifest: GroupMap, reports: dict[str, HostReport | None]) -> dict:

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import json
 
-from specops.runs import shardmap
 from specops import storage
 from specops.errors import UsageError
-from specops.transport.host import Host
 from specops.params import run_params
-from specops.transport.parallel import report_from_payload, run_steps, step_timeout
 from specops.preflight import preflight_step
 from specops.replica import node_params, preflight_replicas, replica_overrides
 from specops.result import HostReport, Record
-from specops.transport.pool import HostPool
-from specops.runs.store import GROUP, save_manifest
+from specops.runs import shardmap
 from specops.runs.shardmap import GroupMap
+from specops.runs.store import GROUP, save_manifest
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_steps, step_timeout
+from specops.transport.pool import HostPool
 
 #: run parameters that decide what sample i is: every host must have the same value.
 SHARED_PARAMS = {"max_samples": "--max-samples", "seq_len": "--seq-len", "layer_ids": "--layer-ids",

@@ -1,11 +1,11 @@
 """The connections of a group run, one per shard, and steps over every shard in parallel."""
 from __future__ import annotations
 
-from specops.transport.host import Host
-from specops.transport.pool import HostPool
-from specops.transport.parallel import run_steps, step_timeout
 from specops.result import HostReport
 from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.host import Host
+from specops.transport.parallel import run_steps, step_timeout
+from specops.transport.pool import HostPool
 
 #: seconds for the quick per-shard steps (start a job, look at it, abort it, read its logs):
 #: ``step_timeout("quick")``, so ``SPECOPS_STEP_TIMEOUT`` means here what it means for every

@@ -1,17 +1,16 @@
 """``--reassign FROM=TO``: move the unfinished rest of a shard to another host, cut where FROM's disk says."""
 from __future__ import annotations
 
-from specops.runs import hostjob
-from specops.replica import replica_overrides
-from specops.runs import shardmap
 from specops.errors import UsageError
-from specops.transport.parallel import run_steps, step_timeout
+from specops.replica import replica_overrides
 from specops.result import HostReport, Record
+from specops.runs import hostjob, shardmap
 from specops.runs.plan import agreement, probe_step, rehearse_hosts, shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, shard_files
-from specops.transport.pool import HostPool
-from specops.runs.store import GROUP, save_manifest
 from specops.runs.shardmap import GroupMap, Shard
+from specops.runs.store import GROUP, save_manifest
+from specops.transport.parallel import run_steps, step_timeout
+from specops.transport.pool import HostPool
 
 
 def parse_reassign(text: str) -> list[tuple[str, str]]:

@@ -64,8 +64,8 @@ class HostRun(Run):
                 host.close()
 
     def status(self, *, as_json: bool) -> ExitCode:
-        from specops.runs import hostjob
         from specops.report import print_reports
+        from specops.runs import hostjob
 
         reports = self._on_hosts("status", lambda h: hostjob.status_report(h, self.run_id))
         print_reports(reports, as_json=as_json)
@@ -87,8 +87,8 @@ class HostRun(Run):
                                                                      hostjob.job_call(h, "abort", self.run_id)))
 
     def fetch(self, *, tensors: bool, as_json: bool) -> ExitCode:
-        from specops.runs import hostjob
         from specops.report import print_reports
+        from specops.runs import hostjob
         from specops.train import fetch_run  # a train run's artifacts too
 
         reports = self._on_hosts("fetch", lambda h: fetch_run(h, self.run_id, tensors=tensors))

@@ -1,18 +1,17 @@
 """Start a group run's shards: one lane of shards per host, cut shards settled, gaps made again."""
 from __future__ import annotations
 
-from specops.runs import hostjob
-from specops.runs import shardmap
 from specops.errors import SpecopsError
-from specops.transport.host import Host
 from specops.params import run_params
-from specops.transport.parallel import report_from_payload
 from specops.replica import node_params
 from specops.result import STATE, HostReport, Record
+from specops.runs import hostjob, shardmap
 from specops.runs.plan import shard_output_dir
 from specops.runs.pool import QUICK_TIMEOUT_S, shard_files
-from specops.transport.pool import HostPool
 from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload
+from specops.transport.pool import HostPool
 
 
 def start_job(host: Host, run_id: str, overrides: dict, *, force: bool, output_dir: str | None = None,

@@ -5,20 +5,20 @@ import json
 
 from rich.text import Text
 
-from specops.runs import hostjob
 from specops.errors import SpecopsError
 from specops.exit_codes import ExitCode
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.logs import log_printer
-from specops.transport.parallel import report_from_payload, run_steps
 from specops.report import console
 from specops.result import STATE, HostReport, Record, RunStatus, overall_exit
+from specops.runs import hostjob
 from specops.runs.pool import QUICK_TIMEOUT_S, per_shard, shard_files
-from specops.transport.pool import HostPool
+from specops.runs.shardmap import GroupMap, Shard
 from specops.runs.store import load_manifest, save_manifest
 from specops.runs.view import INCOMPLETE, print_group, shard_state, shard_table
-from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.host import Host
+from specops.transport.parallel import report_from_payload, run_steps
+from specops.transport.pool import HostPool
 
 
 def host_label(shard: Shard, host: str) -> str:

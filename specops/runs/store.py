@@ -8,10 +8,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from specops.runs import hostjob
-from specops.runs import shardmap
 from specops import wire
 from specops.errors import SpecopsError, UsageError
+from specops.runs import hostjob, shardmap
 from specops.runs.shardmap import GroupMap
 
 #: the name of the group's own report (its plan, merge and verdict records), beside the shards'.

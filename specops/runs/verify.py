@@ -1,14 +1,14 @@
 """``specops verify`` of a group run: every shard where it is now, under its own run id."""
 from __future__ import annotations
 
-from specops.runs import hostjob
-from specops.transport.host import Host
 from specops.inventory import Inventory
 from specops.result import STATE, HostReport, Record
+from specops.runs import hostjob
 from specops.runs.pool import per_shard
-from specops.transport.pool import HostPool
-from specops.runs.store import GROUP, load_manifest
 from specops.runs.shardmap import Shard
+from specops.runs.store import GROUP, load_manifest
+from specops.transport.host import Host
+from specops.transport.pool import HostPool
 
 
 def verify(inventory: Inventory, run_id: str, *, samples: int, reference: str,

@@ -11,13 +11,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from specops.runs import hostjob
 from specops.report import STATE_STYLE, console, err_console, host_view, print_reports, recap_line
 from specops.result import STATE, HostReport, RunStatus
-from specops.transport.pool import HostPool
+from specops.runs import hostjob
+from specops.runs.shardmap import GroupMap, Shard
 from specops.runs.start import start_step
 from specops.runs.store import GROUP, save_manifest
-from specops.runs.shardmap import GroupMap, Shard
+from specops.transport.pool import HostPool
 
 #: how often the follow view writes last seen progress to group.json (seconds).
 SAVE_EVERY_S = 2.0

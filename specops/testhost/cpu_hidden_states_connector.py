@@ -27,11 +27,9 @@ import os
 from functools import partial
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector,
-    PendingSave,
-    extract_from_kv_cache,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (ExampleHiddenStatesConnector,
+                                                                                          PendingSave,
+                                                                                          extract_from_kv_cache)
 
 
 class _CopyDone:

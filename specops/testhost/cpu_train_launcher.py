@@ -13,10 +13,9 @@ assumes an accelerator in four places, each patched here before the same
   to) says "cuda:0" without an accelerator, and safetensors then asks for pinned memory:
   "cpu".
 """
-import torch
-
 import speculators.train.checkpointer as _checkpointer
 import speculators.train.trainer as _trainer
+import torch
 from speculators.train.cli import main
 from speculators.train.config import TrainConfig
 

@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specops.transport.assets import asset, asset_root
 from specops.testhost.hostenv import cache_root
+from specops.transport.assets import asset, asset_root
 
 #: What the builder writes, relative to the cache dir; also what callers get back.
 LAYOUT = {"llama": "llama", "deepseek_v3": "deepseek_v3", "kimi_k25": "kimi_k25",

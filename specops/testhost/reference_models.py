@@ -59,7 +59,7 @@ import sys
 from pathlib import Path
 
 from remote.extract.tinymodel import (MIN_LAYERS, REFERENCE_VOCAB, ROLE_TOKENS, SPECIAL_TOKENS, build_model,
-                              reference_vocab, shrink_config, write_chat_dataset)
+                                      reference_vocab, shrink_config, write_chat_dataset)
 
 #: Renders ``<|start|>ROLE<|message|>TEXT<|end|>`` per message. speculators 0.3.0
 #: finds the assistant spans by the ``<...assistant`` marker and the text after the

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specops.errors import SpecopsError
-from specops.transport.render import render
 from specops.testhost.hostenv import cache_root
+from specops.transport.render import render
 
 SSHD = Path("/usr/sbin/sshd")
 ALIAS = "specops-testhost"

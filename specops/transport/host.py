@@ -24,9 +24,9 @@ import threading
 import fabric
 from invoke.exceptions import CommandTimedOut
 
-from specops.transport.bundle import Bundle
 from specops.errors import RemoteError, WorkDirError
 from specops.inventory import HostSpec, Inventory
+from specops.transport.bundle import Bundle
 from specops.transport.remote_task import RemoteTask, StdinResult
 from specops.transport.render import heredoc_command
 from specops.transport.ssh import VerifiedConnection

@@ -19,10 +19,10 @@ from typing import Callable
 
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
-from specops.transport.host import Host
-from specops.transport.pool import HostPool
 from specops.inventory import Inventory
 from specops.result import HostReport, Record
+from specops.transport.host import Host
+from specops.transport.pool import HostPool
 
 #: at most this many hosts are worked on at once (fabric's ThreadingGroup has no cap).
 MAX_PARALLEL = int(os.environ.get("SPECOPS_MAX_PARALLEL", "16"))

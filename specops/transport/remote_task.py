@@ -25,10 +25,9 @@ import time
 from typing import Protocol
 
 from specops import wire
-from specops.transport.bundle import Bundle, build_bundle
 from specops.errors import PythonTooOldError, RemoteError, UnreachableError, UsageError, WorkDirError
+from specops.transport.bundle import Bundle, build_bundle
 from specops.transport.render import heredoc_command, render_entry
-
 
 
 class TaskHost(Protocol):

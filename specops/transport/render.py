@@ -18,9 +18,8 @@ from functools import lru_cache
 
 import jinja2
 
-from specops import __version__
+from specops import __version__, wire
 from specops.transport.assets import asset
-from specops import wire
 
 _MODULE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*$")
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import ast
 import difflib
 
-from remote.wire import protocol
 from remote.drift.pyindex import Ref, Signature, layer_calls, supplied_params
 from remote.drift.rules import Context, slug
 from remote.drift.rules.calls import bind
 from remote.drift.rules.unwrap import NN_MODULE_API, fallback_only
+from remote.wire import protocol
 
 #: model attribute the worker uses -> stable id.
 MODEL_ATTR_IDS = {"get_input_embeddings": "embed-input-ids"}

@@ -31,9 +31,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from remote.wire import layers, protocol
-from remote.system import modelconfig, versions
 from remote.drift.pyindex import PackageIndex, dotted
+from remote.system import modelconfig, versions
+from remote.wire import layers, protocol
 
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 #: the environment switch of Kimi-K3's aux capture (vLLM 0.27+, ``vllm/envs.py``)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import ast
 
-from remote.wire import protocol
 from remote.drift.pyindex import ancestors, class_signature, dotted, enclosing_function, parent, supplied_params
 from remote.drift.rules import Context, slug
+from remote.wire import protocol
 
 #: torch calls that raise on a host without CUDA -> stable id (generic ids for the rest).
 CUDA_ONLY_CALLS = {

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import importlib
 
-from remote.wire.contract import HF_REFERENCE, SPECULATORS_03, VLLM_SERVER
-from remote.wire import contract
 from remote.run import faults
+from remote.wire import contract
+from remote.wire.contract import HF_REFERENCE, SPECULATORS_03, VLLM_SERVER
 
 #: engine name -> "module:Class" (module relative to this package).
 ENGINES = {

@@ -12,8 +12,8 @@ TP is ignored (one process); samples run one at a time, so no padding can leak i
 """
 from __future__ import annotations
 
-from remote.wire.contract import HF_REFERENCE
 from remote.system import modelconfig
+from remote.wire.contract import HF_REFERENCE
 
 from . import Engine
 

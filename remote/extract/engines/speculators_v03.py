@@ -29,12 +29,11 @@ import os
 import threading
 import time
 
-from remote.wire.contract import SPECULATORS_03
-from remote.system import cpu, modelconfig
 from remote.run import faults
+from remote.system import cpu, modelconfig
+from remote.wire.contract import SPECULATORS_03
 
 from . import Engine
-
 
 #: the warm-up prompt: ids every vocabulary has
 WARMUP_IDS = list(range(1, 9))

@@ -64,17 +64,17 @@ vllm_server.server_command(...)``). A caller that replaces a function for a proc
 """
 from __future__ import annotations
 
+from remote.system import modelconfig
 # layers and modelconfig: callers (scripts/gpu/bench.py) reach them through this package
 from remote.wire import layers
-from remote.system import modelconfig
 
-from .command import (HEADLESS_LAUNCHER, CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
-                      FP8_CONNECTOR_CLASS, FP8_CONNECTOR_PACKAGE, LOOPBACK, MARKER_ENV, MIN_BATCHED_TOKENS,
-                      SERVED_MODEL_NAME, SERVER_MODULE, STOCK_CONNECTOR, connector_options, cuda_available, free_port,
-                      fp8_connector_module, kv_transfer_config, pick_connector, server_command, server_env, speculative_config)
+from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
+                      FP8_CONNECTOR_CLASS, FP8_CONNECTOR_PACKAGE, HEADLESS_LAUNCHER, LOOPBACK, MARKER_ENV,
+                      MIN_BATCHED_TOKENS, SERVED_MODEL_NAME, SERVER_MODULE, STOCK_CONNECTOR, connector_options,
+                      cuda_available, fp8_connector_module, free_port, kv_transfer_config, pick_connector,
+                      server_command, server_env, speculative_config)
 from .engine import VllmServerEngine
-from .landing import (SAMPLE_FILE, SampleRejected, default_digest_workers, land_sample, move_into_place,
-                      wait_for_file)
+from .landing import SAMPLE_FILE, SampleRejected, default_digest_workers, land_sample, move_into_place, wait_for_file
 from .logs import SERVER_LOG, ServerFailed, log_death, log_failure, read_tail, split_rank_logs
 from .process import DIE_WITH_PARENT, VllmServer, die_with_parent, leftover_pids
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import time
 
-from remote.wire.contract import VLLM_SERVER
-from remote.wire import layers, status
-from remote.system import modelconfig
 from remote.extract import runplan
+from remote.system import modelconfig
+from remote.wire import layers, status
+from remote.wire.contract import VLLM_SERVER
 
 from .engine import VllmServerEngine
 from .landing import SampleRejected

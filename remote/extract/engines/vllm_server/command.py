@@ -14,8 +14,9 @@ import json
 import os
 import socket
 
-from remote.wire import contract
 from remote.system import cpu
+from remote.wire import contract
+
 from . import chunking
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from remote.wire import fsutil
 from remote.extract import sampleread, samples
+from remote.wire import fsutil
 from remote.wire.contract import HS, SAMPLE_FILES, sample_name
 
 #: the output file of sample ``i``, the name speculators' offline data loader reads.

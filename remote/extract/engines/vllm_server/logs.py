@@ -23,9 +23,9 @@ import os
 import re
 from pathlib import Path
 
-from remote.wire import fsutil, protocol
-from remote.system import signals
 from remote.run.rootcause import last_traceback
+from remote.system import signals
+from remote.wire import fsutil, protocol
 
 SERVER_LOG = "server.log"
 
