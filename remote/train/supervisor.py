@@ -226,9 +226,14 @@ class TrainSupervisor:
         if learned:
             self.status.fail(learned, checkpoint=final)
             return 1
-        done = {"steps_total": self.status.data.get("step")} if self.status.data.get("step") else {}
+        # a resume that found the last epoch already saved trains nothing and prints no metrics: the final
+        # epoch and step are the checkpoint's then
+        reached = {key: value for key, value in (("epoch", final["epoch"]), ("step", final["global_step"]))
+                   if value is not None and self.status.data.get(key) is None}
+        step = self.status.data.get("step") or reached.get("step")
+        done = {"steps_total": step} if step else {}
         self.status.finish(eta_s=0, checkpoint=final,
-                           wall_s=round(time.monotonic() - t0, 1), **done)
+                           wall_s=round(time.monotonic() - t0, 1), **reached, **done)
         return 0
 
     def _memory_sampler(self, plan: trainplan.TrainPlan, pid: int) -> memuse.MemorySampler:
