@@ -46,7 +46,6 @@ tensors pack-quantized) are dequantized as each layer loads; other quantizations
 """
 from __future__ import annotations
 
-from specops.inventory import Inventory
 from specops.result import HostReport
 from specops.transport.host import Host
 from specops.transport.parallel import report_from_payload

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 from specops_cli import records, specops  # noqa: E402
@@ -295,7 +296,14 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
 
     # the trained draft: started detached, aborted once it has a checkpoint, resumed by the same command
     train_args = ["train", "--inventory", inv, "--run-id", "draft", "--from-run", run["run_id"], "--epochs", EPOCHS]
-    started = specops(*train_args, "--detach", "--json", env=env)
+    # the first start pauses after each step (the CPU launcher's fault point): the abort lands mid-training on any
+    # machine; the resume runs from the shared inventory, at full speed
+    slow = yaml.safe_load(Path(inv).read_text())
+    for host in slow["hosts"].values():
+        host["env"] = {**(host.get("env") or {}), "SPECOPS_BATCH_DELAY_S": "0.5"}
+    slow_inv = tmp_path / "slow-steps.yaml"
+    slow_inv.write_text(yaml.safe_dump(slow))
+    started = specops(*["train", "--inventory", slow_inv, *train_args[3:]], "--detach", "--json", env=env)
     assert started.returncode == 0, started.stdout + started.stderr
     recs = records(started)
     plan = recs["train.plan"]["detail"]

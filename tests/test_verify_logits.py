@@ -15,11 +15,8 @@ overridden with ``--hf-overrides``, a real run parameter: ``server_args``).
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 

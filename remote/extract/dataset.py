@@ -170,7 +170,7 @@ def chat_turns(row: dict, path, lineno: int) -> list:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise DatasetError(path, lineno, f"{key}[{i}] is {describe(turn)}, expected an object with "
-                               f"role and content", f"each turn is {{\"role\": ..., \"content\": ...}}")
+                               "role and content", 'each turn is {"role": ..., "content": ...}')
         role = turn.get("role", turn.get("from"))
         if not isinstance(role, str) or role not in ROLES:
             found = "missing" if role is None else describe(role)

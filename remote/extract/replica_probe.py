@@ -21,7 +21,6 @@ laptop (:mod:`specops.replica`) compares the answers:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import socket

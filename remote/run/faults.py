@@ -57,6 +57,16 @@ def swapped_states(params: dict) -> object | None:
     return _behaviour().StateSwap(pair) if pair else None
 
 
+def resumable_as(params: dict) -> dict:
+    """A run's recorded parameters as a resume compares them: a fault point armed in the run's ``env`` (the
+    batch pause) is not part of what the run is, so a resume need not repeat it."""
+    env = params.get("env")
+    if not isinstance(env, dict) or ENV_BATCH_DELAY not in env:
+        return params
+    env = {k: v for k, v in env.items() if k != ENV_BATCH_DELAY}
+    return {**params, "env": env} if env else {k: v for k, v in params.items() if k != "env"}
+
+
 def batch_delay_s(params: dict) -> float:
     """Seconds to pause after each batch (``batch_delay_s``, else the job's env); 0 when unarmed."""
     delay = float(params.get("batch_delay_s") or os.environ.get(ENV_BATCH_DELAY) or 0)

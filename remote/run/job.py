@@ -140,8 +140,9 @@ def start(params: dict) -> dict:
     wanted = job_params(params)
     with _RunsLock(run_dir.parent):
         old = read_json(run_dir / PARAMS_FILE)
-        if old is not None and old != wanted:
-            changed = sorted(k for k in set(old) | set(wanted) if old.get(k) != wanted.get(k))
+        if old is not None and faults.resumable_as(old) != faults.resumable_as(wanted):
+            changed = sorted(k for k in set(old) | set(wanted)
+                             if faults.resumable_as(old).get(k) != faults.resumable_as(wanted).get(k))
             raise JobError("job.start", f"run {params['run_id']} exists with different parameters "
                            f"({', '.join(changed)})",
                            "use a new run id, or repeat the original parameters to resume",

@@ -97,7 +97,7 @@ def start_refusal(exc: protocol.TaskError, params: dict) -> protocol.TaskError:
         from remote.wire.contract import PARAMS_FILE
 
         old = samples.read_json_quietly(job.run_dir_of(params) / PARAMS_FILE) or {}
-        flag = lambda key: "--" + key.replace("_", "-")  # noqa: E731
+        flag = lambda key: "the inventory's env" if key == "env" else "--" + key.replace("_", "-")  # noqa: E731
         shown = ", ".join(f"{flag(k)} {old.get(k)!r} (this call: {params.get(k)!r})" for k in changed)
         own = " ".join(f"{flag(k)} {old[k]}" for k in changed if old.get(k) not in (None, False, [], ""))
         return TrainError("train.start", f"train run {run_id} exists with other parameters: {shown}",

@@ -12,12 +12,19 @@ assumes an accelerator in four places, each patched here before the same
 * ``speculators.train.checkpointer.get_current_device`` (where a resumed checkpoint is read
   to) says "cuda:0" without an accelerator, and safetensors then asks for pinned memory:
   "cpu".
+
+``SPECOPS_BATCH_DELAY_S`` in the run's env (a test's fault point, :mod:`remote.run.faults`)
+pauses after every optimizer step, so a test can act mid-training on a fast machine.
 """
+import os
+import time
+
 import speculators.train.checkpointer as _checkpointer
 import speculators.train.trainer as _trainer
 import torch
 from speculators.train.cli import main
 from speculators.train.config import TrainConfig
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _trainer.get_local_rank = lambda: "cpu"
 _checkpointer.get_current_device = lambda: "cpu"
@@ -31,6 +38,10 @@ def _setup_model_on_cpu(self, *args, **kwargs):
 
 _trainer.Trainer.setup_model = _setup_model_on_cpu
 torch.accelerator.synchronize = lambda *args, **kwargs: None
+
+_step_delay_s = float(os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
+if _step_delay_s:
+    register_optimizer_step_post_hook(lambda *args: time.sleep(_step_delay_s))
 
 if __name__ == "__main__":
     main(TrainConfig.resolve())
