@@ -113,6 +113,10 @@ class HostSpec(BaseModel):
     # _run_arg below; a field states its type (pydantic's strict check) and default only
     device: str = "cuda"
     tp: int = DEFAULTS["tp"]
+    #: data-parallel replicas of ``tp`` ranks on this host (None: GPUs // tp; 1 on a CPU host).
+    dp: int | None = None
+    #: a replica (dp > 1) whose server dies: ``fail`` the run naming it, or ``continue`` on the others.
+    on_replica_loss: str = "fail"
     #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
     engine: str = DEFAULTS["engine"]
     layer_ids: list[int] | None = None

@@ -142,11 +142,11 @@ def _overrides(**flags):
            iterable=["dataset"])
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
               max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
-              turns=None, minimum_valid_tokens=None):
+              turns=None, minimum_valid_tokens=None, dp=None):
     """Find every failure that would waste a model load, in seconds, without loading weights."""
     from specops.preflight import preflight as run
 
-    overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+    overrides = _overrides(model=model, dataset=dataset, tp=tp, dp=dp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, format=format, canary_samples=canary_samples,
                            long_samples=long_samples, turns=turns, minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, target.accept_new_host_key,
@@ -189,13 +189,14 @@ JOB_HELP = {"run-id": "the run's id (letters, digits, . _ -); a group run's id a
 def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,
-            canary_samples=None, long_samples=None, smoke_real=False, turns=None, minimum_valid_tokens=None):
+            canary_samples=None, long_samples=None, smoke_real=False, turns=None, minimum_valid_tokens=None,
+            dp=None, on_replica_loss=None):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
     from specops.runs.run import extract as run
 
-    overrides = _overrides(model=model, dataset=dataset, tp=tp, layer_ids=layer_ids, engine=engine,
+    overrides = _overrides(model=model, dataset=dataset, tp=tp, dp=dp, on_replica_loss=on_replica_loss, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size, format=format,
                            canary_samples=canary_samples, long_samples=long_samples, turns=turns,
                            minimum_valid_tokens=minimum_valid_tokens)

@@ -78,28 +78,6 @@ def count_rows(dataset, max_samples) -> tuple:
     return count, digest.hexdigest()
 
 
-def _devices(params: dict) -> dict:
-    """How many devices one host offers a run: visible GPUs (cuda) or usable cores (cpu)."""
-    if params.get("device", "cuda") == "cpu":
-        try:
-            usable = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            usable = os.cpu_count() or 1
-        return {"kind": "cpu", "count": usable}
-    import shutil
-
-    from remote.system.devices import query_nvidia_smi, visible_gpus
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return {"kind": "cuda", "count": 0, "error": "nvidia-smi is not on PATH"}
-    out = query_nvidia_smi(smi)
-    cvd = (params.get("env") or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
-    visible = visible_gpus(out["gpus"], cvd)
-    return {"kind": "cuda", "count": len(visible), "error": out["error"],
-            "names": sorted({g["name"] for g in visible})}
-
-
 def probe(params: dict, plan=None) -> dict:
     """The facts a shard map is planned from (see the module docstring).
 
@@ -177,21 +155,23 @@ def _stack(params: dict, data: dict, plan=None) -> dict:
 
 
 def _width(params: dict, data: dict) -> dict:
+    """The host's data-parallel width in a group plan: the replicas it runs (:mod:`remote.extract.layout`)."""
+    from remote.extract import layout as host_layout
+
     # a replica's head holds only its share of the ranks; the replica is one data-parallel unit
     tp = max(1, int((params.get("replica") or {}).get("ranks_per_node") or param(params, "tp")))
-    devices = _devices(params)
-    width = devices["count"] // tp
-    if params.get("replica"):
-        width = min(width, 1)
-    data["capacity"] = {"devices": devices, "tp": tp, "dp_width": width}
+    kind, ids, error = host_layout.host_devices(params)
+    layout = host_layout.resolve(params, tp, kind, ids, (data.get("stack") or {}).get("engine"))
+    devices = {"kind": kind, "count": len(ids), "ids": ids, **({"error": error} if error else {})}
+    width = 0 if layout.problem else layout.dp
+    data["capacity"] = {"devices": devices, "tp": tp, "dp_width": width, "layout": layout.as_dict()}
     detail = data["capacity"]
-    if width < 1:
-        return protocol.record("shard.capacity", protocol.FAIL,
-                               f"TP {tp} needs {tp} {devices['kind']} device(s), {devices['count']} usable",
-                               detail=detail, fix=f"set tp to at most {devices['count']} for this host"
-                               if devices["count"] else "make a device usable on this host, or leave it out")
-    return protocol.record("shard.capacity", protocol.OK,
-                           f"{devices['count']} {devices['kind']} device(s) / TP {tp} = data-parallel width {width}",
+    if layout.problem:
+        fix = (f"set tp to at most {len(ids)} for this host" if ids and layout.dp == 1 else
+               "set dp (and tp) so that dp x tp fits the devices, or leave dp out (its default fits)" if ids else
+               "make a device usable on this host, or leave it out")
+        return protocol.record("shard.capacity", protocol.FAIL, layout.problem, detail=detail, fix=fix)
+    return protocol.record("shard.capacity", protocol.OK, f"{layout.text()}: data-parallel width {width}",
                            detail=detail)
 
 

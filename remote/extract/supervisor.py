@@ -323,7 +323,21 @@ class Supervisor:
             p.update(work_dir=str(self.paths.run_dir), python=sys.executable,
                      concurrency=int(p.get("concurrency") or self.plan.batch_size))
             p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
+        layout = self.layout
+        if layout.problem:
+            raise ValueError(f"{layout.problem}; set dp so that dp x tp fits the host (or leave it out)")
+        if layout.dp > 1:  # one server per replica, each on its own devices (remote/extract/layout.py)
+            p["replica_sets"] = layout.sets
         return p
+
+    @property
+    def layout(self):
+        """The host's ``dp x tp`` layout for this run (:mod:`remote.extract.layout`)."""
+        if getattr(self, "_layout", None) is None:
+            from remote.extract import layout
+
+            self._layout = layout.of_host(self.params, int(param(self.params, "tp")), self.plan.engine)
+        return self._layout
 
     def _extract_all(self, engine_name, model_path, layer_ids, dataset, todo, fmt, done, tokens_before,
                      total_tokens):
@@ -373,6 +387,7 @@ class Supervisor:
             self._extract_batches(dataset, todo, batch_size, delay, layer_ids, written, p)
         self.loop_s = time.monotonic() - loop_t0  # the last batch's write included
         self.run_tokens = progress["run_tokens"]
+        self.engine_info = self.engine.describe()  # what each replica made (and lost) is known now
 
     def _extract_files(self, dataset, todo, batch_size, delay, written) -> None:
         """Engines that write each sample file themselves (a server): hand them chunks of indices.
@@ -384,7 +399,7 @@ class Supervisor:
         makes the chunk durable, on a thread of its own so the server never waits on
         the disk; the last one finishes before the manifest is written.
         """
-        chunk = batch_size if delay else batch_size * 8
+        chunk = (batch_size if delay else batch_size * 8) * len(getattr(self.engine, "servers", None) or [None])
         sample_dir = samples.sample_dir(self.output_dir, samples.HS)
         syncer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="syncfs")
         pending = None
@@ -490,7 +505,9 @@ class Supervisor:
         layer_summaries = [s.as_dict() for s in stats]
         non_finite = [s for s in layer_summaries if s["nan"] or s["inf"]]
         # a canary that passed leaves its verdict and numbers where a user and the next step look
-        canary_found = canary.summarize_run(self.paths.run_dir, self.plan.canary_samples, engine_name)
+        # every data-parallel replica's first canary_samples asked
+        asked = self.plan.canary_samples * max(1, int(engine_info.get("dp") or 1))
+        canary_found = canary.summarize_run(self.paths.run_dir, asked, engine_name)
         manifest = run_manifest.build(
             run_id=self.run_id, fmt=fmt, engine=engine_info,
             model={"path": str(model_path), "config": modelconfig.summary(config)},

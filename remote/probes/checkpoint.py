@@ -204,7 +204,9 @@ def _fit_record(ctx):
     detail = {"weight_bytes": total, "tp": tp, "bytes_per_rank": per_rank,
               "note": "weights split evenly over TP ranks (replicated norms/embeddings make it slightly more)"}
     if ctx.params["device"] == "cuda":
-        gpus = (ctx.host.get("visible_gpus") or [])[:tp]
+        from remote.probes.parallel import gpus_in_use
+
+        gpus = gpus_in_use(ctx)  # every replica's GPUs
         if not gpus:
             return record("checkpoint.fit", SKIPPED, "no GPU facts to compare with", detail=detail)
         util = ctx.params["gpu_memory_utilization"]
@@ -237,13 +239,17 @@ def _fit_record(ctx):
                       fix="raise TP or gpu_memory_utilization" if tight else None)
     avail = (ctx.host.get("ram") or {}).get("available_bytes")
     kv = ctx.host.get("cpu_kvcache_bytes") or 0
-    need = total + kv * tp
-    detail.update(ram_available_bytes=avail, kvcache_bytes_per_rank=kv, need_bytes=need)
+    from remote.probes.parallel import layout_of
+
+    dp = max(1, layout_of(ctx).dp)  # every data-parallel replica holds the weights and its KV cache
+    need = (total + kv * tp) * dp
+    detail.update(ram_available_bytes=avail, kvcache_bytes_per_rank=kv, need_bytes=need, dp=dp)
     if not avail:
         return record("checkpoint.fit", SKIPPED, "no RAM facts to compare with", detail=detail)
     if need > avail:
         return record("checkpoint.fit", FAIL, f"weights {human_bytes(total)} + KV cache {human_bytes(kv)} x TP {tp} "
-                      f"exceed available RAM {human_bytes(avail)}", detail=detail,
+                      + (f"x dp {dp} replicas " if dp > 1 else "")
+                      + f"exceed available RAM {human_bytes(avail)}", detail=detail,
                       fix="lower VLLM_CPU_KVCACHE_SPACE, free RAM, or use a bigger host")
     status = WARN if need > TIGHT_SHARE * avail else OK
     return record("checkpoint.fit", status, f"weights {human_bytes(total)} + KV cache {human_bytes(kv * tp)} "

@@ -329,7 +329,9 @@ def _cuda_record(ctx) -> dict:
 
 
 def _memory_record(ctx) -> dict:
-    gpus = (ctx.host.get("visible_gpus") or [])[:ctx.params["tp"]]
+    from remote.probes.parallel import gpus_in_use
+
+    gpus = gpus_in_use(ctx)  # every replica's GPUs: each holds its replica's share of the weights
     weight_bytes = ctx.checkpoint.get("data_bytes")
     if not gpus or not weight_bytes:
         why = "no GPU facts" if not gpus else "no checkpoint size"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from remote.probes import Context
 from remote.wire.contract import VLLM_SERVER
-from remote.wire.protocol import FAIL, OK, SKIPPED, record
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 
 
 def kv_heads_problem(kv_heads: int, tp: int) -> str | None:
@@ -35,7 +35,7 @@ def probe(ctx: Context) -> list:
     tp = ctx.params["tp"]
     # a host of a replica over several hosts runs its share of the ranks (remote/extract/replica.py)
     local = int((ctx.params.get("replica") or {}).get("ranks_per_node") or tp)
-    records = [_devices(ctx, local), _heads(ctx, tp)]
+    records = [_devices(ctx, local), _layout(ctx, local), _heads(ctx, tp)]
     if ctx.params["engine"] == VLLM_SERVER:
         records.append(_pipeline(ctx))
     return records
@@ -86,6 +86,47 @@ def _devices(ctx, tp):
         return record("parallel.devices", FAIL, f"TP {tp} on the CPU engine needs a core per rank, {cores} usable",
                       detail=detail, fix=f"set tp to at most {cores}")
     return record("parallel.devices", OK, f"device=cpu: TP {tp} over {cores} CPU core(s)", detail=detail)
+
+
+def layout_of(ctx, tp: int | None = None):
+    """The run's ``dp x tp`` layout over the devices the host probe saw (:mod:`remote.extract.layout`)."""
+    from remote.extract import layout
+
+    if tp is None:
+        tp = int((ctx.params.get("replica") or {}).get("ranks_per_node") or ctx.params["tp"])
+    if ctx.params["device"] == "cuda":
+        kind, ids = "cuda", [int(g["index"]) for g in ctx.host.get("visible_gpus") or []]
+    else:
+        kind, ids = "cpu", list(range(int((ctx.host.get("cpus") or {}).get("usable") or 0)))
+    return layout.resolve(ctx.params, tp, kind, ids, ctx.params.get("engine"))
+
+
+def gpus_in_use(ctx) -> list:
+    """The visible GPUs every replica of the run holds (the first ``dp x tp``): the memory checks' GPUs."""
+    plan = layout_of(ctx)
+    used = {d for s in plan.sets for d in s} if not plan.problem else set()
+    gpus = ctx.host.get("visible_gpus") or []
+    return [g for g in gpus if int(g["index"]) in used] or gpus[:ctx.params["tp"]]
+
+
+def _layout(ctx, tp):
+    plan = layout_of(ctx, tp)
+    detail = plan.as_dict()
+    unit = "GPU" if plan.kind == "cuda" else "core"
+    if plan.problem:
+        fix = ("set dp to 1: the vllm-server engine runs data-parallel replicas (engine: vllm-server)"
+               if "engine" in plan.problem else "leave the replica's hosts at dp 1" if ctx.params.get("replica")
+               else f"set dp to at most {max(1, len(plan.devices) // plan.tp)} (dp x tp {unit}s), or leave dp out")
+        return record("parallel.layout", FAIL, plan.problem, detail=detail, fix=fix)
+    if plan.dp > 1 and not ctx.params.get("replica") and plan.idle and plan.kind == "cuda":
+        return record("parallel.layout", WARN, f"{plan.text()}; {len(plan.idle)} {unit}(s) idle "
+                      f"({', '.join(map(str, plan.idle))}): {len(plan.devices)} is not a multiple of tp {plan.tp}",
+                      detail=detail, fix=f"pick a tp that divides {len(plan.devices)} to use every {unit}")
+    if plan.kind == "cuda" and plan.idle and plan.dp == 1 and "asked" in plan.why:
+        return record("parallel.layout", WARN, f"{plan.text()}; {len(plan.idle)} GPU(s) idle: dp 1 was asked",
+                      detail=detail, fix=f"leave dp out (default {max(1, len(plan.devices) // plan.tp)}) to use them")
+    return record("parallel.layout", OK, f"{plan.text()}: {plan.dp} replica(s), one server each ({plan.why})",
+                  detail=detail)
 
 
 def _heads(ctx, tp):

@@ -341,7 +341,8 @@ class LogReader:
                 size = path.stat().st_size
             except FileNotFoundError:
                 continue
-            off = self.offsets.get(path.name)
+            name = str(path.relative_to(self.paths.logs))  # a replica's: dp1/server.log
+            off = self.offsets.get(name)
             if off is None:
                 off = 0 if self.following else max(0, size - self.tail_bytes)
             if off > size:  # the file was replaced: start over
@@ -351,9 +352,9 @@ class LogReader:
                 data = fh.read(self.max_bytes)
             if whole_lines and len(data) < self.max_bytes:
                 data = data[:data.rfind(b"\n") + 1]
-            out[path.name] = {"offset": off, "next_offset": off + len(data), "size": size,
-                              "text": data.decode("utf-8", errors="replace")}
-            self.offsets[path.name] = off + len(data)
+            out[name] = {"offset": off, "next_offset": off + len(data), "size": size,
+                         "text": data.decode("utf-8", errors="replace")}
+            self.offsets[name] = off + len(data)
         self.following = True
         return out
 

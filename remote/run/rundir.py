@@ -65,10 +65,12 @@ class RunPaths:
         return self.logs / name
 
     def log_files(self) -> list[Path]:
-        """Every log of the run, the supervisor's first, then the ranks' by name."""
+        """Every log of the run, the supervisor's first, then the ranks' by name, then each data-parallel
+        replica's (``dp1/server.log``, ``dp1/rank0.log``: :mod:`remote.extract.layout`)."""
         if not self.logs.is_dir():
             return []
-        return sorted(self.logs.glob("*.log"), key=lambda p: (p.name != "supervisor.log", p.name))
+        return sorted([*self.logs.glob("*.log"), *self.logs.glob("dp*/*.log")],
+                      key=lambda p: (p.parent != self.logs, p.name != "supervisor.log", str(p)))
 
 
 def read_json(path: Path):

@@ -24,6 +24,7 @@ import base64
 import json
 import os
 import queue
+import re
 import shlex
 import socket
 import threading
@@ -44,6 +45,8 @@ from specops.transport.parallel import report_from_payload
 #: small files fetched for every run, relative to the run dir, and the subdirs fetched whole (logs,
 #: errors, the canary's prompt logprobs and records).
 RUN_FILES, RUN_DIRS = wire.contract.RUN_FILES, wire.contract.RUN_DIRS
+#: a data-parallel replica's dir under a run's logs/ (remote/extract/layout.py)
+REPLICA_DIR = re.compile(r"dp[0-9]+")
 #: the follower says something at least this often (seconds) ...
 FOLLOW_HEARTBEAT_S = 2.0
 #: ... so this long without a word from it means the connection is gone.
@@ -227,10 +230,16 @@ def fetch_run(host: Host, run_id: str, tensors: bool = False, dest_root: Path | 
             wire.fsutil.atomic_write(dest / name, data, mode=0o644)
             fetched.append(name)
     for sub in RUN_DIRS:
-        for name in list_remote(host, f"{run_dir}/{sub}"):
+        names = list_remote(host, f"{run_dir}/{sub}")
+        # a data-parallel replica's logs sit in a dir of their own (logs/dp1/server.log)
+        names += [f"{name}/{inner}" for name in names if REPLICA_DIR.fullmatch(name)
+                  for inner in list_remote(host, f"{run_dir}/{sub}/{name}")]
+        for name in names:
+            if REPLICA_DIR.fullmatch(name):
+                continue
             data = read_remote(host, f"{run_dir}/{sub}/{name}")
             if data is not None:
-                (dest / sub).mkdir(exist_ok=True)
+                (dest / sub / name).parent.mkdir(parents=True, exist_ok=True)
                 wire.fsutil.atomic_write(dest / sub / name, data, mode=0o644)
                 fetched.append(f"{sub}/{name}")
     status = wire.fsutil.read_json_quietly(dest / wire.contract.STATUS_FILE) or {}

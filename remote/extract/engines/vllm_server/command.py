@@ -293,7 +293,8 @@ def batched_tokens(params: dict, max_model_len: int) -> int:
     return MIN_BATCHED_TOKENS if params.get("chunked_prefill_on") else max(MIN_BATCHED_TOKENS, int(max_model_len))
 
 
-def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict | None = None) -> dict:
+def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict | None = None,
+               devices: list[int] | None = None) -> dict:
     """The server's environment: ``base`` plus the marker and, on a CPU host, sane defaults.
 
     On CPU, vLLM's automatic thread binding wants one NUMA node per rank ("Not enough
@@ -302,6 +303,9 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict 
     slice of this process's allowed cores (all of them at TP=1), and as many
     torch threads as its slice has cores; the KV cache gets 1 GiB, plenty for extraction
     (one prefill per request, no decoding).
+
+    ``devices``: a data-parallel replica's own device set (:mod:`remote.extract.layout`): its GPU ids
+    (``CUDA_VISIBLE_DEVICES``, in nvidia-smi's order), or the CPU cores its ranks split.
     """
     env = dict(base)
     env[MARKER_ENV] = marker
@@ -314,9 +318,14 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict 
     # every server process (API server, engine core, workers) dumps its stacks on a fatal
     # signal: vLLM's own "died unexpectedly (exit code: None)" often cannot say which one
     env.setdefault("PYTHONFAULTHANDLER", "1")
+    if devices is not None and not on_cpu:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # nvidia-smi's indices
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     if on_cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        cores = sorted(os.sched_getaffinity(0))
+        cores = sorted(devices) if devices is not None else sorted(os.sched_getaffinity(0))
+        if devices is not None:
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the replica's own cores, not the host's setting
         per_rank = max(1, len(cores) // tp)
         if "VLLM_CPU_OMP_THREADS_BIND" not in env:
             # Explicit at TP=1 too: vLLM's "auto" keeps cores back for its front end, but how
@@ -325,7 +334,10 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict 
             slices = [cores[r * per_rank:(r + 1) * per_rank] or cores[-1:] for r in range(tp)]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in slices)
         # and as many torch threads (vLLM cuts them to 1 "for serving" on some start paths)
-        env.setdefault("OMP_NUM_THREADS", str(per_rank))
+        if devices is not None:
+            env["OMP_NUM_THREADS"] = str(per_rank)
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(per_rank))
         # on an AMX CPU every rank must ask Linux for AMX tile state itself (remote/system/cpu.py)
         env = cpu.amx_env(env)
     return env

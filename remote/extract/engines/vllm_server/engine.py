@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
 import sys
 import threading
 import time
@@ -67,48 +68,74 @@ class VllmServerEngine(Engine):
         if "language_model_only" not in self.params and modelconfig.is_wrapped(self.config):
             # a multimodal wrapper (Kimi-K2.5): extraction feeds text only
             self.params["language_model_only"] = True
-        #: the canary samples' prompt logprobs (the first few samples), and their check as they land
-        self.logprobs = PromptLogprobs(self.params, work_dir, self.plan.canary_samples)
+        #: data-parallel replicas (the supervisor's ``replica_sets``, remote/extract/layout.py): one server each
+        sets = self.params.get("replica_sets") or [None]
+        #: the canary samples' prompt logprobs (each replica's first few samples), and their check as they land
+        self.logprobs = PromptLogprobs(self.params, work_dir, self.plan.canary_samples, replicas=len(sets))
         self.canary, self._canary_lock = None, threading.Lock()
         #: chunked prefill: on where the installed connector writes once a request is done (chunking.py)
         connector = pick_connector(self.params)  # once: the server loads the one its verdict read
         self.chunked = self._chunked_prefill(connector)
         self.params["chunked_prefill_on"] = self.chunked["on"]
-        self.server = VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
-                                 work_dir=work_dir, max_model_len=self._max_model_len(),
-                                 params=self.params, python=self.params.get("python") or sys.executable)
-        self.server.connector = connector
+        self.servers = [VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
+                                   work_dir=work_dir, max_model_len=self._max_model_len(),
+                                   params=self.params if len(sets) == 1 else {
+                                       k: v for k, v in self.params.items() if k != "port"},
+                                   python=self.params.get("python") or sys.executable,
+                                   devices=devices, replica=None if len(sets) == 1 else f"dp{i}")
+                        for i, devices in enumerate(sets)]
+        self.server = self.servers[0]
+        #: samples each replica made, and the replicas lost on the way (``on_replica_loss: continue``)
+        self.replica_samples = [0] * len(self.servers)
+        self.replicas_lost: list[dict] = []
+        for server in self.servers:
+            server.connector = connector
         timeout = float(self.params.get("ready_timeout_s") or 900)
         self._start_digest_pool()
-        for attempt in (1, 2):
-            self.server.start()
-            try:
-                self.server.wait_ready(timeout=timeout)
-                self.aux_ids_used = self._aux_ids_used()
-                self.connector_options = self._connector_options()
-                self._warm_up_logprobs()
-                self._digest_pool_started()
-                return
-            except ServerFailed as exc:
-                if attempt == 1 and "address already in use" in (exc.log_tail or "").lower():
-                    self.server.stop()
-                    self.server.params.pop("port", None)
-                    continue
-                self.server.stop()
+        try:
+            for server in self.servers:  # every replica loads at once
+                server.start()
+            for server in self.servers:
+                self._wait_ready(server, timeout)
+            self.aux_ids_used = self._aux_ids_used()
+            self.connector_options = self._connector_options()
+            for server in self.servers:
+                self._warm_up_logprobs(server)
+            self._digest_pool_started()
+        except BaseException:
+            for server in self.servers:
+                server.stop()
+            raise
+
+    @staticmethod
+    def _wait_ready(server: VllmServer, timeout: float) -> None:
+        """Wait until ``server`` answers; one restart on another port if another process took its port."""
+        try:
+            server.wait_ready(timeout=timeout)
+        except ServerFailed as exc:
+            if "address already in use" not in (exc.log_tail or "").lower():
                 raise
+            server.stop()
+            server.params.pop("port", None)
+            server.start()
+            server.wait_ready(timeout=timeout)
 
     def _aux_ids_used(self) -> dict | None:
         """The aux ids vLLM logged taking (:mod:`.aux_ids`); a ServerFailed naming both lists when they are
         not the ids this run sent (its states would hold other layers under these ids' names)."""
         from remote.extract.engines.vllm_server import logs as server_log
 
-        log_text = server_log.read_log(self.server.log_path)
-        self.model_runner = server_log.model_runner(log_text)
-        used = server_log.aux_ids_used(log_text)
-        if used is not None and used["ids"] != list(self.file_layer_ids):
-            raise ServerFailed(f"vLLM took aux layer ids {used['ids']} (from its {used['source']}), not the run's "
-                               f"{list(self.file_layer_ids)}: '{used['line']}'", self.server.log_path)
-        return used
+        first = None
+        for server in self.servers:
+            log_text = server_log.read_log(server.log_path)
+            used = server_log.aux_ids_used(log_text)
+            if server is self.server:
+                self.model_runner, first = server_log.model_runner(log_text), used
+            if used is not None and used["ids"] != list(self.file_layer_ids):
+                raise ServerFailed(f"{server.replica + ': ' if server.replica else ''}vLLM took aux layer ids "
+                                   f"{used['ids']} (from its {used['source']}), not the run's "
+                                   f"{list(self.file_layer_ids)}: '{used['line']}'", server.log_path)
+        return first
 
     def _start_digest_pool(self) -> None:
         """The digest processes (:class:`~.landing.DigestPool`, one per usable core), started while
@@ -144,7 +171,7 @@ class VllmServerEngine(Engine):
             self.digest_pool = None
             self.digest_in = {"where": "threads", "why": f"digest processes failed to start: {type(exc).__name__}: {exc}"}
 
-    def _warm_up_logprobs(self) -> None:
+    def _warm_up_logprobs(self, server: VllmServer) -> None:
         """Pay the server's first prompt-logprobs request while loading: its one-time set-up (measured
         1.75 s on the 2-core CPU test host with the tiny Llama, every later request as fast as one
         without logprobs) would otherwise land in the extraction's time with the first canary sample.
@@ -152,16 +179,16 @@ class VllmServerEngine(Engine):
         sample (``unavailable.json`` says why, as when a canary sample's request is refused)."""
         if not self.logprobs.count or self.logprobs.dir is None or self.logprobs.unavailable:
             return
-        if self.server.headless:  # a replica's worker host: no API server here (the head's engine pays it)
+        if server.headless:  # a replica's worker host: no API server here (the head's engine pays it)
             return
         vocab = int(modelconfig.text_value(self.config, "vocab_size") or 2)
         body = {"model": SERVED_MODEL_NAME, "prompt": [1 + i % (vocab - 1) for i in range(WARM_UP_TOKENS)],
                 "max_tokens": 1, "temperature": 0.0, **self.logprobs.fields()}
         timeout = float(self.params.get("request_timeout_s") or 600)
         t0 = time.monotonic()
-        log_at = self.server.log_size()
+        log_at = server.log_size()
         try:
-            reply = self.server.post_json("/v1/completions", body, timeout=timeout)
+            reply = server.post_json("/v1/completions", body, timeout=timeout)
         except RuntimeError as exc:
             if " HTTP 4" not in str(exc):
                 raise
@@ -169,9 +196,9 @@ class VllmServerEngine(Engine):
             return
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path:
-            self._wait_for_file(path, timeout, log_at, "the prompt-logprobs warm-up request")
+            self._wait_for_file(path, timeout, log_at, "the prompt-logprobs warm-up request", server)
             os.unlink(path)
-        self.logprobs_warm_up_s = round(time.monotonic() - t0, 3)
+        self.logprobs_warm_up_s = max(getattr(self, "logprobs_warm_up_s", 0) or 0, round(time.monotonic() - t0, 3))
 
     def _chunked_prefill(self, connector: tuple) -> dict:
         """What the run asked (``chunked_prefill``: auto|on|off) against what the connector this host
@@ -212,18 +239,20 @@ class VllmServerEngine(Engine):
                              f"{contract.seq_len_limit(self.name, int(limit))}")
         return self.model_len(self.config)
 
-    def _request(self, token_ids, index: int | None = None, logprobs: bool = False) -> str:
-        """One request; the path of the (complete) file the server wrote for it. ``logprobs``: a
-        canary sample, which also asks for its prompt logprobs (:mod:`.prompt_logprobs`)."""
+    def _request(self, token_ids, index: int | None = None, logprobs: bool = False,
+                 server: VllmServer | None = None) -> str:
+        """One request (to ``server``, default the first replica's); the path of the (complete) file the server
+        wrote for it. ``logprobs``: a canary sample, which also asks for its prompt logprobs (:mod:`.prompt_logprobs`)."""
+        server = server or self.server
         ids = [int(t) for t in token_ids]
         body = {"model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                 "return_token_ids": True}
         timeout = float(self.params.get("request_timeout_s") or 600)
         reply = None
-        log_at = self.server.log_size()
+        log_at = server.log_size()
         if logprobs and not self.logprobs.unavailable:
             try:
-                reply = self.server.post_json("/v1/completions", dict(body, **self.logprobs.fields()), timeout=timeout)
+                reply = server.post_json("/v1/completions", dict(body, **self.logprobs.fields()), timeout=timeout)
             except RuntimeError as exc:
                 if " HTTP 4" not in str(exc):
                     raise
@@ -231,7 +260,7 @@ class VllmServerEngine(Engine):
             if reply is not None:
                 self.logprobs.keep(index, ids, reply)
         if reply is None:
-            reply = self.server.post_json("/v1/completions", body, timeout=timeout)
+            reply = server.post_json("/v1/completions", body, timeout=timeout)
         choices = reply.get("choices") or [{}]
         echoed = choices[0].get("prompt_token_ids")
         if echoed is not None and list(echoed) != ids:
@@ -241,20 +270,22 @@ class VllmServerEngine(Engine):
         if not path:
             raise RuntimeError(f"the reply names no hidden_states_path (kv_transfer_params="
                                f"{reply.get('kv_transfer_params')!r}); is the KV connector configured?")
-        self._wait_for_file(path, timeout, log_at, "sample" if index is None else f"sample {index}")
+        self._wait_for_file(path, timeout, log_at, "sample" if index is None else f"sample {index}", server)
         return path
 
-    def _wait_for_file(self, path: str, timeout: float, log_at: int, what: str) -> None:
+    def _wait_for_file(self, path: str, timeout: float, log_at: int, what: str,
+                       server: VllmServer | None = None) -> None:
         """:func:`~.landing.wait_for_file`; a file that never comes is the server's failure when its log
         says so after ``log_at`` (a worker whose writer raised: the reply came, the file never will), raised
         as that instead of "never wrote it"."""
+        server = server or self.server
         try:
             wait_for_file(path, timeout)
         except (FileNotFoundError, TimeoutError) as exc:
             deadline = time.monotonic() + LOG_GRACE_S  # the worker's traceback may reach the log just after
             while True:
-                if self.server.failed_since(log_at) or not self.server.alive:
-                    raise self.server.failure(f"vLLM failed writing the hidden states of {what}") from exc
+                if server.failed_since(log_at) or not server.alive:
+                    raise server.failure(f"vLLM failed writing the hidden states of {what}") from exc
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
@@ -310,30 +341,55 @@ class VllmServerEngine(Engine):
         # only spins (measured on the H200 host: 4.1 vs 3.1 GB/s digested with 8 vs 4 threads)
         torch.set_num_threads(1)
         samples_ = list(samples_)
-        in_flight = threading.BoundedSemaphore(workers)
         digesting = DigestSlots(digesters, requests=len(samples_))
-        canary = self.logprobs.claim(int(i) for i, _ in samples_)
+        replicas = len(self.servers)
+        # one request slot per request in flight, each a replica's: a replica takes the next sample as soon as
+        # one of its slots frees, so the replicas split the rows by their speed and every sample goes to one
+        slots: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):
+            for r in range(replicas):
+                if self.servers[r] not in self._lost_servers():
+                    slots.put(r)
+        canary = self.logprobs.claim(int(i) for i, _ in samples_) if replicas == 1 else None
         planted_swap = faults.swapped_states(self.params)
+
+        def request(index, ids) -> tuple[str, bool]:
+            try:
+                while True:
+                    r = slots.get()
+                    server = self.servers[r]
+                    if server in self._lost_servers():
+                        continue  # a lost replica's slot: dropped
+                    asks = index in canary if canary is not None else self.logprobs.ask(r)
+                    try:
+                        path = self._request(ids, index, asks, server)
+                    except SampleRejected as exc:
+                        slots.put(r)
+                        raise SampleRejected(index, exc.problems) from None
+                    except BaseException as exc:
+                        if self._replica_lost(server, exc):
+                            continue  # the sample goes to another replica
+                        slots.put(r)
+                        raise
+                    slots.put(r)
+                    self.replica_samples[r] += 1
+                    return path, asks
+            finally:
+                digesting.request_done()
 
         def one(index, ids):
             t0 = time.monotonic()
-            with in_flight:
-                try:
-                    path = self._request(ids, index, index in canary)
-                except SampleRejected as exc:
-                    raise SampleRejected(index, exc.problems) from None
-                finally:
-                    digesting.request_done()
+            path, asked = request(index, ids)
             if planted_swap is not None:
                 planted_swap.landed(index, path)
             with digesting:
                 record = self._land(index, ids, path, out_dir)
-            if index in canary:
+            if asked:
                 self._check_canary(index, out_dir / record["file"])
             record["seconds"] = round(time.monotonic() - t0, 4)
             return record
 
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers + digesting.drained,
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers * replicas + digesting.drained,
                                                      thread_name_prefix="hs-request")
         try:
             futures = [pool.submit(one, int(i), list(ids)) for i, ids in samples_]
@@ -341,8 +397,11 @@ class VllmServerEngine(Engine):
                 try:
                     record = future.result()
                 except BaseException as exc:
-                    if not isinstance(exc, ServerFailed) and (not self.server.alive or self.server.death_in_log()):
-                        raise self.server.failure("vLLM server died during extraction") from exc
+                    if not isinstance(exc, ServerFailed):
+                        dead = [s for s in self.servers
+                                if s not in self._lost_servers() and (not s.alive or s.death_in_log())]
+                        if dead:
+                            raise dead[0].failure("vLLM server died during extraction") from exc
                     raise
                 records.append(record)
                 if on_done:
@@ -350,6 +409,31 @@ class VllmServerEngine(Engine):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return sorted(records, key=lambda r: r["index"])
+
+    def _lost_servers(self) -> list:
+        return [self.servers[lost["replica_index"]] for lost in self.replicas_lost]
+
+    def _replica_lost(self, server: VllmServer, exc: BaseException) -> bool:
+        """Whether ``exc`` lost its replica and the run goes on without it (``on_replica_loss: continue``, another
+        replica alive): the loss is recorded (the manifest's ``engine.replicas_lost``) and said in the log."""
+        if len(self.servers) == 1 or (self.params.get("on_replica_loss") or "fail") != "continue":
+            return False
+        with self._canary_lock:
+            if server in self._lost_servers():
+                return True
+            if server.alive and not server.death_in_log():
+                return False  # the request failed, the replica did not
+            alive = [s for s in self.servers if s is not server and s not in self._lost_servers() and s.alive]
+            if not alive:
+                return False
+            failure = exc if isinstance(exc, ServerFailed) else server.failure("vLLM server died during extraction")
+            index = self.servers.index(server)
+            self.replicas_lost.append({"replica": server.replica, "replica_index": index,
+                                       "devices": server.devices, "error": str(failure)[:2000],
+                                       "samples_made": self.replica_samples[index]})
+        print(f"[specops] replica {server.replica} lost ({str(failure).splitlines()[0][:300]}); on_replica_loss: "
+              f"continue: its rows go to {', '.join(s.replica for s in alive)}", flush=True)
+        return True
 
     def _check_canary(self, index: int, path) -> None:
         """The logits check of a landed canary sample (:mod:`remote.verify.canary`); raises
@@ -383,10 +467,17 @@ class VllmServerEngine(Engine):
         if pool is not None:
             pool.close()
             self.digest_pool = None
-        server = getattr(self, "server", None)
-        if server is not None:
-            # an aborted run stops the server sooner (the supervisor sets stop_grace_s)
-            server.stop(float(self.params.get("stop_grace_s") or 20.0))
+        # an aborted run stops the servers sooner (the supervisor sets stop_grace_s)
+        grace = float(self.params.get("stop_grace_s") or 20.0)
+        servers = getattr(self, "servers", None) or []
+        if len(servers) > 1:
+            stopping = [threading.Thread(target=s.stop, args=(grace,), daemon=True) for s in servers]
+            for thread in stopping:
+                thread.start()
+            for thread in stopping:
+                thread.join()
+        elif servers:
+            servers[0].stop(grace)
 
     def error_record(self, exc: BaseException) -> dict | None:
         """A dead server's own exception (from its log, with the rank that raised it) as the run's error."""
@@ -397,13 +488,24 @@ class VllmServerEngine(Engine):
         if failure is None:
             return None
         if failure.death:
-            return dict(failure.death, reported_as={"type": type(exc).__name__, "message": str(exc)})
+            death = dict(failure.death, reported_as={"type": type(exc).__name__, "message": str(exc)})
+            replica = getattr(failure, "replica", None)
+            if replica:  # which replica's process died, in its message too
+                death.update(replica=replica, message=f"{replica}: {death.get('message', '')}",
+                             source=f"logs/{replica}/server.log")
+            return death
         etype, _, message = (failure.exception or "").partition(": ")
         from remote.wire import status
 
-        return status.error(etype or type(failure).__name__, message or str(failure), rank=failure.rank,
-                            traceback=failure.traceback or "", where=failure.process or "vLLM server",
-                            source="logs/server.log", reported_as={"type": type(exc).__name__, "message": str(exc)})
+        replica = getattr(failure, "replica", None)
+        where = failure.process or "vLLM server"
+        if replica:  # ranks of a data-parallel replica: dp<i>/rank<j>
+            where = f"{replica}/rank{failure.rank if failure.rank is not None else 0} ({where})"
+        record = status.error(etype or type(failure).__name__, message or str(failure), rank=failure.rank,
+                              traceback=failure.traceback or "", where=where,
+                              source=f"logs/{replica}/server.log" if replica else "logs/server.log",
+                              reported_as={"type": type(exc).__name__, "message": str(exc)})
+        return dict(record, replica=replica) if replica else record
 
     def describe(self) -> dict:
         server = getattr(self, "server", None)
@@ -424,5 +526,12 @@ class VllmServerEngine(Engine):
                 # where landed files are digested: worker processes, or this process's threads (and why)
                 "digest_in": getattr(self, "digest_in", None),
                 "server_ready_s": round(server.ready_after_s, 2) if server and server.ready_after_s else None,
+                # data-parallel replicas (dp > 1): each one's devices, samples and log; the ones lost on the way
+                "dp": len(getattr(self, "servers", None) or [None]),
+                "replicas": [{"name": s.replica, "devices": s.devices, "samples": n, "log": str(s.log_path),
+                              "ready_s": round(s.ready_after_s, 2) if s.ready_after_s else None}
+                             for s, n in zip(self.servers, self.replica_samples)]
+                if len(getattr(self, "servers", None) or []) > 1 else None,
+                "replicas_lost": getattr(self, "replicas_lost", None) or None,
                 "command": server.command if server else None,
                 "log": str(server.log_path) if server else None}

@@ -65,15 +65,20 @@ class VllmServer:
     """
 
     def __init__(self, model_path, *, tp: int, layer_ids, work_dir, max_model_len: int,
-                 params: dict | None = None, python: str = sys.executable):
+                 params: dict | None = None, python: str = sys.executable, devices: list[int] | None = None,
+                 replica: str | None = None):
         self.model_path = str(model_path)
         self.tp = int(tp)
         self.layer_ids = list(layer_ids)
         self.params = dict(params or {})
         self.python = python
         self.work_dir = Path(work_dir)
-        self.storage_dir = self.work_dir / "storage"
-        self.log_dir = self.work_dir / "logs"
+        #: a data-parallel replica's devices (GPU ids, or CPU cores) and name (``dp1``); None: the host's own
+        self.devices = list(devices) if devices is not None else None
+        self.replica = replica
+        # a data-parallel replica's files and log in a dir of its own (logs/dp1/server.log)
+        self.storage_dir = self.work_dir / "storage" / (replica or "")
+        self.log_dir = self.work_dir / "logs" / (replica or "")
         self.log_path = self.log_dir / SERVER_LOG
         self.max_model_len = int(max_model_len)
         self.marker = uuid.uuid4().hex
@@ -111,7 +116,8 @@ class VllmServer:
                                       layer_ids=self.layer_ids, storage_dir=self.storage_dir,
                                       connector=self.connector, max_model_len=self.max_model_len,
                                       params=self.params)
-        env = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu, replica=self.params.get("replica"))
+        env = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu, replica=self.params.get("replica"),
+                         devices=self.devices)
         with open(self.log_path, "ab") as log:
             log.write(f"# specops: {' '.join(self.command)}\n".encode())
             log.flush()
@@ -139,7 +145,10 @@ class VllmServer:
         if death and death["exit_code"] is None and found and found.get("exception") \
                 and "EngineDeadError" not in found["exception"]:
             death = None  # the engine core raised before it went: its exception says more
-        return ServerFailed(summary, self.log_path, found, tail[-4000:], death=death)
+        failed = ServerFailed(summary if self.replica is None else f"{self.replica}: {summary}", self.log_path,
+                              found, tail[-4000:], death=death)
+        failed.replica = self.replica
+        return failed
 
     def own_death(self) -> dict | None:
         """The API server's own end by a signal, as ``waitpid`` tells it (None while it runs or exited)."""

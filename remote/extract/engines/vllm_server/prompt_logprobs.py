@@ -42,8 +42,11 @@ class PromptLogprobs:
     :param count: how many first samples ask (the run's :attr:`remote.extract.runplan.Plan.canary_samples`).
     """
 
-    def __init__(self, params: dict, run_dir, count: int = contract.CANARY_SAMPLES):
-        self.count = int(count)
+    def __init__(self, params: dict, run_dir, count: int = contract.CANARY_SAMPLES, replicas: int = 1):
+        #: every replica's first ``count`` samples ask (a replica on a bad device is still a bad run)
+        self.per_replica = int(count)
+        self.count = int(count) * max(1, int(replicas))
+        self._asked: dict[int, int] = {}
         top = params.get("prompt_logprobs_top")
         self.top = contract.PROMPT_LOGPROBS_TOP if top in (None, "") else int(top)
         self.dir = Path(run_dir) / contract.PROMPT_LOGPROBS_DIR if run_dir else None
@@ -61,6 +64,14 @@ class PromptLogprobs:
             chosen = list(indices)[:max(0, self.count - self._claimed)]
             self._claimed += len(chosen)
             return set(chosen)
+
+    def ask(self, replica: int) -> bool:
+        """Whether the sample data-parallel replica ``replica`` takes now asks: its first ``count`` do."""
+        with self._lock:
+            if self.dir is None or self.unavailable or self._asked.get(replica, 0) >= self.per_replica:
+                return False
+            self._asked[replica] = self._asked.get(replica, 0) + 1
+            return True
 
     def fields(self) -> dict:
         """What a canary request adds to its body."""
