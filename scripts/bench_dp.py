@@ -5,8 +5,9 @@ speculators 0.9, the ``vllm-server`` engine), alternating ``--repeat`` times ove
 
 1. ``dp1``: one vLLM server on every core (what a run did before replicas);
 2. ``dp2``: two servers, one per half of the cores (``dp: 2``: one core each on a 2-core host);
-3. ``vllm-dp2`` (``--vllm-dp``): one server with vLLM's own ``--data-parallel-size 2`` (``server_args``),
-   the alternative the engine did not take: its outcome is printed, a failure too.
+3. ``--vllm-dp``: the alternative the engine did not take, vLLM's own ``--data-parallel-size 2`` in one
+   server, run by the engine as a program (``python -m remote.extract.engines.vllm_server``, its
+   ``server_args``) beside the same program without it (``engine-dp1``): its outcome is printed, a failure too.
 
 tok/s is the run's own (its summary: the extraction loop, model load excluded); the wall is the whole
 command (load included). Target: dp2 / dp1 >= 1.7 on 2 cores.
@@ -58,6 +59,42 @@ def run_once(root: Path, host: dict, name: str, run_id: str, env: dict) -> dict:
     return {"ok": True, "wall_s": wall, "tok_per_s": float(doc.get("tokens_per_s") or 0), "tokens": doc.get("tokens")}
 
 
+def engine_once(python: Path, model: Path, rows: Path, root: Path, run_id: str, length: int,
+                server_args: list[str]) -> dict:
+    """The vllm-server engine as a program on the same rows (no supervisor, no SSH). With vLLM's own
+    ``--data-parallel-size N`` on a CPU host, each DP rank's engine core takes the next slice of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (one slice only: "CPU id list [] doesn't match local world size 1"),
+    so the cores are given as N slices, as ``dp: N`` gives them to its N servers."""
+    own_env = {}
+    if "--data-parallel-size" in server_args:
+        n = int(server_args[server_args.index("--data-parallel-size") + 1])
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // n)
+        own_env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[i * per:(i + 1) * per]))
+                                                          for i in range(n)), "OMP_NUM_THREADS": str(per)}
+    token_rows = root / "token_rows.jsonl"
+    if not token_rows.exists():
+        token_rows.write_text("".join(json.dumps({"token_ids": json.loads(line)["input_ids"]}) + "\n"
+                                      for line in rows.read_text().splitlines()))
+    params = {"device": "cpu", "enforce_eager": True, "seq_len": length, "concurrency": 8, "canary_samples": 0,
+              "server_args": server_args, "ready_timeout_s": 600}
+    t0 = time.monotonic()
+    proc = subprocess.run([str(python), "-m", "remote.extract.engines.vllm_server", "--model", str(model),
+                           "--samples", str(token_rows), "--out", str(root / "out" / run_id), "--work-dir",
+                           str(root / "work" / run_id), "--params", json.dumps(params)], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                                                    "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache"), **own_env},
+                          timeout=1800)
+    wall = time.monotonic() - t0
+    try:
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        doc = {"error": {"message": (proc.stderr or proc.stdout)[-600:]}}
+    if "error" in doc:
+        return {"ok": False, "wall_s": wall, "why": str(doc["error"].get("message"))[:600]}
+    return {"ok": True, "wall_s": wall, "tok_per_s": float(doc["tok_per_s"])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama", help="a tiny test model's name, or a model dir")
@@ -83,7 +120,8 @@ def main() -> int:
                 "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
     modes = {"dp1": {"dp": 1}, "dp2": {"dp": 2}}
     if args.vllm_dp:
-        modes["vllm-dp2"] = {"dp": 1, "server_args": ["--data-parallel-size", "2"]}
+        modes["engine-dp1"] = {"engine": []}
+        modes["vllm-dp2"] = {"engine": ["--data-parallel-size", "2"]}
     results: dict[str, list] = {m: [] for m in modes}
     env = {**os.environ, "COLUMNS": "200", "SPECOPS_RUNS": str(root / "runs")}
     cores = len(os.sched_getaffinity(0))
@@ -96,7 +134,8 @@ def main() -> int:
                         "work_dir": str(root / "work"), "output_dir": str(root / "out" / run_id),
                         "model_path": str(model), "dataset": str(rows), "seq_len": args.length,
                         "max_samples": args.samples, "batch_size": 8, "canary_samples": 0, "env": host_env, **fields}
-                r = run_once(root, host, "bench", run_id, env)
+                r = (engine_once(python, model, rows, root, run_id, args.length, fields["engine"])
+                     if "engine" in fields else run_once(root, host, "bench", run_id, env))
                 results[mode].append(r)
                 said = (f"{r['tok_per_s']:8.0f} tok/s (wall {r['wall_s']:.0f} s, load included)" if r["ok"]
                         else f"FAILED after {r['wall_s']:.0f} s: {r['why']}")
@@ -110,8 +149,9 @@ def main() -> int:
           f"{grep_cpu()}")
     for mode in modes:
         if rate[mode]:
-            print(f"{mode:9s}: {rate[mode]:8.0f} tok/s  ratio to dp1 {rate[mode] / rate['dp1']:.2f}  "
-                  f"(wall {wall[mode]:.0f} s, ratio {wall['dp1'] / wall[mode]:.2f})")
+            base = "engine-dp1" if mode == "vllm-dp2" else "dp1"
+            print(f"{mode:10s}: {rate[mode]:8.0f} tok/s  ratio to {base} {rate[mode] / (rate[base] or rate[mode]):.2f}  "
+                  f"(wall {wall[mode]:.0f} s, ratio {wall[base] / wall[mode]:.2f})")
         else:
             print(f"{mode:9s}: did not run (see above)")
     return 0

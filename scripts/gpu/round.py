@@ -128,7 +128,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
@@ -747,6 +747,21 @@ def extract_verify(host: str, rid: str, name: str, model: Path):
     return out
 
 
+def dp_flow():
+    """The host's layout on one GPU: preflight's ``parallel.layout`` (dp default = GPUs // tp = 1), the refusal of
+    ``--dp 2`` before any load (one GPU holds one replica), then a run through the layout path and its status."""
+    host, rid = "gpu-llama", "gpu-dp-1"
+    out = {"preflight": specops(["preflight", "--on", host, "--json"], "preflight_dp_default.json", timeout=180),
+           "preflight_dp2": specops(["preflight", "--on", host, "--dp", "2", "--json"], "preflight_dp2.json",
+                                    timeout=180)}
+    out["extract"] = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke", "--json"],
+                             "extract_dp_default.json", timeout=420)
+    out["status"] = specops(["status", "--on", host, "--run-id", rid, "--json"], "status_dp_default.json")
+    out["fetch"] = specops(["fetch", "--on", host, "--run-id", rid], "fetch_dp_default.txt")
+    keep_run(host, rid, rid)
+    return out
+
+
 def abort_flow():
     host, rid = "gpu-deepseek-slow", "gpu-ds-abort"
     out = {"start": specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke", "--detach"],
@@ -867,6 +882,7 @@ def main(argv=None) -> int:
             "engine_dense": run_step("engine_dense", engine_run, "deepseek_dense", MODELS / "deepseek_dense"),
             "engine_wide": run_step("engine_wide", engine_run, "llama_wide", MODELS / "llama_wide"),
             "jobs": run_step("jobs", job_flow),
+            "dp": run_step("dp", dp_flow),
             "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
                                      MODELS / "llama_wide"),
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",
