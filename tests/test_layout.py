@@ -45,6 +45,11 @@ def test_a_layout_that_cannot_run_says_why(params, tp, devices, engine, says):
     assert says in layout.resolve(params, tp, "cpu", devices, engine).problem
 
 
+def test_a_host_of_a_replica_over_several_hosts_defaults_to_one():
+    plan = layout.resolve({"replica": {"node_rank": 1, "ranks_per_node": 2}}, 2, "cuda", list(range(8)))
+    assert plan.dp == 1 and plan.problem is None and plan.sets == [[0, 1]]
+
+
 def test_an_engine_without_replicas_defaults_to_one():
     plan = layout.resolve({}, 1, "cuda", list(range(8)), "speculators-0.3")
     assert plan.dp == 1 and plan.problem is None and "one replica per host" in plan.why

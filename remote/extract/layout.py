@@ -84,6 +84,8 @@ def resolve(params: dict, tp: int, kind: str, devices: list[int], engine: str | 
     unit = "GPU" if kind == "cuda" else "CPU core"
     if asked not in (None, ""):
         dp, why = int(asked), "asked (dp)"
+    elif params.get("replica"):
+        dp, why = 1, "a host of a replica over several hosts: the replica is one data-parallel unit"
     elif engine is not None and engine != VLLM_SERVER:
         dp, why = 1, f"the {engine} engine runs one replica per host"
     elif kind == "cuda":
