@@ -324,9 +324,9 @@ class Supervisor:
                      concurrency=int(p.get("concurrency") or self.plan.batch_size))
             p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
         layout = self.layout
-        if layout.problem:
-            raise ValueError(f"{layout.problem}; set dp so that dp x tp fits the host (or leave it out)")
         if layout.dp > 1:  # one server per replica, each on its own devices (remote/extract/layout.py)
+            if layout.problem:  # (one replica runs as it always did: the devices are preflight's to judge)
+                raise ValueError(f"{layout.problem}; set dp so that dp x tp fits the host (or leave it out)")
             p["replica_sets"] = layout.sets
         return p
 

@@ -113,6 +113,8 @@ def _layout(ctx, tp):
     plan = layout_of(ctx, tp)
     detail = plan.as_dict()
     unit = "GPU" if plan.kind == "cuda" else "core"
+    if plan.problem and plan.dp == 1:  # one replica: its devices are parallel.devices' to judge
+        return record("parallel.layout", SKIPPED, f"one replica of tp {plan.tp}: {plan.problem}", detail=detail)
     if plan.problem:
         fix = ("set dp to 1: the vllm-server engine runs data-parallel replicas (engine: vllm-server)"
                if "engine" in plan.problem else "leave the replica's hosts at dp 1" if ctx.params.get("replica")
