@@ -124,8 +124,9 @@ def test_two_hosts_train_one_draft_the_head_holds_the_curve_and_the_checkpoints(
     assert [e for e, _, whole in trainplan.epoch_dirs(head_dir / "checkpoints") if whole] == [0, 1]
     assert not (node_dir / trainplan.METRICS_FILE).exists() or not (node_dir / trainplan.METRICS_FILE).read_text()
     assert not trainplan.epoch_dirs(node_dir / "checkpoints")
-    # the trainer saw two ranks: each node's log says so
-    assert "dp_size=2" in (head_dir / "logs" / trainplan.TRAIN_LOG).read_text()
+    # the trainer saw two ranks: each node's log says which it was
+    assert "rank 0 of 2 joined (gloo)" in (head_dir / "logs" / trainplan.TRAIN_LOG).read_text()
+    assert "rank 1 of 2 joined (gloo)" in (node_dir / "logs" / trainplan.TRAIN_LOG).read_text()
 
 
 @pytest.mark.vllm

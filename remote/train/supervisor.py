@@ -166,7 +166,8 @@ class TrainSupervisor:
         nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
         head = trainplan.is_head(nodes)
         argv = plan.launch_argv(self.params.get("python") or sys.executable, launcher, nproc,
-                                self.paths.log(trainplan.RANK_LOGS), nodes=nodes)
+                                # torchrun's per-rank dir beside logs/, whose plain files a fetch brings
+                                self.paths.run_dir / trainplan.RANK_LOGS, nodes=nodes)
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
         set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
         for moved in set_aside:
@@ -226,7 +227,7 @@ class TrainSupervisor:
             return 1
         if not head:  # a headless node: the head (node 0) holds the run's curve and its checkpoints
             self.status.finish(eta_s=0, wall_s=round(time.monotonic() - t0, 1),
-                               phase=f"node {nodes['node_rank']} of {nodes['nnodes']} done (headless: the curve and "
+                               headless=f"node {nodes['node_rank']} of {nodes['nnodes']} (the curve and "
                                      f"the checkpoints are on {nodes['hosts'][0]})")
             return 0
         final = trainplan.last_checkpoint(plan.save_path)

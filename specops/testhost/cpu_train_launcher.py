@@ -56,6 +56,7 @@ def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
     _distributed._rank = torch.distributed.get_rank()
     _distributed._world_size = torch.distributed.get_world_size()
     _distributed._init_sp_process_groups(_distributed._rank, _distributed._world_size, sp_size)
+    print(f"[cpu launcher] rank {_distributed._rank} of {_distributed._world_size} joined (gloo)", flush=True)
 
 
 _distributed.maybe_setup_distributed = _cli.maybe_setup_distributed = _setup_distributed_on_cpu
