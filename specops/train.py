@@ -303,8 +303,9 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
             detail={"lost": lost, "node_rank": nodes[lost]["node_rank"], "ended_in_order": ended},
             fix=f"bring {lost} back, then run the same train command: it resumes every node from the head's "
                 f"last epoch checkpoint"))
-        codes.append(ExitCode.JOB_FAILED)
     print_reports(fetched, as_json=as_json)
+    if lost is not None:  # the run failed: the other nodes' "aborted" is the laptop's doing, not the run's end
+        return ExitCode.JOB_FAILED
     return max(codes + [r.exit_code for r in fetched], default=ExitCode.SUCCESS)
 
 

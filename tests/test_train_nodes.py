@@ -130,7 +130,7 @@ def test_two_hosts_train_one_draft_the_head_holds_the_curve_and_the_checkpoints(
 
 
 @pytest.mark.vllm
-def test_a_killed_node_fails_the_run_naming_its_host_and_the_same_command_resumes(modern_ssh_run, tmp_path):
+def test_a_killed_node_fails_the_run_naming_its_host_abort_stops_every_node_and_the_same_command_resumes(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
     env, head_work = run["env"], run["run_dir"].parent.parent
     # a pause after each optimizer step (the CPU launcher's fault point): the kill lands mid-training
@@ -155,10 +155,26 @@ def test_a_killed_node_fails_the_run_naming_its_host_and_the_same_command_resume
     assert lost["status"] == "fail" and "lost node 1 (host b)" in lost["summary"], lost
     assert lost["detail"]["lost"] == "b" and "same train command" in lost["fix"], lost
 
+    # the same command resumes (detached here): abort --on the group takes every node down mid-training
+    again = specops(*args, "--detach", "--json", env=env, timeout=600)
+    assert again.returncode == 0, again.stdout[-5000:] + again.stderr[-3000:]
+    recs = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(again.stdout)["hosts"]}
+    assert recs["b"]["train.resume"]["status"] == "changed", recs["b"]  # the head's last epoch, copied to b
+    deadline = time.monotonic() + 300
+    while json.loads((head_dir / "status.json").read_text()).get("state") != "training":
+        assert time.monotonic() < deadline, (head_dir / "status.json").read_text()
+        time.sleep(1)
+    abort = specops("abort", "--inventory", inv, "--on", "pair", "--run-id", "nodes-lost", env=env, timeout=120)
+    assert abort.returncode == 0, abort.stdout + abort.stderr
+    for run_dir in (head_dir, node_dir):
+        st = json.loads((run_dir / "status.json").read_text())
+        assert st["state"] == "aborted", (run_dir, st)
+        pid = int((run_dir / "pid").read_text())
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
     resumed = specops(*args, "--json", env=env, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-5000:] + resumed.stderr[-3000:]
     recs = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(resumed.stdout)["hosts"]}
-    assert recs["b"]["train.resume"]["status"] == "changed", recs["b"]  # the head's last epoch, copied to b
     final = recs["a"]["train.run"]
     assert final["status"] == "ok" and final["detail"]["resumed_from"]["epoch"] >= 0, final
     st = json.loads((head_dir / "status.json").read_text())
