@@ -24,10 +24,6 @@ from specops.result import Record
 from specops.transport.host import Host
 from specops.wire import contract
 
-#: what a whole epoch checkpoint holds (remote.train.plan.CHECKPOINT_COMPLETE)
-CHECKPOINT_COMPLETE = ("model.safetensors", "optimizer_state_dict.pt", "training_state.json")
-
-
 def node_blocks(inventory: Inventory, hosts: list[str], master_port: int | None) -> dict[str, dict]:
     """``{host: nodes}``: each host's place in the run, the first host the head.
 
@@ -63,7 +59,7 @@ def _complete_epochs(host: Host, save_path: str) -> list[int]:
     from specops.runs import hostjob
 
     epochs = sorted((int(n) for n in hostjob.list_remote(host, save_path) if n.isdigit()), reverse=True)
-    return [e for e in epochs if set(CHECKPOINT_COMPLETE) <= set(hostjob.list_remote(host, f"{save_path}/{e}"))]
+    return [e for e in epochs if set(contract.CHECKPOINT_COMPLETE) <= set(hostjob.list_remote(host, f"{save_path}/{e}"))]
 
 
 def save_path(host: Host, run_id: str) -> str:

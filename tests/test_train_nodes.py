@@ -61,6 +61,25 @@ def test_the_lost_node_is_the_one_that_went_away_not_the_peer_that_failed_after_
     assert trainnodes.lost_node(["a", "b"], {"a": peer, "b": OSError("unreachable")}) == "b"
 
 
+def test_a_head_without_an_ip_address_and_a_master_port_on_one_host_are_refused_before_connecting(tmp_path):
+    host = {"address": "gpu-a.example.org", "python": "python3", "work_dir": "/w", "model_path": "/m",
+            "output_dir": "/o"}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"}},
+                                   "groups": {"pair": ["a", "b"]}}))
+    proc = specops("train", "--inventory", inv, "--on", "pair", "--run-id", "t", "--from-run", "r", timeout=60)
+    assert proc.returncode == 3 and "heads the training run over a, b" in proc.stderr, proc.stdout + proc.stderr
+    assert "set node_address of host 'a'" in proc.stderr, proc.stderr
+    proc = specops("train", "--inventory", inv, "--on", "b", "--run-id", "t", "--from-run", "r", "--master-port",
+                   "29600", timeout=60)
+    assert proc.returncode == 3 and "--master-port is the rendezvous port" in proc.stderr, proc.stdout + proc.stderr
+    from specops.inventory import load_inventory
+
+    blocks = trainnodes.node_blocks(load_inventory(inv), ["b", "a"], None)
+    assert blocks["a"] == {"hosts": ["b", "a"], "node_rank": 1, "nnodes": 2, "master_addr": "10.0.0.2",
+                           "master_port": 29500}
+
+
 # --------------------------------------------------------------------------- heavy: two hosts over SSH
 
 

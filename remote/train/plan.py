@@ -41,8 +41,9 @@ from remote.wire import contract, layers, protocol
 
 #: what ``speculators train`` runs (``speculators/train/__main__.py``): one process, one device.
 TRAINER_MODULE = "speculators.train"
-#: torch's launcher (``torchrun``) for a host with several visible GPUs: one trainer process per GPU,
-#: each rank's output kept in its own file under the run's logs and also in train.log, prefixed
+#: torch's launcher (``torchrun``) for a host with several visible GPUs (or a node of a run over several
+#: hosts): one trainer process per GPU, each rank's output kept in its own file under the run dir's
+#: ``ranks/`` (beside ``logs/``, whose plain files a fetch reads) and also in train.log, prefixed
 #: ``[default<rank>]:`` (``--tee 3``), so a failing rank is named.
 TORCHRUN_MODULE = "torch.distributed.run"
 RANK_LOGS = "ranks"
@@ -247,10 +248,8 @@ def checkpoints_dir(run_dir) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-#: what a whole epoch checkpoint holds. speculators writes them one file after another into the
-#: numbered dir, so a SIGTERM or a kill mid-save leaves a dir without the last ones, and its own
-#: resume (the highest numbered dir) would then fail reading the optimizer state.
-CHECKPOINT_COMPLETE = ("model.safetensors", "optimizer_state_dict.pt", "training_state.json")
+#: what a whole epoch checkpoint holds (:data:`remote.wire.contract.CHECKPOINT_COMPLETE`)
+CHECKPOINT_COMPLETE = contract.CHECKPOINT_COMPLETE
 #: the name a partial epoch dir is moved to (not a number: speculators' resume skips it)
 PARTIAL_PREFIX = "partial-"
 
