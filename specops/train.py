@@ -324,10 +324,15 @@ def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, 
         added[names[0]] = trainnodes.preflight(inventory, names, lambda n: hosts[n], nodes[names[0]]["master_port"])
         by_host[names[0]].records += added[names[0]]
     if any(r.failed for r in checks):
+        failed = [r.host for r in checks if r.failed]
         for report in checks:
-            report.records.append(Record(name="train.nodes", status="skipped",
-                                         summary=f"train run {run_id} over {', '.join(names)} not started: a node's "
-                                                 f"checks failed"))
+            report.records.append(Record(
+                name="train.nodes", status="fail" if report.failed else "skipped",
+                summary=f"train run {run_id} over {', '.join(names)} not started: the checks of "
+                        f"{', '.join(failed)} failed (no node starts until every node can train)",
+                fix=(f"each host trains on the states it reads: give {report.host} the states of the run (an "
+                     f"output_dir every host shares, or the states run copied into its work_dir), or fix what the "
+                     f"records above name" if report.failed else None)))
         print_reports(checks, as_json=as_json)
         return max(r.exit_code for r in checks), {}
     for worker in names[1:]:

@@ -198,3 +198,20 @@ def test_a_killed_node_fails_the_run_naming_its_host_abort_stops_every_node_and_
     assert final["status"] == "ok" and final["detail"]["resumed_from"]["epoch"] >= 0, final
     st = json.loads((head_dir / "status.json").read_text())
     assert st["state"] == "done" and st["epoch"] == 3 and st["loss"] is not None, st
+
+
+@pytest.mark.vllm
+def test_a_host_without_the_states_stops_every_node_before_one_starts_naming_it(modern_ssh_run, tmp_path):
+    run = modern_ssh_run("llama", 1)
+    env = run["env"]
+    inv = _two_hosts(run, tmp_path, "apart")
+    (tmp_path / "apart" / "work-b" / "runs" / run["run_id"]).unlink()  # b's storage is its own: no states there
+    proc = specops(*_train(inv, run, "nodes-apart", 1, _free_port(), env), "--json", env=env, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(proc.stdout)["hosts"]}
+    assert recs["b"]["train.nodes"]["status"] == "fail" and "the checks of b failed" in recs["b"]["train.nodes"][
+        "summary"], recs["b"]
+    assert "give b the states" in recs["b"]["train.nodes"]["fix"], recs["b"]["train.nodes"]
+    assert recs["a"]["train.nodes"]["status"] == "skipped", recs["a"]
+    for work in (run["run_dir"].parent.parent, tmp_path / "apart" / "work-b"):
+        assert not (work / "runs" / "nodes-apart").exists(), work  # nothing started anywhere
