@@ -316,12 +316,14 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                          "host's env sees)",
                  "total-seq-len": "tokens the trainer packs into one step (speculators' --total-seq-len; default: "
                                   "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)",
+                 "master-port": "several hosts selected (--on GROUP): one run over all of them, the first the head; "
+                                "the port its rendezvous listens on (default 29500)",
                  "draft-vocab-size": "a reduced draft vocabulary of the N most frequent supervised tokens (speculators' "
                                      "--draft-vocab-size; the trainer reads the run's token_freq.pt)"},
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
           regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          draft_vocab_size=None):
+          draft_vocab_size=None, master_port=None):
     """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
     from specops.train import train as run
 
@@ -331,7 +333,7 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
                regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, gpus=gpus,
-               total_seq_len=total_seq_len, as_json=target.as_json,
+               total_seq_len=total_seq_len, master_port=master_port, as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 

@@ -17,12 +17,13 @@ from its last epoch checkpoint (speculators resumes from its save path).
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 from rich.text import Text
 
-from specops import wire
+from specops import trainnodes, wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
@@ -90,11 +91,16 @@ def trainer_argv(values) -> list[str]:
 
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
-               gpus: int | None = None, total_seq_len: int | None = None) -> HostReport:
-    """The training preflight and the start (or re-attach, or resume) on one host."""
-    payload = host.run_task("train", train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run,
-                                                  force=force, trainer_args=trainer_args, regenerate=regenerate,
-                                                  gpus=gpus, total_seq_len=total_seq_len))
+               gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
+               action: str = "start") -> HostReport:
+    """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
+    preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
+    params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
+                          trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
+                          action=action)
+    if nodes:
+        params["nodes"] = nodes
+    payload = host.run_task("train", params)
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
     return report
@@ -146,6 +152,12 @@ def run_record(run_id: str, state: RunStatus) -> Record:
     # what the trainer really held, beside the preflight's estimate (the host's remote.train.memuse)
     memory = st.get("memory")
     used = f"; {wire.words.usage_line(memory)}" if memory else ""
+    nodes = st.get("nodes") or {}
+    if state.state == "done" and int(nodes.get("node_rank") or 0) > 0:
+        return Record(name="train.run", status="ok",
+                      summary=f"run {run_id} done on node {nodes['node_rank']} of {nodes['nnodes']} (headless: the "
+                              f"curve and the checkpoints are on {nodes['hosts'][0]}){used}",
+                      detail={"nodes": nodes, "wall_s": st.get("wall_s"), "memory": memory})
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
@@ -176,9 +188,10 @@ def run_record(run_id: str, state: RunStatus) -> Record:
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          as_json: bool = False,
+          master_port=None, as_json: bool = False,
           accept_new_host_key: bool = False) -> ExitCode:
-    """Start (or resume) the train run on every selected host, follow it, fetch what it wrote."""
+    """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
+    selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
     from specops.runid import check_run_id
 
     if not run_id:
@@ -198,11 +211,32 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     elif regen_max_tokens is not None or regen_temperature is not None:
         raise UsageError("--regen-max-tokens and --regen-temperature set how the target writes its replies",
                          "add --regenerate, or drop them")
+    master_port = _train_flag("master_port", master_port)
     hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
-    reports = run_on_hosts(inventory, ",".join(hosts), "train", lambda h: start_step(
-        hosts[h.name], run_id, from_run, epochs=epochs, dry_run=dry_run, force=force, trainer_args=extra,
-        regenerate=regen, gpus=gpus, total_seq_len=total_seq_len))
+    nodes = {}
+    if len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
+        if regen is not None:
+            raise UsageError("--regenerate runs on one host (the target's server writes the replies there)",
+                             "regenerate on one host (--on HOST), or train over several hosts without it")
+        nodes = trainnodes.node_blocks(inventory, list(hosts), master_port)
+    elif master_port is not None:
+        raise UsageError("--master-port is the rendezvous port of a training run over several hosts",
+                         "drop it, or select several hosts (--on GROUP)")
+    step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
+                             trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len)
+    checked: dict[str, list[Record]] = {}
+    if nodes:
+        refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)
+        if refused is not None:
+            return refused
+    reports = run_on_hosts(inventory, ",".join(hosts), "train",
+                           lambda h: step(hosts[h.name], nodes=nodes.get(h.name)))
+    for report in reports:  # the nodes' own checks (rendezvous, a checkpoint copied) before the start's
+        report.records[:0] = checked.get(report.host, [])
     started = [r.host for r in reports if not r.failed]
+    if nodes and len(started) < len(hosts):  # a node that did not start: the others would wait for it
+        trainnodes.abort_nodes([hosts[n] for n in started], run_id)
+        started = []
     if detach or not started:
         print_reports(reports, as_json=as_json)
         return max((r.exit_code for r in reports), default=ExitCode.SUCCESS)
@@ -225,8 +259,16 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
             shown[name] = (line, phase, now)
             err_console.print(line)
 
+    ended: list[str] = []
+
+    def on_result(name: str, result) -> None:
+        # a node of a run over several hosts that ended without being done: the others go down with it
+        ended.append(name)
+        if nodes and getattr(result, "state", None) != "done" and len(ended) == 1:
+            trainnodes.abort_nodes([hosts[n] for n in started if n != name], run_id)
+
     try:
-        final = hostjob.follow_runs([hosts[n] for n in started], run_id, on_event)
+        final = hostjob.follow_many([(n, hosts[n], run_id) for n in started], on_event, on_result=on_result)
     except KeyboardInterrupt:
         for host in hosts.values():
             host.close()
@@ -248,8 +290,56 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         report.records.append(run_record(run_id, result))
         report.data["final_status"] = result.model_dump()
         codes.append(result.exit_code)
+    lost = trainnodes.lost_node(ended, final) if nodes else None
+    if lost is not None:  # the head's report says which node ended the run, and how to go on
+        result = final[lost]
+        why = (f"{result.error.type}: {result.error.message}" if getattr(result, "error", None)
+               else str(result) if isinstance(result, Exception) else getattr(result, "state", "?"))
+        head_report = next(r for r in fetched if r.host == started[0])
+        head_report.records.append(Record(
+            name="train.nodes", status="fail",
+            summary=f"run {run_id} over {', '.join(started)} lost node {nodes[lost]['node_rank']} (host {lost}): "
+                    f"{why.splitlines()[0][:300]}; the other nodes were stopped",
+            detail={"lost": lost, "node_rank": nodes[lost]["node_rank"], "ended_in_order": ended},
+            fix=f"bring {lost} back, then run the same train command: it resumes every node from the head's "
+                f"last epoch checkpoint"))
     print_reports(fetched, as_json=as_json)
+    if lost is not None:  # the run failed: the other nodes' "aborted" is the laptop's doing, not the run's end
+        return ExitCode.JOB_FAILED
     return max(codes + [r.exit_code for r in fetched], default=ExitCode.SUCCESS)
+
+
+def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, step, run_id: str,
+                     as_json: bool) -> tuple[ExitCode | None, dict[str, list[Record]]]:
+    """A run over several hosts, before any node starts: the train checks on every host, the rendezvous
+    checks of the nodes (:func:`specops.trainnodes.preflight`), and the head's last checkpoint copied to the
+    others for a resume. The exit code of a refusal (its reports printed), else None; and the records the nodes'
+    start reports begin with, by host."""
+    names = list(hosts)
+    checks = run_on_hosts(inventory, ",".join(names), "train",
+                          lambda h: step(hosts[h.name], nodes=nodes[h.name], action="check"))
+    by_host = {r.host: r for r in checks}
+    added: dict[str, list[Record]] = {name: [] for name in names}
+    if not any(r.failed for r in checks):
+        added[names[0]] = trainnodes.preflight(inventory, names, lambda n: hosts[n], nodes[names[0]]["master_port"])
+        by_host[names[0]].records += added[names[0]]
+    if any(r.failed for r in checks):
+        failed = [r.host for r in checks if r.failed]
+        for report in checks:
+            report.records.append(Record(
+                name="train.nodes", status="fail" if report.failed else "skipped",
+                summary=f"train run {run_id} over {', '.join(names)} not started: the checks of "
+                        f"{', '.join(failed)} failed (no node starts until every node can train)",
+                fix=(f"each host trains on the states it reads: give {report.host} the states of the run (an "
+                     f"output_dir every host shares, or the states run copied into its work_dir), or fix what the "
+                     f"records above name" if report.failed else None)))
+        print_reports(checks, as_json=as_json)
+        return max(r.exit_code for r in checks), {}
+    for worker in names[1:]:
+        copied = trainnodes.sync_checkpoint(hosts[names[0]], hosts[worker], run_id)
+        if copied is not None:
+            added[worker].append(copied)
+    return None, added
 
 
 #: what a train run's fetch writes beside ``metrics.jsonl``

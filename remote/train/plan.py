@@ -41,8 +41,9 @@ from remote.wire import contract, layers, protocol
 
 #: what ``speculators train`` runs (``speculators/train/__main__.py``): one process, one device.
 TRAINER_MODULE = "speculators.train"
-#: torch's launcher (``torchrun``) for a host with several visible GPUs: one trainer process per GPU,
-#: each rank's output kept in its own file under the run's logs and also in train.log, prefixed
+#: torch's launcher (``torchrun``) for a host with several visible GPUs (or a node of a run over several
+#: hosts): one trainer process per GPU, each rank's output kept in its own file under the run dir's
+#: ``ranks/`` (beside ``logs/``, whose plain files a fetch reads) and also in train.log, prefixed
 #: ``[default<rank>]:`` (``--tee 3``), so a failing rank is named.
 TORCHRUN_MODULE = "torch.distributed.run"
 RANK_LOGS = "ranks"
@@ -166,17 +167,41 @@ class TrainPlan:
                 argv.append(value)
         return argv + [str(a) for a in self.extra_args]
 
-    def launch_argv(self, python: str, launcher: str, nproc: int, rank_logs) -> list[str]:
+    def launch_argv(self, python: str, launcher: str, nproc: int, rank_logs, nodes: dict | None = None) -> list[str]:
         """What the supervisor starts: :meth:`argv` itself on one device; under torchrun with ``nproc``
-        processes (one per visible GPU) when there are several (``rank_logs``: torchrun's log dir)."""
+        processes (one per visible GPU) when there are several (``rank_logs``: torchrun's log dir); on every
+        node of a run over several hosts (``nodes``: :func:`node_problem`'s block) torchrun's static
+        rendezvous at the first host's address, ``nproc`` processes on each node."""
         argv = self.argv(python, launcher)
-        if nproc <= 1:
+        where = ["--standalone"]
+        if nodes and int(nodes["nnodes"]) > 1:
+            where = ["--nnodes", str(int(nodes["nnodes"])), "--node-rank", str(int(nodes["node_rank"])),
+                     "--master-addr", str(nodes["master_addr"]), "--master-port", str(int(nodes["master_port"]))]
+        elif nproc <= 1:
             return argv
-        return [str(python), "-m", TORCHRUN_MODULE, "--standalone", "--nproc_per_node", str(int(nproc)),
+        return [str(python), "-m", TORCHRUN_MODULE, *where, "--nproc_per_node", str(int(nproc)),
                 "--log-dir", str(rank_logs), "--tee", "3", "-m", launcher, *argv[3:]]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "overrides": self.overrides()}
+
+
+#: what a node of a training run over several hosts is told (``nodes``, from the laptop's inventory)
+NODE_KEYS = ("hosts", "node_rank", "nnodes", "master_addr", "master_port")
+
+
+def node_problem(nodes) -> str | None:
+    """Why a ``nodes`` block cannot start a trainer node (a key missing, a rank out of range), else None."""
+    if not isinstance(nodes, dict) or any(k not in nodes for k in NODE_KEYS):
+        return f"nodes must hold {', '.join(NODE_KEYS)}"
+    if len(nodes["hosts"]) != int(nodes["nnodes"]) or not 0 <= int(nodes["node_rank"]) < int(nodes["nnodes"]):
+        return f"node_rank {nodes['node_rank']} of {nodes['nnodes']} node(s) {nodes['hosts']}"
+    return None
+
+
+def is_head(nodes: dict | None) -> bool:
+    """Whether this node keeps the run's curve and checkpoints (a single-host run, or node 0 of several)."""
+    return not nodes or int(nodes.get("node_rank") or 0) == 0
 
 
 def failing_rank(log_text: str) -> int | None:
@@ -223,10 +248,8 @@ def checkpoints_dir(run_dir) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-#: what a whole epoch checkpoint holds. speculators writes them one file after another into the
-#: numbered dir, so a SIGTERM or a kill mid-save leaves a dir without the last ones, and its own
-#: resume (the highest numbered dir) would then fail reading the optimizer state.
-CHECKPOINT_COMPLETE = ("model.safetensors", "optimizer_state_dict.pt", "training_state.json")
+#: what a whole epoch checkpoint holds (:data:`remote.wire.contract.CHECKPOINT_COMPLETE`)
+CHECKPOINT_COMPLETE = contract.CHECKPOINT_COMPLETE
 #: the name a partial epoch dir is moved to (not a number: speculators' resume skips it)
 PARTIAL_PREFIX = "partial-"
 

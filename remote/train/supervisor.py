@@ -163,8 +163,11 @@ class TrainSupervisor:
             plan = self._regenerate(plan)
         launcher = pick_launcher()
         nproc = trainer_processes(self.params, launcher)
+        nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
+        head = trainplan.is_head(nodes)
         argv = plan.launch_argv(self.params.get("python") or sys.executable, launcher, nproc,
-                                self.paths.log(trainplan.RANK_LOGS))
+                                # torchrun's per-rank dir beside logs/, whose plain files a fetch brings
+                                self.paths.run_dir / trainplan.RANK_LOGS, nodes=nodes)
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
         set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
         for moved in set_aside:
@@ -174,7 +177,7 @@ class TrainSupervisor:
         resumed = found if found and found["epoch"] is not None and not plan.dry_run else None
         self.status.update(state=RunState.LOADING.value, phase="starting the trainer", plan=plan.as_dict(),
                            launcher=launcher, processes=nproc, command=argv, resumed_from=resumed, set_aside=set_aside,
-                           checkpoints=plan.save_path, epochs=plan.epochs)
+                           checkpoints=plan.save_path, epochs=plan.epochs, nodes=nodes)
         print(f"[specops] train run {plan.run_id}: {' '.join(argv)}" +
               (f"; resumes after epoch {resumed['epoch']} (global step {resumed['global_step']})" if resumed else ""),
               flush=True)
@@ -183,7 +186,8 @@ class TrainSupervisor:
         log_path = self.paths.log(trainplan.TRAIN_LOG)
         t0 = time.monotonic()
         with open(log_path, "a", encoding="utf-8") as log, \
-                open(self.paths.run_dir / trainplan.METRICS_FILE, "a", encoding="utf-8") as metrics_out:
+                open(self.paths.run_dir / trainplan.METRICS_FILE if head else os.devnull, "a",
+                     encoding="utf-8") as metrics_out:  # the one curve is the head's (rank 0 prints the metrics)
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
@@ -210,6 +214,8 @@ class TrainSupervisor:
                                       found.get("message") or f"the trainer exited with code {code}", rank=rank or 0,
                                       where="trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)",
                                       traceback=found.get("traceback") or "", exit_code=code)
+            if nodes:  # which host of a run over several this is (the laptop names the lost one)
+                error["node"] = {"rank": int(nodes["node_rank"]), "host": nodes["hosts"][int(nodes["node_rank"])]}
             if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means
                 error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
                          "where": "trainer"}
@@ -219,6 +225,11 @@ class TrainSupervisor:
                 error = {**error, "cause": "ENOSPC", "message": f"{full}; the trainer's own error: {error['message']}"}
             self.status.fail({**error, "log_tail": tail[-4000:]})
             return 1
+        if not head:  # a headless node: the head (node 0) holds the run's curve and its checkpoints
+            self.status.finish(eta_s=0, wall_s=round(time.monotonic() - t0, 1),
+                               headless=f"node {nodes['node_rank']} of {nodes['nnodes']} (the curve and "
+                                     f"the checkpoints are on {nodes['hosts'][0]})")
+            return 0
         final = trainplan.last_checkpoint(plan.save_path)
         if final is None:
             raise RuntimeError(f"the trainer exited 0 but left no checkpoint in {plan.save_path}")

@@ -54,6 +54,8 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
     "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
+    "nodes": Arg("dict", doc="a run over several hosts: this host's place in it (remote.train.plan.NODE_KEYS: the "
+                             "hosts, head first, its node_rank, nnodes, the head's master_addr and master_port)"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
     "globs": Arg("list", elements="str", call=True, doc="files: which of its files (default DRAFT_FILES)"),
 }, required_if=[("action", "check", ("from_run",)), ("action", "start", ("from_run",))])
@@ -112,6 +114,11 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
     :raises TrainError: a refusal (the records before it stay in ``records``).
     """
     check_same_args(params)
+    if params.get("nodes"):
+        why = trainplan.node_problem(params["nodes"])
+        if why:
+            raise TrainError("train.nodes", f"this host's place in the run over several hosts: {why}",
+                             "start it with specops train --on <group> (the laptop sends each host its place)")
     api = trainplan.trainer_api()
     records.append(trainplan.check_extra_args(params.get("train_args"), api))
     plan = trainplan.resolve(params)
@@ -159,7 +166,7 @@ def check_same_args(params: dict) -> None:
 
 def check_cpu_launcher() -> dict:
     """``train.device``: a CPU host runs speculators' trainer only behind the launcher shim
-    (:data:`remote.train.plan.CPU_LAUNCHER_MODULE`: four accelerator assumptions patched), which
+    (:data:`remote.train.plan.CPU_LAUNCHER_MODULE`: five accelerator assumptions patched), which
     only the test host's env carries; elsewhere the trainer dies with "No accelerator found"."""
     import importlib.util
 

@@ -532,6 +532,8 @@ TRAIN_ARGS = {
                                   "GPU the job sees, remote.train.supervisor.trainer_processes)"),
     "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
                          "remote.train.plan.default_total_seq_len); not below the states' seq_len"),
+    "master_port": Arg("int", min=1, max=65534, doc="a run over several hosts: the port torchrun's rendezvous "
+                       "listens on at the first host (default specops.inventory.DEFAULT_MASTER_PORT)"),
     "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
     "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
 }

@@ -194,6 +194,11 @@ MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 #: a run dir's own files (:mod:`remote.run.rundir`); the laptop fetches these by name.
 PARAMS_FILE, STATUS_FILE = "params.json", "status.json"
+#: what a whole epoch checkpoint of a train run holds. speculators writes them one file after another into
+#: the numbered dir, so a SIGTERM or a kill mid-save leaves a dir without the last ones, and its own resume
+#: (the highest numbered dir) would then fail reading the optimizer state. The laptop reads it too: a run
+#: over several hosts copies the head's last whole epoch to the other nodes (specops.trainnodes).
+CHECKPOINT_COMPLETE = ("model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 #: ``eval``: the host task's pid in its eval dir (``<work_dir>/evals/<name>``) while it runs, for Ctrl-C to stop it
 EVAL_PID_FILE = "eval.pid"
 RUN_FILES = (PARAMS_FILE, STATUS_FILE, MANIFEST, SUMMARY)

@@ -2,7 +2,7 @@
 
 Test hosts only (the test host's overlay env carries this file as the module
 ``_specops_cpu_train_launcher``; a GPU host never gets it). speculators 0.9.0's trainer
-assumes an accelerator in four places, each patched here before the same
+assumes an accelerator in five places, each patched here before the same
 ``main(TrainConfig.resolve())`` that ``python -m speculators.train`` runs:
 
 * ``speculators.train.trainer.get_local_rank`` is the device the model moves to: "cpu";
@@ -13,6 +13,10 @@ assumes an accelerator in four places, each patched here before the same
   to) says "cuda:0" without an accelerator, and safetensors then asks for pinned memory:
   "cpu".
 
+* ``speculators.train.distributed.maybe_setup_distributed`` (under torchrun) asks the accelerator for
+  its device and backend ("No accelerator found" on a CPU host): here it joins the process group
+  with gloo, torch's CPU backend, and fills the same module state (ranks, world, SP/DP groups).
+
 ``SPECOPS_BATCH_DELAY_S`` in the run's env (a test's fault point, :mod:`remote.run.faults`)
 pauses after every optimizer step, so a test can act mid-training on a fast machine.
 """
@@ -20,6 +24,8 @@ import os
 import time
 
 import speculators.train.checkpointer as _checkpointer
+import speculators.train.cli as _cli
+import speculators.train.distributed as _distributed
 import speculators.train.trainer as _trainer
 import torch
 from speculators.train.cli import main
@@ -38,6 +44,22 @@ def _setup_model_on_cpu(self, *args, **kwargs):
 
 _trainer.Trainer.setup_model = _setup_model_on_cpu
 torch.accelerator.synchronize = lambda *args, **kwargs: None
+_setup_distributed = _distributed.maybe_setup_distributed
+
+
+def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
+    if "LOCAL_RANK" not in os.environ:  # one process: nothing to join
+        return _setup_distributed(sp_size)
+    torch.distributed.init_process_group("gloo")
+    _distributed._local_rank = int(os.environ["LOCAL_RANK"])
+    _distributed._is_distributed = True
+    _distributed._rank = torch.distributed.get_rank()
+    _distributed._world_size = torch.distributed.get_world_size()
+    _distributed._init_sp_process_groups(_distributed._rank, _distributed._world_size, sp_size)
+    print(f"[cpu launcher] rank {_distributed._rank} of {_distributed._world_size} joined (gloo)", flush=True)
+
+
+_distributed.maybe_setup_distributed = _cli.maybe_setup_distributed = _setup_distributed_on_cpu
 
 _step_delay_s = float(os.environ.get("SPECOPS_BATCH_DELAY_S") or 0)
 if _step_delay_s:

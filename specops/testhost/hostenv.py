@@ -204,7 +204,7 @@ def make_overlay_env(base_python: Path | str, dest: Path, own=OVERLAY_OWN, rope_
     :mod:`cpu_fp8_hidden_states_connector` as ``_specops_cpu_fp8_hidden_states_connector``
     (the connector of ``format: fp8`` on a CPU host; it needs hs-connectors, which the modern
     stack carries), and :mod:`cpu_train_launcher` as ``_specops_cpu_train_launcher`` (speculators'
-    trainer assumes an accelerator in four places; ``specops train`` runs it on a CPU host).
+    trainer assumes an accelerator in five places; ``specops train`` runs it on a CPU host).
 
     :returns: the overlay's python.
     """
