@@ -6,8 +6,9 @@ speculators 0.9, the ``vllm-server`` engine), alternating ``--repeat`` times ove
 1. ``dp1``: one vLLM server on every core (what a run did before replicas);
 2. ``dp2``: two servers, one per half of the cores (``dp: 2``: one core each on a 2-core host);
 3. ``--vllm-dp``: the alternative the engine did not take, vLLM's own ``--data-parallel-size 2`` in one
-   server, run by the engine as a program (``python -m remote.extract.engines.vllm_server``, its
-   ``server_args``) beside the same program without it (``engine-dp1``): its outcome is printed, a failure too.
+   server (``vllm-dp2``), against the engine's two servers (``engine-dp2``) and one (``engine-dp1``), all
+   run by the engine as a program (``python -m remote.extract.engines.vllm_server``: no supervisor, no SSH;
+   vLLM's own DP is not a run option): its outcome is printed, a failure too.
 
 tok/s is the run's own (its summary: the extraction loop, model load excluded); the wall is the whole
 command (load included). Target: dp2 / dp1 >= 1.7 on 2 cores.
@@ -60,7 +61,7 @@ def run_once(root: Path, host: dict, name: str, run_id: str, env: dict) -> dict:
 
 
 def engine_once(python: Path, model: Path, rows: Path, root: Path, run_id: str, length: int,
-                server_args: list[str]) -> dict:
+                server_args: list[str], replica_sets: list | None = None) -> dict:
     """The vllm-server engine as a program on the same rows (no supervisor, no SSH). With vLLM's own
     ``--data-parallel-size N`` on a CPU host, each DP rank's engine core takes the next slice of
     ``VLLM_CPU_OMP_THREADS_BIND`` (one slice only: "CPU id list [] doesn't match local world size 1"),
@@ -77,7 +78,7 @@ def engine_once(python: Path, model: Path, rows: Path, root: Path, run_id: str, 
         token_rows.write_text("".join(json.dumps({"token_ids": json.loads(line)["input_ids"]}) + "\n"
                                       for line in rows.read_text().splitlines()))
     params = {"device": "cpu", "enforce_eager": True, "seq_len": length, "concurrency": 8, "canary_samples": 0,
-              "server_args": server_args, "ready_timeout_s": 600}
+              "server_args": server_args, "ready_timeout_s": 600, **({"replica_sets": replica_sets} if replica_sets else {})}
     t0 = time.monotonic()
     proc = subprocess.run([str(python), "-m", "remote.extract.engines.vllm_server", "--model", str(model),
                            "--samples", str(token_rows), "--out", str(root / "out" / run_id), "--work-dir",
@@ -102,6 +103,7 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=256, help="tokens per row")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--vllm-dp", action="store_true", help="also try vLLM's own --data-parallel-size 2")
+    ap.add_argument("--only", default="", help="comma-separated modes to run (default: all)")
     args = ap.parse_args()
 
     models = ensure_models(ensure_hostenv(quiet=True))
@@ -120,8 +122,13 @@ def main() -> int:
                 "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
     modes = {"dp1": {"dp": 1}, "dp2": {"dp": 2}}
     if args.vllm_dp:
+        halves = sorted(os.sched_getaffinity(0))
+        half = max(1, len(halves) // 2)
         modes["engine-dp1"] = {"engine": []}
+        modes["engine-dp2"] = {"engine": [], "replica_sets": [halves[:half], halves[half:2 * half]]}
         modes["vllm-dp2"] = {"engine": ["--data-parallel-size", "2"]}
+    if args.only:
+        modes = {m: f for m, f in modes.items() if m in args.only.split(",")}
     results: dict[str, list] = {m: [] for m in modes}
     env = {**os.environ, "COLUMNS": "200", "SPECOPS_RUNS": str(root / "runs")}
     cores = len(os.sched_getaffinity(0))
@@ -134,7 +141,8 @@ def main() -> int:
                         "work_dir": str(root / "work"), "output_dir": str(root / "out" / run_id),
                         "model_path": str(model), "dataset": str(rows), "seq_len": args.length,
                         "max_samples": args.samples, "batch_size": 8, "canary_samples": 0, "env": host_env, **fields}
-                r = (engine_once(python, model, rows, root, run_id, args.length, fields["engine"])
+                r = (engine_once(python, model, rows, root, run_id, args.length, fields["engine"],
+                                 fields.get("replica_sets"))
                      if "engine" in fields else run_once(root, host, "bench", run_id, env))
                 results[mode].append(r)
                 said = (f"{r['tok_per_s']:8.0f} tok/s (wall {r['wall_s']:.0f} s, load included)" if r["ok"]
@@ -145,11 +153,13 @@ def main() -> int:
     rate = {m: statistics.median(r["tok_per_s"] for r in rs if r["ok"]) if any(r["ok"] for r in rs) else None
             for m, rs in results.items()}
     wall = {m: statistics.median(r["wall_s"] for r in rs) for m, rs in results.items()}
+    wall.setdefault("dp1", None)
     print(f"model {model.name}, {args.samples} rows of {args.length} tokens, {cores} cores, "
           f"{grep_cpu()}")
     for mode in modes:
         if rate[mode]:
-            base = "engine-dp1" if mode == "vllm-dp2" else "dp1"
+            base = "engine-dp1" if mode.startswith(("vllm-", "engine-")) else "dp1"
+            base = base if rate.get(base) else mode
             print(f"{mode:10s}: {rate[mode]:8.0f} tok/s  ratio to {base} {rate[mode] / (rate[base] or rate[mode]):.2f}  "
                   f"(wall {wall[mode]:.0f} s, ratio {wall[base] / wall[mode]:.2f})")
         else:
