@@ -24,6 +24,7 @@ from specops.result import Record
 from specops.transport.host import Host
 from specops.wire import contract
 
+
 def node_blocks(inventory: Inventory, hosts: list[str], master_port: int | None) -> dict[str, dict]:
     """``{host: nodes}``: each host's place in the run, the first host the head.
 
