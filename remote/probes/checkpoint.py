@@ -253,5 +253,6 @@ def _fit_record(ctx):
                       fix="lower VLLM_CPU_KVCACHE_SPACE, free RAM, or use a bigger host")
     status = WARN if need > TIGHT_SHARE * avail else OK
     return record("checkpoint.fit", status, f"weights {human_bytes(total)} + KV cache {human_bytes(kv * tp)} "
-                  f"vs RAM {human_bytes(avail)} available", detail=detail,
+                  + (f"x dp {dp} replicas ({human_bytes(need)}) " if dp > 1 else "")
+                  + f"vs RAM {human_bytes(avail)} available", detail=detail,
                   fix="free RAM or lower VLLM_CPU_KVCACHE_SPACE" if status == WARN else None)
