@@ -54,6 +54,41 @@ def replica_server_pids(run_dir: Path, replica: str) -> list[int]:
     return pids
 
 
+def core_halves() -> list[list[int]]:
+    """The device sets ``dp: 2`` gives on this machine's test host (a loopback sshd: this process's cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    return [cores[:half], cores[half:]]
+
+
+def paced_dp2_run(run: dict, tmp_path: Path, run_id: str, **fields) -> tuple[list, Path]:
+    """A ``dp: 2`` run paced 1 s per batch of one sample per replica, started detached; (its args, its run dir)
+    once it has two samples on disk."""
+    host_env = yaml.safe_load(Path(run["inventory"]).read_text())["hosts"]["th"]["env"]
+    inv = dp_inventory(run, tmp_path / f"{run_id}.yaml", dp=2, batch_size=1, output_dir=str(tmp_path / "out"),
+                       env={**host_env, "SPECOPS_BATCH_DELAY_S": "1"}, **fields)
+    run_dir = Path(yaml.safe_load(inv.read_text())["hosts"]["th"]["work_dir"]) / "runs" / run_id
+    args = ["extract", "--inventory", inv, "--run-id", run_id, "--skip-smoke", "--skip-preflight"]
+    start_and_wait(args, run, run_dir, 2)
+    return args, run_dir
+
+
+def start_and_wait(args: list, run: dict, run_dir: Path, more: int) -> None:
+    """Start ``args`` detached; return once ``more`` samples more than before are on disk (or the run failed)."""
+    done_before = state_of(run_dir).get("samples_done") or 0
+    started = specops(*args, "--detach", "--json", env=run["env"])
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    wait_for(lambda: (state_of(run_dir).get("samples_done") or 0) >= done_before + more
+             or state_of(run_dir).get("state") == "failed", timeout=600, what=f"{more} more samples")
+
+
+def kill_replica(run_dir: Path, replica: str) -> None:
+    pids = replica_server_pids(run_dir, replica)
+    assert pids, f"{replica}'s server is running"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
 def compare_states(python, ref: dict, got: dict) -> list[dict]:
     found = subprocess.run([str(python), "-c", COMPARE, json.dumps([[str(ref[i]), str(got[i])] for i in sorted(ref)])],
                            capture_output=True, text=True, timeout=300)
@@ -66,7 +101,7 @@ def test_dp2_on_one_core_each_equals_one_server_sample_by_sample(modern_ssh_run,
     inv = dp_inventory(run, tmp_path / "dp2.yaml", dp=2, output_dir=str(tmp_path / "out"))
     pre = specops("preflight", "--inventory", inv, "--json", env=run["env"], timeout=600)
     layout = records(pre)["parallel.layout"]
-    assert layout["status"] == "ok" and layout["detail"]["dp"] == 2 and layout["detail"]["sets"] == [[0], [1]], layout
+    assert layout["status"] == "ok" and layout["detail"]["dp"] == 2 and layout["detail"]["sets"] == core_halves(), layout
     assert "dp 2 x tp 1" in layout["summary"], layout
 
     proc = specops("extract", "--inventory", inv, "--run-id", "dp2", "--skip-smoke", "--skip-preflight", "--tensors",
@@ -93,7 +128,7 @@ def test_dp2_on_one_core_each_equals_one_server_sample_by_sample(modern_ssh_run,
     engine = got["engine"]
     assert engine["dp"] == 2 and ref["engine"]["dp"] == 1 and ref["engine"]["replicas"] is None
     replicas = engine["replicas"]
-    assert [r["name"] for r in replicas] == ["dp0", "dp1"] and [r["devices"] for r in replicas] == [[0], [1]]
+    assert [r["name"] for r in replicas] == ["dp0", "dp1"] and [r["devices"] for r in replicas] == core_halves()
     assert sum(r["samples"] for r in replicas) == 4 and all(r["samples"] >= 1 for r in replicas), replicas
     # every replica's first samples are canary samples: 2 each, all checked and passed
     canary = got["canary"]
@@ -112,32 +147,17 @@ def test_dp2_on_one_core_each_equals_one_server_sample_by_sample(modern_ssh_run,
 
 def test_dp2_abort_then_a_killed_replica_fails_naming_it_and_resume_completes(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
-    host_env = yaml.safe_load(Path(run["inventory"]).read_text())["hosts"]["th"]["env"]
-    inv = dp_inventory(run, tmp_path / "dp2.yaml", dp=2, max_samples=12, batch_size=1,
-                       output_dir=str(tmp_path / "out"), env={**host_env, "SPECOPS_BATCH_DELAY_S": "1"})
-    run_dir = Path(yaml.safe_load(inv.read_text())["hosts"]["th"]["work_dir"]) / "runs" / "dpk"
-    args = ["extract", "--inventory", inv, "--run-id", "dpk", "--skip-smoke", "--skip-preflight"]
 
     # abort mid-run: no process of either replica is left
-    started = specops(*args, "--detach", "--json", env=run["env"])
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-    wait_for(lambda: (state_of(run_dir).get("samples_done") or 0) >= 2 or state_of(run_dir).get("state") == "failed",
-             timeout=600, what="two samples")
+    args, run_dir = paced_dp2_run(run, tmp_path, "dpk", max_samples=12)
     assert replica_server_pids(run_dir, "dp0") and replica_server_pids(run_dir, "dp1")
-    abort = specops("abort", "--inventory", inv, "--run-id", "dpk", env=run["env"], timeout=120)
+    abort = specops("abort", "--inventory", args[2], "--run-id", "dpk", env=run["env"], timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
     assert state_of(run_dir)["state"] == "aborted" and not run_processes(run_dir)
 
     # resumed, then dp1's server killed: the run fails naming dp1
-    started = specops(*args, "--detach", "--json", env=run["env"])
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-    done_before = state_of(run_dir).get("samples_done") or 0
-    wait_for(lambda: (state_of(run_dir).get("samples_done") or 0) >= done_before + 2
-             or state_of(run_dir).get("state") == "failed", timeout=600, what="two more samples")
-    pids = replica_server_pids(run_dir, "dp1")
-    assert pids, "dp1's server is running"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    start_and_wait(args, run, run_dir, 2)
+    kill_replica(run_dir, "dp1")
     wait_for(lambda: state_of(run_dir).get("state") in ("failed", "done"), timeout=300, what="the run to end")
     st = state_of(run_dir)
     assert st["state"] == "failed" and "dp1" in json.dumps(st["error"]), st.get("error")
@@ -155,19 +175,8 @@ def test_dp2_abort_then_a_killed_replica_fails_naming_it_and_resume_completes(mo
 
 def test_dp2_continue_policy_gives_a_lost_replicas_rows_to_the_other(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
-    host_env = yaml.safe_load(Path(run["inventory"]).read_text())["hosts"]["th"]["env"]
-    inv = dp_inventory(run, tmp_path / "dp2.yaml", dp=2, max_samples=8, batch_size=1, on_replica_loss="continue",
-                       output_dir=str(tmp_path / "out"), env={**host_env, "SPECOPS_BATCH_DELAY_S": "1"})
-    run_dir = Path(yaml.safe_load(inv.read_text())["hosts"]["th"]["work_dir"]) / "runs" / "dpc"
-    args = ["extract", "--inventory", inv, "--run-id", "dpc", "--skip-smoke", "--skip-preflight"]
-    started = specops(*args, "--detach", "--json", env=run["env"])
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-    wait_for(lambda: (state_of(run_dir).get("samples_done") or 0) >= 2 or state_of(run_dir).get("state") == "failed",
-             timeout=600, what="two samples")
-    pids = replica_server_pids(run_dir, "dp1")
-    assert pids, "dp1's server is running"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    args, run_dir = paced_dp2_run(run, tmp_path, "dpc", max_samples=8, on_replica_loss="continue")
+    kill_replica(run_dir, "dp1")
     t0 = time.monotonic()
     wait_for(lambda: state_of(run_dir).get("state") in ("failed", "done"), timeout=600, what="the run to end")
     st = state_of(run_dir)
@@ -176,7 +185,7 @@ def test_dp2_continue_policy_gives_a_lost_replicas_rows_to_the_other(modern_ssh_
     assert sorted(hs_files(tmp_path / "out")) == list(range(8))
     manifest = json.loads(next((tmp_path / "out").rglob("manifest.json")).read_text())
     lost = manifest["engine"]["replicas_lost"]
-    assert [x["replica"] for x in lost] == ["dp1"] and lost[0]["devices"] == [1], lost
+    assert [x["replica"] for x in lost] == ["dp1"] and lost[0]["devices"] == core_halves()[1], lost
     made = {r["name"]: r["samples"] for r in manifest["engine"]["replicas"]}
     assert made["dp0"] + made["dp1"] == 8 and made["dp0"] > made["dp1"], made
     assert "replica dp1 lost" in (run_dir / "logs" / "supervisor.log").read_text()
