@@ -29,18 +29,12 @@ sys.path.insert(0, str(REPO))
 from remote.train import plan as trainplan  # noqa: E402
 from specops import trainnodes  # noqa: E402
 from specops.result import RunStatus  # noqa: E402
-
-
-def _plan(tmp_path) -> trainplan.TrainPlan:
-    return trainplan.TrainPlan(
-        run_id="t", from_run="x", states_run_dir=str(tmp_path), data_path=str(tmp_path), model_path=str(tmp_path),
-        layer_ids=[2, 4, 5, 8], trainer_layer_ids=[2, 4, 5], num_layers=8, state_format="bf16", backend="file",
-        total_seq_len=256, samples=4, tokens=1024, sample_range=[0, 4], save_path=str(tmp_path / "ckpt"), epochs=1)
+from trainplans import train_plan  # noqa: E402
 
 
 def test_a_node_runs_torchrun_with_a_static_rendezvous_at_the_head(tmp_path):
     nodes = {"hosts": ["a", "b"], "node_rank": 1, "nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29600}
-    argv = _plan(tmp_path).launch_argv("py", trainplan.CPU_LAUNCHER_MODULE, 1, tmp_path / "ranks", nodes=nodes)
+    argv = train_plan(save_path=str(tmp_path / "ckpt")).launch_argv("py", trainplan.CPU_LAUNCHER_MODULE, 1, tmp_path / "ranks", nodes=nodes)
     assert argv[:13] == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1", "--master-addr",
                          "10.0.0.1", "--master-port", "29600", "--nproc_per_node", "1"], argv
     assert argv[17:19] == ["-m", trainplan.CPU_LAUNCHER_MODULE]

@@ -19,10 +19,6 @@ from dataclasses import dataclass, field
 
 from remote.wire.contract import VLLM_SERVER
 
-#: what the run does when a replica's server dies: fail naming it, or give its rows to the others
-ON_REPLICA_LOSS = ("fail", "continue")
-
-
 @dataclass
 class Layout:
     """``dp`` replicas of ``tp`` ranks; ``sets[i]`` the device ids of replica ``i`` (GPU ids or CPU cores)."""
@@ -41,9 +37,6 @@ class Layout:
     def idle(self) -> list[int]:
         used = {d for s in self.sets for d in s}
         return [d for d in self.devices if d not in used]
-
-    def name(self, replica: int) -> str:
-        return f"dp{replica}"
 
     def text(self) -> str:
         unit = "GPU" if self.kind == "cuda" else "core"
