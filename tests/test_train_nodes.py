@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-from specops_cli import records, specops  # noqa: E402
+from specops_cli import specops  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 from remote.train import plan as trainplan  # noqa: E402
