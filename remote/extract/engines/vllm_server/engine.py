@@ -372,7 +372,8 @@ class VllmServerEngine(Engine):
                         slots.put(r)
                         raise
                     slots.put(r)
-                    self.replica_samples[r] += 1
+                    with self._canary_lock:  # request threads count at once: += is no atomic step
+                        self.replica_samples[r] += 1
                     return path, asks
             finally:
                 digesting.request_done()
