@@ -38,7 +38,7 @@ def test_a_cpu_host_runs_one_replica_unless_asked_and_then_splits_its_cores():
 @pytest.mark.parametrize("params, tp, devices, engine, says", [
     ({"dp": 3}, 1, [0, 1], None, "dp 3 x tp 1 needs 3 CPU core(s), 2 usable"),
     ({"dp": 2}, 4, list(range(4)), None, "dp 2 x tp 4 needs 8 CPU core(s), 4 usable"),
-    ({"dp": 2}, 1, [0, 1], "speculators-0.3", "the speculators-0.3 engine runs one replica per host"),
+    ({"dp": 2}, 1, [0, 1], "hf-reference", "the hf-reference engine runs one replica per host"),
     ({"dp": 2, "replica": {"node_rank": 0}}, 1, [0, 1], None, "the replica is one data-parallel unit"),
 ])
 def test_a_layout_that_cannot_run_says_why(params, tp, devices, engine, says):
@@ -51,8 +51,54 @@ def test_a_host_of_a_replica_over_several_hosts_defaults_to_one():
 
 
 def test_an_engine_without_replicas_defaults_to_one():
-    plan = layout.resolve({}, 1, "cuda", list(range(8)), "speculators-0.3")
+    plan = layout.resolve({}, 1, "cuda", list(range(8)), "hf-reference")
     assert plan.dp == 1 and plan.problem is None and "one replica per host" in plan.why
+
+
+@pytest.mark.parametrize("engine", ["speculators-0.3", "vllm-server"])
+def test_the_seed_engine_runs_replicas_as_the_server_engine_does(engine):
+    """One generator process per device set: the same default (GPUs // tp; one on a CPU host) and no refusal."""
+    assert layout.resolve({}, 2, "cuda", list(range(8)), engine).sets == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.resolve({}, 1, "cpu", [0, 1], engine).dp == 1
+    asked = layout.resolve({"dp": 2}, 1, "cpu", [0, 1], engine)
+    assert (asked.dp, asked.sets, asked.problem) == (2, [[0], [1]], None)
+
+
+def test_a_replica_gets_its_own_devices_from_the_one_env_writer():
+    from remote.extract.engines.vllm_server import server_env
+
+    gpu = layout.device_env({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, tp=2, on_cpu=False, devices=[2, 3])
+    assert (gpu["CUDA_VISIBLE_DEVICES"], gpu["CUDA_DEVICE_ORDER"]) == ("2,3", "PCI_BUS_ID")
+    cpu = layout.device_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tp=1, on_cpu=True, devices=[1])
+    assert (cpu["VLLM_CPU_OMP_THREADS_BIND"], cpu["OMP_NUM_THREADS"]) == ("1", "1")
+    # the server's environment is the same writer's, plus its marker
+    server = server_env({}, marker="m", tp=1, on_cpu=True, devices=[1])
+    assert {k: server[k] for k in cpu if k != "VLLM_CPU_OMP_THREADS_BIND"} == {
+        k: v for k, v in cpu.items() if k != "VLLM_CPU_OMP_THREADS_BIND"} and server["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_a_batch_goes_to_the_replicas_in_contiguous_parts_every_sample_once():
+    from remote.extract.engines.replicas import split_parts
+
+    for n in range(0, 13):
+        for ways in (1, 2, 3, 8):
+            parts = split_parts(list(range(n)), ways)
+            assert [i for a, b in parts for i in range(a, b)] == list(range(n)), (n, ways)
+            assert n == 0 or all(b > a for a, b in parts) and len(parts) == min(ways, n)
+    # a full batch of batch_size x dp gives each replica batch_size samples, as a one-replica run's batches
+    assert split_parts(list(range(6)), 2) == [(0, 3), (3, 6)]
+
+
+def test_a_replicas_error_names_it():
+    from remote.extract.engines.replicas import replica_error
+
+    ranked = replica_error("dp1", {"type": "InjectedFailure", "message": "boom", "rank": 0,
+                                   "source": "errors/rank0.json", "where": "escaped worker_main"})
+    assert (ranked["message"], ranked["where"], ranked["source"], ranked["replica"]) == (
+        "dp1: boom", "dp1/rank0", "errors/dp1/rank0.json", "dp1")
+    dead = replica_error("dp0", {"type": "ProcessDied", "message": "dp0: killed", "rank": None,
+                                 "where": "replica process"})
+    assert (dead["message"], dead["where"]) == ("dp0: killed", "dp0/replica process")
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -428,6 +428,9 @@ class Supervisor:
 
     def _extract_batches(self, dataset, todo, batch_size, delay, layer_ids, written, p) -> None:
         """Engines that return states in memory: the supervisor writes them, on a writer thread."""
+        # an engine of dp replica processes splits each batch among them (remote/extract/engines/replicas.py):
+        # each replica computes batch_size samples per call, as one replica does
+        batch_size *= max(1, int(getattr(self.engine, "dp", 1) or 1))
         writer = SampleWriter(self.output_dir, self._save,
                               lambda first, batch: written(len(batch), sum(len(ids) for ids, _ in batch)),
                               self._timed, depth=int(p.get("write_queue_batches", WRITE_QUEUE_BATCHES)))

@@ -19,6 +19,10 @@ come from ``waitpid``, and :meth:`SpeculatorsV03Engine.process_deaths` hands the
 root-cause reader; vLLM 0.16 itself only logs "Worker proc VllmWorker-1 died
 unexpectedly" and the driver raises ``RuntimeError: cancelled``.
 
+With ``dp > 1`` (the supervisor's ``replica_sets``, :mod:`remote.extract.layout`) this engine runs
+in none of those ways itself: it starts one process per device set, each building this engine
+on its own devices (:mod:`remote.extract.engines.replicas`), and splits every batch among them.
+
 The generator returns layers in ascending id order (the worker walks the layers in
 order); this engine hands them back in the order of ``layer_ids``. Every sample is
 checked to come back whole (same token ids, one row per token).
@@ -41,8 +45,15 @@ WARMUP_IDS = list(range(1, 9))
 
 class SpeculatorsV03Engine(Engine):
     name = SPECULATORS_03
+    #: data-parallel replicas this engine computes on (each a process of its own when more than one)
+    dp = 1
+    replicas = None
 
     def load(self) -> None:
+        sets = self.params.get("replica_sets") or []
+        if len(sets) > 1:
+            self._load_replicas(sets)
+            return
         from remote.extract.engines import vllm_worker_hook
 
         faults.job_env(self.params, os.environ)  # its ranks read it (a run outside a job too)
@@ -86,6 +97,23 @@ class SpeculatorsV03Engine(Engine):
         # first batch of the run does not pay the engine's first-call set-up.
         self.generator.generate([WARMUP_IDS])
 
+    def _load_replicas(self, sets) -> None:
+        """One replica process per device set (:class:`~.replicas.Replicas`), every one loaded."""
+        from .replicas import Replicas
+
+        params = {k: v for k, v in self.params.items() if k != "replica_sets"}
+        self.dp = len(sets)
+        self.replicas = Replicas(self.name, self.model_path, self.tp, self.layer_ids, params, self.plan, sets)
+        self.replicas.start()
+        try:
+            self.replicas.wait_ready(float(self.params.get("ready_timeout_s") or 1800))
+        except BaseException:
+            self.replicas.close(float(self.params.get("stop_grace_s") or 20.0))
+            raise
+        first = self.replicas.ready[0]["describe"]
+        self.generator_file, self.patched = first.get("generator_file"), first.get("patched")
+        self.max_model_len = first.get("max_model_len")
+
     def _max_model_len(self) -> int:
         try:
             cfg = modelconfig.read(self.model_path)
@@ -94,6 +122,8 @@ class SpeculatorsV03Engine(Engine):
         return self.model_len(cfg)
 
     def extract(self, batch):
+        if self.replicas is not None:
+            return self.replicas.extract(batch)
         results = self.generator.generate([list(ids) for ids in batch])
         if len(results) != len(batch):
             raise RuntimeError(f"generator returned {len(results)} results for {len(batch)} prompts")
@@ -113,6 +143,10 @@ class SpeculatorsV03Engine(Engine):
         return out
 
     def close(self) -> None:
+        if self.replicas is not None:
+            # an aborted run stops them sooner (the supervisor sets stop_grace_s)
+            self.replicas.close(float(self.params.get("stop_grace_s") or 20.0))
+            return
         generator = getattr(self, "generator", None)
         self.generator = None
         if generator is not None and hasattr(generator, "executor"):
@@ -125,10 +159,22 @@ class SpeculatorsV03Engine(Engine):
         watch = getattr(self, "watch", None)
         return watch.deaths() if watch is not None else []
 
+    def error_record(self, exc: BaseException) -> dict | None:
+        """A replica's own root cause, named ``dp<i>`` (:func:`~.replicas.replica_error`)."""
+        from .replicas import ReplicaFailed
+
+        return exc.record if isinstance(exc, ReplicaFailed) else None
+
     def describe(self) -> dict:
+        replicas = self.replicas
         return {"name": self.name, "tp": self.tp, "generator_file": getattr(self, "generator_file", None),
                 "patched": getattr(self, "patched", None),
-                "max_model_len": getattr(self, "max_model_len", None)}
+                "max_model_len": getattr(self, "max_model_len", None),
+                # data-parallel replicas (dp > 1): each one's devices, samples and log; the ones lost on the way
+                # (the vllm-server engine's keys, so status, fetch and verify read both alike)
+                "dp": self.dp,
+                "replicas": replicas.describe() if replicas is not None else None,
+                "replicas_lost": (replicas.lost or None) if replicas is not None else None}
 
 
 class WorkerWatch:

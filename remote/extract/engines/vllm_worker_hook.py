@@ -13,7 +13,8 @@ process"; a rank whose peer died can also just hang in a collective.
 the target by name, imports this module (the bundle dir is on ``PYTHONPATH``), and
 runs :func:`worker_main`, which, before handing over to vLLM's own ``worker_main``:
 
-* points fds 1 and 2 at ``<run_dir>/logs/rank<k>.log`` (one file per TP rank);
+* points fds 1 and 2 at ``<run_dir>/logs/rank<k>.log`` (one file per TP rank; a data-parallel
+  replica's ranks at ``logs/dp<i>/rank<k>.log``, and their errors under ``errors/dp<i>/``);
 * enables ``faulthandler`` on that file (segfaults and aborts leave a stack), and
   ``SIGUSR1`` dumps every thread's stack there (for hangs);
 * records the first exception this rank logs through vLLM's worker logger, or lets
@@ -37,6 +38,9 @@ from remote.run import faults
 from remote.wire import fsutil, status
 
 ENV_RUN_DIR = "SPECOPS_RUN_DIR"
+#: a data-parallel replica's name (``dp1``) in its process and its ranks: their logs and errors go in
+#: ``logs/dp1/`` and ``errors/dp1/`` (:mod:`remote.extract.engines.replicas`)
+ENV_REPLICA = "SPECOPS_REPLICA"
 #: vLLM's logger that reports worker exceptions ("WorkerProc hit an exception." ...).
 WORKER_LOGGER = "vllm.v1.executor.multiproc_executor"
 
@@ -61,8 +65,9 @@ def worker_main(*args, **kwargs):
     rank = int(kwargs.get("rank", 0))
     run_dir = os.environ.get(ENV_RUN_DIR)
     if run_dir:
-        _redirect_output(os.path.join(run_dir, "logs", f"rank{rank}.log"))
-        recorder = ErrorRecorder(os.path.join(run_dir, "errors"), rank)
+        replica = os.environ.get(ENV_REPLICA) or ""
+        _redirect_output(os.path.join(run_dir, "logs", replica, f"rank{rank}.log"))
+        recorder = ErrorRecorder(os.path.join(run_dir, "errors", replica), rank)
         handler = _RecordingHandler(recorder)
         logging.getLogger(WORKER_LOGGER).addHandler(handler)
     else:

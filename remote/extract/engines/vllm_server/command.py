@@ -4,8 +4,8 @@
 extraction (loopback, a free port, chunked prefill and prefix caching off),
 :func:`server_env` the environment every server process inherits: this server's
 marker (how :func:`~remote.extract.engines.vllm_server.process.leftover_pids` finds them),
-faulthandler, and on a CPU host a core slice per rank and the AMX hook
-(:func:`remote.system.cpu.amx_env`). :mod:`remote.drift.server` checks both against the
+faulthandler, and its devices (:func:`remote.extract.layout.device_env`: on a CPU host a core
+slice per rank and the AMX hook). :mod:`remote.drift.server` checks both against the
 installed vLLM.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import socket
 
-from remote.system import cpu
+from remote.extract import layout
 from remote.wire import contract
 
 from . import chunking
@@ -295,17 +295,8 @@ def batched_tokens(params: dict, max_model_len: int) -> int:
 
 def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict | None = None,
                devices: list[int] | None = None) -> dict:
-    """The server's environment: ``base`` plus the marker and, on a CPU host, sane defaults.
-
-    On CPU, vLLM's automatic thread binding wants one NUMA node per rank ("Not enough
-    allowed NUMA nodes" on a one-node host at TP=2) and keeps a varying number of cores
-    for its front end, so unless the host's env says otherwise each rank gets its own
-    slice of this process's allowed cores (all of them at TP=1), and as many
-    torch threads as its slice has cores; the KV cache gets 1 GiB, plenty for extraction
-    (one prefill per request, no decoding).
-
-    ``devices``: a data-parallel replica's own device set (:mod:`remote.extract.layout`): its GPU ids
-    (``CUDA_VISIBLE_DEVICES``, in nvidia-smi's order), or the CPU cores its ranks split.
+    """The server's environment: ``base`` plus the marker and, pinned to its devices, the defaults of a
+    vLLM process (:func:`remote.extract.layout.device_env`; ``devices``: a data-parallel replica's own set).
     """
     env = dict(base)
     env[MARKER_ENV] = marker
@@ -318,29 +309,7 @@ def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict 
     # every server process (API server, engine core, workers) dumps its stacks on a fatal
     # signal: vLLM's own "died unexpectedly (exit code: None)" often cannot say which one
     env.setdefault("PYTHONFAULTHANDLER", "1")
-    if devices is not None and not on_cpu:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # nvidia-smi's indices
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    if on_cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        cores = sorted(devices) if devices is not None else sorted(os.sched_getaffinity(0))
-        if devices is not None:
-            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the replica's own cores, not the host's setting
-        per_rank = max(1, len(cores) // tp)
-        if "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            # Explicit at TP=1 too: vLLM's "auto" keeps cores back for its front end, but how
-            # many depends on the config (2 cores: a plain server ran its model on one, the
-            # same server with extraction on both), which made the two incomparable.
-            slices = [cores[r * per_rank:(r + 1) * per_rank] or cores[-1:] for r in range(tp)]
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, s)) for s in slices)
-        # and as many torch threads (vLLM cuts them to 1 "for serving" on some start paths)
-        if devices is not None:
-            env["OMP_NUM_THREADS"] = str(per_rank)
-        else:
-            env.setdefault("OMP_NUM_THREADS", str(per_rank))
-        # on an AMX CPU every rank must ask Linux for AMX tile state itself (remote/system/cpu.py)
-        env = cpu.amx_env(env)
-    return env
+    return layout.device_env(env, tp=tp, on_cpu=on_cpu, devices=devices)
 
 
 def free_port(host: str = LOOPBACK) -> int:
