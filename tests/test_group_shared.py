@@ -161,15 +161,28 @@ def assert_shared_run(tmp_path: Path, runs: Path, run_id: str, total: int) -> di
     return on_host
 
 
-@pytest.mark.vllm
-def test_two_hosts_on_one_shared_output_dir_extract_every_sample_once_seed_engine(tmp_path, testhost, patched_python,
-                                                                                  tiny_models):
+#: the seed engine on the CPU test host: each host's generator on one core (the dp 2 run below gives each
+#: replica one core of its own, so the two runs' ranks compute with the same threads)
+SEED_FIELDS = dict(engine="speculators-0.3", tp=1, max_samples=6, seq_len=64, batch_size=3)
+SEED_ENV = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def seed_pair_run(tmp_path_factory, testhost, patched_python, tiny_models) -> dict:
+    """One group run of the seed engine on hosts a and b sharing one output dir (dp 1 each, one core each),
+    shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("seed-pair")
     runs = tmp_path / "runs"
     inv = shared_inventory(tmp_path, testhost, patched_python, tiny_models["llama"], tiny_models["dataset"],
-                           engine="speculators-0.3", tp=1, max_samples=6, seq_len=64, batch_size=3,
-                           env={**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"})
+                           **SEED_FIELDS, env={**SEED_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"})
     proc = cli("extract", "--inventory", str(inv), "--on", "pair", "--run-id", "SH1", "--skip-smoke",
                "--skip-preflight", "--json", runs=runs, timeout=900)
+    return {"tmp_path": tmp_path, "runs": runs, "inventory": inv, "proc": proc}
+
+
+@pytest.mark.vllm
+def test_two_hosts_on_one_shared_output_dir_extract_every_sample_once_seed_engine(seed_pair_run):
+    tmp_path, runs, proc = seed_pair_run["tmp_path"], seed_pair_run["runs"], seed_pair_run["proc"]
     assert proc.returncode == ExitCode.SUCCESS, proc.stdout[-4000:] + proc.stderr[-4000:]
     said = records_of(proc.stdout)
     shared = said["group"]["group.storage"]
@@ -181,6 +194,70 @@ def test_two_hosts_on_one_shared_output_dir_extract_every_sample_once_seed_engin
     assert {f["host"] for f in merged["files"]} == {this_host_name()}, "each file names the host that wrote it"
     assert sorted(merged["merged_from"]) == ["0-3", "3-6"]
     assert all(s["engine"]["name"] == "speculators-0.3" for s in merged["merged_from"].values())
+
+
+#: every sample of two dirs of data_{i}.pt: the same ids and mask, each layer bitwise equal or its largest difference
+SAME_SAMPLES = r"""
+import json, sys, torch
+out = []
+for i in range(int(sys.argv[3])):
+    a, b = (torch.load(f"{d}/data_{i}.pt", weights_only=True) for d in sys.argv[1:3])
+    pairs = list(zip(a["hidden_states"], b["hidden_states"]))
+    out.append({"index": i, "ids": a["input_ids"].tolist() == b["input_ids"].tolist(),
+                "mask": a["loss_mask"].tolist() == b["loss_mask"].tolist(), "layers": [len(a["hidden_states"]), len(pairs)],
+                "bitwise": all(torch.equal(x, y) for x, y in pairs),
+                "max_abs_diff": max(float((x.float() - y.float()).abs().max()) for x, y in pairs)})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_dp2_seed_engine_one_generator_process_per_core_equals_the_one_core_run(seed_pair_run, testhost,
+                                                                                patched_python):
+    """``dp: 2`` on one host of the seed engine (one generator process per core, each batch split between
+    them) against the pair's one-core runs of the same rows: bitwise equal sample by sample, every sample
+    once under the same names, the manifest's engine ``dp: 2`` with its two replicas, a log per replica."""
+    import os
+    import subprocess
+
+    from remote.run.rundir import run_processes
+
+    assert seed_pair_run["proc"].returncode == ExitCode.SUCCESS, seed_pair_run["proc"].stdout[-3000:]
+    tmp_path = seed_pair_run["tmp_path"]
+    host = yaml.safe_load(seed_pair_run["inventory"].read_text())["hosts"]["a"]
+    host.update(dp=2, work_dir=str(tmp_path / "dp2" / "work"), output_dir=str(tmp_path / "dp2" / "out"), env=SEED_ENV)
+    inv = tmp_path / "dp2.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"th": host}}))
+    proc = cli("extract", "--inventory", str(inv), "--run-id", "SD2", "--skip-smoke", "--skip-preflight", "--json",
+               runs=tmp_path / "dp2" / "runs", timeout=900)
+    assert proc.returncode == ExitCode.SUCCESS, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    one, two = tmp_path / "shared" / "SH1", tmp_path / "dp2" / "out" / "SD2"
+    names = sorted(p.name for p in two.glob("data_*.pt"))
+    assert names == sorted(p.name for p in one.glob("data_*.pt")) == sorted(f"data_{i}.pt" for i in range(6))
+    found = subprocess.run([str(patched_python), "-c", SAME_SAMPLES, str(one), str(two), "6"], capture_output=True,
+                           text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-3000:]
+    for sample in json.loads(found.stdout):
+        print(f"data_{sample['index']}.pt: bitwise {sample['bitwise']}, max |diff| {sample['max_abs_diff']:.3g}")
+        assert sample["ids"] and sample["mask"] and sample["layers"] == [4, 4], sample
+        assert sample["bitwise"], sample  # one core per replica, as each one-core host: the same threads
+
+    manifest = json.loads((two / "manifest.json").read_text())
+    merged = json.loads((one / "manifest.json").read_text())
+    assert [(f["index"], f["path"], f["tokens"]) for f in manifest["files"]] == [
+        (f["index"], f["path"], f["tokens"]) for f in merged["files"]]
+    engine = manifest["engine"]
+    cores = sorted(os.sched_getaffinity(0))  # the loopback test host's cores: halves, one replica each
+    halves = [cores[:len(cores) // 2], cores[len(cores) // 2:]]
+    assert engine["name"] == "speculators-0.3" and engine["dp"] == 2 and engine["replicas_lost"] is None, engine
+    assert [(r["name"], r["devices"], r["samples"]) for r in engine["replicas"]] == [("dp0", halves[0], 3),
+                                                                                   ("dp1", halves[1], 3)]
+    run_dir = tmp_path / "dp2" / "work" / "runs" / "SD2"
+    for name in ("dp0", "dp1"):  # each replica's own log and its rank's
+        assert f"replica {name} (pid" in (run_dir / "logs" / name / "replica.log").read_text()
+        assert (run_dir / "logs" / name / "rank0.log").is_file()
+    wait_for(lambda: not run_processes(run_dir), timeout=60, what="no process of the run")
 
 
 def this_host_name() -> str:

@@ -14,7 +14,7 @@ is refused here.
 from __future__ import annotations
 
 from remote.probes import Context
-from remote.wire.contract import VLLM_SERVER
+from remote.wire.contract import SPECULATORS_03, VLLM_SERVER
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 
 
@@ -116,7 +116,7 @@ def _layout(ctx, tp):
     if plan.problem and plan.dp == 1:  # one replica: its devices are parallel.devices' to judge
         return record("parallel.layout", SKIPPED, f"one replica of tp {plan.tp}: {plan.problem}", detail=detail)
     if plan.problem:
-        fix = ("set dp to 1: the vllm-server engine runs data-parallel replicas (engine: vllm-server)"
+        fix = ("set dp to 1: the vllm-server and speculators-0.3 engines run data-parallel replicas"
                if "engine" in plan.problem else "leave the replica's hosts at dp 1" if ctx.params.get("replica")
                else f"set dp to at most {max(1, len(plan.devices) // plan.tp)} (dp x tp {unit}s), or leave dp out")
         return record("parallel.layout", FAIL, plan.problem, detail=detail, fix=fix)
@@ -127,8 +127,13 @@ def _layout(ctx, tp):
     if plan.kind == "cuda" and plan.idle and plan.dp == 1 and "asked" in plan.why:
         return record("parallel.layout", WARN, f"{plan.text()}; {len(plan.idle)} GPU(s) idle: dp 1 was asked",
                       detail=detail, fix=f"leave dp out (default {max(1, len(plan.devices) // plan.tp)}) to use them")
-    return record("parallel.layout", OK, f"{plan.text()}: {plan.dp} replica(s), one server each ({plan.why})",
+    return record("parallel.layout", OK, f"{plan.text()}: {plan.dp} replica(s), {_each(ctx)} ({plan.why})",
                   detail=detail)
+
+
+def _each(ctx) -> str:
+    """What each replica runs: the seed engine's in-process generator has no server (one process each)."""
+    return "one generator process each" if ctx.params.get("engine") == SPECULATORS_03 else "one server each"
 
 
 def _heads(ctx, tp):

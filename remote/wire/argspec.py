@@ -444,10 +444,10 @@ RUN_ARGS = {
     "python": Arg("path", doc="the inventory's python: the run's supervisor runs in it"),
     "device": Arg("str", choices=("cuda", "cpu")),
     "tp": Arg("int", min=1, help="tensor parallel size (default: the inventory's tp)"),
-    "dp": Arg("int", min=1, help="data-parallel replicas on the host, each its own server on its own devices "
+    "dp": Arg("int", min=1, help="data-parallel replicas on the host, each its own server (or generator process) on its own devices "
                                  "(default: the inventory's dp, else GPUs // tp; 1 on a CPU host)"),
     "on_replica_loss": Arg("str", choices=("fail", "continue"),
-                           help="a replica (dp > 1) whose server dies: fail the run naming it (default), or give "
+                           help="a replica (dp > 1) that dies: fail the run naming it (default), or give "
                                 "its rows to the other replicas and say so"),
     "engine": Arg("str", choices=(*contract.ENGINE_CHOICES, *contract.ENGINE_ALIASES),
                   doc="auto, an engine or an alias of one (remote.system.versions.resolve_engine judges it)",

@@ -139,14 +139,26 @@ class Replicas:
             self.conns.append(parent)
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Until every replica has loaded; the first that fails raises :class:`ReplicaFailed`."""
+        """Until every replica has loaded; the first that fails (or, with ``timeout``, is not ready by then)
+        raises :class:`ReplicaFailed` at once, whatever the others still do."""
         t0 = time.monotonic()
-        for i in range(len(self.procs)):
-            kind, info = self._receive(i, None if timeout is None else max(1.0, timeout - (time.monotonic() - t0)))
-            if kind != "ready":
-                raise ReplicaFailed(self.names[i], replica_error(self.names[i], {
-                    "type": "ProtocolError", "message": f"said {kind!r} before it was ready", "rank": None}))
-            self.ready[i] = dict(info, ready_s=round(time.monotonic() - t0, 2))
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            handles = {h: i for i in waiting for h in (self.conns[i], self.procs[i].sentinel)}
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+            ready = multiprocessing.connection.wait(list(handles), left)
+            if not ready:
+                name = self.names[min(waiting)]
+                raise ReplicaFailed(name, replica_error(name, {
+                    "type": "TimeoutError", "rank": None, "where": "replica process",
+                    "message": f"not loaded after {timeout:.0f} s (ready_timeout_s)"}))
+            for i in sorted({handles[h] for h in ready}):
+                kind, info = self._receive(i, 5.0)
+                if kind != "ready":
+                    raise ReplicaFailed(self.names[i], replica_error(self.names[i], {
+                        "type": "ProtocolError", "message": f"said {kind!r} before it was ready", "rank": None}))
+                self.ready[i] = dict(info, ready_s=round(time.monotonic() - t0, 2))
+                waiting.discard(i)
 
     def alive(self) -> list[int]:
         lost = {x["replica_index"] for x in self.lost}

@@ -106,7 +106,9 @@ class SpeculatorsV03Engine(Engine):
         self.replicas = Replicas(self.name, self.model_path, self.tp, self.layer_ids, params, self.plan, sets)
         self.replicas.start()
         try:
-            self.replicas.wait_ready(float(self.params.get("ready_timeout_s") or 1800))
+            # as one replica's load, no time limit unless the run sets one
+            timeout = self.params.get("ready_timeout_s")
+            self.replicas.wait_ready(float(timeout) if timeout else None)
         except BaseException:
             self.replicas.close(float(self.params.get("stop_grace_s") or 20.0))
             raise
