@@ -293,8 +293,8 @@ def replica_main(conn, spec: dict) -> None:
     env[vllm_worker_hook.ENV_REPLICA] = name
     os.environ.clear()
     os.environ.update(env)
-    if spec["on_cpu"]:
-        os.sched_setaffinity(0, spec["devices"])
+    # (this process itself is not pinned: its ranks compute, on the cores vLLM binds their threads to, as a
+    # server's ranks do; a pinned driver only loaded slower on a busy host)
     _redirect_output(run_dir / "logs" / name / REPLICA_LOG)
     print(f"[specops] replica {name} (pid {os.getpid()}) on {'cores' if spec['on_cpu'] else 'GPUs'} "
           f"{spec['devices']}", flush=True)
