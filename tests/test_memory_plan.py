@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,28 @@ FIXTURES = {
     "r12_llama_h100": ("round12/cli/fetched_gpu-llama-3/logs/server.log", "engine/llama/config.json",
                        "round12/cli/gpus_before_llama.csv", "round12/cli/memory_llama.json", 256),
 }
+
+
+def width_fixtures() -> dict:
+    """``scripts/gpu/round.py memory_width``'s fixtures wherever a round's archive was unpacked
+    (``<round>/memory/<model>/``): planned like the others from their own config, nvidia-smi and the
+    checkpoint bytes the preflight measured."""
+    found = {}
+    for d in sorted(FIX.glob("**/memory/*/")):
+        if all((d / f).exists() for f in ("server.log", "preflight.json", "config.json", "gpus_before.csv")):
+            rel = str(d.relative_to(FIX))
+            found[rel.replace("/", "_")] = (f"{rel}/server.log", f"{rel}/config.json", f"{rel}/gpus_before.csv",
+                                             f"{rel}/memory.json", preflight_detail(f"{rel}/preflight.json")["seq_len"])
+    return found
+
+
+def preflight_detail(rel: str) -> dict:
+    text = (FIX / rel).read_text()
+    doc = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    return next(r for h in doc["hosts"] for r in h["records"] if r["name"] == "gpu.memory")["detail"]
+
+
+FIXTURES.update(width_fixtures())
 #: every other fixture file with vLLM's memory lines, and why it is not a fixture of its own
 LEFT_OUT = {
     "jobs/logs_llama.txt": "`specops logs` printing r2_llama's server log (the same start)",
@@ -159,3 +182,23 @@ def test_probe_budget_is_the_engine_command_builders():
     params = json.loads(read("round12/cli/fetched_gpu-llama-3/params.json"))
     used = gpu.parse_engine_memory(read("round12/cli/fetched_gpu-llama-3/logs/server.log"))
     assert gpu.engine_batched_tokens(params, config) == used["engine"]["max_num_batched_tokens"] == 2048
+
+
+def test_real_width_models_keep_deepseek_v3s_layer_and_vocab():
+    """round.py's memory_width models: fewer layers and experts than the real ones (one GPU), the same
+    widest layer and vocab, so the same profile peak per batched token."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts" / "gpu"))
+    import models
+    import round as gpu_round
+
+    from specops.testhost import reference_models
+
+    built = models.configs()
+    real = reference_models.DEEPSEEK_V3_LIKE
+    wide = built["deepseek_v3_wide"]
+    # all but the router's logits (32 experts, not 256)
+    assert gpu.activation_elements_per_token(wide) == pytest.approx(gpu.activation_elements_per_token(real), rel=0.002)
+    assert wide["vocab_size"] == real["vocab_size"] == 129280 and wide["max_position_embeddings"] > 4096
+    assert built["llama_8b_vocab"]["vocab_size"] == 128256 and built["llama_8b_vocab"]["num_hidden_layers"] == 32
+    assert {run[2] for run in gpu_round.MEMORY_WIDTH_RUNS} == {"deepseek_v3_wide", "llama_8b_vocab"}
+    assert "memory_width" in gpu_round.EXPECTED_S
