@@ -202,3 +202,20 @@ def test_real_width_models_keep_deepseek_v3s_layer_and_vocab():
     assert built["llama_8b_vocab"]["vocab_size"] == 128256 and built["llama_8b_vocab"]["num_hidden_layers"] == 32
     assert {run[2] for run in gpu_round.MEMORY_WIDTH_RUNS} == {"deepseek_v3_wide", "llama_8b_vocab"}
     assert "memory_width" in gpu_round.EXPECTED_S
+
+
+@pytest.mark.parametrize("log_name, seq_len", [("llama_extract_129.log", 128), ("llama_extract_257.log", 256)])
+def test_cpu_servers_cache_tokens_as_planned(log_name, seq_len):
+    """The CPU fixtures (vLLM 0.32's CPU build on the test host, the tiny Llama, 4 captured layers): no profile
+    run there (the KV cache is VLLM_CPU_KVCACHE_SPACE, no non-KV overhead to plan); the plan's bytes per token
+    (GQA KV + captured states) and vLLM's count of whole 128-token blocks per request give its token count."""
+    log = (FIX.parent / "cpu" / "vllm" / log_name).read_text()
+    used = gpu.parse_engine_memory(log)
+    config = json.loads(read("engine/llama/config.json"))  # the test host's tiny Llama, the same dims
+    per_token = gpu.kv_bytes_per_token(config, tp=1) + gpu.hidden_state_bytes_per_token(config["hidden_size"], 4)
+    kvcache = int(used["ranks"][0]["cpu_kvcache_gib"] * GiB)
+    planned = gpu.cache_tokens(kvcache, per_token, seq_len, gpu.CPU_KV_BLOCK_TOKENS)
+    assert used["engine"]["max_model_len"] == seq_len + 1 and used["engine"]["max_num_batched_tokens"] == 2048
+    assert planned / used["engine"]["kv_cache_tokens"] == pytest.approx(1, abs=0.002)
+    # the GPU's 16-token blocks would plan 1.5-2x the tokens this CPU server has
+    assert gpu.cache_tokens(kvcache, per_token, seq_len) > 1.4 * used["engine"]["kv_cache_tokens"]

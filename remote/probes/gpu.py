@@ -8,7 +8,8 @@ Two questions a CPU host never asks, answered without importing torch or vLLM:
   (:func:`parse_smi_banner`) and the build from torch's own ``torch/version.py``, read
   as text where ``importlib`` finds the package (:func:`torch_build`).
 * **memory per rank.** What vLLM will do with ``gpu_memory_utilization x total``: the
-  weights of one rank, a fixed non-KV overhead, and the rest as KV cache, which with
+  weights of one rank, the non-KV overhead of its profile run at the step budget the engine
+  passes (:func:`overhead_terms`, :func:`engine_batched_tokens`), and the rest as KV cache, which with
   hidden-state extraction is shared by the model's own KV *and* the cache of captured
   states (``len(layer_ids) x hidden`` per token, not split over TP). The plan says how
   many tokens fit (:func:`plan_rank_memory`); vLLM logs what it really did
@@ -41,7 +42,7 @@ from remote.wire.words import GiB, MiB, human_bytes
 #: (``gpu_worker.determine_available_memory``: non-torch increase + torch peak + the CUDA graph
 #: estimate). Its terms (:func:`overhead_terms`), fitted to every GPU fixture (tests/fixtures/gpu/:
 #: H200 vLLM 0.25 at 8192 batched tokens, H100 vLLM 0.26 at 2048; dense, GQA, MLA, MoE; hidden
-#: 256-4096) within 5 %, tests/test_memory_plan.py:
+#: 256-4096): planned / used 0.96-1.08 on each (tests/test_memory_plan.py):
 #:
 #: CUDA context, cuBLAS/NCCL workspaces and loaded kernels outside torch's allocator, per rank.
 NON_TORCH_BYTES = int(0.2 * GiB)
@@ -61,10 +62,8 @@ SAMPLER_FP32_COPIES = 7
 #: largest captured batch (fitted on the fixtures' 0.09-0.19 GiB: 1.3 copies at 512 tokens).
 GRAPH_BASE_BYTES = int(0.09 * GiB)
 GRAPH_ACTIVATION_COPIES = 1.3
-#: vLLM's largest captured batch (``max_cudagraph_capture_size``'s default) and the fused MoE's
-#: token chunk (``VLLM_FUSED_MOE_CHUNK_SIZE``): its workspace never holds more tokens than this.
+#: vLLM's largest captured batch (``max_cudagraph_capture_size``'s default)
 GRAPH_MAX_CAPTURE_TOKENS = 512
-MOE_CHUNK_TOKENS = 16 * 1024
 #: vLLM's ``max_num_seqs`` default for the API server: 1024 on a GPU of 70 GiB or more (H100,
 #: H200; A100 excepted), else 256 (``EngineArgs._set_default_args``).
 MAX_NUM_SEQS_BIG_GPU, MAX_NUM_SEQS = 1024, 256
@@ -73,6 +72,8 @@ BIG_GPU_BYTES = 70 * GiB
 #: size" is the requests that fit times ``max_model_len`` (``kv_cache_utils.get_kv_cache_capacity``):
 #: 0.945 of the room's tokens at 257, 0.896 at 129 in every fixture.
 KV_BLOCK_TOKENS = 16
+#: vLLM's CPU backend's block (its default ``block_size``): the CPU fixtures' 0.504 at 129, 0.669 at 257
+CPU_KV_BLOCK_TOKENS = 128
 #: fewer whole requests of ``seq_len`` tokens than this in the KV cache fails the check.
 MIN_REQUESTS_IN_CACHE = 1
 
@@ -87,7 +88,9 @@ _LOG_PATTERNS = {
     "model_load_gib": re.compile(r"Model loading took (?P<v>[\d.]+) GiB(?: memory)? and (?P<s>[\d.]+) seconds"),
     "weights_load_s": re.compile(r"Loading weights took (?P<v>[\d.]+) seconds"),
     "available_kv_gib": re.compile(r"Available KV cache memory: (?P<v>-?[\d.]+) GiB"),
-    "kv_cache_tokens": re.compile(r"GPU KV cache size: (?P<v>[\d,]+) tokens"),
+    "kv_cache_tokens": re.compile(r"[GC]PU KV cache size: (?P<v>[\d,]+) tokens"),
+    # a CPU host's KV cache is VLLM_CPU_KVCACHE_SPACE, no profile: the worker says what it set
+    "cpu_kvcache_gib": re.compile(r"Explicitly set \((?P<v>[\d.]+)/[\d.]+\) GiB for KV cache"),
     "max_concurrency": re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<v>[\d.]+)x"),
     "graph_capture": re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs, took (?P<v>-?[\d.]+) GiB"),
     "cuda_graph_pool": re.compile(r"CUDA graph pool memory: (?P<v>[\d.]+) GiB \(actual\), (?P<e>[\d.]+) GiB"),
@@ -338,6 +341,16 @@ def engine_batched_tokens(params: dict, config: dict) -> int:
     return command.batched_tokens({**params, "chunked_prefill_on": chunked_on}, max_model_len)
 
 
+def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """The tokens vLLM says its cache holds ("GPU/CPU KV cache size"): the requests of ``max_model_len``
+    (``seq_len + 1``) that fit, each in whole blocks of ``block_tokens``, times ``max_model_len``."""
+    if not per_token:
+        return 0
+    max_model_len = int(seq_len) + 1
+    request_bytes = per_token * -(-max_model_len // block_tokens) * block_tokens
+    return max(0, int(kv_room)) * max_model_len // request_bytes
+
+
 def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_bytes: int, tp: int,
                      kv_per_token: int, hs_per_token: int, seq_len: int, overhead: dict) -> dict:
     """What vLLM will make of one GPU at ``util``: weights, overhead, KV room, tokens that fit.
@@ -350,10 +363,7 @@ def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_b
     weights = int(weight_bytes) // max(int(tp), 1)
     kv_room = budget - weights - overhead["total"]
     per_token = kv_per_token + hs_per_token
-    # vLLM's count: requests of max_model_len in whole blocks, times max_model_len
-    max_model_len = int(seq_len) + 1
-    request_bytes = per_token * -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    tokens = max(0, kv_room) * max_model_len // request_bytes if per_token else 0
+    tokens = cache_tokens(kv_room, per_token, seq_len)
     return {"total_bytes": int(total_bytes), "free_bytes": int(free_bytes), "gpu_memory_utilization": util,
             "budget_bytes": budget, "weight_bytes": weights, "overhead_bytes": overhead["total"],
             "overhead_terms": overhead, "kv_room_bytes": kv_room,
