@@ -18,6 +18,8 @@ machine ran (``done.json``), so one command line can be repeated call after call
 
     round.py main --steps ssh,bench,mla_diag,smoke_deepseek --skip-done        # round 3, call 3
     round.py main --steps ssh,jobs,smoke_deepseek,extract_deepseek --skip-done  # call 4: what is left
+    round.py models --only deepseek_v3_wide,llama_8b_vocab && \
+        round.py main --steps ssh,memory_width --label mem  # the memory plan at real width (two vLLM starts)
 
 The host side runs exactly as over SSH from a laptop: ``scripts/gpu/loopback_ssh.py``
 brings an SSH server up on 127.0.0.1 (OpenSSH when the machine has it, else asyncssh),
