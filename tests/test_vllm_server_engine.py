@@ -296,6 +296,65 @@ def test_server_args_may_not_repeat_what_the_engine_sets_from_the_run(tmp_path):
     assert "--kv-cache-memory-bytes" in argv(server_args=["--kv-cache-memory-bytes", "1000"])
 
 
+def load_gpu_bench():
+    """``scripts/gpu/bench.py`` as a module (it starts nothing on import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "scripts" / "gpu" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_bench_starts_the_server_specops_extract_starts(tmp_path):
+    """The GPU benchmark once ran 16384 batched tokens a step where ``specops extract`` runs 2048: its ratios were
+    not the CLI's. Its engine now gets the run parameters its arguments name, completed by the supervisor's own
+    rule, so the one builder gives both the same argv (and the plain baseline the same minus extraction)."""
+    from remote.extract import runplan
+    from remote.extract.supervisor import Supervisor
+
+    bench = load_gpu_bench()
+    args = bench.parse_args(["--model", "/m/llama", "--dataset", "ids.jsonl", "--out", str(tmp_path / "out")])
+    bench_params = bench.engine_params(args, seq_len=2048)
+    # the CLI's: what a `specops extract` run's supervisor hands the engine, for a run of the same parameters
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "params.json").write_text(json.dumps({
+        "model_path": "/m/llama", "engine": "vllm-server", "device": "cuda", "seq_len": 2048, "format": "bf16",
+        "gpu_memory_utilization": args.util, "server_args": bench_params["server_args"]}))
+    supervisor = Supervisor(run_dir)
+    supervisor.plan = runplan.resolve(supervisor.params, {"num_hidden_layers": 8}, run_dir=run_dir)
+    cli_params = supervisor._engine_params("vllm-server")
+
+    def argv(params, **more):
+        return vllm_server.server_command(
+            "/env/bin/python", "/m/llama", port=41234, tp=1, layer_ids=[2, 4, 5, 8], storage_dir=tmp_path,
+            connector=(vllm_server.STOCK_CONNECTOR, None), max_model_len=2049, params={**params, **more})
+
+    for chunked in (True, False):  # the engine's verdict, added by its load in both
+        assert argv(bench_params, chunked_prefill_on=chunked) == argv(cli_params, chunked_prefill_on=chunked)
+    got = argv(bench_params, chunked_prefill_on=True)
+    assert got[got.index("--max-num-batched-tokens") + 1] == "2048" and got.count("--max-num-batched-tokens") == 1
+    plain = argv(bench_params, chunked_prefill_on=True, plain=True)
+    assert "--speculative-config" not in plain and "--kv-transfer-config" not in plain
+    assert [a for a in got if a not in plain and not a.startswith("{")] == ["--speculative-config",
+                                                                           "--kv-transfer-config"]
+    assert bench_params["concurrency"] == cli_params["concurrency"] == 8  # the run's batch_size
+    # the settings line: what ran, and where it is not the CLI's default (the shared GPU's memory only, here)
+    chunked = {"on": True, "max_num_batched_tokens": vllm_server.command.batched_tokens(
+        {**bench_params, "chunked_prefill_on": True}, 2049)}
+    said = bench.settings(bench_params, [bench_params["concurrency"]], chunked, {"where": "processes", "processes": 16})
+    assert (said["max_num_batched_tokens"], said["concurrency"], said["digest_in"]["processes"]) == (2048, [8], 16)
+    assert sorted(said["differs_from_cli"]) == ["gpu_memory_utilization", "server_args"], said
+    # an override is the run parameter's, and the settings line names it
+    args = bench.parse_args(["--model", "m", "--dataset", "d", "--out", "o", "--batched-tokens", "16384",
+                             "--concurrency", "32"])
+    changed = bench.engine_params(args, 2048)
+    assert (changed["max_num_batched_tokens"], changed["concurrency"]) == (16384, 32)
+    said = bench.settings(changed, [32], {"on": True, "max_num_batched_tokens": 16384}, None)
+    assert {"max_num_batched_tokens", "concurrency"} <= set(said["differs_from_cli"]), said
+
+
 def test_cpu_env_binds_each_rank_to_its_own_cores():
     env = vllm_server.server_env({}, marker="m", tp=2, on_cpu=True)
     slices = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
