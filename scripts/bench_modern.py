@@ -42,6 +42,8 @@ from remote.extract.engines.vllm_server import VllmServer, VllmServerEngine, SER
 from remote.wire import fsutil, layers
 from remote.system import modelconfig
 from remote.extract import samples as hs_samples
+from remote.extract.engines.vllm_server.command import run_defaults
+from remote.wire.contract import param
 
 model, mode, work, n, tp, conc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 lengths = [int(x) for x in sys.argv[7].split(",")]
@@ -50,7 +52,10 @@ vocab = int(modelconfig.text_value(config, "vocab_size"))
 rng = random.Random(7)
 samples = [(i, [rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])]) for i in range(n)]
 tokens = sum(len(ids) for _, ids in samples)
-params = {"device": "cpu", "enforce_eager": True, "seq_len": max(lengths), "concurrency": conc, "work_dir": work}
+# what specops extract's supervisor hands the engine (concurrency: the run's batch_size unless given)
+params = run_defaults({"device": "cpu", "seq_len": max(lengths), "concurrency": conc or None, "work_dir": work},
+                      param({}, "batch_size"))
+conc = params["concurrency"]
 ids, _ = layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))
 engine = VllmServerEngine(model, tp, ids, dict(params, plain=(mode == "plain")))
 t0 = time.monotonic()
@@ -82,7 +87,8 @@ try:
 finally:
     engine.close()
 print(json.dumps({"mode": mode, "start_s": round(start_s, 1), "tokens": tokens, "seconds": round(seconds, 3),
-                  "tok_per_s": round(tokens / seconds, 1)}))
+                  "tok_per_s": round(tokens / seconds, 1), "concurrency": conc,
+                  "max_num_batched_tokens": engine.chunked["max_num_batched_tokens"]}))
 """
 
 
@@ -104,7 +110,8 @@ def main() -> int:
     ap.add_argument("--model", default="llama", help="a tiny test model's name, or a model dir")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--samples", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=0, help="requests in flight (0: specops extract's, the "
+                                                                   "run's batch_size)")
     ap.add_argument("--lengths", default="64,128,96,120", help="prompt lengths, used in turn")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
@@ -137,7 +144,9 @@ def main() -> int:
     plain = statistics.median(r["tok_per_s"] for r in results["plain"])
     server = statistics.median(r["tok_per_s"] for r in results["server"])
     extract = statistics.median(r["tok_per_s"] for r in results["extract"])
-    print(f"model {model} TP={args.tp} samples={args.samples} lengths={args.lengths} in flight={args.concurrency}")
+    ran = results["extract"][-1]
+    print(f"model {model} TP={args.tp} samples={args.samples} lengths={args.lengths} in flight={ran['concurrency']} "
+          f"step budget={ran['max_num_batched_tokens']} tokens (the engine's, as specops extract)")
     print(f"plain prefill, same server flags:            {plain:8.0f} tok/s "
           f"(start {statistics.median(r['start_s'] for r in results['plain']):.1f} s)")
     print(f"extraction server alone (files deleted):     {server:8.0f} tok/s "

@@ -157,12 +157,12 @@ def test_resume_refuses_to_mix_formats_in_one_output_dir(tmp_path):
 def test_preflight_disk_estimate_halves_and_names_the_format():
     from remote.probes import Context, capacity
 
-    def estimate(fmt, engine="vllm-server"):
+    def estimate(fmt, engine="vllm-server", free=1 << 50):
         ctx = Context({"max_samples": 1000, "seq_len": 8192, "engine": engine, "hidden_dtype_bytes": 2,
                        **({"format": fmt} if fmt else {})})
         ctx.model = {"hidden_size": 7168}
         ctx.layers = {"ids": [2, 30, 58, 61]}
-        ctx.host = {"disk": {"output_dir": {"free_bytes": 1 << 50, "measured_at": "/out"}}}
+        ctx.host = {"disk": {"output_dir": {"free_bytes": free, "measured_at": "/out"}}}
         record, = capacity.probe(ctx)
         return record
 
@@ -172,6 +172,11 @@ def test_preflight_disk_estimate_halves_and_names_the_format():
     assert 0.49 < ratio < 0.51, ratio
     assert fp8["detail"]["format"] == "fp8" and "fp8" in fp8["summary"] and "0.50x bf16" in fp8["summary"]
     assert "hidden_states_scales" in fp8["summary"] and "bf16" in bf16["summary"]
+    # half the disk, but slower to write: the measured cost, said where fp8 is named (the H200 at real width)
+    cost = "0.404 of plain prefill vs bf16's 0.731 (H200 at DeepSeek-V3 width"
+    assert cost in fp8["summary"] and fp8["detail"]["fp8_speed"]["fp8_of_plain"] == 0.404, fp8["summary"]
+    short = estimate("bf16", free=1 << 30)
+    assert short["status"] == "fail" and "format: fp8, about half the bytes" in short["fix"] and cost in short["fix"]
     # a Kimi-K2.5-sized token: 57 KB bf16 -> 28.7 KB fp8 (4 layers x 7168 + the scale and the id)
     per_token = {k: r["detail"]["bytes"] / (1000 * 8192) / 1000 for k, r in (("bf16", bf16), ("fp8", fp8))}
     print(f"\npreflight estimate per token (4 x 7168): bf16 {per_token['bf16']:.1f} kB, fp8 {per_token['fp8']:.1f} kB")

@@ -130,6 +130,8 @@ def test_preflight_over_ssh_accepts_pre_tokenized_and_messages_rows(stack, make_
     recs = _records(doc)
     assert recs["data.records"]["status"] == "ok", recs["data.records"]
     assert recs["data.records"]["detail"]["kinds"] == {"tokens": 2, "chat": 2}
+    # rows are counted as rows ("2 tokens" once read as a token count)
+    assert recs["data.records"]["summary"].endswith(": 2 chat row(s), 2 pre-tokenized row(s)"), recs["data.records"]
     assert "all 4 rows" in recs["data.records"]["summary"]
 
 

@@ -296,6 +296,65 @@ def test_server_args_may_not_repeat_what_the_engine_sets_from_the_run(tmp_path):
     assert "--kv-cache-memory-bytes" in argv(server_args=["--kv-cache-memory-bytes", "1000"])
 
 
+def load_gpu_bench():
+    """``scripts/gpu/bench.py`` as a module (it starts nothing on import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "scripts" / "gpu" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_bench_starts_the_server_specops_extract_starts(tmp_path):
+    """The GPU benchmark once ran 16384 batched tokens a step where ``specops extract`` runs 2048: its ratios were
+    not the CLI's. Its engine now gets the run parameters its arguments name, completed by the supervisor's own
+    rule, so the one builder gives both the same argv (and the plain baseline the same minus extraction)."""
+    from remote.extract import runplan
+    from remote.extract.supervisor import Supervisor
+
+    bench = load_gpu_bench()
+    args = bench.parse_args(["--model", "/m/llama", "--dataset", "ids.jsonl", "--out", str(tmp_path / "out")])
+    bench_params = bench.engine_params(args, seq_len=2048)
+    # the CLI's: what a `specops extract` run's supervisor hands the engine, for a run of the same parameters
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "params.json").write_text(json.dumps({
+        "model_path": "/m/llama", "engine": "vllm-server", "device": "cuda", "seq_len": 2048, "format": "bf16",
+        "gpu_memory_utilization": args.util, "server_args": bench_params["server_args"]}))
+    supervisor = Supervisor(run_dir)
+    supervisor.plan = runplan.resolve(supervisor.params, {"num_hidden_layers": 8}, run_dir=run_dir)
+    cli_params = supervisor._engine_params("vllm-server")
+
+    def argv(params, **more):
+        return vllm_server.server_command(
+            "/env/bin/python", "/m/llama", port=41234, tp=1, layer_ids=[2, 4, 5, 8], storage_dir=tmp_path,
+            connector=(vllm_server.STOCK_CONNECTOR, None), max_model_len=2049, params={**params, **more})
+
+    for chunked in (True, False):  # the engine's verdict, added by its load in both
+        assert argv(bench_params, chunked_prefill_on=chunked) == argv(cli_params, chunked_prefill_on=chunked)
+    got = argv(bench_params, chunked_prefill_on=True)
+    assert got[got.index("--max-num-batched-tokens") + 1] == "2048" and got.count("--max-num-batched-tokens") == 1
+    plain = argv(bench_params, chunked_prefill_on=True, plain=True)
+    assert "--speculative-config" not in plain and "--kv-transfer-config" not in plain
+    assert [a for a in got if a not in plain and not a.startswith("{")] == ["--speculative-config",
+                                                                           "--kv-transfer-config"]
+    assert bench_params["concurrency"] == cli_params["concurrency"] == 8  # the run's batch_size
+    # the settings line: what ran, and where it is not the CLI's default (the shared GPU's memory only, here)
+    chunked = {"on": True, "max_num_batched_tokens": vllm_server.command.batched_tokens(
+        {**bench_params, "chunked_prefill_on": True}, 2049)}
+    said = bench.settings(bench_params, [bench_params["concurrency"]], chunked, {"where": "processes", "processes": 16})
+    assert (said["max_num_batched_tokens"], said["concurrency"], said["digest_in"]["processes"]) == (2048, [8], 16)
+    assert sorted(said["differs_from_cli"]) == ["gpu_memory_utilization", "server_args"], said
+    # an override is the run parameter's, and the settings line names it
+    args = bench.parse_args(["--model", "m", "--dataset", "d", "--out", "o", "--batched-tokens", "16384",
+                             "--concurrency", "32"])
+    changed = bench.engine_params(args, 2048)
+    assert (changed["max_num_batched_tokens"], changed["concurrency"]) == (16384, 32)
+    said = bench.settings(changed, [32], {"on": True, "max_num_batched_tokens": 16384}, None)
+    assert {"max_num_batched_tokens", "concurrency"} <= set(said["differs_from_cli"]), said
+
+
 def test_cpu_env_binds_each_rank_to_its_own_cores():
     env = vllm_server.server_env({}, marker="m", tp=2, on_cpu=True)
     slices = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
@@ -459,13 +518,17 @@ def test_wait_for_file_waits_for_the_writers_lock_then_removes_it(tmp_path):
 
 
 LAND = r"""
-import json, os, sys
+import json, multiprocessing, os, sys
 import torch
 from safetensors.torch import save_file
 from remote.extract.engines.vllm_server import landing
 
 work, out = sys.argv[1], sys.argv[2]
 ids = [5, 9, 11]
+# the engine's digest pool (digest_in: processes): what it says of itself against the processes that run
+pool = landing.DigestPool(2)
+pool.start()
+report = {"pool": pool.wait_started(), "pool_running": len(multiprocessing.active_children())}
 
 def written(name, states, token_ids):
     path = os.path.join(work, name)
@@ -473,20 +536,21 @@ def written(name, states, token_ids):
     return path
 
 torch.manual_seed(0)
-report = {}
 cases = {"good": written("a", torch.randn(3, 2, 8).to(torch.bfloat16), ids),
          "nan": written("b", torch.full((3, 2, 8), float("nan")).to(torch.bfloat16), ids),
          "ids": written("c", torch.randn(3, 2, 8).to(torch.bfloat16), [5, 9, 12]),
          "shape": written("d", torch.randn(3, 2, 4).to(torch.bfloat16), ids)}
 for index, (name, path) in enumerate(cases.items()):
     try:
-        record = landing.land_sample(index, ids, path, out, layer_ids=[4, 2], file_layer_ids=[2, 4], hidden_size=8)
+        record = landing.land_sample(index, ids, path, out, layer_ids=[4, 2], file_layer_ids=[2, 4], hidden_size=8,
+                                     pool=pool if name in ("good", "nan") else None)
         report[name] = {k: record[k] for k in ("index", "file", "tokens", "shape", "dtype", "bytes")}
         report[name]["layers"] = len(record["digest"]["layers"])
     except landing.SampleRejected as exc:
         report[name] = {"rejected": exc.index, "problems": exc.problems}
 report["work_left"] = sorted(os.listdir(work))
 report["out"] = sorted(os.listdir(out))
+pool.close()
 print(json.dumps(report))
 """
 
@@ -504,6 +568,10 @@ def test_a_landed_sample_is_checked_and_renamed_and_a_rejected_one_is_deleted(mo
     assert report["ids"]["rejected"] == 2 and "do not echo" in report["ids"]["problems"][0]
     assert report["shape"]["rejected"] == 3 and "[3, 2, 8]" in report["shape"]["problems"][0]
     assert report["work_left"] == [] and report["out"] == ["hs_0.safetensors"]
+    # the manifest's engine.digest_in counts the pool's processes, not the few that answered its start's probe
+    # (the H200's 16-core host once read 3)
+    assert report["pool"]["processes"] == report["pool_running"] == 2, report
+    assert 1 <= report["pool"]["answered_probe"] <= 2, report
 
 
 # ---------------------------------------------------------------------------- the real server
@@ -516,7 +584,7 @@ def test_every_sample_lands_as_a_checked_safetensors_file(extraction):
     assert result["engine"]["file_layer_ids"] == LAYER_IDS and result["engine"]["layer_convention"] == "input"
     # every file digested in the engine's worker processes, one per core the test host may use
     assert result["engine"]["digest_in"]["where"] == "processes", result["engine"]["digest_in"]
-    assert result["engine"]["digest_in"]["processes"] >= 1
+    assert result["engine"]["digest_in"]["processes"] == len(os.sched_getaffinity(0)), result["engine"]["digest_in"]
     assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{s['index']}.safetensors" for s in samples)
     by_index = {r["index"]: r for r in result["samples"]}
     for s in samples:

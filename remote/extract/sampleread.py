@@ -425,7 +425,8 @@ def digest_process_init() -> None:
 
 
 def digest_process_ready(hold_s: float = 0.05) -> int:
-    """A no-op task: held a moment so that a pool given one per process starts every process."""
+    """The pool start's probe (a no-op task): this process's pid, once it is up. Held a moment so the
+    first process up does not take every probe, though one that is still importing torch takes none."""
     import time
 
     time.sleep(hold_s)

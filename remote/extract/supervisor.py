@@ -320,9 +320,10 @@ class Supervisor:
         if engine_name == "vllm-server":
             # storage/ and logs/ (server.log, split into rank<k>.log at the end) inside the run dir,
             # where `specops logs` and the root-cause reader look
-            p.update(work_dir=str(self.paths.run_dir), python=sys.executable,
-                     concurrency=int(p.get("concurrency") or self.plan.batch_size))
-            p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
+            from remote.extract.engines.vllm_server.command import run_defaults
+
+            p = run_defaults(p, self.plan.batch_size)
+            p.update(work_dir=str(self.paths.run_dir), python=sys.executable)
         layout = self.layout
         if layout.dp > 1:  # one server per replica, each on its own devices (remote/extract/layout.py)
             if layout.problem:  # (one replica runs as it always did: the devices are preflight's to judge)

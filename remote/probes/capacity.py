@@ -9,12 +9,15 @@ sample at ``seq_len`` tokens this is an upper bound::
     samples x seq_len x (hidden x layers x dtype_bytes + id_arrays x 8) + samples x overhead
 
 With ``format: fp8`` (vllm-server) each value is one byte (float8_e4m3fn) and each token
-adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure.
+adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure, but
+slower to write (``contract.FP8_SPEED``: the stock fp8 connector is the limit), which the
+record says wherever it names fp8.
 """
 from __future__ import annotations
 
 from remote.probes import Context
-from remote.wire.contract import FP8, FP8_SCALES_KEY, HS, PT, VLLM_SERVER, sample_name, state_format
+from remote.wire.contract import (FP8, FP8_SCALES_KEY, FP8_SPEED, FP8_SPEED_COST, HS, PT, VLLM_SERVER, sample_name,
+                                  state_format)
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.wire.words import human_bytes
 
@@ -64,15 +67,16 @@ def probe(ctx: Context) -> list:
     if fp8:
         detail["bf16_bytes"] = output_bytes(samples, params["seq_len"], hidden, n_layers,
                                             params["hidden_dtype_bytes"], id_arrays)
-    states = (f"fp8 + {FP8_SCALES_KEY}, {need / max(detail['bf16_bytes'], 1):.2f}x bf16" if fp8
-              else f"{fmt}, {dtype_bytes} bytes a value")
+        detail["fp8_speed"] = dict(FP8_SPEED)
+    states = (f"fp8 + {FP8_SCALES_KEY}, {need / max(detail['bf16_bytes'], 1):.2f}x bf16's bytes, {FP8_SPEED_COST}"
+              if fp8 else f"{fmt}, {dtype_bytes} bytes a value")
     line = (f"up to {human_bytes(need)} for {samples} samples x {params['seq_len']} tokens x {n_layers} layers "
             f"x {hidden} ({sample_file}; {states}) vs {human_bytes(free)} free at {disk['measured_at']}")
     if need > free:
+        to_fp8 = "" if fp8 or params["engine"] != VLLM_SERVER else \
+            f", or write fp8 states (format: fp8, about half the bytes; {FP8_SPEED_COST})"
         return record_list(FAIL, line, detail, fix="free disk at the output dir, point output_dir at a bigger "
-                                                    "disk, or lower max_samples / seq_len"
-                                                    + ("" if fp8 or params["engine"] != VLLM_SERVER else
-                                                       ", or write fp8 states (format: fp8, about half the bytes)"))
+                                                    "disk, or lower max_samples / seq_len" + to_fp8)
     if need > TIGHT_SHARE * free:
         return record_list(WARN, line, detail, fix="leave headroom: free disk or lower max_samples")
     return record_list(OK, line, detail)

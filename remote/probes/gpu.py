@@ -8,7 +8,8 @@ Two questions a CPU host never asks, answered without importing torch or vLLM:
   (:func:`parse_smi_banner`) and the build from torch's own ``torch/version.py``, read
   as text where ``importlib`` finds the package (:func:`torch_build`).
 * **memory per rank.** What vLLM will do with ``gpu_memory_utilization x total``: the
-  weights of one rank, a fixed non-KV overhead, and the rest as KV cache, which with
+  weights of one rank, the non-KV overhead of its profile run at the step budget the engine
+  passes (:func:`overhead_terms`, :func:`engine_batched_tokens`), and the rest as KV cache, which with
   hidden-state extraction is shared by the model's own KV *and* the cache of captured
   states (``len(layer_ids) x hidden`` per token, not split over TP). The plan says how
   many tokens fit (:func:`plan_rank_memory`); vLLM logs what it really did
@@ -37,18 +38,42 @@ from remote.system import modelconfig
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.wire.words import GiB, MiB, human_bytes
 
-#: vLLM's memory outside weights and KV cache on one rank: CUDA context, cuBLAS/NCCL
-#: workspaces, the profile run's activation peak and the CUDA graph pool. A floor; the
-#: activation part grows with ``max_num_batched_tokens`` (:func:`activation_bytes`).
-#: Checked on the lent H200 (tests/fixtures/gpu/, tests/test_gpu_fixtures.py), three models at
-#: util 0.5: KV room within 0.5 %, tokens 0.94-0.95 of the plan (vLLM pads pages), nvidia-smi's
-#: peak 1.00-1.01 of util x total, non-KV overhead 0.7-1.2 of this estimate.
-BASE_OVERHEAD_BYTES = int(1.0 * GiB)
-#: bytes of activations per batched token and per unit of hidden size at the profile peak
-#: (bf16 residual, norms, qkv, MLP intermediate pieces), an upper-side estimate.
-ACTIVATION_FACTOR = 24
-#: vLLM's default token budget of one step when chunked prefill is off is at least this.
-DEFAULT_BATCHED_TOKENS = 8192
+#: The non-KV overhead of one rank is what vLLM's profile run takes before it sizes the KV cache
+#: (``gpu_worker.determine_available_memory``: non-torch increase + torch peak + the CUDA graph
+#: estimate). Its terms (:func:`overhead_terms`), fitted to every GPU fixture (tests/fixtures/gpu/:
+#: H200 vLLM 0.25 at 8192 batched tokens, H100 vLLM 0.26 at 2048; dense, GQA, MLA, MoE; hidden
+#: 256-4096): planned / used 0.96-1.08 on each (tests/test_memory_plan.py):
+#:
+#: CUDA context, cuBLAS/NCCL workspaces and loaded kernels outside torch's allocator, per rank.
+NON_TORCH_BYTES = int(0.2 * GiB)
+#: per batched token whatever the width: the step's persistent input/position/slot buffers, the
+#: attention metadata and sampler inputs sized by ``max_num_batched_tokens`` (fitted: 52 KiB; the
+#: tiny models' 0.31 GiB at 2048 tokens and 0.65 GiB at 8192 pin it).
+PER_TOKEN_BYTES = 52 * 1024
+#: copies of the widest layer's bf16 activations alive at the profile peak (fitted: 1.06).
+ACTIVATION_COPIES = 1.06
+#: fp32 ``[requests, vocab]`` logits alive at the sampler warm-up's peak: the bf16 logits, their
+#: fp32 copy, softmax probs and the exponential draws of the sampler, then the rejection sampler's
+#: dummy ``[2 x requests, vocab]`` target logits and their fp32 probs (vLLM 0.25
+#: ``_dummy_sampler_run``); the fixtures' vocab of 512 leaves this term unmeasured: at DeepSeek-V3
+#: width (vocab 129280, 1024 requests) it is the 3.4 GiB that issue 43's 5.6 GiB had over the rest.
+SAMPLER_FP32_COPIES = 7
+#: the CUDA graph pool (vLLM's "Estimated CUDA graph memory"): a floor plus the activations of the
+#: largest captured batch (fitted on the fixtures' 0.09-0.19 GiB: 1.3 copies at 512 tokens).
+GRAPH_BASE_BYTES = int(0.09 * GiB)
+GRAPH_ACTIVATION_COPIES = 1.3
+#: vLLM's largest captured batch (``max_cudagraph_capture_size``'s default)
+GRAPH_MAX_CAPTURE_TOKENS = 512
+#: vLLM's ``max_num_seqs`` default for the API server: 1024 on a GPU of 70 GiB or more (H100,
+#: H200; A100 excepted), else 256 (``EngineArgs._set_default_args``).
+MAX_NUM_SEQS_BIG_GPU, MAX_NUM_SEQS = 1024, 256
+BIG_GPU_BYTES = 70 * GiB
+#: vLLM's KV block: a request of ``max_model_len`` tokens holds whole blocks, and its log's "GPU KV cache
+#: size" is the requests that fit times ``max_model_len`` (``kv_cache_utils.get_kv_cache_capacity``):
+#: 0.945 of the room's tokens at 257, 0.896 at 129 in every fixture.
+KV_BLOCK_TOKENS = 16
+#: vLLM's CPU backend's block (its default ``block_size``): the CPU fixtures' 0.504 at 129, 0.669 at 257
+CPU_KV_BLOCK_TOKENS = 128
 #: fewer whole requests of ``seq_len`` tokens than this in the KV cache fails the check.
 MIN_REQUESTS_IN_CACHE = 1
 
@@ -63,7 +88,9 @@ _LOG_PATTERNS = {
     "model_load_gib": re.compile(r"Model loading took (?P<v>[\d.]+) GiB(?: memory)? and (?P<s>[\d.]+) seconds"),
     "weights_load_s": re.compile(r"Loading weights took (?P<v>[\d.]+) seconds"),
     "available_kv_gib": re.compile(r"Available KV cache memory: (?P<v>-?[\d.]+) GiB"),
-    "kv_cache_tokens": re.compile(r"GPU KV cache size: (?P<v>[\d,]+) tokens"),
+    "kv_cache_tokens": re.compile(r"[GC]PU KV cache size: (?P<v>[\d,]+) tokens"),
+    # a CPU host's KV cache is VLLM_CPU_KVCACHE_SPACE, no profile: the worker says what it set
+    "cpu_kvcache_gib": re.compile(r"Explicitly set \((?P<v>[\d.]+)/[\d.]+\) GiB for KV cache"),
     "max_concurrency": re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<v>[\d.]+)x"),
     "graph_capture": re.compile(r"Graph capturing finished in (?P<s>[\d.]+) secs, took (?P<v>-?[\d.]+) GiB"),
     "cuda_graph_pool": re.compile(r"CUDA graph pool memory: (?P<v>[\d.]+) GiB \(actual\), (?P<e>[\d.]+) GiB"),
@@ -71,7 +98,17 @@ _LOG_PATTERNS = {
     "torch_compile_s": re.compile(r"torch\.compile took (?P<v>[\d.]+) s in total"),
     "attention_backend": re.compile(r"Using (?P<v>[A-Z0-9_]+) (?:attention )?backend"),
     "cudagraph_mode": re.compile(r"cudagraph_mode[=:]\s*(?:<?CUDAGraphMode\.)?(?P<v>[A-Z_]+)"),
+    # vLLM 0.26+: the device's memory as CUDA sees it (an H100's is below nvidia-smi's memory.total)
+    "device_total_gib": re.compile(r"Free memory on device \([\d.]+/(?P<v>[\d.]+) GiB\)"),
+    "graph_estimate_gib": re.compile(r"Estimated CUDA graph memory: (?P<v>[\d.]+) GiB"),
+    # vLLM 0.26+: the profile's own breakdown of the non-KV memory
+    "peak_activation_gib": re.compile(r"GiB for weight, (?P<v>[\d.]+) GiB for peak activation"),
+    "non_torch_gib": re.compile(r"GiB for peak activation, (?P<v>[\d.]+) GiB for non-torch memory"),
+    # the step budget the server ran with: its compile range ends there (every vLLM 0.2x V1 start says it)
+    "max_num_batched_tokens": re.compile(r"compile_ranges_endpoints'?[=:]\s*\[(?P<v>\d+)\]"),
 }
+#: the log facts that are the engine's (one per server), not a rank's
+_ENGINE_KEYS = ("kv_cache_tokens", "max_concurrency", "init_engine_s", "cudagraph_mode", "max_num_batched_tokens")
 
 
 # ------------------------------------------------------------------ pure parsers
@@ -168,14 +205,11 @@ def parse_engine_memory(text: str) -> dict:
             if not found:
                 continue
             value = found.group("v")
-            if key in ("kv_cache_tokens", "max_concurrency", "init_engine_s", "torch_compile_s",
-                       "available_kv_gib", "cudagraph_mode"):
-                target = engine if key in ("kv_cache_tokens", "max_concurrency", "init_engine_s",
-                                           "cudagraph_mode") else ranks.setdefault(rank or 0, {})
-            else:
-                target = ranks.setdefault(rank or 0, {})
+            target = engine if key in _ENGINE_KEYS else ranks.setdefault(rank or 0, {})
             if key == "kv_cache_tokens":
                 target[key] = int(value.replace(",", ""))
+            elif key == "max_num_batched_tokens":
+                target.setdefault(key, int(value))
             elif key == "max_concurrency":
                 target[key] = float(value)
                 target["max_model_len"] = int(found.group("len").replace(",", ""))
@@ -220,44 +254,140 @@ def hidden_state_bytes_per_token(hidden: int, captured_layers: int, dtype_bytes:
     return int(hidden) * int(captured_layers) * dtype_bytes
 
 
-def activation_bytes(hidden: int, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> int:
-    """The profile run's activation peak, estimated from the hidden size and the step's tokens."""
-    return int(hidden) * int(batched_tokens) * ACTIVATION_FACTOR
+def activation_elements_per_token(text_cfg: dict, tp: int = 1) -> int:
+    """bf16 elements per batched token of the widest layer's forward on one rank.
+
+    * the residual stream, the norm's output and the layer's output: ``3 x hidden`` (not split by TP);
+    * attention: grouped-query q, k, v and the output, ``(heads + 2 x kv_heads) x head_dim + heads x
+      head_dim``; MLA's prefill (what the profile run takes) the q/kv latents (``q_lora_rank``,
+      ``kv_lora_rank + qk_rope_head_dim``), q, ``kv_b``'s output ``heads x (qk_nope + v_head)``, k and v
+      padded to the qk head dim and the padded output (3 x ``heads x (qk_nope + qk_rope)``), the output;
+    * a dense MLP's gate/up and activated halves, ``3 x intermediate``, where any layer is dense;
+    * a MoE layer's fused workspaces, ``top_k x (3 x moe_intermediate + hidden)``, the shared experts'
+      ``3 x moe_intermediate`` each, and the router's logits; added to the dense MLP's (the fused
+      MoE workspace is a buffer kept across layers, a dense first layer's activations come on top).
+
+    Heads, intermediates and experts' widths are split over ``tp``.
+    """
+    tp = max(int(tp), 1)
+    hidden = int(text_cfg.get("hidden_size") or 0)
+    heads = max(1, int(text_cfg.get("num_attention_heads") or 1) // tp)
+    if text_cfg.get("kv_lora_rank") is not None:
+        nope = int(text_cfg.get("qk_nope_head_dim") or 0)
+        rope = int(text_cfg.get("qk_rope_head_dim") or 0)
+        v_dim = int(text_cfg.get("v_head_dim") or nope)
+        qk = nope + rope
+        attention = (int(text_cfg.get("q_lora_rank") or 0) + int(text_cfg["kv_lora_rank"]) + rope + heads * qk
+                     + heads * (nope + v_dim) + 3 * heads * max(qk, v_dim) + heads * v_dim)
+    else:
+        all_heads = int(text_cfg.get("num_attention_heads") or 1)
+        head_dim = int(text_cfg.get("head_dim") or (hidden // all_heads))
+        kv_heads = max(1, -(-int(text_cfg.get("num_key_value_heads") or all_heads) // tp))
+        attention = (heads + 2 * kv_heads) * head_dim + heads * head_dim
+    layers = int(modelconfig.num_layers(text_cfg) or 0)
+    experts = int(text_cfg.get("n_routed_experts") or text_cfg.get("num_experts") or text_cfg.get("num_local_experts")
+                  or 0)
+    moe_width = int(text_cfg.get("moe_intermediate_size") or text_cfg.get("intermediate_size") or 0) // tp
+    first_dense = int(text_cfg.get("first_k_dense_replace") or 0) if experts else layers
+    dense = 3 * (int(text_cfg.get("intermediate_size") or 0) // tp) if first_dense > 0 else 0
+    moe = 0
+    if experts and first_dense < layers:
+        top_k = int(text_cfg.get("num_experts_per_tok") or 1)
+        shared = int(text_cfg.get("n_shared_experts") or 0)
+        moe = top_k * (3 * moe_width + hidden) + shared * 3 * moe_width + 2 * experts
+    return 3 * hidden + attention + dense + moe
+
+
+def default_max_num_seqs(total_bytes: int, name: str = "") -> int:
+    """vLLM's ``max_num_seqs`` default on a GPU of ``total_bytes`` (:data:`MAX_NUM_SEQS_BIG_GPU`)."""
+    return MAX_NUM_SEQS_BIG_GPU if total_bytes >= BIG_GPU_BYTES and "A100" not in (name or "") else MAX_NUM_SEQS
+
+
+def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, eager: bool = False) -> dict:
+    """The non-KV overhead of one rank, term by term (bytes), as vLLM's profile run makes it: one
+    forward of ``batched_tokens`` (the ``--max-num-batched-tokens`` the engine passes) through the
+    widest layer, the sampler warm-up on ``min(max_num_seqs, batched_tokens)`` requests' logits, the
+    CUDA graph pool (none when ``eager``) and the memory outside torch. ``total`` is their sum."""
+    tokens = int(batched_tokens)
+    act_bytes_per_token = 2 * activation_elements_per_token(text_cfg, tp)
+    requests = min(int(max_num_seqs), tokens)
+    vocab = int(text_cfg.get("vocab_size") or 0)
+    capture = min(GRAPH_MAX_CAPTURE_TOKENS, 2 * int(max_num_seqs), tokens)
+    terms = {
+        "non_torch": NON_TORCH_BYTES,
+        "per_token_buffers": PER_TOKEN_BYTES * tokens,
+        "activations": int(ACTIVATION_COPIES * act_bytes_per_token * tokens),
+        "sampler": SAMPLER_FP32_COPIES * requests * vocab * 4,
+        "cuda_graphs": 0 if eager else GRAPH_BASE_BYTES + int(GRAPH_ACTIVATION_COPIES * act_bytes_per_token * capture),
+    }
+    return dict(terms, total=sum(terms.values()), batched_tokens=tokens, max_num_seqs=int(max_num_seqs))
+
+
+def engine_batched_tokens(params: dict, config: dict) -> int:
+    """The ``--max-num-batched-tokens`` the vllm-server engine will pass for this run: the command
+    builder's own :func:`~remote.extract.engines.vllm_server.command.batched_tokens`, with chunked
+    prefill resolved as the engine resolves it (the installed connector's verdict); a connector that
+    cannot be read counts as chunked prefill off (one whole sample per step: the larger budget)."""
+    from remote.extract.engines.vllm_server import chunking, command
+
+    seq_len = int(params.get("seq_len") or 0)
+    limit = modelconfig.text_value(config, "max_position_embeddings")
+    max_model_len = min(seq_len + 1, int(limit)) if limit else seq_len + 1
+    try:
+        verdict = chunking.installed_verdict(command.pick_connector(params))
+        chunked_on = chunking.resolve(params.get("chunked_prefill"), verdict)["on"]
+    except Exception:  # noqa: BLE001 -- unreadable connector or a refused value: drift.server-chunking says which
+        chunked_on = False
+    return command.batched_tokens({**params, "chunked_prefill_on": chunked_on}, max_model_len)
+
+
+def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """The tokens vLLM says its cache holds ("GPU/CPU KV cache size"): the requests of ``max_model_len``
+    (``seq_len + 1``) that fit, each in whole blocks of ``block_tokens``, times ``max_model_len``."""
+    if not per_token:
+        return 0
+    max_model_len = int(seq_len) + 1
+    request_bytes = per_token * -(-max_model_len // block_tokens) * block_tokens
+    return max(0, int(kv_room)) * max_model_len // request_bytes
 
 
 def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_bytes: int, tp: int,
-                     kv_per_token: int, hs_per_token: int, hidden: int, seq_len: int,
-                     batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> dict:
+                     kv_per_token: int, hs_per_token: int, seq_len: int, overhead: dict) -> dict:
     """What vLLM will make of one GPU at ``util``: weights, overhead, KV room, tokens that fit.
 
     vLLM refuses to start when the GPU has less free memory than ``util x total``; the
-    KV cache gets ``util x total - weights - overhead`` and is shared by the model's KV
-    and the hidden-state cache, token for token.
+    KV cache gets ``util x total - weights - overhead`` (``overhead``: :func:`overhead_terms`)
+    and is shared by the model's KV and the hidden-state cache, token for token.
     """
     budget = int(util * total_bytes)
     weights = int(weight_bytes) // max(int(tp), 1)
-    overhead = BASE_OVERHEAD_BYTES + activation_bytes(hidden, max(batched_tokens, seq_len + 1))
-    kv_room = budget - weights - overhead
+    kv_room = budget - weights - overhead["total"]
     per_token = kv_per_token + hs_per_token
-    tokens = max(0, kv_room) // per_token if per_token else 0
+    tokens = cache_tokens(kv_room, per_token, seq_len)
     return {"total_bytes": int(total_bytes), "free_bytes": int(free_bytes), "gpu_memory_utilization": util,
-            "budget_bytes": budget, "weight_bytes": weights, "overhead_bytes": overhead, "kv_room_bytes": kv_room,
+            "budget_bytes": budget, "weight_bytes": weights, "overhead_bytes": overhead["total"],
+            "overhead_terms": overhead, "kv_room_bytes": kv_room,
             "kv_bytes_per_token": kv_per_token, "hidden_state_bytes_per_token": hs_per_token,
             "tokens_fit": int(tokens), "requests_fit": round(tokens / max(seq_len + 1, 1), 2),
             "fits_budget": free_bytes >= budget, "fits_weights": kv_room > 0}
 
 
 def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, n_layer_ids: int,
-                     seq_len: int, dtype_bytes: int = 2, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> dict:
+                     seq_len: int, batched_tokens: int, dtype_bytes: int = 2, max_num_seqs: int | None = None,
+                     eager: bool = False) -> dict:
     """:func:`plan_rank_memory` for a model config (``text_config`` unwrapped) and one GPU
-    as :func:`remote.system.devices.parse_gpus` gives it."""
+    as :func:`remote.system.devices.parse_gpus` gives it, at the engine's ``batched_tokens``
+    (:func:`engine_batched_tokens`) and ``max_num_seqs`` (None: vLLM's default for this GPU)."""
     text = modelconfig.text_config(config)
     hidden = int(text.get("hidden_size") or 0)
+    total = (gpu.get("memory_total_mib") or 0) * MiB
+    seqs = int(max_num_seqs or default_max_num_seqs(total, gpu.get("name") or ""))
+    overhead = overhead_terms(text, tp=tp, batched_tokens=batched_tokens, max_num_seqs=seqs, eager=eager)
     return plan_rank_memory(
-        total_bytes=(gpu.get("memory_total_mib") or 0) * MiB, free_bytes=(gpu.get("memory_free_mib") or 0) * MiB,
+        total_bytes=total, free_bytes=(gpu.get("memory_free_mib") or 0) * MiB,
         util=util, weight_bytes=weight_bytes, tp=tp, kv_per_token=kv_bytes_per_token(text, tp, dtype_bytes),
-        hs_per_token=hidden_state_bytes_per_token(hidden, n_layer_ids, dtype_bytes), hidden=hidden,
-        seq_len=seq_len, batched_tokens=batched_tokens)
+        hs_per_token=hidden_state_bytes_per_token(hidden, n_layer_ids, dtype_bytes), seq_len=seq_len,
+        overhead=overhead)
 
 
 def compare(plan: dict, engine_memory: dict, smi_used_mib=None, rank: int = 0) -> dict:
@@ -283,8 +413,15 @@ def compare(plan: dict, engine_memory: dict, smi_used_mib=None, rank: int = 0) -
     if smi_used_mib is not None:
         row("gpu_used_bytes", plan["budget_bytes"], int(smi_used_mib) * MiB)
     if rank_facts.get("model_load_gib") is not None and rank_facts.get("available_kv_gib") is not None:
-        overhead_used = plan["budget_bytes"] - gib(rank_facts["model_load_gib"]) - gib(rank_facts["available_kv_gib"])
+        # vLLM's own budget where its log says the device's total (else the plan's, from nvidia-smi)
+        budget_used = (int(plan["gpu_memory_utilization"] * gib(rank_facts["device_total_gib"]))
+                       if rank_facts.get("device_total_gib") else plan["budget_bytes"])
+        overhead_used = budget_used - gib(rank_facts["model_load_gib"]) - gib(rank_facts["available_kv_gib"])
         row("overhead_bytes", plan["overhead_bytes"], overhead_used)
+    terms = plan.get("overhead_terms") or {}
+    if terms:  # the plan's own step budget and graph pool against the server's
+        row("batched_tokens", terms["batched_tokens"], eng.get("max_num_batched_tokens"))
+        row("cuda_graph_bytes", terms["cuda_graphs"], gib(rank_facts.get("graph_estimate_gib")))
     return rows
 
 
@@ -344,14 +481,18 @@ def _memory_record(ctx) -> dict:
     seq_len = ctx.params["seq_len"]
     util = ctx.params["gpu_memory_utilization"]
     tp = ctx.params["tp"]
+    budget_tokens = engine_batched_tokens(ctx.params, config)
     plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, n_layer_ids=n_ids,
-                                   seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"]), index=g["index"])
+                                   seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"],
+                                   batched_tokens=budget_tokens, max_num_seqs=ctx.params.get("max_num_seqs"),
+                                   eager=bool(ctx.params.get("enforce_eager"))), index=g["index"])
              for g in gpus]
     worst = min(plans, key=lambda p: p["tokens_fit"])
     ctx.host["gpu_memory_plan"] = plans
-    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len}
+    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len, "max_num_batched_tokens": budget_tokens}
     line = (f"per rank: {human_bytes(worst['weight_bytes'])} weights + ~{human_bytes(worst['overhead_bytes'])} "
-            f"overhead of {human_bytes(worst['budget_bytes'])} ({util} x {human_bytes(worst['total_bytes'])}); "
+            f"overhead at {budget_tokens:,} batched tokens of {human_bytes(worst['budget_bytes'])} "
+            f"({util} x {human_bytes(worst['total_bytes'])}); "
             f"KV room {human_bytes(max(worst['kv_room_bytes'], 0))} = ~{worst['tokens_fit']:,} tokens at "
             f"{worst['kv_bytes_per_token'] + worst['hidden_state_bytes_per_token']:,} B/token "
             f"({worst['hidden_state_bytes_per_token']:,} of it captured states)")

@@ -23,6 +23,10 @@ from remote.wire.words import human_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+#: what each row kind (``dataset.check_row``'s first value) is called where a person reads it: a count of
+#: rows, not of tokens ("12 pre-tokenized row(s)", never "12 tokens")
+ROW_KINDS = {"tokens": "pre-tokenized", "chat": "chat"}
+
 #: Engines that turn chat data into tokens with the tokenizer's chat template.
 CHAT_ENGINES = {SPECULATORS_03}
 #: speculators' hub dataset names: the run reads a local file, so these fail with a fix.
@@ -275,7 +279,7 @@ def _records(ctx, dataset, found):
                           f"but the model has no chat template to render them", detail=detail,
                           fix="add the model's chat template to the model dir, or pass pre-tokenized rows "
                               "(input_ids)")
-    kinds = ", ".join(f"{n} {k}" for k, n in sorted(found["kinds"].items()))
+    kinds = ", ".join(f"{n} {ROW_KINDS.get(k, k)} row(s)" for k, n in sorted(found["kinds"].items()))
     if found["degraded_count"]:
         return record("data.records", WARN, f"{found['degraded_count']} row(s) in {scope} have nothing to train "
                       f"on (lines {_lines(found['degraded'], found['degraded_count'])}): "

@@ -139,6 +139,14 @@ STATE_FORMATS = (BF16, FP8)
 FP8_SCALES_KEY = "hidden_states_scales"
 #: the engines that can write fp8 states.
 FP8_ENGINES = (VLLM_SERVER,)
+#: fp8's speed cost, measured (issue 43: the H200 round at real width, vLLM 0.25, a DeepSeek-V3-shaped target,
+#: hidden 7168, 4096-token samples, through the CLI): extraction ran this share of plain prefill in each format;
+#: hs-connectors 0.9.0's fp8 connector, which writes ~0.68 GB/s at every width measured, is the limit.
+FP8_SPEED = {"fp8_of_plain": 0.404, "bf16_of_plain": 0.731, "connector_gb_s": 0.68,
+             "measured": "H200 at DeepSeek-V3 width, vLLM 0.25"}
+#: the same, in words (preflight's capacity advice)
+FP8_SPEED_COST = (f"slower: {FP8_SPEED['fp8_of_plain']} of plain prefill vs bf16's {FP8_SPEED['bf16_of_plain']} "
+                  f"({FP8_SPEED['measured']}; the stock fp8 connector writes ~{FP8_SPEED['connector_gb_s']} GB/s)")
 #: format -> the read backend speculators' trainer needs (``--hidden-states-backend``): its default
 #: ``file`` backend reads an fp8 file without its scales, silently wrong.
 READ_BACKENDS = {BF16: "file", FP8: "fp8"}

@@ -3,15 +3,24 @@
 
     python3 scripts/gpu/bench.py --model DIR --dataset ids.jsonl --out DIR [--n 512] [--reps 2]
         [--concurrency 32,64] [--kinds plain,server_only,specops] [--once keep@64,specops+dw8@64,sustained@64]
-        [--profile-digest 48] [--util 0.4] [--kv-gib 24] [--eager] [--batched-tokens 16384] [--device cuda]
+        [--profile-digest 48] [--util 0.4] [--kv-gib 24] [--eager] [--batched-tokens N] [--device cuda]
 
 Two servers of the same vLLM with the same flags (``remote.extract.engines.vllm_server.server_command``)
 start side by side on the one GPU, so one start-up pays for both: the *extraction* server
 (extract_hidden_states + the hidden-states connector, driven by ``VllmServerEngine``) and
-the *plain* server (the same argv minus ``--speculative-config`` and ``--kv-transfer-config``).
+the *plain* server (the same builder with the run parameter ``plain``: the same argv minus
+``--speculative-config`` and ``--kv-transfer-config``).
 Both get the same fixed KV cache (``--kv-cache-memory-bytes``: memory profiling of two
 servers starting together would see each other). They are then measured one at a time
-(the other idles), on the same token ids. Kinds of pass:
+(the other idles), on the same token ids.
+
+The engine runs what ``specops extract`` runs (:func:`engine_params`): its params are run
+parameters (``remote/wire/argspec.py`` RUN_ARGS), completed by the supervisor's own rule
+(``command.run_defaults``: concurrency = the run's batch_size), and the engine resolves the
+step budget (``command.batched_tokens``: 2048 with chunked prefill), the digest pool and the
+connector's threads from them as in a run. ``--concurrency`` and ``--batched-tokens`` override;
+the ``settings`` line (and ``bench.json``) says what ran and where it differs from the CLI's
+defaults (the shared GPU's KV cache and utilization always). Kinds of pass:
 
 * ``plain``: the same client requests (``/v1/completions``, ids as prompt, ``max_tokens`` 1,
   ``concurrency`` in flight): prefill tok/s;
@@ -74,27 +83,8 @@ from remote.extract import samples as hs_samples  # noqa: E402
 from remote.extract.engines import vllm_server as vs  # noqa: E402
 from remote.extract.engines.vllm_server import chunking as vs_chunking  # noqa: E402
 
-_ORIGINAL_COMMAND = vs.server_command
-
-
-def _plain_aware_command(*args, **kwargs):
-    """``server_command``, minus the extraction flags when ``params["_plain"]`` is set."""
-    argv = _ORIGINAL_COMMAND(*args, **kwargs)
-    if not kwargs["params"].get("_plain"):
-        return argv
-    out, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-            continue
-        if word in ("--speculative-config", "--kv-transfer-config"):
-            skip = True
-            continue
-        out.append(word)
-    return out
-
-
-vs.process.server_command = _plain_aware_command  # where VllmServer.start looks it up
+from remote.extract.engines.vllm_server import command as vs_command  # noqa: E402
+from remote.wire import contract  # noqa: E402
 
 
 class Timers:
@@ -339,31 +329,85 @@ def digest_profile(engine, ids_list, out_dir, timers) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The bench's arguments; what the engine runs with is left unset unless given (the CLI's defaults)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--concurrency", default="",
+                        help="comma-separated requests in flight (default: what specops extract runs, the run's "
+                             "batch_size)")
     parser.add_argument("--kinds", default="plain,server_only,specops",
                         help="passes repeated --reps times at each concurrency (plain, server_only, specops)")
     parser.add_argument("--once", default="",
                         help="NAME@C passes run once after them (sustained, specops, keep, specops+dwN)")
     parser.add_argument("--profile-digest", type=int, default=0, help="files for the digest profile (0: none)")
     parser.add_argument("--sustained-n", type=int, default=1024)
+    # the servers share one GPU: a fixed KV cache each, and a utilization that lets them start side by side
     parser.add_argument("--util", type=float, default=0.4)
     parser.add_argument("--kv-gib", type=float, default=24)
-    parser.add_argument("--batched-tokens", type=int, default=16384)
+    parser.add_argument("--batched-tokens", type=int, default=None,
+                        help="the run's max_num_batched_tokens (default: the engine's own step budget, as "
+                             "specops extract)")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--layer-ids", default="")
     parser.add_argument("--device", default="cuda", help="cpu: rehearse on a CPU host (test-host env)")
-    parser.add_argument("--chunked-prefill", default="auto", choices=("auto", "on", "off"),
-                        help="the extraction run's setting; the plain servers get what it resolves to")
-    parser.add_argument("--format", default="bf16", choices=("bf16", "fp8"), help="the extraction's state format")
-    args = parser.parse_args(argv)
+    parser.add_argument("--chunked-prefill", default=None, choices=contract.CHUNKED_PREFILL,
+                        help="the run's chunked_prefill (default: unset, auto as in specops extract); the plain "
+                             "servers get what it resolves to")
+    parser.add_argument("--format", default="bf16", choices=contract.STATE_FORMATS,
+                        help="the extraction's state format")
+    return parser.parse_args(argv)
 
+
+def engine_params(args, seq_len: int) -> dict:
+    """The params the bench's engine gets: the run parameters its arguments name (``RUN_ARGS`` keys), with
+    what ``specops extract``'s supervisor adds (:func:`~remote.extract.engines.vllm_server.command.run_defaults`:
+    the concurrency of the run's batch_size, eager on a CPU host); the engine then resolves the step budget,
+    the digest pool and the connector's threads as in a run."""
+    params = {"device": args.device, "seq_len": seq_len, "gpu_memory_utilization": args.util,
+              "server_args": ["--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30)))],
+              "format": args.format, "ready_timeout_s": 600}
+    if args.eager:
+        params["enforce_eager"] = True
+    if args.chunked_prefill:
+        params["chunked_prefill"] = args.chunked_prefill
+    if args.batched_tokens:
+        params["max_num_batched_tokens"] = args.batched_tokens
+    if args.concurrency:
+        params["concurrency"] = int(args.concurrency.split(",")[0])
+    return vs_command.run_defaults(params, contract.param(params, "batch_size"))
+
+
+def settings(params: dict, concurrencies: list[int], chunked: dict, digest_in: dict | None) -> dict:
+    """What the bench ran (``chunked`` and ``digest_in``: the engine's own, once loaded), and where that is not
+    what a default ``specops extract`` of the same model and seq_len runs (``differs_from_cli``)."""
+    cli = vs_command.run_defaults({"device": params["device"]}, contract.param({}, "batch_size"))
+    ran = {"max_num_batched_tokens": chunked["max_num_batched_tokens"], "chunked_prefill_on": chunked["on"],
+           "concurrency": concurrencies, "digest_in": digest_in,
+           "digest_workers": params.get("digest_workers") or vs.default_digest_workers(),
+           "writer_threads": vs_command.writer_threads(params), "enforce_eager": bool(params.get("enforce_eager")),
+           "gpu_memory_utilization": params["gpu_memory_utilization"], "server_args": params["server_args"],
+           "format": params["format"]}
+    differs = {}
+    if params.get("max_num_batched_tokens"):
+        differs["max_num_batched_tokens"] = "--batched-tokens (the CLI's: the engine's own budget)"
+    if concurrencies != [cli["concurrency"]]:
+        differs["concurrency"] = f"--concurrency (the CLI's: {cli['concurrency']}, the run's batch_size)"
+    if params["gpu_memory_utilization"] != contract.DEFAULTS["gpu_memory_utilization"]:
+        differs["gpu_memory_utilization"] = (f"--util (the CLI's: {contract.DEFAULTS['gpu_memory_utilization']}; "
+                                             f"the bench's servers share the GPU)")
+    differs["server_args"] = "--kv-gib: a fixed KV cache per server (they share the GPU)"
+    if bool(params.get("enforce_eager")) != cli["enforce_eager"]:
+        differs["enforce_eager"] = "--eager"
+    return {**ran, "differs_from_cli": differs}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ids_list = load_ids(args.dataset, args.n)
@@ -372,29 +416,28 @@ def main(argv=None) -> int:
     n_layers = vs.modelconfig.num_layers(config)
     layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
                  else vs.layers.default_layer_ids("vllm-server", n_layers)[0])
-    concurrencies = [int(x) for x in args.concurrency.split(",")]
-    server_args = ["--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30))),
-                   "--max-num-batched-tokens", str(args.batched_tokens)]
-    common = {"device": args.device, "gpu_memory_utilization": args.util, "seq_len": seq_len,
-              "enforce_eager": args.eager, "server_args": server_args, "ready_timeout_s": 600}
+    params = engine_params(args, seq_len)
+    concurrencies = ([int(x) for x in args.concurrency.split(",")] if args.concurrency
+                     else [params["concurrency"]])
     kinds = [k for k in args.kinds.split(",") if k]
-    # the plain servers prefill as the extraction server will: its chunked-prefill verdict, read first
-    chunked = vs_chunking.resolve(args.chunked_prefill,
-                                  vs_chunking.installed_verdict(vs.pick_connector(dict(common, format=args.format))))
     result = {"model": args.model, "samples": len(ids_list), "seq_len": seq_len, "layer_ids": layer_ids,
-              "eager": args.eager, "server_args": server_args, "util": args.util, "format": args.format,
-              "chunked_prefill": chunked, "runs": []}
+              "eager": bool(params["enforce_eager"]), "server_args": params["server_args"], "util": args.util,
+              "format": args.format, "runs": []}
 
-    engine = vs.VllmServerEngine(args.model, 1, layer_ids, dict(common, work_dir=str(out / "extract_server"),
-                                                                 chunked_prefill=args.chunked_prefill,
-                                                                 format=args.format))
-    plain_params = dict(common, _plain=True, chunked_prefill_on=chunked["on"])
+    engine = vs.VllmServerEngine(args.model, 1, layer_ids, dict(params, work_dir=str(out / "extract_server")))
+    # the plain servers: the same builder and params without extraction (RUN_ARGS' ``plain``), prefilling as the
+    # extraction server will (its chunked-prefill verdict, read first, as its load reads it)
+    chunked = vs_chunking.resolve(params.get("chunked_prefill"),
+                                  vs_chunking.installed_verdict(vs.pick_connector(params)))
+    result["chunked_prefill"] = chunked
+    plain_params = dict(params, plain=True, chunked_prefill_on=chunked["on"])
+    max_model_len = engine.model_len(config)
     plain = vs.VllmServer(args.model, tp=1, layer_ids=sorted(layer_ids), work_dir=out / "plain_server",
-                          max_model_len=seq_len + 1, params=plain_params)
+                          max_model_len=max_model_len, params=plain_params)
     plain_v1 = None
     if "plain_v1" in kinds:  # a third server, on the V1 model runner (the env is read when it starts)
         plain_v1 = vs.VllmServer(args.model, tp=1, layer_ids=sorted(layer_ids), work_dir=out / "plain_v1_server",
-                                 max_model_len=seq_len + 1, params=dict(plain_params))
+                                 max_model_len=max_model_len, params=dict(plain_params))
     timers = Timers()
     for owner, name, label in ((vs.VllmServerEngine, "_request", "request"),
                                (hs_samples, "digest_hs_file", "digest"),
@@ -412,6 +455,8 @@ def main(argv=None) -> int:
     try:
         engine.load()  # starts and waits for the extraction server
         result["extract_server_ready_s"] = round(engine.server.ready_after_s, 2)
+        result["settings"] = settings(engine.params, concurrencies, engine.chunked, engine.digest_in)
+        print(json.dumps({"settings": result["settings"]}), flush=True)
         plain.wait_ready(timeout=600)
         result["plain_server_ready_s"] = round(plain.ready_after_s, 2)
         if plain_v1 is not None:

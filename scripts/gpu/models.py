@@ -13,6 +13,8 @@ reference tokenizer of ``specops/testhost/reference_models.py``):
 * ``llama_8b_std01/``: the same with weights at std 0.01: the draft rounds' target (a draft can learn it);
 * ``llama_mid/``: hidden 1024, 8 layers, for the CPU benchmark (``scripts/bench_modern.py``);
 * ``deepseek_dense/``: the same with every layer dense (MLA without MoE routing);
+* ``deepseek_v3_wide/``, ``llama_8b_vocab/``: DeepSeek-V3's layer and vocab at its real width (4 layers, 32
+  experts) and Llama-3-8B's shape with its vocab: the memory plan's real-width fixtures (``round.py memory_width``);
 * ``deepseek_v3/``: DeepSeek-V3 architecture with the real MLA dims (kv_lora_rank 512,
   qk_rope 64, qk_nope 128, v_head 128: what the GPU MLA kernels are built for), 16 heads,
   hidden 2048, 8 layers (the first dense), 16 routed experts top-4 in 4 groups, sigmoid
@@ -66,8 +68,19 @@ def configs() -> dict:
     # draft stays at chance, as round 10's did on llama_8b; at 0.02 the replies collapse into repeats (87 %).
     # 0.01 here is that scan's 0.04 (half the 8B's default gain): 67 distinct reply tokens, 72 % repeats.
     llama_8b_std01 = dict(llama_8b, initializer_range=0.01)
+    # the memory plan at real width (issue 43): what drives vLLM's profile peak is the widest layer and the vocab
+    # (the sampler's logits), not the depth. DeepSeek-V3's own layer (hidden 7168, 128 MLA heads, top-8 of
+    # moe_intermediate 2048, 1 shared expert, dense intermediate 18432) and vocab (129280), 4 layers (the first
+    # dense) and 32 routed experts so it fits one GPU (about 7.3B parameters, 14.7 GB)
+    ds_wide = copy.deepcopy(reference_models.DEEPSEEK_V3_LIKE)
+    ds_wide.pop("llama_4_scaling")
+    ds_wide.update(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=32, num_nextn_predict_layers=0,
+                   max_position_embeddings=16384, **ids)
+    # Llama-3-8B's shape with its vocab (128256): the dense counterpart, at 8192-token samples
+    llama_8b_vocab = dict(llama_8b, vocab_size=128256, max_position_embeddings=16384)
     return {"llama": ref["llama"], "llama_wide": wide, "llama_8b": llama_8b, "llama_8b_std01": llama_8b_std01,
-            "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid}
+            "deepseek_v3": ds, "deepseek_dense": dense, "llama_mid": mid, "deepseek_v3_wide": ds_wide,
+            "llama_8b_vocab": llama_8b_vocab}
 
 
 def build_saved(config: dict, out_dir: Path, seed: int = 0) -> Path:

@@ -18,6 +18,8 @@ machine ran (``done.json``), so one command line can be repeated call after call
 
     round.py main --steps ssh,bench,mla_diag,smoke_deepseek --skip-done        # round 3, call 3
     round.py main --steps ssh,jobs,smoke_deepseek,extract_deepseek --skip-done  # call 4: what is left
+    round.py models --only deepseek_v3_wide,llama_8b_vocab && \
+        round.py main --steps ssh,memory_width --label mem  # the memory plan at real width (two vLLM starts)
 
 The host side runs exactly as over SSH from a laptop: ``scripts/gpu/loopback_ssh.py``
 brings an SSH server up on 127.0.0.1 (OpenSSH when the machine has it, else asyncssh),
@@ -128,7 +130,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"memory_width": 420, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
@@ -244,6 +246,12 @@ def ssh_up():
         "gpu-8b-draft": {"model_path": str(MODELS / DRAFT_MODEL), "output_dir": "/tmp/specops-out/8b-draft",
                          "dataset": str(MODELS / "chat_4600.jsonl"), "batch_size": 32,
                          "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "4096"))},  # fewer: a CPU rehearsal
+        # the memory plan at real width (issue 43): the CLI's own settings, 8 short chat rows each (the profile
+        # peak is the step budget's, not the samples'): DeepSeek-V3's layer at 4096-token samples, the 8B at 8192
+        "gpu-ds-wide": {"model_path": str(MODELS / "deepseek_v3_wide"), "output_dir": "/tmp/specops-out/ds-wide",
+                        "seq_len": 4096, "max_samples": 8},
+        "gpu-8b-vocab": {"model_path": str(MODELS / "llama_8b_vocab"), "output_dir": "/tmp/specops-out/8b-vocab",
+                         "seq_len": 8192, "max_samples": 8},
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -302,8 +310,9 @@ def memory_report(model: Path, log_text: str, gpus_before: list, smi_peak: dict,
     config = modelconfig.read(str(model))
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     n_ids = n_ids or len(layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0])
+    budget = gpu.engine_batched_tokens({"seq_len": seq_len, "device": DEVICE}, config)
     plan = gpu.plan_from_config(config, gpu=gpus_before[0], util=util, weight_bytes=weight_bytes, tp=1,
-                                n_layer_ids=n_ids, seq_len=seq_len)
+                                n_layer_ids=n_ids, seq_len=seq_len, batched_tokens=budget)
     used = gpu.parse_engine_memory(log_text)
     return {"plan": plan, "engine": used, "smi_peak_used_mib": smi_peak,
             "compare": gpu.compare(plan, used, smi_peak.get(0))}
@@ -352,7 +361,8 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     n_ids = len(result.get("layer_ids") or layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0])
     plan = gpu.plan_from_config(config, gpu=gpus_before[0], util=util, weight_bytes=weight_bytes, tp=1,
-                                n_layer_ids=n_ids, seq_len=seq_len)
+                                n_layer_ids=n_ids, seq_len=seq_len, batched_tokens=gpu.engine_batched_tokens(params, config),
+                                eager=bool(params.get("enforce_eager")))
     used = gpu.parse_engine_memory(log_text)
     memory = {"plan": plan, "engine": used, "smi_peak_used_mib": smi.peak, "smi_samples": smi.samples,
               "compare": gpu.compare(plan, used, smi.peak.get(0))}
@@ -747,6 +757,61 @@ def extract_verify(host: str, rid: str, name: str, model: Path):
     return out
 
 
+#: the memory plan's real-width fixtures: (host, name, model, run id)
+MEMORY_WIDTH_RUNS = (("gpu-ds-wide", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide"),
+                     ("gpu-8b-vocab", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab"))
+
+
+def preflight_memory(text: str) -> dict | None:
+    """The ``gpu.memory`` record of a ``specops preflight --json`` stdout (None when absent)."""
+    try:
+        doc = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    except ValueError:
+        return None
+    return next((r for h in doc.get("hosts") or [] for r in h.get("records") or [] if r.get("name") == "gpu.memory"),
+                None)
+
+
+def memory_width():
+    """Issue 43: the memory plan at real width, through the CLI's own settings (its step budget, CUDA graphs,
+    util 0.5): per model, ``specops preflight`` (its ``gpu.memory`` record: the plan) then ``specops extract``
+    of 8 rows (one vLLM start: the server's log says what it used), nvidia-smi sampled meanwhile. Keeps
+    ``memory/<name>/``: ``preflight.json``, ``server.log`` (request lines out), ``memory.json`` (the
+    preflight's plan, the parsed log, nvidia-smi's peak, ``gpu.compare``), ``config.json``,
+    ``gpus_before.csv``. Two vLLM starts in all; build the models first (``round.py models --only
+    deepseek_v3_wide,llama_8b_vocab``)."""
+    from remote.probes import gpu
+    out = {}
+    for host, name, model, rid in MEMORY_WIDTH_RUNS:
+        d = ROOT / "memory" / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        shutil.copy(MODELS / model / "config.json", d / "config.json")
+        pre = specops(["preflight", "--on", host, "--json"], f"memory_preflight_{name}.json", timeout=180)
+        shutil.copy(ROOT / "cli" / f"memory_preflight_{name}.json", d / "preflight.json")
+        record = preflight_memory((d / "preflight.json").read_text(errors="replace")) or {}
+        plan = ((record.get("detail") or {}).get("ranks") or [None])[0]
+        gpus_now(d / "gpus_before.csv")
+        shutil.rmtree(WORK / "runs" / rid, ignore_errors=True)
+        with SmiSampler() as smi:
+            res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke"], f"memory_extract_{name}.txt",
+                          timeout=300)
+        log = WORK / "runs" / rid / "logs" / "server.log"
+        log_text = log.read_text(errors="replace") if log.exists() else ""
+        (d / "server.log").write_text("\n".join(l for l in log_text.splitlines() if "POST /v1/completions" not in l))
+        used = gpu.parse_engine_memory(log_text)
+        compare = gpu.compare(plan, used, smi.peak.get(0)) if plan else None
+        (d / "memory.json").write_text(json.dumps({"plan": plan, "engine": used, "smi_peak_used_mib": smi.peak,
+                                                   "smi_samples": smi.samples, "compare": compare}, indent=1))
+        out[name] = {"preflight": {"rc": pre["rc"], "s": pre["s"], "status": record.get("status"),
+                                   "summary": record.get("summary")},
+                     "extract": {"rc": res["rc"], "s": res["s"]}, "compare": compare}
+        if res["rc"] != 0:
+            out[name]["extract"]["tail"] = res["tail"]
+            out[name]["server_log_error"] = log_excerpt(log_text)
+    return out
+
+
 def dp_flow():
     """The host's layout on one GPU: preflight's ``parallel.layout`` (dp default = GPUs // tp = 1), the refusal of
     ``--dp 2`` before any load (one GPU holds one replica), then a run through the layout path and its status."""
@@ -883,6 +948,7 @@ def main(argv=None) -> int:
             "engine_wide": run_step("engine_wide", engine_run, "llama_wide", MODELS / "llama_wide"),
             "jobs": run_step("jobs", job_flow),
             "dp": run_step("dp", dp_flow),
+            "memory_width": run_step("memory_width", memory_width),
             "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
                                      MODELS / "llama_wide"),
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",

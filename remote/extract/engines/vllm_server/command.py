@@ -283,6 +283,18 @@ def headless_command(argv: list[str]) -> list[str]:
     return [python, "-c", HEADLESS_LAUNCHER, "serve", model, *rest]
 
 
+def run_defaults(params: dict, batch_size: int) -> dict:
+    """The run's params as this engine gets them from ``specops extract``'s supervisor: ``concurrency``
+    (requests in flight) the run's ``batch_size`` when unset, ``enforce_eager`` on a CPU host when unset.
+    The GPU benchmark (``scripts/gpu/bench.py``) takes its engine's params from here too, so it
+    measures what the CLI runs; the step budget (:func:`batched_tokens`), the digest pool and the
+    connector's threads the engine resolves from them alike."""
+    p = dict(params)
+    p["concurrency"] = int(p.get("concurrency") or batch_size)
+    p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
+    return p
+
+
 def batched_tokens(params: dict, max_model_len: int) -> int:
     """The server's step budget (``--max-num-batched-tokens``): ``max_num_batched_tokens`` when given,
     else 2048, or one ``max_model_len`` when larger and prefill is not chunked (each prompt is then one

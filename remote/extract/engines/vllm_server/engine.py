@@ -164,8 +164,7 @@ class VllmServerEngine(Engine):
         if self.digest_pool is None:
             return
         try:
-            pids = self.digest_pool.wait_started()
-            self.digest_in = {"where": "processes", "processes": len(pids)}
+            self.digest_in = {"where": "processes", **self.digest_pool.wait_started()}
         except Exception as exc:  # a process that died importing torch: digest here instead
             self.digest_pool.close()
             self.digest_pool = None

@@ -127,9 +127,17 @@ class DigestPool:
         """Spawn every process now (each imports torch), without waiting for them."""
         self._started = [self._pool.submit(sampleread.digest_process_ready) for _ in range(self.processes)]
 
-    def wait_started(self, timeout: float = 120.0) -> list[int]:
-        """The processes' pids, once each has started; raises what a process failed with."""
-        return sorted({f.result(timeout=timeout) for f in self._started})
+    def wait_started(self, timeout: float = 120.0) -> dict:
+        """Once the start's probe tasks are answered, the pool as the manifest's ``engine.digest_in`` says it;
+        raises what a process failed with.
+
+        ``processes`` is the pool's size: :meth:`start` spawns every process (a spawn-context pool
+        spawns one per task submitted while none is idle). ``answered_probe`` counts the distinct
+        processes that ran a probe task: the first processes done importing torch take several, so on
+        the H200's 16 cores 3 answered; it is not how many run.
+        """
+        pids = {f.result(timeout=timeout) for f in self._started}
+        return {"processes": self.processes, "answered_probe": len(pids)}
 
     def digest(self, path, layer_ids, file_layer_ids, **kwargs) -> dict:
         # sampleread's own function (picklable by name), whatever wraps the samples module's name for it
