@@ -167,6 +167,7 @@ class Replicas:
     def extract(self, batch: list) -> list:
         """Per sample of ``batch``, its layers' states, each sample computed by one replica."""
         out: list = [None] * len(batch)
+        made = [0] * len(self.procs)  # counted once the batch is whole (a failed one is made again on resume)
         pending = [(0, len(batch))]
         while pending:
             alive = self.alive()
@@ -195,9 +196,10 @@ class Replicas:
                         first_error = exc
                     continue
                 out[lo:hi] = states
-                self.samples[r] += hi - lo
+                made[r] += hi - lo
             if first_error is not None:
                 raise first_error
+        self.samples = [n + m for n, m in zip(self.samples, made)]
         return out
 
     def _lose(self, r: int, exc: ReplicaFailed) -> bool:
