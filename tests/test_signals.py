@@ -417,3 +417,23 @@ def test_abort_kills_what_a_dead_supervisor_left_running(tmp_path):
     finally:
         if deaf.poll() is None:
             deaf.kill()
+
+
+def test_the_run_end_does_not_wait_out_a_process_that_ignores_sigterm():
+    """multiprocessing's resource tracker ignores SIGTERM: stopping the run's leftovers kills it at once instead
+    of waiting the whole grace for it (every seed run paid that grace at its end)."""
+    script = (
+        "import os, signal, subprocess, sys, time\n"
+        "os.setsid()\n"
+        "deaf = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(120)'], stdout=subprocess.PIPE)\n"
+        "deaf.stdout.readline()\n"
+        "from remote.system import procgroup, procscan\n"
+        "assert procscan.ignores(deaf.pid, signal.SIGTERM) and not procscan.ignores(os.getpid(), signal.SIGTERM)\n"
+        "t = time.monotonic()\n"
+        "left = procgroup.stop_leftovers(grace_s=60)\n"
+        "deaf.wait(timeout=10)\n"
+        "print(left == [deaf.pid], deaf.returncode, time.monotonic() - t < 30)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["True", str(-signal.SIGKILL), "True"], out.stdout + out.stderr

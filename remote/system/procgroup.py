@@ -60,8 +60,9 @@ def stop_leftovers(grace_s: float = 5.0) -> list[int]:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    # a process that ignores SIGTERM (multiprocessing's resource tracker does) is not waited for
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and group_members():
+    while time.monotonic() < deadline and [pid for pid in group_members() if not procscan.ignores(pid, signal.SIGTERM)]:
         time.sleep(0.1)
     for pid in group_members():
         try:

@@ -35,6 +35,18 @@ def environ(pid: int) -> set[bytes]:
         return set()
 
 
+def ignores(pid: int, signum: int) -> bool:
+    """Whether ``pid`` ignores ``signum`` (its ``SigIgn`` mask in ``/proc/<pid>/status``); False when gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
 def live_pids(*, pgrp: int | None = None, env_any: set[bytes] | None = None) -> list[int]:
     """Live processes of this user other than this one that are in process group ``pgrp``
     and/or carry one of the ``NAME=value`` entries ``env_any`` in their environment."""
