@@ -307,7 +307,7 @@ def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(
 
 
 SPECOPS_FP8_CONNECTOR = r"""
-import json, sys, tempfile, time
+import json, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import torch
@@ -328,7 +328,7 @@ blocks, layers, block_size, hidden = 9, 3, 16, 64
 cache = (torch.randn(blocks, layers, block_size, hidden) * torch.logspace(-3, 3, blocks).view(-1, 1, 1, 1))
 cache[2, :, 5] = 0
 cache = cache.to(torch.bfloat16)
-out = Path(tempfile.mkdtemp())
+out = Path(sys.argv[1])
 
 
 def write(cls, name, chunk=None):
@@ -382,12 +382,13 @@ print(json.dumps({
 """
 
 
-def test_specops_fp8_connector_writes_the_stock_connectors_file_quantized_where_the_cache_is(modern_vllm_python):
+def test_specops_fp8_connector_writes_the_stock_connectors_file_quantized_where_the_cache_is(modern_vllm_python,
+                                                                                             tmp_path):
     """specops' fp8 connector (remote/extract/engines/vllm_server/fp8_connector.py) on a real KV cache tensor
     (the CPU test host's: there the cache's device is the CPU, the same gather-quantize-save path): its file
     equals the stock CPU fp8 connector's (hs-connectors' own write) for the same request -- keys, dtypes, shapes,
     scales, bytes -- also when quantized in token chunks; the trainer's fp8 backend and specops' digest read it."""
-    got = run_python(modern_vllm_python, SPECOPS_FP8_CONNECTOR)
+    got = run_python(modern_vllm_python, SPECOPS_FP8_CONNECTOR, tmp_path)
     assert got["keys"][0] == got["keys"][1] == ["hidden_states", "hidden_states_scales", "token_ids"]
     assert got["dtypes"][0] == got["dtypes"][1] and got["dtypes"][1]["hidden_states"] == "torch.float8_e4m3fn"
     assert got["shapes"][0] == got["shapes"][1] and got["shapes"][1]["hidden_states_scales"] == [70, 1, 1]
