@@ -824,7 +824,7 @@ def fp8_speed(model="deepseek_v3_wide", ids="64x4096", n=64):
     out = Path("/tmp/gpu-fp8-speed")
     shutil.rmtree(out, ignore_errors=True)
     res = sh([PY, "scripts/gpu/fp8_speed.py", "--model", str(MODELS / model), "--dataset",
-              str(MODELS / f"bench_{ids}.jsonl"), "--out", str(out), "--n", str(n)],
+              str(MODELS / f"bench_{ids}.jsonl"), "--out", str(out), "--n", str(n), "--budget-s", str(left_s(40))],
              d / "fp8_speed_stdout.txt", timeout=560, env=VLLM_ENV)
     if (out / "fp8_speed.json").exists():
         shutil.copy(out / "fp8_speed.json", d / "fp8_speed.json")
