@@ -26,8 +26,9 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 #: overlay env writes the module under exactly this name).
 CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
 CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
-#: format fp8: hs-connectors' connector (its module is found in the installed package, see
-#: :func:`fp8_connector_module`), and the test host's CPU variant of it (the same file layout).
+#: format fp8 where specops' own connector cannot run (:func:`fp8_fallback`) or ``kv_connector`` names it:
+#: hs-connectors' connector (its module is found in the installed package, see :func:`fp8_connector_module`),
+#: and the test host's CPU variant of it (the same file layout).
 FP8_CONNECTOR_PACKAGE = "hs_connectors"
 FP8_CONNECTOR_CLASS = "FP8HiddenStatesConnector"
 CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
