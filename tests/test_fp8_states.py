@@ -306,6 +306,148 @@ def test_the_cpu_fp8_connector_is_the_cpu_copy_with_hs_connectors_own_fp8_write(
     assert got["module_found"] == "hs_connectors.fp8_hidden_states_connector"
 
 
+SPECOPS_FP8_CONNECTOR = r"""
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave
+import _specops_cpu_fp8_hidden_states_connector as stock_cpu_fp8
+from hs_connectors.fp8_utils import dequantize_fp8_tensor
+from hs_connectors.transfer import FP8Transfer
+from remote.extract.engines.vllm_server import fp8_connector
+from remote.extract.engines.vllm_server import command
+from remote.extract import sampleread as samples
+
+torch.manual_seed(0)
+blocks, layers, block_size, hidden = 9, 3, 16, 64
+# a KV cache as the hidden-states layer holds it: [blocks, layers, block_size, hidden], bf16, with
+# tokens of very different magnitudes (per-token scales) and a zero token (the scale's clamp)
+cache = (torch.randn(blocks, layers, block_size, hidden) * torch.logspace(-3, 3, blocks).view(-1, 1, 1, 1))
+cache[2, :, 5] = 0
+cache = cache.to(torch.bfloat16)
+out = Path(sys.argv[1])
+
+
+def write(cls, name, chunk=None):
+    conn = object.__new__(cls)  # the real class; vLLM's __init__ needs a whole engine config
+    conn._is_tp_rank_zero, conn._kv_cache, conn._block_size = True, cache, block_size
+    conn._req_futures, conn._lock_fds, conn._req_copy_events, conn.use_lock = {}, {}, {}, True
+    conn._executor = ThreadPoolExecutor(2)
+    if chunk:
+        fp8_connector.CHUNK_ELEMENTS = chunk
+    tokens = torch.arange(100, 100 + 70)  # 70 tokens over blocks 7, 2, 4, 0, 5 (last one partly)
+    pending = PendingSave(req_id="r", filename=str(out / name / "hs_0.safetensors"), token_ids=tokens,
+                          block_ids=[7, 2, 4, 0, 5])
+    conn._submit_async_write(pending)
+    conn._executor.shutdown(wait=True)
+    assert not conn._req_futures and "r" in conn._req_copy_events and conn._req_copy_events["r"].query()
+    return pending.filename
+
+
+stock = write(getattr(stock_cpu_fp8, command.CPU_FP8_CONNECTOR_CLASS), "stock")
+ours = write(getattr(fp8_connector, command.SPECOPS_FP8_CONNECTOR_CLASS), "specops")
+chunked = write(getattr(fp8_connector, command.SPECOPS_FP8_CONNECTOR_CLASS), "chunked", chunk=layers * hidden * 8)
+a, b, c = load_file(stock), load_file(ours), load_file(chunked)
+with safe_open(ours, "pt") as f:
+    metadata = f.metadata()
+deq_a = dequantize_fp8_tensor(a["hidden_states"], a["hidden_states_scales"], torch.float32)
+deq_b = dequantize_fp8_tensor(b["hidden_states"], b["hidden_states_scales"], torch.float32)
+# one fp8 e4m3 ulp of the larger value: 2**-3 of its power of two, at least the token's subnormal step
+mag = torch.maximum(deq_a.abs(), deq_b.abs())
+ulp = torch.maximum(torch.exp2(torch.floor(torch.log2(mag.clamp(min=1e-30)))) * 2.0 ** -3,
+                    a["hidden_states_scales"].float() * 2.0 ** -9)
+# the trainer's fp8 backend (speculators' --hidden-states-backend fp8) reads our file
+# the trainer's fp8 backend (speculators' --hidden-states-backend fp8) and specops' digest read our file
+read = FP8Transfer(out / "specops").get_cached(0)
+digest = samples.digest_hs_file(Path(ours), [0, 1, 2], [0, 1, 2], token_ids=list(range(100, 170)), hidden_size=hidden,
+                                state_format="fp8")
+truth = cache[[7, 2, 4, 0, 5]].permute(0, 2, 1, 3).reshape(-1, layers, hidden)[:70].float()
+print(json.dumps({
+    "keys": [sorted(a), sorted(b)], "dtypes": [{k: str(v.dtype) for k, v in x.items()} for x in (a, b)],
+    "shapes": [{k: list(v.shape) for k, v in x.items()} for x in (a, b)],
+    "bytes_equal": Path(stock).read_bytes() == Path(ours).read_bytes(),
+    "chunked_bytes_equal": Path(chunked).read_bytes() == Path(ours).read_bytes(),
+    "scales_equal": torch.equal(a["hidden_states_scales"], b["hidden_states_scales"]),
+    "within_one_ulp": bool(((deq_a - deq_b).abs() <= ulp).all()),
+    "tokens_equal": torch.equal(b["token_ids"], torch.arange(100, 170)),
+    "nrmse_vs_cache": float((deq_b - truth).norm() / truth.norm()),
+    "zero_token_scale": float(b["hidden_states_scales"][5 + 16]),
+    "trainer_reads": sorted(read), "trainer_dtype": str(read["hidden_states"].dtype),
+    "trainer_equal": torch.equal(read["hidden_states"], dequantize_fp8_tensor(b["hidden_states"], b["hidden_states_scales"])),
+    "digest_problems": digest["problems"], "digest_tensors": digest.get("tensors"),
+}))
+"""
+
+
+def test_specops_fp8_connector_writes_the_stock_connectors_file_quantized_where_the_cache_is(modern_vllm_python,
+                                                                                             tmp_path):
+    """specops' fp8 connector (remote/extract/engines/vllm_server/fp8_connector.py) on a real KV cache tensor
+    (the CPU test host's: there the cache's device is the CPU, the same gather-quantize-save path): its file
+    equals the stock CPU fp8 connector's (hs-connectors' own write) for the same request -- keys, dtypes, shapes,
+    scales, bytes -- also when quantized in token chunks; the trainer's fp8 backend and specops' digest read it."""
+    got = run_python(modern_vllm_python, SPECOPS_FP8_CONNECTOR, tmp_path)
+    assert got["keys"][0] == got["keys"][1] == ["hidden_states", "hidden_states_scales", "token_ids"]
+    assert got["dtypes"][0] == got["dtypes"][1] and got["dtypes"][1]["hidden_states"] == "torch.float8_e4m3fn"
+    assert got["shapes"][0] == got["shapes"][1] and got["shapes"][1]["hidden_states_scales"] == [70, 1, 1]
+    assert got["scales_equal"] and got["within_one_ulp"] and got["bytes_equal"], got
+    assert got["chunked_bytes_equal"] and got["tokens_equal"]
+    assert got["zero_token_scale"] == pytest.approx(1e-12)  # hs-connectors' clamp, kept
+    assert got["nrmse_vs_cache"] < 0.05  # fp8's rounding of what the cache held, at the right slots
+    # speculators' trainer (--hidden-states-backend fp8: FP8Transfer) dequantizes it; the digest takes it whole
+    assert got["trainer_reads"] == ["hidden_states", "token_ids"] and got["trainer_dtype"] == "torch.bfloat16"
+    assert got["trainer_equal"] and got["digest_problems"] == []
+    assert got["digest_tensors"]["hidden_states"]["dtype"] == "float8_e4m3fn"
+
+
+CONNECTOR_CHOICE = r"""
+import json
+from remote.drift import server
+from remote.extract.engines import vllm_server as vs
+
+rec = next(r for r in server.check({"model_path": "", "device": "cpu", "format": "fp8"})
+           if r["name"] == "drift.server-connector")
+print(json.dumps({"fp8": vs.pick_connector({"format": "fp8"}), "bf16": vs.pick_connector({"format": "bf16"}),
+                  "stock_asked": vs.pick_connector({"format": "fp8", "kv_connector":
+                      "hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector"}),
+                  "problems": vs.fp8_fallback({}), "record": {k: rec.get(k) for k in ("status", "summary", "fix")},
+                  "fallback": rec["detail"].get("specops_fp8_fallback")}))
+"""
+
+
+def test_format_fp8_takes_specops_connector_and_falls_back_to_the_stock_one_naming_why(
+        modern_vllm_python, modern_hostenv_python, tmp_path):
+    """The engine's connector for ``format: fp8`` is specops' own where the installed classes still have what
+    it uses; an hs-connectors whose FP8HiddenStatesConnector overrides more than the write (planted here: its
+    own copy) makes the engine load the stock one, and preflight's connector record warns, naming the reason."""
+    import shutil
+
+    from specops.testhost.hostenv import make_overlay_env, site_packages
+
+    got = run_python(modern_vllm_python, CONNECTOR_CHOICE)
+    assert got["fp8"] == ["SpecopsFP8HiddenStatesConnector", "remote.extract.engines.vllm_server.fp8_connector"]
+    assert got["bf16"] == ["CpuHiddenStatesConnector", "_specops_cpu_hidden_states_connector"]
+    assert got["stock_asked"] == ["FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"]
+    assert got["problems"] == [] and got["record"]["status"] == "ok", got
+    assert "SpecopsFP8HiddenStatesConnector" in got["record"]["summary"]
+
+    python = make_overlay_env(modern_hostenv_python, tmp_path / "env", rope_fix=False, hidden_states_connector=True)
+    installed = run_python(python, "import json, hs_connectors; print(json.dumps(hs_connectors.__file__))")
+    drifted = site_packages(python) / "hs_connectors"
+    shutil.copytree(Path(installed).parent, drifted)
+    connector = drifted / "fp8_hidden_states_connector.py"
+    connector.write_text(connector.read_text() + "\n    def _submit_async_write(self, pending):  # a newer copy\n"
+                                                 "        return super()._submit_async_write(pending)\n")
+    got = run_python(python, CONNECTOR_CHOICE)
+    assert got["fp8"] == ["CpuFP8HiddenStatesConnector", "_specops_cpu_fp8_hidden_states_connector"], got
+    assert any("now also defines _submit_async_write" in p for p in got["problems"]), got["problems"]
+    assert got["record"]["status"] == "warn" and "falls back to CpuFP8HiddenStatesConnector" in got["record"]["summary"]
+    assert "_submit_async_write" in got["record"]["summary"] and got["fallback"] == got["problems"]
+    assert "format: bf16" in got["record"]["fix"]
+
+
 CONNECTOR_OPTIONS = r"""
 import json
 from remote.extract.engines import vllm_server
@@ -398,7 +540,7 @@ def test_preflight_on_the_modern_host_checks_the_fp8_connector_and_halves_the_di
         found[fmt] = {r["name"]: r for r in records_of(proc)}
     fp8, bf16 = found["fp8"], found["bf16"]
     assert fp8["drift.server-connector"]["status"] == "ok"
-    assert "CpuFP8HiddenStatesConnector" in fp8["drift.server-connector"]["summary"]
+    assert "SpecopsFP8HiddenStatesConnector" in fp8["drift.server-connector"]["summary"]  # specops' own
     assert "CpuHiddenStatesConnector (" in bf16["drift.server-connector"]["summary"]
     assert "fp8" in fp8["capacity.output"]["summary"] and "bf16" in bf16["capacity.output"]["summary"]
     ratio = fp8["capacity.output"]["detail"]["bytes"] / bf16["capacity.output"]["detail"]["bytes"]
@@ -459,11 +601,14 @@ def test_an_fp8_run_writes_fp8_files_and_says_so_everywhere(fp8_run):
     assert manifest["state_format"] == "fp8" and manifest["scales_key"] == "hidden_states_scales"
     assert manifest["hidden_states_backend"] == "fp8" and "--hidden-states-backend fp8" in manifest["format"]
     assert manifest["params"]["format"] == "fp8" and manifest["engine"]["state_format"] == "fp8"
-    assert manifest["engine"]["connector"] == "_specops_cpu_fp8_hidden_states_connector:CpuFP8HiddenStatesConnector"
+    # specops' own fp8 connector (quantized where the cache is; here the CPU), no fallback
+    assert manifest["engine"]["connector"] == \
+        "remote.extract.engines.vllm_server.fp8_connector:SpecopsFP8HiddenStatesConnector"
+    assert manifest["engine"]["fp8_connector_fallback"] is None
     # the connector's class, module and every option that shaped the files: given, or its own default
     options = manifest["engine"]["connector_options"]
-    assert options["class"] == "CpuFP8HiddenStatesConnector", options
-    assert options["module"] == "_specops_cpu_fp8_hidden_states_connector"
+    assert options["class"] == "SpecopsFP8HiddenStatesConnector", options
+    assert options["module"] == "remote.extract.engines.vllm_server.fp8_connector"
     assert options["given"] == ["num_writer_threads", "shared_storage_path"], options
     # the writer threads: the connector's own 8 capped at the host's cores (writer_threads unset)
     assert options["options"]["num_writer_threads"] == min(8, len(os.sched_getaffinity(0)))

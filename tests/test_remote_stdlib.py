@@ -36,13 +36,37 @@ print(json.dumps({"failed": failed, "site": [p for p in sys.path if "site-packag
 """
 
 
+#: modules vLLM imports by name inside its own server (``kv_connector_module_path``), never specops: they
+#: subclass installed classes at import, so they import torch, vLLM and hs-connectors there
+LOADED_BY_VLLM = {
+    "remote.extract.engines.vllm_server.fp8_connector": "specops' fp8 connector, a subclass of hs-connectors' "
+                                                        "FP8HiddenStatesConnector, loaded by vLLM's connector factory",
+}
+
+
 def bundle_modules(root: Path) -> list:
-    """Dotted names of every module in ``root/remote`` (packages by their ``__init__``)."""
+    """Dotted names of every module in ``root/remote`` (packages by their ``__init__``), but those vLLM loads."""
     names = []
     for path in sorted((root / "remote").rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+    return [n for n in names if n not in LOADED_BY_VLLM]
+
+
+def test_the_modules_vllm_loads_ship_and_nothing_of_specops_imports_them():
+    """An exemption names a module that exists, and no other module of the bundle imports it (only vLLM may)."""
+    import ast
+
+    for name in LOADED_BY_VLLM:
+        assert (REPO / (name.replace(".", "/") + ".py")).is_file(), name
+    for path in (REPO / "remote").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+                assert not set(names) & set(LOADED_BY_VLLM) and not any(
+                    a.name == "fp8_connector" for a in node.names), f"{path} imports {names}"
+            elif isinstance(node, ast.Import):
+                assert not {a.name for a in node.names} & set(LOADED_BY_VLLM), path
 
 
 def test_every_bundled_module_imports_with_the_standard_library_only(hostenv_python, tmp_path):

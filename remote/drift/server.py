@@ -217,11 +217,52 @@ def _connector_choice(params: dict) -> tuple[str, str | None]:
     fp8 = params.get("format") == FP8
     cpu = (vllm_server.CPU_FP8_CONNECTOR_CLASS, vllm_server.CPU_FP8_CONNECTOR_MODULE) if fp8 else \
         (vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE)
+    if fp8 and not specops_fp8_problems(search=_search(params)):
+        return vllm_server.SPECOPS_FP8_CONNECTOR_CLASS, vllm_server.SPECOPS_FP8_CONNECTOR_MODULE
     if params.get("device") == "cpu" and _find_module(cpu[1]) is not None:
         return cpu
     if fp8:  # None: this host's hs-connectors has no fp8 connector (connector_record says so)
         return vllm_server.FP8_CONNECTOR_CLASS, vllm_server.fp8_connector_module(_search(params))
     return vllm_server.STOCK_CONNECTOR, None
+
+
+def specops_fp8_problems(index: PackageIndex | None = None, search=None) -> list[str]:
+    """Why specops' fp8 connector (:mod:`remote.extract.engines.vllm_server.fp8_connector`) cannot run on
+    this python's vLLM and hs-connectors, read from their files (nothing imported); ``[]`` when it can.
+
+    It inherits everything but the copy out of the KV cache, so it needs: its module found; hs-connectors'
+    ``FP8HiddenStatesConnector`` still overriding only ``_write_tensors`` (a new override would change the
+    file or the copy, which ours would not follow); the names it imports still defined; every ``self._x``
+    it uses and the method it overrides still in vLLM's ``ExampleHiddenStatesConnector``.
+    """
+    if index is None:
+        root = site_packages({})[1]
+        if root is None:
+            return ["vLLM is not installed in this python"]
+        index = PackageIndex(root)
+    path = _find_module(vllm_server.SPECOPS_FP8_CONNECTOR_MODULE)
+    if path is None:
+        return [f"{vllm_server.SPECOPS_FP8_CONNECTOR_MODULE} is not importable in this python"]
+    stock_module = vllm_server.fp8_connector_module(search)
+    if stock_module is None:
+        return [f"no {vllm_server.FP8_CONNECTOR_PACKAGE} with {vllm_server.FP8_CONNECTOR_CLASS} in this python"]
+    problems = []
+    chain = class_chain(stock_module, vllm_server.FP8_CONNECTOR_CLASS)
+    if chain:
+        own = {s.name for s in chain[0][1].body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        extra = sorted(own - vllm_server.SPECOPS_FP8_STOCK_OWN)
+        if extra:
+            problems.append(f"{vllm_server.FP8_CONNECTOR_CLASS} ({chain[0][0]}) now also defines {', '.join(extra)}: "
+                            f"its file or copy may differ from what specops' connector writes")
+    for module, names in vllm_server.SPECOPS_FP8_IMPORTS.items():
+        found = module_file(module)
+        text = found.read_text(errors="replace") if found else ""
+        gone = [n for n in names if not any(f"{kw} {n}" in text for kw in ("def", "class"))
+                and f"{n} =" not in text and f"{n}:" not in text]
+        if found is None or gone:
+            problems.append(f"{module} no longer defines {', '.join(gone) if found else ', '.join(names)}")
+    found, _ = _subclass_problems(index, path, vllm_server.SPECOPS_FP8_CONNECTOR_CLASS)
+    return problems + found
 
 
 def _search(params: dict):
@@ -353,6 +394,17 @@ def connector_record(index: PackageIndex, params: dict):
         tree, _ = index.tree(KV_TRANSFER)
         if passed.get("kv_role") not in _constants(tree):
             problems.append(f"kv_role {passed.get('kv_role')!r} is not a role of this vLLM")
+    fallback = (specops_fp8_problems(index, _search(params)) if fp8 and not params.get("kv_connector")
+                and name != vllm_server.SPECOPS_FP8_CONNECTOR_CLASS else [])
+    if fallback and not problems:
+        detail["specops_fp8_fallback"] = fallback
+        return protocol.record(
+            "drift.server-connector", protocol.WARN,
+            f"format fp8 falls back to {name}{' (' + module_path + ')' if module_path else ''}, which quantizes on "
+            f"the host CPU after a bf16 copy (slower than bf16 at large widths): specops' fp8 connector cannot "
+            f"run here: {fallback[0]}", detail=dict(detail, problems=fallback),
+            fix="install the vLLM and hs-connectors specops' fp8 connector was checked against (vLLM 0.25-0.32, "
+                "hs-connectors 0.9), or set format: bf16 where extraction speed matters")
     return _record("drift.server-connector", problems,
                    f"{name}{' (' + module_path + ')' if module_path else ''}"
                    f"{' at ' + detail['class'] if detail.get('class') else ''} reads shared_storage_path and "

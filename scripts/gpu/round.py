@@ -20,6 +20,8 @@ machine ran (``done.json``), so one command line can be repeated call after call
     round.py main --steps ssh,jobs,smoke_deepseek,extract_deepseek --skip-done  # call 4: what is left
     round.py models --only deepseek_v3_wide,llama_8b_vocab && \
         round.py main --steps ssh,memory_width --label mem  # the memory plan at real width (two vLLM starts)
+    round.py models --only deepseek_v3_wide --bench-ids 64x4096 && \
+        round.py main --steps fp8_speed --label fp8  # fp8 stock vs specops vs bf16 vs plain (four vLLM starts)
 
 The host side runs exactly as over SSH from a laptop: ``scripts/gpu/loopback_ssh.py``
 brings an SSH server up on 127.0.0.1 (OpenSSH when the machine has it, else asyncssh),
@@ -130,7 +132,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"memory_width": 420, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"memory_width": 420, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
@@ -812,6 +814,30 @@ def memory_width():
     return out
 
 
+def fp8_speed(model="deepseek_v3_wide", ids="64x4096", n=64):
+    """Issue 43 item 3: fp8 (hs-connectors' stock connector) vs fp8 (specops' connector, quantized on the device)
+    vs bf16 vs plain prefill, side by side in one run through the CLI's engine (``scripts/gpu/fp8_speed.py``:
+    four vLLM starts) at DeepSeek-V3 width, 4096-token samples; the stock and specops fp8 files of sample 0
+    compared. Keeps ``fp8_speed/fp8_speed.json`` and the servers' logs. Build the model and ids first
+    (``round.py models --only deepseek_v3_wide --bench-ids 64x4096``)."""
+    d = ROOT / "fp8_speed"
+    out = Path("/tmp/gpu-fp8-speed")
+    shutil.rmtree(out, ignore_errors=True)
+    res = sh([PY, "scripts/gpu/fp8_speed.py", "--model", str(MODELS / model), "--dataset",
+              str(MODELS / f"bench_{ids}.jsonl"), "--out", str(out), "--n", str(n), "--budget-s", str(left_s(40))],
+             d / "fp8_speed_stdout.txt", timeout=560, env=VLLM_ENV)
+    if (out / "fp8_speed.json").exists():
+        shutil.copy(out / "fp8_speed.json", d / "fp8_speed.json")
+    for log_path in out.glob("server_*/logs/server.log"):
+        text = log_path.read_text(errors="replace")
+        keep = [ln for ln in text.splitlines() if "POST /v1/completions" not in ln]
+        (d / f"{log_path.parts[-3]}.log").write_text("\n".join(keep)[-300000:])
+    shutil.rmtree(out, ignore_errors=True)
+    got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
+    return {k: got.get(k) for k in ("tok_per_s", "ratio_vs_plain", "durable_ratio_vs_plain", "files_equal",
+                                     "connectors", "ready_s", "wall_s", "errors", "rc", "tail") if k in got}
+
+
 def dp_flow():
     """The host's layout on one GPU: preflight's ``parallel.layout`` (dp default = GPUs // tp = 1), the refusal of
     ``--dp 2`` before any load (one GPU holds one replica), then a run through the layout path and its status."""
@@ -949,6 +975,7 @@ def main(argv=None) -> int:
             "jobs": run_step("jobs", job_flow),
             "dp": run_step("dp", dp_flow),
             "memory_width": run_step("memory_width", memory_width),
+            "fp8_speed": run_step("fp8_speed", fp8_speed),
             "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
                                      MODELS / "llama_wide"),
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",

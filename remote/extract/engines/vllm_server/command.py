@@ -26,12 +26,24 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 #: overlay env writes the module under exactly this name).
 CPU_CONNECTOR_MODULE = "_specops_cpu_hidden_states_connector"
 CPU_CONNECTOR_CLASS = "CpuHiddenStatesConnector"
-#: format fp8: hs-connectors' connector (its module is found in the installed package, see
-#: :func:`fp8_connector_module`), and the test host's CPU variant of it (the same file layout).
+#: format fp8 where specops' own connector cannot run (:func:`fp8_fallback`) or ``kv_connector`` names it:
+#: hs-connectors' connector (its module is found in the installed package, see :func:`fp8_connector_module`),
+#: and the test host's CPU variant of it (the same file layout).
 FP8_CONNECTOR_PACKAGE = "hs_connectors"
 FP8_CONNECTOR_CLASS = "FP8HiddenStatesConnector"
 CPU_FP8_CONNECTOR_MODULE = "_specops_cpu_fp8_hidden_states_connector"
 CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
+#: format fp8 by default: specops' own connector (fp8_connector.py), which quantizes on the device before
+#: the copy to the host and writes the stock connector's file; loaded by vLLM by this name
+SPECOPS_FP8_CONNECTOR_MODULE = "remote.extract.engines.vllm_server.fp8_connector"
+SPECOPS_FP8_CONNECTOR_CLASS = "SpecopsFP8HiddenStatesConnector"
+#: what specops' fp8 connector takes from the installed classes: the methods hs-connectors' fp8 connector
+#: may define itself (more means it changed its file or its copy, which ours would not follow), and the
+#: names it imports from each installed module
+SPECOPS_FP8_STOCK_OWN = {"_write_tensors"}
+SPECOPS_FP8_IMPORTS = {"hs_connectors.fp8_utils": ("SCALES_KEY", "quantize_tensor_to_fp8"),
+                       "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector":
+                           ("ExampleHiddenStatesConnector", "PendingSave", "extract_from_kv_cache")}
 #: set in the server's environment; every process vLLM starts inherits it, which is how
 #: :func:`~.process.leftover_pids` finds them even when one left the process group.
 MARKER_ENV = "SPECOPS_VLLM_SERVER_ID"
@@ -153,14 +165,28 @@ def connector_options(connector: tuple[str, str | None], given: dict) -> dict:
             "given": sorted(given), "read_from": read_from}
 
 
+def fp8_fallback(params: dict) -> list[str]:
+    """Why specops' fp8 connector cannot run here (read from the installed files, nothing imported);
+    ``[]`` when it can. The engine then loads hs-connectors' own and records these reasons."""
+    from remote.drift.server import specops_fp8_problems
+
+    try:
+        return specops_fp8_problems()
+    except (OSError, SyntaxError, ValueError) as exc:
+        return [f"the installed connectors could not be read ({type(exc).__name__}: {exc})"]
+
+
 def pick_connector(params: dict) -> tuple[str, str | None]:
     """The hidden-states connector for this host: ``(class name, module path or None)``.
 
     ``params["kv_connector"]`` (``"Class"`` or ``"module:Class"``) wins. Otherwise the
     stock connector, except where the CPU connector module is installed and torch sees
     no CUDA device (the test host): there the stock one cannot copy. With ``format: fp8``
+    specops' own connector (:mod:`.fp8_connector`: quantized on the device, the stock fp8 file),
+    unless the installed classes lack what it uses (:func:`fp8_fallback` says why): then
     hs-connectors' ``FP8HiddenStatesConnector`` (module read from the installed package),
-    or on such a CPU host its CPU variant.
+    or on such a CPU host its CPU variant. ``kv_connector:
+    hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector`` asks for the stock one.
 
     :raises ValueError: fp8 on a host whose hs-connectors has no fp8 connector (preflight says so first).
     """
@@ -171,6 +197,8 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
     import importlib.util
 
     fp8 = params.get("format") == contract.FP8
+    if fp8 and not fp8_fallback(params):
+        return SPECOPS_FP8_CONNECTOR_CLASS, SPECOPS_FP8_CONNECTOR_MODULE
     cpu_module = CPU_FP8_CONNECTOR_MODULE if fp8 else CPU_CONNECTOR_MODULE
     if importlib.util.find_spec(cpu_module) is not None and not cuda_available():
         return (CPU_FP8_CONNECTOR_CLASS if fp8 else CPU_CONNECTOR_CLASS), cpu_module

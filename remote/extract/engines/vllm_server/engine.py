@@ -23,8 +23,8 @@ from remote.wire import contract, layers
 from remote.wire.contract import VLLM_SERVER
 
 from . import chunking
-from .command import (SERVED_MODEL_NAME, batched_tokens, connector_options, kv_transfer_config, pick_connector,
-                      writer_threads)
+from .command import (SERVED_MODEL_NAME, SPECOPS_FP8_CONNECTOR_CLASS, batched_tokens, connector_options, fp8_fallback,
+                      kv_transfer_config, pick_connector, writer_threads)
 from .landing import (THREADS_UP_TO, DigestPool, DigestSlots, SampleRejected, default_digest_workers, land_sample,
                       usable_cores, wait_for_file)
 from .logs import ServerFailed
@@ -75,6 +75,10 @@ class VllmServerEngine(Engine):
         self.canary, self._canary_lock = None, threading.Lock()
         #: chunked prefill: on where the installed connector writes once a request is done (chunking.py)
         connector = pick_connector(self.params)  # once: the server loads the one its verdict read
+        #: format fp8 on hs-connectors' own connector: why specops' (quantized on the device) could not run
+        self.fp8_fallback = (fp8_fallback(self.params) if self.params.get("format") == contract.FP8
+                             and connector[0] != SPECOPS_FP8_CONNECTOR_CLASS and not self.params.get("kv_connector")
+                             else None)
         self.chunked = self._chunked_prefill(connector)
         self.params["chunked_prefill_on"] = self.chunked["on"]
         self.servers = [VllmServer(self.model_path, tp=self.tp, layer_ids=self.file_layer_ids,
@@ -518,6 +522,7 @@ class VllmServerEngine(Engine):
                 "connector": ":".join(filter(None, reversed(server.connector))) if server and server.connector else None,
                 # the connector's class, module and every option it ran with (given or its own default)
                 "connector_options": getattr(self, "connector_options", None),
+                "fp8_connector_fallback": getattr(self, "fp8_fallback", None),
                 "canary_samples": self.logprobs.count if getattr(self, "logprobs", None) else None,
                 # the server's one-time prompt-logprobs set-up, paid while loading (None: no canary)
                 "logprobs_warm_up_s": getattr(self, "logprobs_warm_up_s", None),
