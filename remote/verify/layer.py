@@ -163,7 +163,9 @@ class _OneLayer:
         self.factory, self.layer, self.x = factory, layer, x
 
     def streams(self, _model, _ids):
-        return [self.x, forward(self.factory, self.layer, self.x)]
+        import torch
+
+        return [self.x, forward(self.factory, self.layer, self.x, dtype=torch.float32)]
 
 
 @dataclass
@@ -206,7 +208,7 @@ class LayerCheck:
             tol = TOLERANCES["fp8"]
         try:
             for s in samples:
-                x, captured = s.streams[j].float(), s.streams[j + 1]
+                x, captured = s.streams[j], s.streams[j + 1]  # x: float32 a chunk at a time (forward)
                 one = _OneLayer(self.factory, layer, x)
                 if route.routers and match:
                     streams, raw, found, info = match_routing(route, one, None, s.ids, {1: captured}, s.path)
