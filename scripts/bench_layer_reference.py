@@ -45,7 +45,7 @@ SHAPES = {
                         n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128),
     # the same kind of layer for a 2-core CPU (the test's): MLA + MoE, wide enough that the layer outweighs one
-    # token's activations as at real width (layer / (4 x hidden) per token: ~26k here, ~57k at real width)
+    # token's activations as at real width (the layer's bytes / one float32 token state: 102k here, 228k there)
     "deepseek_cpu": dict(_DEEPSEEK, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
                          num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=4,
                          n_group=4, topk_group=2, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -113,11 +113,12 @@ def measure(model_dir: Path, tokens: int, path: str) -> dict:
     layer_check.forward = timed_forward  # what LayerCheck.run_layer (and its floor) calls
     trim_heap()
     peak = PeakMemory()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), cpu_seconds()
     facts, rows, _computed, flips, _routing, floor, routed = check.run_layer(0, [sample])
-    seconds = time.monotonic() - t0
+    seconds, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
     memory = peak.report(facts["fp32_bytes"], sample.nbytes, 0)
-    return {"path": path, "tokens": tokens, "seconds": round(seconds, 2), "forward_s": round(timed["forward_s"], 2),
+    return {"path": path, "tokens": tokens, "seconds": round(seconds, 2), "cpu_s": round(cpu, 2),
+            "forward_s": round(timed["forward_s"], 2),
             "forwards": timed["forwards"], "peak_rss_bytes": memory["peak_rss_bytes"],
             "layer_fp32_bytes": memory["layer_fp32_bytes"], "sample_bytes": memory["samples_bytes"],
             "bound_bytes": memory["bound_bytes"], "ratio_to_bound": memory["ratio_to_bound"], "how": memory["how"],
@@ -125,12 +126,21 @@ def measure(model_dir: Path, tokens: int, path: str) -> dict:
             "attention": check.factory.attention, "threads": torch.get_num_threads()}
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time, all threads (steadier than wall time on a shared machine)."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
 def old_scores_bytes(shape: str, tokens: int) -> int:
     """What the dense path's attention scores alone take: heads x T x T in float32."""
     return SHAPES[shape]["num_attention_heads"] * tokens * tokens * 4
 
 
-def run(shape: str, tokens: list, paths: list, workdir: Path, old_limit: float) -> list:
+def run(shape: str, tokens: list, paths: list, workdir: Path, old_limit: float, keep: str = "") -> list:
+    """Every (tokens, path) measured in a child process; ``keep``: a json file rewritten as each row ends."""
     model_dir = make_checkpoint(shape, workdir / shape)
     rows = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -148,24 +158,27 @@ def run(shape: str, tokens: list, paths: list, workdir: Path, old_limit: float) 
             else:
                 rows.append(json.loads(lines[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if keep:
+                Path(keep).write_text(json.dumps({"shape": shape, "config": SHAPES[shape], "rows": rows}, indent=1))
     return rows
 
 
 def table(shape: str, rows: list) -> str:
-    out = [f"{shape}: peak RSS above the start / (one layer in float32 + the sample), and seconds per sample",
-           f"{'tokens':>7} | {'old peak GiB':>12} {'x bound':>7} {'s':>7} | {'new peak GiB':>12} {'x bound':>7} "
-           f"{'s':>7} {'ms/token':>8}"]
+    out = [f"{shape}: peak RSS above the start / (one layer in float32 + the sample), wall and CPU seconds per "
+           f"sample", f"{'tokens':>7} | {'old peak GiB':>12} {'x bound':>7} {'s':>7} {'cpu s':>7} | "
+           f"{'new peak GiB':>12} {'x bound':>7} {'s':>7} {'cpu s':>7} {'cpu ms/token':>12}"]
     by = {(r["tokens"], r["path"]): r for r in rows}
     for n in sorted({r["tokens"] for r in rows}):
         cells = []
         for path in ("old", "new"):
             r = by.get((n, path))
             if r is None or "peak_rss_bytes" not in r:
-                cells.append(f"{(r or {}).get('skipped', (r or {}).get('error', '-'))[:30]:>28}")
+                cells.append(f"{(r or {}).get('skipped', (r or {}).get('error', '-'))[:36]:>36}")
             else:
-                cells.append(f"{r['peak_rss_bytes'] / GiB:12.3f} {r['ratio_to_bound']:7.2f} {r['seconds']:7.1f}")
+                cells.append(f"{r['peak_rss_bytes'] / GiB:12.3f} {r['ratio_to_bound']:7.2f} {r['seconds']:7.1f} "
+                             f"{r['cpu_s']:7.1f}")
         new = by.get((n, "new"))
-        per = f"{1000 * new['seconds'] / n:8.2f}" if new and "seconds" in new else f"{'-':>8}"
+        per = f"{1000 * new['cpu_s'] / n:12.2f}" if new and "cpu_s" in new else f"{'-':>12}"
         out.append(f"{n:>7} | {cells[0]} | {cells[1]} {per}")
     return "\n".join(out)
 
@@ -184,12 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default="", help="also write the rows here")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = run(args.shape, tokens, args.paths.split(","), Path(args.workdir), args.old_limit_gib)
+    rows = run(args.shape, tokens, args.paths.split(","), Path(args.workdir), args.old_limit_gib, args.json)
     print(table(args.shape, rows))
-    result = {"shape": args.shape, "config": SHAPES[args.shape], "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    print(json.dumps({"shape": args.shape, "config": SHAPES[args.shape], "rows": rows}))
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -508,20 +508,20 @@ class BoundedAttention:
         import torch
 
         latent = key if isinstance(key, LatentKeys) else None
+        batch, heads, q_len, _ = query.shape
+        kv_heads, k_len = key.shape[1], key.shape[2]
+        first = k_len - q_len  # the position of the first query
+        if self.scaling is not None and self.scaling.active:
+            query = self.scaling.scale(query, first)
         if any(kwargs.get(name) is not None for name in self.STOCK_ONLY):
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             if latent is not None:
-                key, value = latent.block(0, latent.shape[1], 0, latent.shape[2])
+                key, value = latent.block(0, kv_heads, 0, k_len)
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)
-        batch, heads, q_len, _ = query.shape
-        kv_heads, k_len = key.shape[1], key.shape[2]
         per_kv = heads // kv_heads
         window = kwargs.get("sliding_window")
-        first = k_len - q_len  # the position of the first query
-        if self.scaling is not None and self.scaling.active:
-            query = self.scaling.scale(query, first)
         v_dim = latent.v_head_dim if latent is not None else value.shape[-1]
         out = query.new_empty((batch, q_len, heads, v_dim))
         # the biggest block: scores, their softmax and a copy (torch's math path) of kv heads x queries x keys
@@ -529,28 +529,33 @@ class BoundedAttention:
         row = 3 * per_kv * k_len * query.element_size() * batch
         rows = max(1, SCORE_BYTES // row)
         q_step = min(q_len, rows)
-        per_head = (q_step * 3 * per_kv + (query.shape[-1] + v_dim if latent is not None else 0)) * k_len \
-            * query.element_size() * batch
+        per_head = (q_step * 3 * per_kv + (2 * query.shape[-1] if latent is not None or v_dim != query.shape[-1]
+                                           else 0)) * k_len * query.element_size() * batch
         kv_step = max(1, min(kv_heads, SCORE_BYTES // per_head))
-        for q0 in range(0, q_len, q_step):
-            q1 = min(q_len, q0 + q_step)
-            k1 = first + q1  # keys up to the block's last query
-            k0 = max(0, first + q0 - window + 1) if window else 0
-            positions = torch.arange(first + q0, first + q1)[:, None]
-            keys = torch.arange(k0, k1)[None, :]
-            allowed = keys <= positions
-            if window:
-                allowed &= keys > positions - window
-            for g0 in range(0, kv_heads, kv_step):
-                g1 = min(kv_heads, g0 + kv_step)
-                if latent is not None:
-                    keys_now, values_now = latent.block(g0, g1, k0, k1)
-                else:
-                    keys_now, values_now = key[:, g0:g1, k0:k1], value[:, g0:g1, k0:k1]
+        lowest = max(0, first - window + 1) if window else 0  # the first key any query here sees
+        for g0 in range(0, kv_heads, kv_step):
+            g1 = min(kv_heads, g0 + kv_step)
+            # an MLA head group's keys and values expanded once for all of this chunk's queries
+            if latent is not None:
+                keys_g, values_g = latent.block(g0, g1, lowest, k_len)
+            else:
+                keys_g, values_g = key[:, g0:g1, lowest:], value[:, g0:g1, lowest:]
+            if v_dim != keys_g.shape[-1]:  # MLA: torch's flash kernel (no score tensor) wants one head dim
+                values_g = torch.nn.functional.pad(values_g, (0, keys_g.shape[-1] - v_dim))
+            for q0 in range(0, q_len, q_step):
+                q1 = min(q_len, q0 + q_step)
+                k1 = first + q1  # keys up to the block's last query
+                k0 = max(0, first + q0 - window + 1) if window else 0
+                positions = torch.arange(first + q0, first + q1)[:, None]
+                keys = torch.arange(k0, k1)[None, :]
+                allowed = keys <= positions
+                if window:
+                    allowed &= keys > positions - window
                 got = torch.nn.functional.scaled_dot_product_attention(
-                    query[:, g0 * per_kv:g1 * per_kv, q0:q1], keys_now, values_now,
-                    attn_mask=allowed, scale=scaling, enable_gqa=per_kv > 1)
-                out[:, q0:q1, g0 * per_kv:g1 * per_kv] = got.transpose(1, 2)
+                    query[:, g0 * per_kv:g1 * per_kv, q0:q1], keys_g[:, :, k0 - lowest:k1 - lowest],
+                    values_g[:, :, k0 - lowest:k1 - lowest], attn_mask=allowed, scale=scaling,
+                    enable_gqa=per_kv > 1)
+                out[:, q0:q1, g0 * per_kv:g1 * per_kv] = got[..., :v_dim].transpose(1, 2)
         return out, None
 
 
