@@ -290,42 +290,41 @@ import json, sys, torch
 from remote.system import modelconfig
 from remote.verify import layerload
 from remote.verify.routing import RouterControl
-path, tokens = sys.argv[1], 300
-config = modelconfig.read(path)
-factory = layerload.LayerFactory(config)
-checkpoint = layerload.Checkpoint(path, modelconfig.decoder_layers(config))
-x = torch.randn(tokens, factory.hf_config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-out = {"attention": factory.attention, "layers": {}}
-for j in (0, 1):
-    layer, facts = factory.build(j, checkpoint)
-    route = RouterControl([layer])
-    dense = layerload.dense_forward(factory, layer, x, dtype=torch.float32)
-    natural = route.decisions[0].natural.clone() if route.routers else None
-    row = {}
-    for chunk in (64, 256):
-        got = layerload.forward(factory, layer, x, chunk=chunk, dtype=torch.float32)
-        row[chunk] = float((got - dense).abs().max() / dense.abs().max())
-        if natural is not None:
-            row[f"experts_{chunk}"] = route.decisions[0].natural.tolist() == natural.tolist()
-    if route.routers:  # the engine's experts forced for a token of a later chunk reach that token only
-        forced = natural[200].flip(0).clone()
-        forced[0] = (forced[0] + 1) % route.specs[0]["experts"]
-        route.forced = {0: {200: forced}}
-        dense_forced = layerload.dense_forward(factory, layer, x, dtype=torch.float32)
-        got = layerload.forward(factory, layer, x, chunk=64, dtype=torch.float32)
-        row["forced"] = float((got - dense_forced).abs().max() / dense_forced.abs().max())
-        moved = (dense_forced - dense).abs().max(dim=-1).values
-        row["moved_tokens"] = (moved > 0).nonzero().flatten().tolist()
-    out["layers"][j] = row
-    route.close()
-print(json.dumps(out))
+found, tokens = {}, 300
+for path in sys.argv[1:]:
+    config = modelconfig.read(path)
+    factory = layerload.LayerFactory(config)
+    checkpoint = layerload.Checkpoint(path, modelconfig.decoder_layers(config))
+    x = torch.randn(tokens, factory.hf_config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = found[config["model_type"]] = {"attention": factory.attention, "layers": {}}
+    for j in (0, 1):
+        layer, facts = factory.build(j, checkpoint)
+        route = RouterControl([layer])
+        dense = layerload.dense_forward(factory, layer, x, dtype=torch.float32)
+        natural = route.decisions[0].natural.clone() if route.routers else None
+        row = {}
+        for chunk in (64, 256):
+            got = layerload.forward(factory, layer, x, chunk=chunk, dtype=torch.float32)
+            row[chunk] = float((got - dense).abs().max() / dense.abs().max())
+            if natural is not None:
+                row[f"experts_{chunk}"] = route.decisions[0].natural.tolist() == natural.tolist()
+        if route.routers:  # the engine's experts forced for a token of a later chunk reach that token only
+            forced = natural[200].flip(0).clone()
+            forced[0] = (forced[0] + 1) % route.specs[0]["experts"]
+            route.forced = {0: {200: forced}}
+            dense_forced = layerload.dense_forward(factory, layer, x, dtype=torch.float32)
+            got = layerload.forward(factory, layer, x, chunk=64, dtype=torch.float32)
+            row["forced"] = float((got - dense_forced).abs().max() / dense_forced.abs().max())
+            moved = (dense_forced - dense).abs().max(dim=-1).values
+            row["moved_tokens"] = (moved > 0).nonzero().flatten().tolist()
+        out["layers"][j] = row
+        route.close()
+print(json.dumps(found))
 """
 
 
 @pytest.mark.parametrize("stack", ["transformers 5", "transformers 4"])
-@pytest.mark.parametrize("model", ["llama", "deepseek_v3"])
-def test_the_bounded_forward_computes_what_the_dense_one_did(model, stack, tiny_models, modern_fixed_python,
-                                                             hostenv_python):
+def test_the_bounded_forward_computes_what_the_dense_one_did(stack, tiny_models, modern_fixed_python, hostenv_python):
     """The layer on query chunks (64 and 256 tokens: 5 and 2 chunks of a 300-token sample), attention by
     blocks without a ``[T, T]`` mask, equals the dense forward it replaced (the whole sample at once, a
     dense causal mask, transformers' own attention) within float32 rounding: Llama (GQA), DeepSeek-V3's
@@ -333,15 +332,17 @@ def test_the_bounded_forward_computes_what_the_dense_one_did(model, stack, tiny_
     their own positions); the router picks the same experts chunk by chunk, and an expert choice forced
     on token 200 (a later chunk) moves that token alone, as in the dense forward."""
     python = modern_fixed_python if stack == "transformers 5" else hostenv_python
-    out = run_python(python, BOUNDED_VS_DENSE, tiny_models[model])
-    assert out["attention"].startswith("bounded sdpa"), out
-    for j, row in out["layers"].items():
-        assert row["64"] <= 1e-6 and row["256"] <= 1e-6, (j, row)
-        if model == "deepseek_v3" and j == "1":  # the MoE layer
-            assert row["experts_64"] and row["experts_256"], row
-            assert row["forced"] <= 1e-6 and row["moved_tokens"] == [200], row
-    print(f"\n{model} ({stack}): largest difference to the dense forward, relative to its max "
-          f"{max(max(r['64'], r['256']) for r in out['layers'].values()):.2g}")
+    found = run_python(python, BOUNDED_VS_DENSE, tiny_models["llama"], tiny_models["deepseek_v3"])
+    assert sorted(found) == ["deepseek_v3", "llama"], found
+    for model, out in found.items():
+        assert out["attention"].startswith("bounded sdpa"), out
+        for j, row in out["layers"].items():
+            assert row["64"] <= 1e-6 and row["256"] <= 1e-6, (model, j, row)
+        worst = max(max(r["64"], r["256"]) for r in out["layers"].values())
+        print(f"\n{model} ({stack}): largest difference to the dense forward, relative to its max {worst:.2g}")
+    moe = found["deepseek_v3"]["layers"]["1"]
+    assert moe["experts_64"] and moe["experts_256"], moe
+    assert moe["forced"] <= 1e-6 and moe["moved_tokens"] == [200], moe
 
 
 def test_the_layer_check_stays_within_1_2x_one_layer_and_the_sample_at_4096_tokens(modern_fixed_python, tmp_path):
