@@ -15,7 +15,9 @@ per layer (:meth:`remote.verify.layer.LayerCheck.run_layer`: the float32 layer r
 its forward on the captured input, the engine's experts at router near-ties, the bf16 rounding floor) on
 one sample whose captured output is the layer's own output in bf16. Peak = the process's peak RSS above
 its start (``VmHWM`` after ``clear_refs``, what ``verify.reference`` reports); bound = one layer in float32
-+ the sample (its input and output streams, bf16). ``--paths old`` is skipped where its ``[heads, T, T]``
++ the sample (its input and output streams, bf16). ``old`` swaps only the forward (the rest of the step --
+the input converted a chunk at a time, comparisons by token rows -- is today's in both, so old's peak is
+if anything below what the dense check peaked at). ``--paths old`` is skipped where its ``[heads, T, T]``
 scores alone would pass ``--old-limit-gib``.
 """
 from __future__ import annotations
@@ -123,7 +125,9 @@ def measure(model_dir: Path, tokens: int, path: str) -> dict:
             "layer_fp32_bytes": memory["layer_fp32_bytes"], "sample_bytes": memory["samples_bytes"],
             "bound_bytes": memory["bound_bytes"], "ratio_to_bound": memory["ratio_to_bound"], "how": memory["how"],
             "nrmse": rows[0]["nrmse"], "floor_nrmse": floor["nrmse"], "routed": routed, "flips": len(flips),
-            "attention": check.factory.attention, "threads": torch.get_num_threads()}
+            "attention": check.factory.attention if path == "new"
+            else f"a dense [T, T] mask, {check.factory.stock_attention} on all tokens at once",
+            "threads": torch.get_num_threads()}
 
 
 def cpu_seconds() -> float:
