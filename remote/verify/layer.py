@@ -5,7 +5,7 @@ For decoder layer ``j`` whose input (HF ``hidden_states[j]``: ``input:j`` = ``ou
 and output (``hidden_states[j+1]``) the run captured for the same tokens, only layer
 ``j``'s tensors are read from the checkpoint and run through the model's own transformers
 decoder layer class (:mod:`remote.verify.layerload`) in float32 on the *captured* input:
-its rotary embedding at positions ``0..T-1``, a causal mask, ``llama_4_scaling`` where the
+its rotary embedding at positions ``0..T-1``, causal attention, ``llama_4_scaling`` where the
 config has it (:mod:`remote.verify.scaling`), and on MoE layers the engine's expert choice
 at a router near-tie (:func:`remote.verify.routing.match_routing`). The result is compared
 with the captured output (:func:`remote.verify.compare.layer_numbers`) and judged against
@@ -21,7 +21,11 @@ run that captured ``input:1`` (``output:0``) gets its first layer checked too.
 A failing layer is run again with its neighbours' weights (``j-1``, ``j+1``): when one of
 them reproduces the pair, the states are shifted by one -- a layer id given in the other
 convention -- and ``verify.convention`` says by how much. Memory stays one decoder layer
-in float32 plus the checked samples and one forward's activations: the layer is read without
+in float32 plus the checked samples and one chunk's activations at any sample length: the
+layer runs on chunks of query positions with the keys of the positions before, attention by
+blocks with no ``[T, T]`` mask, MoE a chunk at a time (:func:`remote.verify.layerload.forward`),
+the input converted to float32 a chunk at a time and outputs compared by token rows
+(:mod:`remote.verify.compare`); the layer is read without
 a memory map and converted a chunk at a time (:func:`remote.verify.layerload.read_tensor`),
 the floor's bf16 copy is read once the float32 layer is gone, and freed tensors go back to
 the system (:func:`heap_returns_memory`). The peak is measured (the process's peak RSS, reset
@@ -163,7 +167,9 @@ class _OneLayer:
         self.factory, self.layer, self.x = factory, layer, x
 
     def streams(self, _model, _ids):
-        return [self.x, forward(self.factory, self.layer, self.x)]
+        import torch
+
+        return [self.x, forward(self.factory, self.layer, self.x, dtype=torch.float32)]
 
 
 @dataclass
@@ -206,7 +212,7 @@ class LayerCheck:
             tol = TOLERANCES["fp8"]
         try:
             for s in samples:
-                x, captured = s.streams[j].float(), s.streams[j + 1]
+                x, captured = s.streams[j], s.streams[j + 1]  # x: float32 a chunk at a time (forward)
                 one = _OneLayer(self.factory, layer, x)
                 if route.routers and match:
                     streams, raw, found, info = match_routing(route, one, None, s.ids, {1: captured}, s.path)
@@ -363,7 +369,7 @@ def reference_record(check: LayerCheck, model_path: str, version: str, memory: d
                f"the checkpoint of {os.path.basename(model_path.rstrip('/'))} on CPU; peak host memory "
                f"{memory['peak_rss_bytes'] / MiB:.1f} MiB = {memory['ratio_to_bound']:.2f}x one layer in float32 "
                f"({memory['layer_fp32_bytes'] / MiB:.1f} MiB) + the checked samples "
-               f"({memory['samples_bytes'] / MiB:.1f} MiB), the rest one forward's activations and the outputs "
+               f"({memory['samples_bytes'] / MiB:.1f} MiB), the rest one chunk's activations and the outputs "
                f"compared; the whole model in float32 {memory['whole_model_fp32_bytes'] / MiB:.1f} MiB)")
     if scaling is not None:
         summary += "; llama_4_scaling by " + ("specops attention hook" if factory.hook.active else "transformers")

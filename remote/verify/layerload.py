@@ -350,7 +350,13 @@ class LayerFactory:
         if self.hook is not None:
             self.hook.active = not hf_implements_llama4(skeleton)
         self.rotary = type(rotary[0])(config=self.hf_config)
-        self.attention = getattr(self.hf_config, "_attn_implementation", None)
+        #: what transformers picked (the llama_4_scaling hook where the config has the scaling):
+        #: :func:`dense_forward`'s attention; the layers run :class:`BoundedAttention` instead
+        self.stock_attention = getattr(self.hf_config, "_attn_implementation", None)
+        self.bounded = BoundedAttention(self.hook)
+        self.hf_config._attn_implementation = self.bounded.register()
+        self.attention = (f"bounded sdpa ({QUERY_CHUNK}-token query chunks; transformers picked "
+                          f"{self.stock_attention})")
         del skeleton
 
     def build(self, j: int, checkpoint: Checkpoint, dtype=None):
@@ -391,6 +397,7 @@ class LayerFactory:
             raise VerifyError("verify.reference", f"decoder layer {j}: {', '.join(left[:3])} not set after loading",
                               "use --reference hf for this model")
         layer.eval()
+        self.bounded.defer_expansion(layer)
         facts = {"tensors": len(keys), "shards": checkpoint.files_of(keys.values()),
                  "fp32_bytes": sum(t.numel() * 4 for t in state.values()),
                  "moe": any(".experts." in f".{name}" for name in keys),
@@ -398,18 +405,208 @@ class LayerFactory:
         return layer, facts
 
 
-def forward(factory: LayerFactory, layer, x):
+#: query positions the layer runs on at a time, each with the keys of every position before it: what
+#: bounds a forward's activations (projections, MoE experts, attention) to this many tokens
+QUERY_CHUNK = 256
+#: bytes of attention scores (and softmax) one block of heads x queries x keys may take
+SCORE_BYTES = 8 * 1024 * 1024
+
+
+class PrefixCache:
+    """The keys and values of the positions run so far, for one decoder layer: what transformers'
+    attention gets through ``past_key_values.update``. Allocated once for the whole sample at the
+    first chunk (a ``DynamicCache`` concatenates, holding the prefix twice at every chunk); it holds
+    whatever the layer caches (transformers 5's MLA: the latents, not the expanded heads)."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.seen, self.key, self.value = tokens, 0, None, None
+
+    def update(self, key, value, layer_idx=None, cache_kwargs=None):
+        if self.key is None:
+            self.key = key.new_empty(key.shape[:2] + (self.tokens,) + key.shape[3:])
+            self.value = value.new_empty(value.shape[:2] + (self.tokens,) + value.shape[3:])
+        end = self.seen + key.shape[2]
+        self.key[:, :, self.seen:end].copy_(key)
+        self.value[:, :, self.seen:end].copy_(value)
+        self.seen = end
+        return self.key[:, :, :end], self.value[:, :, :end]
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self.seen
+
+
+class LatentKeys:
+    """An MLA layer's keys and values before their expansion to heads (transformers 5 caches the
+    latents and expands the whole prefix at every call: ``expand_kv``): :meth:`block` expands only
+    the heads and positions one block of :class:`BoundedAttention` needs, so the ``[heads, T,
+    qk + v]`` keys and values never exist at once."""
+
+    def __init__(self, module, kv_nope, k_rot):
+        #: kv_nope ``[batch, 1, T, kv_lora_rank]`` (after its norm), k_rot ``[batch, 1, T, rope]`` (rotated)
+        self.module, self.kv_nope, self.k_rot = module, kv_nope, k_rot
+        self.shape = (kv_nope.shape[0], module.num_heads, kv_nope.shape[2], module.qk_head_dim)
+        self.v_head_dim = module.v_head_dim
+
+    def block(self, h0: int, h1: int, k0: int, k1: int):
+        """keys ``[batch, h1-h0, k1-k0, qk]`` and values ``[batch, h1-h0, k1-k0, v]``, as ``expand_kv``
+        computes them, for heads ``h0:h1`` at positions ``k0:k1``."""
+        import torch
+
+        m = self.module
+        per_head = m.qk_nope_head_dim + m.v_head_dim
+        rows = slice(h0 * per_head, h1 * per_head)
+        bias = m.kv_b_proj.bias[rows] if m.kv_b_proj.bias is not None else None
+        kv = torch.nn.functional.linear(self.kv_nope[:, 0, k0:k1], m.kv_b_proj.weight[rows], bias)
+        kv = kv.view(kv.shape[0], k1 - k0, h1 - h0, per_head).transpose(1, 2)
+        k_nope, value = torch.split(kv, [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        key = kv.new_empty(*kv.shape[:-1], m.qk_head_dim)
+        key[..., :m.qk_nope_head_dim].copy_(k_nope)
+        key[..., m.qk_nope_head_dim:].copy_(self.k_rot[:, :, k0:k1].expand(-1, h1 - h0, -1, -1))
+        return key, value
+
+
+class BoundedAttention:
+    """Causal attention without a dense ``[T, T]`` mask or a ``[heads, T, T]`` score tensor: torch's
+    ``scaled_dot_product_attention`` on blocks of heads x queries, each against the keys up to its
+    last query (the queries are the last ``q`` of the ``k`` positions: a chunk after its prefix),
+    each block's scores at most ``SCORE_BYTES``. Registered with transformers' ``AttentionInterface``
+    as the layers' attention; the mask transformers passes is not read (causality, and a layer's
+    ``sliding_window``, are built per block). Attention that changes the scores otherwise (a
+    ``softcap``, sinks ``s_aux``) goes to transformers' own SDPA with the chunk's mask."""
+
+    #: attention arguments this function does not implement
+    STOCK_ONLY = ("softcap", "s_aux", "sinks")
+
+    def __init__(self, scaling: Llama4Scaling | None = None):
+        #: llama_4_scaling applied to the query (while it is ``active``), at the queries' own positions
+        self.scaling = scaling
+        self.name = f"specops_bounded_sdpa_{id(self):x}"
+
+    def register(self) -> str:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(self.name, self.attention)
+        return self.name
+
+    def defer_expansion(self, layer) -> None:
+        """Let this attention expand an MLA layer's latents block by block (:class:`LatentKeys`): its
+        attention module's ``expand_kv`` (transformers 5) hands them over unexpanded while this
+        function is the layers' attention, and expands as before otherwise (:func:`dense_forward`)."""
+        for module in layer.modules():
+            expand = getattr(module, "expand_kv", None)
+            if not callable(expand) or getattr(module, "kv_b_proj", None) is None:
+                continue
+
+            def deferred(kv_nope, k_rot, module=module, expand=expand):
+                if module.config._attn_implementation != self.name:
+                    return expand(kv_nope, k_rot)
+                latent = LatentKeys(module, kv_nope, k_rot)
+                return latent, latent
+            module.expand_kv = deferred
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        import torch
+
+        latent = key if isinstance(key, LatentKeys) else None
+        batch, heads, q_len, _ = query.shape
+        kv_heads, k_len = key.shape[1], key.shape[2]
+        first = k_len - q_len  # the position of the first query
+        if self.scaling is not None and self.scaling.active:
+            query = self.scaling.scale(query, first)
+        if any(kwargs.get(name) is not None for name in self.STOCK_ONLY):
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            if latent is not None:
+                key, value = latent.block(0, kv_heads, 0, k_len)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+        per_kv = heads // kv_heads
+        window = kwargs.get("sliding_window")
+        v_dim = latent.v_head_dim if latent is not None else value.shape[-1]
+        out = query.new_empty((batch, q_len, heads, v_dim))
+        # the biggest block: scores, their softmax and a copy (torch's math path) of kv heads x queries x keys
+        # (+ an MLA block's keys and values, expanded for it)
+        row = 3 * per_kv * k_len * query.element_size() * batch
+        rows = max(1, SCORE_BYTES // row)
+        q_step = min(q_len, rows)
+        per_head = (q_step * 3 * per_kv + (2 * query.shape[-1] if latent is not None or v_dim != query.shape[-1]
+                                           else 0)) * k_len * query.element_size() * batch
+        kv_step = max(1, min(kv_heads, SCORE_BYTES // per_head))
+        lowest = max(0, first - window + 1) if window else 0  # the first key any query here sees
+        for g0 in range(0, kv_heads, kv_step):
+            g1 = min(kv_heads, g0 + kv_step)
+            # an MLA head group's keys and values expanded once for all of this chunk's queries
+            if latent is not None:
+                keys_g, values_g = latent.block(g0, g1, lowest, k_len)
+            else:
+                keys_g, values_g = key[:, g0:g1, lowest:], value[:, g0:g1, lowest:]
+            if v_dim != keys_g.shape[-1]:  # MLA: torch's flash kernel (no score tensor) wants one head dim
+                values_g = torch.nn.functional.pad(values_g, (0, keys_g.shape[-1] - v_dim))
+            for q0 in range(0, q_len, q_step):
+                q1 = min(q_len, q0 + q_step)
+                k1 = first + q1  # keys up to the block's last query
+                k0 = max(0, first + q0 - window + 1) if window else 0
+                positions = torch.arange(first + q0, first + q1)[:, None]
+                keys = torch.arange(k0, k1)[None, :]
+                allowed = keys <= positions
+                if window:
+                    allowed &= keys > positions - window
+                got = torch.nn.functional.scaled_dot_product_attention(
+                    query[:, g0 * per_kv:g1 * per_kv, q0:q1], keys_g[:, :, k0 - lowest:k1 - lowest],
+                    values_g[:, :, k0 - lowest:k1 - lowest], attn_mask=allowed, scale=scaling,
+                    enable_gqa=per_kv > 1)
+                out[:, q0:q1, g0 * per_kv:g1 * per_kv] = got[..., :v_dim].transpose(1, 2)
+        return out, None
+
+
+def forward(factory: LayerFactory, layer, x, chunk: int = QUERY_CHUNK, dtype=None):
     """Layer output ``[T, H]`` for its input ``x`` ``[T, H]`` (one sequence from position 0, causal),
-    in the dtype of ``x``."""
+    in ``dtype`` (default: the dtype of ``x``; each chunk of ``x`` is converted as it is run, so a
+    bf16 capture is never held in float32 whole), in bounded memory at any length: the layer runs on ``chunk`` query
+    positions at a time with the keys and values of the positions before (:class:`PrefixCache`),
+    so its activations -- projections, MoE experts, attention (:class:`BoundedAttention`) -- are
+    those of ``chunk`` tokens, no ``[T, T]`` mask is built, and a MoE router sees a chunk at a time
+    (:class:`remote.verify.routing.RouterControl` joins them by ``position_ids``)."""
     import torch
 
+    tokens = x.shape[0]
+    dtype = dtype or x.dtype
+    out = torch.empty(x.shape, dtype=dtype)
+    cache = PrefixCache(tokens)
+    with torch.inference_mode():
+        for start in range(0, tokens, chunk):
+            end = min(tokens, start + chunk)
+            hidden = x[start:end].to(dtype).unsqueeze(0)
+            positions = torch.arange(start, end).unsqueeze(0)
+            # the chunk's causal mask [chunk, end]: only transformers' own attention reads it (STOCK_ONLY)
+            mask = torch.zeros((end - start, end), dtype=dtype).masked_fill_(
+                torch.arange(end)[None, :] > positions[0][:, None], torch.finfo(dtype).min)[None, None]
+            cos_sin = factory.rotary(hidden, positions)
+            got = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
+                        past_key_values=cache, use_cache=True, cache_position=positions[0])
+            got = got[0] if isinstance(got, (tuple, list)) else got
+            out[start:end] = got[0]
+    return out
+
+
+def dense_forward(factory: LayerFactory, layer, x, dtype=None):
+    """The layer on all of ``x`` at once with a dense ``[T, T]`` causal mask and transformers' own
+    attention (``factory.stock_attention``): what :func:`forward` replaced, whose memory grows with
+    ``T^2``. Kept for the tests and ``scripts/bench_layer_reference.py`` that compare the two."""
+    import torch
+
+    x = x.to(dtype or x.dtype)
     tokens = x.shape[0]
     hidden = x.unsqueeze(0)
     positions = torch.arange(tokens).unsqueeze(0)
     mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)[None, None]
-    with torch.inference_mode():
-        cos_sin = factory.rotary(hidden, positions)
-        out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
-                    use_cache=False)
+    bounded, factory.hf_config._attn_implementation = factory.hf_config._attn_implementation, factory.stock_attention
+    try:
+        with torch.inference_mode():
+            cos_sin = factory.rotary(hidden, positions)
+            out = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
+                        use_cache=False)
+    finally:
+        factory.hf_config._attn_implementation = bounded
     out = out[0] if isinstance(out, (tuple, list)) else out
     return out[0]

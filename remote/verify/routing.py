@@ -169,6 +169,22 @@ class RouterDecisions:
                 alternative, two = expert_swap(order2, masked2, k - 1)
                 self.options[f"group#{j}+expert"] = (alternative, [one, two])
 
+    @classmethod
+    def joined(cls, parts: list) -> "RouterDecisions":
+        """The decisions of consecutive token chunks of one forward as one (tokens in order)."""
+        import torch
+
+        if len(parts) == 1:
+            return parts[0]
+        whole = cls.__new__(cls)
+        for name in ("natural", "own", "readable"):
+            setattr(whole, name, torch.cat([getattr(p, name) for p in parts]))
+        whole.options = {kind: (torch.cat([p.options[kind][0] for p in parts]),
+                                [tuple(torch.cat([p.options[kind][1][i][n] for p in parts]) for n in range(3))
+                                 for i in range(len(parts[0].options[kind][1]))])
+                         for kind in parts[0].options}
+        return whole
+
     def z(self, kind: str, token: int, epsilon: float) -> float:
         """How many standard deviations of the engine's error (relative ``epsilon``) the
         option ``kind`` is from a tie, after bf16 rounding; 0 = a tie within rounding."""
@@ -203,11 +219,16 @@ class RouterControl:
     ``decisions[layer]`` holds the :class:`RouterDecisions` of the last forward; setting
     ``forced[layer][token] = experts`` makes the next forwards route that token there
     (under transformers 5 the gating weights are then gathered for the forced experts
-    exactly as the router gathers them for its own choice).
+    exactly as the router gathers them for its own choice). A forward that runs a layer on
+    chunks of tokens (:func:`remote.verify.layerload.forward`) calls its router once per chunk:
+    the chunk's first position (the layer's ``position_ids``) places its tokens, and a chunk
+    at position 0 starts a new forward.
     """
 
     def __init__(self, layers):
         self.routers, self.specs, self.decisions, self.forced, self._inputs = {}, {}, {}, {}, {}
+        #: layer -> the first position of the tokens its router sees now; the chunks of this forward
+        self._first, self._parts = {}, {}
         self._hooks = []
         for index, layer in enumerate(layers):
             router = next((m for m in layer.modules() if is_group_topk_router(m)), None)
@@ -216,6 +237,7 @@ class RouterControl:
             self.routers[index] = router
             self.specs[index] = spec = router_spec(router)
             self._hooks.append(router.register_forward_pre_hook(self._keep_input(index)))
+            self._hooks.append(layer.register_forward_pre_hook(self._keep_position(index), with_kwargs=True))
             if spec["hook"] == "topk":
                 router.get_topk_indices = self._wrap(index, router.get_topk_indices)
             else:
@@ -226,20 +248,32 @@ class RouterControl:
             self._inputs[index] = args[0].detach() if args else None
         return keep
 
+    def _keep_position(self, index):
+        def keep(_module, _args, kwargs):
+            positions = kwargs.get("position_ids")
+            self._first[index] = int(positions.reshape(-1)[0]) if positions is not None and positions.numel() else 0
+        return keep
+
     def _decide(self, index, scores, natural):
         """Record the decisions of one router call; the expert choice to use (forced or natural)."""
         router_input = self._inputs.get(index)
+        first = self._first.get(index, 0)
         if router_input is None:  # called without a positional input: nothing to judge
             self.decisions.pop(index, None)
+            self._parts[index] = None
         else:
-            self.decisions[index] = RouterDecisions(self.routers[index], scores, natural, router_input,
-                                                    self.specs[index])
+            part = RouterDecisions(self.routers[index], scores, natural, router_input, self.specs[index])
+            parts = self._parts.get(index) if first else []
+            if parts is not None:
+                self._parts[index] = parts = parts + [part]
+                self.decisions[index] = RouterDecisions.joined(parts)
         forced = self.forced.get(index)
         if not forced:
             return natural
         chosen = natural.clone().reshape(-1, natural.shape[-1])
         for token, experts in forced.items():
-            chosen[token] = experts.to(chosen.dtype)
+            if first <= token < first + chosen.shape[0]:
+                chosen[token - first] = experts.to(chosen.dtype)
         return chosen.reshape(natural.shape)
 
     def _wrap(self, index, original):

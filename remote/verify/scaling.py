@@ -52,17 +52,22 @@ class Llama4Scaling:
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         """SDPA with vLLM's llama_4_scaling applied to the query (while :attr:`active`).
 
-        ``query`` is ``[batch, heads, tokens, head_dim]`` after RoPE; the reference runs one
-        unpadded sample without cache, so position ``t`` is token ``t``.
+        ``query`` is ``[batch, heads, tokens, head_dim]`` after RoPE, of one unpadded sample: its
+        queries are the last of the keys' positions (all of them without a cache).
         """
-        import torch
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.active:
-            positions = torch.arange(query.shape[-2], device=query.device)
-            scale = 1 + self.beta * torch.log(1 + torch.floor(positions / self.original))
-            query = (query * scale[:, None]).to(query.dtype)
+            query = self.scale(query, key.shape[-2] - query.shape[-2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    def scale(self, query, first: int = 0):
+        """``query`` ``[batch, heads, tokens, head_dim]`` of positions ``first..`` scaled by vLLM's formula."""
+        import torch
+
+        positions = torch.arange(first, first + query.shape[-2], device=query.device)
+        scale = 1 + self.beta * torch.log(1 + torch.floor(positions / self.original))
+        return (query * scale[:, None]).to(query.dtype)
 
     @contextmanager
     def suspended(self):

@@ -135,7 +135,7 @@ class SmiSampler:
 EXPECTED_S = {"memory_width": 420, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
-              "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150}
+              "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480}
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
 DONE_FILE = ROOT / "done.json"
 
@@ -906,6 +906,24 @@ def smoke(host):
     return res
 
 
+def layer_reference():
+    """#43 item 2: ``verify --reference layer``'s step (:meth:`remote.verify.layer.LayerCheck.run_layer`) on one
+    DeepSeek-V3 layer at its real width (hidden 7168, 128 MLA heads, 32 routed experts + 1 shared: 6.1 GiB in
+    float32; random weights) on one sample of 4096 and 8192 tokens, each in a fresh process on this host's CPU
+    (the reference runs there): peak RSS against one layer in float32 + the sample (goal <= 1.2x), seconds per
+    sample (linear in tokens); the old dense path beside it at 4096 (at 8192 its [128, T, T] scores alone are
+    32 GiB). Rows in ``layer_reference/layer_reference.json`` as each ends."""
+    d = ROOT / "layer_reference"
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "layer_reference.json"
+    sh("lscpu; nproc; free -g", d / "lscpu.txt", timeout=30)
+    res = sh([HOST_PY, "scripts/bench_layer_reference.py", "--shape", "deepseek_v3", "--tokens", "4096,8192",
+              "--paths", "new,old", "--old-limit-gib", "12", "--workdir", str(MODELS / "layer_reference"),
+              "--json", str(out)], d / "bench.txt", timeout=540, env={"PYTHONPATH": str(REPO)})
+    got = json.loads(out.read_text()) if out.exists() else {}
+    return {"rc": res["rc"], "s": res["s"], "rows": got.get("rows"), "tail": res["text"][-1500:]}
+
+
 def mla_diagnosis():
     """Why round 2's smoke on DeepSeek-V3 failed on the GPU: its twin (tiny MLA dims, as the CPU
     needs) built exactly as smoke built it then, run by the engine standalone; the server log's
@@ -981,6 +999,7 @@ def main(argv=None) -> int:
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",
                                          "deepseek", MODELS / "deepseek_v3"),
             "mla_diag": run_step("mla_diag", mla_diagnosis),
+            "layer_reference": run_step("layer_reference", layer_reference),
             "canary": run_step("canary", canary_flow),
             "canary_shifted": run_step("canary_shifted", canary_shifted),
             "digest_cpu": run_step("digest_cpu", digest_cpu),
