@@ -128,6 +128,8 @@ class TrainSupervisor:
                                        step=lambda previous: previous.get("step"),
                                        steps_total=lambda previous: previous.get("steps_total"))
         self.proc: subprocess.Popen | None = None
+        #: ``train --online``: the run's extraction server (remote.train.online.OnlineServer)
+        self.online = None
         self.aborted = False
         self._stop = threading.Event()
         self.steps_per_epoch = None
@@ -161,6 +163,48 @@ class TrainSupervisor:
         plan = trainplan.resolve(self.params)
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
+        self.online = self._start_online(plan) if plan.online else None
+        try:
+            return self._train(plan)
+        finally:
+            if self.online is not None:  # however the run ends, its server goes with it
+                self.status.update(online_server={**self.status.data.get("online_server", {}),
+                                                  "stopped": True, "killed": self.online.stop()})
+
+    def _start_online(self, plan: trainplan.TrainPlan):
+        """``train --online``: the token dataset linked without its states, the extraction server started
+        and answering; the plan then points the trainer at it (:mod:`remote.train.online`)."""
+        from remote.train import online
+        from remote.wire import manifest as run_manifest
+
+        trainplan.link_token_dataset(plan)
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
+        self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
+                           plan=plan.as_dict())
+        self.online = server  # an abort while it loads stops it too
+        try:
+            ready = server.start(float(self.params.get("ready_timeout_s") or 900.0))
+        except BaseException:
+            server.stop()
+            raise
+        plan.vllm_endpoint = server.endpoint
+        record = {"endpoint": server.endpoint, "pid": server.server.proc.pid, "ready_s": round(ready, 1),
+                  "marker": server.server.marker,  # in every server process's env: what a leftover scan looks for
+                  "layer_ids": server.server.layer_ids, "trainer_layer_ids": plan.trainer_layer_ids,
+                  "command": server.server.command, "log": str(server.server.log_path)}
+        self.status.update(online_server=record)
+        print(f"[specops] online extraction server ready in {ready:.0f}s at {server.endpoint} (ids "
+              f"{server.server.layer_ids}; the trainer's aux ids {plan.trainer_layer_ids})", flush=True)
+        return server
+
+    def _on_server_death(self, error: dict) -> None:
+        """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""
+        print(f"[specops] {error['message']}", flush=True)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
+    def _train(self, plan: trainplan.TrainPlan) -> int:
         launcher = pick_launcher()
         nproc = trainer_processes(self.params, launcher)
         nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
@@ -192,6 +236,8 @@ class TrainSupervisor:
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
             sampler = self._memory_sampler(plan, self.proc.pid)
+            if self.online is not None:
+                self.online.watch(self._on_server_death)
             try:
                 for raw in self.proc.stdout:
                     line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
@@ -201,6 +247,9 @@ class TrainSupervisor:
                 code = self.proc.wait()
             finally:  # the final peak is in the status before done, failed or aborted is
                 self.status.update(memory=sampler.stop())
+        if self.online is not None and self.online.died and not self.aborted:
+            self.status.fail({**self.online.died, "trainer_exit_code": code})
+            return 1
         if self.diverged:
             self.status.fail(diverged_error(self.diverged))
             return 1
