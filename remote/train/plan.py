@@ -88,7 +88,8 @@ SPECOPS_SETS = {
     "dry_run": "specops train --dry-run",
     "speculator_type": "specops trains EAGLE-3 drafts (eagle3), the kind eval serves",
     "on_missing": "every row's states must be there (train.data checks it): specops passes --on-missing raise, "
-                  "so the trainer never asks a server specops did not start for them",
+                  "so the trainer never asks a server specops did not start for them; specops train --online "
+                  "passes generate, at the run's own server",
     "vllm_endpoint": "the trainer makes no states itself (--on-missing raise); extract them with specops extract",
     "no_resume_from_checkpoint": "the same specops train command resumes; a new --run-id starts afresh",
     "config": "a YAML config could set any of the above: pass each trainer flag as its own --trainer-arg",

@@ -202,7 +202,13 @@ class TrainSupervisor:
         """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""
         print(f"[specops] {error['message']}", flush=True)
         if self.proc is not None and self.proc.poll() is None:
+            # SIGTERM first (speculators saves at its next step); a trainer stuck retrying the dead server's
+            # requests (speculators' own backoff) never reaches one: killed after the abort's wait
             self.proc.terminate()
+            try:
+                self.proc.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
     def _train(self, plan: trainplan.TrainPlan) -> int:
         launcher = pick_launcher()
