@@ -62,6 +62,16 @@ def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_s
     assert trainplan.link_token_dataset(plan) == linked  # again (a resume): the same links
 
 
+def test_a_failed_round_trip_of_a_streamed_sample_is_read_from_the_trainers_line():
+    from remote.train import supervisor
+
+    line = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 1/3): "
+            "APIConnectionError: Connection error.    recovery.py:99")  # as speculators 0.9 printed it here
+    assert supervisor.stream_failure(line) == {"row": 1, "attempt": 1, "attempts": 3,
+                                               "error": "APIConnectionError: Connection error."}
+    assert supervisor.stream_failure("INFO     Training epoch 3/4 started    trainer.py:737") is None
+
+
 # --------------------------------------------------------------------------- heavy
 
 
@@ -106,6 +116,9 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     recs = records(started)
     online = recs["train.online"]
     assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
+    disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
+    assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
+    assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
     assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
     st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 2)
     assert st["state"] == "training", st

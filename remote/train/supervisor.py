@@ -61,6 +61,25 @@ _BAR_RE = re.compile(r"━{8,}")
 _PAD_RE = re.compile(r" {8,}")
 
 
+#: speculators' own line for a streamed sample that failed (``train/recovery.py``): fetched again up to its retries
+_STREAM_FAIL_RE = re.compile(r"Hidden-state round trip failed for dataset index (\d+), file index (\d+) "
+                             r"\(attempt (\d+)/(\d+)\): (.*)")
+
+
+def stream_failure(line: str) -> dict | None:
+    """One failed round trip of an online run's sample (the trainer's log line), else None.
+
+    >>> stream_failure("WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/3): "
+    ...                "APIConnectionError: Connection error.    recovery.py:99")
+    {'row': 1, 'attempt': 2, 'attempts': 3, 'error': 'APIConnectionError: Connection error.'}
+    """
+    found = _STREAM_FAIL_RE.search(line)
+    if not found:
+        return None
+    return {"row": int(found.group(1)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
+            "error": re.split(r" {4,}", found.group(5).strip())[0]}  # the log's padding (shortened) then its source
+
+
 def parse_metrics(line: str) -> dict | None:
     """The numbers of one trainer metrics line (``train/...`` or ``val/...``), else None.
 
@@ -367,6 +386,12 @@ class TrainSupervisor:
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
+        failed = stream_failure(line) if self.online is not None else None
+        if failed:  # the run's record counts every failed round trip and names the rows
+            stream = self.status.data.get("online_stream") or {"failed_round_trips": 0, "rows": []}
+            rows = sorted(set(stream["rows"]) | {failed["row"]})
+            self.status.update(online_stream={"failed_round_trips": stream["failed_round_trips"] + 1,
+                                              "rows": rows, "last": failed})
         progress = _PROGRESS_RE.search(line)
         if progress and "Epoch" in line and not self.in_validation:
             self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends

@@ -165,13 +165,30 @@ def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
                          f"aux ids {plan.trainer_layer_ids} and the final state {plan.num_layers}",
                          "extract again with the final state last (specops extract --layer-ids)",
                          detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids})
+    disk = online_disk(plan)
     return protocol.record("train.online", protocol.OK,
                            f"online: run {plan.from_run}'s extraction server captures ids {captured} (input) for "
                            f"every row; the trainer asks it (--on-missing generate) with aux ids "
-                           f"{plan.trainer_layer_ids}; no states kept (the token dataset linked into "
-                           f"{plan.online_data})",
+                           f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
+                           f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only)",
                            detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
-                                   "data_path": plan.online_data, "keep_states": "none"})
+                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk})
+
+
+def online_disk(plan: trainplan.TrainPlan) -> dict:
+    """What each way keeps on disk for this dataset: offline the states (the manifest's files) and the token
+    dataset, online the token dataset alone (the server's files are deleted once the trainer read them)."""
+    from remote.wire import manifest as run_manifest
+
+    doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+    entries = list(doc.get("files") or [])
+    states = sum(int(e.get("bytes") or 0) for e in entries)
+    states_dir = Path(plan.data_path) / "hidden_states"
+    dataset = sum(f.stat().st_size for f in Path(plan.data_path).rglob("*")
+                  if f.is_file() and states_dir not in f.parents)
+    return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
+            "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
 
 
 def check_same_args(params: dict) -> None:
