@@ -72,6 +72,17 @@ def test_a_failed_round_trip_of_a_streamed_sample_is_read_from_the_trainers_line
     assert supervisor.stream_failure("INFO     Training epoch 3/4 started    trainer.py:737") is None
 
 
+def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
+    host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"}},
+                                   "groups": {"pair": ["a", "b"]}}))
+    proc = specops("train", "--inventory", inv, "--on", "pair", "--run-id", "t", "--from-run", "r", "--online",
+                   timeout=60)
+    assert proc.returncode == 3 and "--online runs the server and the trainer colocated on one host" in proc.stderr, \
+        proc.stdout + proc.stderr
+
+
 # --------------------------------------------------------------------------- heavy
 
 
