@@ -18,6 +18,10 @@ A task module (``main(params) -> payload``). ``action``:
            again says so; an aborted or failed one resumes from its last checkpoint
            (speculators resumes from its save path by itself).
 
+``online`` (``train --online``): the same checks plus ``train.online`` (the ids the run's own server will
+capture are the trainer's aux ids and the final state; the disk each way keeps), and the supervisor
+starts the states run's extraction server before the trainer (:mod:`remote.train.online`).
+
 Parameters: :data:`SPEC`.
 """
 from __future__ import annotations
