@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from remote.system import cpu
 from remote.probes import cpu_kernels

@@ -13,7 +13,6 @@ and on DeepSeek-V3 with MLA on the GPU path (the twin keeps the target's MLA hea
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

@@ -3,7 +3,6 @@ at once, on loopback, and judged as the laptop judges it (:func:`specops.replica
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
 import socket
 import time
 from pathlib import Path
