@@ -413,7 +413,9 @@ print(json.dumps({"fp8": vs.pick_connector({"format": "fp8"}), "bf16": vs.pick_c
                   "stock_asked": vs.pick_connector({"format": "fp8", "kv_connector":
                       "hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector"}),
                   "problems": vs.fp8_fallback({}), "record": {k: rec.get(k) for k in ("status", "summary", "fix")},
-                  "fallback": rec["detail"].get("specops_fp8_fallback")}))
+                  "fallback": rec["detail"].get("specops_fp8_fallback"),
+                  "gpu": [{k: r.get(k) for k in ("status", "summary", "fix")} for r in server.check(
+                      {"model_path": "", "device": "cuda", "format": "fp8"}) if r["name"] == "drift.server-connector"]}))
 """
 
 
@@ -432,6 +434,11 @@ def test_format_fp8_takes_specops_connector_and_falls_back_to_the_stock_one_nami
     assert got["stock_asked"] == ["FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"]
     assert got["problems"] == [] and got["record"]["status"] == "ok", got
     assert "SpecopsFP8HiddenStatesConnector" in got["record"]["summary"]
+    # a GPU host keeps hs-connectors' own until specops' device path has run on a GPU, and says so with the opt-in
+    (gpu,) = got["gpu"]
+    assert gpu["status"] == "warn" and "FP8HiddenStatesConnector" in gpu["summary"], gpu
+    assert "has not run on a GPU yet" in gpu["summary"], gpu
+    assert "kv_connector: remote.extract.engines.vllm_server.fp8_connector:SpecopsFP8HiddenStatesConnector" in gpu["fix"]
 
     python = make_overlay_env(modern_hostenv_python, tmp_path / "env", rope_fix=False, hidden_states_connector=True)
     installed = run_python(python, "import json, hs_connectors; print(json.dumps(hs_connectors.__file__))")

@@ -37,6 +37,15 @@ CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
 #: the copy to the host and writes the stock connector's file; loaded by vLLM by this name
 SPECOPS_FP8_CONNECTOR_MODULE = "remote.extract.engines.vllm_server.fp8_connector"
 SPECOPS_FP8_CONNECTOR_CLASS = "SpecopsFP8HiddenStatesConnector"
+#: specops' fp8 connector is the default on a CUDA host only once its device path (the quantize on the
+#: GPU, the copy on vLLM's stream) has run there: ``scripts/gpu/round.py main --steps fp8_speed`` compares
+#: its files with the stock connector's and times both. Until then a GPU host gets hs-connectors' own
+#: unless ``kv_connector`` names ours (the CPU path is proven: byte-equal files on the test host).
+SPECOPS_FP8_ON_GPU = False
+#: why a CUDA host's fp8 run loads hs-connectors' connector while ``SPECOPS_FP8_ON_GPU`` is off
+SPECOPS_FP8_NOT_ON_GPU_YET = ("specops' fp8 connector has not run on a GPU yet (scripts/gpu/round.py --steps "
+                              "fp8_speed); name it in kv_connector to use it: "
+                              f"{SPECOPS_FP8_CONNECTOR_MODULE}:{SPECOPS_FP8_CONNECTOR_CLASS}")
 #: what specops' fp8 connector takes from the installed classes: the methods hs-connectors' fp8 connector
 #: may define itself (more means it changed its file or its copy, which ours would not follow), and the
 #: names it imports from each installed module
@@ -182,8 +191,8 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
     ``params["kv_connector"]`` (``"Class"`` or ``"module:Class"``) wins. Otherwise the
     stock connector, except where the CPU connector module is installed and torch sees
     no CUDA device (the test host): there the stock one cannot copy. With ``format: fp8``
-    specops' own connector (:mod:`.fp8_connector`: quantized on the device, the stock fp8 file),
-    unless the installed classes lack what it uses (:func:`fp8_fallback` says why): then
+    specops' own connector (:mod:`.fp8_connector`: quantized on the device, the stock fp8 file; on a
+    CUDA host only once ``SPECOPS_FP8_ON_GPU``), unless the installed classes lack what it uses (:func:`fp8_fallback` says why): then
     hs-connectors' ``FP8HiddenStatesConnector`` (module read from the installed package),
     or on such a CPU host its CPU variant. ``kv_connector:
     hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector`` asks for the stock one.
@@ -197,7 +206,7 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
     import importlib.util
 
     fp8 = params.get("format") == contract.FP8
-    if fp8 and not fp8_fallback(params):
+    if fp8 and not fp8_fallback(params) and (SPECOPS_FP8_ON_GPU or not cuda_available()):
         return SPECOPS_FP8_CONNECTOR_CLASS, SPECOPS_FP8_CONNECTOR_MODULE
     cpu_module = CPU_FP8_CONNECTOR_MODULE if fp8 else CPU_CONNECTOR_MODULE
     if importlib.util.find_spec(cpu_module) is not None and not cuda_available():
