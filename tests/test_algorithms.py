@@ -187,3 +187,71 @@ def test_train_refuses_an_algorithm_the_installed_speculators_lacks_before_readi
     assert "speculators 0.3.0 does not train dspark" in refused.value.summary and "0.7" in refused.value.summary
     ok = trainplan.check_algorithm({"algorithm": "xpress"}, trainplan.trainer_api([str(modern_site)]))
     assert ok["status"] == "ok" and "speculators 0.9.0 trains xpress" in ok["summary"]
+
+
+# --------------------------------------------------------------------------- extract's preflight
+
+
+def _probe(tmp_path: Path, site: Path, **params) -> dict:
+    """The layers probe of preflight for an 8-layer Llama config, ``--algorithm`` given, reading ``site``'s
+    packages; ``{record name: record}``."""
+    from remote.probes import Context, layer_ids
+    from remote.probes import model as model_probe
+    from remote.system import modelconfig
+    from remote.wire.argspec import Params
+
+    model = tmp_path / "llama8"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                   "num_hidden_layers": 8, "hidden_size": 256, "vocab_size": 512,
+                                                   "num_attention_heads": 4, "intermediate_size": 512}))
+    checked = Params({"model_path": str(model), "engine": contract.VLLM_SERVER, "layer_ids": None,
+                      "layer_convention": None, "site_packages": str(site), **params})
+    checked.given = frozenset(checked)
+    ctx = Context(checked)
+    ctx.model, _ = model_probe.summarize(modelconfig.read(model))
+    return {r["name"]: r for r in layer_ids.probe(ctx)}
+
+
+def test_extract_preflight_on_the_legacy_stack_refuses_an_algorithm_it_does_not_train(tmp_path, seed_site):
+    recs = _probe(tmp_path, seed_site, algorithm="dflash")
+    assert recs["layers.ids"]["status"] == "ok" and recs["layers.algorithm"]["status"] == "ok"
+    trained = recs["algorithm.trained"]
+    assert trained["status"] == "fail" and "speculators 0.3.0 does not train dflash" in trained["summary"], trained
+    served = recs["algorithm.served"]  # the states could be served elsewhere: a warn that names the release
+    assert served["status"] == "warn" and "vLLM 0.20 is the first that does" in served["summary"], served
+
+
+def test_extract_preflight_refuses_ids_the_algorithm_cannot_use_and_says_how_vllm_counts_them(tmp_path,
+                                                                                              modern_site):
+    bad = _probe(tmp_path, modern_site, algorithm="dspark", layer_ids=[0, 4, 8])
+    rec = bad["layers.algorithm"]
+    assert rec["status"] == "fail" and "would be layer -1" in rec["summary"], rec
+    assert rec["fix"] == "--layer-ids input:2,4,5,8 (its plan for 8 layers)"
+    good = _probe(tmp_path, modern_site, algorithm="dspark")
+    assert good["algorithm.trained"]["status"] == good["algorithm.served"]["status"] == "ok"
+    assert "vLLM reads them as target_layer_ids [1, 3, 4]" in good["layers.algorithm"]["summary"]
+    assert _probe(tmp_path, modern_site, algorithm=None).keys() == {"layers.ids"}, "unset: eagle3's plan unchanged"
+
+
+# --------------------------------------------------------------------------- eval, before the load
+
+
+def test_eval_serves_the_drafts_own_method_and_refuses_what_this_vllm_cannot_load(modern_site, seed_site):
+    from remote.train import evaluate
+
+    dflash = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 4, 5], "mask_token_id": 7}
+    algorithm, rec = evaluate.draft_algorithm(dflash, {}, "/d", vllm_root=modern_site)
+    assert algorithm == "dflash" and rec["detail"]["method"] == "dflash" and rec["status"] == "ok"
+    peagle = {"speculators_model_type": "peagle", "mask_token_id": 7}
+    assert evaluate.draft_algorithm(peagle, {}, "/d", vllm_root=modern_site)[1]["detail"]["method"] == "eagle3"
+    cases = (({**dflash, "mask_token_id": None}, {}, modern_site, "has no mask_token_id"),
+             (dflash, {"algorithm": "eagle3"}, modern_site, "--algorithm eagle3, but the draft in /d is a dflash"),
+             (dflash, {}, seed_site, "vLLM 0.20 is the first that does"),
+             ({"speculators_model_type": "mtp"}, {}, modern_site, "no vLLM up to 0.34.0"))
+    for draft, params, root, says in cases:
+        with pytest.raises(evaluate.EvalError) as refused:
+            evaluate.draft_algorithm(draft, params, "/d", vllm_root=root)
+        assert refused.value.name == "eval.algorithm" and says in refused.value.summary, refused.value.summary
+    # a draft written before speculators named its type is an eagle3 one
+    assert evaluate.draft_algorithm({}, {}, "/d", vllm_root=seed_site)[0] == "eagle3"
