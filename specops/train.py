@@ -566,7 +566,8 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     for name in stale:
         (local / name).unlink()
     k = _speculative_tokens(local / "config.json")
-    serve = json.dumps({"method": "eagle3", "model": str(local.resolve()), "num_speculative_tokens": k})
+    serve = json.dumps({"method": _serve_method(local / "config.json"), "model": str(local.resolve()),
+                        "num_speculative_tokens": k})
     detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
     return Record(name="fetch.tensors", status="ok",
                   summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
@@ -582,6 +583,20 @@ def _inode(path) -> tuple | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+def _serve_method(config_path) -> str:
+    """vLLM's method for the draft's algorithm (its config's ``speculators_model_type``; eagle3 when it names none)."""
+    import json
+
+    from specops.wire import layers
+
+    try:
+        own = json.loads(config_path.read_text()).get("speculators_model_type")
+    except (OSError, ValueError, AttributeError):
+        own = None
+    facts = layers.ALGORITHMS.get(own or layers.DEFAULT_ALGORITHM)
+    return facts.method if facts else str(own)
 
 
 def _speculative_tokens(config_path) -> int:

@@ -58,6 +58,7 @@ def test_the_served_methods_and_required_config_keys_come_from_vllms_own_convert
     assert served["dflash"]["requires"] == ["aux_hidden_state_layer_ids", "mask_token_id"]
     assert served["dflash2"]["requires"] == served["dflash"]["requires"], "dflash2's converter calls dflash's"
     assert served["eagle3"]["requires"] == [], "eagle3's ids are read with .get (a missing one falls back silently)"
+    assert all(layers.ALGORITHMS[name].method == s["method"] for name, s in served.items()), "the laptop's serve line"
     assert set(algorithms.served(seed_site)) == {"eagle3"}
 
 
@@ -255,3 +256,11 @@ def test_eval_serves_the_drafts_own_method_and_refuses_what_this_vllm_cannot_loa
         assert refused.value.name == "eval.algorithm" and says in refused.value.summary, refused.value.summary
     # a draft written before speculators named its type is an eagle3 one
     assert evaluate.draft_algorithm({}, {}, "/d", vllm_root=seed_site)[0] == "eagle3"
+
+
+def test_the_fetched_drafts_serve_line_names_its_algorithms_method(tmp_path):
+    from specops.train import _serve_method
+
+    for own, method in (("dflash2", "dflash"), ("peagle", "eagle3"), ("dspark", "dspark"), (None, "eagle3")):
+        (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": own} if own else {}))
+        assert _serve_method(tmp_path / "config.json") == method, own

@@ -16,8 +16,10 @@ A task module (``main(params) -> payload``), run in the foreground like ``verify
 3. **Serving.** vLLM's OpenAI server as the extraction engine starts it
    (:class:`remote.extract.engines.vllm_server.VllmServer`: loopback, its own process group, logs
    under ``<work_dir>/evals/<name>/logs``), without extraction and with
-   ``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``;
-   greedy completions of ``max_tokens`` each, one at a time.
+   ``--speculative-config {"method": METHOD, "model": DRAFT, "num_speculative_tokens": k}``, METHOD the one
+   this vLLM serves the draft's algorithm with (its config's ``speculators_model_type``, read from vLLM's
+   own converters before the load: :func:`draft_algorithm`; one it cannot serve is refused there, naming
+   the first release that can); greedy completions of ``max_tokens`` each, one at a time.
 4. **Acceptance from the server's own /metrics**: ``vllm:spec_decode_num_drafts``,
    ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._per_pos``: mean acceptance
    length (1 + accepted / drafts), the rate per position, output tokens/s; with ``baseline``

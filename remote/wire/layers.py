@@ -206,13 +206,18 @@ class Algorithm:
     :param context: the drafter reads aux states (MTP reads the final state only).
     :param first_speculators: / :param first_vllm: the first release that trains / serves it
         as a speculators draft (None: none up to the newest read).
+    :param method: vLLM's ``--speculative-config`` method for it (its ``base.py``: peagle is served as eagle3,
+        dflash2 as dflash); the host reads it from its own vLLM, the laptop's serve line from here.
     """
 
-    __slots__ = ("name", "config_ids", "engine_shift", "engine_field", "context", "first_speculators", "first_vllm")
+    __slots__ = ("name", "config_ids", "engine_shift", "engine_field", "context", "first_speculators", "first_vllm",
+                 "method")
 
-    def __init__(self, name, config_ids, engine_shift, engine_field, context, first_speculators, first_vllm):
+    def __init__(self, name, config_ids, engine_shift, engine_field, context, first_speculators, first_vllm,
+                 method=None):
         self.name, self.config_ids, self.engine_shift, self.engine_field = name, config_ids, engine_shift, engine_field
         self.context, self.first_speculators, self.first_vllm = context, first_speculators, first_vllm
+        self.method = method or name
 
     def __repr__(self) -> str:
         return f"Algorithm({self.name!r})"
@@ -225,9 +230,9 @@ NEWEST_VLLM_READ = "0.34.0"
 #: -> its facts. specops' own default is :data:`DEFAULT_ALGORITHM`.
 ALGORITHMS = {a.name: a for a in (
     Algorithm("eagle3", _EAGLE_IDS, 0, _EAGLE_IDS, True, "0.3", "0.16"),
-    Algorithm("peagle", _EAGLE_IDS, 0, _EAGLE_IDS, True, "0.6", "0.22"),
+    Algorithm("peagle", _EAGLE_IDS, 0, _EAGLE_IDS, True, "0.6", "0.22", method="eagle3"),
     Algorithm("dflash", _DFLASH_IDS, -1, "dflash_config.target_layer_ids", True, "0.5", "0.20"),
-    Algorithm("dflash2", _DFLASH_IDS, -1, "dflash_config.target_layer_ids", True, "0.8", "0.29"),
+    Algorithm("dflash2", _DFLASH_IDS, -1, "dflash_config.target_layer_ids", True, "0.8", "0.29", method="dflash"),
     Algorithm("dspark", _DFLASH_IDS, -1, "target_layer_ids", True, "0.7", "0.25"),
     Algorithm("xpress", _DFLASH_IDS, -1, None, True, "0.9", None),
     Algorithm("mtp", None, 0, None, False, "0.6", None),
