@@ -264,3 +264,47 @@ def test_the_fetched_drafts_serve_line_names_its_algorithms_method(tmp_path):
     for own, method in (("dflash2", "dflash"), ("peagle", "eagle3"), ("dspark", "dspark"), (None, "eagle3")):
         (tmp_path / "config.json").write_text(json.dumps({"speculators_model_type": own} if own else {}))
         assert _serve_method(tmp_path / "config.json") == method, own
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "algorithms"
+
+
+def test_a_real_dflash_draft_passes_evals_checks_and_one_in_dflashs_own_numbering_is_refused():
+    """The config speculators 0.9.0 wrote for a dflash draft (tests/fixtures/algorithms) passes every check eval
+    makes before the load, against states of input ids [2, 4, 5, 8]; the same draft with its ids in vLLM's own
+    DFlash numbering (aux - 1: [1, 3, 4], what a hand-copied dflash_config gives) is refused naming both lists.
+    The server that served it logged the aux ids it took: eval's log check reads them."""
+    from remote.extract.engines.vllm_server import logs as server_log
+    from remote.train import evaluate
+    from trainplans import train_plan
+
+    draft = json.loads((FIXTURES / "dflash_dry_run_config.json").read_text())
+    verifier = draft["speculators_config"]["verifier"]["name_or_path"]
+    plan = train_plan(model_path=verifier, algorithm="dflash")
+    target = {"model_type": "llama", "num_hidden_layers": 8, "vocab_size": 512}
+    recs = {r["name"]: r for r in evaluate.check_config(draft, plan, target, "/d")}
+    assert {r["status"] for r in recs.values()} == {"ok"}, recs
+    shifted = {**draft, "aux_hidden_state_layer_ids": [1, 3, 4]}
+    rec = {r["name"]: r for r in evaluate.check_config(shifted, plan, target, "/d")}["eval.draft_layer_ids"]
+    assert rec["status"] == "fail" and "aux_hidden_state_layer_ids [1, 3, 4] are not [2, 4, 5]" in rec["summary"]
+    assert "every id -1" in rec["summary"] and rec["detail"]["draft"] == [1, 3, 4], rec
+    used = server_log.used_ids_record("eval.aux_ids_used", FIXTURES / "dflash_server.log", plan.trainer_layer_ids,
+                                      "the states' aux ids", fix="-")
+    assert used["status"] == "ok" and used["detail"]["used"] == [2, 4, 5], used
+
+
+def test_algorithm_is_one_declaration_taken_by_extract_train_eval_and_preflight():
+    """One RUN_ARGS entry: the laptop's flag on each command (help from the table), the train and eval host specs
+    take it as declared, and its default is contract.DEFAULTS' eagle3."""
+    from remote.train import evaluate
+    from remote.train import task as train_task
+    from remote.wire.argspec import RUN_ARGS, flag_help
+    from specops import tasks
+
+    arg = RUN_ARGS["algorithm"]
+    assert contract.param({}, "algorithm") == layers.DEFAULT_ALGORITHM == "eagle3"
+    for name in ("extract", "train", "eval", "preflight"):
+        flags = {a.names[0]: a for a in tasks.ns.tasks[name].get_arguments()}
+        assert flags["algorithm"].help == flag_help(RUN_ARGS, ["algorithm"])["algorithm"], name
+    assert train_task.SPEC.args["algorithm"] is arg
+    assert evaluate.SPEC.args["algorithm"].types == arg.types and evaluate.SPEC.args["algorithm"].help == arg.help
