@@ -131,14 +131,15 @@ def trainable_record(algorithm: str, spec_root, name: str = "algorithm.trained")
         return protocol.record(name, protocol.FAIL, f"speculators {version} trains {algorithm}, but specops has no "
                                f"layer-id plan for it", detail=detail,
                                fix=f"pick one specops plans: {', '.join(a for a in layers.ALGORITHMS if a in have)}")
+    planned = " / ".join(a for a in have if a in layers.ALGORITHMS) or layers.DEFAULT_ALGORITHM
     first = f"; speculators {facts.first_speculators} is the first that does" if facts else \
         "; no speculators release specops knows trains it"
     return protocol.record(name, protocol.FAIL,
                            f"speculators {version or '(not installed)'} does not train {algorithm} (it trains "
                            f"{', '.join(have) or 'nothing'}){first}", detail=detail,
                            fix=(f"pip install 'speculators>={facts.first_speculators}' into the host's env (the "
-                                f"inventory's python), or pick --algorithm {' / '.join(have) or 'eagle3'}") if facts
-                           else f"pick --algorithm {' / '.join(a for a in have if a in layers.ALGORITHMS) or 'eagle3'}")
+                                f"inventory's python), or pick --algorithm {planned}") if facts
+                           else f"pick --algorithm {planned}")
 
 
 def servable_record(algorithm: str, vllm_root, name: str = "algorithm.served") -> dict:

@@ -98,7 +98,7 @@ def algorithm_records(ctx: Context, ids: list, convention: str, num_layers: int)
         return []
     algorithm = ctx.params["algorithm"]
     spec_root, vllm_root = site_packages(ctx.params)
-    out = [algorithms.trainable_record(algorithm, spec_root)]
+    out = [algorithms.trainable_record(algorithm, spec_root)]  # first: no plan matters where it cannot train
     state_ids = layers.convert(ids, convention, layers.INPUT)
     plan = layers.algorithm_plan(algorithm, state_ids, num_layers)
     detail = {"algorithm": algorithm, **plan}
