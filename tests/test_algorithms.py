@@ -310,3 +310,13 @@ def test_algorithm_is_one_declaration_taken_by_extract_train_eval_and_preflight(
     assert flag_help(RUN_ARGS, ["algorithm"])["algorithm"] == arg.help
     assert train_task.SPEC.args["algorithm"] is arg
     assert evaluate.SPEC.args["algorithm"].types == arg.types and evaluate.SPEC.args["algorithm"].help == arg.help
+
+
+def test_a_trainer_arg_speculator_type_is_refused_pointing_at_algorithm(modern_site):
+    """--speculator-type is specops' own (the algorithm's plan is checked against the states): a --trainer-arg
+    giving it is refused, naming --algorithm."""
+    api = trainplan.trainer_api([str(modern_site)])
+    with pytest.raises(trainplan.TrainError) as refused:
+        trainplan.check_extra_args(["--speculator-type", "dflash"], api)
+    assert "--speculator-type" in refused.value.summary and "specops train --algorithm" in refused.value.fix, \
+        (refused.value.summary, refused.value.fix)
