@@ -42,7 +42,8 @@ PROGRESS_EVERY_S = 5.0
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
-                 action: str = "start", gpus: int | None = None, total_seq_len: int | None = None) -> dict:
+                 action: str = "start", gpus: int | None = None, total_seq_len: int | None = None,
+                 algorithm: str | None = None) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -54,6 +55,8 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
         params["gpus"] = int(gpus)
     if total_seq_len:
         params["total_seq_len"] = int(total_seq_len)
+    if algorithm:  # only when given, like the trainer args: a run started without it resumes without it
+        params["algorithm"] = str(algorithm)
     if regenerate is not None:
         params.update({"regenerate": True, **{k: v for k, v in regenerate.items() if v is not None}})
     return params
@@ -92,12 +95,12 @@ def trainer_argv(values) -> list[str]:
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
-               action: str = "start") -> HostReport:
+               action: str = "start", algorithm: str | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
-                          action=action)
+                          action=action, algorithm=algorithm)
     if nodes:
         params["nodes"] = nodes
     payload = host.run_task("train", params)
@@ -189,7 +192,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
           master_port=None, as_json: bool = False,
-          accept_new_host_key: bool = False) -> ExitCode:
+          accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
     from specops.runid import check_run_id
@@ -223,7 +226,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError("--master-port is the rendezvous port of a training run over several hosts",
                          "drop it, or select several hosts (--on GROUP)")
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
-                             trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len)
+                             trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
+                             algorithm=algorithm)
     checked: dict[str, list[Record]] = {}
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)
@@ -562,7 +566,8 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     for name in stale:
         (local / name).unlink()
     k = _speculative_tokens(local / "config.json")
-    serve = json.dumps({"method": "eagle3", "model": str(local.resolve()), "num_speculative_tokens": k})
+    serve = json.dumps({"method": _serve_method(local / "config.json"), "model": str(local.resolve()),
+                        "num_speculative_tokens": k})
     detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
     return Record(name="fetch.tensors", status="ok",
                   summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
@@ -578,6 +583,20 @@ def _inode(path) -> tuple | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+def _serve_method(config_path) -> str:
+    """vLLM's method for the draft's algorithm (its config's ``speculators_model_type``; eagle3 when it names none)."""
+    import json
+
+    from specops.wire import layers
+
+    try:
+        own = json.loads(config_path.read_text()).get("speculators_model_type")
+    except (OSError, ValueError, AttributeError):
+        own = None
+    facts = layers.ALGORITHMS.get(own or layers.DEFAULT_ALGORITHM)
+    return facts.method if facts else str(own)
 
 
 def _speculative_tokens(config_path) -> int:
