@@ -42,7 +42,8 @@ PROGRESS_EVERY_S = 5.0
 
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
-                 action: str = "start", gpus: int | None = None, total_seq_len: int | None = None) -> dict:
+                 action: str = "start", gpus: int | None = None, total_seq_len: int | None = None,
+                 online: bool = False) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -54,6 +55,8 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
         params["gpus"] = int(gpus)
     if total_seq_len:
         params["total_seq_len"] = int(total_seq_len)
+    if online:  # only when given: an offline run records none
+        params["online"] = True
     if regenerate is not None:
         params.update({"regenerate": True, **{k: v for k, v in regenerate.items() if v is not None}})
     return params
@@ -92,12 +95,12 @@ def trainer_argv(values) -> list[str]:
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
-               action: str = "start") -> HostReport:
+               action: str = "start", online: bool = False) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
-                          action=action)
+                          action=action, online=online)
     if nodes:
         params["nodes"] = nodes
     payload = host.run_task("train", params)
@@ -188,7 +191,7 @@ def run_record(run_id: str, state: RunStatus) -> Record:
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          master_port=None, as_json: bool = False,
+          master_port=None, online: bool = False, as_json: bool = False,
           accept_new_host_key: bool = False) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
@@ -215,6 +218,10 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
     nodes = {}
     if len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
+        if online:
+            raise UsageError("--online runs the server and the trainer colocated on one host (across hosts is not "
+                             "built yet)", "train online on one host (--on HOST), or train over several hosts "
+                             "offline")
         if regen is not None:
             raise UsageError("--regenerate runs on one host (the target's server writes the replies there)",
                              "regenerate on one host (--on HOST), or train over several hosts without it")
@@ -223,7 +230,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError("--master-port is the rendezvous port of a training run over several hosts",
                          "drop it, or select several hosts (--on GROUP)")
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
-                             trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len)
+                             trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
+                             online=bool(online))
     checked: dict[str, list[Record]] = {}
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)

@@ -61,6 +61,25 @@ _BAR_RE = re.compile(r"━{8,}")
 _PAD_RE = re.compile(r" {8,}")
 
 
+#: speculators' own line for a streamed sample that failed (``train/recovery.py``): fetched again up to its retries
+_STREAM_FAIL_RE = re.compile(r"Hidden-state round trip failed for dataset index (\d+), file index (\d+) "
+                             r"\(attempt (\d+)/(\d+)\): (.*)")
+
+
+def stream_failure(line: str) -> dict | None:
+    """One failed round trip of an online run's sample (the trainer's log line), else None.
+
+    >>> stream_failure("WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/3): "
+    ...                "APIConnectionError: Connection error.    recovery.py:99")
+    {'row': 1, 'attempt': 2, 'attempts': 3, 'error': 'APIConnectionError: Connection error.'}
+    """
+    found = _STREAM_FAIL_RE.search(line)
+    if not found:
+        return None
+    return {"row": int(found.group(1)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
+            "error": re.split(r" {4,}", found.group(5).strip())[0]}  # the log's padding (shortened) then its source
+
+
 def parse_metrics(line: str) -> dict | None:
     """The numbers of one trainer metrics line (``train/...`` or ``val/...``), else None.
 
@@ -128,6 +147,8 @@ class TrainSupervisor:
                                        step=lambda previous: previous.get("step"),
                                        steps_total=lambda previous: previous.get("steps_total"))
         self.proc: subprocess.Popen | None = None
+        #: ``train --online``: the run's extraction server (remote.train.online.OnlineServer)
+        self.online = None
         self.aborted = False
         self._stop = threading.Event()
         self.steps_per_epoch = None
@@ -161,6 +182,54 @@ class TrainSupervisor:
         plan = trainplan.resolve(self.params)
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
+        self.online = self._start_online(plan) if plan.online else None
+        try:
+            return self._train(plan)
+        finally:
+            if self.online is not None:  # however the run ends, its server goes with it
+                self.status.update(online_server={**self.status.data.get("online_server", {}),
+                                                  "stopped": True, "killed": self.online.stop()})
+
+    def _start_online(self, plan: trainplan.TrainPlan):
+        """``train --online``: the token dataset linked without its states, the extraction server started
+        and answering; the plan then points the trainer at it (:mod:`remote.train.online`)."""
+        from remote.train import online
+        from remote.wire import manifest as run_manifest
+
+        trainplan.link_token_dataset(plan)
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
+        self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
+                           plan=plan.as_dict())
+        self.online = server  # an abort while it loads stops it too
+        try:
+            ready = server.start(float(self.params.get("ready_timeout_s") or 900.0))
+        except BaseException:
+            server.stop()
+            raise
+        plan.vllm_endpoint = server.endpoint
+        record = {"endpoint": server.endpoint, "pid": server.server.proc.pid, "ready_s": round(ready, 1),
+                  "marker": server.server.marker,  # in every server process's env: what a leftover scan looks for
+                  "layer_ids": server.server.layer_ids, "trainer_layer_ids": plan.trainer_layer_ids,
+                  "command": server.server.command, "log": str(server.server.log_path)}
+        self.status.update(online_server=record)
+        print(f"[specops] online extraction server ready in {ready:.0f}s at {server.endpoint} (ids "
+              f"{server.server.layer_ids}; the trainer's aux ids {plan.trainer_layer_ids})", flush=True)
+        return server
+
+    def _on_server_death(self, error: dict) -> None:
+        """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""
+        print(f"[specops] {error['message']}", flush=True)
+        if self.proc is not None and self.proc.poll() is None:
+            # SIGTERM first (speculators saves at its next step); a trainer stuck retrying the dead server's
+            # requests (speculators' own backoff) never reaches one: killed after the abort's wait
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def _train(self, plan: trainplan.TrainPlan) -> int:
         launcher = pick_launcher()
         nproc = trainer_processes(self.params, launcher)
         nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
@@ -192,6 +261,8 @@ class TrainSupervisor:
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
             sampler = self._memory_sampler(plan, self.proc.pid)
+            if self.online is not None:
+                self.online.watch(self._on_server_death)
             try:
                 for raw in self.proc.stdout:
                     line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
@@ -201,6 +272,9 @@ class TrainSupervisor:
                 code = self.proc.wait()
             finally:  # the final peak is in the status before done, failed or aborted is
                 self.status.update(memory=sampler.stop())
+        if self.online is not None and self.online.died and not self.aborted:
+            self.status.fail({**self.online.died, "trainer_exit_code": code})
+            return 1
         if self.diverged:
             self.status.fail(diverged_error(self.diverged))
             return 1
@@ -312,6 +386,12 @@ class TrainSupervisor:
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
+        failed = stream_failure(line) if self.online is not None else None
+        if failed:  # the run's record counts every failed round trip and names the rows
+            stream = self.status.data.get("online_stream") or {"failed_round_trips": 0, "rows": []}
+            rows = sorted(set(stream["rows"]) | {failed["row"]})
+            self.status.update(online_stream={"failed_round_trips": stream["failed_round_trips"] + 1,
+                                              "rows": rows, "last": failed})
         progress = _PROGRESS_RE.search(line)
         if progress and "Epoch" in line and not self.in_validation:
             self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends

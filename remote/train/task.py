@@ -18,6 +18,10 @@ A task module (``main(params) -> payload``). ``action``:
            again says so; an aborted or failed one resumes from its last checkpoint
            (speculators resumes from its save path by itself).
 
+``online`` (``train --online``): the same checks plus ``train.online`` (the ids the run's own server will
+capture are the trainer's aux ids and the final state; the disk each way keeps), and the supervisor
+starts the states run's extraction server before the trainer (:mod:`remote.train.online`).
+
 Parameters: :data:`SPEC`.
 """
 from __future__ import annotations
@@ -51,6 +55,9 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    "online": Arg("bool", False, doc="train online: the run starts from_run's extraction server (same model, ids and "
+                                     "parameters) and the trainer asks it for every row's states; none stay on disk "
+                                     "(remote.train.online)"),
     "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
     "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
@@ -130,6 +137,8 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         detail=plan.as_dict())]
     records.append(check_states(plan))
     records.append(check_data(plan))
+    if plan.online:
+        records.append(check_online(plan, params))
     if params.get("regenerate"):
         from remote.train import regenerate
         from remote.wire import manifest as run_manifest
@@ -142,6 +151,48 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
     if plan.device == "cpu":
         records.append(check_cpu_launcher())
     return plan
+
+
+def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
+    """``train.online``: what the online run's server captures is what the trainer reads (the states run's ids,
+    sorted as the file's layer axis, the final state last; the trainer's aux ids those minus it).
+
+    :raises TrainError: ``--regenerate`` with ``--online`` (not built: the regenerated rows' states would be
+        extracted offline first), or ids that disagree.
+    """
+    if params.get("regenerate"):
+        raise TrainError("train.online", "--online with --regenerate is not built: the regenerated text's states "
+                         "are extracted offline before training", "drop one of --online and --regenerate")
+    captured = sorted(plan.layer_ids)
+    if captured[:-1] != plan.trainer_layer_ids or captured[-1] != plan.num_layers:
+        raise TrainError("train.online", f"the server would capture ids {captured} (input) but the trainer reads "
+                         f"aux ids {plan.trainer_layer_ids} and the final state {plan.num_layers}",
+                         "extract again with the final state last (specops extract --layer-ids)",
+                         detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids})
+    disk = online_disk(plan)
+    return protocol.record("train.online", protocol.OK,
+                           f"online: run {plan.from_run}'s extraction server captures ids {captured} (input) for "
+                           f"every row; the trainer asks it (--on-missing generate) with aux ids "
+                           f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
+                           f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only)",
+                           detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
+                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk})
+
+
+def online_disk(plan: trainplan.TrainPlan) -> dict:
+    """What each way keeps on disk for this dataset: offline the states (the manifest's files) and the token
+    dataset, online the token dataset alone (the server's files are deleted once the trainer read them)."""
+    from remote.wire import manifest as run_manifest
+
+    doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+    entries = list(doc.get("files") or [])
+    states = sum(int(e.get("bytes") or 0) for e in entries)
+    states_dir = Path(plan.data_path) / "hidden_states"
+    dataset = sum(f.stat().st_size for f in Path(plan.data_path).rglob("*")
+                  if f.is_file() and states_dir not in f.parents)
+    return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
+            "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
 
 
 def check_same_args(params: dict) -> None:
