@@ -1,21 +1,28 @@
-"""``specops train --online`` (issue 44, first slice): the run's own extraction server beside the trainer.
+"""``specops train --online`` (issue 44): the run's own extraction server beside the trainer.
 
 Light: an online plan's trainer command (the token dataset without states, ``--on-missing generate``
-at the server's endpoint) and the dataset link that leaves the states out.
+at the server's endpoint, the stream checks passed as speculators' own flags), the dataset link that
+leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
+laptop refuses.
 
-Heavy (marked ``vllm``; three CPU server starts, one module): on the session's shared tiny-Llama
-extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one online train run, started
-three times by the same command:
+Heavy (marked ``vllm``; two CPU server starts loaded, one launch aborted while it loads): on the
+session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
+online train run, started three times by the same command:
 
-1. detached, slowed (the CPU launcher's step pause): once it trains, the server's API process is
-   killed; the run fails naming the online server, and neither a server process nor the trainer is left;
-2. the same command resumes it with a fresh server; an abort mid-training leaves neither either;
-3. the same command resumes it to the end: done, a curve fetched, a checkpoint whose aux ids are the
-   plan's, and no states kept on the host (the server's files were each read and deleted by the trainer).
+1. detached, paced (the CPU launcher's pause after each step): once the trainer is past epoch 0's
+   checkpoint (its status), the server's API process is killed; the run fails naming the online
+   server, and neither a server process nor the trainer is left;
+2. the same command, detached: aborted as soon as its fresh server is launched (its pid in the
+   status): aborted, nothing of it left;
+3. the same command, to the end, with the test host's connector corrupting two files it writes
+   (non-finite states, then token ids off by one: one sample's two tries): done, resumed from epoch 0,
+   a curve fetched, a checkpoint whose aux ids are the plan's, every loss finite (the bad sample never
+   trained on), the run's record counting and naming it, and no states kept on the host.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -62,14 +69,72 @@ def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_s
     assert trainplan.link_token_dataset(plan) == linked  # again (a resume): the same links
 
 
-def test_a_failed_round_trip_of_a_streamed_sample_is_read_from_the_trainers_line():
+def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
     from remote.train import supervisor
 
-    line = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 1/3): "
-            "APIConnectionError: Connection error.    recovery.py:99")  # as speculators 0.9 printed it here
-    assert supervisor.stream_failure(line) == {"row": 1, "attempt": 1, "attempts": 3,
-                                               "error": "APIConnectionError: Connection error."}
+    # as speculators 0.9 prints them (train/recovery.py): a failed try, then the last one (the sample given up)
+    retried = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 1/2): "
+               "ValueError: Hidden states contain non-finite values (min=nan, max=nan)    recovery.py:99")
+    given_up = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/2, "
+                "consecutive failures=1/3): ValueError: Token ids don't match expected token ids " + "[7, 8] " * 200)
+    first = supervisor.stream_failure(retried)
+    assert first == {"row": 1, "attempt": 1, "attempts": 2, "dropped": False,
+                     "error": "ValueError: Hidden states contain non-finite values (min=nan, max=nan)"}
+    last = supervisor.stream_failure(given_up)
+    assert last["dropped"] is True and last["attempt"] == 2 and last["row"] == 1
+    assert len(last["error"]) == supervisor.STREAM_ERROR_CHARS and last["error"].startswith("ValueError: Token ids")
     assert supervisor.stream_failure("INFO     Training epoch 3/4 started    trainer.py:737") is None
+    stream = supervisor.count_stream_failure(supervisor.count_stream_failure(None, first), last)
+    assert stream == {"failed_round_trips": 2, "retried": 1, "dropped": 1, "rows": [1], "dropped_rows": [1],
+                      "last": last}
+    # the trainer's command carries the stream checks as its own flags, an online run's only
+    argv = train_plan(online=True, online_data="/w/d", stream_checks={"generation_validation_retries": 0,
+                                                                      "max_consecutive_generation_failures": 5}
+                      ).argv("python")
+    assert argv[argv.index("--generation-validation-retries") + 1] == "0"
+    assert argv[argv.index("--max-consecutive-generation-failures") + 1] == "5"
+    assert "--generation-validation-retries" not in train_plan(online=True, online_data="/w/d").argv("python")
+    # given as a trainer flag too: refused, naming specops' own option
+    with pytest.raises(trainplan.TrainError) as refused:
+        trainplan.check_extra_args(["--generation-validation-retries", "3"], {"flags": {}})
+    assert "specops train --online --generation-validation-retries" in str(refused.value.__dict__), refused.value
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--generation-validation-retries", "1"], "--generation-validation-retries set(s) how an online run streams"),
+    (["--online", "--generation-validation-retries", "-1"], "--generation-validation-retries"),
+    (["--online", "--max-consecutive-generation-failures", "0"], "--max-consecutive-generation-failures"),
+    (["--online", "--keep-states", "all"], "--keep-states"),
+])
+def test_bad_stream_options_name_the_flag_and_nothing_runs(args, says, tmp_path):
+    host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host}}))
+    proc = specops("train", "--inventory", inv, "--run-id", "t", "--from-run", "r", *args, timeout=60)
+    assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_preflight_prices_offline_against_online_from_the_last_runs_rates(tmp_path):
+    from remote.train import task
+
+    runs = tmp_path / "runs"
+    states = runs / "r1"
+    states.mkdir(parents=True)
+    plan = train_plan(states_run_dir=str(states), tokens=1000, epochs=3, run_id="t2")
+    # no rate known at all: said, no numbers made up
+    assert task.online_time(plan)["line"] == "time: no extraction rate known for this dataset"
+    (states / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0}))
+    first = task.online_time(plan)  # the extraction's rate alone: the states' time each way, training's unknown
+    assert first["offline_extract_s"] == 10.0 and first["online_extract_s"] == 30.0 and first["online_s"] is None
+    assert "training's rate not known yet (no earlier train run of r1)" in first["line"], first
+    for name, from_run, rate in (("t0", "r1", 50.0), ("t1", "other", 1.0), ("t2", "r1", 2.0)):
+        (runs / name).mkdir()
+        (runs / name / "status.json").write_text(json.dumps({"kind": "train", "plan": {"from_run": from_run},
+                                                             "tokens_per_s": rate}))
+    priced = task.online_time(plan)  # t0's rate (t1 trained other states; t2 is this run)
+    assert priced["train_tokens_per_s"] == 50.0 and priced["train_rate_from"] == "t0", priced
+    assert priced["offline_s"] == 10.0 + 60.0 and priced["online_s"] == 30.0 + 60.0, priced
+    assert "offline ~70 s" in priced["line"] and "online ~90 s" in priced["line"], priced["line"]
 
 
 def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
@@ -92,11 +157,13 @@ def _status(inventory, run_id, env) -> tuple[int, dict]:
     return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
 
 
-def _wait(inv, run_id, env, until, timeout=600) -> dict:
+def _wait(inv, run_id, env, until, timeout=600, after_attempt=0) -> dict:
+    """The run's status once ``until`` holds or it ended (an attempt after ``after_attempt``)."""
     deadline = time.monotonic() + timeout
     while True:
         _, st = _status(inv, run_id, env)
-        if until(st) or st.get("state") in ("done", "failed", "aborted"):
+        if (st.get("attempt") or 0) > after_attempt and (until(st) or st.get("state") in ("done", "failed",
+                                                                                          "aborted")):
             return st
         assert time.monotonic() < deadline, st
         time.sleep(1)
@@ -108,21 +175,41 @@ def _trainers(run_dir: Path) -> list[str]:
     return [line for line in ps.splitlines() if str(run_dir / trainplan.ONLINE_DATA) in line]
 
 
+def _with_env(inv, path: Path, **env) -> Path:
+    """The shared inventory with more env for its hosts (a fault point armed), written to ``path``."""
+    doc = yaml.safe_load(Path(inv).read_text())
+    for host in doc["hosts"].values():
+        host["env"] = {**(host.get("env") or {}), **env}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _train_losses(metrics: Path) -> dict[int, float]:
+    """Each training step's loss of a run's metrics.jsonl (a resumed step's last row wins)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"train"' in line]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+#: seconds the CPU launcher pauses after each optimizer step in the first start (1 of 3): the server is killed
+#: once the status shows step 3, with 5 paced steps still to go
+PACE_S = "2"
+#: the files the third start's server corrupts: the 3rd non-finite, its retry (the 4th) with ids off by one
+STREAM_FAULT = {"3": "nonfinite", "4": "ids"}
+
+
 @pytest.mark.vllm
 def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_command_finishes(modern_ssh_run, tmp_path):
     run = modern_ssh_run("llama", 1)
     inv, env, work = run["inventory"], run["env"], run["run_dir"].parent.parent
     run_dir = work / "runs" / "online"
-    args = ["--run-id", "online", "--from-run", run["run_id"], "--epochs", EPOCHS, "--online"]
-    slow = yaml.safe_load(Path(inv).read_text())
-    for host in slow["hosts"].values():
-        host["env"] = {**(host.get("env") or {}), "SPECOPS_BATCH_DELAY_S": "0.5"}
-    slow_inv = tmp_path / "slow-steps.yaml"
-    slow_inv.write_text(yaml.safe_dump(slow))
+    args = ["--run-id", "online", "--from-run", run["run_id"], "--epochs", EPOCHS, "--online",
+            "--generation-validation-retries", "1", "--max-consecutive-generation-failures", "3"]
+    paced = _with_env(inv, tmp_path / "paced.yaml", SPECOPS_BATCH_DELAY_S=PACE_S)
+    faulty = _with_env(inv, tmp_path / "faulty.yaml", SPECOPS_STREAM_FAULT=json.dumps(STREAM_FAULT))
     t0 = time.monotonic()
 
     # 1. the server dies while the trainer runs: the run fails naming it; nothing of it is left
-    started = specops("train", "--inventory", slow_inv, *args, "--detach", "--json", env=env)
+    started = specops("train", "--inventory", paced, *args, "--detach", "--json", env=env)
     assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
     recs = records(started)
     online = recs["train.online"]
@@ -131,8 +218,12 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
     assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
     assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
-    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 2)
-    assert st["state"] == "training", st
+    # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
+    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
+    assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
+    command = st["command"]  # the stream checks reach the trainer as its own flags
+    assert command[command.index("--generation-validation-retries") + 1] == "1", command
+    assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
     server = st["online_server"]
     assert server["layer_ids"] == [2, 4, 5, 8] and server["endpoint"].startswith("http://127.0.0.1:"), server
     t_first = time.monotonic() - t0
@@ -140,15 +231,17 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     st = _wait(inv, "online", env, lambda s: False, timeout=120)
     assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
     assert "online extraction server" in st["error"]["message"] and str(server["pid"]) in st["error"]["message"]
-    assert st["error"]["where"] == "online server", st["error"]
+    assert st["error"]["where"] == "online server" and st["error"]["rank"] == 0, st["error"]
     assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+    first_losses = _train_losses(run_dir / trainplan.METRICS_FILE)
+    assert 0 in first_losses and math.isfinite(first_losses[0]), first_losses
 
-    # 2. the same command resumes it with a fresh server; an abort mid-training leaves neither
-    resumed = specops("train", "--inventory", slow_inv, *args, "--detach", "--json", env=env)
+    # 2. the same command resumes it with a fresh server; an abort as it loads leaves nothing
+    resumed = specops("train", "--inventory", inv, *args, "--detach", "--json", env=env)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    st = _wait(inv, "online", env, lambda s: s.get("state") == "training" and s.get("online_server", {}).get(
-        "marker") not in (None, server["marker"]))
-    assert st["state"] == "training", st
+    st = _wait(inv, "online", env, lambda s: (s.get("online_server") or {}).get("marker") not in (None, server["marker"]),
+               after_attempt=st["attempt"])
+    assert st["state"] in ("loading", "training"), st
     second = st["online_server"]
     abort = specops("abort", "--inventory", inv, "--run-id", "online", env=env, timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
@@ -158,13 +251,23 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
                                                                                  _trainers(run_dir))
     assert st["online_server"]["stopped"] is True
 
-    # 3. the same command, at full speed, to the end: a curve, a checkpoint with the plan's aux ids, no states kept
-    done = specops("train", "--inventory", inv, *args, "--json", env=env)
+    # 3. the same command to the end, two streamed files corrupted: a curve, the plan's aux ids, no states kept
+    done = specops("train", "--inventory", faulty, *args, "--json", env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     fetched = records(done)
-    assert fetched["train.run"]["status"] == "ok", fetched["train.run"]
+    final = fetched["train.run"]
     code, st = _status(inv, "online", env)
     assert code == 0 and st["state"] == "done" and st["epoch"] == EPOCHS - 1, st
+    assert st["resumed_from"]["epoch"] >= 0 and st["resumed_from"]["global_step"] >= 2, st["resumed_from"]
+    # the corrupted sample: tried twice (non-finite, then ids off), counted, named, never trained on
+    stream = st["online_stream"]
+    assert stream["failed_round_trips"] == 2 and stream["retried"] == 1 and stream["dropped"] == 1, stream
+    assert stream["dropped_rows"] == stream["rows"] and len(stream["rows"]) == 1, stream
+    assert "Token ids don't match" in stream["last"]["error"], stream
+    assert final["status"] == "warn" and final["detail"]["online_stream"] == stream, final
+    assert f"rows {stream['rows']}" in final["summary"] and "not trained on" in final["summary"], final
+    losses = _train_losses(run_dir / trainplan.METRICS_FILE)
+    assert losses and all(math.isfinite(v) for v in losses.values()), losses
     assert "curve.png" in fetched["fetch.metrics"]["summary"], fetched["fetch.metrics"]
     steps = [json.loads(line)["step"] for line in
              (Path(env["SPECOPS_RUNS"]) / "th" / "online" / "metrics.jsonl").read_text().splitlines()

@@ -59,11 +59,16 @@ class OnlineServer:
         self.died: dict | None = None
         self._stop = threading.Event()
 
-    def start(self, timeout_s: float) -> float:
-        """Start the server and wait until it answers: seconds it took.
+    def launch(self) -> dict:
+        """Start the server's process (it loads in the background): what a leftover scan and a test need."""
+        self.server.start()
+        return {"pid": self.server.proc.pid, "log": str(self.server.log_path),
+                "marker": self.server.marker}  # in every server process's env: what a leftover scan looks for
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Wait until the launched server answers: seconds it took.
 
         :raises ServerFailed: it died or did not answer in time (its log's words)."""
-        self.server.start()
         return self.server.wait_ready(timeout_s)
 
     @property

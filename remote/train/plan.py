@@ -67,12 +67,16 @@ CPU_FLAGS = [("draft_attn_impl", "sdpa"), ("num_workers", "0"), ("optimizer", "a
 #: ``train --online``: the trainer asks the run's own extraction server for every row's states
 #: (speculators 0.9's ``--on-missing generate`` against ``--vllm-endpoint``), and keeps none of them.
 ONLINE_FLAGS = ("vllm_endpoint", "on_missing")
+#: ``train --online``'s own options (:data:`remote.wire.argspec.TRAIN_ARGS`), passed as speculators' flags of the
+#: same names when given: its checks of each streamed sample (ids echo, shape, finite)
+STREAM_CHECK_FLAGS = ("generation_validation_retries", "max_consecutive_generation_failures")
 #: an online run's token dataset: the states run's dataset files linked, without its ``hidden_states/``
 #: (what the trainer finds there it reads instead of asking the server)
 ONLINE_DATA = "online-data"
 #: every flag this module may pass (checked against the installed trainer before a run starts).
 USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
-              "epochs", "save_path", "dry_run", *(k for k, _ in FIXED + CPU_FLAGS), *ONLINE_FLAGS)
+              "epochs", "save_path", "dry_run", *(k for k, _ in FIXED + CPU_FLAGS), *ONLINE_FLAGS,
+              *STREAM_CHECK_FLAGS)
 #: trainer flags specops sets itself, and what to use instead: ``--trainer-arg`` refuses them (a second
 #: value would silently win over the one the states run's manifest or the run's own options decided).
 SPECOPS_SETS = {
@@ -91,6 +95,7 @@ SPECOPS_SETS = {
                   "so the trainer never asks a server specops did not start for them; specops train --online "
                   "passes generate, at the run's own server",
     "vllm_endpoint": "the trainer makes no states itself (--on-missing raise); extract them with specops extract",
+    **{k: f"specops train --online --{k.replace('_', '-')}" for k in STREAM_CHECK_FLAGS},
     "no_resume_from_checkpoint": "the same specops train command resumes; a new --run-id starts afresh",
     "config": "a YAML config could set any of the above: pass each trainer flag as its own --trainer-arg",
     "dump_config": "it prints a config and exits without training: read the trainer's command in the train "
@@ -142,6 +147,8 @@ class TrainPlan:
     online: bool = False
     online_data: str = ""
     vllm_endpoint: str = ""
+    #: ``train --online``: speculators' checks of the streamed samples (:data:`STREAM_CHECK_FLAGS`; None: its default)
+    stream_checks: dict = field(default_factory=dict)
 
     @property
     def sample_tokens(self) -> int:
@@ -159,6 +166,7 @@ class TrainPlan:
         if self.online:  # every row's states from the run's own server, none read from disk
             out = [(k, "generate" if k == "on_missing" else v) for k, v in out]
             out.append(("vllm_endpoint", self.vllm_endpoint or "http://127.0.0.1:0/v1"))
+            out += [(k, str(v)) for k, v in self.stream_checks.items() if v is not None]
         if self.device == "cpu":
             out += CPU_FLAGS
         if self.dry_run:
@@ -367,7 +375,8 @@ def resolve(params: dict) -> TrainPlan:
         save_path=str(checkpoints_dir(run_dir)), epochs=int(params.get("epochs") or 1),
         dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
         extra_args=list(params.get("train_args") or []), online=bool(params.get("online")),
-        online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "")
+        online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "",
+        stream_checks={k: params[k] for k in STREAM_CHECK_FLAGS if params.get(k) is not None})
 
 
 def link_token_dataset(plan: TrainPlan) -> Path:

@@ -61,23 +61,44 @@ _BAR_RE = re.compile(r"━{8,}")
 _PAD_RE = re.compile(r" {8,}")
 
 
-#: speculators' own line for a streamed sample that failed (``train/recovery.py``): fetched again up to its retries
+#: speculators' own lines for a streamed sample that failed (``train/recovery.py``): each failed round trip
+#: (fetched again up to ``--generation-validation-retries`` more times), the last one of a sample given up
+#: ("consecutive failures=c/max": dropped, never trained on), and the trainer's count of samples dropped
 _STREAM_FAIL_RE = re.compile(r"Hidden-state round trip failed for dataset index (\d+), file index (\d+) "
-                             r"\(attempt (\d+)/(\d+)\): (.*)")
+                             r"\(attempt (\d+)/(\d+)(?:, consecutive failures=(\d+)/(\d+))?\): (.*)")
+#: the longest error text a status keeps of one failed round trip (a token ids mismatch prints every id)
+STREAM_ERROR_CHARS = 300
 
 
 def stream_failure(line: str) -> dict | None:
-    """One failed round trip of an online run's sample (the trainer's log line), else None.
+    """One failed round trip of an online run's sample (the trainer's log line), else None; ``row``: the token
+    dataset's row (speculators' file index), ``dropped``: its last attempt failed too (the sample is skipped).
 
     >>> stream_failure("WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/3): "
     ...                "APIConnectionError: Connection error.    recovery.py:99")
-    {'row': 1, 'attempt': 2, 'attempts': 3, 'error': 'APIConnectionError: Connection error.'}
+    {'row': 1, 'attempt': 2, 'attempts': 3, 'dropped': False, 'error': 'APIConnectionError: Connection error.'}
     """
     found = _STREAM_FAIL_RE.search(line)
     if not found:
         return None
-    return {"row": int(found.group(1)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
-            "error": re.split(r" {4,}", found.group(5).strip())[0]}  # the log's padding (shortened) then its source
+    error = re.split(r" {4,}", found.group(7).strip())[0]  # the log's padding (shortened) then its source
+    return {"row": int(found.group(2)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
+            "dropped": found.group(5) is not None, "error": error[:STREAM_ERROR_CHARS]}
+
+
+def count_stream_failure(stream: dict | None, failed: dict) -> dict:
+    """The run's ``online_stream`` record with one more failed round trip: every failure counted, the rows
+    named, the samples given up (never trained on) counted and named apart."""
+    stream = dict(stream or {"failed_round_trips": 0, "retried": 0, "dropped": 0, "rows": [], "dropped_rows": []})
+    stream["failed_round_trips"] += 1
+    stream["rows"] = sorted(set(stream["rows"]) | {failed["row"]})
+    if failed["dropped"]:
+        stream["dropped"] += 1
+        stream["dropped_rows"] = sorted(set(stream["dropped_rows"]) | {failed["row"]})
+    else:
+        stream["retried"] += 1
+    stream["last"] = failed
+    return stream
 
 
 def parse_metrics(line: str) -> dict | None:
@@ -182,8 +203,9 @@ class TrainSupervisor:
         plan = trainplan.resolve(self.params)
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
-        self.online = self._start_online(plan) if plan.online else None
         try:
+            if plan.online:
+                self._start_online(plan)
             return self._train(plan)
         finally:
             if self.online is not None:  # however the run ends, its server goes with it
@@ -201,21 +223,16 @@ class TrainSupervisor:
         server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
         self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
                            plan=plan.as_dict())
-        self.online = server  # an abort while it loads stops it too
-        try:
-            ready = server.start(float(self.params.get("ready_timeout_s") or 900.0))
-        except BaseException:
-            server.stop()
-            raise
+        self.online = server  # however the run ends from here (an abort while it loads too), _run stops it
+        record = server.launch()
+        self.status.update(online_server=record)  # its pid and marker while it loads
+        ready = server.wait_ready(float(self.params.get("ready_timeout_s") or 900.0))
         plan.vllm_endpoint = server.endpoint
-        record = {"endpoint": server.endpoint, "pid": server.server.proc.pid, "ready_s": round(ready, 1),
-                  "marker": server.server.marker,  # in every server process's env: what a leftover scan looks for
-                  "layer_ids": server.server.layer_ids, "trainer_layer_ids": plan.trainer_layer_ids,
-                  "command": server.server.command, "log": str(server.server.log_path)}
+        record.update(endpoint=server.endpoint, ready_s=round(ready, 1), layer_ids=server.server.layer_ids,
+                      trainer_layer_ids=plan.trainer_layer_ids, command=server.server.command)
         self.status.update(online_server=record)
         print(f"[specops] online extraction server ready in {ready:.0f}s at {server.endpoint} (ids "
               f"{server.server.layer_ids}; the trainer's aux ids {plan.trainer_layer_ids})", flush=True)
-        return server
 
     def _on_server_death(self, error: dict) -> None:
         """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""
@@ -388,10 +405,7 @@ class TrainSupervisor:
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
         failed = stream_failure(line) if self.online is not None else None
         if failed:  # the run's record counts every failed round trip and names the rows
-            stream = self.status.data.get("online_stream") or {"failed_round_trips": 0, "rows": []}
-            rows = sorted(set(stream["rows"]) | {failed["row"]})
-            self.status.update(online_stream={"failed_round_trips": stream["failed_round_trips"] + 1,
-                                              "rows": rows, "last": failed})
+            self.status.update(online_stream=count_stream_failure(self.status.data.get("online_stream"), failed))
         progress = _PROGRESS_RE.search(line)
         if progress and "Epoch" in line and not self.in_validation:
             self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends

@@ -169,15 +169,15 @@ def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
                          f"aux ids {plan.trainer_layer_ids} and the final state {plan.num_layers}",
                          "extract again with the final state last (specops extract --layer-ids)",
                          detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids})
-    disk = online_disk(plan)
+    disk, cost = online_disk(plan), online_time(plan)
     return protocol.record("train.online", protocol.OK,
                            f"online: run {plan.from_run}'s extraction server captures ids {captured} (input) for "
                            f"every row; the trainer asks it (--on-missing generate) with aux ids "
                            f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
                            f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
-                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only)",
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only); {cost['line']}",
                            detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
-                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk})
+                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk, "time": cost})
 
 
 def online_disk(plan: trainplan.TrainPlan) -> dict:
@@ -193,6 +193,51 @@ def online_disk(plan: trainplan.TrainPlan) -> dict:
                   if f.is_file() and states_dir not in f.parents)
     return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
             "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
+
+
+def online_time(plan: trainplan.TrainPlan) -> dict:
+    """The time of each way for this dataset, from the last runs' rates: the states run's extraction tok/s
+    (its summary) and the last train run of the same states run's tok/s (its status), where known.
+
+    Offline extracts once and trains ``epochs`` times from disk; online (colocated, one request at a time) has
+    the server make every row's states again each epoch, as the trainer deletes them once read."""
+    import json
+
+    tokens, epochs = int(plan.tokens or 0), int(plan.epochs or 1)
+    try:
+        extract_tps = float(json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())["tokens_per_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        extract_tps = None
+    train_tps, train_run = None, None
+    runs = [d for d in Path(plan.states_run_dir).parent.iterdir() if d.name != plan.run_id and d.is_dir()]
+    for run_dir in sorted(runs, key=lambda d: (d / "status.json").stat().st_mtime if (d / "status.json").exists()
+                          else 0, reverse=True):
+        try:
+            st = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if st.get("kind") == "train" and (st.get("plan") or {}).get("from_run") == plan.from_run and \
+                st.get("tokens_per_s"):
+            train_tps, train_run = float(st["tokens_per_s"]), run_dir.name
+            break
+    out = {"tokens": tokens, "epochs": epochs, "extract_tokens_per_s": extract_tps, "train_tokens_per_s": train_tps,
+           "train_rate_from": train_run, "offline_s": None, "online_s": None}
+    if not tokens or not extract_tps:
+        out["line"] = "time: no extraction rate known for this dataset"
+        return out
+    extract_s = tokens / extract_tps
+    train_s = epochs * tokens / train_tps if train_tps else None
+    out.update(offline_extract_s=round(extract_s, 1), online_extract_s=round(epochs * extract_s, 1))
+    if train_s is None:
+        out["line"] = (f"time: states {extract_s:.0f} s once offline, {epochs * extract_s:.0f} s online ({epochs} "
+                       f"epoch(s) at {extract_tps:.0f} tok/s); training's rate not known yet (no earlier train run of "
+                       f"{plan.from_run})")
+        return out
+    out.update(offline_s=round(extract_s + train_s, 1), online_s=round(epochs * extract_s + train_s, 1))
+    out["line"] = (f"time: offline ~{out['offline_s']:.0f} s (states once at {extract_tps:.0f} tok/s, then "
+                   f"{epochs} epoch(s) at {train_tps:.0f} tok/s), online ~{out['online_s']:.0f} s (the states made "
+                   f"again each epoch; training's rate from run {train_run})")
+    return out
 
 
 def check_same_args(params: dict) -> None:
