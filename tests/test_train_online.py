@@ -126,15 +126,25 @@ def test_preflight_prices_offline_against_online_from_the_last_runs_rates(tmp_pa
     (states / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0}))
     first = task.online_time(plan)  # the extraction's rate alone: the states' time each way, training's unknown
     assert first["offline_extract_s"] == 10.0 and first["online_extract_s"] == 30.0 and first["online_s"] is None
-    assert "training's rate not known yet (no earlier train run of r1)" in first["line"], first
-    for name, from_run, rate in (("t0", "r1", 50.0), ("t1", "other", 1.0), ("t2", "r1", 2.0)):
+    assert "training's offline rate not known yet (no earlier offline train run of r1)" in first["line"], first
+
+    def train_run(name, from_run, rate, online=False):
         (runs / name).mkdir()
-        (runs / name / "status.json").write_text(json.dumps({"kind": "train", "plan": {"from_run": from_run},
-                                                             "tokens_per_s": rate}))
-    priced = task.online_time(plan)  # t0's rate (t1 trained other states; t2 is this run)
+        (runs / name / "status.json").write_text(json.dumps({"kind": "train", "tokens_per_s": rate,
+                                                             "plan": {"from_run": from_run, "online": online}}))
+        time.sleep(0.01)  # the newest status is the last run
+
+    train_run("t0", "r1", 50.0)
+    train_run("t1", "other", 1.0)  # trained other states: not this dataset's rate
+    priced = task.online_time(plan)  # estimated: the states made again each epoch, then the same training
     assert priced["train_tokens_per_s"] == 50.0 and priced["train_rate_from"] == "t0", priced
     assert priced["offline_s"] == 10.0 + 60.0 and priced["online_s"] == 30.0 + 60.0, priced
-    assert "offline ~70 s" in priced["line"] and "online ~90 s" in priced["line"], priced["line"]
+    assert "offline ~70 s" in priced["line"] and "online ~90 s (the states made again each epoch, estimated)" in \
+        priced["line"], priced["line"]
+    train_run("t2", "r1", 20.0, online=True)  # this run's earlier attempt, online: its measured rate wins
+    measured = task.online_time(plan)
+    assert measured["online_s"] == 150.0 and measured["online_rate_from"] == "t2" and measured["offline_s"] == 70.0
+    assert "online ~150 s (20 tok/s measured in run t2)" in measured["line"], measured["line"]
 
 
 def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
@@ -236,6 +246,17 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     first_losses = _train_losses(run_dir / trainplan.METRICS_FILE)
     assert 0 in first_losses and math.isfinite(first_losses[0]), first_losses
 
+    # parity: the same rows, seed and order trained offline from the shared extraction's files (no server): the
+    # same first-step loss as the online run's, within the noise of states made in another batch
+    offline = specops("train", "--inventory", inv, "--run-id", "offline", "--from-run", run["run_id"], "--epochs", 1,
+                      "--detach", "--json", env=env)
+    assert offline.returncode == 0, offline.stdout[-4000:] + offline.stderr[-4000:]
+    st_off = _wait(inv, "offline", env, lambda s: False)
+    assert st_off["state"] == "done", st_off
+    offline_losses = _train_losses(work / "runs" / "offline" / trainplan.METRICS_FILE)
+    assert [offline_losses[k] for k in (0, 1)] == pytest.approx([first_losses[k] for k in (0, 1)], rel=0.02), \
+        (offline_losses, first_losses)  # epoch 0's curve
+
     # 2. the same command resumes it with a fresh server; an abort as it loads leaves nothing
     resumed = specops("train", "--inventory", inv, *args, "--detach", "--json", env=env)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
@@ -255,6 +276,10 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     done = specops("train", "--inventory", faulty, *args, "--json", env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     fetched = records(done)
+    # preflight priced both ways with the rates of the last runs: the extraction's and the offline train's
+    priced = fetched["train.online"]["detail"]["time"]
+    assert priced["train_rate_from"] == "offline" and priced["online_s"] > priced["offline_s"] > 0, priced
+    assert "offline ~" in fetched["train.online"]["summary"], fetched["train.online"]["summary"]
     final = fetched["train.run"]
     code, st = _status(inv, "online", env)
     assert code == 0 and st["state"] == "done" and st["epoch"] == EPOCHS - 1, st
@@ -280,4 +305,5 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
     assert leftover_pids(st["online_server"]["marker"]) == []
     print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
-          f"all three starts {time.monotonic() - t0:.0f} s")
+          f"all three starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
+          f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")

@@ -79,7 +79,7 @@ def stream_failure(line: str) -> dict | None:
     {'row': 1, 'attempt': 2, 'attempts': 3, 'dropped': False, 'error': 'APIConnectionError: Connection error.'}
     """
     found = _STREAM_FAIL_RE.search(line)
-    if not found:
+    if not found or "TrainingInterruptedError" in found.group(7):  # a stop (abort, the server's death), no sample's
         return None
     error = re.split(r" {4,}", found.group(7).strip())[0]  # the log's padding (shortened) then its source
     return {"row": int(found.group(2)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
@@ -274,7 +274,13 @@ class TrainSupervisor:
         with open(log_path, "a", encoding="utf-8") as log, \
                 open(self.paths.run_dir / trainplan.METRICS_FILE if head else os.devnull, "a",
                      encoding="utf-8") as metrics_out:  # the one curve is the head's (rank 0 prints the metrics)
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            # online: the trainer dies with the supervisor, as the server does (a dead supervisor leaves neither)
+            started = argv
+            if self.online is not None:
+                from remote.extract.engines.vllm_server.process import die_with_parent
+
+                started = die_with_parent(argv, self.params.get("python") or sys.executable)
+            self.proc = subprocess.Popen(started, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
             sampler = self._memory_sampler(plan, self.proc.pid)

@@ -196,11 +196,13 @@ def online_disk(plan: trainplan.TrainPlan) -> dict:
 
 
 def online_time(plan: trainplan.TrainPlan) -> dict:
-    """The time of each way for this dataset, from the last runs' rates: the states run's extraction tok/s
-    (its summary) and the last train run of the same states run's tok/s (its status), where known.
+    """The time of each way for this dataset, from the last runs' rates where known: the states run's
+    extraction tok/s (its summary), the last offline train run of the same states' tok/s, and the last online
+    one's (this run's earlier attempt too: the trainer's own rate, its waits on the server included).
 
     Offline extracts once and trains ``epochs`` times from disk; online (colocated, one request at a time) has
-    the server make every row's states again each epoch, as the trainer deletes them once read."""
+    the server make every row's states again each epoch, as the trainer deletes them once read: without an
+    online rate measured, the states' time each epoch plus the training's."""
     import json
 
     tokens, epochs = int(plan.tokens or 0), int(plan.epochs or 1)
@@ -208,35 +210,44 @@ def online_time(plan: trainplan.TrainPlan) -> dict:
         extract_tps = float(json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())["tokens_per_s"])
     except (OSError, ValueError, KeyError, TypeError):
         extract_tps = None
-    train_tps, train_run = None, None
-    runs = [d for d in Path(plan.states_run_dir).parent.iterdir() if d.name != plan.run_id and d.is_dir()]
-    for run_dir in sorted(runs, key=lambda d: (d / "status.json").stat().st_mtime if (d / "status.json").exists()
-                          else 0, reverse=True):
+    rates: dict[bool, tuple[float, str]] = {}  # online? -> (tok/s, run id) of the newest such train run
+    statuses = [d / "status.json" for d in Path(plan.states_run_dir).parent.iterdir() if (d / "status.json").is_file()]
+    for path in sorted(statuses, key=lambda f: f.stat().st_mtime, reverse=True):
         try:
-            st = json.loads((run_dir / "status.json").read_text())
+            st = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if st.get("kind") == "train" and (st.get("plan") or {}).get("from_run") == plan.from_run and \
-                st.get("tokens_per_s"):
-            train_tps, train_run = float(st["tokens_per_s"]), run_dir.name
-            break
+        run_plan = st.get("plan") or {}
+        if st.get("kind") == "train" and run_plan.get("from_run") == plan.from_run and st.get("tokens_per_s"):
+            rates.setdefault(bool(run_plan.get("online")), (float(st["tokens_per_s"]), path.parent.name))
+    train_tps, train_run = rates.get(False, (None, None))
+    online_tps, online_run = rates.get(True, (None, None))
     out = {"tokens": tokens, "epochs": epochs, "extract_tokens_per_s": extract_tps, "train_tokens_per_s": train_tps,
-           "train_rate_from": train_run, "offline_s": None, "online_s": None}
+           "train_rate_from": train_run, "online_tokens_per_s": online_tps, "online_rate_from": online_run,
+           "offline_s": None, "online_s": None}
     if not tokens or not extract_tps:
         out["line"] = "time: no extraction rate known for this dataset"
         return out
     extract_s = tokens / extract_tps
-    train_s = epochs * tokens / train_tps if train_tps else None
     out.update(offline_extract_s=round(extract_s, 1), online_extract_s=round(epochs * extract_s, 1))
-    if train_s is None:
-        out["line"] = (f"time: states {extract_s:.0f} s once offline, {epochs * extract_s:.0f} s online ({epochs} "
-                       f"epoch(s) at {extract_tps:.0f} tok/s); training's rate not known yet (no earlier train run of "
-                       f"{plan.from_run})")
+    if online_tps:  # measured: the trainer's own rate while streaming
+        out["online_s"] = round(epochs * tokens / online_tps, 1)
+    if train_tps is None:
+        out["line"] = (f"time: states {extract_s:.0f} s once offline at {extract_tps:.0f} tok/s, "
+                       + (f"online ~{out['online_s']:.0f} s ({online_tps:.0f} tok/s in run {online_run}); "
+                          if online_tps else f"{epochs * extract_s:.0f} s online (made again each of {epochs} "
+                                             f"epoch(s)); ")
+                       + f"training's offline rate not known yet (no earlier offline train run of {plan.from_run})")
         return out
-    out.update(offline_s=round(extract_s + train_s, 1), online_s=round(epochs * extract_s + train_s, 1))
+    train_s = epochs * tokens / train_tps
+    out["offline_s"] = round(extract_s + train_s, 1)
+    if not online_tps:
+        out["online_s"] = round(epochs * extract_s + train_s, 1)
+    how = (f"{online_tps:.0f} tok/s measured in run {online_run}" if online_tps
+           else "the states made again each epoch, estimated")
     out["line"] = (f"time: offline ~{out['offline_s']:.0f} s (states once at {extract_tps:.0f} tok/s, then "
-                   f"{epochs} epoch(s) at {train_tps:.0f} tok/s), online ~{out['online_s']:.0f} s (the states made "
-                   f"again each epoch; training's rate from run {train_run})")
+                   f"{epochs} epoch(s) at {train_tps:.0f} tok/s, run {train_run}), online ~{out['online_s']:.0f} s "
+                   f"({how})")
     return out
 
 
