@@ -63,7 +63,7 @@ _PAD_RE = re.compile(r" {8,}")
 
 #: speculators' own lines for a streamed sample that failed (``train/recovery.py``): each failed round trip
 #: (fetched again up to ``--generation-validation-retries`` more times), the last one of a sample given up
-#: ("consecutive failures=c/max": dropped, never trained on), and the trainer's count of samples dropped
+#: ("consecutive failures=c/max": dropped, never trained on)
 _STREAM_FAIL_RE = re.compile(r"Hidden-state round trip failed for dataset index (\d+), file index (\d+) "
                              r"\(attempt (\d+)/(\d+)(?:, consecutive failures=(\d+)/(\d+))?\): (.*)")
 #: the longest error text a status keeps of one failed round trip (a token ids mismatch prints every id)
