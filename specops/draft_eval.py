@@ -28,7 +28,8 @@ EVAL_TIMEOUT_S = 3600.0
 
 
 def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int | None = None, prompts: int = 8,
-                max_tokens: int = 32, baseline: bool = False, force: bool = False, name: str | None = None) -> dict:
+                max_tokens: int = 32, baseline: bool = False, force: bool = False, name: str | None = None,
+                algorithm: str | None = None) -> dict:
     params = {"work_dir": host.spec.work_dir, "draft": draft, "prompts": int(prompts), "max_tokens": int(max_tokens),
               "baseline": bool(baseline), "force": bool(force), "python": host.spec.python, "device": host.spec.device,
               "env": dict(host.spec.env), "tp": host.spec.tp, "trust_remote_code": host.spec.trust_remote_code}
@@ -38,6 +39,8 @@ def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int |
         params["from_run"] = from_run
     if k is not None:
         params["k"] = int(k)
+    if algorithm:
+        params["algorithm"] = str(algorithm)
     return params
 
 
@@ -63,7 +66,7 @@ def _whole(name: str, value, low: int, high: int | None = None) -> int | None:
 
 def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, from_run: str | None = None,
              k=None, prompts=8, max_tokens=32, baseline: bool = False, force: bool = False,
-             accept_new_host_key: bool = False) -> list[HostReport]:
+             accept_new_host_key: bool = False, algorithm: str | None = None) -> list[HostReport]:
     """Evaluate ``draft`` (a train run id or a checkpoint dir on the host) on every selected host."""
     if not draft:
         raise UsageError("--draft is required", "pass a train run id (specops train --run-id) or a draft dir on the host")
@@ -75,7 +78,7 @@ def evaluate(inventory: Inventory, selector: str | None, *, draft: str | None, f
     name = f"{PurePosixPath(str(draft)).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     options = {"from_run": from_run, "k": _whole("k", k, 1, 16), "prompts": _whole("prompts", prompts, 1) or 8,
                "max_tokens": _whole("max-tokens", max_tokens, 1) or 32, "baseline": bool(baseline),
-               "force": bool(force), "name": name}
+               "force": bool(force), "name": name, "algorithm": algorithm}
     try:
         return run_on_hosts(inventory, selector, "eval", lambda h: eval_step(h, draft, **options),
                             accept_new_host_key=accept_new_host_key)

@@ -142,11 +142,11 @@ def _overrides(**flags):
            iterable=["dataset"])
 def preflight(target, model=None, dataset=None, tp=None, layer_ids=None, engine=None, seq_len=None,
               max_samples=None, skip_autoconfig=False, format=None, canary_samples=None, long_samples=None,
-              turns=None, minimum_valid_tokens=None, dp=None):
+              turns=None, minimum_valid_tokens=None, dp=None, algorithm=None):
     """Find every failure that would waste a model load, in seconds, without loading weights."""
     from specops.preflight import preflight as run
 
-    overrides = _overrides(model=model, dataset=dataset, tp=tp, dp=dp, layer_ids=layer_ids, engine=engine,
+    overrides = _overrides(algorithm=algorithm, model=model, dataset=dataset, tp=tp, dp=dp, layer_ids=layer_ids, engine=engine,
                            seq_len=seq_len, max_samples=max_samples, format=format, canary_samples=canary_samples,
                            long_samples=long_samples, turns=turns, minimum_valid_tokens=minimum_valid_tokens)
     return run(target.inventory, target.selector, overrides, target.accept_new_host_key,
@@ -190,13 +190,14 @@ def extract(target, model=None, dataset=None, tp=None, layer_ids=None, engine=No
             max_samples=None, batch_size=None, run_id=None, detach=False, force=False, skip_preflight=False,
             skip_smoke=False, tensors=False, shard_by=None, allow_partial=False, reassign=None, format=None,
             canary_samples=None, long_samples=None, smoke_real=False, turns=None, minimum_valid_tokens=None,
-            dp=None, on_replica_loss=None):
+            dp=None, on_replica_loss=None, algorithm=None):
     """Start the TP extraction detached from SSH, follow it, and fetch logs, manifest and summary.
 
     On several hosts the dataset is sharded across them: one run, one merged result."""
     from specops.runs.run import extract as run
 
     overrides = _overrides(model=model, dataset=dataset, tp=tp, dp=dp, on_replica_loss=on_replica_loss, layer_ids=layer_ids, engine=engine,
+                           algorithm=algorithm,
                            seq_len=seq_len, max_samples=max_samples, batch_size=batch_size, format=format,
                            canary_samples=canary_samples, long_samples=long_samples, turns=turns,
                            minimum_valid_tokens=minimum_valid_tokens)
@@ -332,9 +333,10 @@ def verify(target, run_id=None, samples=3, reference="hf"):
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
           regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          draft_vocab_size=None, master_port=None, online=False, generation_validation_retries=None,
+          draft_vocab_size=None, master_port=None, algorithm=None, online=False, generation_validation_retries=None,
           max_consecutive_generation_failures=None, keep_states=None):
-    """Train an EAGLE-3 draft on an extraction run's states, detached; follow it and fetch its metrics."""
+    """Train a draft (EAGLE-3 unless --algorithm) on an extraction run's states, detached; follow it and fetch its
+    metrics."""
     from specops.train import train as run
 
     if draft_vocab_size not in (None, ""):  # one more trainer flag, checked against the trainer like the others
@@ -343,7 +345,7 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
                regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, gpus=gpus,
-               total_seq_len=total_seq_len, master_port=master_port, online=online,
+               total_seq_len=total_seq_len, master_port=master_port, algorithm=algorithm, online=online,
                stream_checks={"generation_validation_retries": generation_validation_retries,
                               "max_consecutive_generation_failures": max_consecutive_generation_failures},
                keep_states=keep_states, as_json=target.as_json,
@@ -359,12 +361,14 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
                  "baseline": "also serve the prompts without the draft: tokens/s of both (a second server start)",
                  "force": "serve a draft whose config does not fit the states anyway (each misfit a warn), to "
                           "measure what the mismatch costs"})
-def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False, force=False):
-    """Serve the target with a draft (eagle3) on held-out prompts; acceptance from vLLM's own metrics."""
+def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False, force=False,
+          algorithm=None):
+    """Serve the target with a draft on held-out prompts (the vLLM method of its algorithm); acceptance from vLLM's
+    own metrics."""
     from specops.draft_eval import evaluate
 
     return evaluate(target.inventory, target.selector, draft=draft, from_run=from_run, k=k, prompts=prompts,
-                    max_tokens=max_tokens, baseline=baseline, force=force,
+                    max_tokens=max_tokens, baseline=baseline, force=force, algorithm=algorithm,
                     accept_new_host_key=target.accept_new_host_key)
 
 

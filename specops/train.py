@@ -43,7 +43,7 @@ PROGRESS_EVERY_S = 5.0
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
                  action: str = "start", gpus: int | None = None, total_seq_len: int | None = None,
-                 online: bool | dict = False) -> dict:
+                 online: bool | dict = False, algorithm: str | None = None) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -58,6 +58,8 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
     if online:  # only when given: an offline run records none (a dict: its stream checks given)
         params["online"] = True
         params.update({k: v for k, v in (online if isinstance(online, dict) else {}).items() if v is not None})
+    if algorithm:  # only when given, like the trainer args: a run started without it resumes without it
+        params["algorithm"] = str(algorithm)
     if regenerate is not None:
         params.update({"regenerate": True, **{k: v for k, v in regenerate.items() if v is not None}})
     return params
@@ -96,12 +98,12 @@ def trainer_argv(values) -> list[str]:
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
-               action: str = "start", online: bool | dict = False) -> HostReport:
+               action: str = "start", online: bool | dict = False, algorithm: str | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
-                          action=action, online=online)
+                          action=action, online=online, algorithm=algorithm)
     if nodes:
         params["nodes"] = nodes
     payload = host.run_task("train", params)
@@ -201,7 +203,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
           master_port=None, online: bool = False, stream_checks: dict | None = None, keep_states=None,
-          as_json: bool = False, accept_new_host_key: bool = False) -> ExitCode:
+          as_json: bool = False, accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
     from specops.runid import check_run_id
@@ -247,7 +249,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                          "drop it, or select several hosts (--on GROUP)")
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
                              trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
-                             online=(stream_checks or True) if online else False)
+                             online=(stream_checks or True) if online else False, algorithm=algorithm)
     checked: dict[str, list[Record]] = {}
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)
@@ -586,7 +588,8 @@ def fetch_draft(host: Host, run_id: str, dest, records: list[Record]) -> Record:
     for name in stale:
         (local / name).unlink()
     k = _speculative_tokens(local / "config.json")
-    serve = json.dumps({"method": "eagle3", "model": str(local.resolve()), "num_speculative_tokens": k})
+    serve = json.dumps({"method": _serve_method(local / "config.json"), "model": str(local.resolve()),
+                        "num_speculative_tokens": k})
     detail.update(stale_removed=stale, serve=f"vllm serve TARGET --speculative-config '{serve}'")
     return Record(name="fetch.tensors", status="ok",
                   summary=f"draft {data['dir']} ({best.detail.get('why')}) in {local}: {', '.join(names)} "
@@ -602,6 +605,20 @@ def _inode(path) -> tuple | None:
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
+
+
+def _serve_method(config_path) -> str:
+    """vLLM's method for the draft's algorithm (its config's ``speculators_model_type``; eagle3 when it names none)."""
+    import json
+
+    from specops.wire import layers
+
+    try:
+        own = json.loads(config_path.read_text()).get("speculators_model_type")
+    except (OSError, ValueError, AttributeError):
+        own = None
+    facts = layers.ALGORITHMS.get(own or layers.DEFAULT_ALGORITHM)
+    return facts.method if facts else str(own)
 
 
 def _speculative_tokens(config_path) -> int:

@@ -54,6 +54,9 @@ FIXTURES = {
                                f"{R3}/gpus_before_llama.csv", None, 128),
     "r12_llama_h100": ("round12/cli/fetched_gpu-llama-3/logs/server.log", "engine/llama/config.json",
                        "round12/cli/gpus_before_llama.csv", "round12/cli/memory_llama.json", 256),
+    # round 13's dp run (H100, vLLM 0.26): the same idle GPU as the memory_width runs of that call's machine
+    "r13_dp_llama_h100": ("round13/dp/fetched_gpu-dp-1/logs/server.log", "engine/llama/config.json",
+                          "round13/memory/llama_8b_vocab/gpus_before.csv", None, 256),
 }
 
 

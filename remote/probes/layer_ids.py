@@ -17,7 +17,7 @@ from remote.extract import runplan
 from remote.probes import Context
 from remote.system import modelconfig
 from remote.wire import layers
-from remote.wire.protocol import FAIL, OK, SKIPPED, record
+from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 
 #: kept under its old name: the probe's callers and doctests know it here
 translate = layers.translate
@@ -84,4 +84,36 @@ def probe(ctx: Context) -> list:
         return [record("layers.ids", FAIL, f"layer ids {ids} ({source}): {problems[0]}", detail=detail, fix=fix)]
     ctx.layers = {"ids": ids, "convention": convention, "source": source}
     return [record("layers.ids", OK, f"layers {ids} ({source}, {convention} of layer i, {n} layers{translated})",
-                   detail=detail)]
+                   detail=detail)] + algorithm_records(ctx, ids, convention, n)
+
+
+def algorithm_records(ctx: Context, ids: list, convention: str, num_layers: int) -> list:
+    """``--algorithm`` given: the host's speculators trains it, these ids fit its plan
+    (:func:`remote.wire.layers.algorithm_plan`), and whether the host's vLLM serves it (a warn: the
+    states may be trained and served elsewhere). Unset: eagle3's plan, unchanged, and no record."""
+    from remote.drift import algorithms
+    from remote.drift.source import site_packages
+
+    if "algorithm" not in getattr(ctx.params, "given", ()) or not ctx.params.get("algorithm"):
+        return []
+    algorithm = ctx.params["algorithm"]
+    spec_root, vllm_root = site_packages(ctx.params)
+    out = [algorithms.trainable_record(algorithm, spec_root)]  # first: no plan matters where it cannot train
+    state_ids = layers.convert(ids, convention, layers.INPUT)
+    plan = layers.algorithm_plan(algorithm, state_ids, num_layers)
+    detail = {"algorithm": algorithm, **plan}
+    if plan["problems"]:
+        needs = plan["needs"]
+        out.append(record("layers.algorithm", FAIL, f"layers input:{state_ids} cannot train {algorithm}: "
+                          f"{'; '.join(plan['problems'])}", detail=detail,
+                          fix=f"--layer-ids input:{','.join(map(str, needs))} (its plan for {num_layers} layers)"
+                          if needs else f"pick --algorithm {' / '.join(layers.ALGORITHMS)}"))
+    else:
+        engine = f"; vLLM reads them as {plan['engine_field']} {plan['engine_ids']}" if plan["engine_field"] and \
+            plan["engine_ids"] != plan["trainer_ids"] else ""
+        out.append(record("layers.algorithm", OK, f"{algorithm}: states input:{state_ids} -> --target-layer-ids "
+                          f"{plan['trainer_ids']} (its config's {plan['config_ids_field']}){engine}", detail=detail))
+    served = algorithms.servable_record(algorithm, vllm_root)
+    if served["status"] == FAIL:  # the states still train here; serving needs another vLLM
+        served = dict(served, status=WARN, summary=f"{served['summary']}: eval on this host would refuse the draft")
+    return out + [served]

@@ -16,8 +16,10 @@ A task module (``main(params) -> payload``), run in the foreground like ``verify
 3. **Serving.** vLLM's OpenAI server as the extraction engine starts it
    (:class:`remote.extract.engines.vllm_server.VllmServer`: loopback, its own process group, logs
    under ``<work_dir>/evals/<name>/logs``), without extraction and with
-   ``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``;
-   greedy completions of ``max_tokens`` each, one at a time.
+   ``--speculative-config {"method": METHOD, "model": DRAFT, "num_speculative_tokens": k}``, METHOD the one
+   this vLLM serves the draft's algorithm with (its config's ``speculators_model_type``, read from vLLM's
+   own converters before the load: :func:`draft_algorithm`; one it cannot serve is refused there, naming
+   the first release that can); greedy completions of ``max_tokens`` each, one at a time.
 4. **Acceptance from the server's own /metrics**: ``vllm:spec_decode_num_drafts``,
    ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._per_pos``: mean acceptance
    length (1 + accepted / drafts), the rate per position, output tokens/s; with ``baseline``
@@ -38,7 +40,7 @@ from pathlib import Path
 from remote.extract import samples
 from remote.system import modelconfig
 from remote.train import plan as trainplan
-from remote.wire import contract, protocol
+from remote.wire import contract, layers, protocol
 from remote.wire.argspec import RUN_ARGS, Arg, Spec
 from remote.wire.contract import RunState
 
@@ -61,6 +63,8 @@ SPEC = Spec("draft_eval", {
     "force": Arg("bool", False, doc="serve a draft whose config does not fit the states anyway (each misfit a warn): "
                                     "to measure what the mismatch costs"),
     "name": Arg("str", doc="the eval's dir under <work_dir>/evals (default: draft and time)"),
+    "algorithm": RUN_ARGS["algorithm"].but(doc="the draft's algorithm: its config's speculators_model_type, which a "
+                                                "given one must be (unset: the config's)"),
     "python": RUN_ARGS["python"], "device": RUN_ARGS["device"], "env": RUN_ARGS["env"], "tp": RUN_ARGS["tp"],
     "trust_remote_code": RUN_ARGS["trust_remote_code"],
     "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(default=900.0),
@@ -141,7 +145,8 @@ def read_draft(path: Path) -> dict:
 def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: str) -> list[dict]:
     """The draft config's records against the states' plan and the target's config (fails carry both values)."""
     records = []
-    ids = draft.get("eagle_aux_hidden_state_layer_ids")
+    field_name = (layers.ALGORITHMS.get(plan.algorithm) or layers.ALGORITHMS[layers.DEFAULT_ALGORITHM]).config_ids
+    ids = draft.get(field_name) if field_name else plan.trainer_layer_ids  # mtp's draft names no aux ids
     want = plan.trainer_layer_ids
     if ids != want:
         shift = {b - a for a, b in zip(want, ids or [])} if isinstance(ids, list) and len(ids) == len(want) else set()
@@ -149,11 +154,11 @@ def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: st
                if len(shift) == 1 and 0 not in shift else "")
         records.append(protocol.record(
             "eval.draft_layer_ids", protocol.FAIL,
-            f"the draft's eagle_aux_hidden_state_layer_ids {ids} are not {want}, the aux ids of run "
+            f"the draft's {field_name} {ids} are not {want}, the aux ids of run "
             f"{plan.from_run}'s states (input convention; extraction ids {plan.layer_ids} minus the final state "
             f"{plan.num_layers}){why}",
             fix=f"train the draft on these states (specops train --from-run {plan.from_run}), or, if it was trained "
-                f"on them under other ids, set eagle_aux_hidden_state_layer_ids to {want} in {where}/config.json",
+                f"on them under other ids, set {field_name} to {want} in {where}/config.json",
             detail={"draft": ids, "states": want, "extraction_ids": plan.layer_ids}))
     else:
         records.append(protocol.record("eval.draft_layer_ids", protocol.OK,
@@ -346,12 +351,14 @@ def evaluate(params: dict) -> dict:
 
     path, from_run, what = locate_draft(params)
     draft = read_draft(path)
+    algorithm, served_by = draft_algorithm(draft, params, str(path))
     try:
-        plan = trainplan.resolve({"work_dir": params["work_dir"], "run_id": "eval", "from_run": from_run})
+        plan = trainplan.resolve({"work_dir": params["work_dir"], "run_id": "eval", "from_run": from_run,
+                                  "algorithm": algorithm})
     except trainplan.TrainError as exc:
         raise EvalError(exc.name.replace("train.", "eval."), exc.summary, exc.fix, exc.detail) from None
     target = modelconfig.read(plan.model_path)
-    records = check_config(draft, plan, target, str(path)) + [draft_loadable_record(draft, str(path))]
+    records = [served_by, *check_config(draft, plan, target, str(path)), draft_loadable_record(draft, str(path))]
     maps = vocab_maps_record(draft, path, target)
     if maps is not None:
         records.append(maps)
@@ -370,19 +377,20 @@ def evaluate(params: dict) -> dict:
                                    detail={"rows": rows, "dataset": (doc.get("params") or {}).get("dataset")}))
     name = params.get("name") or f"{Path(str(params['draft'])).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     eval_dir = Path(params["work_dir"]) / "evals" / name
-    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
+    method = served_by["detail"]["method"]
+    spec = {"method": method, "model": str(path), "num_speculative_tokens": k}
     try:
         with stoppable(eval_dir):
             served = serve(params, plan, prompts, eval_dir, spec)
     except Exception as exc:  # the server's own exception, as its log names it (ServerFailed)
-        raise EvalError("eval.server", f"vLLM with the draft as eagle3 failed: {exc}",
+        raise EvalError("eval.server", f"vLLM with the draft as {method} failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
                         f"its config or weights there") from None
     records.append(aux_ids_used_record(served["log"], plan, params))
     if not served["after"]["found"]:
         records.append(protocol.record("eval.acceptance", protocol.FAIL,
                                        "the server's /metrics has no vllm:spec_decode_* counters",
-                                       fix="check that this vLLM serves eagle3 drafts (its log: " + served["log"] + ")"))
+                                       fix=f"check that this vLLM serves {method} drafts (its log: {served['log']})"))
         return protocol.payload(records, draft=str(path), served=served)
     acc = acceptance(served["before"], served["after"], k)
     if not acc["draft_tokens"]:  # no number to report: exit 0 would claim a measurement that never happened
@@ -416,6 +424,36 @@ def evaluate(params: dict) -> dict:
                                        "plain server gave no tokens", detail={"plain": plain["tokens_per_s"],
                                                                               "speedup": speedup}))
     return protocol.payload(records, **result)
+
+
+def draft_algorithm(draft: dict, params: dict, where: str, vllm_root=None) -> tuple[str, dict]:
+    """``(algorithm, eval.algorithm record)``: the draft config's ``speculators_model_type`` (a given ``--algorithm``
+    must be it), served by this host's vLLM (read from its source, :mod:`remote.drift.algorithms`) with the config
+    keys its converter requires; the record's ``detail["method"]`` is the ``--speculative-config`` method.
+
+    :raises EvalError: before anything loads, naming what differs and the fix.
+    """
+    from remote.drift import algorithms
+    from remote.drift.source import site_packages
+
+    own = draft.get("speculators_model_type")
+    given = params.get("algorithm")
+    if given and own and given != own:
+        raise EvalError("eval.algorithm", f"--algorithm {given}, but the draft in {where} is a {own} draft "
+                        f"(its config's speculators_model_type)", f"pass --algorithm {own} (or leave it out), or "
+                        f"evaluate a {given} draft (specops train --algorithm {given})",
+                        detail={"given": given, "draft": own})
+    algorithm = own or given or layers.DEFAULT_ALGORITHM
+    rec = algorithms.servable_record(algorithm, vllm_root or site_packages({})[1], name="eval.algorithm")
+    if rec["status"] == protocol.FAIL:
+        raise EvalError("eval.algorithm", rec["summary"], rec["fix"], detail=rec["detail"])
+    missing = [key for key in rec["detail"].get("requires") or () if draft.get(key) is None]
+    if missing:
+        raise EvalError("eval.algorithm", f"the {algorithm} draft in {where} has no {', '.join(missing)}: this vLLM's "
+                        f"{algorithm} converter reads it (vllm/{rec['detail']['source']}) and the load would fail",
+                        f"train the draft again with this speculators (its trainer writes them), or add "
+                        f"{', '.join(missing)} to {where}/config.json", detail={**rec["detail"], "missing": missing})
+    return algorithm, rec
 
 
 def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:

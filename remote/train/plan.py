@@ -53,9 +53,9 @@ _TEE_PREFIX_RE = re.compile(r"^\[default(\d+)\]:")
 CPU_LAUNCHER_MODULE = "_specops_cpu_train_launcher"
 #: a train run dir's own parts: the trainer's save path, its log, the metrics the run parsed.
 CHECKPOINTS, TRAIN_LOG, METRICS_FILE = "checkpoints", "train.log", "metrics.jsonl"
-#: what every run passes: EAGLE-3, and the eager loss (the fused one fails under torch.compile
-#: on speculators 0.9.0, checked on the H200).
-FIXED = [("speculator_type", "eagle3"), ("loss_implementation", "eager"),
+#: what every run passes besides its algorithm (``--speculator-type``, :attr:`TrainPlan.algorithm`): the eager
+#: loss (the fused one fails under torch.compile on speculators 0.9.0, checked on the H200).
+FIXED = [("loss_implementation", "eager"),
          # a row without states fails the run: the trainer's default ("generate") asks a vLLM server at
          # --vllm-endpoint (localhost:8000) that specops never started; train.data refuses such rows first
          ("on_missing", "raise")]
@@ -75,8 +75,8 @@ STREAM_CHECK_FLAGS = ("generation_validation_retries", "max_consecutive_generati
 ONLINE_DATA = "online-data"
 #: every flag this module may pass (checked against the installed trainer before a run starts).
 USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
-              "epochs", "save_path", "dry_run", *(k for k, _ in FIXED + CPU_FLAGS), *ONLINE_FLAGS,
-              *STREAM_CHECK_FLAGS)
+              "epochs", "save_path", "dry_run", "speculator_type", *(k for k, _ in FIXED + CPU_FLAGS),
+              *ONLINE_FLAGS, *STREAM_CHECK_FLAGS)
 #: trainer flags specops sets itself, and what to use instead: ``--trainer-arg`` refuses them (a second
 #: value would silently win over the one the states run's manifest or the run's own options decided).
 SPECOPS_SETS = {
@@ -90,7 +90,7 @@ SPECOPS_SETS = {
     "epochs": "specops train --epochs",
     "save_path": "specops train --run-id (checkpoints go to <work_dir>/runs/<run-id>/checkpoints)",
     "dry_run": "specops train --dry-run",
-    "speculator_type": "specops trains EAGLE-3 drafts (eagle3), the kind eval serves",
+    "speculator_type": "specops train --algorithm (default eagle3): its layer-id plan is checked against the states",
     "on_missing": "every row's states must be there (train.data checks it): specops passes --on-missing raise, "
                   "so the trainer never asks a server specops did not start for them; specops train --online "
                   "passes generate, at the run's own server",
@@ -149,6 +149,10 @@ class TrainPlan:
     vllm_endpoint: str = ""
     #: ``train --online``: speculators' checks of the streamed samples (:data:`STREAM_CHECK_FLAGS`; None: its default)
     stream_checks: dict = field(default_factory=dict)
+    #: the draft algorithm (speculators' ``--speculator-type``) and its layer-id plan
+    #: (:func:`remote.wire.layers.algorithm_plan`: the config's aux ids, the serving vLLM's own)
+    algorithm: str = layers.DEFAULT_ALGORITHM
+    layer_plan: dict = field(default_factory=dict)
 
     @property
     def sample_tokens(self) -> int:
@@ -162,7 +166,8 @@ class TrainPlan:
                ("data_path", self.online_data if self.online else self.data_path),
                ("target_layer_ids", [str(i) for i in self.trainer_layer_ids]),
                ("hidden_states_backend", self.backend), ("total_seq_len", str(self.total_seq_len)),
-               ("epochs", str(self.epochs)), ("save_path", self.save_path), *FIXED]
+               ("epochs", str(self.epochs)), ("save_path", self.save_path),
+               ("speculator_type", self.algorithm), *FIXED]
         if self.online:  # every row's states from the run's own server, none read from disk
             out = [(k, "generate" if k == "on_missing" else v) for k, v in out]
             out.append(("vllm_endpoint", self.vllm_endpoint or "http://127.0.0.1:0/v1"))
@@ -349,14 +354,20 @@ def resolve(params: dict) -> TrainPlan:
                          "extract on a host whose speculators >= 0.5 picks the vllm-server engine")
     ids = plan.ids(layers.INPUT)
     n = plan.num_layers
-    if n not in ids:
-        raise TrainError("train.layer_ids", f"run {params['from_run']}'s layer ids {ids} (input convention) do "
-                         f"not hold {n}, the final state: the trainer reads the last layer of each file "
-                         f"(ids ascending) as the verifier's final hidden state",
-                         f"extract again with the final state last, e.g. --layer-ids input:"
-                         f"{','.join(map(str, layers.default_layer_ids(contract.VLLM_SERVER, n)[0]))}",
-                         detail={"layer_ids": ids, "num_layers": n})
-    aux = sorted(i for i in ids if i != n)
+    algorithm = str(contract.param(params, "algorithm"))
+    layer_plan = layers.algorithm_plan(algorithm, ids, n)
+    if layer_plan["problems"]:
+        captured_for = contract.param(doc.get("params") or {}, "algorithm")
+        needs = layer_plan["needs"]
+        raise TrainError("train.layer_ids", f"run {params['from_run']}'s states (captured for {captured_for}: ids "
+                         f"{ids}, input convention) cannot train {algorithm}, which needs "
+                         f"{needs if needs is not None else 'a plan'}: {'; '.join(layer_plan['problems'])}",
+                         (f"extract again for it: specops extract --algorithm {algorithm} --layer-ids input:"
+                          f"{','.join(map(str, needs))}" if needs else
+                          f"pick --algorithm {' / '.join(layers.ALGORITHMS)}"),
+                         detail={"layer_ids": ids, "num_layers": n, "captured_for": captured_for,
+                                 "algorithm": algorithm, "needs": needs, "problems": layer_plan["problems"]})
+    aux = layer_plan["trainer_ids"]
     recorded = doc.get("hidden_states_backend")
     backend = contract.READ_BACKENDS[plan.state_format]
     if recorded and recorded != backend:
@@ -374,8 +385,8 @@ def resolve(params: dict) -> TrainPlan:
         tokens=int(doc.get("tokens") or 0), sample_range=list(doc.get("sample_range") or []),
         save_path=str(checkpoints_dir(run_dir)), epochs=int(params.get("epochs") or 1),
         dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
-        extra_args=list(params.get("train_args") or []), online=bool(params.get("online")),
-        online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "",
+        extra_args=list(params.get("train_args") or []), algorithm=algorithm, layer_plan=layer_plan,
+        online=bool(params.get("online")), online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "",
         stream_checks={k: params[k] for k in STREAM_CHECK_FLAGS if params.get(k) is not None})
 
 
@@ -585,6 +596,22 @@ def trainer_api(search=None) -> dict:
             except (OSError, SyntaxError):
                 continue
     return out
+
+
+def check_algorithm(params: dict, api: dict) -> dict:
+    """The ``train.algorithm`` record: the installed speculators trains ``--algorithm`` (read from its registry,
+    :mod:`remote.drift.algorithms`), before the states are read.
+
+    :raises TrainError: it does not (naming its version and the first release that does).
+    """
+    from remote.drift import algorithms
+
+    algorithm = str(contract.param(params, "algorithm"))
+    root = Path(api["package"]).parent if api.get("package") else None
+    rec = algorithms.trainable_record(algorithm, root, name="train.algorithm")
+    if rec["status"] == protocol.FAIL:
+        raise TrainError("train.algorithm", rec["summary"], rec["fix"], detail=rec["detail"])
+    return rec
 
 
 def check_api(plan: TrainPlan, api: dict) -> dict:

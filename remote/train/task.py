@@ -51,6 +51,7 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "dry_run": Arg("bool", False, doc="speculators' --dry-run: write an untrained checkpoint and stop"),
     "train_args": Arg("list", elements="str", doc="more trainer flags (argv tokens), checked against the installed "
                       "trainer's (remote.train.plan.check_extra_args), appended to its command, recorded"),
+    "algorithm": RUN_ARGS["algorithm"],
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
@@ -127,6 +128,7 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
             raise TrainError("train.nodes", f"this host's place in the run over several hosts: {why}",
                              "start it with specops train --on <group> (the laptop sends each host its place)")
     api = trainplan.trainer_api()
+    records.append(trainplan.check_algorithm(params, api))
     records.append(trainplan.check_extra_args(params.get("train_args"), api))
     plan = trainplan.resolve(params)
     records += [protocol.record(

@@ -456,6 +456,11 @@ RUN_ARGS = {
                   doc="auto, an engine or an alias of one (remote.system.versions.resolve_engine judges it)",
                   help="extraction engine: auto (default: from the host's speculators), speculators-0.3, "
                        "vllm-server or hf-reference"),
+    "algorithm": Arg("str", doc="the draft algorithm: its choices are the host's (the speculators it trains with, "
+                                "the vLLM it serves with: remote.drift.algorithms), its layer-id plan "
+                                "remote.wire.layers.algorithm_plan; unset: contract.DEFAULTS",
+                     help="draft algorithm the states are for, trained and served: one the host's speculators "
+                          "trains (eagle3, peagle, dflash, dflash2, dspark, xpress, mtp in 0.9; default eagle3)"),
     "layer_ids": Arg("list", help="comma-separated layer ids (default: the engine's own, convention recorded)"),
     "layer_convention": Arg("str", choices=contract.LAYER_CONVENTIONS,
                             doc="what layer_ids mean (output/input); None: the engine's own"),

@@ -279,6 +279,8 @@ def sample_pattern(fmt: str = PT) -> re.Pattern:
 #: what a run uses when neither the inventory nor a flag says otherwise.
 DEFAULTS = {
     "engine": AUTO_ENGINE,
+    # the draft algorithm a run captures states for, trains and serves (remote.wire.layers.ALGORITHMS)
+    "algorithm": "eagle3",
     "tp": 1,
     "seq_len": 2048,
     "batch_size": 8,

@@ -187,3 +187,101 @@ def convert(layer_ids, src: str, dst: str) -> list[int]:
         return list(layer_ids)
     shift = 1 if (src, dst) == (OUTPUT, INPUT) else -1
     return [i + shift for i in layer_ids]
+
+
+# --------------------------------------------------------------------------- draft algorithms
+
+class Algorithm:
+    """What one draft algorithm needs of the states, and how its serving engine counts their ids.
+
+    Which algorithms a host *trains* and *serves* is read from its installed packages
+    (:mod:`remote.drift.algorithms`); this table holds what those sources cannot say about
+    themselves: how the layer ids line up, and the first releases that have each one (read in
+    every released wheel's source, ``tests/test_algorithms.py`` holds them to it).
+
+    :param config_ids: the draft config's field holding the aux ids (speculators' config class).
+    :param engine_shift: vLLM's own ``target_layer_ids`` are the config's aux ids plus this
+        (``vllm/transformers_utils/configs/speculators/algos.py``: DFlash/DSpark ``i - 1``).
+    :param engine_field: where vLLM keeps those shifted ids in the draft's hf config.
+    :param context: the drafter reads aux states (MTP reads the final state only).
+    :param first_speculators: / :param first_vllm: the first release that trains / serves it
+        as a speculators draft (None: none up to the newest read).
+    :param method: vLLM's ``--speculative-config`` method for it (its ``base.py``: peagle is served as eagle3,
+        dflash2 as dflash); the host reads it from its own vLLM, the laptop's serve line from here.
+    """
+
+    __slots__ = ("name", "config_ids", "engine_shift", "engine_field", "context", "first_speculators", "first_vllm",
+                 "method")
+
+    def __init__(self, name, config_ids, engine_shift, engine_field, context, first_speculators, first_vllm,
+                 method=None):
+        self.name, self.config_ids, self.engine_shift, self.engine_field = name, config_ids, engine_shift, engine_field
+        self.context, self.first_speculators, self.first_vllm = context, first_speculators, first_vllm
+        self.method = method or name
+
+    def __repr__(self) -> str:
+        return f"Algorithm({self.name!r})"
+
+
+_EAGLE_IDS, _DFLASH_IDS = "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids"
+#: the newest vLLM whose source the first-release column was read in
+NEWEST_VLLM_READ = "0.34.0"
+#: algorithm name (speculators' ``SpeculatorModel.register`` name, its config's ``speculators_model_type``)
+#: -> its facts. specops' own default is :data:`DEFAULT_ALGORITHM`.
+ALGORITHMS = {a.name: a for a in (
+    Algorithm("eagle3", _EAGLE_IDS, 0, _EAGLE_IDS, True, "0.3", "0.16"),
+    Algorithm("peagle", _EAGLE_IDS, 0, _EAGLE_IDS, True, "0.6", "0.22", method="eagle3"),
+    Algorithm("dflash", _DFLASH_IDS, -1, "dflash_config.target_layer_ids", True, "0.5", "0.20"),
+    Algorithm("dflash2", _DFLASH_IDS, -1, "dflash_config.target_layer_ids", True, "0.8", "0.29", method="dflash"),
+    Algorithm("dspark", _DFLASH_IDS, -1, "target_layer_ids", True, "0.7", "0.25"),
+    Algorithm("xpress", _DFLASH_IDS, -1, None, True, "0.9", None),
+    Algorithm("mtp", None, 0, None, False, "0.6", None),
+)}
+DEFAULT_ALGORITHM = contract.DEFAULTS["algorithm"]
+
+
+def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:
+    """How states captured at ``state_ids`` (input convention, as an extraction records them) serve ``algorithm``.
+
+    speculators >= 0.5 trains every algorithm on the same files: each file's last layer is the verifier's
+    final state (``train/data.py``: ``hidden_states[:, -1]``, the targets of every loss) and the rest are
+    the drafter's aux states. The draft's config names those aux ids (:attr:`Algorithm.config_ids`), and
+    the serving vLLM counts them its own way (:attr:`Algorithm.engine_shift`: DFlash/DSpark ``aux - 1``,
+    so aux id 0, the embeddings, has no target layer there).
+
+    >>> p = algorithm_plan("dspark", [2, 4, 5, 8], 8)
+    >>> p["trainer_ids"], p["engine_ids"], p["problems"]
+    ([2, 4, 5], [1, 3, 4], [])
+    >>> algorithm_plan("dspark", [2, 4, 5], 8)["problems"][0][:60]
+    'dspark needs the final state (input:8) last: speculators rea'
+    >>> algorithm_plan("dflash", [0, 4, 8], 8)["problems"]
+    ['dflash counts target layers as aux - 1 in vLLM: aux id 0 (the embeddings) would be layer -1']
+
+    :returns: ``{"algorithm", "state_ids", "final_state", "trainer_ids", "config_ids_field", "engine_ids",
+        "engine_field", "needs", "problems"}``; ``needs``: the ids this algorithm's default extraction captures.
+    """
+    facts = ALGORITHMS.get(algorithm)
+    out = {"algorithm": algorithm, "state_ids": list(state_ids or []), "final_state": num_layers, "trainer_ids": [],
+           "config_ids_field": None, "engine_ids": [], "engine_field": None, "needs": None, "problems": []}
+    if facts is None:
+        out["problems"] = [f"specops has no layer-id plan for algorithm {algorithm!r}; it plans "
+                           f"{', '.join(ALGORITHMS)}"]
+        return out
+    out["needs"], _ = default_layer_ids(contract.VLLM_SERVER, num_layers)
+    ids = [i for i in out["state_ids"] if type(i) is int]
+    aux = sorted(i for i in ids if i != num_layers)
+    out.update(trainer_ids=aux, config_ids_field=facts.config_ids, engine_field=facts.engine_field,
+               engine_ids=[i + facts.engine_shift for i in aux])
+    if num_layers not in ids or max(ids) != num_layers:
+        out["problems"].append(
+            f"{algorithm} needs the final state (input:{num_layers}) last: speculators reads each file's last "
+            f"layer as the verifier's final state (the targets of its loss), and these states hold {ids}")
+    if facts.context and not aux:
+        out["problems"].append(f"{algorithm} drafts from aux states and these hold none besides the final state")
+    below = [i for i in aux if i + facts.engine_shift < 0]
+    if below:
+        out["problems"].append(
+            f"{algorithm} counts target layers as aux - {-facts.engine_shift} in vLLM: aux id "
+            f"{', '.join(map(str, below))} (the embeddings) would be layer "
+            f"{', '.join(str(i + facts.engine_shift) for i in below)}")
+    return out

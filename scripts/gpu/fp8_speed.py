@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """fp8 vs bf16 extraction speed side by side, through the CLI's engine (issue 43, item 3).
 
-    python3 scripts/gpu/fp8_speed.py --model DIR --dataset ids.jsonl --out DIR [--n 64] [--kv-gib 16] [--util 0.4]
+    python3 scripts/gpu/fp8_speed.py --model DIR --dataset ids.jsonl --out DIR [--n 64] [--kv-gib 16 on a card over 100 GiB, else 8] [--util 0.4]
 
 Four vLLM starts, one at a time but the first two: the plain server and the bf16 extraction engine start side
 by side (as ``bench.py`` does), then hs-connectors' stock fp8 connector (``kv_connector`` given: host-side
@@ -67,12 +67,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     for flag, kw in (("--model", {"required": True}), ("--dataset", {"required": True}), ("--out", {"required": True}),
                      ("--n", {"type": int, "default": 64}), ("--util", {"type": float, "default": 0.4}),
-                     ("--kv-gib", {"type": float, "default": 16}), ("--device", {"default": "cuda"}),
+                     ("--kv-gib", {"type": float, "default": None}), ("--device", {"default": "cuda"}),
                      ("--layer-ids", {"default": ""}),
                      # a kind starts only with this much time left of the caller's budget (a start + a pass)
                      ("--budget-s", {"type": float, "default": 540}), ("--kind-s", {"type": float, "default": 110})):
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
+    if args.kv_gib is None:  # the plain and bf16 servers run side by side: an 80 GB card holds two at 8 GiB of KV
+        import torch
+        args.kv_gib = 16 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 8
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ids_list = bench.load_ids(args.dataset, args.n)
