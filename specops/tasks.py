@@ -311,6 +311,15 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                                 "itself are refused, naming the option to use)",
                  "regenerate": "first have the target write its own replies to the --from-run rows (speculators' "
                                "regenerate-responses), extract their states (run <run-id>-states), train on those",
+                 "online": "train online: start the --from-run extraction's server (same model, ids, parameters) "
+                           "beside the trainer, which asks it for every row's states; none are kept on disk",
+                 "generation-validation-retries": "--online: more tries of a streamed sample that failed the "
+                                                  "trainer's checks (ids echo, shape, finite; speculators' flag, "
+                                                  "default 2); then it is counted, named and skipped",
+                 "max-consecutive-generation-failures": "--online: samples in a row given up before the run fails "
+                                                        "(speculators' flag, default 20)",
+                 "keep-states": "--online: which streamed states stay on disk: none (the default and only one "
+                                "built: the token dataset alone)",
                  "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
                  "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)",
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
@@ -324,7 +333,8 @@ def verify(target, run_id=None, samples=3, reference="hf"):
            iterable=["trainer_arg"])
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
           regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          draft_vocab_size=None, master_port=None, algorithm=None):
+          draft_vocab_size=None, master_port=None, algorithm=None, online=False, generation_validation_retries=None,
+          max_consecutive_generation_failures=None, keep_states=None):
     """Train a draft (EAGLE-3 unless --algorithm) on an extraction run's states, detached; follow it and fetch its
     metrics."""
     from specops.train import train as run
@@ -335,7 +345,10 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
     return run(target.inventory, target.selector, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run,
                detach=detach, force=force, trainer_args=trainer_arg, regenerate=regenerate,
                regen_max_tokens=regen_max_tokens, regen_temperature=regen_temperature, gpus=gpus,
-               total_seq_len=total_seq_len, master_port=master_port, algorithm=algorithm, as_json=target.as_json,
+               total_seq_len=total_seq_len, master_port=master_port, algorithm=algorithm, online=online,
+               stream_checks={"generation_validation_retries": generation_validation_retries,
+                              "max_consecutive_generation_failures": max_consecutive_generation_failures},
+               keep_states=keep_states, as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 
@@ -359,8 +372,9 @@ def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, b
                     accept_new_host_key=target.accept_new_host_key)
 
 
-_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "regen-max-tokens", "regen-temperature",
-           "total-seq-len", "draft-vocab-size")
+_long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "online", "regen-max-tokens", "regen-temperature",
+           "total-seq-len", "draft-vocab-size", "generation-validation-retries", "max-consecutive-generation-failures",
+           "keep-states")
 _long_only(eval_, "from-run", "max-tokens", "baseline", "force")
 
 

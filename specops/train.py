@@ -43,7 +43,7 @@ PROGRESS_EVERY_S = 5.0
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
                  action: str = "start", gpus: int | None = None, total_seq_len: int | None = None,
-                 algorithm: str | None = None) -> dict:
+                 online: bool | dict = False, algorithm: str | None = None) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -55,6 +55,9 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
         params["gpus"] = int(gpus)
     if total_seq_len:
         params["total_seq_len"] = int(total_seq_len)
+    if online:  # only when given: an offline run records none (a dict: its stream checks given)
+        params["online"] = True
+        params.update({k: v for k, v in (online if isinstance(online, dict) else {}).items() if v is not None})
     if algorithm:  # only when given, like the trainer args: a run started without it resumes without it
         params["algorithm"] = str(algorithm)
     if regenerate is not None:
@@ -95,12 +98,12 @@ def trainer_argv(values) -> list[str]:
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
-               action: str = "start", algorithm: str | None = None) -> HostReport:
+               action: str = "start", online: bool | dict = False, algorithm: str | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
-                          action=action, algorithm=algorithm)
+                          action=action, online=online, algorithm=algorithm)
     if nodes:
         params["nodes"] = nodes
     payload = host.run_task("train", params)
@@ -167,15 +170,23 @@ def run_record(run_id: str, state: RunStatus) -> Record:
         # rows the target did not answer when regenerating are not in what the draft learned: said, not lost
         regenerated = st.get("regenerated") or {}
         lost = regenerated.get("unanswered")
-        return Record(name="train.run", status="warn" if lost else "ok",
+        # --online: streamed samples that failed the trainer's checks (ids echo, shape, finite) on every try
+        stream = st.get("online_stream") or {}
+        dropped = (f"{stream['dropped']} streamed sample(s) failed every check and were not trained on (rows "
+                   f"{stream['dropped_rows']}; {stream['failed_round_trips']} failed round trip(s), last: "
+                   f"{stream['last']['error']})") if stream.get("dropped") else ""
+        return Record(name="train.run", status="warn" if lost or dropped else "ok",
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
                               f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}{used}"
-                              + (f"; regenerate: {lost}" if lost else ""),
-                      fix=f"read {regenerated.get('errors_file')} for why" if lost else None,
+                              + (f"; regenerate: {lost}" if lost else "") + (f"; {dropped}" if dropped else ""),
+                      fix=f"read {regenerated.get('errors_file')} for why" if lost else
+                      (f"read the server's log ({(st.get('online_server') or {}).get('log')}) and the trainer's "
+                       f"(specops logs --run-id {run_id}) for why" if dropped else None),
                       detail={"checkpoint": where, "resumed_from": st.get("resumed_from"),
                               "regenerated": st.get("regenerated"), "states_run": st.get("states_run"),
                               "tokens_per_s": st.get("tokens_per_s"), "val_loss": st.get("val_loss"),
-                              "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s"), "memory": memory})
+                              "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s"), "memory": memory,
+                              "online_stream": st.get("online_stream")})
     err = state.error
     status = "warn" if state.state == "aborted" else "fail"
     fix = None if status == "warn" else ("read the traceback (specops logs --run-id "
@@ -191,8 +202,8 @@ def run_record(run_id: str, state: RunStatus) -> Record:
 def train(inventory: Inventory, selector: str | None, *, run_id: str | None, from_run: str | None, epochs: int = 1,
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
-          master_port=None, as_json: bool = False,
-          accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
+          master_port=None, online: bool = False, stream_checks: dict | None = None, keep_states=None,
+          as_json: bool = False, accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
     from specops.runid import check_run_id
@@ -215,9 +226,20 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError("--regen-max-tokens and --regen-temperature set how the target writes its replies",
                          "add --regenerate, or drop them")
     master_port = _train_flag("master_port", master_port)
+    # --online's own: speculators' checks of each streamed sample, and what stays on disk
+    stream_checks = {k: _train_flag(k, v) for k, v in (stream_checks or {}).items() if v not in (None, "")}
+    keep_states = _train_flag("keep_states", keep_states)
+    if not online and (stream_checks or keep_states != TRAIN_ARGS["keep_states"].default):
+        given = [*stream_checks, *(["keep_states"] if keep_states != TRAIN_ARGS["keep_states"].default else [])]
+        raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in given)} set(s) how an online run streams "
+                         f"its states", "add --online, or drop them")
     hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
     nodes = {}
     if len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
+        if online:
+            raise UsageError("--online runs the server and the trainer colocated on one host (across hosts is not "
+                             "built yet)", "train online on one host (--on HOST), or train over several hosts "
+                             "offline")
         if regen is not None:
             raise UsageError("--regenerate runs on one host (the target's server writes the replies there)",
                              "regenerate on one host (--on HOST), or train over several hosts without it")
@@ -227,7 +249,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                          "drop it, or select several hosts (--on GROUP)")
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
                              trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
-                             algorithm=algorithm)
+                             online=(stream_checks or True) if online else False, algorithm=algorithm)
     checked: dict[str, list[Record]] = {}
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)

@@ -18,6 +18,11 @@ import os
 ENV_INJECT = "SPECOPS_INJECT_FAILURE"
 #: a pause after each batch, set in a run's ``env`` (a resume need not repeat it)
 ENV_BATCH_DELAY = "SPECOPS_BATCH_DELAY_S"
+#: the test host's CPU hidden-states connector corrupts the n-th file it writes (``{"n": "nonfinite"|"ids"}``,
+#: JSON): a streamed sample that fails the online trainer's checks (``specops/testhost/cpu_hidden_states_connector``)
+ENV_STREAM_FAULT = "SPECOPS_STREAM_FAULT"
+#: fault points armed in a run's ``env`` that are not part of what the run is
+ENV_FAULTS = (ENV_BATCH_DELAY, ENV_STREAM_FAULT)
 
 
 def _behaviour():
@@ -59,11 +64,11 @@ def swapped_states(params: dict) -> object | None:
 
 def resumable_as(params: dict) -> dict:
     """A run's recorded parameters as a resume compares them: a fault point armed in the run's ``env`` (the
-    batch pause) is not part of what the run is, so a resume need not repeat it."""
+    batch pause, a corrupted streamed sample) is not part of what the run is, so a resume need not repeat it."""
     env = params.get("env")
-    if not isinstance(env, dict) or ENV_BATCH_DELAY not in env:
+    if not isinstance(env, dict) or not set(ENV_FAULTS) & set(env):
         return params
-    env = {k: v for k, v in env.items() if k != ENV_BATCH_DELAY}
+    env = {k: v for k, v in env.items() if k not in ENV_FAULTS}
     return {**params, "env": env} if env else {k: v for k, v in params.items() if k != "env"}
 
 

@@ -64,9 +64,19 @@ NOT_OVERRIDABLE = ("speculator_type", "on_missing")
 #: a CPU host's flags: flex attention and dataloader workers need a GPU; Muon's step took 2.5 s
 #: of a 3.2 s step on the 2-core test host, AdamW's 6 ms (1.06 s a step).
 CPU_FLAGS = [("draft_attn_impl", "sdpa"), ("num_workers", "0"), ("optimizer", "adamw")]
+#: ``train --online``: the trainer asks the run's own extraction server for every row's states
+#: (speculators 0.9's ``--on-missing generate`` against ``--vllm-endpoint``), and keeps none of them.
+ONLINE_FLAGS = ("vllm_endpoint", "on_missing")
+#: ``train --online``'s own options (:data:`remote.wire.argspec.TRAIN_ARGS`), passed as speculators' flags of the
+#: same names when given: its checks of each streamed sample (ids echo, shape, finite)
+STREAM_CHECK_FLAGS = ("generation_validation_retries", "max_consecutive_generation_failures")
+#: an online run's token dataset: the states run's dataset files linked, without its ``hidden_states/``
+#: (what the trainer finds there it reads instead of asking the server)
+ONLINE_DATA = "online-data"
 #: every flag this module may pass (checked against the installed trainer before a run starts).
 USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
-              "epochs", "save_path", "dry_run", "speculator_type", *(k for k, _ in FIXED + CPU_FLAGS))
+              "epochs", "save_path", "dry_run", "speculator_type", *(k for k, _ in FIXED + CPU_FLAGS),
+              *ONLINE_FLAGS, *STREAM_CHECK_FLAGS)
 #: trainer flags specops sets itself, and what to use instead: ``--trainer-arg`` refuses them (a second
 #: value would silently win over the one the states run's manifest or the run's own options decided).
 SPECOPS_SETS = {
@@ -82,8 +92,10 @@ SPECOPS_SETS = {
     "dry_run": "specops train --dry-run",
     "speculator_type": "specops train --algorithm (default eagle3): its layer-id plan is checked against the states",
     "on_missing": "every row's states must be there (train.data checks it): specops passes --on-missing raise, "
-                  "so the trainer never asks a server specops did not start for them",
+                  "so the trainer never asks a server specops did not start for them; specops train --online "
+                  "passes generate, at the run's own server",
     "vllm_endpoint": "the trainer makes no states itself (--on-missing raise); extract them with specops extract",
+    **{k: f"specops train --online --{k.replace('_', '-')}" for k in STREAM_CHECK_FLAGS},
     "no_resume_from_checkpoint": "the same specops train command resumes; a new --run-id starts afresh",
     "config": "a YAML config could set any of the above: pass each trainer flag as its own --trainer-arg",
     "dump_config": "it prints a config and exits without training: read the trainer's command in the train "
@@ -130,6 +142,13 @@ class TrainPlan:
     regenerated: dict | None = None
     #: the states run's seq_len (no sample is longer); 0 in a plan written before it was kept
     seq_len: int = 0
+    #: ``train --online``: the token dataset the trainer reads (``online_data``, no states in it) and the
+    #: extraction server it asks for each row's states (set once the supervisor's server answers)
+    online: bool = False
+    online_data: str = ""
+    vllm_endpoint: str = ""
+    #: ``train --online``: speculators' checks of the streamed samples (:data:`STREAM_CHECK_FLAGS`; None: its default)
+    stream_checks: dict = field(default_factory=dict)
     #: the draft algorithm (speculators' ``--speculator-type``) and its layer-id plan
     #: (:func:`remote.wire.layers.algorithm_plan`: the config's aux ids, the serving vLLM's own)
     algorithm: str = layers.DEFAULT_ALGORITHM
@@ -143,11 +162,16 @@ class TrainPlan:
     def flags(self) -> list[tuple[str, str | list | None]]:
         """``(field, value)`` of every flag specops sets, in order (None: a switch); a default of
         :data:`OVERRIDABLE` that an extra arg names is left to it."""
-        out = [("verifier_name_or_path", self.model_path), ("data_path", self.data_path),
+        out = [("verifier_name_or_path", self.model_path),
+               ("data_path", self.online_data if self.online else self.data_path),
                ("target_layer_ids", [str(i) for i in self.trainer_layer_ids]),
                ("hidden_states_backend", self.backend), ("total_seq_len", str(self.total_seq_len)),
                ("epochs", str(self.epochs)), ("save_path", self.save_path),
                ("speculator_type", self.algorithm), *FIXED]
+        if self.online:  # every row's states from the run's own server, none read from disk
+            out = [(k, "generate" if k == "on_missing" else v) for k, v in out]
+            out.append(("vllm_endpoint", self.vllm_endpoint or "http://127.0.0.1:0/v1"))
+            out += [(k, str(v)) for k, v in self.stream_checks.items() if v is not None]
         if self.device == "cpu":
             out += CPU_FLAGS
         if self.dry_run:
@@ -361,7 +385,25 @@ def resolve(params: dict) -> TrainPlan:
         tokens=int(doc.get("tokens") or 0), sample_range=list(doc.get("sample_range") or []),
         save_path=str(checkpoints_dir(run_dir)), epochs=int(params.get("epochs") or 1),
         dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
-        extra_args=list(params.get("train_args") or []), algorithm=algorithm, layer_plan=layer_plan)
+        extra_args=list(params.get("train_args") or []), algorithm=algorithm, layer_plan=layer_plan,
+        online=bool(params.get("online")), online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "",
+        stream_checks={k: params[k] for k in STREAM_CHECK_FLAGS if params.get(k) is not None})
+
+
+def link_token_dataset(plan: TrainPlan) -> Path:
+    """``train --online``: the trainer's data path, the states run's token dataset files linked into the
+    train run (``hidden_states/`` left out, so the trainer asks the server for every row); made again each
+    start (a resumed run links the same files)."""
+    import shutil
+
+    source, out = Path(plan.data_path), Path(plan.online_data)
+    states_dir = contract.SAMPLE_FILES[contract.HS][1]
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for entry in sorted(source.iterdir()):
+        if entry.name != states_dir:
+            (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    return out
 
 
 #: speculators' own --total-seq-len default (0.9.0): a step packs this many tokens of several samples

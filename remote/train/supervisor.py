@@ -61,6 +61,46 @@ _BAR_RE = re.compile(r"━{8,}")
 _PAD_RE = re.compile(r" {8,}")
 
 
+#: speculators' own lines for a streamed sample that failed (``train/recovery.py``): each failed round trip
+#: (fetched again up to ``--generation-validation-retries`` more times), the last one of a sample given up
+#: ("consecutive failures=c/max": dropped, never trained on)
+_STREAM_FAIL_RE = re.compile(r"Hidden-state round trip failed for dataset index (\d+), file index (\d+) "
+                             r"\(attempt (\d+)/(\d+)(?:, consecutive failures=(\d+)/(\d+))?\): (.*)")
+#: the longest error text a status keeps of one failed round trip (a token ids mismatch prints every id)
+STREAM_ERROR_CHARS = 300
+
+
+def stream_failure(line: str) -> dict | None:
+    """One failed round trip of an online run's sample (the trainer's log line), else None; ``row``: the token
+    dataset's row (speculators' file index), ``dropped``: its last attempt failed too (the sample is skipped).
+
+    >>> stream_failure("WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/3): "
+    ...                "APIConnectionError: Connection error.    recovery.py:99")
+    {'row': 1, 'attempt': 2, 'attempts': 3, 'dropped': False, 'error': 'APIConnectionError: Connection error.'}
+    """
+    found = _STREAM_FAIL_RE.search(line)
+    if not found or "TrainingInterruptedError" in found.group(7):  # a stop (abort, the server's death), no sample's
+        return None
+    error = re.split(r" {4,}", found.group(7).strip())[0]  # the log's padding (shortened) then its source
+    return {"row": int(found.group(2)), "attempt": int(found.group(3)), "attempts": int(found.group(4)),
+            "dropped": found.group(5) is not None, "error": error[:STREAM_ERROR_CHARS]}
+
+
+def count_stream_failure(stream: dict | None, failed: dict) -> dict:
+    """The run's ``online_stream`` record with one more failed round trip: every failure counted, the rows
+    named, the samples given up (never trained on) counted and named apart."""
+    stream = dict(stream or {"failed_round_trips": 0, "retried": 0, "dropped": 0, "rows": [], "dropped_rows": []})
+    stream["failed_round_trips"] += 1
+    stream["rows"] = sorted(set(stream["rows"]) | {failed["row"]})
+    if failed["dropped"]:
+        stream["dropped"] += 1
+        stream["dropped_rows"] = sorted(set(stream["dropped_rows"]) | {failed["row"]})
+    else:
+        stream["retried"] += 1
+    stream["last"] = failed
+    return stream
+
+
 def parse_metrics(line: str) -> dict | None:
     """The numbers of one trainer metrics line (``train/...`` or ``val/...``), else None.
 
@@ -128,6 +168,8 @@ class TrainSupervisor:
                                        step=lambda previous: previous.get("step"),
                                        steps_total=lambda previous: previous.get("steps_total"))
         self.proc: subprocess.Popen | None = None
+        #: ``train --online``: the run's extraction server (remote.train.online.OnlineServer)
+        self.online = None
         self.aborted = False
         self._stop = threading.Event()
         self.steps_per_epoch = None
@@ -161,6 +203,50 @@ class TrainSupervisor:
         plan = trainplan.resolve(self.params)
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
+        try:
+            if plan.online:
+                self._start_online(plan)
+            return self._train(plan)
+        finally:
+            if self.online is not None:  # however the run ends, its server goes with it
+                self.status.update(online_server={**self.status.data.get("online_server", {}),
+                                                  "stopped": True, "killed": self.online.stop()})
+
+    def _start_online(self, plan: trainplan.TrainPlan):
+        """``train --online``: the token dataset linked without its states, the extraction server started
+        and answering; the plan then points the trainer at it (:mod:`remote.train.online`)."""
+        from remote.train import online
+        from remote.wire import manifest as run_manifest
+
+        trainplan.link_token_dataset(plan)
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
+        self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
+                           plan=plan.as_dict())
+        self.online = server  # however the run ends from here (an abort while it loads too), _run stops it
+        record = server.launch()
+        self.status.update(online_server=record)  # its pid and marker while it loads
+        ready = server.wait_ready(float(self.params.get("ready_timeout_s") or 900.0))
+        plan.vllm_endpoint = server.endpoint
+        record.update(endpoint=server.endpoint, ready_s=round(ready, 1), layer_ids=server.server.layer_ids,
+                      trainer_layer_ids=plan.trainer_layer_ids, command=server.server.command)
+        self.status.update(online_server=record)
+        print(f"[specops] online extraction server ready in {ready:.0f}s at {server.endpoint} (ids "
+              f"{server.server.layer_ids}; the trainer's aux ids {plan.trainer_layer_ids})", flush=True)
+
+    def _on_server_death(self, error: dict) -> None:
+        """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""
+        print(f"[specops] {error['message']}", flush=True)
+        if self.proc is not None and self.proc.poll() is None:
+            # SIGTERM first (speculators saves at its next step); a trainer stuck retrying the dead server's
+            # requests (speculators' own backoff) never reaches one: killed after the abort's wait
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=ABORT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def _train(self, plan: trainplan.TrainPlan) -> int:
         launcher = pick_launcher()
         nproc = trainer_processes(self.params, launcher)
         nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
@@ -188,10 +274,18 @@ class TrainSupervisor:
         with open(log_path, "a", encoding="utf-8") as log, \
                 open(self.paths.run_dir / trainplan.METRICS_FILE if head else os.devnull, "a",
                      encoding="utf-8") as metrics_out:  # the one curve is the head's (rank 0 prints the metrics)
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            # online: the trainer dies with the supervisor, as the server does (a dead supervisor leaves neither)
+            started = argv
+            if self.online is not None:
+                from remote.extract.engines.vllm_server.process import die_with_parent
+
+                started = die_with_parent(argv, self.params.get("python") or sys.executable)
+            self.proc = subprocess.Popen(started, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
             sampler = self._memory_sampler(plan, self.proc.pid)
+            if self.online is not None:
+                self.online.watch(self._on_server_death)
             try:
                 for raw in self.proc.stdout:
                     line = _PAD_RE.sub("    ", _BAR_RE.sub("━━━", raw.rstrip()))
@@ -201,6 +295,9 @@ class TrainSupervisor:
                 code = self.proc.wait()
             finally:  # the final peak is in the status before done, failed or aborted is
                 self.status.update(memory=sampler.stop())
+        if self.online is not None and self.online.died and not self.aborted:
+            self.status.fail({**self.online.died, "trainer_exit_code": code})
+            return 1
         if self.diverged:
             self.status.fail(diverged_error(self.diverged))
             return 1
@@ -312,6 +409,9 @@ class TrainSupervisor:
         return regen_plan
 
     def _on_line(self, line: str, metrics_out, t0: float) -> None:
+        failed = stream_failure(line) if self.online is not None else None
+        if failed:  # the run's record counts every failed round trip and names the rows
+            self.status.update(online_stream=count_stream_failure(self.status.data.get("online_stream"), failed))
         progress = _PROGRESS_RE.search(line)
         if progress and "Epoch" in line and not self.in_validation:
             self.steps_per_epoch = int(progress.group(2))  # the epoch's bar, printed as it ends

@@ -18,6 +18,10 @@ A task module (``main(params) -> payload``). ``action``:
            again says so; an aborted or failed one resumes from its last checkpoint
            (speculators resumes from its save path by itself).
 
+``online`` (``train --online``): the same checks plus ``train.online`` (the ids the run's own server will
+capture are the trainer's aux ids and the final state; the disk each way keeps), and the supervisor
+starts the states run's extraction server before the trainer (:mod:`remote.train.online`).
+
 Parameters: :data:`SPEC`.
 """
 from __future__ import annotations
@@ -52,6 +56,9 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    "online": Arg("bool", False, doc="train online: the run starts from_run's extraction server (same model, ids and "
+                                     "parameters) and the trainer asks it for every row's states; none stay on disk "
+                                     "(remote.train.online)"),
     "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
     "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
@@ -132,6 +139,8 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         detail=plan.as_dict())]
     records.append(check_states(plan))
     records.append(check_data(plan))
+    if plan.online:
+        records.append(check_online(plan, params))
     if params.get("regenerate"):
         from remote.train import regenerate
         from remote.wire import manifest as run_manifest
@@ -144,6 +153,104 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
     if plan.device == "cpu":
         records.append(check_cpu_launcher())
     return plan
+
+
+def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
+    """``train.online``: what the online run's server captures is what the trainer reads (the states run's ids,
+    sorted as the file's layer axis, the final state last; the trainer's aux ids those minus it).
+
+    :raises TrainError: ``--regenerate`` with ``--online`` (not built: the regenerated rows' states would be
+        extracted offline first), or ids that disagree.
+    """
+    if params.get("regenerate"):
+        raise TrainError("train.online", "--online with --regenerate is not built: the regenerated text's states "
+                         "are extracted offline before training", "drop one of --online and --regenerate")
+    captured = sorted(plan.layer_ids)
+    if captured[:-1] != plan.trainer_layer_ids or captured[-1] != plan.num_layers:
+        raise TrainError("train.online", f"the server would capture ids {captured} (input) but the trainer reads "
+                         f"aux ids {plan.trainer_layer_ids} and the final state {plan.num_layers}",
+                         "extract again with the final state last (specops extract --layer-ids)",
+                         detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids})
+    disk, cost = online_disk(plan), online_time(plan)
+    return protocol.record("train.online", protocol.OK,
+                           f"online: run {plan.from_run}'s extraction server captures ids {captured} (input) for "
+                           f"every row; the trainer asks it (--on-missing generate) with aux ids "
+                           f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
+                           f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only); {cost['line']}",
+                           detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
+                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk, "time": cost})
+
+
+def online_disk(plan: trainplan.TrainPlan) -> dict:
+    """What each way keeps on disk for this dataset: offline the states (the manifest's files) and the token
+    dataset, online the token dataset alone (the server's files are deleted once the trainer read them)."""
+    from remote.wire import manifest as run_manifest
+
+    doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+    entries = list(doc.get("files") or [])
+    states = sum(int(e.get("bytes") or 0) for e in entries)
+    states_dir = Path(plan.data_path) / "hidden_states"
+    dataset = sum(f.stat().st_size for f in Path(plan.data_path).rglob("*")
+                  if f.is_file() and states_dir not in f.parents)
+    return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
+            "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
+
+
+def online_time(plan: trainplan.TrainPlan) -> dict:
+    """The time of each way for this dataset, from the last runs' rates where known: the states run's
+    extraction tok/s (its summary), the last offline train run of the same states' tok/s, and the last online
+    one's (this run's earlier attempt too: the trainer's own rate, its waits on the server included).
+
+    Offline extracts once and trains ``epochs`` times from disk; online (colocated, one request at a time) has
+    the server make every row's states again each epoch, as the trainer deletes them once read: without an
+    online rate measured, the states' time each epoch plus the training's."""
+    import json
+
+    tokens, epochs = int(plan.tokens or 0), int(plan.epochs or 1)
+    try:
+        extract_tps = float(json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())["tokens_per_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        extract_tps = None
+    rates: dict[bool, tuple[float, str]] = {}  # online? -> (tok/s, run id) of the newest such train run
+    statuses = [d / "status.json" for d in Path(plan.states_run_dir).parent.iterdir() if (d / "status.json").is_file()]
+    for path in sorted(statuses, key=lambda f: f.stat().st_mtime, reverse=True):
+        try:
+            st = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        run_plan = st.get("plan") or {}
+        if st.get("kind") == "train" and run_plan.get("from_run") == plan.from_run and st.get("tokens_per_s"):
+            rates.setdefault(bool(run_plan.get("online")), (float(st["tokens_per_s"]), path.parent.name))
+    train_tps, train_run = rates.get(False, (None, None))
+    online_tps, online_run = rates.get(True, (None, None))
+    out = {"tokens": tokens, "epochs": epochs, "extract_tokens_per_s": extract_tps, "train_tokens_per_s": train_tps,
+           "train_rate_from": train_run, "online_tokens_per_s": online_tps, "online_rate_from": online_run,
+           "offline_s": None, "online_s": None}
+    if not tokens or not extract_tps:
+        out["line"] = "time: no extraction rate known for this dataset"
+        return out
+    extract_s = tokens / extract_tps
+    out.update(offline_extract_s=round(extract_s, 1), online_extract_s=round(epochs * extract_s, 1))
+    if online_tps:  # measured: the trainer's own rate while streaming
+        out["online_s"] = round(epochs * tokens / online_tps, 1)
+    if train_tps is None:
+        out["line"] = (f"time: states {extract_s:.0f} s once offline at {extract_tps:.0f} tok/s, "
+                       + (f"online ~{out['online_s']:.0f} s ({online_tps:.0f} tok/s in run {online_run}); "
+                          if online_tps else f"{epochs * extract_s:.0f} s online (made again each of {epochs} "
+                                             f"epoch(s)); ")
+                       + f"training's offline rate not known yet (no earlier offline train run of {plan.from_run})")
+        return out
+    train_s = epochs * tokens / train_tps
+    out["offline_s"] = round(extract_s + train_s, 1)
+    if not online_tps:
+        out["online_s"] = round(epochs * extract_s + train_s, 1)
+    how = (f"{online_tps:.0f} tok/s measured in run {online_run}" if online_tps
+           else "the states made again each epoch, estimated")
+    out["line"] = (f"time: offline ~{out['offline_s']:.0f} s (states once at {extract_tps:.0f} tok/s, then "
+                   f"{epochs} epoch(s) at {train_tps:.0f} tok/s, run {train_run}), online ~{out['online_s']:.0f} s "
+                   f"({how})")
+    return out
 
 
 def check_same_args(params: dict) -> None:

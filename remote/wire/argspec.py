@@ -51,6 +51,9 @@ fault points they arm are named in :mod:`remote.run.faults`; what an armed one d
 ``batch_delay_s`` (job)
     a pause after each batch, to act mid-run. ``SPECOPS_BATCH_DELAY_S`` in the run's
     ``env`` does the same without being a run parameter (a resume need not repeat it).
+    ``SPECOPS_STREAM_FAULT`` there (``{"n": "nonfinite"|"ids"}``) makes the test host's CPU
+    hidden-states connector corrupt the n-th file it writes: an online run's streamed sample
+    that fails the trainer's checks.
 ``inject_failure_after``, ``hold_lock_s`` (patcher, drift)
     fail after writing this many files (proves the rollback); keep the lock this long.
 ``plain`` (job)
@@ -542,6 +545,14 @@ TRAIN_ARGS = {
                        "listens on at the first host (default specops.inventory.DEFAULT_MASTER_PORT)"),
     "regen_max_tokens": Arg("int", min=1, doc="regenerate: tokens per reply (default: the states run's seq_len)"),
     "regen_temperature": Arg("float", min=0, doc="regenerate: sampling temperature (default 0: greedy)"),
+    # train --online: speculators' own checks of each streamed sample (ids echo, shape, finite), passed to its trainer
+    "generation_validation_retries": Arg("int", min=0, doc="online: speculators' --generation-validation-retries, "
+                                         "more tries of a streamed sample that failed its checks (default its 2)"),
+    "max_consecutive_generation_failures": Arg("int", min=1, doc="online: speculators' --max-consecutive-generation-"
+                                               "failures, samples in a row given up before the run fails (default "
+                                               "its 20)"),
+    "keep_states": Arg("str", "none", choices=("none",), doc="online: which streamed states stay on disk; none (the "
+                       "token dataset only; speculators 0.9 deletes each once read)"),
 }
 
 #: which installed packages a check looks at, and what it checks them for: the drift check, the

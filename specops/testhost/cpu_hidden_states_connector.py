@@ -23,6 +23,8 @@ under that module name. A GPU host never gets it: there the stock connector is r
 from __future__ import annotations
 
 import fcntl
+import itertools
+import json
 import os
 from functools import partial
 
@@ -46,6 +48,21 @@ class _CopyDone:
         return None
 
 
+#: a test's fault point (``remote.run.faults.ENV_STREAM_FAULT``): ``{"n": "nonfinite"|"ids"}`` corrupts the n-th
+#: file this server writes (1-based): the states not finite, or the token ids off by one, so the online trainer's
+#: checks of a streamed sample must catch it
+_STREAM_FAULT = {int(k): v for k, v in json.loads(os.environ.get("SPECOPS_STREAM_FAULT") or "{}").items()}
+_written = itertools.count(1)
+
+
+def _corrupt(tensors: dict) -> None:
+    how = _STREAM_FAULT.get(next(_written)) if _STREAM_FAULT else None
+    if how == "nonfinite":
+        tensors["hidden_states"][0].fill_(float("nan"))
+    elif how == "ids":
+        tensors["token_ids"] += 1
+
+
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     """``ExampleHiddenStatesConnector`` with a synchronous, CPU-only copy out of the KV cache."""
 
@@ -61,6 +78,7 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         # reports it, and the writer thread may run later than that.
         hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens).clone()
         tensors = {"hidden_states": hidden_states, "token_ids": pending.token_ids.clone()}
+        _corrupt(tensors)
 
         assert self._req_futures.get(pending.req_id) is None, "Found another KV transfer request with same req_id!"
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)

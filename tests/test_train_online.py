@@ -1,0 +1,309 @@
+"""``specops train --online`` (issue 44): the run's own extraction server beside the trainer.
+
+Light: an online plan's trainer command (the token dataset without states, ``--on-missing generate``
+at the server's endpoint, the stream checks passed as speculators' own flags), the dataset link that
+leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
+laptop refuses.
+
+Heavy (marked ``vllm``; two CPU server starts loaded, one launch aborted while it loads): on the
+session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
+online train run, started three times by the same command:
+
+1. detached, paced (the CPU launcher's pause after each step): once the trainer is past epoch 0's
+   checkpoint (its status), the server's API process is killed; the run fails naming the online
+   server, and neither a server process nor the trainer is left;
+2. the same command, detached: aborted as soon as its fresh server is launched (its pid in the
+   status): aborted, nothing of it left;
+3. the same command, to the end, with the test host's connector corrupting two files it writes
+   (non-finite states, then token ids off by one: one sample's two tries): done, resumed from epoch 0,
+   a curve fetched, a checkpoint whose aux ids are the plan's, every loss finite (the bad sample never
+   trained on), the run's record counting and naming it, and no states kept on the host.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+from specops_cli import records, specops  # noqa: E402
+from trainplans import train_plan  # noqa: E402
+sys.path.insert(0, str(REPO))
+
+from remote.extract.engines.vllm_server.process import leftover_pids  # noqa: E402
+from remote.train import plan as trainplan  # noqa: E402
+
+EPOCHS = 4
+
+
+# --------------------------------------------------------------------------- light
+
+
+def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_states(tmp_path):
+    plan = train_plan(online=True, online_data="/w/runs/t1/online-data", vllm_endpoint="http://127.0.0.1:9/v1")
+    argv = plan.argv("python")
+    assert argv[argv.index("--data-path") + 1] == "/w/runs/t1/online-data"
+    assert argv[argv.index("--on-missing") + 1] == "generate" and argv.count("--on-missing") == 1
+    assert argv[argv.index("--vllm-endpoint") + 1] == "http://127.0.0.1:9/v1"
+    offline = train_plan().argv("python")
+    assert offline[offline.index("--on-missing") + 1] == "raise" and "--vllm-endpoint" not in offline
+    # the link: every dataset file of the states run, its states left out
+    out = tmp_path / "out"
+    (out / "hidden_states").mkdir(parents=True)
+    (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"x")
+    for name in ("data-00000-of-00001.arrow", "dataset_info.json", "state.json", "token_freq.pt"):
+        (out / name).write_text(name)
+    plan = train_plan(data_path=str(out), online=True, online_data=str(tmp_path / "run" / trainplan.ONLINE_DATA))
+    linked = trainplan.link_token_dataset(plan)
+    assert sorted(p.name for p in linked.iterdir()) == ["data-00000-of-00001.arrow", "dataset_info.json",
+                                                        "state.json", "token_freq.pt"]
+    assert (linked / "state.json").read_text() == "state.json"
+    assert trainplan.link_token_dataset(plan) == linked  # again (a resume): the same links
+
+
+def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
+    from remote.train import supervisor
+
+    # as speculators 0.9 prints them (train/recovery.py): a failed try, then the last one (the sample given up)
+    retried = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 1/2): "
+               "ValueError: Hidden states contain non-finite values (min=nan, max=nan)    recovery.py:99")
+    given_up = ("    WARNING  Hidden-state round trip failed for dataset index 1, file index 1 (attempt 2/2, "
+                "consecutive failures=1/3): ValueError: Token ids don't match expected token ids " + "[7, 8] " * 200)
+    first = supervisor.stream_failure(retried)
+    assert first == {"row": 1, "attempt": 1, "attempts": 2, "dropped": False,
+                     "error": "ValueError: Hidden states contain non-finite values (min=nan, max=nan)"}
+    last = supervisor.stream_failure(given_up)
+    assert last["dropped"] is True and last["attempt"] == 2 and last["row"] == 1
+    assert len(last["error"]) == supervisor.STREAM_ERROR_CHARS and last["error"].startswith("ValueError: Token ids")
+    assert supervisor.stream_failure("INFO     Training epoch 3/4 started    trainer.py:737") is None
+    stream = supervisor.count_stream_failure(supervisor.count_stream_failure(None, first), last)
+    assert stream == {"failed_round_trips": 2, "retried": 1, "dropped": 1, "rows": [1], "dropped_rows": [1],
+                      "last": last}
+    # the trainer's command carries the stream checks as its own flags, an online run's only
+    argv = train_plan(online=True, online_data="/w/d", stream_checks={"generation_validation_retries": 0,
+                                                                      "max_consecutive_generation_failures": 5}
+                      ).argv("python")
+    assert argv[argv.index("--generation-validation-retries") + 1] == "0"
+    assert argv[argv.index("--max-consecutive-generation-failures") + 1] == "5"
+    assert "--generation-validation-retries" not in train_plan(online=True, online_data="/w/d").argv("python")
+    # given as a trainer flag too: refused, naming specops' own option
+    with pytest.raises(trainplan.TrainError) as refused:
+        trainplan.check_extra_args(["--generation-validation-retries", "3"], {"flags": {}})
+    assert "specops train --online --generation-validation-retries" in str(refused.value.__dict__), refused.value
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--generation-validation-retries", "1"], "--generation-validation-retries set(s) how an online run streams"),
+    (["--online", "--generation-validation-retries", "-1"], "--generation-validation-retries"),
+    (["--online", "--max-consecutive-generation-failures", "0"], "--max-consecutive-generation-failures"),
+    (["--online", "--keep-states", "all"], "--keep-states"),
+])
+def test_bad_stream_options_name_the_flag_and_nothing_runs(args, says, tmp_path):
+    host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host}}))
+    proc = specops("train", "--inventory", inv, "--run-id", "t", "--from-run", "r", *args, timeout=60)
+    assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_preflight_prices_offline_against_online_from_the_last_runs_rates(tmp_path):
+    from remote.train import task
+
+    runs = tmp_path / "runs"
+    states = runs / "r1"
+    states.mkdir(parents=True)
+    plan = train_plan(states_run_dir=str(states), tokens=1000, epochs=3, run_id="t2")
+    # no rate known at all: said, no numbers made up
+    assert task.online_time(plan)["line"] == "time: no extraction rate known for this dataset"
+    (states / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0}))
+    first = task.online_time(plan)  # the extraction's rate alone: the states' time each way, training's unknown
+    assert first["offline_extract_s"] == 10.0 and first["online_extract_s"] == 30.0 and first["online_s"] is None
+    assert "training's offline rate not known yet (no earlier offline train run of r1)" in first["line"], first
+
+    def train_run(name, from_run, rate, online=False):
+        (runs / name).mkdir()
+        (runs / name / "status.json").write_text(json.dumps({"kind": "train", "tokens_per_s": rate,
+                                                             "plan": {"from_run": from_run, "online": online}}))
+        time.sleep(0.01)  # the newest status is the last run
+
+    train_run("t0", "r1", 50.0)
+    train_run("t1", "other", 1.0)  # trained other states: not this dataset's rate
+    priced = task.online_time(plan)  # estimated: the states made again each epoch, then the same training
+    assert priced["train_tokens_per_s"] == 50.0 and priced["train_rate_from"] == "t0", priced
+    assert priced["offline_s"] == 10.0 + 60.0 and priced["online_s"] == 30.0 + 60.0, priced
+    assert "offline ~70 s" in priced["line"] and "online ~90 s (the states made again each epoch, estimated)" in \
+        priced["line"], priced["line"]
+    train_run("t2", "r1", 20.0, online=True)  # this run's earlier attempt, online: its measured rate wins
+    measured = task.online_time(plan)
+    assert measured["online_s"] == 150.0 and measured["online_rate_from"] == "t2" and measured["offline_s"] == 70.0
+    assert "online ~150 s (20 tok/s measured in run t2)" in measured["line"], measured["line"]
+
+
+def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
+    host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"}},
+                                   "groups": {"pair": ["a", "b"]}}))
+    proc = specops("train", "--inventory", inv, "--on", "pair", "--run-id", "t", "--from-run", "r", "--online",
+                   timeout=60)
+    assert proc.returncode == 3 and "--online runs the server and the trainer colocated on one host" in proc.stderr, \
+        proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- heavy
+
+
+def _status(inventory, run_id, env) -> tuple[int, dict]:
+    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env, timeout=120)
+    doc = json.loads(proc.stdout)
+    return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
+
+
+def _wait(inv, run_id, env, until, timeout=600, after_attempt=0) -> dict:
+    """The run's status once ``until`` holds or it ended (an attempt after ``after_attempt``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, st = _status(inv, run_id, env)
+        if (st.get("attempt") or 0) > after_attempt and (until(st) or st.get("state") in ("done", "failed",
+                                                                                          "aborted")):
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(1)
+
+
+def _trainers(run_dir: Path) -> list[str]:
+    """The trainer processes of this train run still alive (their command names its online dataset)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(run_dir / trainplan.ONLINE_DATA) in line]
+
+
+def _with_env(inv, path: Path, **env) -> Path:
+    """The shared inventory with more env for its hosts (a fault point armed), written to ``path``."""
+    doc = yaml.safe_load(Path(inv).read_text())
+    for host in doc["hosts"].values():
+        host["env"] = {**(host.get("env") or {}), **env}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _train_losses(metrics: Path) -> dict[int, float]:
+    """Each training step's loss of a run's metrics.jsonl (a resumed step's last row wins)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"train"' in line]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+#: seconds the CPU launcher pauses after each optimizer step in the first start (1 of 3): the server is killed
+#: once the status shows step 3, with 5 paced steps still to go
+PACE_S = "2"
+#: the files the third start's server corrupts: the 3rd non-finite, its retry (the 4th) with ids off by one
+STREAM_FAULT = {"3": "nonfinite", "4": "ids"}
+
+
+@pytest.mark.vllm
+def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_command_finishes(modern_ssh_run, tmp_path):
+    run = modern_ssh_run("llama", 1)
+    inv, env, work = run["inventory"], run["env"], run["run_dir"].parent.parent
+    run_dir = work / "runs" / "online"
+    args = ["--run-id", "online", "--from-run", run["run_id"], "--epochs", EPOCHS, "--online",
+            "--generation-validation-retries", "1", "--max-consecutive-generation-failures", "3"]
+    paced = _with_env(inv, tmp_path / "paced.yaml", SPECOPS_BATCH_DELAY_S=PACE_S)
+    faulty = _with_env(inv, tmp_path / "faulty.yaml", SPECOPS_STREAM_FAULT=json.dumps(STREAM_FAULT))
+    t0 = time.monotonic()
+
+    # 1. the server dies while the trainer runs: the run fails naming it; nothing of it is left
+    started = specops("train", "--inventory", paced, *args, "--detach", "--json", env=env)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+    recs = records(started)
+    online = recs["train.online"]
+    assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
+    disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
+    assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
+    assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
+    assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
+    # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
+    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
+    assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
+    command = st["command"]  # the stream checks reach the trainer as its own flags
+    assert command[command.index("--generation-validation-retries") + 1] == "1", command
+    assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
+    server = st["online_server"]
+    assert server["layer_ids"] == [2, 4, 5, 8] and server["endpoint"].startswith("http://127.0.0.1:"), server
+    t_first = time.monotonic() - t0
+    os.kill(server["pid"], signal.SIGKILL)
+    st = _wait(inv, "online", env, lambda s: False, timeout=120)
+    assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
+    assert "online extraction server" in st["error"]["message"] and str(server["pid"]) in st["error"]["message"]
+    assert st["error"]["where"] == "online server" and st["error"]["rank"] == 0, st["error"]
+    assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+    first_losses = _train_losses(run_dir / trainplan.METRICS_FILE)
+    assert 0 in first_losses and math.isfinite(first_losses[0]), first_losses
+
+    # parity: the same rows, seed and order trained offline from the shared extraction's files (no server): the
+    # same first-step loss as the online run's, within the noise of states made in another batch
+    offline = specops("train", "--inventory", inv, "--run-id", "offline", "--from-run", run["run_id"], "--epochs", 1,
+                      "--detach", "--json", env=env)
+    assert offline.returncode == 0, offline.stdout[-4000:] + offline.stderr[-4000:]
+    st_off = _wait(inv, "offline", env, lambda s: False)
+    assert st_off["state"] == "done", st_off
+    offline_losses = _train_losses(work / "runs" / "offline" / trainplan.METRICS_FILE)
+    assert [offline_losses[k] for k in (0, 1)] == pytest.approx([first_losses[k] for k in (0, 1)], rel=0.02), \
+        (offline_losses, first_losses)  # epoch 0's curve
+
+    # 2. the same command resumes it with a fresh server; an abort as it loads leaves nothing
+    resumed = specops("train", "--inventory", inv, *args, "--detach", "--json", env=env)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    st = _wait(inv, "online", env, lambda s: (s.get("online_server") or {}).get("marker") not in (None, server["marker"]),
+               after_attempt=st["attempt"])
+    assert st["state"] in ("loading", "training"), st
+    second = st["online_server"]
+    abort = specops("abort", "--inventory", inv, "--run-id", "online", env=env, timeout=120)
+    assert abort.returncode == 0, abort.stdout + abort.stderr
+    code, st = _status(inv, "online", env)
+    assert code == 103 and st["state"] == "aborted", st
+    assert leftover_pids(second["marker"]) == [] and _trainers(run_dir) == [], (leftover_pids(second["marker"]),
+                                                                                 _trainers(run_dir))
+    assert st["online_server"]["stopped"] is True
+
+    # 3. the same command to the end, two streamed files corrupted: a curve, the plan's aux ids, no states kept
+    done = specops("train", "--inventory", faulty, *args, "--json", env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    fetched = records(done)
+    # preflight priced both ways with the rates of the last runs: the extraction's and the offline train's
+    priced = fetched["train.online"]["detail"]["time"]
+    assert priced["train_rate_from"] == "offline" and priced["online_s"] > priced["offline_s"] > 0, priced
+    assert "offline ~" in fetched["train.online"]["summary"], fetched["train.online"]["summary"]
+    final = fetched["train.run"]
+    code, st = _status(inv, "online", env)
+    assert code == 0 and st["state"] == "done" and st["epoch"] == EPOCHS - 1, st
+    assert st["resumed_from"]["epoch"] >= 0 and st["resumed_from"]["global_step"] >= 2, st["resumed_from"]
+    # the corrupted sample: tried twice (non-finite, then ids off), counted, named, never trained on
+    stream = st["online_stream"]
+    assert stream["failed_round_trips"] == 2 and stream["retried"] == 1 and stream["dropped"] == 1, stream
+    assert stream["dropped_rows"] == stream["rows"] and len(stream["rows"]) == 1, stream
+    assert "Token ids don't match" in stream["last"]["error"], stream
+    assert final["status"] == "warn" and final["detail"]["online_stream"] == stream, final
+    assert f"rows {stream['rows']}" in final["summary"] and "not trained on" in final["summary"], final
+    losses = _train_losses(run_dir / trainplan.METRICS_FILE)
+    assert losses and all(math.isfinite(v) for v in losses.values()), losses
+    assert "curve.png" in fetched["fetch.metrics"]["summary"], fetched["fetch.metrics"]
+    steps = [json.loads(line)["step"] for line in
+             (Path(env["SPECOPS_RUNS"]) / "th" / "online" / "metrics.jsonl").read_text().splitlines()
+             if '"train"' in line]
+    assert steps and steps[-1] == st["steps_total"] - 1, steps
+    best = run_dir / "checkpoints" / "checkpoint_best"
+    assert json.loads((best / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    kept = [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts]
+    assert kept == [], kept  # every state the server wrote was read once and deleted
+    assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
+    assert leftover_pids(st["online_server"]["marker"]) == []
+    print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
+          f"all three starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
+          f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
