@@ -154,15 +154,15 @@ def make_inventory_host(make_inventory, host: dict, **changes) -> dict:
     return {**written, **changes}
 
 
-def _status(run_id, runs):
-    proc = specops("status", "--run-id", run_id, "--json", env=runs, timeout=120)
+def _status(run_id, runs, inventory):
+    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=runs, timeout=120)
     return proc, records(proc)
 
 
-def _wait_status(run_id, runs, ready, timeout=90):
+def _wait_status(run_id, runs, inventory, ready, timeout=90):
     deadline = time.monotonic() + timeout
     while True:
-        proc, found = _status(run_id, runs)
+        proc, found = _status(run_id, runs, inventory)
         if ready(found) or time.monotonic() > deadline:
             return proc, found
         time.sleep(1)
@@ -172,7 +172,7 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
                                                                          tmp_path):
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path)
-    host["env"]["SPECOPS_BATCH_DELAY_S"] = "2"  # time to look at it running, and to abort it there
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "6"  # time to look at it running, and to abort it there
     inventory = make_inventory(**host)
     started = specops("extract", "--inventory", inventory, "--run-id", "s1", "--skip-preflight", "--skip-smoke",
                       "--detach", "--json", env=runs, timeout=120)
@@ -182,39 +182,42 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
     assert "exec " in (run_dir / "slurm.sbatch").read_text()
 
-    proc, found = _wait_status("s1", runs, lambda r: "RUNNING" in r.get("job.slurm", {}).get("summary", "")
-                               and r["job.status"]["detail"] and "extracting" in r["job.status"]["summary"])
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "RUNNING" in r.get("job.slurm", {}).get("summary", ""))
+    assert "job.slurm" in found, proc.stdout + started.stdout
     assert found["job.slurm"]["status"] == "ok" and f"Slurm job {job_id} RUNNING on node" in \
         found["job.slurm"]["summary"], proc.stdout
-    assert "extracting" in found["job.status"]["summary"], proc.stdout
     assert proc.returncode == 101  # running
 
     # a second run asks for both nodes while s1 holds one: Slurm keeps it pending and says why
     second = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="s2", nodes=2)
-    pending = specops("extract", "--inventory", make_inventory(**second), "--run-id", "s2", "--skip-preflight",
+    inventory2 = make_inventory(**second)
+    pending = specops("extract", "--inventory", inventory2, "--run-id", "s2", "--skip-preflight",
                       "--skip-smoke", "--detach", "--json", env=runs, timeout=120)
     assert records(pending)["job.start"]["status"] == "changed", pending.stdout
-    proc, found = _wait_status("s2", runs, lambda r: "Resources" in r.get("job.slurm", {}).get("summary", ""),
+    proc, found = _wait_status("s2", runs, inventory2, lambda r: "Resources" in r.get("job.slurm", {}).get("summary", ""),
                                timeout=20)
     assert "PENDING (Resources)" in found["job.slurm"]["summary"], proc.stdout
     assert "waits for nodes (Resources)" in found["job.slurm"]["fix"]
     # cancelled behind specops' back (an admin, the user's own scancel): named, with its fix
     s2_job = json.loads((tmp_path / "work" / "runs" / "s2" / "slurm.json").read_text())["job_id"]
     _slurm(cluster, "scancel", s2_job)
-    proc, found = _wait_status("s2", runs, lambda r: "CANCELLED" in r.get("job.slurm", {}).get("summary", ""),
+    proc, found = _wait_status("s2", runs, inventory2, lambda r: "CANCELLED" in r.get("job.slurm", {}).get("summary", ""),
                                timeout=20)
     assert found["job.slurm"]["status"] == "fail" and "cancelled" in found["job.slurm"]["summary"], proc.stdout
     assert "run the same command again to resume" in found["job.slurm"]["fix"]
     assert found["job.status"]["status"] == "fail" and "SlurmCancelled" in found["job.status"]["summary"]
     assert proc.returncode == 100
 
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "extracting" in r["job.status"]["summary"])
+    assert "extracting" in found["job.status"]["summary"] and "RUNNING" in found["job.slurm"]["summary"], proc.stdout
+
     # abort = scancel: the job ends, the run is aborted, and nothing of it is left
-    aborted = specops("abort", "--run-id", "s1", "--json", env=runs, timeout=120)
+    aborted = specops("abort", "--inventory", inventory, "--run-id", "s1", "--json", env=runs, timeout=120)
     said = records(aborted)["job.abort"]
     assert said["status"] == "changed" and f"scancel {job_id}" in said["summary"], aborted.stdout
     assert _slurm(cluster, "squeue", "-h", "-j", job_id).strip() == ""
     assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the aborted run is left"
-    proc, found = _status("s1", runs)
+    proc, found = _status("s1", runs, inventory)
     assert "aborted" in found["job.status"]["summary"] and "CANCELLED" in found["job.slurm"]["summary"]
     assert proc.returncode == 103
 
@@ -225,6 +228,6 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     manifest = json.loads((tmp_path / "runs" / "login" / "s1" / "manifest.json").read_text()) if (
         tmp_path / "runs" / "login").exists() else json.loads(next((tmp_path / "runs").rglob("manifest.json")).read_text())
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
-    proc, found = _status("s1", runs)
+    proc, found = _status("s1", runs, inventory)
     assert proc.returncode == 0 and "COMPLETED" in found["job.slurm"]["summary"], proc.stdout
     assert "done" in found["job.status"]["summary"]
