@@ -225,9 +225,10 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     resumed = specops("extract", "--inventory", inventory, "--run-id", "s1", "--skip-preflight", "--skip-smoke",
                       "--json", env=runs, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    manifest = json.loads((tmp_path / "runs" / "login" / "s1" / "manifest.json").read_text()) if (
-        tmp_path / "runs" / "login").exists() else json.loads(next((tmp_path / "runs").rglob("manifest.json")).read_text())
+    manifest = json.loads((tmp_path / "runs" / "th" / "s1" / "manifest.json").read_text())
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
+    assert sorted(p.name for p in (tmp_path / "out-login" / "s1").glob("data_*.pt")) == [
+        f"data_{i}.pt" for i in range(6)]  # every sample once, on the shared filesystem
     proc, found = _status("s1", runs, inventory)
     assert proc.returncode == 0 and "COMPLETED" in found["job.slurm"]["summary"], proc.stdout
     assert "done" in found["job.status"]["summary"]

@@ -145,14 +145,14 @@ class SlurmCluster:
         raise SpecopsError(f"no {what} within {timeout:.0f}s", f"read the logs under {self.root}")
 
     def down(self) -> None:
-        """Stop every daemon (slurmd first, munged last) and wait for each: nothing outlives this."""
-        order = [n for n in self.procs if n.startswith("slurmd")] + ["slurmctld", "munged"]
-        for name in order:
-            proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Stop every daemon (the Slurm ones together, munged last) and wait for each: nothing outlives this."""
+        slurm = [n for n in self.procs if n != "munged"]
+        for names in (slurm, ["munged"]):
+            stopping = [self.procs.pop(n) for n in names if n in self.procs]
+            for proc in stopping:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in stopping:
                 try:
                     proc.wait(10)
                 except subprocess.TimeoutExpired:
