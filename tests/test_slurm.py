@@ -191,8 +191,8 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     # a second run asks for both nodes while s1 holds one: Slurm keeps it pending and says why
     second = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="s2", nodes=2)
     inventory2 = make_inventory(**second)
-    pending = specops("extract", "--inventory", inventory2, "--run-id", "s2", "--skip-preflight",
-                      "--skip-smoke", "--detach", "--json", env=runs, timeout=120)
+    pending = specops("extract", "--inventory", inventory2, "--run-id", "s2", "--skip-preflight", "--skip-smoke",
+                      "--detach", "--json", env=runs, timeout=120)
     assert records(pending)["job.start"]["status"] == "changed", pending.stdout
     proc, found = _wait_status("s2", runs, inventory2, lambda r: "Resources" in r.get("job.slurm", {}).get("summary", ""),
                                timeout=20)
