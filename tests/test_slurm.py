@@ -221,15 +221,34 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     assert "aborted" in found["job.status"]["summary"] and "CANCELLED" in found["job.slurm"]["summary"]
     assert proc.returncode == 103
 
-    # the same command again resubmits it: it resumes and finishes, with the run's files and manifest
-    host["env"].pop("SPECOPS_BATCH_DELAY_S")  # a fault point is not part of what the run is: no pause now
-    resumed = specops("extract", "--inventory", make_inventory(**host), "--run-id", "s1", "--skip-preflight", "--skip-smoke",
-                      "--json", env=runs, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # the same command again resubmits it; a node set down mid-run then makes Slurm requeue the job, status names
+    # it, and the job started again resumes the run: every sample once, the run's files and manifest as ever
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "5"  # a fault point is not part of what the run is: a resume may change it
+    inventory = make_inventory(**host)
+    started = specops("extract", "--inventory", inventory, "--run-id", "s1", "--skip-preflight", "--skip-smoke",
+                      "--detach", "--json", env=runs, timeout=120)
+    assert "resubmitted (resumes after the last complete sample)" in records(started)["job.start"]["summary"]
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "extracting" in r["job.status"]["summary"])
+    node = found["job.slurm"]["detail"]["nodes"]
+    assert node in ("node1", "node2"), proc.stdout
+    _slurm(cluster, "scontrol", "update", f"nodename={node}", "state=down", "reason=specops-test")
+    try:
+        proc, found = _wait_status("s1", runs, inventory, lambda r: "requeued 1x" in r["job.slurm"]["summary"],
+                                   timeout=30)
+        assert f"Slurm job {job_id} PENDING" in found["job.slurm"]["summary"], proc.stdout
+        assert "after a node failure or a preemption" in found["job.slurm"]["summary"]
+    finally:
+        _slurm(cluster, "scontrol", "update", f"nodename={node}", "state=resume")
+    _slurm(cluster, "scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeue back ~2 min
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "done" in r["job.status"]["summary"]
+                               and "COMPLETED" in r["job.slurm"]["summary"], timeout=120)
+    assert proc.returncode == 0 and "COMPLETED" in found["job.slurm"]["summary"], proc.stdout
+    log = (run_dir / "logs" / "supervisor.log").read_text()
+    assert f"Slurm started job {job_id} again (restart 1)" in log
+    out = tmp_path / "out-login" / "s1"
+    assert sorted(p.name for p in out.glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    fetched = specops("extract", "--inventory", inventory, "--run-id", "s1", "--json", env=runs, timeout=120)
+    assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
     manifest = json.loads((tmp_path / "runs" / "th" / "s1" / "manifest.json").read_text())
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
-    assert sorted(p.name for p in (tmp_path / "out-login" / "s1").glob("data_*.pt")) == [
-        f"data_{i}.pt" for i in range(6)]  # every sample once, on the shared filesystem
-    proc, found = _status("s1", runs, inventory)
-    assert proc.returncode == 0 and "COMPLETED" in found["job.slurm"]["summary"], proc.stdout
-    assert "done" in found["job.status"]["summary"]

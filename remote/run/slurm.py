@@ -7,8 +7,9 @@ same run dir (a shared filesystem), and ``slurm.json`` beside ``status.json`` na
 
     {"job_id": "42", "partition": "gpu", "submitted_unix": 1760000000.0, "env": {"SLURM_CONF": "..."}}
 
-Liveness of such a run is Slurm's word (:func:`job_state`: ``squeue``, then ``scontrol show
-job``, then ``sacct``), not a pid: the login node cannot see a compute node's processes.
+Liveness of such a run is Slurm's word (:func:`job_state`: ``scontrol show job``, then ``sacct``),
+not a pid: the login node cannot see a compute node's processes. A job Slurm starts again (requeued
+after a node failure or a preemption) restarts the run from its batch script (:func:`requeued`).
 
 The task (``main``) answers ``action: partition``: ``sinfo`` on the partition against what
 the run asks (time limit, nodes, GPUs per node), before anything is submitted.
@@ -31,6 +32,8 @@ JOB_FILE = "slurm.json"
 CLIENT_ENV_PREFIX = "SLURM_"
 #: sinfo's partition line: name, availability, time limit, node count, gres, node list.
 SINFO_FORMAT = "%P|%a|%l|%D|%G|%N"
+#: ``python -m remote.run.slurm requeued RUN_DIR``: the run is done, the requeued job has nothing to do.
+ALREADY_DONE_EXIT = 10
 #: a state read this recently is reused (``job follow`` asks twice a second).
 STATE_CACHE_S = 2.0
 
@@ -139,11 +142,18 @@ def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str) -> di
     compute node that is this host too reads it as usual.
     """
     setup = slurm.get("setup")
+    python = shlex.quote(str(argv[0]))
     script = "\n".join([
         "#!/bin/sh",
         f"# specops run {run_id}: its supervisor on the job's first node (remote/run/slurm.py)",
         "cd " + shlex.quote(str(run_dir)),
         *([setup] if setup else []),
+        "# started again by Slurm (requeued after a node failure or a preemption): the run restarts as job start",
+        "# restarts it, resuming after its last complete sample; a run done already stays done",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+        f"  {python} -m remote.run.slurm requeued {shlex.quote(str(run_dir))}",
+        f"  rc=$?; [ $rc -eq {ALREADY_DONE_EXIT} ] && exit 0; [ $rc -ne 0 ] && exit $rc",
+        "fi",
         "echo $$ > pid",
         "exec " + " ".join(shlex.quote(str(w)) for w in argv),
         "",
@@ -187,35 +197,34 @@ def job_state(run_dir: Path, fresh: bool = False) -> dict | None:
     if seen and not fresh and time.monotonic() - seen[0] < STATE_CACHE_S and seen[1]["job_id"] == job["job_id"]:
         return seen[1]
     job_id, env = str(job["job_id"]), job.get("env") or {}
-    state, reason, nodes = _squeue(job_id, env) or _scontrol(job_id, env) or _sacct(job_id, env) or ("", "", "")
+    state, reason, nodes, restarts = _scontrol(job_id, env) or _sacct(job_id, env) or ("", "", "", 0)
     if not state:  # aged out of every record: Slurm no longer knows the job (MinJobAge, no accounting)
         found = {"slurm": "UNKNOWN", "state": "gone", "alive": False, "reason": None, "job_id": job_id,
                  "fix": None}
     else:
         found = wire_slurm.job_state(state, job=job_id, reason=reason if reason not in ("None", "(null)") else "")
     found["nodes"] = nodes if nodes and nodes not in ("(null)", "None assigned") else None
+    found["restarts"] = restarts
     _cache[str(run_dir)] = (time.monotonic(), found)
     return found
 
 
-def _squeue(job_id: str, env: dict):
-    proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N"], env, timeout=20)
-    line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
-    return tuple(line.split("|", 2)) if line.count("|") == 2 else None
-
-
 def _scontrol(job_id: str, env: dict):
+    """(state, reason, nodes, restarts) from ``scontrol show job`` (a job Slurm still holds: MinJobAge)."""
     proc = _run(["scontrol", "-o", "show", "job", job_id], env, timeout=20)
     if proc.returncode != 0 or "JobState=" not in proc.stdout:
         return None
     fields = dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
-    return fields.get("JobState", ""), fields.get("Reason", ""), fields.get("NodeList", "")
+    restarts = fields.get("Restarts", "0")
+    return (fields.get("JobState", ""), fields.get("Reason", ""), fields.get("NodeList", ""),
+            int(restarts) if restarts.isdigit() else 0)
 
 
 def _sacct(job_id: str, env: dict):
+    """The same from accounting, for a job ``scontrol`` forgot (where the cluster keeps accounting)."""
     proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,NodeList"], env, timeout=20)
     line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
-    return tuple(line.split("|", 2)) if line.count("|") == 2 else None
+    return (*line.split("|", 2), 0) if line.count("|") == 2 else None
 
 
 def cancel(run_dir: Path, wait_s: float = 60.0) -> dict:
@@ -232,7 +241,34 @@ def cancel(run_dir: Path, wait_s: float = 60.0) -> dict:
 
 
 def state_words(found: dict) -> str:
-    """``Slurm job 42 RUNNING on node1`` / ``Slurm job 42 PENDING (Resources)``."""
+    """``Slurm job 42 RUNNING on node1`` / ``Slurm job 42 PENDING (Resources)`` / ``... (requeued 1x)``."""
     where = f" on {found['nodes']}" if found.get("nodes") and found["alive"] else ""
-    why = f" ({found['reason']})" if found.get("reason") and found["slurm"] == "PENDING" else ""
-    return f"Slurm job {found['job_id']} {found['slurm']}{why}{where}"
+    why = [found["reason"]] if found.get("reason") and found["slurm"] == "PENDING" else []
+    if found.get("restarts"):
+        why.append(f"requeued {found['restarts']}x: started again by Slurm after a node failure or a preemption")
+    return f"Slurm job {found['job_id']} {found['slurm']}{' (' + '; '.join(why) + ')' if why else ''}{where}"
+
+
+def requeued(run_dir: Path) -> int:
+    """The batch script of a job Slurm started again: restart the run as ``job start`` would (it resumes after its
+    last complete sample). Returns :data:`ALREADY_DONE_EXIT` for a run that is done already."""
+    from remote.run.lifecycle import StatusFile
+    from remote.wire.contract import STATUS_FILE, RunState
+
+    status = StatusFile.of_job(Path(run_dir) / STATUS_FILE)
+    if status.state == RunState.DONE:
+        return ALREADY_DONE_EXIT
+    status.restart(status.data.get("run_id") or Path(run_dir).name)
+    (Path(run_dir) / "pid").unlink(missing_ok=True)
+    print(f"[specops] Slurm started job {os.environ.get('SLURM_JOB_ID')} again (restart "
+          f"{os.environ.get('SLURM_RESTART_COUNT')}): run restarted, resuming after its last complete sample",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # the batch script: python -m remote.run.slurm requeued RUN_DIR
+    import sys
+
+    if sys.argv[1:2] != ["requeued"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m remote.run.slurm requeued RUN_DIR")
+    sys.exit(requeued(Path(sys.argv[2])))
