@@ -65,3 +65,19 @@ def preflight_payload(host, params: dict) -> dict:
                             launcher=srun_launcher(spec, "specops-preflight", max_minutes))
     payload["records"] = records + payload["records"]
     return payload
+
+
+def refuse_not_yet(spec: HostSpec, what: str) -> None:
+    """A task that does not go through Slurm yet must not run on a login node (a trainer there would take the
+    login node's CPUs, not a GPU node's): refused by name.
+
+    :raises UsageError: on a host with ``scheduler: slurm``.
+    """
+    if is_slurm(spec):
+        from specops.errors import UsageError
+
+        raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm), and {what} is not submitted "
+                         f"through Slurm yet: it would run on the login node",
+                         "run it on a host reached over SSH (an inventory entry for a GPU node you hold a job on: "
+                         "salloc, then its address), or wait for specops' Slurm support of it (issue 47)",
+                         host=spec.name)

@@ -109,6 +109,27 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
 
+def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
+    from specops.draft_eval import eval_step
+    from specops.errors import UsageError
+    from specops.inventory import HostSpec, SlurmSpec
+    from specops.train import start_step
+
+    class Untouched:  # a host no task may reach
+        def __init__(self, spec):
+            self.spec, self.name = spec, spec.name
+
+        def run_task(self, *args, **kwargs):
+            raise AssertionError("a task reached the login node")
+
+    spec = HostSpec(name="c", address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm",
+                    slurm=SlurmSpec(partition="gpu"))
+    with pytest.raises(UsageError, match="train is not submitted through Slurm yet: it would run on the login node"):
+        start_step(Untouched(spec), "t1", "r1", epochs=1, dry_run=True, force=False)
+    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet"):
+        eval_step(Untouched(spec), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
+
+
 # --------------------------------------------------------------------------- against the cluster
 
 def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, make_inventory, tiny_models, tmp_path):
