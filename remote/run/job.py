@@ -184,6 +184,7 @@ def start(params: dict) -> dict:
             return _payload("job.start", protocol.CHANGED, f"run {params['run_id']} {what} as Slurm job "
                             f"{job['job_id']} (partition {job['partition']})", run_dir, st, slurm_job=job,
                             resumed=resumed)
+        (run_dir / slurm.JOB_FILE).unlink(missing_ok=True)  # an earlier attempt's job: not this process's word
         pid = _spawn(run_dir, params)
         st = current_status(run_dir)
     what = "restarted (resumes after the last complete sample)" if resumed else "started"

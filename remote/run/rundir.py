@@ -21,6 +21,7 @@ import os
 import signal
 from pathlib import Path
 
+from remote.run import slurm
 from remote.system import procscan
 from remote.wire import contract
 
@@ -124,8 +125,6 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
 
 def run_alive(run_dir: Path) -> bool:
     """The run's supervisor lives; for a run submitted to Slurm (``slurm.json``), Slurm's word on its job."""
-    from remote.run import slurm
-
     found = slurm.job_state(run_dir)
     return found["alive"] if found is not None else pid_alive(read_pid(run_dir), run_dir)
 
