@@ -27,8 +27,10 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def cluster(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).up()
     yield cluster
+    cluster.down()
+    left = cluster.leftovers() + [p for p in _pids_with(str(cluster.root)) if p != os.getpid()]
     cluster.destroy()
-    assert not [p for p in _pids_with(str(cluster.root)) if p != os.getpid()], "a daemon of the cluster outlived it"
+    assert not left, f"processes of the cluster outlived it: {left}"
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:

@@ -145,7 +145,19 @@ class SlurmCluster:
         raise SpecopsError(f"no {what} within {timeout:.0f}s", f"read the logs under {self.root}")
 
     def down(self) -> None:
-        """Stop every daemon (the Slurm ones together, munged last) and wait for each: nothing outlives this."""
+        """Cancel every job, stop every daemon (the Slurm ones together, munged last), then end whatever still
+        carries this cluster's ``SLURM_CONF`` (a job step's slurmstepd outlives its slurmd): nothing outlives this."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            env = {**os.environ, **self.env}
+            jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=env,
+                                  timeout=10).stdout.split()
+            if jobs:
+                subprocess.run(["scancel", *jobs], capture_output=True, env=env, timeout=10)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and subprocess.run(
+                        ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=env,
+                        timeout=10).stdout.strip():
+                    time.sleep(0.3)
         slurm = [n for n in self.procs if n != "munged"]
         for names in (slurm, ["munged"]):
             stopping = [self.procs.pop(n) for n in names if n in self.procs]
@@ -158,6 +170,26 @@ class SlurmCluster:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(5)
+        for pid in self.leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def leftovers(self) -> list[int]:
+        """Live processes (not this one) whose environment names this cluster's slurm.conf."""
+        marker = f"SLURM_CONF={self.conf}\0".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if marker in (entry / "environ").read_bytes() and \
+                        (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+        return found
 
     def destroy(self) -> None:
         self.down()
