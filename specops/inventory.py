@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from specops import wire
 from specops.errors import InventoryError, UsageError
@@ -78,6 +78,55 @@ def check_path(field: str, value: str) -> None:
     if field in NO_TILDE_USER and value.startswith("~") and not (value == "~" or value.startswith("~/")):
         raise ValueError("'~user' paths are not supported here; use '~/...' (the ssh user's home) "
                          "or an absolute path")
+
+
+#: how a host behind Slurm asks for its jobs (``remote/wire/argspec.py`` ``SLURM_ARGS``: one declaration).
+SLURM_ARGS = wire.argspec.SLURM_ARGS
+
+
+class SlurmSpec(BaseModel):
+    """A host's ``slurm:`` mapping (``scheduler: slurm``): its fields, bounds and words are :data:`SLURM_ARGS`'."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    partition: str
+    account: str | None = None
+    qos: str | None = None
+    gres: str | None = None
+    time_limit: str | int | None = None
+    nodes: int = SLURM_ARGS["nodes"].default
+    setup: str | None = None
+
+    @field_validator("*")
+    @classmethod
+    def _declared(cls, value, info: ValidationInfo):
+        if value is not None:
+            try:
+                wire.argspec.judge(SLURM_ARGS[info.field_name], str(value) if info.field_name == "time_limit"
+                                   else value)
+            except wire.argspec.BadValue as exc:
+                raise ValueError(str(exc)) from None
+            if isinstance(value, str) and ("\0" in value or "\n" in value):
+                raise ValueError("must be one line without NUL bytes (it goes on sbatch's command line)")
+        return value
+
+    @field_validator("time_limit")
+    @classmethod
+    def _slurm_time(cls, value):
+        if value is not None:
+            wire.slurm.time_limit_minutes(str(value))  # ValueError names the formats Slurm takes
+            return str(value)
+        return value
+
+    @field_validator("partition")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if not value.strip() or value.startswith("-"):
+            raise ValueError("must name a partition (sinfo lists them), not be empty or an option")
+        return value
+
+
+assert set(SlurmSpec.model_fields) == set(SLURM_ARGS), "SlurmSpec and argspec.SLURM_ARGS must name the same fields"
 
 
 class HostSpec(BaseModel):
@@ -152,6 +201,20 @@ class HostSpec(BaseModel):
     #: a host of a multi-host replica: the IP address the replica's other hosts reach it on (vLLM's
     #: ``VLLM_HOST_IP`` there, and the head's ``--master-addr``); default: ``address`` when it is an IP.
     node_address: str | None = None
+    #: ``slurm``: ``address`` is a login node; preflight and runs go to compute nodes through srun/sbatch,
+    #: as the ``slurm`` mapping asks (:class:`SlurmSpec`). ``ssh``: the address is the GPU host itself.
+    scheduler: Literal["ssh", "slurm"] = "ssh"
+    slurm: SlurmSpec | None = None
+
+    @model_validator(mode="after")
+    def _scheduler_needs_slurm(self):
+        if self.scheduler == "slurm" and self.slurm is None:
+            raise ValueError("field 'slurm' is needed with scheduler: slurm: give at least its partition, e.g. "
+                             "slurm: {partition: gpu, gres: 'gpu:8', time_limit: '04:00:00'}")
+        if self.scheduler != "slurm" and self.slurm is not None:
+            raise ValueError("field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm "
+                             "(or drop the slurm mapping)")
+        return self
 
     @field_validator("node_address")
     @classmethod
@@ -247,7 +310,7 @@ class HostSpec(BaseModel):
 
 #: the host's fields that are the laptop's own: how to reach it (``port`` is ssh's, not the run's server port).
 REACH_FIELDS = ("name", "address", "port", "user", "key", "known_hosts", "host_key_policy", "connect_timeout",
-                "keepalive", "delivery", "sudo", "node_address")
+                "keepalive", "delivery", "sudo", "node_address", "scheduler", "slurm")
 #: the host's fields that are run parameters (sent to every step of a run, ``specops/params.py``).
 RUN_FIELDS = tuple(name for name in HostSpec.model_fields if name in RUN_ARGS and name not in REACH_FIELDS)
 
@@ -544,7 +607,8 @@ def _describe(host: str, exc: ValidationError) -> list[str]:
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(host)"
         if err["type"] == "extra_forbidden":
-            allowed = ", ".join(f for f in HostSpec.model_fields if f != "name")
+            fields = SLURM_ARGS if err["loc"][0] == "slurm" else [f for f in HostSpec.model_fields if f != "name"]
+            allowed = ", ".join(fields)
             out.append(f"host {host!r}: unknown field {field!r} (allowed: {allowed})")
         elif err["type"] == "missing":
             out.append(f"host {host!r}: missing required field {field!r}")
@@ -553,6 +617,9 @@ def _describe(host: str, exc: ValidationError) -> list[str]:
             problem = (err.get("ctx") or {}).get("error")
             if isinstance(problem, FieldProblem):
                 field, got = f"{field}.{problem.subfield}", problem.value
+            if not err["loc"]:  # a rule over several fields (scheduler and slurm): its message names them
+                out.append(f"host {host!r}: {message}")
+                continue
             out.append(f"host {host!r}: field {field!r}: {message} (got {shorten(got)})")
     return out
 

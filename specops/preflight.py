@@ -33,7 +33,12 @@ def preflight_params(host: Host, overrides: dict, *, skip_autoconfig: bool = Fal
 
 
 def preflight_step(host: Host, overrides: dict, **options) -> HostReport:
-    payload = host.run_task("preflight", preflight_params(host, overrides, **options))
+    from specops import slurm
+
+    params = preflight_params(host, overrides, **options)
+    if slurm.is_slurm(host.spec):  # the login node's facts, then the host checks on a compute node (srun)
+        return report_from_payload(host.name, "preflight", slurm.preflight_payload(host, params))
+    payload = host.run_task("preflight", params)
     return report_from_payload(host.name, "preflight", payload)
 
 

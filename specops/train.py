@@ -101,6 +101,9 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
                action: str = "start", online: bool | dict = False, algorithm: str | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
+    from specops.slurm import refuse_not_yet
+
+    refuse_not_yet(host.spec, "train")
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
                           action=action, online=online, algorithm=algorithm)

@@ -130,7 +130,7 @@ def test_preflight_reports_bad_params_and_goes_on_with_defaults():
 
 def test_job_call_keys_are_declared_not_kept_by_hand():
     assert job.CALL_KEYS == {"action", "force", "offsets", "tail_bytes", "max_bytes", "grace_s", "python", "logs",
-                             "until", "timeout_s", "poll_s", "heartbeat_s", "exit_grace_s"}
+                             "until", "timeout_s", "poll_s", "heartbeat_s", "exit_grace_s", "slurm"}
     assert set(job.CALL_KEYS) <= set(job.SPEC.args)
 
 
@@ -254,6 +254,15 @@ def test_every_key_the_laptop_sends_is_declared():
     pair = Shard(id="s0", hosts=["h", "w"], start=0, stop=4, run_id="R", output_dir="/o/R")
     group_start.start_step(None, pair, host, {k: v for k, v in overrides.items() if k != "tp"}, False, Conns())
     assert ("job", "start") in worker.calls and ("replica_probe", None) in worker.calls
+    # a host behind Slurm: the login node's partition check, and a start that carries the slurm mapping
+    from specops.inventory import SlurmSpec
+
+    slurm_host = StandIn(spec.model_copy(update={"name": "s", "scheduler": "slurm",
+                                                 "slurm": SlurmSpec(partition="gpu", gres="gpu:8", time_limit="60")}))
+    preflight_step(slurm_host, overrides, skip_autoconfig=True)
+    start_step(slurm_host, "r3", overrides, skip_preflight=True, force=True, skip_smoke=True)
+    assert ("slurm", "partition") in slurm_host.calls and ("job", "start") in slurm_host.calls
+    host.calls += slurm_host.calls
     assert {module for module, _ in host.calls} == set(TASKS), host.calls
 
 

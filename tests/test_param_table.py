@@ -30,7 +30,7 @@ from specops.wire.argspec import RUN_ARGS, TRAIN_ARGS  # noqa: E402
 RUN_TASKS = ("preflight", "extract", "smoke")
 #: the inventory's fields that are the laptop's own (how to reach a host), not run parameters
 LAPTOP_FIELDS = {"name", "address", "port", "user", "key", "known_hosts", "host_key_policy", "connect_timeout",
-                 "keepalive", "delivery", "sudo", "node_address"}
+                 "keepalive", "delivery", "sudo", "node_address", "scheduler", "slurm"}
 
 
 def shape(arg) -> tuple:

@@ -35,6 +35,8 @@ LOOPBACK = "127.0.0.1"
 def probe(ctx: Context) -> list:
     """Run every host check; leaves the facts in ``ctx.host``."""
     records = [_python(ctx), _os(ctx), _cpus(ctx), _ram(ctx)]
+    if os.environ.get("SLURM_JOB_ID"):  # preflight of a host behind Slurm runs under srun: say where
+        records.append(_slurm_node())
     records += _gpus(ctx)
     if ctx.params["device"] == "cpu":
         records += _cpu_engine(ctx)
@@ -43,6 +45,15 @@ def probe(ctx: Context) -> list:
     if ctx.params["engine"] == VLLM_SERVER:
         records.append(_loopback(ctx))
     return records
+
+
+def _slurm_node():
+    node = os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_STEP_NODELIST") or os.environ.get(
+        "SLURM_JOB_NODELIST") or "?"
+    facts = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "SLURMD_NODENAME",
+                                            "SLURM_JOB_NODELIST", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")}
+    return record("host.node", OK, f"checks ran on compute node {node} (Slurm job {facts['SLURM_JOB_ID']}, "
+                  f"partition {facts['SLURM_JOB_PARTITION']})", detail={"node": node, **facts})
 
 
 def summarize_gpu_use(gpus: list, apps: list) -> list:

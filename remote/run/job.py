@@ -57,14 +57,14 @@ import time
 from pathlib import Path
 
 from remote.extract import runplan
-from remote.run import faults
+from remote.run import faults, slurm
 from remote.run.lifecycle import StatusFile
 from remote.run.rootcause import last_traceback
 from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes, pid_alive, read_json, read_pid,
                                run_alive, run_busy, signal_group, tail_text)
 from remote.system import signals
 from remote.wire import fsutil, protocol, status as wire_status, words
-from remote.wire.argspec import RUN_ARGS, Arg, Spec
+from remote.wire.argspec import RUN_ARGS, SLURM_ARGS, Arg, Spec
 from remote.wire.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
 from remote.wire.fsutil import FileLock
 
@@ -87,6 +87,8 @@ SPEC = Spec("job", RUN_ARGS, {
     "poll_s": Arg("float", 0.5, above=0, call=True),
     "heartbeat_s": Arg("float", 2.0, above=0, call=True),
     "exit_grace_s": Arg("float", 60.0, min=0, call=True),
+    "slurm": Arg("dict", options=SLURM_ARGS, call=True,
+                 doc="start: submit the supervisor as a Slurm batch job (remote/run/slurm.py), not as a process here"),
 }, required_if=[("action", "start", ("model_path", "dataset"))])
 #: what steers one call, not the run.
 CALL_KEYS = frozenset(SPEC.names(call=True))
@@ -166,14 +168,23 @@ def start(params: dict) -> dict:
                 raise JobError("job.start", f"run {params['run_id']} ended ({st.get('state')}) but its "
                                f"supervisor pid {read_pid(run_dir)} is still exiting",
                                "try again in a minute, or abort the run to stop it")
-        others = [d.name for d in sorted(run_dir.parent.iterdir())
-                  if d.is_dir() and d != run_dir and run_busy(d)]
+        # a cluster queues its jobs: runs beside each other are Slurm's to place
+        others = [] if params.get("slurm") else [d.name for d in sorted(run_dir.parent.iterdir())
+                                                 if d.is_dir() and d != run_dir and run_busy(d)]
         if others and not params.get("force"):
             raise JobError("job.start", f"this host is already running extraction {', '.join(others)}",
                            f"wait for it, abort it (abort --run-id {others[0]}), or force a second run",
                            detail={"running": others})
         resumed = old is not None
         _prepare_run_dir(run_dir, wanted, resumed)
+        if params.get("slurm"):
+            job = slurm.submit(run_dir, *_supervisor_command(run_dir, params), params["slurm"], params["run_id"])
+            st = current_status(run_dir)
+            what = "resubmitted (resumes after the last complete sample)" if resumed else "submitted"
+            return _payload("job.start", protocol.CHANGED, f"run {params['run_id']} {what} as Slurm job "
+                            f"{job['job_id']} (partition {job['partition']})", run_dir, st, slurm_job=job,
+                            resumed=resumed)
+        (run_dir / slurm.JOB_FILE).unlink(missing_ok=True)  # an earlier attempt's job: not this process's word
         pid = _spawn(run_dir, params)
         st = current_status(run_dir)
     what = "restarted (resumes after the last complete sample)" if resumed else "started"
@@ -206,6 +217,23 @@ def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
 
 
 def _spawn(run_dir: Path, params: dict) -> int:
+    argv, env = _supervisor_command(run_dir, params)
+    with open(run_dir / "logs" / "supervisor.log", "ab") as log:
+        try:
+            proc = subprocess.Popen(
+                argv, cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        except OSError as exc:
+            raise JobError("job.start", f"cannot start the supervisor with {argv[0]}: {exc}",
+                           "set the host's python in the inventory to the env that has torch "
+                           "(and vLLM/speculators for the speculators engine)") from exc
+    (run_dir / "pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def _supervisor_command(run_dir: Path, params: dict) -> tuple[list, dict]:
+    """The supervisor's argv and environment (one for both ways of starting it: here, or a Slurm job)."""
     bundle = str(Path(params.get("_bundle_dir") or Path(__file__).resolve().parents[2]))
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (params.get("env") or {}).items()})
@@ -218,19 +246,7 @@ def _spawn(run_dir: Path, params: dict) -> int:
     module = params.get("_entry") or _supervisor_of(params)
     if module not in SUPERVISOR_MODULES.values():  # liveness would never recognise it: a bug of ours
         raise ValueError(f"{module} is not among the supervisor modules (remote.run.rundir.SUPERVISOR_MODULES)")
-    with open(run_dir / "logs" / "supervisor.log", "ab") as log:
-        try:
-            proc = subprocess.Popen(
-                [python, "-m", module, str(run_dir)],
-                cwd=run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
-            )
-        except OSError as exc:
-            raise JobError("job.start", f"cannot start the supervisor with {python}: {exc}",
-                           "set the host's python in the inventory to the env that has torch "
-                           "(and vLLM/speculators for the speculators engine)") from exc
-    (run_dir / "pid").write_text(f"{proc.pid}\n")
-    return proc.pid
+    return [python, "-m", module, str(run_dir)], env
 
 
 def _supervisor_of(params: dict) -> str:
@@ -248,14 +264,32 @@ def current_status(run_dir: Path) -> dict | None:
     if st is None:
         return None
     pid = read_pid(run_dir)
-    alive = pid_alive(pid, run_dir)
+    job = slurm.job_state(run_dir)
+    alive = job["alive"] if job is not None else pid_alive(pid, run_dir)
     st["alive"] = alive
+    if job is not None:
+        st["slurm"] = job
     if st.get("state") in FINAL_STATES or alive:
         return st
     age = time.time() - float(st.get("heartbeat_unix") or 0)
-    if st.get("state") == RunState.PENDING and age < STARTING_GRACE_S:
+    if st.get("state") == RunState.PENDING and age < STARTING_GRACE_S and job is None:
         return st  # a start in progress: pid not written yet, or the process not yet readable
     tail = tail_text(run_dir / "logs" / "supervisor.log", 8000)
+    if job is not None:
+        # Slurm ended the job before its supervisor recorded an end: Slurm's state names why
+        now = read_json(run_dir / STATUS_FILE) or st
+        if now.get("state") in FINAL_STATES:  # it recorded one between the two reads
+            return {**now, "alive": alive, "slurm": job}
+        crashed = last_traceback(tail)
+        error = wire_status.error(f"Slurm{job['slurm'].title().replace('_', '')}", (
+            f"{slurm.state_words(job)}: the job ended ({job['state']}) while the run was {st.get('state')!r} at "
+            f"{st.get('samples_done')}/{st.get('samples_total')} samples"
+            + (f"; the supervisor's last error: {crashed['type']}: {crashed['message']}" if crashed else "")),
+            log_tail=tail, slurm=job, fix=job["fix"] or "run the same command again to resume",
+            traceback=(crashed or {}).get("traceback") or "")
+        written = StatusFile.of_job(run_dir / STATUS_FILE, {k: v for k, v in now.items()
+                                                            if k not in ("alive", "slurm")}).fail(error)
+        return {**written, "alive": alive, "slurm": job}
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
     if crashed:  # it died of an exception it could not record (e.g. at import)
@@ -289,6 +323,11 @@ def _no_such_run(name: str, params: dict, run_dir: Path) -> JobError:
 
 def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) -> dict:
     """One record that says how the run stands (fail when it failed), and the status itself."""
+    if isinstance(st.get("slurm"), dict):  # a run submitted to Slurm: its job's state beside the run's own
+        payload = _status_payload(name, run_id, run_dir, {k: v for k, v in st.items() if k != "slurm"}, **extra)
+        payload["data"]["status"] = st
+        payload["records"].append(_slurm_record(name, st))
+        return payload
     state = st.get("state")
     progress = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     # a train run's measured memory, the peak so far (remote.wire.words)
@@ -308,6 +347,19 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
 
         payload["records"].append(canary.shown_record(f"{name.split('.')[0]}.canary", st["canary"]))
     return payload
+
+
+def _slurm_record(name: str, st: dict) -> dict:
+    """``<kind>.slurm``: Slurm's state of the run's job, named, with its fix where it is not a good one."""
+    job = st["slurm"]
+    words = slurm.state_words(job)
+    summary = f"{words}: {job['state']}"
+    if job["alive"] or job["slurm"] == "COMPLETED" or st.get("state") in (RunState.DONE, RunState.ABORTED):
+        bad = job["slurm"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "CANCELLED")
+        return protocol.record(f"{name.split('.')[0]}.slurm", protocol.WARN if bad else protocol.OK, summary,
+                               detail=job, fix=job["fix"] if bad or job["slurm"] == "PENDING" else None)
+    return protocol.record(f"{name.split('.')[0]}.slurm", protocol.FAIL, summary, detail=job,
+                           fix=job["fix"] or "run the same command again to resume")
 
 
 # --------------------------------------------------------------------------- logs
@@ -486,6 +538,8 @@ def abort(params: dict) -> dict:
     if st is None:
         raise JobError("job.abort", f"no run {params.get('run_id')} on this host ({run_dir})",
                        "check the run id")
+    if slurm.job_of(run_dir) is not None:
+        return _abort_slurm_job(params, run_dir)
     pid = read_pid(run_dir)
     if not pid_alive(pid, run_dir):
         swept, left = kill_run_processes(run_dir)
@@ -528,6 +582,40 @@ def abort(params: dict) -> dict:
                     signalled=signalled, killed=killed, swept=swept, left=left,
                     fix="kill the pids left by hand (they ignore SIGKILL: a process in the kernel's D state)"
                     if left else None)
+
+
+def _abort_slurm_job(params: dict, run_dir: Path) -> dict:
+    """``scancel`` the run's job: Slurm sends SIGTERM to the supervisor (which stops its engine and records
+    ``aborted``), SIGKILL after its KillWait; we wait until Slurm counts the job ended, then sweep what
+    carries the run's marker here (a compute node that is this host) and record the abort."""
+    before = slurm.job_state(run_dir, fresh=True)
+    if not before["alive"]:
+        swept, left = kill_run_processes(run_dir)
+        st = current_status(run_dir)
+        status_ = protocol.FAIL if left else protocol.CHANGED if swept else protocol.SKIPPED
+        extra = f"; {_leftovers_text(swept, left)}" if swept or left else ""
+        return _payload("job.abort", status_, f"run {params['run_id']} is not running ({st.get('state')}; "
+                        f"{slurm.state_words(before)}){extra}", run_dir, st, swept=swept, left=left,
+                        fix="kill the pids left by hand" if left else None)
+    after = slurm.cancel(run_dir, wait_s=params["grace_s"] + 60)
+    swept, left = kill_run_processes(run_dir)
+    how = f"scancel {before['job_id']} ({before['slurm']} -> {after.get('slurm')})"
+    if after.get("alive"):
+        how += f"; Slurm still counts the job {after.get('slurm')}"
+    if swept or left:
+        how += "; " + _leftovers_text(swept, left)
+    status_file = StatusFile.of_job(run_dir / STATUS_FILE)
+    st = dict(status_file.data)
+    if st.get("state") != RunState.DONE:
+        st = status_file.abort(wire_status.error(
+            "Aborted", f"aborted by request: {how}", where="job.abort", slurm=after, swept=swept, left=left,
+            supervisor_error=(st.get("error") or {}).get("message")), by_request=True)
+    st = {**st, "alive": bool(after.get("alive")), "slurm": after}
+    failed = left or after.get("alive")
+    return _payload("job.abort", protocol.FAIL if failed else protocol.CHANGED,
+                    f"run {params['run_id']} aborted: {how}", run_dir, st, swept=swept, left=left,
+                    fix=(f"scancel {before['job_id']} again, or ask the cluster's admins (squeue -j {before['job_id']})"
+                         if after.get("alive") else "kill the pids left by hand") if failed else None)
 
 
 def _leftovers_text(swept: list[int], left: list[int]) -> str:

@@ -21,6 +21,7 @@ import os
 import signal
 from pathlib import Path
 
+from remote.run import slurm
 from remote.system import procscan
 from remote.wire import contract
 
@@ -123,7 +124,9 @@ def pid_alive(pid, run_dir: Path | None = None) -> bool:
 
 
 def run_alive(run_dir: Path) -> bool:
-    return pid_alive(read_pid(run_dir), run_dir)
+    """The run's supervisor lives; for a run submitted to Slurm (``slurm.json``), Slurm's word on its job."""
+    found = slurm.job_state(run_dir)
+    return found["alive"] if found is not None else pid_alive(read_pid(run_dir), run_dir)
 
 
 def run_busy(run_dir: Path) -> bool:

@@ -572,3 +572,18 @@ PATCH_ARGS = {
     "inject_failure_after": Arg("int", min=0, hook=True, doc="fail after writing this many files"),
     "hold_lock_s": Arg("float", min=0, hook=True, doc="keep the lock this long after the action"),
 }
+
+#: a host behind Slurm (the inventory's ``scheduler: slurm``, its ``slurm:`` mapping): how its jobs are asked
+#: for. The inventory checks these (``specops/inventory.py``), the job task again before it submits
+#: (``remote/run/slurm.py``); ``slurm.time_limit_minutes`` reads the time in Slurm's own formats.
+SLURM_ARGS = {
+    "partition": Arg("str", required=True, doc="the partition jobs go to (sbatch/srun -p)"),
+    "account": Arg("str", doc="the account charged (-A); default: the user's default account"),
+    "qos": Arg("str", doc="the quality of service (--qos)"),
+    "gres": Arg("str", doc="generic resources per node, e.g. gpu:8 or gpu:h100:8 (--gres); the GPUs a job asks for"),
+    "time_limit": Arg("str", doc="the job's time limit in Slurm's format: MINUTES, HH:MM:SS or D-HH:MM:SS (-t); "
+                                 "default: the partition's"),
+    "nodes": Arg("int", 1, min=1, doc="nodes per job (-N)"),
+    "setup": Arg("str", doc="a shell line run on the compute node before specops' python (module load ..., "
+                            "a container's env)"),
+}

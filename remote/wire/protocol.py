@@ -35,6 +35,7 @@ TASKS = {
     "patcher": "patcher",
     "drift": "drift",
     "job": "run.job",
+    "slurm": "run.slurm",
     "shard": "extract.shard",
     "merge": "extract.merge",
     "smoke": "extract.smoke",

@@ -60,7 +60,13 @@ def local_runs_root() -> Path:
 
 
 def job_call(host: Host, action: str, run_id: str, *, timeout: float | None = None, **params) -> dict:
-    """One ``remote/run/job.py`` verb on the host; returns the payload (``timeout``: seconds for the remote python)."""
+    """One ``remote/run/job.py`` verb on the host; returns the payload (``timeout``: seconds for the remote python).
+
+    A start on a host behind Slurm carries its slurm mapping: the job task submits the run (sbatch)."""
+    if action == "start":
+        from specops import slurm
+
+        params = {**slurm.job_params(host.spec), **params}
     return host.run_task("job", {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir,
                                  **params}, timeout=timeout)
 

@@ -74,16 +74,18 @@ class Host:
 
     # -- tasks: specops.transport.remote_task -----------------------------------------------
     def run_task(self, module: str, params: dict, *, sudo: bool = False,
-                 timeout: float | None = None, bundle: Bundle | None = None) -> dict:
+                 timeout: float | None = None, bundle: Bundle | None = None,
+                 launcher: list[str] | None = None) -> dict:
         """Run ``remote.<module>.main(params)`` on the host and return its payload.
 
         One python process per call. The bundle travels only when the host lacks it:
         the entry script exits 75 when it does, and we upload and run once more.
 
+        :param launcher: words the host's python runs under (``srun -p gpu -N1 --``: a compute node's).
         :raises RemoteError: when no result came back (the error carries the exit code
             and the last lines of output).
         """
-        return RemoteTask(self).run(module, params, sudo=sudo, timeout=timeout, bundle=bundle)
+        return RemoteTask(self, launcher).run(module, params, sudo=sudo, timeout=timeout, bundle=bundle)
 
     def stream_task(self, module: str, params: dict, on_line, *, prefix: str,
                     bundle: Bundle | None = None, idle_timeout: float | None = None) -> dict:

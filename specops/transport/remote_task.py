@@ -88,9 +88,11 @@ class RemoteTask:
     :param host: the host whose shell, SFTP and inventory entry carry the task.
     """
 
-    def __init__(self, host: TaskHost):
+    def __init__(self, host: TaskHost, launcher: list[str] | None = None):
+        """:param launcher: words the python command runs under (``srun ... --`` on a host behind Slurm)."""
         self.host = host
         self.spec = host.spec
+        self.launcher = list(launcher or [])
 
     def run(self, module: str, params: dict, *, sudo: bool = False,
             timeout: float | None = None, bundle: Bundle | None = None) -> dict:
@@ -114,7 +116,7 @@ class RemoteTask:
         if self.spec.python.startswith("-"):
             raise UsageError(f"python {self.spec.python!r} starts with '-' and would be read as an option",
                              "set 'python' in the inventory to the interpreter's path", host=self.host.name)
-        words = [self.spec.python, *args]
+        words = [*self.launcher, self.spec.python, *args]
         prefix = "sudo -n -- " if sudo else ""
         return prefix + " ".join(shell_word(w) for w in words)
 

@@ -1,0 +1,274 @@
+"""Runs on a host behind Slurm (stdlib only): the partition's facts, sbatch, the job's state, scancel.
+
+The host the laptop reaches is the cluster's login node; its ``slurm`` mapping (the
+inventory's, :data:`remote.wire.argspec.SLURM_ARGS`) says how jobs are asked for. A run is
+submitted as one batch job whose script runs the run's supervisor on a compute node, in the
+same run dir (a shared filesystem), and ``slurm.json`` beside ``status.json`` names the job::
+
+    {"job_id": "42", "partition": "gpu", "submitted_unix": 1760000000.0, "env": {"SLURM_CONF": "..."}}
+
+Liveness of such a run is Slurm's word (:func:`job_state`: ``scontrol show job``, then ``sacct``),
+not a pid: the login node cannot see a compute node's processes. A job Slurm starts again (requeued
+after a node failure or a preemption) restarts the run from its batch script (:func:`requeued`).
+
+The task (``main``) answers ``action: partition``: ``sinfo`` on the partition against what
+the run asks (time limit, nodes, GPUs per node), before anything is submitted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+from remote.wire import fsutil, protocol, slurm as wire_slurm
+from remote.wire.argspec import RUN_ARGS, SLURM_ARGS, Arg, Spec
+
+#: beside status.json: the Slurm job that runs this run (absent: a run started by ``job start`` over SSH).
+JOB_FILE = "slurm.json"
+#: the Slurm client's own variables (SLURM_CONF ...): a status asked later uses the ones the job was submitted with.
+CLIENT_ENV_PREFIX = "SLURM_"
+#: sinfo's partition line: name, availability, time limit, node count, gres, node list.
+SINFO_FORMAT = "%P|%a|%l|%D|%G|%N"
+#: ``python -m remote.run.slurm requeued RUN_DIR``: the run is done, the requeued job has nothing to do.
+ALREADY_DONE_EXIT = 10
+#: a state read this recently is reused (``job follow`` asks twice a second).
+STATE_CACHE_S = 2.0
+
+SPEC = Spec("slurm", {
+    "action": Arg("str", "partition", choices=("partition",)),
+    "slurm": Arg("dict", required=True, options=SLURM_ARGS, doc="the host's slurm mapping"),
+    "env": RUN_ARGS["env"].but(default={}),
+    "tp": RUN_ARGS["tp"],
+    "device": RUN_ARGS["device"],
+})
+
+
+def client_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def _run(argv: list, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=client_env(env), timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]} gave no answer within {timeout:.0f}s")
+
+
+# --------------------------------------------------------------------------- the partition
+
+@SPEC.task
+def main(params: dict) -> dict:
+    return protocol.payload(partition_records(params["slurm"], params.get("env"), params.get("tp") or 1,
+                                              params.get("device") or "cuda"))
+
+
+def partition_facts(partition: str, env: dict | None = None) -> dict | None:
+    """The partition as sinfo sees it (None: no such partition); raises TaskError when sinfo cannot answer."""
+    proc = _run(["sinfo", "-h", "-p", partition, "-o", SINFO_FORMAT], env)
+    if proc.returncode != 0:
+        raise protocol.TaskError("slurm.sinfo", f"sinfo failed (exit {proc.returncode}): "
+                                 f"{(proc.stderr or proc.stdout).strip()[:300]}",
+                                 "check Slurm on the login node (sinfo must answer there); for a Slurm client "
+                                 "that needs it, set SLURM_CONF in the host's env")
+    lines = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 5]
+    if not lines:
+        return None
+    nodes = sum(int(line[3]) for line in lines if line[3].isdigit())
+    limits = [line[2] for line in lines]
+    return {"partition": partition, "available": sorted({line[1] for line in lines}), "max_time": limits[0],
+            "max_time_min": wire_slurm.time_limit_minutes(limits[0]) if limits[0] not in ("", "n/a") else None,
+            "nodes": nodes, "gpus_per_node": max(wire_slurm.gres_gpus(line[4]) for line in lines),
+            "gres": sorted({line[4] for line in lines}), "node_list": ",".join(line[5] for line in lines)}
+
+
+def partition_records(slurm: dict, env: dict | None, tp: int, device: str) -> list:
+    """``slurm.partition``: the request fits the partition (or fails naming the limit it passes)."""
+    name = "slurm.partition"
+    try:
+        facts = partition_facts(slurm["partition"], env)
+    except protocol.TaskError as exc:
+        return [exc.record()]
+    if facts is None:
+        known = _run(["sinfo", "-h", "-o", "%P"], env).stdout.split()
+        return [protocol.record(name, protocol.FAIL, f"partition {slurm['partition']!r} does not exist on this "
+                                f"cluster", detail={"partitions": known},
+                                fix=f"set slurm.partition to one of: {', '.join(known) or '(sinfo lists none)'}")]
+    problems = []
+    asked = slurm.get("time_limit")
+    if asked not in (None, "") and facts["max_time_min"] is not None:
+        minutes = wire_slurm.time_limit_minutes(str(asked))
+        if minutes is None or minutes > facts["max_time_min"]:
+            problems.append((f"time_limit {asked} is above the partition's MaxTime {facts['max_time']} "
+                             f"({facts['max_time_min']:g} min)",
+                             f"set slurm.time_limit to at most {facts['max_time']}, or pick a partition with a "
+                             f"longer MaxTime (sinfo -o '%P %l')"))
+    nodes = int(slurm.get("nodes") or 1)
+    if nodes > facts["nodes"]:
+        problems.append((f"nodes {nodes} is more than the partition's {facts['nodes']} node(s)",
+                         f"set slurm.nodes to at most {facts['nodes']}, or pick a bigger partition"))
+    wanted_gpus = wire_slurm.gres_gpus(slurm.get("gres"))
+    if wanted_gpus > facts["gpus_per_node"]:
+        problems.append((f"gres {slurm.get('gres')} asks {wanted_gpus} GPU(s) per node; the partition's nodes have "
+                         f"{facts['gpus_per_node']}", f"set slurm.gres to at most gpu:{facts['gpus_per_node']}"))
+    elif device == "cuda" and wanted_gpus and tp > wanted_gpus * nodes:
+        problems.append((f"tp {tp} needs {tp} GPUs; slurm.gres {slurm.get('gres')} x {nodes} node(s) asks "
+                         f"{wanted_gpus * nodes}", f"ask for gpu:{tp} (slurm.gres), or lower tp"))
+    if "up" not in facts["available"]:
+        problems.append((f"partition {slurm['partition']} is {'/'.join(facts['available'])}",
+                         "wait for the admins to bring it up, or pick another partition"))
+    if problems:
+        return [protocol.record(name, protocol.FAIL, f"partition {slurm['partition']}: {problems[0][0]}",
+                                detail={**facts, "problems": [p for p, _ in problems]}, fix=problems[0][1])]
+    gpus = f", {facts['gpus_per_node']} GPU(s) per node" if facts["gpus_per_node"] else ", no GPUs in its gres"
+    return [protocol.record(name, protocol.OK, f"partition {slurm['partition']}: {facts['nodes']} node(s) "
+                            f"({facts['node_list']}){gpus}, MaxTime {facts['max_time']}; the request fits",
+                            detail=facts)]
+
+
+# --------------------------------------------------------------------------- a run as a batch job
+
+def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str) -> dict:
+    """Submit the run's supervisor (``argv``, with ``env``) as one batch job; write and return ``slurm.json``.
+
+    The script writes the supervisor's pid (it ``exec``s it) where ``job start`` would, so a
+    compute node that is this host too reads it as usual.
+    """
+    setup = slurm.get("setup")
+    python = shlex.quote(str(argv[0]))
+    script = "\n".join([
+        "#!/bin/sh",
+        f"# specops run {run_id}: its supervisor on the job's first node (remote/run/slurm.py)",
+        "cd " + shlex.quote(str(run_dir)),
+        *([setup] if setup else []),
+        "# started again by Slurm (requeued after a node failure or a preemption): the run restarts as job start",
+        "# restarts it, resuming after its last complete sample; a run done already stays done",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+        f"  {python} -m remote.run.slurm requeued {shlex.quote(str(run_dir))}",
+        f"  rc=$?; [ $rc -eq {ALREADY_DONE_EXIT} ] && exit 0; [ $rc -ne 0 ] && exit $rc",
+        "fi",
+        "echo $$ > pid",
+        "exec " + " ".join(shlex.quote(str(w)) for w in argv),
+        "",
+    ])
+    path = run_dir / "slurm.sbatch"
+    path.write_text(script)
+    words = ["sbatch", "--parsable", *wire_slurm.request_options(slurm), "-N", str(int(slurm.get("nodes") or 1)),
+             "-J", f"specops-{run_id}", "-D", str(run_dir), "-o", str(run_dir / "logs" / "supervisor.log"),
+             "--open-mode=append", "--export=ALL", str(path)]
+    proc = _run(words, env)
+    if proc.returncode != 0:
+        raise protocol.TaskError("job.start", f"sbatch refused the run: {(proc.stderr or proc.stdout).strip()[:300]}",
+                                 "fix the host's slurm mapping in the inventory (specops preflight checks it "
+                                 "against the partition), then run the same command again",
+                                 detail={"command": words})
+    job_id = proc.stdout.strip().split(";")[0]
+    record = {"job_id": job_id, "partition": slurm["partition"], "submitted_unix": time.time(),
+              "command": words, "env": {k: v for k, v in env.items() if k.startswith(CLIENT_ENV_PREFIX)}}
+    fsutil.write_json(run_dir / JOB_FILE, record, temp_prefix=fsutil.TEMP_PREFIX)
+    _cache.pop(str(run_dir), None)
+    return record
+
+
+def job_of(run_dir: Path) -> dict | None:
+    """The run's ``slurm.json`` (None: not a Slurm run)."""
+    try:
+        return json.loads((Path(run_dir) / JOB_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+_cache: dict = {}
+
+
+def job_state(run_dir: Path, fresh: bool = False) -> dict | None:
+    """Slurm's word on the run's job: :func:`remote.wire.slurm.job_state` plus its nodes; None: not a Slurm run."""
+    job = job_of(run_dir)
+    if job is None:
+        return None
+    seen = _cache.get(str(run_dir))
+    if seen and not fresh and time.monotonic() - seen[0] < STATE_CACHE_S and seen[1]["job_id"] == job["job_id"]:
+        return seen[1]
+    job_id, env = str(job["job_id"]), job.get("env") or {}
+    state, reason, nodes, restarts = _scontrol(job_id, env) or _sacct(job_id, env) or ("", "", "", 0)
+    if not state:  # aged out of every record: Slurm no longer knows the job (MinJobAge, no accounting)
+        found = {"slurm": "UNKNOWN", "state": "gone", "alive": False, "reason": None, "job_id": job_id,
+                 "fix": None}
+    else:
+        found = wire_slurm.job_state(state, job=job_id, reason=reason if reason not in ("None", "(null)") else "")
+    found["nodes"] = nodes if nodes and nodes not in ("(null)", "None assigned") else None
+    found["restarts"] = restarts
+    _cache[str(run_dir)] = (time.monotonic(), found)
+    return found
+
+
+def _scontrol(job_id: str, env: dict):
+    """(state, reason, nodes, restarts) from ``scontrol show job`` (a job Slurm still holds: MinJobAge)."""
+    proc = _run(["scontrol", "-o", "show", "job", job_id], env, timeout=20)
+    if proc.returncode != 0 or "JobState=" not in proc.stdout:
+        return None
+    fields = dict(item.split("=", 1) for item in proc.stdout.split() if "=" in item)
+    restarts = fields.get("Restarts", "0")
+    return (fields.get("JobState", ""), fields.get("Reason", ""), fields.get("NodeList", ""),
+            int(restarts) if restarts.isdigit() else 0)
+
+
+def _sacct(job_id: str, env: dict):
+    """The same from accounting, for a job ``scontrol`` forgot (where the cluster keeps accounting)."""
+    proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,Reason,NodeList"], env, timeout=20)
+    line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+    return (*line.split("|", 2), 0) if line.count("|") == 2 else None
+
+
+def cancel(run_dir: Path, wait_s: float = 60.0) -> dict:
+    """``scancel`` the run's job and wait until Slurm counts it ended; returns its last state."""
+    job = job_of(run_dir) or {}
+    env = job.get("env") or {}
+    proc = _run(["scancel", str(job.get("job_id"))], env)
+    deadline = time.monotonic() + wait_s
+    state = job_state(run_dir, fresh=True)
+    while state is not None and state["alive"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = job_state(run_dir, fresh=True)
+    return {**(state or {}), "scancel_exit": proc.returncode, "scancel_said": (proc.stderr or "").strip()[:300]}
+
+
+def state_words(found: dict) -> str:
+    """``Slurm job 42 RUNNING on node1`` / ``Slurm job 42 PENDING (Resources)`` / ``... (requeued 1x)``."""
+    where = f" on {found['nodes']}" if found.get("nodes") and found["alive"] else ""
+    why = [found["reason"]] if found.get("reason") and found["slurm"] == "PENDING" else []
+    if found.get("restarts"):
+        why.append(f"requeued {found['restarts']}x: started again by Slurm after a node failure or a preemption")
+    return f"Slurm job {found['job_id']} {found['slurm']}{' (' + '; '.join(why) + ')' if why else ''}{where}"
+
+
+def requeued(run_dir: Path) -> int:
+    """The batch script of a job Slurm started again: restart the run as ``job start`` would (it resumes after its
+    last complete sample). Returns :data:`ALREADY_DONE_EXIT` for a run that is done already."""
+    from remote.run.lifecycle import StatusFile
+    from remote.wire.contract import STATUS_FILE, RunState
+
+    status = StatusFile.of_job(Path(run_dir) / STATUS_FILE)
+    if status.state == RunState.DONE:
+        return ALREADY_DONE_EXIT
+    status.restart(status.data.get("run_id") or Path(run_dir).name)
+    (Path(run_dir) / "pid").unlink(missing_ok=True)
+    print(f"[specops] Slurm started job {os.environ.get('SLURM_JOB_ID')} again (restart "
+          f"{os.environ.get('SLURM_RESTART_COUNT')}): run restarted, resuming after its last complete sample",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # the batch script: python -m remote.run.slurm requeued RUN_DIR
+    import sys
+
+    if sys.argv[1:2] != ["requeued"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m remote.run.slurm requeued RUN_DIR")
+    sys.exit(requeued(Path(sys.argv[2])))

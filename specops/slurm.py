@@ -1,0 +1,83 @@
+"""A host behind Slurm, from the laptop: its login node's facts first, then the host checks under ``srun``.
+
+The inventory's ``scheduler: slurm`` makes ``address`` a login node and ``slurm:`` say how
+jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there is two steps:
+
+1. ``slurm.partition`` on the login node (``remote/run/slurm.py``): ``sinfo`` on the partition
+   against the request -- a partition that does not exist, a time limit above its MaxTime,
+   more nodes or GPUs than it has fail here, before anything is submitted;
+2. the usual host task (``remote/probes/preflight.py``) on a compute node: the same command
+   line, run under ``srun -p PARTITION -N1 -n1 ... --`` (``host.node`` names the node).
+
+A run's start (``job start``) gets the mapping and submits the supervisor with ``sbatch``
+(:func:`job_params`); status, follow and abort read Slurm's state on the host.
+"""
+from __future__ import annotations
+
+import math
+
+from specops import wire
+from specops.inventory import HostSpec
+
+#: srun gives up when the partition cannot start the preflight step within this long (seconds).
+SRUN_IMMEDIATE_S = 120
+#: the preflight step's own time limit (minutes), below the partition's MaxTime.
+PREFLIGHT_MINUTES = 10
+
+
+def is_slurm(spec: HostSpec) -> bool:
+    return spec.scheduler == "slurm" and spec.slurm is not None
+
+
+def job_params(spec: HostSpec) -> dict:
+    """What a run's start on this host adds to the job task's parameters (nothing on a plain SSH host)."""
+    return {"slurm": spec.slurm.model_dump(exclude_none=True)} if is_slurm(spec) else {}
+
+
+def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = None) -> list[str]:
+    """The words a host task runs under on a compute node: the host's ``env`` exported (a login node's
+    ``SLURM_CONF`` among them), ``srun`` as the slurm mapping asks for one node, and its ``setup`` line."""
+    slurm = spec.slurm.model_dump(exclude_none=True)
+    limits = [PREFLIGHT_MINUTES, max_minutes]
+    if slurm.get("time_limit") is not None:
+        limits.append(wire.slurm.time_limit_minutes(str(slurm["time_limit"])))
+    minutes = max(1, math.floor(min(m for m in limits if m is not None)))
+    words = ["env", *(f"{k}={v}" for k, v in spec.env.items())] if spec.env else []
+    words += ["srun", *wire.slurm.request_options(slurm, time_limit=False), "-t", str(minutes), "-N", "1",
+              "-n", "1", "-J", job_name, f"--immediate={SRUN_IMMEDIATE_S}", "--"]
+    if slurm.get("setup"):
+        words += ["sh", "-c", f'{slurm["setup"]}\nexec "$0" "$@"']
+    return words
+
+
+def preflight_payload(host, params: dict) -> dict:
+    """The login node's partition check, then (when it passes) the preflight host task under srun."""
+    spec = host.spec
+    checked = host.run_task("slurm", {"action": "partition", "slurm": spec.slurm.model_dump(exclude_none=True),
+                                      "env": spec.env, "tp": params.get("tp"), "device": params.get("device")})
+    records = checked["records"]
+    if any(r["status"] == "fail" for r in records):
+        records.append(wire.protocol.record("host.node", "skipped", "host checks not run: nothing is submitted "
+                                            "while the request does not fit the partition"))
+        return wire.protocol.payload(records, **checked.get("data", {}))
+    max_minutes = next((r["detail"].get("max_time_min") for r in records if r["name"] == "slurm.partition"), None)
+    payload = host.run_task("preflight", params,
+                            launcher=srun_launcher(spec, "specops-preflight", max_minutes))
+    payload["records"] = records + payload["records"]
+    return payload
+
+
+def refuse_not_yet(spec: HostSpec, what: str) -> None:
+    """A task that does not go through Slurm yet must not run on a login node (a trainer there would take the
+    login node's CPUs, not a GPU node's): refused by name.
+
+    :raises UsageError: on a host with ``scheduler: slurm``.
+    """
+    if is_slurm(spec):
+        from specops.errors import UsageError
+
+        raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm), and {what} is not submitted "
+                         f"through Slurm yet: it would run on the login node",
+                         "run it on a host reached over SSH (an inventory entry for a GPU node you hold a job on: "
+                         "salloc, then its address), or wait for specops' Slurm support of it (issue 47)",
+                         host=spec.name)

@@ -1,0 +1,277 @@
+"""A host behind Slurm (``scheduler: slurm``), against a real Slurm: slurmctld and two slurmd on loopback.
+
+One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
+loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
+The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from specops import wire
+from specops.errors import InventoryError
+from specops.inventory import load_inventory
+from specops.testhost.slurm import MAX_TIME_MIN, PARTITION, SlurmCluster
+from tests.specops_cli import records, specops
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).up()
+    yield cluster
+    cluster.down()
+    left = cluster.leftovers() + [p for p in _pids_with(str(cluster.root)) if p != os.getpid()]
+    cluster.destroy()
+    assert not left, f"processes of the cluster outlived it: {left}"
+
+
+def _pids_with(text: str, where: str = "cmdline") -> list[int]:
+    """Live processes whose command line (or environment) holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            data = (entry / where).read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text.encode() in data and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def _slurm(cluster, *argv) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **cluster.env},
+                          timeout=30).stdout
+
+
+def _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="login", **slurm):
+    return {"address": "127.0.0.1", "scheduler": "slurm", "slurm": {"partition": PARTITION, **slurm},
+            "env": {**OFFLINE, **cluster.env}, "model_path": str(tiny_models["llama"]),
+            "dataset": str(tiny_models["dataset"]), "engine": "hf-reference", "max_samples": 6, "seq_len": 64,
+            "batch_size": 2, "tp": 1, "output_dir": str(tmp_path / f"out-{name}")}
+
+
+# --------------------------------------------------------------------------- pure rules
+
+def test_slurm_time_gres_and_states_are_read_as_slurm_writes_them():
+    minutes = wire.slurm.time_limit_minutes
+    assert [minutes(t) for t in ("90", "10:30", "04:00:00", "1-00", "2-03:04", "1-02:00:00")] == [
+        90, 10.5, 240, 1440, 2 * 1440 + 3 * 60 + 4, 1560]
+    assert minutes("UNLIMITED") is None and minutes("infinite") is None
+    with pytest.raises(ValueError, match="not a Slurm time"):
+        minutes("4 hours")
+    assert wire.slurm.gres_gpus("gpu:h100:8(S:0-1)") == 8 and wire.slurm.gres_gpus("gpu:4,shard:8") == 4
+    assert wire.slurm.gres_gpus("(null)") == 0
+    # every state a run can end in is named, and every bad end carries its fix
+    for word in ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                 "PREEMPTED"):
+        found = wire.slurm.job_state(word, job="7", reason="Resources")
+        assert found["slurm"] == word and found["state"] and found["job_id"] == "7"
+        assert found["alive"] == (word in ("PENDING", "RUNNING"))
+        assert (found["fix"] is None) == (word in ("RUNNING", "COMPLETED")), found
+    assert wire.slurm.job_state("CANCELLED by 0", job="7")["slurm"] == "CANCELLED"
+    assert "time limit" in wire.slurm.job_state("TIMEOUT", job="7")["fix"]
+    assert "Resources" in wire.slurm.job_state("PENDING", job="7", reason="Resources")["fix"]
+
+
+def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
+    base = {"address": "login", "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(json.dumps({"hosts": {
+        "ok": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "gres": "gpu:8", "time_limit": 240,
+                                                        "account": "proj", "qos": "normal", "nodes": 1,
+                                                        "setup": "module load cuda"}}}}))
+    spec = load_inventory(path).hosts["ok"]
+    assert spec.scheduler == "slurm" and spec.slurm.time_limit == "240" and spec.slurm.nodes == 1
+    path.write_text(json.dumps({"hosts": {
+        "none": {**base, "scheduler": "slurm"},
+        "typo": {**base, "scheduler": "slurm", "slurm": {"partitio": "gpu"}},
+        "time": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "time_limit": "4 hours", "nodes": 0}},
+        "kind": {**base, "scheduler": "pbs"},
+        "alone": {**base, "slurm": {"partition": "gpu"}}}}))
+    with pytest.raises(InventoryError) as caught:
+        load_inventory(path)
+    said = str(caught.value)
+    assert "host 'none': field 'slurm' is needed with scheduler: slurm: give at least its partition" in said
+    assert "host 'typo': missing required field 'slurm.partition'" in said
+    assert "host 'typo': unknown field 'slurm.partitio' (allowed: partition, account, qos, gres, time_limit" in said
+    assert "host 'time': field 'slurm.time_limit': '4 hours' is not a Slurm time: write MINUTES" in said
+    assert "host 'time': field 'slurm.nodes': must be at least 1" in said
+    assert "host 'kind': field 'scheduler': Input should be 'ssh' or 'slurm'" in said
+    assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
+
+
+def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
+    from specops.draft_eval import eval_step
+    from specops.errors import UsageError
+    from specops.inventory import HostSpec, SlurmSpec
+    from specops.train import start_step
+
+    class Untouched:  # a host no task may reach
+        def __init__(self, spec):
+            self.spec, self.name = spec, spec.name
+
+        def run_task(self, *args, **kwargs):
+            raise AssertionError("a task reached the login node")
+
+    spec = HostSpec(name="c", address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm",
+                    slurm=SlurmSpec(partition="gpu"))
+    with pytest.raises(UsageError, match="train is not submitted through Slurm yet: it would run on the login node"):
+        start_step(Untouched(spec), "t1", "r1", epochs=1, dry_run=True, force=False)
+    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet"):
+        eval_step(Untouched(spec), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
+
+
+# --------------------------------------------------------------------------- against the cluster
+
+def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, make_inventory, tiny_models, tmp_path):
+    host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path)
+    inventory = make_inventory(hosts={
+        "fits": make_inventory_host(make_inventory, host),
+        "nopart": make_inventory_host(make_inventory, host, slurm={"partition": "gpu-nope"}),
+        "toolong": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION,
+                                                                    "time_limit": "1-00:00:00"}),
+        "toomany": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "nodes": 3}),
+        "gpus": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "gres": "gpu:8"}),
+    })
+    proc = specops("preflight", "--inventory", inventory, "--json")
+    doc = json.loads(proc.stdout)
+    by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in doc["hosts"]}
+    fits = by_host["fits"]
+    assert fits["slurm.partition"]["status"] == "ok", fits["slurm.partition"]
+    assert f"MaxTime {MAX_TIME_MIN}:00" in fits["slurm.partition"]["summary"]
+    assert fits["slurm.partition"]["detail"]["nodes"] == 2
+    node = fits["host.node"]
+    assert node["status"] == "ok" and node["detail"]["node"] in ("node1", "node2"), node
+    assert f"partition {PARTITION}" in node["summary"] and "compute node node" in node["summary"]
+    assert fits["host.python"]["status"] == "ok"  # the usual host checks ran there
+    refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus")}
+    assert all(r["status"] == "fail" for r in refused.values()), refused
+    assert "partition 'gpu-nope' does not exist" in refused["nopart"]["summary"]
+    assert PARTITION in refused["nopart"]["fix"]
+    assert f"above the partition's MaxTime {MAX_TIME_MIN}:00" in refused["toolong"]["summary"]
+    assert f"at most {MAX_TIME_MIN}:00" in refused["toolong"]["fix"]
+    assert "nodes 3 is more than the partition's 2 node(s)" in refused["toomany"]["summary"]
+    assert "asks 8 GPU(s) per node; the partition's nodes have 0" in refused["gpus"]["summary"]
+    for name in refused:  # nothing was submitted for them: no host check ran
+        assert by_host[name]["host.node"]["status"] == "skipped" and "host.python" not in by_host[name]
+    assert proc.returncode != 0
+    assert "specops-preflight" not in _slurm(cluster, "squeue", "-h", "-o", "%j")
+
+
+def make_inventory_host(make_inventory, host: dict, **changes) -> dict:
+    """``host`` (a slurm host's fields) completed with the test host's reach fields, as make_inventory writes them."""
+    import yaml
+
+    written = yaml.safe_load(Path(make_inventory(**host)).read_text())["hosts"]["th"]
+    return {**written, **changes}
+
+
+def _status(run_id, runs, inventory):
+    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=runs, timeout=120)
+    return proc, records(proc)
+
+
+def _wait_status(run_id, runs, inventory, ready, timeout=90):
+    deadline = time.monotonic() + timeout
+    while True:
+        proc, found = _status(run_id, runs, inventory)
+        if ready(found) or time.monotonic() > deadline:
+            return proc, found
+        time.sleep(1)
+
+
+def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster, make_inventory, tiny_models,
+                                                                         tmp_path):
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path)
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "6"  # time to look at it running, and to abort it there
+    inventory = make_inventory(**host)
+    started = specops("extract", "--inventory", inventory, "--run-id", "s1", "--skip-preflight", "--skip-smoke",
+                      "--detach", "--json", env=runs, timeout=120)
+    start = records(started)["job.start"]
+    assert start["status"] == "changed" and "submitted as Slurm job" in start["summary"], started.stdout
+    run_dir = tmp_path / "work" / "runs" / "s1"
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    assert "exec " in (run_dir / "slurm.sbatch").read_text()
+
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "RUNNING" in r.get("job.slurm", {}).get("summary", ""))
+    assert "job.slurm" in found, proc.stdout + started.stdout
+    assert found["job.slurm"]["status"] == "ok" and f"Slurm job {job_id} RUNNING on node" in \
+        found["job.slurm"]["summary"], proc.stdout
+    assert proc.returncode == 101  # running
+
+    # a second run asks for both nodes while s1 holds one: Slurm keeps it pending and says why
+    second = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="s2", nodes=2)
+    inventory2 = make_inventory(**second)
+    pending = specops("extract", "--inventory", inventory2, "--run-id", "s2", "--skip-preflight", "--skip-smoke",
+                      "--detach", "--json", env=runs, timeout=120)
+    assert records(pending)["job.start"]["status"] == "changed", pending.stdout
+    proc, found = _wait_status("s2", runs, inventory2, lambda r: "Resources" in r.get("job.slurm", {}).get("summary", ""),
+                               timeout=20)
+    assert "PENDING (Resources)" in found["job.slurm"]["summary"], proc.stdout
+    assert "waits for nodes (Resources)" in found["job.slurm"]["fix"]
+    # cancelled behind specops' back (an admin, the user's own scancel): named, with its fix
+    s2_job = json.loads((tmp_path / "work" / "runs" / "s2" / "slurm.json").read_text())["job_id"]
+    _slurm(cluster, "scancel", s2_job)
+    proc, found = _wait_status("s2", runs, inventory2, lambda r: "CANCELLED" in r.get("job.slurm", {}).get("summary", ""),
+                               timeout=20)
+    assert found["job.slurm"]["status"] == "fail" and "cancelled" in found["job.slurm"]["summary"], proc.stdout
+    assert "run the same command again to resume" in found["job.slurm"]["fix"]
+    assert found["job.status"]["status"] == "fail" and "SlurmCancelled" in found["job.status"]["summary"]
+    assert proc.returncode == 100
+
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "extracting" in r["job.status"]["summary"])
+    assert "extracting" in found["job.status"]["summary"] and "RUNNING" in found["job.slurm"]["summary"], proc.stdout
+
+    # abort = scancel: the job ends, the run is aborted, and nothing of it is left
+    aborted = specops("abort", "--inventory", inventory, "--run-id", "s1", "--json", env=runs, timeout=120)
+    said = records(aborted)["job.abort"]
+    assert said["status"] == "changed" and f"scancel {job_id}" in said["summary"], aborted.stdout
+    assert _slurm(cluster, "squeue", "-h", "-j", job_id).strip() == ""
+    assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the aborted run is left"
+    proc, found = _status("s1", runs, inventory)
+    assert "aborted" in found["job.status"]["summary"] and "CANCELLED" in found["job.slurm"]["summary"]
+    assert proc.returncode == 103
+
+    # the same command again resubmits it; a node set down mid-run then makes Slurm requeue the job, status names
+    # it, and the job started again resumes the run: every sample once, the run's files and manifest as ever
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "5"  # a fault point is not part of what the run is: a resume may change it
+    inventory = make_inventory(**host)
+    started = specops("extract", "--inventory", inventory, "--run-id", "s1", "--skip-preflight", "--skip-smoke",
+                      "--detach", "--json", env=runs, timeout=120)
+    assert "resubmitted (resumes after the last complete sample)" in records(started)["job.start"]["summary"]
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "extracting" in r["job.status"]["summary"])
+    node = found["job.slurm"]["detail"]["nodes"]
+    assert node in ("node1", "node2"), proc.stdout
+    _slurm(cluster, "scontrol", "update", f"nodename={node}", "state=down", "reason=specops-test")
+    try:
+        proc, found = _wait_status("s1", runs, inventory, lambda r: "requeued 1x" in r["job.slurm"]["summary"],
+                                   timeout=30)
+        assert f"Slurm job {job_id} PENDING" in found["job.slurm"]["summary"], proc.stdout
+        assert "after a node failure or a preemption" in found["job.slurm"]["summary"]
+    finally:
+        _slurm(cluster, "scontrol", "update", f"nodename={node}", "state=resume")
+    _slurm(cluster, "scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeue back ~2 min
+    proc, found = _wait_status("s1", runs, inventory, lambda r: "done" in r["job.status"]["summary"]
+                               and "COMPLETED" in r["job.slurm"]["summary"], timeout=120)
+    assert proc.returncode == 0 and "COMPLETED" in found["job.slurm"]["summary"], proc.stdout
+    log = (run_dir / "logs" / "supervisor.log").read_text()
+    assert f"Slurm started job {job_id} again (restart 1)" in log
+    out = tmp_path / "out-login" / "s1"
+    assert sorted(p.name for p in out.glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    fetched = specops("extract", "--inventory", inventory, "--run-id", "s1", "--json", env=runs, timeout=120)
+    assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
+    manifest = json.loads((tmp_path / "runs" / "th" / "s1" / "manifest.json").read_text())
+    assert manifest["samples"] == 6 and len(manifest["files"]) == 6
