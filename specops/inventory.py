@@ -168,6 +168,8 @@ class HostSpec(BaseModel):
     on_replica_loss: str = "fail"
     #: ``auto``: the host's installed speculators picks (0.3/0.4 -> speculators-0.3, >= 0.5 -> vllm-server).
     engine: str = DEFAULTS["engine"]
+    #: the draft algorithm these states are for (its layer-id plan: remote.wire.layers.algorithm_plan).
+    algorithm: str = DEFAULTS["algorithm"]
     layer_ids: list[int] | None = None
     #: the convention ``layer_ids`` are written in; None: the engine's own (translated when they differ).
     layer_convention: str | None = None
