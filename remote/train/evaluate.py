@@ -12,16 +12,22 @@ A task module (``main(params) -> payload``), run in the foreground like ``verify
 2. **Held-out prompts.** The rows of the states' dataset after the ones the extraction
    read (``dataset_samples``: never a training row), through the same reader
    (:mod:`remote.extract.dataset`); a chat row's prompt is its tokens up to the first assistant
-   token. The slice is recorded.
+   token. The slice is recorded. Or ``prompts`` names a prompt file on the host (MT-Bench, SPEED-Bench,
+   speculator_benchmarks, chat rows: :mod:`remote.train.prompts`), its prompts grouped by category.
 3. **Serving.** vLLM's OpenAI server as the extraction engine starts it
    (:class:`remote.extract.engines.vllm_server.VllmServer`: loopback, its own process group, logs
    under ``<work_dir>/evals/<name>/logs``), without extraction and with
    ``--speculative-config {"method": "eagle3", "model": DRAFT, "num_speculative_tokens": k}``;
-   greedy completions of ``max_tokens`` each, one at a time.
+   completions of ``max_tokens`` each, for each cell of the sweep (every ``temperature`` x every
+   ``concurrency``: 0 and 1 unless asked), one category after another; with per-request metrics where
+   this vLLM has them (:mod:`remote.train.specmetrics`).
 4. **Acceptance from the server's own /metrics**: ``vllm:spec_decode_num_drafts``,
    ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._per_pos``: mean acceptance
    length (1 + accepted / drafts), the rate per position, output tokens/s; with ``baseline``
-   the same prompts on the plain server too (a second start).
+   the same prompts on the plain server too (a second start), the speed-up per cell.
+5. **The gate** (``min_acceptance_length``, :mod:`remote.train.gate`): each category at its worst cell
+   against its bar, ``eval.gate`` naming those below. The payload carries what the laptop's history
+   keeps (:mod:`specops.evals`): the draft's sha256, the target, vLLM's version and runner, the prompts' hash.
 
 Parameters: :data:`SPEC`.
 """
@@ -368,9 +374,12 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
                 cell = {"temperature": temperature, "concurrency": concurrency, "categories": {}}
                 for category, items in groups.items():
                     before, t0 = metrics(), time.monotonic()
-                    with ThreadPoolExecutor(max_workers=int(concurrency)) as pool:
+                    pool = ThreadPoolExecutor(max_workers=int(concurrency))
+                    try:
                         sent = list(pool.map(lambda p, t=temperature: send_one(
                             server, p, max_tokens=params["max_tokens"], temperature=float(t)), items))
+                    finally:  # a Stopped (Ctrl-C) must not wait for requests in flight: the server's stop ends them
+                        pool.shutdown(wait=False, cancel_futures=True)
                     seconds = time.monotonic() - t0
                     cell["categories"][category] = {
                         "before": before, "after": metrics(), "seconds": round(seconds, 3),
