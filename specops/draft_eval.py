@@ -19,7 +19,7 @@ from pathlib import PurePosixPath
 from specops import wire
 from specops.errors import SpecopsError, TaskInterrupted, UsageError
 from specops.inventory import Inventory
-from specops.result import HostReport
+from specops.result import HostReport, Record
 from specops.transport.host import Host
 from specops.transport.parallel import report_from_payload, run_on_hosts
 from specops.transport.pool import HostPool
@@ -141,7 +141,15 @@ def record_history(reports: list[HostReport], draft: str, force: bool) -> list:
             continue
         gate = by_name.get("eval.gate")
         entry = evals.entry_of(report.host, draft, acc.detail, gate.model_dump() if gate else None, force=force)
+        dest = evals.eval_dir(report.host, acc.detail)
+        files, why_not = evals.draw(acc.detail, dest)
+        entry["files"] = str(dest)
         written.append(evals.append(entry))
+        report.records.append(Record(
+            name="eval.files", status="ok" if why_not is None else "warn",
+            summary=f"{', '.join(files)} in {dest}; kept in the eval history ({written[-1]}: specops evals)"
+                    + ("" if why_not is None else f"; no pictures: {why_not}"),
+            detail={"dir": str(dest), "files": files, "history": str(written[-1])}))
     return written
 
 

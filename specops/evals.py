@@ -210,3 +210,68 @@ def show(draft: str | None = None, as_json: bool = False, path: Path | None = No
         style = "bold red" if c["drop"] else "green"
         console.print(Text(f"#{c['before']} -> #{c['after']}: ", style=style) + Text(c["summary"]))
     return int(ExitCode.FAILED if doc["drop"] else ExitCode.SUCCESS)
+
+
+ACCEPTANCE_PNG, CONCURRENCY_PNG, EVAL_JSON = "acceptance.png", "concurrency.png", "eval.json"
+
+
+def eval_dir(host: str, detail: dict) -> Path:
+    """Where the laptop keeps one eval's pictures and numbers: ``runs/<host>/evals/<name>`` (the host's own name
+    of the eval), beside a run's fetched dirs (``runs/<host>/<run-id>``, where a train run's curve is)."""
+    return local_runs_root() / host / "evals" / Path(str(detail.get("eval_dir") or "eval")).name
+
+
+def draw(detail: dict, dest: Path) -> tuple[list[str], str | None]:
+    """The eval's numbers (``eval.json``) and two pictures in ``dest``: acceptance per position per category (the
+    first cell of the sweep), and output tok/s against concurrency per temperature (the plain server's dashed,
+    with --baseline). ``(files written, why the pictures were not drawn or None)``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wire.fsutil.atomic_write(dest / EVAL_JSON, json.dumps(detail, indent=2, sort_keys=True))
+    written = [EVAL_JSON]
+    cells = detail.get("cells") or []
+    if not cells:
+        return written, "no cell measured"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a laptop's ssh session or in CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written, "matplotlib is not installed: pip install 'specops[plot]'"
+    first = cells[0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, acc in [("all", first["all"])] + sorted((first.get("categories") or {}).items()):
+        rates = acc.get("per_position") or []
+        ax.plot(range(len(rates)), [r if r is not None else float("nan") for r in rates], marker="o",
+                label=f"{name} ({acc.get('mean_acceptance_length')})", linewidth=2.5 if name == "all" else 1.2)
+    ax.set_xticks(range(len(first["all"].get("per_position") or [])))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / draft steps")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"k={detail.get('k')}, t={first['temperature']}, c={first['concurrency']}: acceptance per position "
+                 f"(mean acceptance length)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dest / ACCEPTANCE_PNG, dpi=100)
+    plt.close(fig)
+    written.append(ACCEPTANCE_PNG)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for temperature in dict.fromkeys(c["temperature"] for c in cells):
+        row = sorted((c for c in cells if c["temperature"] == temperature), key=lambda c: c["concurrency"])
+        line, = ax.plot([c["concurrency"] for c in row], [c.get("tokens_per_s") or float("nan") for c in row],
+                        marker="o", label=f"draft, t={temperature}")
+        if any(c.get("baseline_tokens_per_s") for c in row):
+            ax.plot([c["concurrency"] for c in row], [c.get("baseline_tokens_per_s") or float("nan") for c in row],
+                    linestyle="--", color=line.get_color(), label=f"plain, t={temperature}")
+    levels = sorted({c["concurrency"] for c in cells})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("output tokens/s against concurrency", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dest / CONCURRENCY_PNG, dpi=100)
+    plt.close(fig)
+    written.append(CONCURRENCY_PNG)
+    return written, None

@@ -268,6 +268,22 @@ def test_a_measured_eval_is_appended_to_the_history_by_its_one_writer(tmp_path, 
     (entry,) = evals.history()
     assert entry["host"] == "modern" and entry["draft_sha256"] == "cd" * 32
     assert entry["gate"] == {"status": "fail", "below": ["all"]}
+    # the numbers are kept beside the history, and the report says where (no cell: no pictures, a warn)
+    files = reports[0].records[-1]
+    assert files.name == "eval.files" and files.status == "warn" and "no cell measured" in files.summary, files
+    assert json.loads((Path(entry["files"]) / evals.EVAL_JSON).read_text())["draft_sha256"] == "cd" * 32
+    assert reports[0].exit_code == ExitCode.GATE_FAILED  # the warn changes no code
+
+
+def test_the_pictures_show_acceptance_per_position_and_tokens_per_s_against_concurrency(tmp_path):
+    pytest.importorskip("matplotlib")
+    cells = evaluate.cell_results(served_cells(), k=3)
+    for cell, plain in zip(cells, (10.0, 12.0)):
+        cell["baseline_tokens_per_s"] = plain
+    files, why_not = evals.draw({"k": 3, "cells": cells}, tmp_path / "e")
+    assert why_not is None and files == [evals.EVAL_JSON, evals.ACCEPTANCE_PNG, evals.CONCURRENCY_PNG]
+    for name in files[1:]:
+        assert (tmp_path / "e" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --------------------------------------------------------------------------- per-request metrics, read by source
