@@ -142,7 +142,10 @@ def record_history(reports: list[HostReport], draft: str, force: bool) -> list:
         gate = by_name.get("eval.gate")
         entry = evals.entry_of(report.host, draft, acc.detail, gate.model_dump() if gate else None, force=force)
         dest = evals.eval_dir(report.host, acc.detail)
-        files, why_not = evals.draw(acc.detail, dest)
+        try:
+            files, why_not = evals.draw(acc.detail, dest)
+        except (OSError, ValueError) as exc:  # the measurement stands and is kept; its pictures are a nicety
+            files, why_not = [], f"{type(exc).__name__}: {exc}"
         entry["files"] = str(dest)
         written.append(evals.append(entry))
         report.records.append(Record(
