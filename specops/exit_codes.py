@@ -10,6 +10,7 @@ code  name             meaning
 2     UNREACHABLE      a host could not be reached, or its host key was refused
 3     USAGE            bad input: inventory, flags or arguments (nothing was run)
 4     INTERNAL         a bug in specops itself; please report it with ``--debug``
+5     GATE_FAILED      ``eval --min-acceptance-length``: measured, and below the bar (its record names the categories)
 130   INTERRUPTED      a foreground task (``eval``) stopped by Ctrl-C; what it started on the host is stopped
 ====  ===============  ===========================================================
 
@@ -35,6 +36,7 @@ class ExitCode(enum.IntEnum):
     UNREACHABLE = 2
     USAGE = 3
     INTERNAL = 4
+    GATE_FAILED = 5
     JOB_FAILED = 100
     JOB_RUNNING = 101
     JOB_NOT_FOUND = 102

@@ -18,6 +18,8 @@ from specops.exit_codes import ExitCode
 #: the host's definitions (``remote/wire/contract.py``), loaded once.
 _CONTRACT = wire.contract
 Status = Literal[_CONTRACT.STATUSES]
+#: eval's acceptance gate (remote/train/gate.py ``RECORD``): its failure alone exits ExitCode.GATE_FAILED
+GATE_RECORD = "eval.gate"
 
 
 class Record(BaseModel):
@@ -61,7 +63,11 @@ class HostReport(BaseModel):
     def exit_code(self) -> ExitCode:
         if self.error is not None:
             return ExitCode(self.error_code or ExitCode.UNREACHABLE)
-        return ExitCode.FAILED if self.failed else ExitCode.SUCCESS
+        if not self.failed:
+            return ExitCode.SUCCESS
+        # measured, and only the acceptance bar failed: a code of its own, so CI tells "worse draft" from "broken"
+        gated = {r.name for r in self.records if r.status == _CONTRACT.FAIL} == {GATE_RECORD}
+        return ExitCode.GATE_FAILED if gated else ExitCode.FAILED
 
     def recap(self) -> str:
         """An Ansible PLAY RECAP style line: ``host : ok=12 changed=0 warn=1 fail=0``."""
@@ -80,7 +86,8 @@ def overall_exit(reports: list[HostReport]) -> ExitCode:
         return ExitCode.USAGE
     if ExitCode.UNREACHABLE in codes:
         return ExitCode.UNREACHABLE
-    return max(codes)
+    # a failure to measure is worse news than a draft below its bar
+    return max(codes, key=lambda code: 0.5 if code == ExitCode.GATE_FAILED else int(code))
 
 
 #: the run states themselves (``STATE.DONE == "done"``), from the one definition both sides read.

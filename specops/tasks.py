@@ -356,26 +356,43 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
                  "from-run": "the extraction run whose states the draft is checked against (default: the one it "
                              "trained on; required for a dir)",
                  "k": "num_speculative_tokens (default: the draft config's, else 3)",
-                 "prompts": "held-out dataset rows to send (after the rows the extraction read)",
                  "max-tokens": "tokens to generate per prompt",
                  "baseline": "also serve the prompts without the draft: tokens/s of both (a second server start)",
                  "force": "serve a draft whose config does not fit the states anyway (each misfit a warn), to "
-                          "measure what the mismatch costs"})
-def eval_(target, draft=None, from_run=None, k=None, prompts=8, max_tokens=32, baseline=False, force=False,
-          algorithm=None):
-    """Serve the target with a draft on held-out prompts (the vLLM method of its algorithm); acceptance from vLLM's
-    own metrics."""
+                          "measure what the mismatch costs",
+                 **argspec.flag_help(argspec.EVAL_ARGS, ("prompts", "temperature", "concurrency",
+                                                         "min_acceptance_length"))},
+           iterable=["temperature", "concurrency", "min_acceptance_length"])
+def eval_(target, draft=None, from_run=None, k=None, prompts=None, max_tokens=32, baseline=False, force=False,
+          temperature=None, concurrency=None, min_acceptance_length=None, algorithm=None):
+    """Serve the target with a draft (the vLLM method of its algorithm) on held-out prompts or a benchmark file;
+    acceptance from vLLM's own metrics, per category, over a temperature x concurrency sweep; each eval kept in
+    the history (specops evals)."""
     from specops.draft_eval import evaluate
 
     return evaluate(target.inventory, target.selector, draft=draft, from_run=from_run, k=k, prompts=prompts,
-                    max_tokens=max_tokens, baseline=baseline, force=force, algorithm=algorithm,
+                    max_tokens=max_tokens, baseline=baseline, force=force, temperature=temperature,
+                    concurrency=concurrency, min_acceptance_length=min_acceptance_length, algorithm=algorithm,
                     accept_new_host_key=target.accept_new_host_key)
+
+
+@task(help={"draft": "only this draft's evals: the run id or dir given to eval, or a prefix of its sha256",
+            "json": "print the history and its comparisons as one JSON document"})
+def evals(c, draft=None, json=False):
+    """List the eval history of this laptop; flag a drop in acceptance beyond noise between two evals of the same
+    draft, target and prompts, naming what changed (vLLM, runner, k, temperature, concurrency). Exit 1 on a drop."""
+    from specops.evals import show
+
+    code = _guard(show)(draft, as_json=json)
+    if code:
+        raise Exit(code=int(code))
 
 
 _long_only(train, "from-run", "dry-run", "trainer-arg", "regenerate", "online", "regen-max-tokens", "regen-temperature",
            "total-seq-len", "draft-vocab-size", "generation-validation-retries", "max-consecutive-generation-failures",
            "keep-states")
-_long_only(eval_, "from-run", "max-tokens", "baseline", "force")
+_long_only(eval_, "from-run", "max-tokens", "baseline", "force", "temperature", "concurrency",
+           "min-acceptance-length")
 
 
 @task(help={"name": "test host name (several can run side by side; default: 'default' for the seed stack, "
@@ -420,7 +437,7 @@ testhost.add_task(testhost_down, "down")
 testhost.add_task(testhost_status, "status")
 
 ns = Collection(facts, preflight, patch, extract, status, logs, abort, fetch, smoke, verify, train, demo,
-                testhost)
+                testhost, evals)
 ns.add_task(eval_, "eval")
 ns.configure({"run": {"pty": False}})
 

@@ -437,11 +437,31 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
             [2, 4, 5], recs["eval.aux_ids_used"]
         assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
         results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
-    # forced, the off-by-one copy is served anyway: each misfit a warn, and the acceptance it costs
+    # forced, the off-by-one copy is served anyway: each misfit a warn, and the acceptance it costs; on an MT-Bench
+    # file (two categories, a two-turn question), swept over two temperatures and two concurrencies, with a gate
+    # that one category fails: exit 5, naming it (issue 46)
+    bench = tmp_path / "question.jsonl"
+    bench.write_text("".join(json.dumps(q) + "\n" for q in (
+        {"question_id": 81, "category": "writing", "turns": ["the quick brown fox", "and then the dog"]},
+        {"question_id": 121, "category": "coding", "turns": ["def add ( a , b ) :"]},
+        {"question_id": 122, "category": "coding", "turns": ["for i in range ( 10 ) :"]})))
     forced = specops("eval", "--inventory", inv, "--draft", shifted, "--from-run", run["run_id"], "-k", 3, "--force",
-                     "--json", env=env)
-    assert forced.returncode == 0, forced.stdout[-4000:] + forced.stderr[-4000:]
+                     "--prompts", bench, "--temperature", "0", "--temperature", "0.8", "--concurrency", "1,2",
+                     "--min-acceptance-length", "1.0", "--min-acceptance-length", "writing=9", "--json", env=env)
+    assert forced.returncode == 5, forced.stdout[-4000:] + forced.stderr[-4000:]
     recs = records(forced)
+    assert recs["eval.prompts"]["detail"]["format"] == "mt_bench", recs["eval.prompts"]
+    assert recs["eval.gate"]["status"] == "fail" and recs["eval.gate"]["detail"]["below"] == ["writing"], \
+        recs["eval.gate"]
+    cells = recs["eval.sweep"]["detail"]["cells"]
+    assert [(c["temperature"], c["concurrency"]) for c in cells] == [(0.0, 1), (0.0, 2), (0.8, 1), (0.8, 2)]
+    for cell in cells:  # every cell measured both categories, and vLLM 0.32 gave each request's histogram
+        assert set(cell["categories"]) == {"writing", "coding"} and cell["all"]["drafts"] > 0, cell
+        assert cell["all"]["per_request"]["requests"] == 4 and sum(cell["all"]["per_request"]["histogram"]) == \
+            cell["all"]["drafts"], cell["all"]
+    engine = recs["eval.acceptance"]["detail"]["engine"]
+    assert engine["vllm"] == "0.32.0" and engine["per_request"]["available"], engine
+    print(f"\nsweep of the forced draft: {recs['eval.sweep']['summary']}")
     assert recs["eval.draft_layer_ids"]["status"] == "warn" and recs["eval.draft_layer_ids"]["summary"].startswith(
         "forced: "), recs["eval.draft_layer_ids"]
     # and vLLM's log shows it served the draft on the shifted ids: both lists named (a warn, forced)
@@ -475,15 +495,24 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     _, regen_status = _status(inv, "regen", env)
     assert regen_status["plan"]["data_path"] == str(work / "runs" / "regen-states" / "samples"), regen_status["plan"]
     t_regen = time.monotonic() - t
-    proc = specops("eval", "--inventory", inv, "--draft", "regen", "-k", 3, "--json", env=env)
+    proc = specops("eval", "--inventory", inv, "--draft", "regen", "-k", 3, "--min-acceptance-length", "1.0",
+                   "--json", env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     recs = records(proc)
+    assert recs["eval.gate"]["status"] == "ok", recs["eval.gate"]  # the bar passed: exit 0
     assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the same held-out rows as the dataset-trained draft
     maps = recs["eval.draft_vocab_maps"]
     assert maps["status"] == "ok" and maps["detail"]["draft_vocab_size"] == 256 and maps["detail"]["d2t"] == [256], maps
     results["regen"] = recs["eval.acceptance"]["detail"]
     print(f"\nregenerate + extract + train ({EPOCHS} epochs): {t_regen:.0f}s; eval on the target's own replies: "
           f"{results['regen']}")
+
+    # every measured eval is in the laptop's history, its draft by hash, and the sweep with the gate it failed
+    history = specops("evals", "--json", env=env, timeout=120)
+    logged = json.loads(history.stdout)["evals"]
+    assert [e["draft"] for e in logged] == ["draft", "untrained", str(shifted), "regen"], logged
+    assert len({e["draft_sha256"] for e in logged}) == 4 and logged[2]["gate"]["below"] == ["writing"], logged
+    assert logged[2]["prompts"]["format"] == "mt_bench" and logged[0]["engine"]["vllm"] == "0.32.0", logged
 
     trained, chance = results["draft"], results["untrained"]
     print(f"\ntrain (abort after step {aborted_at} at {t_abort:.0f}s, resume from {resumed_from}): {t_train:.0f}s, "

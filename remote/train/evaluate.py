@@ -12,18 +12,24 @@ A task module (``main(params) -> payload``), run in the foreground like ``verify
 2. **Held-out prompts.** The rows of the states' dataset after the ones the extraction
    read (``dataset_samples``: never a training row), through the same reader
    (:mod:`remote.extract.dataset`); a chat row's prompt is its tokens up to the first assistant
-   token. The slice is recorded.
+   token. The slice is recorded. Or ``prompts`` names a prompt file on the host (MT-Bench, SPEED-Bench,
+   speculator_benchmarks, chat rows: :mod:`remote.train.prompts`), its prompts grouped by category.
 3. **Serving.** vLLM's OpenAI server as the extraction engine starts it
    (:class:`remote.extract.engines.vllm_server.VllmServer`: loopback, its own process group, logs
    under ``<work_dir>/evals/<name>/logs``), without extraction and with
    ``--speculative-config {"method": METHOD, "model": DRAFT, "num_speculative_tokens": k}``, METHOD the one
    this vLLM serves the draft's algorithm with (its config's ``speculators_model_type``, read from vLLM's
    own converters before the load: :func:`draft_algorithm`; one it cannot serve is refused there, naming
-   the first release that can); greedy completions of ``max_tokens`` each, one at a time.
+   the first release that can); completions of ``max_tokens`` each, for each cell of the sweep (every
+   ``temperature`` x every ``concurrency``: 0 and 1 unless asked), one category after another; with
+   per-request metrics where this vLLM has them (:mod:`remote.train.specmetrics`).
 4. **Acceptance from the server's own /metrics**: ``vllm:spec_decode_num_drafts``,
    ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._per_pos``: mean acceptance
    length (1 + accepted / drafts), the rate per position, output tokens/s; with ``baseline``
-   the same prompts on the plain server too (a second start).
+   the same prompts on the plain server too (a second start), the speed-up per cell.
+5. **The gate** (``min_acceptance_length``, :mod:`remote.train.gate`): each category at its worst cell
+   against its bar, ``eval.gate`` naming those below. The payload carries what the laptop's history
+   keeps (:mod:`specops.evals`): the draft's sha256, the target, vLLM's version and runner, the prompts' hash.
 
 Parameters: :data:`SPEC`.
 """
@@ -39,9 +45,10 @@ from pathlib import Path
 
 from remote.extract import samples
 from remote.system import modelconfig
+from remote.train import gate
 from remote.train import plan as trainplan
 from remote.wire import contract, layers, protocol
-from remote.wire.argspec import RUN_ARGS, Arg, Spec
+from remote.wire.argspec import EVAL_ARGS, RUN_ARGS, Arg, Spec
 from remote.wire.contract import RunState
 
 DEFAULT_K = 3
@@ -57,8 +64,7 @@ SPEC = Spec("draft_eval", {
     "draft": Arg("path", required=True, doc="a train run id on this host, or a draft checkpoint dir (~ expanded)"),
     "from_run": Arg("str", doc="the states run the draft is checked against (default: the one it trained on)"),
     "k": Arg("int", min=1, max=16, doc="num_speculative_tokens (default: the draft config's, else 3)"),
-    "prompts": Arg("int", 8, min=1, doc="held-out rows to send"),
-    "max_tokens": Arg("int", 32, min=1, doc="tokens to generate per prompt"),
+    **EVAL_ARGS,
     "baseline": Arg("bool", False, doc="also serve the prompts without the draft (a second server start)"),
     "force": Arg("bool", False, doc="serve a draft whose config does not fit the states anyway (each misfit a warn): "
                                     "to measure what the mismatch costs"),
@@ -279,16 +285,80 @@ def acceptance(before: dict, after: dict, k: int) -> dict:
             "per_position_accepted": [int(a) for a in per_pos]}
 
 
-def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path, spec: dict | None) -> dict:
-    """Start the server (with ``spec`` as its speculative config, or plain), send ``prompts``, read
-    /metrics around them, stop it. :raises ServerFailed: naming the server's own exception."""
-    import urllib.request
+def send_one(server, prompt: dict, *, max_tokens: int, temperature: float) -> dict:
+    """One prompt through the server: token ids to /v1/completions, chat messages or user turns to
+    /v1/chat/completions (turns one after another, each after the target's own reply to the one before, as
+    MT-Bench does). ``{"tokens", "text", "spec"}``: ``spec`` the per-request metrics of each reply
+    (:func:`remote.train.specmetrics.of_response`; None where the server gives none)."""
+    from remote.extract.engines.vllm_server import SERVED_MODEL_NAME
+    from remote.train import specmetrics
 
-    from remote.extract.engines.vllm_server import SERVED_MODEL_NAME, VllmServer
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    if "ids" in prompt:
+        replies = [server.post_json("/v1/completions", {"model": SERVED_MODEL_NAME, "prompt": prompt["ids"],
+                                                        **sampling})]
+        texts = [(replies[0].get("choices") or [{}])[0].get("text")]
+    else:
+        messages, replies, texts = list(prompt.get("messages") or []), [], []
+        for turn in prompt.get("turns") or [None]:
+            if turn is not None:
+                messages.append({"role": "user", "content": turn})
+            reply = server.post_json("/v1/chat/completions", {"model": SERVED_MODEL_NAME, "messages": messages,
+                                                              **sampling})
+            text = ((reply.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
+            messages.append({"role": "assistant", "content": text})
+            replies.append(reply)
+            texts.append(text)
+    return {"tokens": sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in replies),
+            "text": texts[0] if len(texts) == 1 else texts, "spec": [specmetrics.of_response(r) for r in replies]}
+
+
+#: the chat template's tokens around one message, at most (a bound: a text's length is known only in bytes here)
+TEMPLATE_TOKENS = 64
+
+
+def prompt_tokens_bound(prompt: dict) -> int:
+    """At most how many tokens ``prompt`` takes: its ids, or a text's UTF-8 bytes (no tokenizer makes more
+    tokens than bytes) plus :data:`TEMPLATE_TOKENS` a message."""
+    if "ids" in prompt:
+        return len(prompt["ids"])
+    texts = list(prompt.get("turns") or []) + [m["content"] for m in prompt.get("messages") or []]
+    return sum(len(t.encode("utf-8")) + TEMPLATE_TOKENS for t in texts)
+
+
+def by_category(prompts: list) -> dict:
+    """``{category: [prompt, ...]}`` in the order the categories first appear."""
+    groups: dict[str, list] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt["category"], []).append(prompt)
+    return groups
+
+
+def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path, spec: dict | None,
+          per_request: bool = False) -> dict:
+    """Start the server (with ``spec`` as its speculative config, or plain), send ``prompts``, read
+    /metrics around them, stop it. :raises ServerFailed: naming the server's own exception.
+
+    The prompts are sent once per cell of the sweep (each ``temperature`` x each ``concurrency``), one
+    category after another, /metrics read around each category (``cells[i]["categories"][c]``: ``before``,
+    ``after``, seconds, tokens), ``concurrency`` requests in flight at once within a category."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from remote.extract.engines.vllm_server import VllmServer
 
     device = params.get("device") or ""
-    max_len = max(len(p) for p in prompts) + params["max_tokens"] + 2 * ((spec or {}).get("num_speculative_tokens") or 0) + 16
+    turns = max(len(p.get("turns") or [None]) for p in prompts)
+    max_len = max(map(prompt_tokens_bound, prompts)) + turns * params["max_tokens"] + 2 * (
+        (spec or {}).get("num_speculative_tokens") or 0) + 16
+    model_max = modelconfig.text_value(modelconfig.read(plan.model_path), "max_position_embeddings")
+    if isinstance(model_max, int) and not any("ids" in p for p in prompts):
+        max_len = min(max_len, model_max)  # a text's bound is loose; the model's own length is the real cap
     server_args = ["--speculative-config", json.dumps(spec)] if spec else []
+    if spec and per_request:
+        from remote.train import specmetrics
+
+        server_args += [specmetrics.FLAG, "summary"]
     server = VllmServer(plan.model_path, tp=int(params.get("tp") or 1), layer_ids=[],
                         work_dir=eval_dir / ("spec" if spec else "plain"), max_model_len=max_len,
                         params={"plain": True, "device": device, "enforce_eager": device == "cpu",
@@ -299,24 +369,38 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
             return read_metrics(resp.read().decode("utf-8", "replace"))
 
+    groups = by_category(prompts)
+    cells = []
     server.start()
     try:
         ready = server.wait_ready(params["ready_timeout_s"])
-        before = metrics()
-        t0, out_tokens, texts = time.monotonic(), 0, []
-        for ids in prompts:
-            reply = server.post_json("/v1/completions", {
-                "model": SERVED_MODEL_NAME, "prompt": ids, "max_tokens": params["max_tokens"],
-                "temperature": 0, "ignore_eos": True})
-            out_tokens += int((reply.get("usage") or {}).get("completion_tokens") or 0)
-            texts.append((reply.get("choices") or [{}])[0].get("text"))
-        seconds = time.monotonic() - t0
-        after = metrics()
+        for temperature in params.get("temperature") or [0.0]:
+            for concurrency in params.get("concurrency") or [1]:
+                cell = {"temperature": temperature, "concurrency": concurrency, "categories": {}}
+                for category, items in groups.items():
+                    before, t0 = metrics(), time.monotonic()
+                    pool = ThreadPoolExecutor(max_workers=int(concurrency))
+                    try:
+                        sent = list(pool.map(lambda p, t=temperature: send_one(
+                            server, p, max_tokens=params["max_tokens"], temperature=float(t)), items))
+                    finally:  # a Stopped (Ctrl-C) must not wait for requests in flight: the server's stop ends them
+                        pool.shutdown(wait=False, cancel_futures=True)
+                    seconds = time.monotonic() - t0
+                    cell["categories"][category] = {
+                        "before": before, "after": metrics(), "seconds": round(seconds, 3),
+                        "output_tokens": sum(x["tokens"] for x in sent), "outputs": [x["text"] for x in sent],
+                        "spec": [m for x in sent for m in x["spec"]]}
+                cell["seconds"] = round(sum(c["seconds"] for c in cell["categories"].values()), 3)
+                cell["output_tokens"] = sum(c["output_tokens"] for c in cell["categories"].values())
+                cell["tokens_per_s"] = round(cell["output_tokens"] / cell["seconds"], 1) if cell["seconds"] else None
+                cells.append(cell)
     finally:
         server.stop()
-    return {"ready_s": round(ready, 1), "seconds": round(seconds, 2), "output_tokens": out_tokens,
-            "tokens_per_s": round(out_tokens / seconds, 1) if seconds else None, "before": before, "after": after,
-            "log": str(server.log_path), "outputs": texts}
+    first, last = cells[0], cells[-1]
+    return {"ready_s": round(ready, 1), "seconds": first["seconds"], "output_tokens": first["output_tokens"],
+            "tokens_per_s": first["tokens_per_s"], "before": next(iter(first["categories"].values()))["before"],
+            "after": list(last["categories"].values())[-1]["after"], "log": str(server.log_path),
+            "outputs": [o for c in first["categories"].values() for o in c["outputs"]], "cells": cells}
 
 
 class Stopped(BaseException):
@@ -370,18 +454,20 @@ def evaluate(params: dict) -> dict:
                    else r for r in records]
     doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
     k = int(params.get("k") or _draft_k(draft) or DEFAULT_K)
-    prompts, rows = held_out_prompts(params, plan, doc, target)
-    records.append(protocol.record("eval.prompts", protocol.OK,
-                                   f"{len(prompts)} held-out prompt(s): dataset rows {rows[0]}..{rows[1] - 1} (run "
-                                   f"{from_run} read rows 0..{rows[0] - 1}), {sum(map(len, prompts))} tokens",
-                                   detail={"rows": rows, "dataset": (doc.get("params") or {}).get("dataset")}))
+    try:
+        gate.check_thresholds(params.get("min_acceptance_length"))
+    except ValueError as exc:
+        raise EvalError("eval.params", str(exc), "pass --min-acceptance-length X or CATEGORY=X with X >= 1") from None
+    engine = engine_facts(params)
+    prompts, prompt_set = eval_prompts(params, plan, doc, target, from_run)
+    records.append(prompt_set.pop("record"))
     name = params.get("name") or f"{Path(str(params['draft'])).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     eval_dir = Path(params["work_dir"]) / "evals" / name
     method = served_by["detail"]["method"]
     spec = {"method": method, "model": str(path), "num_speculative_tokens": k}
     try:
         with stoppable(eval_dir):
-            served = serve(params, plan, prompts, eval_dir, spec)
+            served = serve(params, plan, prompts, eval_dir, spec, per_request=engine["per_request"]["available"])
     except Exception as exc:  # the server's own exception, as its log names it (ServerFailed)
         raise EvalError("eval.server", f"vLLM with the draft as {method} failed: {exc}",
                         f"read the server log under {eval_dir}/spec/logs; a draft that does not load names "
@@ -399,9 +485,15 @@ def evaluate(params: dict) -> dict:
                                        f"was measured", detail={"draft": str(path), **acc},
                                        fix=f"read the server log ({served['log']}): the draft was not used"))
         return protocol.payload(records, draft=str(path), served=served)
+    rows = prompt_set.get("rows")
+    cells = cell_results(served["cells"], k)
     result = {"draft": str(path), "what": what, "from_run": from_run, "k": k, "rows": rows, **acc,
               "tokens_per_s": served["tokens_per_s"], "output_tokens": served["output_tokens"],
-              "ready_s": served["ready_s"], "eval_dir": str(eval_dir)}
+              "ready_s": served["ready_s"], "eval_dir": str(eval_dir),
+              "draft_sha256": draft_digest(path), "target": plan.model_path, "engine": engine,
+              "temperature": params["temperature"], "concurrency": params["concurrency"],
+              "max_tokens": params["max_tokens"], "prompt_set": prompt_set, "cells": cells,
+              "categories": pooled_categories(served["cells"], k)}
     rate = acc["acceptance_rate"] or 0.0
     chance = rate <= 1.0 / max(2, int(modelconfig.text_value(target, "vocab_size") or 2))
     summary = (f"{what}, k={k}: mean acceptance length {acc['mean_acceptance_length']}, {acc['accepted']} of "
@@ -413,16 +505,28 @@ def evaluate(params: dict) -> dict:
         summary + ("; at chance: check the draft's aux layer ids and convention, that it trained on this target's "
                    "states (and on replies the target writes), its epochs and loss" if chance else ""),
         detail=result))
+    if len(cells) > 1 or len(result["categories"]) > 1:
+        records.append(sweep_record(cells))
     if params["baseline"]:
         with stoppable(eval_dir):
             plain = serve(params, plan, prompts, eval_dir, None)
         result["baseline_tokens_per_s"] = plain["tokens_per_s"]
         speedup = served["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+        for cell, plain_cell in zip(cells, plain["cells"]):
+            cell["baseline_tokens_per_s"] = plain_cell["tokens_per_s"]
+            cell["speedup"] = (round(cell["tokens_per_s"] / plain_cell["tokens_per_s"], 3)
+                               if cell["tokens_per_s"] and plain_cell["tokens_per_s"] else None)
         records.append(protocol.record("eval.baseline", protocol.OK,
                                        f"plain server {plain['tokens_per_s']} output tok/s on the same prompts; with "
-                                       f"the draft {served['tokens_per_s']} ({speedup:.2f}x)" if speedup else
+                                       f"the draft {served['tokens_per_s']} ({speedup:.2f}x)" +
+                                       ("; per cell " + ", ".join(f"t={c['temperature']} c={c['concurrency']}: "
+                                                                  f"{c['speedup']}x" for c in cells)
+                                        if len(cells) > 1 else "") if speedup else
                                        "plain server gave no tokens", detail={"plain": plain["tokens_per_s"],
                                                                               "speedup": speedup}))
+    verdict = gate.judge(gate_lengths(cells), params.get("min_acceptance_length") or {})
+    if verdict is not None:
+        records.append(verdict)
     return protocol.payload(records, **result)
 
 
@@ -454,6 +558,154 @@ def draft_algorithm(draft: dict, params: dict, where: str, vllm_root=None) -> tu
                         f"train the draft again with this speculators (its trainer writes them), or add "
                         f"{', '.join(missing)} to {where}/config.json", detail={**rec["detail"], "missing": missing})
     return algorithm, rec
+
+
+# --------------------------------------------------------------------------- prompt sets, cells, the history's facts
+
+def eval_prompts(params: dict, plan: trainplan.TrainPlan, doc: dict, target: dict, from_run: str) -> tuple:
+    """``(prompts, prompt_set)``: the held-out rows (``--prompts N``) or a prompt file's (``--prompts FILE``), as
+    :mod:`remote.train.prompts` prompts; ``prompt_set["record"]`` is the ``eval.prompts`` record.
+
+    :raises EvalError: a prompt file that cannot be read (file, line, the fields expected), text prompts for a
+        tokenizer without a chat template."""
+    from remote.extract.dataset import DatasetError
+    from remote.train import prompts as prompt_files
+
+    if isinstance(params["prompts"], int):
+        held, rows = held_out_prompts(params, plan, doc, target)
+        record = protocol.record("eval.prompts", protocol.OK,
+                                 f"{len(held)} held-out prompt(s): dataset rows {rows[0]}..{rows[1] - 1} (run "
+                                 f"{from_run} read rows 0..{rows[0] - 1}), {sum(map(len, held))} tokens",
+                                 detail={"rows": rows, "dataset": (doc.get("params") or {}).get("dataset")})
+        prompts = [{"id": str(rows[0] + i), "category": "held-out", "ids": ids} for i, ids in enumerate(held)]
+        canon = json.dumps([p["ids"] for p in prompts]).encode()
+        import hashlib
+
+        return prompts, {"format": "held-out", "rows": rows, "sha256": hashlib.sha256(canon).hexdigest(),
+                         "categories": {"held-out": len(prompts)}, "record": record}
+    try:
+        found = prompt_files.read(params["prompts"])
+    except DatasetError as exc:
+        raise EvalError("eval.prompts", f"prompt file {exc.path}, line {exc.lineno}: {exc.problem}", exc.fix,
+                        detail={"file": exc.path, "line": exc.lineno, "expected": prompt_files.EXPECTED}) from None
+    texts = [p for p in found["prompts"] if "ids" not in p]
+    if texts and not has_chat_template(plan.model_path):
+        raise EvalError("eval.prompts", f"{found['format']} prompts are sent as chat, and the tokenizer in "
+                        f"{plan.model_path} has no chat template",
+                        "add a chat_template to its tokenizer_config.json, or pass token rows "
+                        "({\"input_ids\": [...]}) as --prompts")
+    record = protocol.record("eval.prompts", protocol.OK,
+                             f"{len(found['prompts'])} prompt(s) of {found['path']} ({found['format']}), "
+                             f"{len(found['categories'])} categor{'y' if len(found['categories']) == 1 else 'ies'}: "
+                             + ", ".join(f"{c} {n}" for c, n in found["categories"].items()),
+                             detail={k: found[k] for k in ("path", "format", "sha256", "categories")})
+    return found["prompts"], {**{k: found[k] for k in ("path", "format", "sha256", "categories")}, "record": record}
+
+
+def has_chat_template(model_path: str) -> bool:
+    """Whether the model dir's tokenizer has a chat template (its tokenizer_config.json, or a chat_template file)."""
+    root = Path(model_path)
+    if any((root / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = samples.read_json_quietly(root / "tokenizer_config.json") or {}
+    return bool(config.get("chat_template"))
+
+
+def engine_facts(params: dict) -> dict:
+    """What served the draft, for the history: vLLM's version and distribution, the model runner the
+    environment asks for (``VLLM_USE_V2_MODEL_RUNNER``: v2 / v1 / vLLM's default), per-request metrics support."""
+    from remote.drift.source import site_packages
+    from remote.system import versions
+    from remote.train import specmetrics
+
+    root = site_packages({})[1]
+    try:
+        version, dist = versions.vllm_version([str(root)] if root else None)
+    except versions.VersionConflict as exc:
+        version, dist = None, str(exc)
+    flag = (os.environ.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    runner = "v2" if flag in ("1", "true", "yes") else "v1" if flag in ("0", "false", "no") else "default"
+    return {"vllm": version, "distribution": dist, "runner": runner, "per_request": specmetrics.support(root)}
+
+
+def draft_digest(path: Path) -> str:
+    """sha256 over the draft dir's config.json and weights (name and bytes, in name order): the draft's identity
+    in the history, whatever dir or run id names it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted([path / "config.json", *path.glob("*.safetensors")]):
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cell_results(cells: list, k: int) -> list:
+    """Each cell of the sweep (temperature x concurrency): acceptance over the whole set and per category, output
+    tokens/s, and the per-request histograms where the server gave them."""
+    from remote.train import specmetrics
+
+    out = []
+    for cell in cells:
+        cats = cell["categories"]
+        firsts, lasts = next(iter(cats.values())), list(cats.values())[-1]
+        categories = {}
+        for name, c in cats.items():
+            categories[name] = {**acceptance(c["before"], c["after"], k), "output_tokens": c["output_tokens"],
+                                "tokens_per_s": round(c["output_tokens"] / c["seconds"], 1) if c["seconds"] else None}
+            per_request = specmetrics.summarize(c["spec"])
+            if per_request:
+                categories[name]["per_request"] = per_request
+        whole = {**acceptance(firsts["before"], lasts["after"], k)}
+        per_request = specmetrics.summarize([m for c in cats.values() for m in c["spec"]])
+        if per_request:
+            whole["per_request"] = per_request
+        out.append({"temperature": cell["temperature"], "concurrency": cell["concurrency"],
+                    "tokens_per_s": cell["tokens_per_s"], "output_tokens": cell["output_tokens"],
+                    "all": whole, "categories": categories})
+    return out
+
+
+def pooled_categories(cells: list, k: int) -> dict:
+    """Per category, the counters summed over every cell: its acceptance over the whole sweep."""
+    out = {}
+    for name in cells[0]["categories"]:
+        zero = {n: 0.0 for n in METRICS} | {"per_pos": {}}
+        before, after = dict(zero, per_pos={}), dict(zero, per_pos={})
+        for cell in cells:
+            c = cell["categories"][name]
+            for n in METRICS:
+                before[n] += c["before"][n]
+                after[n] += c["after"][n]
+            for pos in set(c["before"]["per_pos"]) | set(c["after"]["per_pos"]):
+                before["per_pos"][pos] = before["per_pos"].get(pos, 0.0) + c["before"]["per_pos"].get(pos, 0.0)
+                after["per_pos"][pos] = after["per_pos"].get(pos, 0.0) + c["after"]["per_pos"].get(pos, 0.0)
+        out[name] = acceptance(before, after, k)
+    return out
+
+
+def gate_lengths(cells: list) -> dict:
+    """``{category: mean acceptance length}`` for the gate: each category's WORST cell of the sweep (a draft must
+    clear its bar at every temperature and concurrency measured), ``all``: the worst cell's whole set."""
+    lengths: dict = {}
+    for cell in cells:
+        for name, acc in [(gate.OVERALL, cell["all"])] + list(cell["categories"].items()):
+            length = acc.get("mean_acceptance_length")
+            if name not in lengths or length is None or (lengths[name] is not None and length < lengths[name]):
+                lengths[name] = length
+    return lengths
+
+
+def sweep_record(cells: list) -> dict:
+    """``eval.sweep``: mean acceptance length per category and output tok/s at each temperature and concurrency."""
+    lines = []
+    for cell in cells:
+        cats = ", ".join(f"{n} {a['mean_acceptance_length']}" for n, a in cell["categories"].items())
+        lines.append(f"t={cell['temperature']} c={cell['concurrency']}: {cell['all']['mean_acceptance_length']} "
+                     f"({cats}), {cell['tokens_per_s']} tok/s")
+    return protocol.record("eval.sweep", protocol.OK, "; ".join(lines), detail={"cells": cells})
 
 
 def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:

@@ -271,10 +271,13 @@ def judge(arg: Arg, value, field: str = "", problems: list | None = None, task: 
         words = " or ".join(TYPE_WORDS[t] for t in arg.types)
         raise BadValue(f"must be {words}" + (f" ({why})" if why else ""), f"pass {{name}} as {words}",
                        says_value=bool(why))
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            (arg.min is not None and value < arg.min) or (arg.above is not None and value <= arg.above)
-            or (arg.max is not None and value > arg.max)):
-        raise BadValue(f"must be {arg.bound()}", f"give {{name}} a value {arg.bound()}")
+    # a list of numbers (``elements="int"``) holds each item to the bounds
+    for item in (value if isinstance(value, list) and arg.elements in ("int", "float") else [value]):
+        if isinstance(item, (int, float)) and not isinstance(item, bool) and (
+                (arg.min is not None and item < arg.min) or (arg.above is not None and item <= arg.above)
+                or (arg.max is not None and item > arg.max)):
+            raise BadValue(f"must be {arg.bound()}" + ("" if item is value else f" (each item; got {item})"),
+                           f"give {{name}} a value {arg.bound()}", says_value=item is not value)
     if arg.choices is not None and value not in arg.choices:
         known = ", ".join(map(str, arg.choices))
         raise BadValue(f"must be one of {known}", f"use one of: {known}")
@@ -586,4 +589,23 @@ SLURM_ARGS = {
     "nodes": Arg("int", 1, min=1, doc="nodes per job (-N)"),
     "setup": Arg("str", doc="a shell line run on the compute node before specops' python (module load ..., "
                             "a container's env)"),
+}
+
+#: ``eval``'s flags of what is measured and how (remote/train/evaluate.py ``SPEC``): the CLI's flags and
+#: their help derive from these (specops/tasks.py), and the laptop checks them with :func:`judge` before connecting.
+EVAL_ARGS = {
+    "prompts": Arg(("int", "path"), 8, min=1,
+                   help="held-out dataset rows to send (N, after the rows the extraction read), or a prompt file on "
+                        "the host: MT-Bench question.jsonl, SPEED-Bench, a speculator_benchmarks subset or chat rows "
+                        "(remote/train/prompts.py); results per category"),
+    "max_tokens": Arg("int", 32, min=1, doc="tokens to generate per prompt"),
+    "temperature": Arg("list", [0.0], elements="float", min=0.0, max=10.0,
+                       help="sampling temperature (repeat the flag to sweep: --temperature 0 --temperature 0.7); "
+                            "0 is greedy"),
+    "concurrency": Arg("list", [1], elements="int", min=1, max=1024,
+                       help="requests in flight at once (repeat the flag to sweep: --concurrency 1 --concurrency 4); "
+                            "each level measured alone, and with --baseline against the plain server"),
+    "min_acceptance_length": Arg("dict", open=True,
+                                 help="the bar a draft must clear: X (every category and the whole set) or "
+                                      "CATEGORY=X (repeat the flag); below it eval fails with its own exit code"),
 }
