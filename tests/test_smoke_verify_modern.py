@@ -421,7 +421,7 @@ def twins(modern_env, hostenv_python, tiny_models, tmp_path_factory) -> dict:
         for reports in loaded:
             report = dict(reports[i])
             seen[report.pop("transformers").split(".")[0]] = report
-        out[model] = {"payload": built[i], "seen": seen}
+        out[model] = {"payload": built[i], "seen": seen, "work_dir": work / model / "work"}
     return out
 
 
@@ -442,11 +442,14 @@ def test_the_twin_built_under_transformers_5_has_per_expert_tensors_and_loads_un
 
 
 @pytest.mark.vllm
-def test_smoke_deepseek_v3_on_vllm_server(modern_env, tiny_models, testhost, tmp_path):
+def test_smoke_deepseek_v3_on_vllm_server(modern_env, tiny_models, testhost, tmp_path, twins):
     """``smoke`` end to end on this engine: the twin (sharp attention, wide routing margins,
     llama_4_scaling reached) built by transformers 5 on the host, extracted through the
-    supervisor and the server, verified in the input convention."""
-    inv = inventory(tmp_path, testhost, modern_env, tiny_models["deepseek_v3"], dataset=str(tiny_models["dataset"]))
+    supervisor and the server, verified in the input convention. The host's work dir is the one
+    the ``twins`` fixture built the DeepSeek-V3 twin in with the same smoke task: it runs that twin
+    as built (a build is 9-15 s of transformers 5; the build itself is checked above)."""
+    inv = inventory(tmp_path, testhost, modern_env, tiny_models["deepseek_v3"], dataset=str(tiny_models["dataset"]),
+                    work_dir=str(twins["deepseek_v3"]["work_dir"]))
     with host_of(inv) as host:
         report = smoke_step(host, {}, samples=2, verify_samples=2)
     recs = {r.name: r for r in report.records}
