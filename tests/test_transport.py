@@ -192,3 +192,25 @@ def test_ssh_config_alias_is_honoured(tmp_path, testhost, hostenv_python):
 
 def test_unreachable_error_type():
     assert issubclass(HostKeyError, UnreachableError)
+
+
+def test_a_test_host_goes_down_at_once_and_leaves_no_zombie(tmp_path):
+    """``down()`` reaps the sshd it started: a dead child it never waited for is a zombie that still
+    answers ``kill(pid, 0)``, and every test host's teardown waited out its whole 5 s for it."""
+    import os
+    import time
+
+    from specops.testhost.sshd import TestHost
+
+    host = TestHost(name=f"pytest-down-{os.getpid()}", root=tmp_path / "host")
+    host.up()
+    pid = int(host.pid_file.read_text())
+    t0 = time.monotonic()
+    assert host.down() is True
+    assert time.monotonic() - t0 < 2.5, "down() waited for a process that had ended"
+    assert not host.running()
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state == "gone", f"sshd {pid} left as {state}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from specops.verify import verify_step
-from test_smoke_verify_modern import copy_run, host_of, rewrite_manifest, run_python, summaries, unfixed_env  # noqa: F401
+from test_smoke_verify_modern import copy_run, host_of, rewrite_manifest, run_python, summaries
 from test_smoke_verify_modern import child_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -434,28 +434,14 @@ def test_a_verification_run_of_the_real_model_checks_every_layer_kind_and_its_lo
 
 
 @pytest.mark.vllm
-def test_extract_with_smoke_real_stops_before_the_run_where_a_layer_differs(unfixed_env, tiny_models, testhost,
-                                                                            tmp_path, monkeypatch):
+def test_extract_with_smoke_real_stops_before_the_run_where_a_layer_differs(cpu_rope_smoke_real):
     """vLLM's CPU rotary op forced on, no fix in the env (the server flag reaches the job through the run's
     parameters, as test_smoke_verify_modern forces it): extract's steps with ``--smoke-real`` run the
     verification run first; decoder layer 0 differs from the checkpoint's own layer, so the real run is
-    never started. (The logits check passes there: the engine's logprobs come from the same wrong forward.)"""
-    import specops.smoke
-    from specops.runs import hostjob
-    from specops.extract import start_step
-    from test_smoke_verify_modern import inventory
-
-    forced_on = ["--compilation-config", json.dumps({"custom_ops": ["+rotary_embedding"]})]
-    plain = specops.smoke.run_params
-    monkeypatch.setattr(specops.smoke, "run_params",
-                        lambda spec, **kw: {**plain(spec, **kw), "server_args": forced_on, "enforce_eager": True})
-    inv = inventory(tmp_path, testhost, unfixed_env, tiny_models["deepseek_v3"], dataset=str(tiny_models["dataset"]))
-    t0 = time.monotonic()
-    with host_of(inv) as host:
-        report = start_step(host, "rope-real", {}, skip_preflight=True, force=False, skip_smoke=True,
-                            smoke_real=True)
-        started = hostjob.run_state(host, "rope-real").found
-    wall = time.monotonic() - t0
+    never started. (The logits check passes there: the engine's logprobs come from the same wrong forward.)
+    The steps run once in the session (``cpu_rope_smoke_real``, conftest); test_smoke_verify_modern verifies
+    the same verification run with both references."""
+    report, started, wall = (cpu_rope_smoke_real[k] for k in ("report", "started", "wall"))
     recs = {r.name: r for r in report.records}
     assert report.failed and not started, summaries(recs)
     verdict = recs["extract.smoke-real"]

@@ -143,9 +143,7 @@ class TestHost:
         pid = int(self.pid_file.read_text())
         os.kill(pid, signal.SIGTERM)
         for _ in range(100):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if _ended(pid):
                 break
             time.sleep(0.05)
         self.pid_file.unlink(missing_ok=True)
@@ -162,6 +160,22 @@ class TestHost:
             "known_hosts": str(self.root / "known_hosts"), "ssh_config": str(self.root / "ssh_config"),
             "root": str(self.root), "running": self.running(),
         }
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended. The sshd this process started is reaped here: until its
+    parent waits for it, a dead child is a zombie that still answers ``kill(pid, 0)`` (every
+    ``down()`` waited its whole 5 s for it)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+    except ChildProcessError:
+        pass  # not this process's child (another session's sshd): its own parent reaps it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def _relink(link: Path, target: Path) -> None:
