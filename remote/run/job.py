@@ -569,19 +569,26 @@ def abort(params: dict) -> dict:
            else "the supervisor stopped on SIGTERM")
     if swept or left:
         how += "; " + _leftovers_text(swept, left)
-    status_file = StatusFile.of_job(run_dir / STATUS_FILE)
-    st = dict(status_file.data)
-    if st.get("state") != RunState.DONE:
-        st = status_file.abort(wire_status.error(
-            "Aborted", f"aborted by request: {how}", where="job.abort", signal="SIGKILL" if killed else "SIGTERM",
-            killed_after_grace=killed, swept=swept, left=left,
-            supervisor_error=(st.get("error") or {}).get("message")), by_request=True)
+    st = _record_abort(run_dir, how, signal="SIGKILL" if killed else "SIGTERM", killed_after_grace=killed,
+                       swept=swept, left=left)
     st["alive"] = pid_alive(pid, run_dir)
     status_ = protocol.FAIL if left else protocol.CHANGED
     return _payload("job.abort", status_, f"run {params['run_id']} aborted: {how}", run_dir, st,
                     signalled=signalled, killed=killed, swept=swept, left=left,
                     fix="kill the pids left by hand (they ignore SIGKILL: a process in the kernel's D state)"
                     if left else None)
+
+
+def _record_abort(run_dir: Path, how: str, **detail) -> dict:
+    """The run's status after an abort by request: ``aborted`` naming ``how`` (a run that got to ``done`` first
+    stays done)."""
+    status_file = StatusFile.of_job(run_dir / STATUS_FILE)
+    st = dict(status_file.data)
+    if st.get("state") != RunState.DONE:
+        st = status_file.abort(wire_status.error(
+            "Aborted", f"aborted by request: {how}", where="job.abort", **detail,
+            supervisor_error=(st.get("error") or {}).get("message")), by_request=True)
+    return st
 
 
 def _abort_slurm_job(params: dict, run_dir: Path) -> dict:
@@ -604,12 +611,7 @@ def _abort_slurm_job(params: dict, run_dir: Path) -> dict:
         how += f"; Slurm still counts the job {after.get('slurm')}"
     if swept or left:
         how += "; " + _leftovers_text(swept, left)
-    status_file = StatusFile.of_job(run_dir / STATUS_FILE)
-    st = dict(status_file.data)
-    if st.get("state") != RunState.DONE:
-        st = status_file.abort(wire_status.error(
-            "Aborted", f"aborted by request: {how}", where="job.abort", slurm=after, swept=swept, left=left,
-            supervisor_error=(st.get("error") or {}).get("message")), by_request=True)
+    st = _record_abort(run_dir, how, slurm=after, swept=swept, left=left)
     st = {**st, "alive": bool(after.get("alive")), "slurm": after}
     failed = left or after.get("alive")
     return _payload("job.abort", protocol.FAIL if failed else protocol.CHANGED,

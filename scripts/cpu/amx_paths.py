@@ -1,5 +1,5 @@
 """Which CPU kernel paths run on this CPU under which caps (ATen capability x oneDNN max ISA)."""
-import json, os, sys, traceback
+import json, os, traceback
 import torch, torch.nn.functional as F
 res = {"cap": torch.backends.cpu.get_cpu_capability(), "aten": os.environ.get("ATEN_CPU_CAPABILITY"),
        "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"), "torch": torch.__version__}
