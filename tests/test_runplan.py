@@ -119,8 +119,11 @@ def test_a_group_plan_asks_each_host_one_preflight_that_carries_the_shard_probe(
     assert [r["name"] for r in payload["records"] if r["name"].startswith("shard.")] == \
         ["shard.dataset", "shard.stack", "shard.capacity", "shard.storage"]
 
-    class OneHost:
-        name, spec = "h", None
+    from specops.inventory import HostSpec
+
+    class OneHost:  # a plain SSH host (no scheduler)
+        name = "h"
+        spec = HostSpec(name="h", address="127.0.0.1", python="/usr/bin/python3", model_path="/m", output_dir="/o")
         calls = []
 
         def run_task(self, module, sent):
