@@ -47,7 +47,7 @@ from remote.extract import samples
 from remote.system import modelconfig
 from remote.train import gate
 from remote.train import plan as trainplan
-from remote.wire import contract, layers, protocol
+from remote.wire import contract, fsutil, layers, protocol
 from remote.wire.argspec import EVAL_ARGS, RUN_ARGS, Arg, Spec
 from remote.wire.contract import RunState
 
@@ -579,9 +579,7 @@ def eval_prompts(params: dict, plan: trainplan.TrainPlan, doc: dict, target: dic
                                  detail={"rows": rows, "dataset": (doc.get("params") or {}).get("dataset")})
         prompts = [{"id": str(rows[0] + i), "category": "held-out", "ids": ids} for i, ids in enumerate(held)]
         canon = json.dumps([p["ids"] for p in prompts]).encode()
-        import hashlib
-
-        return prompts, {"format": "held-out", "rows": rows, "sha256": hashlib.sha256(canon).hexdigest(),
+        return prompts, {"format": "held-out", "rows": rows, "sha256": fsutil.sha256_bytes(canon),
                          "categories": {"held-out": len(prompts)}, "record": record}
     try:
         found = prompt_files.read(params["prompts"])

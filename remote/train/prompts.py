@@ -38,6 +38,7 @@ from pathlib import Path
 
 from remote.extract.dataset import DatasetError, check_row, parse_row, rows
 from remote.system.jsonfile import describe
+from remote.wire import fsutil
 
 #: the fields that mark a SPEED-Bench row beside MT-Bench's (SPEED-Bench's dataset card lists them)
 SPEED_BENCH_MARKS = ("sub_category", "source", "src_id", "difficulty", "multiturn")
@@ -126,8 +127,6 @@ def read(path, max_prompts: int = MAX_PROMPTS) -> dict:
     :raises DatasetError: the file cannot be read, is empty, its first row is no known
         format, or a later row is not of the first row's format (file, line, fields expected).
     """
-    import hashlib
-
     path = Path(path)
     if not path.is_file():
         raise DatasetError(path, 0, "no such file", "pass --prompts with a JSONL file of prompts on this machine")
@@ -155,5 +154,5 @@ def read(path, max_prompts: int = MAX_PROMPTS) -> dict:
     for p in prompts:
         categories[p["category"]] = categories.get(p["category"], 0) + 1
     canon = json.dumps({"format": fmt, "prompts": prompts}, sort_keys=True, ensure_ascii=False).encode("utf-8")
-    return {"path": str(path), "format": fmt, "sha256": hashlib.sha256(canon).hexdigest(), "prompts": prompts,
+    return {"path": str(path), "format": fmt, "sha256": fsutil.sha256_bytes(canon), "prompts": prompts,
             "categories": categories}
