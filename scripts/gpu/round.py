@@ -100,26 +100,38 @@ def last_json(text: str):
 
 
 class SmiSampler:
-    """``memory.used`` of every GPU once a second while a block runs; keeps the peak."""
+    """``memory.used`` of every GPU, and of every process on them, twice a second while a block runs; keeps the
+    peak and the timeline (unix time, used MiB per GPU, ``pid:MiB`` per process), so a peak can be put beside
+    the server log's phases (load, profile, KV cache, graphs, requests)."""
 
-    def __init__(self):
+    def __init__(self, every_s: float = 0.5):
         self.peak: dict = {}
         self.samples = 0
+        self.timeline: list = []
+        self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _query(args: list) -> list:
+        text = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in text.splitlines() if line.strip()]
 
     def _run(self):
         while not self._stop.is_set():
             try:
-                text = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                      capture_output=True, text=True, timeout=10).stdout
-                for line in text.splitlines():
-                    idx, used = (int(x) for x in line.split(","))
-                    self.peak[idx] = max(self.peak.get(idx, 0), used)
+                now, used = time.time(), {}
+                for idx, mib in self._query(["--query-gpu=index,memory.used"]):
+                    used[int(idx)] = int(mib)
+                    self.peak[int(idx)] = max(self.peak.get(int(idx), 0), int(mib))
+                apps = {pid: int(mib) for pid, mib in self._query(["--query-compute-apps=pid,used_memory"])
+                        if mib.isdigit()}
+                self.timeline.append({"t": round(now, 2), "used_mib": used, "apps_mib": apps})
                 self.samples += 1
             except Exception:
                 pass
-            self._stop.wait(1.0)
+            self._stop.wait(self.every_s)
 
     def __enter__(self):
         self._thread.start()
@@ -136,6 +148,10 @@ EXPECTED_S = {"memory_width": 420, "fp8_speed": 500, "dp": 200, "canary_swapped"
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480}
+#: ``GPU_ROUND_EXPECT="fp8_speed=350,memory_width=300"``: a step's expected seconds for this call (a step that
+#: bounds itself, as fp8_speed's --budget-s does, may start with less than its usual time left)
+EXPECTED_S.update({k: float(v) for k, v in (kv.split("=") for kv in os.environ.get("GPU_ROUND_EXPECT", "").split(",")
+                                            if kv)})
 #: the steps that ran on this machine in earlier calls (``--skip-done`` leaves them out)
 DONE_FILE = ROOT / "done.json"
 
@@ -805,6 +821,7 @@ def memory_width():
         compare = gpu.compare(plan, used, smi.peak.get(0)) if plan else None
         (d / "memory.json").write_text(json.dumps({"plan": plan, "engine": used, "smi_peak_used_mib": smi.peak,
                                                    "smi_samples": smi.samples, "compare": compare}, indent=1))
+        (d / "smi_timeline.json").write_text(json.dumps(smi.timeline))
         out[name] = {"preflight": {"rc": pre["rc"], "s": pre["s"], "status": record.get("status"),
                                    "summary": record.get("summary")},
                      "extract": {"rc": res["rc"], "s": res["s"]}, "compare": compare}
