@@ -428,7 +428,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert used["ids"] == [2, 4, 5, 8] and used["source"] == "config" and "auxiliary layers from" in used["line"]
     for draft in ("draft", "untrained"):
         t = time.monotonic()
-        proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--json", env=env)
+        proc = specops("eval", "--inventory", inv, "--draft", draft, "-k", 3, "--max-tokens", 64, "--json", env=env)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         recs = records(proc)
         assert recs["eval.draft_layer_ids"]["status"] == "ok"
@@ -437,6 +437,13 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
             [2, 4, 5], recs["eval.aux_ids_used"]
         assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
         results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
+    # a planted change the history must flag (issue 46): the same draft, target and prompts sampled at temperature 1,
+    # where the tiny random target's flat distribution accepts far fewer of the draft's peaked proposals (64 tokens a
+    # prompt: greedy accepts ~4 % at position 0, enough drafts for the drop to clear the history's z >= 3)
+    planted = specops("eval", "--inventory", inv, "--draft", "draft", "-k", 3, "--max-tokens", 64, "--temperature",
+                      "1.0", "--json", env=env)
+    assert planted.returncode == 0, planted.stdout[-4000:] + planted.stderr[-4000:]
+    results["planted"] = records(planted)["eval.acceptance"]["detail"]
     # forced, the off-by-one copy is served anyway: each misfit a warn, and the acceptance it costs; on an MT-Bench
     # file (two categories, a two-turn question), swept over two temperatures and two concurrencies, with a gate
     # that one category fails: exit 5, naming it (issue 46)
@@ -510,9 +517,17 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     # every measured eval is in the laptop's history, its draft by hash, and the sweep with the gate it failed
     history = specops("evals", "--json", env=env, timeout=120)
     logged = json.loads(history.stdout)["evals"]
-    assert [e["draft"] for e in logged] == ["draft", "untrained", str(shifted), "regen"], logged
-    assert len({e["draft_sha256"] for e in logged}) == 4 and logged[2]["gate"]["below"] == ["writing"], logged
-    assert logged[2]["prompts"]["format"] == "mt_bench" and logged[0]["engine"]["vllm"] == "0.32.0", logged
+    assert [e["draft"] for e in logged] == ["draft", "untrained", "draft", str(shifted), "regen"], logged
+    assert len({e["draft_sha256"] for e in logged}) == 4 and logged[3]["gate"]["below"] == ["writing"], logged
+    assert logged[3]["prompts"]["format"] == "mt_bench" and logged[0]["engine"]["vllm"] == "0.32.0", logged
+    # the two evals of one draft differ only in the planted temperature: named, and the drop flagged (exit 1)
+    print(f"\nplanted temperature 1.0: {results['planted']} (greedy: {results['draft']})")
+    flagged = specops("evals", "--draft", "draft", "--json", env=env, timeout=120)
+    doc = json.loads(flagged.stdout)
+    [comparison] = doc["comparisons"]
+    assert comparison["changed"] == {"temperature": [[0.0], [1.0]]}, comparison
+    assert comparison["drop"] and flagged.returncode == 1, comparison
+    assert "DROP beyond noise" in comparison["summary"] and "temperature [0.0] -> [1.0]" in comparison["summary"]
 
     trained, chance = results["draft"], results["untrained"]
     print(f"\ntrain (abort after step {aborted_at} at {t_abort:.0f}s, resume from {resumed_from}): {t_train:.0f}s, "
@@ -526,7 +541,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert trained["mean_acceptance_length"] > chance["mean_acceptance_length"]
     # a draft learns what the target writes: trained on the target's own replies it is accepted more often than one
     # trained on the dataset's replies, on the same prompts (FACTS: 23 % vs 16 % by hand on this CPU kind)
-    assert results["regen"]["accepted"] > trained["accepted"], (results["regen"], trained)
+    assert results["regen"]["acceptance_rate"] > trained["acceptance_rate"], (results["regen"], trained)
 
 
 # --------------------------------------------------------------------------- heavy: no exit 0 on wrong data (issue 38)

@@ -731,7 +731,7 @@ def extract_followed(host: str, rid: str, name: str, model: Path, util=0.5, seq_
     the run's memory plan vs what its server logged (``cli/memory_<name>.json``)."""
     gpus_before = gpus_now(ROOT / "cli" / f"gpus_before_{name}.csv")
     with SmiSampler() as smi:
-        res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke"], f"extract_{name}.txt",
+        res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke", "--skip-preflight"], f"extract_{name}.txt",
                       timeout=420)
     log = WORK / "runs" / rid / "logs" / "server.log"
     if log.exists():
@@ -812,7 +812,7 @@ def memory_width():
         gpus_now(d / "gpus_before.csv")
         shutil.rmtree(WORK / "runs" / rid, ignore_errors=True)
         with SmiSampler() as smi:
-            res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke"], f"memory_extract_{name}.txt",
+            res = specops(["extract", "--on", host, "--run-id", rid, "--skip-smoke", "--skip-preflight"], f"memory_extract_{name}.txt",
                           timeout=300)
         log = WORK / "runs" / rid / "logs" / "server.log"
         log_text = log.read_text(errors="replace") if log.exists() else ""
