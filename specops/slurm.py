@@ -10,7 +10,9 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
    line, run under ``srun -p PARTITION -N1 -n1 ... --`` (``host.node`` names the node).
 
 A run's start (``job start``) gets the mapping and submits the supervisor with ``sbatch``
-(:func:`job_params`); status, follow and abort read Slurm's state on the host.
+(:func:`job_params`); status, follow and abort read Slurm's state on the host. ``verify`` runs
+on a compute node under ``srun`` as preflight does (:func:`launcher`), reading the run dir on the
+shared filesystem.
 """
 from __future__ import annotations
 

@@ -31,6 +31,9 @@ def cluster(tmp_path_factory):
     left = cluster.leftovers() + [p for p in _pids_with(str(cluster.root)) if p != os.getpid()]
     cluster.destroy()
     assert not left, f"processes of the cluster outlived it: {left}"
+    # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
+    repo = Path(__file__).resolve().parents[1]
+    assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -281,7 +284,10 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
         cluster, make_inventory, tiny_models, tmp_path):
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="t1")
-    host["env"]["SPECOPS_BATCH_DELAY_S"] = "20"  # still extracting when slurmctld next checks time limits (30 s)
+    host["batch_size"] = 1
+    # a sample each 8 s: still extracting when slurmctld next checks time limits (every 30 s). The pause stays
+    # with the run's recorded env when it resumes: a longer one would make the resume slower
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "8"
     inventory = make_inventory(**host)
     argv = ("extract", "--inventory", inventory, "--run-id", "t1", "--skip-preflight", "--skip-smoke", "--detach",
             "--json")
@@ -289,8 +295,9 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert records(started)["job.start"]["status"] == "changed", started.stdout
     run_dir = tmp_path / "work" / "runs" / "t1"
     job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
-    proc, found = _wait_status("t1", runs, inventory, lambda r: "extracting" in r["job.status"]["summary"])
-    assert "RUNNING" in found["job.slurm"]["summary"], proc.stdout
+    out = tmp_path / "out-t1" / "t1"
+    proc, found = _wait_status("t1", runs, inventory, lambda r: any(out.glob("data_*.pt")))
+    assert "RUNNING" in found["job.slurm"]["summary"] and "extracting" in found["job.status"]["summary"], proc.stdout
     # Slurm's own limit, not ours: a limit the job has already passed makes slurmctld end it as TIMEOUT
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     proc, found = _wait_status("t1", runs, inventory, lambda r: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
@@ -300,12 +307,9 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert "run the same command again to resume" in slurm_said["fix"]
     assert found["job.status"]["status"] == "fail" and "SlurmTimeout" in found["job.status"]["summary"]
     assert proc.returncode == 100
-    out = tmp_path / "out-t1" / "t1"
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
     assert 0 < len(before) < 6, before  # killed mid-run
-    # the same command resumes it (the fault point is not part of the run: it may change)
-    host["env"].pop("SPECOPS_BATCH_DELAY_S")
-    inventory = make_inventory(**host)
+    # the same command resumes it
     again = specops(*argv, env=runs, timeout=120)
     assert "resubmitted (resumes after the last complete sample)" in records(again)["job.start"]["summary"], \
         again.stdout
