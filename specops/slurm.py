@@ -10,7 +10,9 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
    line, run under ``srun -p PARTITION -N1 -n1 ... --`` (``host.node`` names the node).
 
 A run's start (``job start``) gets the mapping and submits the supervisor with ``sbatch``
-(:func:`job_params`); status, follow and abort read Slurm's state on the host.
+(:func:`job_params`); status, follow and abort read Slurm's state on the host. ``verify`` runs
+on a compute node under ``srun`` as preflight does (:func:`launcher`), reading the run dir on the
+shared filesystem.
 """
 from __future__ import annotations
 
@@ -34,20 +36,32 @@ def job_params(spec: HostSpec) -> dict:
     return {"slurm": spec.slurm.model_dump(exclude_none=True)} if is_slurm(spec) else {}
 
 
-def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = None) -> list[str]:
+def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = None, *,
+                  limit: float | None = PREFLIGHT_MINUTES) -> list[str]:
     """The words a host task runs under on a compute node: the host's ``env`` exported (a login node's
-    ``SLURM_CONF`` among them), ``srun`` as the slurm mapping asks for one node, and its ``setup`` line."""
+    ``SLURM_CONF`` among them), ``srun`` as the slurm mapping asks for one node, and its ``setup`` line.
+
+    The step's time limit is the least of ``limit``, ``max_minutes`` (the partition's MaxTime) and the
+    mapping's ``time_limit``; none of them given: the partition's default time.
+    """
     slurm = spec.slurm.model_dump(exclude_none=True)
-    limits = [PREFLIGHT_MINUTES, max_minutes]
+    limits = [limit, max_minutes]
     if slurm.get("time_limit") is not None:
         limits.append(wire.slurm.time_limit_minutes(str(slurm["time_limit"])))
-    minutes = max(1, math.floor(min(m for m in limits if m is not None)))
+    limits = [m for m in limits if m is not None]
     words = ["env", *(f"{k}={v}" for k, v in spec.env.items())] if spec.env else []
-    words += ["srun", *wire.slurm.request_options(slurm, time_limit=False), "-t", str(minutes), "-N", "1",
+    words += ["srun", *wire.slurm.request_options(slurm, time_limit=False),
+              *(["-t", str(max(1, math.floor(min(limits))))] if limits else []), "-N", "1",
               "-n", "1", "-J", job_name, f"--immediate={SRUN_IMMEDIATE_S}", "--"]
     if slurm.get("setup"):
         words += ["sh", "-c", f'{slurm["setup"]}\nexec "$0" "$@"']
     return words
+
+
+def launcher(spec: HostSpec, task: str) -> list[str] | None:
+    """Where a host task that reads a run's files (``verify``) runs: on a compute node through ``srun`` on a host
+    behind Slurm, under the mapping's ``time_limit`` (else the partition's default); None elsewhere (the host)."""
+    return srun_launcher(spec, f"specops-{task}", limit=None) if is_slurm(spec) else None
 
 
 def preflight_payload(host, params: dict) -> dict:

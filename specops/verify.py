@@ -69,6 +69,10 @@ def verify_params(host: Host, run_id: str, samples: int = 3, reference: str = "h
 def verify_step(host: Host, run_id: str, samples: int = 3, reference: str = "hf") -> HostReport:
     """Verify one run on one host; one record per layer plus run, reference, convention,
     routing (MoE models with a DeepSeek-V3-style router) and llama_4_scaling (when the
-    model has it)."""
-    payload = host.run_task("verify", verify_params(host, run_id, samples, reference))
+    model has it). On a host behind Slurm it runs on a compute node through ``srun`` (``verify.node`` names
+    it), never on the login node."""
+    from specops.slurm import launcher
+
+    payload = host.run_task("verify", verify_params(host, run_id, samples, reference),
+                            launcher=launcher(host.spec, "verify"))
     return report_from_payload(host.name, "verify", payload)

@@ -31,6 +31,9 @@ def cluster(tmp_path_factory):
     left = cluster.leftovers() + [p for p in _pids_with(str(cluster.root)) if p != os.getpid()]
     cluster.destroy()
     assert not left, f"processes of the cluster outlived it: {left}"
+    # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
+    repo = Path(__file__).resolve().parents[1]
+    assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -275,3 +278,58 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
     manifest = json.loads((tmp_path / "runs" / "th" / "s1" / "manifest.json").read_text())
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
+
+
+def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compute_node(
+        cluster, make_inventory, tiny_models, tmp_path):
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="t1")
+    host["batch_size"] = 1
+    # a sample each 8 s: still extracting when slurmctld next checks time limits (every 30 s). The pause stays
+    # with the run's recorded env when it resumes: a longer one would make the resume slower
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "8"
+    inventory = make_inventory(**host)
+    argv = ("extract", "--inventory", inventory, "--run-id", "t1", "--skip-preflight", "--skip-smoke", "--detach",
+            "--json")
+    started = specops(*argv, env=runs, timeout=120)
+    assert records(started)["job.start"]["status"] == "changed", started.stdout
+    run_dir = tmp_path / "work" / "runs" / "t1"
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    out = tmp_path / "out-t1" / "t1"
+    proc, found = _wait_status("t1", runs, inventory, lambda r: any(out.glob("data_*.pt")))
+    assert "RUNNING" in found["job.slurm"]["summary"] and "extracting" in found["job.status"]["summary"], proc.stdout
+    # Slurm's own limit, not ours: a limit the job has already passed makes slurmctld end it as TIMEOUT
+    _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
+    proc, found = _wait_status("t1", runs, inventory, lambda r: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
+    slurm_said = found["job.slurm"]
+    assert slurm_said["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in slurm_said["summary"], proc.stdout
+    assert "slurm.time_limit" in slurm_said["fix"] and "MaxTime" in slurm_said["fix"]
+    assert "run the same command again to resume" in slurm_said["fix"]
+    assert found["job.status"]["status"] == "fail" and "SlurmTimeout" in found["job.status"]["summary"]
+    assert proc.returncode == 100
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
+    assert 0 < len(before) < 6, before  # killed mid-run
+    # the same command resumes it
+    again = specops(*argv, env=runs, timeout=120)
+    assert "resubmitted (resumes after the last complete sample)" in records(again)["job.start"]["summary"], \
+        again.stdout
+    proc, found = _wait_status("t1", runs, inventory, lambda r: "done" in r["job.status"]["summary"]
+                               and "COMPLETED" in r["job.slurm"]["summary"], timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    fetched = specops("extract", "--inventory", inventory, "--run-id", "t1", "--json", env=runs, timeout=120)
+    assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
+    manifest = json.loads((tmp_path / "runs" / "th" / "t1" / "manifest.json").read_text())
+    assert manifest["samples"] == 6 and len(manifest["files"]) == 6
+    assert sorted(p.name for p in out.glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    # every sample once: what the killed job wrote was kept, not written again
+    assert {name: (out / name).stat().st_mtime_ns for name in before} == before
+
+    # verify reads the run on the shared filesystem from a compute node (srun), not on the login node
+    checked = specops("verify", "--inventory", inventory, "--run-id", "t1", "--samples", "2", "--json", env=runs,
+                      timeout=300)
+    said = records(checked)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert said["verify.node"]["status"] == "ok" and said["verify.node"]["detail"]["node"] in ("node1", "node2")
+    assert "verify ran on compute node node" in said["verify.node"]["summary"]
+    assert all(r["status"] == "ok" for name, r in said.items() if name.startswith("verify.layer")), checked.stdout
+    assert "JobName=specops-verify" in _slurm(cluster, "scontrol", "-o", "show", "job")

@@ -119,7 +119,7 @@ def test_every_life_a_run_lives_is_allowed(states):
 @pytest.mark.parametrize("old, new, named", [
     ("done", "extracting", ()), ("failed", "pending", ()), ("aborted", "loading", ()), ("extracting", "loading", ()),
     ("training", "pending", ()), ("done", "failed", ()), ("done", "aborted", ("abort_by_request",)),
-    ("failed", "done", ("restart",)),
+    ("failed", "done", ("restart",)), ("aborted", "failed", ()), ("done", "failed", ("ended_by_slurm",)),
 ])
 def test_a_wrong_move_is_refused_naming_from_and_to(old, new, named):
     with pytest.raises(schema.TransitionError) as caught:
@@ -132,6 +132,7 @@ def test_a_final_state_is_left_only_by_a_named_move():
     assert schema.check_move("failed", "pending", named=("restart",)) == "restart"
     assert schema.check_move(None, "pending") == "begin"  # a status where there was none
     assert schema.check_move("failed", "aborted", named=("abort_by_request",)) == "abort_by_request"
+    assert schema.check_move("aborted", "failed", named=("ended_by_slurm",)) == "ended_by_slurm"
     assert schema.check_move("done", "done") == "stay"
 
 

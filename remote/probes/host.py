@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from remote.probes import Context, nearest_existing
+from remote.run import slurm
 from remote.system import cpu
 from remote.system.devices import query_nvidia_smi, read_meminfo, visible_gpus
 from remote.wire.contract import VLLM_SERVER
@@ -35,8 +36,9 @@ LOOPBACK = "127.0.0.1"
 def probe(ctx: Context) -> list:
     """Run every host check; leaves the facts in ``ctx.host``."""
     records = [_python(ctx), _os(ctx), _cpus(ctx), _ram(ctx)]
-    if os.environ.get("SLURM_JOB_ID"):  # preflight of a host behind Slurm runs under srun: say where
-        records.append(_slurm_node())
+    node = slurm.node_record("host.node", "checks")  # preflight of a host behind Slurm runs under srun: say where
+    if node is not None:
+        records.append(node)
     records += _gpus(ctx)
     if ctx.params["device"] == "cpu":
         records += _cpu_engine(ctx)
@@ -45,15 +47,6 @@ def probe(ctx: Context) -> list:
     if ctx.params["engine"] == VLLM_SERVER:
         records.append(_loopback(ctx))
     return records
-
-
-def _slurm_node():
-    node = os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_STEP_NODELIST") or os.environ.get(
-        "SLURM_JOB_NODELIST") or "?"
-    facts = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "SLURMD_NODENAME",
-                                            "SLURM_JOB_NODELIST", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")}
-    return record("host.node", OK, f"checks ran on compute node {node} (Slurm job {facts['SLURM_JOB_ID']}, "
-                  f"partition {facts['SLURM_JOB_PARTITION']})", detail={"node": node, **facts})
 
 
 def summarize_gpu_use(gpus: list, apps: list) -> list:

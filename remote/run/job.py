@@ -269,6 +269,8 @@ def current_status(run_dir: Path) -> dict | None:
     st["alive"] = alive
     if job is not None:
         st["slurm"] = job
+    if job is not None and not alive and _ended_by_slurm(st, job):
+        return _slurm_ended(run_dir, st, job, aborted=True)
     if st.get("state") in FINAL_STATES or alive:
         return st
     age = time.time() - float(st.get("heartbeat_unix") or 0)
@@ -279,17 +281,10 @@ def current_status(run_dir: Path) -> dict | None:
         # Slurm ended the job before its supervisor recorded an end: Slurm's state names why
         now = read_json(run_dir / STATUS_FILE) or st
         if now.get("state") in FINAL_STATES:  # it recorded one between the two reads
+            if _ended_by_slurm(now, job):
+                return _slurm_ended(run_dir, now, job, aborted=True)
             return {**now, "alive": alive, "slurm": job}
-        crashed = last_traceback(tail)
-        error = wire_status.error(f"Slurm{job['slurm'].title().replace('_', '')}", (
-            f"{slurm.state_words(job)}: the job ended ({job['state']}) while the run was {st.get('state')!r} at "
-            f"{st.get('samples_done')}/{st.get('samples_total')} samples"
-            + (f"; the supervisor's last error: {crashed['type']}: {crashed['message']}" if crashed else "")),
-            log_tail=tail, slurm=job, fix=job["fix"] or "run the same command again to resume",
-            traceback=(crashed or {}).get("traceback") or "")
-        written = StatusFile.of_job(run_dir / STATUS_FILE, {k: v for k, v in now.items()
-                                                            if k not in ("alive", "slurm")}).fail(error)
-        return {**written, "alive": alive, "slurm": job}
+        return _slurm_ended(run_dir, now, job, aborted=False, tail=tail)
     where = f"{st.get('samples_done')}/{st.get('samples_total')} samples"
     crashed = last_traceback(tail) if "[specops] supervisor exits" not in tail else None
     if crashed:  # it died of an exception it could not record (e.g. at import)
@@ -306,6 +301,31 @@ def current_status(run_dir: Path) -> dict | None:
                                f"the last complete sample"), log_tail=tail, oom=oom)
     written = StatusFile.of_job(run_dir / STATUS_FILE, {k: v for k, v in st.items() if k != "alive"}).fail(error)
     return {**written, "alive": alive}
+
+
+def _ended_by_slurm(st: dict, job: dict) -> bool:
+    """The supervisor recorded ``aborted`` for a SIGTERM that was Slurm's own end of the job (its time limit, a
+    node failure, memory), not a cancel (``scancel``, ``job abort``): Slurm's state is then the run's end."""
+    return (st.get("state") == RunState.ABORTED and job["slurm"] not in ("CANCELLED", "COMPLETED", "UNKNOWN")
+            and not job["alive"] and (st.get("error") or {}).get("where") != "job.abort")
+
+
+def _slurm_ended(run_dir: Path, st: dict, job: dict, *, aborted: bool, tail: str | None = None) -> dict:
+    """The run failed as Slurm ended its job (``Slurm<State>``, Slurm's fix), written once; ``aborted``: over
+    the abort its supervisor recorded for Slurm's SIGTERM."""
+    tail = tail_text(run_dir / "logs" / "supervisor.log", 8000) if tail is None else tail
+    crashed = None if aborted else last_traceback(tail)
+    error = wire_status.error(f"Slurm{job['slurm'].title().replace('_', '')}", (
+        f"{slurm.state_words(job)}: the job ended ({job['state']}) "
+        + ("and its supervisor stopped" if aborted else f"while the run was {st.get('state')!r}")
+        + f" at {st.get('samples_done')}/{st.get('samples_total')} samples"
+        + (f"; the supervisor's last error: {crashed['type']}: {crashed['message']}" if crashed else "")),
+        log_tail=tail, slurm=job, fix=job["fix"] or "run the same command again to resume",
+        traceback=(crashed or {}).get("traceback") or "")
+    written = StatusFile.of_job(run_dir / STATUS_FILE, {k: v for k, v in st.items()
+                                                        if k not in ("alive", "slurm")}).fail(error,
+                                                                                               ended_by_slurm=aborted)
+    return {**written, "alive": False, "slurm": job}
 
 
 def status(params: dict) -> dict:

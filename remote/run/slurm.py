@@ -133,6 +133,18 @@ def partition_records(slurm: dict, env: dict | None, tp: int, device: str) -> li
                             detail=facts)]
 
 
+def node_record(name: str, what: str) -> dict | None:
+    """``<name>``: the compute node ``what`` runs on under ``srun`` (None: not inside a Slurm job)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return None
+    node = os.environ.get("SLURMD_NODENAME") or os.environ.get("SLURM_STEP_NODELIST") or os.environ.get(
+        "SLURM_JOB_NODELIST") or "?"
+    facts = {k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "SLURMD_NODENAME",
+                                            "SLURM_JOB_NODELIST", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")}
+    return protocol.record(name, protocol.OK, f"{what} ran on compute node {node} (Slurm job {facts['SLURM_JOB_ID']}, "
+                           f"partition {facts['SLURM_JOB_PARTITION']})", detail={"node": node, **facts})
+
+
 # --------------------------------------------------------------------------- a run as a batch job
 
 def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str) -> dict:

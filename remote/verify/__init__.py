@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from remote.run import slurm
 from remote.verify.compare import (BF16_REL, CONVENTION_MARGIN, COS_TOL, FLOOR_FACTOR, FLOOR_MIN, REL_TOL, TOLERANCES,
                                    WARN_SHARE, beyond_rounding, convention_record, expected_indices, layer_numbers,
                                    layer_record, merge, nrmse_by_index, token_errors)
@@ -66,7 +67,11 @@ SPEC = Spec("verify", {
 
 @SPEC.task
 def main(params: dict) -> dict:
-    return protocol.run_in_job_env(verify, params)
+    payload = protocol.run_in_job_env(verify, params)
+    node = slurm.node_record("verify.node", "verify")  # a host behind Slurm verifies on a compute node (srun)
+    if node is not None:
+        payload["records"].insert(0, node)
+    return payload
 
 
 def verify(params: dict) -> dict:

@@ -258,8 +258,8 @@ class Move(NamedTuple):
 
 
 #: every move between run states, by name. A live state goes forward (or stays), a final state
-#: stays where it is; ``restart`` and ``abort_by_request`` are the only ways out of one, and only
-#: when the writer names them.
+#: stays where it is; ``restart``, ``abort_by_request`` and ``ended_by_slurm`` are the only ways out of one,
+#: and only when the writer names them.
 MOVES = {
     "begin": Move((None,), STATES, "a status written where there was none"),
     "advance": Move(LIVE_STATES, LIVE_STATES, "the run goes on (forward only: pending, loading, extracting, "
@@ -272,6 +272,9 @@ MOVES = {
     "abort_by_request": Move((contract.RunState.FAILED.value, contract.RunState.ABORTED.value, *LIVE_STATES),
                              (contract.RunState.ABORTED.value,),
                              "job abort: its account of how it stopped the run is the run's last word", True),
+    "ended_by_slurm": Move((contract.RunState.ABORTED.value,), (contract.RunState.FAILED.value,),
+                           "Slurm ended the job (its time limit, a node failure, memory): the SIGTERM its supervisor "
+                           "took for an abort was Slurm's, and Slurm's state is the run's end", True),
 }
 
 
