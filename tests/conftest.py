@@ -301,13 +301,17 @@ def cpu_rope_smoke_real(testhost, modern_unfixed_python, tiny_models, tmp_path_f
 #: consecutive pairs and ``input:1`` so the layer-local check (test_verify_layer) reads the
 #: same run as the extract and whole-model verify tests (first, MoE and last layers at TP=2).
 SHARED_RUN_LAYER_IDS = {"deepseek_v3": [1, 4, 5, 7, 8]}
+#: the draft algorithm a shared run is captured for (``extract --algorithm``): the Llama's states train the dflash
+#: draft of test_train_eval's end to end; its plan's ids are eagle3's, so every eagle3 test reads the same run.
+SHARED_RUN_ALGORITHM = {"llama": "dflash"}
 
 
 @pytest.fixture(scope="session")
 def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory):
     """``get(model, tp)``: one ``specops extract --tensors --json`` of a tiny model on the modern
     stack over SSH (preflight on, smoke off; 4 samples of up to 128 tokens; the engine's default
-    ids unless :data:`SHARED_RUN_LAYER_IDS` names others), run once per session and shared by
+    ids unless :data:`SHARED_RUN_LAYER_IDS` names others, ``--algorithm`` where
+    :data:`SHARED_RUN_ALGORITHM` names one), run once per session and shared by
     every test that only reads it (a CPU server start is 40-300 s).
 
     Returns a dict: ``inventory``, ``run_id``, ``run_dir`` (on the host), ``dest`` (what
@@ -325,7 +329,9 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
 
     def layer_args(model: str) -> list:
         ids = SHARED_RUN_LAYER_IDS.get(model)
-        return ["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []
+        algorithm = SHARED_RUN_ALGORITHM.get(model)
+        return [*(["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []),
+                *(["--algorithm", algorithm] if algorithm else [])]
 
     def get(model: str, tp: int) -> dict:
         key = (model, tp)

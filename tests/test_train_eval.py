@@ -49,6 +49,8 @@ from remote.train import supervisor as trainrun  # noqa: E402
 from remote.train import evaluate as draft_eval, plan as trainplan
 
 EPOCHS = 20
+#: the dflash draft's tokens per step in eval (its block holds 16; 3 keeps the CPU server's steps short)
+DFLASH_K = 3
 
 
 # --------------------------------------------------------------------------- light
@@ -527,6 +529,58 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     # a draft learns what the target writes: trained on the target's own replies it is accepted more often than one
     # trained on the dataset's replies, on the same prompts (FACTS: 23 % vs 16 % by hand on this CPU kind)
     assert results["regen"]["accepted"] > trained["accepted"], (results["regen"], trained)
+
+
+@pytest.mark.vllm
+def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_trained_above_untrained(modern_ssh_run):
+    """Issue 45: the shared Llama extraction ran with ``--algorithm dflash`` (conftest.SHARED_RUN_ALGORITHM: the
+    run captures dflash's plan, input 2,4,5 + the final state 8); ``train --algorithm dflash`` trains a DFlash
+    draft from it (and ``--dry-run`` an untrained one); ``eval --algorithm dflash`` serves each as vLLM's
+    ``dflash`` method. The ids are checked end to end: the trained draft's config names the plan's aux ids, and
+    the eval server's log shows vLLM took those; the trained draft is accepted more often than the untrained."""
+    from remote.wire import layers
+
+    run = modern_ssh_run("llama", 1)
+    inv, env = run["inventory"], run["env"]
+    manifest = json.loads((run["run_dir"] / "manifest.json").read_text())
+    assert manifest["params"]["algorithm"] == "dflash", manifest["params"]
+    plan = layers.algorithm_plan("dflash", manifest["layer_ids"], 8)
+    assert plan["problems"] == [] and plan["trainer_ids"] == [2, 4, 5] and plan["engine_ids"] == [1, 3, 4], plan
+
+    trained = specops("train", "--inventory", inv, "--run-id", "dflash", "--from-run", run["run_id"], "--algorithm",
+                      "dflash", "--epochs", EPOCHS, "--json", env=env, timeout=900)
+    assert trained.returncode == 0, trained.stdout[-4000:] + trained.stderr[-4000:]
+    recs = records(trained)
+    assert recs["train.algorithm"]["status"] == "ok" and recs["train.plan"]["detail"]["trainer_layer_ids"] == \
+        plan["trainer_ids"], recs["train.plan"]
+    untrained = specops("train", "--inventory", inv, "--run-id", "dflash-untrained", "--from-run", run["run_id"],
+                        "--algorithm", "dflash", "--dry-run", "--json", env=env)
+    assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
+
+    results = {}
+    for draft in ("dflash", "dflash-untrained"):
+        proc = specops("eval", "--inventory", inv, "--draft", draft, "--algorithm", "dflash", "-k", DFLASH_K,
+                       "--json", env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        recs = records(proc)
+        assert recs["eval.algorithm"]["detail"]["method"] == "dflash", recs["eval.algorithm"]
+        assert recs["eval.draft_layer_ids"]["status"] == "ok", recs["eval.draft_layer_ids"]
+        # the config train wrote names the plan's aux ids in dflash's own field ...
+        detail = recs["eval.acceptance"]["detail"]
+        config = json.loads((Path(detail["draft"]) / "config.json").read_text())
+        assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == \
+            plan["trainer_ids"], config
+        # ... and the server's log says vLLM took exactly those
+        used = recs["eval.aux_ids_used"]
+        assert used["status"] == "ok" and used["detail"]["used"] == plan["trainer_ids"], used
+        logs = "".join(log.read_text(errors="replace") for log in Path(detail["eval_dir"]).rglob("*.log"))
+        assert "Resolved architecture: DFlashDraftModel" in logs, logs[-3000:]
+        results[draft] = detail
+    got, floor = results["dflash"], results["dflash-untrained"]
+    print(f"\ndflash trained: {got['accepted']} of {got['draft_tokens']}, mean length {got['mean_acceptance_length']}, "
+          f"per position {got['per_position']}; untrained: {floor['accepted']} of {floor['draft_tokens']}")
+    assert got["draft_tokens"] > 0 and floor["draft_tokens"] > 0
+    assert got["accepted"] > floor["accepted"] and got["mean_acceptance_length"] > floor["mean_acceptance_length"]
 
 
 # --------------------------------------------------------------------------- heavy: no exit 0 on wrong data (issue 38)
