@@ -6,14 +6,15 @@ Runs, from this laptop over SSH against the built-in modern test host (brought u
 1. ``specops extract --on modern --run-id S --max-samples N --algorithm dflash`` (once: the default ids
    ``input:2,4,5,8`` are every algorithm's plan);
 2. for each algorithm the host's vLLM serves (of ``--algorithms``; ``specops preflight`` reads that from its
-   source): ``specops train --on modern --run-id D --from-run S --algorithm A --epochs E``;
+   source): ``specops train --on modern --run-id D --from-run S --algorithm A --epochs E`` (the DFlash family
+   with one draft layer and 32 anchors: :data:`SMALL_DRAFT`);
 3. ``specops eval --on modern --draft D --algorithm A -k K --prompts P`` for each draft, the first one with
    ``--baseline`` (the plain server, same prompts, same run): mean acceptance length, per-position acceptance
    and output tok/s from vLLM's own ``/metrics``, against plain.
 
 Prints each command with its wall time, then the table as Markdown (the README's algorithm table).
 
-    .venv/bin/python scripts/bench_algorithms.py [--samples 8] [--epochs 20] [--prompts 8] [-k 3]
+    .venv/bin/python scripts/bench_algorithms.py [--samples 8] [--epochs 20] [--prompts 8] [-k 3] [--from-run S]
 """
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ sys.path.insert(0, str(REPO))
 from remote.wire import layers  # noqa: E402
 
 
+#: the DFlash family's trainer defaults are sized for GPUs (5 draft layers, 512 anchors of a 16-token block: ~37 s a
+#: step on 2 CPU cores); one layer and 32 anchors train the tiny target in ~0.1 s a step
+SMALL_DRAFT = {name: ["--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32"]
+               for name in ("dflash", "dflash2", "dspark")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--algorithms", default="eagle3,dflash,dspark",
@@ -38,20 +45,23 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--from-run", help="an extraction run of the modern test host to reuse (else one is made)")
     args = parser.parse_args()
     wanted = [a for a in args.algorithms.split(",") if a]
     unknown = [a for a in wanted if a not in layers.ALGORITHMS]
     if unknown:
         parser.error(f"--algorithms {','.join(unknown)}: specops plans {', '.join(layers.ALGORITHMS)}")
     stamp = time.strftime("%H%M%S")
-    states = f"bench-algo-states-{stamp}"
+    states = args.from_run or f"bench-algo-states-{stamp}"
     subprocess.run([str(SPECOPS), "testhost.up", "--stack", "modern"], cwd=REPO, check=True, capture_output=True)
-    specops("extract", "--on", "modern", "--run-id", states, "--max-samples", args.samples, "--skip-smoke",
-            "--algorithm", "dflash")
+    if not args.from_run:
+        specops("extract", "--on", "modern", "--run-id", states, "--max-samples", args.samples, "--skip-smoke",
+                "--algorithm", "dflash")
     drafts = {}
     for algorithm in wanted:
         doc, wall, _ = specops("train", "--on", "modern", "--run-id", f"bench-{algorithm}-{stamp}", "--from-run",
-                               states, "--algorithm", algorithm, "--epochs", args.epochs)
+                               states, "--algorithm", algorithm, "--epochs", args.epochs,
+                               *SMALL_DRAFT.get(algorithm, []))
         final = (doc["hosts"][0].get("data") or {}).get("final_status") or {}
         drafts[algorithm] = {"run": f"bench-{algorithm}-{stamp}", "train_s": wall, "loss": final.get("loss"),
                              "steps": final.get("steps_total")}

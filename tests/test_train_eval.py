@@ -23,7 +23,9 @@ chat dataset, seq_len 128, ids ``input:2,4,5,8``):
   extracted (run ``regen-states``, the extraction's own parameters) and trained on; served on the
   same held-out rows, that draft is accepted more often than the one trained on the dataset's replies;
 * a trainer flag passed with ``--trainer-arg`` reaches the trainer's resolved config, and a resume
-  with other flags is refused naming both.
+  with other flags is refused naming both;
+* issue 45: the same extraction (captured ``--algorithm dflash``) trains a DFlash draft, served by eval as
+  vLLM's ``dflash`` method, its aux ids checked in the draft's config and in the server's log.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ from remote.train import evaluate as draft_eval, plan as trainplan
 EPOCHS = 20
 #: the dflash draft's tokens per step in eval (its block holds 16; 3 keeps the CPU server's steps short)
 DFLASH_K = 3
+#: the DFlash trainer's defaults are sized for GPUs (5 layers, 512 anchors: ~37 s a step here); these ~0.1 s
+DFLASH_SMALL = ["--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32"]
 
 
 # --------------------------------------------------------------------------- light
@@ -532,12 +536,14 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
 
 
 @pytest.mark.vllm
-def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_trained_above_untrained(modern_ssh_run):
+def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_accepted_above_chance(modern_ssh_run):
     """Issue 45: the shared Llama extraction ran with ``--algorithm dflash`` (conftest.SHARED_RUN_ALGORITHM: the
     run captures dflash's plan, input 2,4,5 + the final state 8); ``train --algorithm dflash`` trains a DFlash
-    draft from it (and ``--dry-run`` an untrained one); ``eval --algorithm dflash`` serves each as vLLM's
-    ``dflash`` method. The ids are checked end to end: the trained draft's config names the plan's aux ids, and
-    the eval server's log shows vLLM took those; the trained draft is accepted more often than the untrained."""
+    draft from it; ``eval --algorithm dflash`` serves it as vLLM's ``dflash`` method. The ids are checked end to
+    end: the trained draft's config names the plan's aux ids in dflash's own field, and the eval server's log
+    shows vLLM took those. One server start: an untrained DFlash draft accepts nothing here (0 of 465 tokens,
+    tests/fixtures/algorithms), so the trained one must clear chance (1/512 a token) fifteenfold; a pipeline that
+    trains on the wrong states, writes no weights or serves another draft does not."""
     from remote.wire import layers
 
     run = modern_ssh_run("llama", 1)
@@ -547,40 +553,36 @@ def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_trained_abo
     plan = layers.algorithm_plan("dflash", manifest["layer_ids"], 8)
     assert plan["problems"] == [] and plan["trainer_ids"] == [2, 4, 5] and plan["engine_ids"] == [1, 3, 4], plan
 
+    t0 = time.monotonic()
     trained = specops("train", "--inventory", inv, "--run-id", "dflash", "--from-run", run["run_id"], "--algorithm",
-                      "dflash", "--epochs", EPOCHS, "--json", env=env, timeout=900)
+                      "dflash", "--epochs", EPOCHS, *DFLASH_SMALL, "--json", env=env, timeout=900)
     assert trained.returncode == 0, trained.stdout[-4000:] + trained.stderr[-4000:]
     recs = records(trained)
     assert recs["train.algorithm"]["status"] == "ok" and recs["train.plan"]["detail"]["trainer_layer_ids"] == \
         plan["trainer_ids"], recs["train.plan"]
-    untrained = specops("train", "--inventory", inv, "--run-id", "dflash-untrained", "--from-run", run["run_id"],
-                        "--algorithm", "dflash", "--dry-run", "--json", env=env)
-    assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
+    t_train = time.monotonic() - t0
 
-    results = {}
-    for draft in ("dflash", "dflash-untrained"):
-        proc = specops("eval", "--inventory", inv, "--draft", draft, "--algorithm", "dflash", "-k", DFLASH_K,
-                       "--json", env=env, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        recs = records(proc)
-        assert recs["eval.algorithm"]["detail"]["method"] == "dflash", recs["eval.algorithm"]
-        assert recs["eval.draft_layer_ids"]["status"] == "ok", recs["eval.draft_layer_ids"]
-        # the config train wrote names the plan's aux ids in dflash's own field ...
-        detail = recs["eval.acceptance"]["detail"]
-        config = json.loads((Path(detail["draft"]) / "config.json").read_text())
-        assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == \
-            plan["trainer_ids"], config
-        # ... and the server's log says vLLM took exactly those
-        used = recs["eval.aux_ids_used"]
-        assert used["status"] == "ok" and used["detail"]["used"] == plan["trainer_ids"], used
-        logs = "".join(log.read_text(errors="replace") for log in Path(detail["eval_dir"]).rglob("*.log"))
-        assert "Resolved architecture: DFlashDraftModel" in logs, logs[-3000:]
-        results[draft] = detail
-    got, floor = results["dflash"], results["dflash-untrained"]
-    print(f"\ndflash trained: {got['accepted']} of {got['draft_tokens']}, mean length {got['mean_acceptance_length']}, "
-          f"per position {got['per_position']}; untrained: {floor['accepted']} of {floor['draft_tokens']}")
-    assert got["draft_tokens"] > 0 and floor["draft_tokens"] > 0
-    assert got["accepted"] > floor["accepted"] and got["mean_acceptance_length"] > floor["mean_acceptance_length"]
+    proc = specops("eval", "--inventory", inv, "--draft", "dflash", "--algorithm", "dflash", "-k", DFLASH_K,
+                   "--json", env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    recs = records(proc)
+    assert recs["eval.algorithm"]["detail"]["method"] == "dflash", recs["eval.algorithm"]
+    assert recs["eval.draft_layer_ids"]["status"] == "ok", recs["eval.draft_layer_ids"]
+    # the config train wrote names the plan's aux ids in dflash's own field ...
+    got = recs["eval.acceptance"]["detail"]
+    config = json.loads((Path(got["draft"]) / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == \
+        plan["trainer_ids"], config
+    # ... and the server's log says vLLM built a DFlash drafter and took exactly those
+    used = recs["eval.aux_ids_used"]
+    assert used["status"] == "ok" and used["detail"]["used"] == plan["trainer_ids"], used
+    logs = "".join(log.read_text(errors="replace") for log in Path(got["eval_dir"]).rglob("*.log"))
+    assert "Resolved architecture: DFlashDraftModel" in logs, logs[-3000:]
+    print(f"\ndflash: train {t_train:.0f} s, eval {time.monotonic() - t0 - t_train:.0f} s; {got['accepted']} of "
+          f"{got['draft_tokens']} accepted, mean length {got['mean_acceptance_length']}, per position "
+          f"{got['per_position']}")
+    assert recs["eval.acceptance"]["status"] == "ok", recs["eval.acceptance"]  # a warn: at chance
+    assert got["draft_tokens"] > 0 and got["acceptance_rate"] >= 15 / 512, got
 
 
 # --------------------------------------------------------------------------- heavy: no exit 0 on wrong data (issue 38)
