@@ -19,6 +19,7 @@ Prints each command with its wall time, then the table as Markdown (the README's
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -66,11 +67,22 @@ def main() -> int:
         drafts[algorithm] = {"run": f"bench-{algorithm}-{stamp}", "train_s": wall, "loss": final.get("loss"),
                              "steps": final.get("steps_total")}
     plain = None
-    for i, algorithm in enumerate(wanted):
-        doc, wall, _ = specops("eval", "--on", "modern", "--draft", drafts[algorithm]["run"], "--algorithm", algorithm,
-                               "-k", args.k, "--prompts", args.prompts, *(["--baseline"] if i == 0 else []))
-        recs = records(doc)
-        if i == 0:
+    for algorithm in wanted:
+        argv = ["eval", "--on", "modern", "--draft", drafts[algorithm]["run"], "--algorithm", algorithm, "-k", args.k,
+                "--prompts", args.prompts, *(["--baseline"] if plain is None else [])]
+        t0 = time.monotonic()
+        proc = subprocess.run([str(SPECOPS), *map(str, argv), "--json"], cwd=REPO, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        print(f"{time.monotonic() - t0:7.1f} s  specops {' '.join(map(str, argv))} (exit {proc.returncode})", flush=True)
+        recs = records(json.loads(proc.stdout))
+        failed = [r for r in recs.values() if r["status"] == "fail"]
+        if proc.returncode == 1 and failed and "eval.acceptance" not in recs:  # refused before the load: a row
+            drafts[algorithm]["refused"] = f"{failed[0]['name']}: {failed[0]['summary']}"
+            continue
+        if proc.returncode != 0:
+            raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+        wall = time.monotonic() - t0
+        if plain is None:
             plain = recs["eval.baseline"]["detail"]["plain"]
         used = recs["eval.aux_ids_used"]["detail"].get("used")
         drafts[algorithm].update(recs["eval.acceptance"]["detail"], eval_s=wall, used=used,
@@ -84,6 +96,9 @@ def main() -> int:
     print(f"| plain (no draft) | - | - | - | {plain} | 1.00x |")
     for algorithm in wanted:
         d = drafts[algorithm]
+        if "refused" in d:
+            print(f"| {algorithm} | - | not served here | - | - | - |")
+            continue
         per = " / ".join(f"{x:.2f}" for x in d["per_position"] if x is not None)
         ratio = f"{d['tokens_per_s'] / plain:.2f}x" if plain else "-"
         print(f"| {algorithm} ({d['method']}) | {d['used']} | {d['mean_acceptance_length']} | {per} | "
@@ -91,6 +106,9 @@ def main() -> int:
     print()
     for algorithm in wanted:
         d = drafts[algorithm]
+        if "refused" in d:
+            print(f"{algorithm}: {d['steps']} steps in {d['train_s']:.0f} s; eval refused before the load: {d['refused']}")
+            continue
         print(f"{algorithm}: {d['steps']} steps in {d['train_s']:.0f} s (last loss {d['loss']}); {d['accepted']} of "
               f"{d['draft_tokens']} draft tokens accepted; eval {d['eval_s']:.0f} s")
     return 0

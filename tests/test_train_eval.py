@@ -55,6 +55,8 @@ EPOCHS = 20
 DFLASH_K = 3
 #: the DFlash trainer's defaults are sized for GPUs (5 layers, 512 anchors: ~37 s a step here); these ~0.1 s
 DFLASH_SMALL = ["--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32"]
+#: enough for the chance bar (2 epochs of 8 samples gave 7 % accepted, 20 of 4 samples 6.9 %; the bar is 2.9 %)
+DFLASH_EPOCHS = 8
 
 
 # --------------------------------------------------------------------------- light
@@ -555,7 +557,7 @@ def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_accepted_ab
 
     t0 = time.monotonic()
     trained = specops("train", "--inventory", inv, "--run-id", "dflash", "--from-run", run["run_id"], "--algorithm",
-                      "dflash", "--epochs", EPOCHS, *DFLASH_SMALL, "--json", env=env, timeout=900)
+                      "dflash", "--epochs", DFLASH_EPOCHS, *DFLASH_SMALL, "--json", env=env, timeout=900)
     assert trained.returncode == 0, trained.stdout[-4000:] + trained.stderr[-4000:]
     recs = records(trained)
     assert recs["train.algorithm"]["status"] == "ok" and recs["train.plan"]["detail"]["trainer_layer_ids"] == \
