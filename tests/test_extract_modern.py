@@ -151,7 +151,7 @@ def test_auto_engine_extracts_through_the_server_in_speculators_own_format(moder
 
     # a finished run is not started again: the same extract re-attaches to it and says it is done
     again = specops_cli("extract", "--inventory", str(full_run["inventory"]), "--run-id", full_run["run_id"],
-                        "--skip-smoke", "--json", env=full_run["env"], timeout=600)
+                        "--skip-smoke", *full_run["args"], "--json", env=full_run["env"], timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     records = {r["name"]: r for r in json.loads(again.stdout)["hosts"][0]["records"]}
     assert records["extract.run"]["status"] == "ok" and records["extract.run"]["summary"].endswith(" done"), records

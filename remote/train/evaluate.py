@@ -148,10 +148,15 @@ def read_draft(path: Path) -> dict:
     return draft
 
 
+def ids_field(plan: trainplan.TrainPlan) -> str | None:
+    """The draft config's field naming the aux ids for the plan's algorithm (None: mtp's names none)."""
+    return (layers.ALGORITHMS.get(plan.algorithm) or layers.ALGORITHMS[layers.DEFAULT_ALGORITHM]).config_ids
+
+
 def check_config(draft: dict, plan: trainplan.TrainPlan, target: dict, where: str) -> list[dict]:
     """The draft config's records against the states' plan and the target's config (fails carry both values)."""
     records = []
-    field_name = (layers.ALGORITHMS.get(plan.algorithm) or layers.ALGORITHMS[layers.DEFAULT_ALGORITHM]).config_ids
+    field_name = ids_field(plan)
     ids = draft.get(field_name) if field_name else plan.trainer_layer_ids  # mtp's draft names no aux ids
     want = plan.trainer_layer_ids
     if ids != want:
@@ -727,9 +732,10 @@ def aux_ids_used_record(log_path, plan: trainplan.TrainPlan, params: dict) -> di
     draft config vLLM does not read falls back to the target's defaults with no error)."""
     from remote.extract.engines.vllm_server import logs as server_log
 
+    field_name = ids_field(plan) or "its aux layer ids"
     return server_log.used_ids_record(
         "eval.aux_ids_used", log_path, plan.trainer_layer_ids, f"run {plan.from_run}'s states' aux ids",
-        fix=f"make the draft's config say eagle_aux_hidden_state_layer_ids {plan.trainer_layer_ids} in the form this "
+        fix=f"make the draft's config say {field_name} {plan.trainer_layer_ids} in the form this "
             f"vLLM reads (its log line: 'Using ... auxiliary layers from ...'), or evaluate it on states of those ids",
         force=bool(params.get("force")))
 
