@@ -156,4 +156,6 @@ def run_params(spec: HostSpec, **flags) -> dict:
     params.update(given, format=state_format, env=dict(spec.env))
     if not spec.writer_threads:
         del params["writer_threads"]
+    if "algorithm" not in given and "algorithm" not in spec.model_fields_set:
+        del params["algorithm"]  # unset: eagle3's plan, and no algorithm checks on the host (its speculators may be absent)
     return params

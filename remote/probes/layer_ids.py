@@ -98,7 +98,12 @@ def algorithm_records(ctx: Context, ids: list, convention: str, num_layers: int)
         return []
     algorithm = ctx.params["algorithm"]
     spec_root, vllm_root = site_packages(ctx.params)
-    out = [algorithms.trainable_record(algorithm, spec_root)]  # first: no plan matters where it cannot train
+    trains = algorithms.trainable_record(algorithm, spec_root)
+    if trains["status"] == FAIL and not trains["detail"]["speculators"]:
+        # a host that only extracts (vLLM, no speculators) is a normal layout: the states train elsewhere
+        trains = dict(trains, status=WARN, summary=f"{trains['summary']}: the states can be extracted here, and "
+                      f"train where speculators is installed")
+    out = [trains]  # first: no plan matters where it cannot train
     state_ids = layers.convert(ids, convention, layers.INPUT)
     plan = layers.algorithm_plan(algorithm, state_ids, num_layers)
     detail = {"algorithm": algorithm, **plan}
