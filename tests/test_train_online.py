@@ -67,6 +67,17 @@ def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_s
                                                         "state.json", "token_freq.pt"]
     assert (linked / "state.json").read_text() == "state.json"
     assert trainplan.link_token_dataset(plan) == linked  # again (a resume): the same links
+    # --keep-states all: the trainer runs under the module that keeps what it streamed, and a resume keeps what the
+    # earlier attempts kept (the trainer reads those rows from disk)
+    keep = train_plan(data_path=str(out), online=True, online_data=str(linked), keep_states="all")
+    assert keep.argv("python", "launcher")[:5] == ["python", "-m", trainplan.KEEP_STATES_MODULE, "launcher",
+                                                   "--verifier-name-or-path"]
+    (linked / "hidden_states").mkdir()
+    (linked / "hidden_states" / "hs_2.safetensors").write_bytes(b"kept")
+    assert sorted(p.name for p in trainplan.link_token_dataset(keep).iterdir()) == [
+        "data-00000-of-00001.arrow", "dataset_info.json", "hidden_states", "state.json", "token_freq.pt"]
+    assert (linked / "hidden_states" / "hs_2.safetensors").read_bytes() == b"kept"
+    assert not (trainplan.link_token_dataset(plan) / "hidden_states").exists()  # none: nothing of them stays
 
 
 def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
@@ -104,7 +115,8 @@ def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_
     (["--generation-validation-retries", "1"], "--generation-validation-retries set(s) how an online run streams"),
     (["--online", "--generation-validation-retries", "-1"], "--generation-validation-retries"),
     (["--online", "--max-consecutive-generation-failures", "0"], "--max-consecutive-generation-failures"),
-    (["--online", "--keep-states", "all"], "--keep-states"),
+    (["--online", "--keep-states", "some"], "--keep-states"),
+    (["--keep-states", "all"], "--keep-states set(s) how an online run streams"),
 ])
 def test_bad_stream_options_name_the_flag_and_nothing_runs(args, says, tmp_path):
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}

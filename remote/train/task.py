@@ -177,14 +177,16 @@ def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
                            f"every row; the trainer asks it (--on-missing generate) with aux ids "
                            f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
                            f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
-                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only); {cost['line']}",
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB ({disk['online_keeps']}); {cost['line']}",
                            detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
-                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk, "time": cost})
+                                   "data_path": plan.online_data, "keep_states": plan.keep_states, "disk": disk,
+                                   "time": cost})
 
 
 def online_disk(plan: trainplan.TrainPlan) -> dict:
     """What each way keeps on disk for this dataset: offline the states (the manifest's files) and the token
-    dataset, online the token dataset alone (the server's files are deleted once the trainer read them)."""
+    dataset, online the token dataset alone (the server's files are deleted once the trainer read them), or with
+    ``keep_states`` all the states too."""
     from remote.wire import manifest as run_manifest
 
     doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
@@ -193,8 +195,13 @@ def online_disk(plan: trainplan.TrainPlan) -> dict:
     states_dir = Path(plan.data_path) / "hidden_states"
     dataset = sum(f.stat().st_size for f in Path(plan.data_path).rglob("*")
                   if f.is_file() and states_dir not in f.parents)
+    from remote.train.keepstates import kept_run_id
+
+    keep = plan.keep_states == "all"
     return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
-            "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
+            "online_bytes": dataset + (states if keep else 0), "bytes_per_sample": states // max(1, len(entries)),
+            "samples": len(entries), "online_keeps": (f"--keep-states all: the token dataset and the states, kept as "
+                                                      f"run {kept_run_id(plan.run_id)}") if keep else "the token dataset only"}
 
 
 def online_time(plan: trainplan.TrainPlan) -> dict:
