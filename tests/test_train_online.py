@@ -226,10 +226,18 @@ def _wait(inv, run_id, env, until, timeout=600, after_attempt=0) -> dict:
         time.sleep(1)
 
 
-def _trainers(run_dir: Path) -> list[str]:
-    """The trainer processes of this train run still alive (their command names its online dataset)."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if str(run_dir / trainplan.ONLINE_DATA) in line]
+def _trainers(run_dir: Path) -> list[int]:
+    """The pids of this train run's trainer processes still alive (their command names its online dataset; read
+    from /proc, whole: ``ps`` may cut a long command line)."""
+    wanted = str(run_dir / trainplan.ONLINE_DATA).encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and wanted in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 def _trainer_running(inventory, args, env, attempt: int, run_dir: Path) -> tuple[int, dict]:
@@ -242,7 +250,7 @@ def _trainer_running(inventory, args, env, attempt: int, run_dir: Path) -> tuple
         _, st = _status(inventory, "online", env)
         trainers = _trainers(run_dir)
         if (st.get("attempt") or 0) > attempt and (st.get("online_server") or {}).get("endpoint") and trainers:
-            return int(trainers[0].split()[0]), st
+            return trainers[0], st
         assert time.monotonic() < deadline and st.get("state") not in ("done", "failed", "aborted"), st
         time.sleep(0.5)
 
