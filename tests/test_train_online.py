@@ -87,6 +87,14 @@ def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_s
     assert not (trainplan.link_token_dataset(plan) / "hidden_states").exists()  # none: nothing of them stays
 
 
+def test_a_resume_may_change_what_stays_on_disk_and_nothing_else():
+    from remote.run import job
+
+    started = {"run_id": "t", "from_run": "r", "online": True, "epochs": 4}
+    assert job._identity({**started, "keep_states": "all"}) == job._identity(started)
+    assert job._identity({**started, "epochs": 5}) != job._identity(started)
+
+
 def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
     from remote.train import supervisor
 
