@@ -9,8 +9,8 @@ but the token dataset (:func:`remote.train.plan.link_token_dataset`).
 
 The server is the extraction engine's own (:class:`remote.extract.engines.vllm_server.VllmServer`)
 with the states run's parameters and the layer plan's ids (:func:`capture_ids`: the file's layer
-axis, as the trainer reads it), loopback only, in the train run's ``server/`` dir; a child of the supervisor that dies with
-it (``die_with_parent``). :class:`OnlineServer` starts it, waits for it, watches it while the
+axis, as the trainer reads it), loopback only, in the train run's ``server/`` dir; a child of the
+supervisor that dies with it (``die_with_parent``). :class:`OnlineServer` starts it, waits for it, watches it while the
 trainer runs (a server that dies stops the trainer and fails the run naming the server), and
 stops it however the run ends.
 """

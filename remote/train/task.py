@@ -209,8 +209,9 @@ def online_disk(plan: trainplan.TrainPlan) -> dict:
     keep = plan.keep_states == "all"
     return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
             "online_bytes": dataset + (states if keep else 0), "bytes_per_sample": states // max(1, len(entries)),
-            "samples": len(entries), "online_keeps": (f"--keep-states all: the token dataset and the states, kept as "
-                                                      f"run {kept_run_id(plan.run_id)}") if keep else "the token dataset only"}
+            "samples": len(entries),
+            "online_keeps": (f"--keep-states all: the token dataset and the states, kept as run "
+                             f"{kept_run_id(plan.run_id)}") if keep else "the token dataset only"}
 
 
 def online_time(plan: trainplan.TrainPlan) -> dict:

@@ -264,7 +264,8 @@ def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:
     """
     facts = ALGORITHMS.get(algorithm)
     out = {"algorithm": algorithm, "state_ids": list(state_ids or []), "final_state": num_layers, "trainer_ids": [],
-           "file_ids": [], "config_ids_field": None, "engine_ids": [], "engine_field": None, "needs": None, "problems": []}
+           "file_ids": [], "config_ids_field": None, "engine_ids": [], "engine_field": None, "needs": None,
+           "problems": []}
     if facts is None:
         out["problems"] = [f"specops has no layer-id plan for algorithm {algorithm!r}; it plans "
                            f"{', '.join(ALGORITHMS)}"]
@@ -272,7 +273,8 @@ def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:
     out["needs"], _ = default_layer_ids(contract.VLLM_SERVER, num_layers)
     ids = [i for i in out["state_ids"] if type(i) is int]
     aux = sorted(i for i in ids if i != num_layers)
-    out.update(trainer_ids=aux, file_ids=[*aux, num_layers], config_ids_field=facts.config_ids, engine_field=facts.engine_field,
+    out.update(trainer_ids=aux, file_ids=[*aux, num_layers], config_ids_field=facts.config_ids,
+               engine_field=facts.engine_field,
                engine_ids=[i + facts.engine_shift for i in aux])
     if num_layers not in ids or max(ids) != num_layers:
         out["problems"].append(
