@@ -10,9 +10,9 @@ group ``modern``: the tiny Llama and the chat dataset), the commands a user type
 
 Prints each command's wall time, each way's training tokens a second (the epochs' tokens over the wall time of
 the whole way: offline = extraction + training, online = its one run, the server's load included) and the
-trainer's own rate, the disk each way keeps for its data (measured on the host's disk, checkpoints left out:
-offline the states run's output dir; online the token dataset it links plus what its run dir holds besides
-checkpoints and logs), and the ratios online / offline.
+trainer's own rate, the disk each way keeps for its data (measured on the host's disk, links not followed: offline the states
+run's output dir; online the token dataset it links plus the files of its ``online-data/`` and the server's
+``storage/``), and the ratios online / offline.
 
     .venv/bin/python scripts/bench_online.py [--samples 8] [--epochs 3]
 """
@@ -28,8 +28,12 @@ from pathlib import Path
 
 from bench_train import REPO, SPECOPS, records, specops  # the commands as a user types them, timed
 
-#: what a run dir holds that is no data of either way (the same draft's checkpoints and the logs)
-NOT_DATA = ("checkpoints", "logs", "ranks")
+sys.path.insert(0, str(REPO))
+from remote.train.online import SERVER_DIR  # noqa: E402
+from remote.train.plan import ONLINE_DATA  # noqa: E402
+
+#: where an online run keeps data of its own: its linked token dataset and the server's files not yet read
+DATA_DIRS = (ONLINE_DATA, f"{SERVER_DIR}/storage")
 
 
 def disk_bytes(root: Path, skip=()) -> int:
@@ -63,7 +67,8 @@ def main() -> int:
     states_out = Path(json.loads((work / "runs" / states / "status.json").read_text())["output_dir"])
     offline_bytes = disk_bytes(states_out)
     token_dataset = disk_bytes(states_out, skip=("hidden_states",))
-    online_bytes = token_dataset + disk_bytes(work / "runs" / online, skip=NOT_DATA)
+    online_run = work / "runs" / online
+    online_bytes = token_dataset + sum(disk_bytes(online_run / d) for d in DATA_DIRS if (online_run / d).is_dir())
     tokens = int(plan["tokens"]) * args.epochs
     off_tps, on_tps = tokens / (extract_s + train_s), tokens / online_s
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
