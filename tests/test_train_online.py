@@ -309,8 +309,8 @@ def _train_losses(metrics: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
-#: seconds the CPU launcher pauses after each optimizer step in the first start (1 of 3): the server is killed
-#: once the status shows step 3, with 5 paced steps still to go
+#: seconds the CPU launcher pauses after each optimizer step in the first three starts (of 5): the first start's
+#: server is killed once the status shows step 3, with 5 paced steps still to go
 PACE_S = "2"
 #: the files the third start's server corrupts: the 3rd non-finite, its retry (the 4th) with ids off by one
 STREAM_FAULT = {"3": "nonfinite", "4": "ids"}
@@ -440,5 +440,5 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert leftover_pids(st["online_server"]["marker"]) == []
     _check_kept_run(inv, env, work, run["run_id"], st, stream)
     print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
-          f"all three starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
+          f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
