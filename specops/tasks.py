@@ -312,14 +312,16 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "regenerate": "first have the target write its own replies to the --from-run rows (speculators' "
                                "regenerate-responses), extract their states (run <run-id>-states), train on those",
                  "online": "train online: start the --from-run extraction's server (same model, ids, parameters) "
-                           "beside the trainer, which asks it for every row's states; none are kept on disk",
+                           "beside the trainer, which asks it for every row's states; none are kept on disk "
+                           "unless --keep-states all",
                  "generation-validation-retries": "--online: more tries of a streamed sample that failed the "
                                                   "trainer's checks (ids echo, shape, finite; speculators' flag, "
                                                   "default 2); then it is counted, named and skipped",
                  "max-consecutive-generation-failures": "--online: samples in a row given up before the run fails "
                                                         "(speculators' flag, default 20)",
-                 "keep-states": "--online: which streamed states stay on disk: none (the default and only one "
-                                "built: the token dataset alone)",
+                 "keep-states": "--online: which streamed states stay on disk: none (the default: the token "
+                                "dataset alone) or all (each checked sample kept; the finished run leaves the "
+                                "extraction run <run-id>-kept for verify, fetch and train --from-run)",
                  "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
                  "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)",
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "

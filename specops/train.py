@@ -65,6 +65,14 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
     return params
 
 
+def online_params(stream_checks: dict, keep_states: str) -> dict | bool:
+    """``--online``'s own parameters as :func:`train_params` takes them: the stream checks given and a
+    ``keep_states`` other than its default (True: none given)."""
+    given = {**stream_checks, **({"keep_states": keep_states} if keep_states != TRAIN_ARGS["keep_states"].default
+                                 else {})}
+    return given or True
+
+
 def trainer_argv(values) -> list[str]:
     """The argv tokens of the ``--trainer-arg`` values: each one flag, ``--lr=1e-4`` or ``--lr 1e-4`` (or a list
     flag's values, ``--full-attention-indices 0 2``), split the same way whichever form was typed, so a resume
@@ -178,10 +186,14 @@ def run_record(run_id: str, state: RunStatus) -> Record:
         dropped = (f"{stream['dropped']} streamed sample(s) failed every check and were not trained on (rows "
                    f"{stream['dropped_rows']}; {stream['failed_round_trips']} failed round trip(s), last: "
                    f"{stream['last']['error']})") if stream.get("dropped") else ""
+        kept = st.get("kept_states") or {}
+        kept_line = (f"; the streamed states kept as extraction run {kept['run_id']} ({kept['samples']} samples"
+                     + (f", rows {kept['missing']} missing" if kept.get("missing") else "") + ")") if kept else ""
         return Record(name="train.run", status="warn" if lost or dropped else "ok",
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
                               f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}{used}"
-                              + (f"; regenerate: {lost}" if lost else "") + (f"; {dropped}" if dropped else ""),
+                              + (f"; regenerate: {lost}" if lost else "") + (f"; {dropped}" if dropped else "")
+                              + kept_line,
                       fix=f"read {regenerated.get('errors_file')} for why" if lost else
                       (f"read the server's log ({(st.get('online_server') or {}).get('log')}) and the trainer's "
                        f"(specops logs --run-id {run_id}) for why" if dropped else None),
@@ -189,7 +201,7 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                               "regenerated": st.get("regenerated"), "states_run": st.get("states_run"),
                               "tokens_per_s": st.get("tokens_per_s"), "val_loss": st.get("val_loss"),
                               "val_accuracy": st.get("val_accuracy"), "wall_s": st.get("wall_s"), "memory": memory,
-                              "online_stream": st.get("online_stream")})
+                              "online_stream": st.get("online_stream"), "kept_states": st.get("kept_states")})
     err = state.error
     status = "warn" if state.state == "aborted" else "fail"
     fix = None if status == "warn" else ("read the traceback (specops logs --run-id "
@@ -252,7 +264,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                          "drop it, or select several hosts (--on GROUP)")
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
                              trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
-                             online=(stream_checks or True) if online else False, algorithm=algorithm)
+                             online=online_params(stream_checks, keep_states) if online else False,
+                             algorithm=algorithm)
     checked: dict[str, list[Record]] = {}
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)

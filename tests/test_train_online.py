@@ -5,19 +5,26 @@ at the server's endpoint, the stream checks passed as speculators' own flags), t
 leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
 laptop refuses.
 
-Heavy (marked ``vllm``; two CPU server starts loaded, one launch aborted while it loads): on the
+Heavy (marked ``vllm``; four CPU server starts loaded, one launch aborted while it loads): on the
 session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
-online train run, started three times by the same command:
+online train run, started five times by the same command:
 
 1. detached, paced (the CPU launcher's pause after each step): once the trainer is past epoch 0's
    checkpoint (its status), the server's API process is killed; the run fails naming the online
-   server, and neither a server process nor the trainer is left;
-2. the same command, detached: aborted as soon as its fresh server is launched (its pid in the
+   server, and neither a server process nor the trainer is left; nothing but the token dataset's
+   links is on disk (``--keep-states none``);
+2. again, paced: once the fresh server answers and the trainer runs, the trainer is killed (SIGKILL):
+   the run fails naming the trainer, and the server is stopped;
+3. again, paced: the supervisor is killed (SIGKILL) while both run: neither is left, the next status
+   names the dead supervisor;
+4. the same command, detached: aborted as soon as its fresh server is launched (its pid in the
    status): aborted, nothing of it left;
-3. the same command, to the end, with the test host's connector corrupting two files it writes
-   (non-finite states, then token ids off by one: one sample's two tries): done, resumed from epoch 0,
-   a curve fetched, a checkpoint whose aux ids are the plan's, every loss finite (the bad sample never
-   trained on), the run's record counting and naming it, and no states kept on the host.
+5. the same command with ``--keep-states all``, to the end, with the test host's connector corrupting
+   two files it writes (non-finite states, then token ids off by one: one sample's two tries): done,
+   resumed, a curve fetched, a checkpoint whose aux ids are the plan's, every loss finite (the bad
+   sample never trained on), the run's record counting and naming it, and the states kept as the
+   extraction run ``online-kept`` (its files digest as its manifest says, ``verify`` passes, a train
+   plan reads it) with none left in the train run.
 """
 from __future__ import annotations
 
@@ -67,6 +74,25 @@ def test_an_online_plan_points_the_trainer_at_the_server_and_a_dataset_without_s
                                                         "state.json", "token_freq.pt"]
     assert (linked / "state.json").read_text() == "state.json"
     assert trainplan.link_token_dataset(plan) == linked  # again (a resume): the same links
+    # --keep-states all: the trainer runs under the module that keeps what it streamed, and a resume keeps what the
+    # earlier attempts kept (the trainer reads those rows from disk)
+    keep = train_plan(data_path=str(out), online=True, online_data=str(linked), keep_states="all")
+    assert keep.argv("python", "launcher")[:5] == ["python", "-m", trainplan.KEEP_STATES_MODULE, "launcher",
+                                                   "--verifier-name-or-path"]
+    (linked / "hidden_states").mkdir()
+    (linked / "hidden_states" / "hs_2.safetensors").write_bytes(b"kept")
+    assert sorted(p.name for p in trainplan.link_token_dataset(keep).iterdir()) == [
+        "data-00000-of-00001.arrow", "dataset_info.json", "hidden_states", "state.json", "token_freq.pt"]
+    assert (linked / "hidden_states" / "hs_2.safetensors").read_bytes() == b"kept"
+    assert not (trainplan.link_token_dataset(plan) / "hidden_states").exists()  # none: nothing of them stays
+
+
+def test_a_resume_may_change_what_stays_on_disk_and_nothing_else():
+    from remote.run import job
+
+    started = {"run_id": "t", "from_run": "r", "online": True, "epochs": 4}
+    assert job._identity({**started, "keep_states": "all"}) == job._identity(started)
+    assert job._identity({**started, "epochs": 5}) != job._identity(started)
 
 
 def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
@@ -104,7 +130,8 @@ def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_
     (["--generation-validation-retries", "1"], "--generation-validation-retries set(s) how an online run streams"),
     (["--online", "--generation-validation-retries", "-1"], "--generation-validation-retries"),
     (["--online", "--max-consecutive-generation-failures", "0"], "--max-consecutive-generation-failures"),
-    (["--online", "--keep-states", "all"], "--keep-states"),
+    (["--online", "--keep-states", "some"], "--keep-states"),
+    (["--keep-states", "all"], "--keep-states set(s) how an online run streams"),
 ])
 def test_bad_stream_options_name_the_flag_and_nothing_runs(args, says, tmp_path):
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
@@ -147,6 +174,34 @@ def test_preflight_prices_offline_against_online_from_the_last_runs_rates(tmp_pa
     assert "online ~150 s (20 tok/s measured in run t2)" in measured["line"], measured["line"]
 
 
+def test_online_with_an_algorithm_takes_both_halves_ids_from_its_layer_plan():
+    from remote.train import online, task
+    from remote.wire import layers
+
+    # dflash: the server captures the file's layer axis (aux ids, the final state last), the trainer reads the aux
+    # ids, and vLLM serves them one lower (aux - 1), all from algorithm_plan
+    plan = train_plan(online=True, online_data="/w/d", algorithm="dflash",
+                      layer_plan=layers.algorithm_plan("dflash", [8, 2, 5, 4], 8))
+    assert online.capture_ids(plan) == [2, 4, 5, 8] and plan.layer_plan["engine_ids"] == [1, 3, 4]
+    argv = plan.argv("python")
+    assert argv[argv.index("--speculator-type") + 1] == "dflash"
+    assert argv[argv.index("--target-layer-ids") + 1:argv.index("--target-layer-ids") + 4] == ["2", "4", "5"]
+    # a trainer that would read other ids than the server captures: refused before any load, both lists named
+    with pytest.raises(trainplan.TrainError) as refused:
+        task.check_online(train_plan(online=True, online_data="/w/d", algorithm="dflash", trainer_layer_ids=[2, 4],
+                                     layer_plan=plan.layer_plan), {})
+    said = str(refused.value.__dict__)
+    assert "the server would capture ids [2, 4, 5, 8]" in said and "reads aux ids [2, 4]" in said, said
+    assert refused.value.detail["reads"] == [2, 4, 8], refused.value.detail
+    # states dflash cannot use (aux id 0: the embeddings, layer -1 in vLLM): refused naming the ids and why
+    bad = layers.algorithm_plan("dflash", [0, 4, 8], 8)
+    with pytest.raises(trainplan.TrainError) as refused:
+        task.check_online(train_plan(online=True, online_data="/w/d", algorithm="dflash", layer_ids=[0, 4, 8],
+                                     trainer_layer_ids=[0, 4], layer_plan=bad), {})
+    said = str(refused.value.__dict__)
+    assert "capture ids [0, 4, 8]" in said and "aux id 0 (the embeddings) would be layer -1" in said, said
+
+
 def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
     inv = tmp_path / "inv.yaml"
@@ -179,10 +234,64 @@ def _wait(inv, run_id, env, until, timeout=600, after_attempt=0) -> dict:
         time.sleep(1)
 
 
-def _trainers(run_dir: Path) -> list[str]:
-    """The trainer processes of this train run still alive (their command names its online dataset)."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if str(run_dir / trainplan.ONLINE_DATA) in line]
+def _trainers(run_dir: Path) -> list[int]:
+    """The pids of this train run's trainer processes still alive (their command names its online dataset; read
+    from /proc, whole: ``ps`` may cut a long command line)."""
+    wanted = str(run_dir / trainplan.ONLINE_DATA).encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and wanted in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _trainer_running(inventory, args, env, attempt: int, run_dir: Path) -> tuple[int, dict]:
+    """Start the same online command again (detached); once its fresh server answers and its trainer runs, the
+    trainer's pid and the run's status."""
+    started = specops("train", "--inventory", inventory, *args, "--detach", "--json", env=env)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+    deadline = time.monotonic() + 300
+    while True:
+        _, st = _status(inventory, "online", env)
+        trainers = _trainers(run_dir)
+        if (st.get("attempt") or 0) > attempt and (st.get("online_server") or {}).get("endpoint") and trainers:
+            return trainers[0], st
+        assert time.monotonic() < deadline and st.get("state") not in ("done", "failed", "aborted"), st
+        time.sleep(0.5)
+
+
+def _gone(marker: str, run_dir: Path, timeout: float = 30) -> bool:
+    """Neither the server (its marker) nor the trainer lives, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while leftover_pids(marker) or _trainers(run_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _check_kept_run(inv, env, work: Path, states_run: str, st: dict, stream: dict) -> None:
+    """``--keep-states all``: the run's record names its kept extraction run, which is a normal one: its
+    manifest's files digest as recorded, ``verify`` recomputes one with the reference, and a train plan reads it."""
+    from remote.verify.run import open_run
+    from remote.wire import manifest as run_manifest
+
+    kept = st["kept_states"]
+    assert kept["run_id"] == "online-kept" and kept["samples"] + len(kept["missing"]) == 4, kept
+    assert set(kept["missing"]) <= set(stream["dropped_rows"]), kept  # only a row given up in the last epoch
+    found = open_run({"work_dir": str(work), "run_id": "online-kept"})
+    states = open_run({"work_dir": str(work), "run_id": states_run})
+    assert found.layer_ids == states.layer_ids and found.manifest["kept_from"]["train_run"] == "online"
+    for entry in found.manifest["files"]:
+        assert run_manifest.file_matches(found.output_dir / entry["path"], entry), entry
+    verified = specops("verify", "--inventory", inv, "--run-id", "online-kept", "--samples", 1, "--json", env=env,
+                       timeout=300)
+    assert verified.returncode == 0, verified.stdout[-4000:] + verified.stderr[-4000:]
+    plan = trainplan.resolve({"work_dir": str(work), "run_id": "again", "from_run": "online-kept"})
+    assert plan.samples == kept["samples"] and plan.trainer_layer_ids == [2, 4, 5], plan
 
 
 def _with_env(inv, path: Path, **env) -> Path:
@@ -200,8 +309,8 @@ def _train_losses(metrics: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
-#: seconds the CPU launcher pauses after each optimizer step in the first start (1 of 3): the server is killed
-#: once the status shows step 3, with 5 paced steps still to go
+#: seconds the CPU launcher pauses after each optimizer step in the first three starts (of 5): the first start's
+#: server is killed once the status shows step 3, with 5 paced steps still to go
 PACE_S = "2"
 #: the files the third start's server corrupts: the 3rd non-finite, its retry (the 4th) with ids off by one
 STREAM_FAULT = {"3": "nonfinite", "4": "ids"}
@@ -243,6 +352,10 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert "online extraction server" in st["error"]["message"] and str(server["pid"]) in st["error"]["message"]
     assert st["error"]["where"] == "online server" and st["error"]["rank"] == 0, st["error"]
     assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+    # --keep-states none (the default): the token dataset only, linked; no state file anywhere in the run
+    data = run_dir / trainplan.ONLINE_DATA
+    assert [p for p in data.rglob("*") if not p.is_symlink()] == [], list(data.rglob("*"))
+    assert [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts] == []
     first_losses = _train_losses(run_dir / trainplan.METRICS_FILE)
     assert 0 in first_losses and math.isfinite(first_losses[0]), first_losses
 
@@ -257,7 +370,26 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert [offline_losses[k] for k in (0, 1)] == pytest.approx([first_losses[k] for k in (0, 1)], rel=0.02), \
         (offline_losses, first_losses)  # epoch 0's curve
 
-    # 2. the same command resumes it with a fresh server; an abort as it loads leaves nothing
+    # 2. the same command, a fresh server: the trainer dies (SIGKILL) -> the run fails naming it, the server stopped
+    killed, st = _trainer_running(paced, args, env, st["attempt"], run_dir)
+    os.kill(killed, signal.SIGKILL)
+    st = _wait(inv, "online", env, lambda s: False, timeout=120)
+    assert st["state"] == "failed" and st["error"]["where"] == "trainer", st["error"]
+    assert st["error"]["pid"] == killed and "SIGKILL" in st["error"]["message"], st["error"]
+    assert _gone(st["online_server"]["marker"], run_dir), (leftover_pids(st["online_server"]["marker"]),
+                                                          _trainers(run_dir))
+    assert st["online_server"]["stopped"] is True
+
+    # 3. again: the supervisor dies (SIGKILL) while both halves run -> neither is left; the next status names it
+    _, st = _trainer_running(paced, args, env, st["attempt"], run_dir)
+    os.kill(st["pid"], signal.SIGKILL)
+    assert _gone(st["online_server"]["marker"], run_dir, timeout=90), (leftover_pids(st["online_server"]["marker"]),
+                                                                       _trainers(run_dir))
+    code, st = _status(inv, "online", env)
+    assert st["state"] == "failed" and st["error"]["type"] == "SupervisorDied", st
+    server = st["online_server"]
+
+    # 4. the same command resumes it with a fresh server; an abort as it loads leaves nothing
     resumed = specops("train", "--inventory", inv, *args, "--detach", "--json", env=env)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     st = _wait(inv, "online", env, lambda s: (s.get("online_server") or {}).get("marker") not in (None, server["marker"]),
@@ -272,8 +404,9 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
                                                                                  _trainers(run_dir))
     assert st["online_server"]["stopped"] is True
 
-    # 3. the same command to the end, two streamed files corrupted: a curve, the plan's aux ids, no states kept
-    done = specops("train", "--inventory", faulty, *args, "--json", env=env)
+    # 5. the same command to the end, keeping the states this time, two streamed files corrupted: a curve, the
+    # plan's aux ids, the states kept as an extraction run of their own
+    done = specops("train", "--inventory", faulty, *args, "--keep-states", "all", "--json", env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     fetched = records(done)
     # preflight priced both ways with the rates of the last runs: the extraction's and the offline train's
@@ -300,10 +433,12 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert steps and steps[-1] == st["steps_total"] - 1, steps
     best = run_dir / "checkpoints" / "checkpoint_best"
     assert json.loads((best / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert fetched["train.online"]["detail"]["keep_states"] == "all", fetched["train.online"]
     kept = [p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts]
-    assert kept == [], kept  # every state the server wrote was read once and deleted
+    assert kept == [], kept  # the kept ones moved to the kept run, the failed tries deleted
     assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
     assert leftover_pids(st["online_server"]["marker"]) == []
+    _check_kept_run(inv, env, work, run["run_id"], st, stream)
     print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
-          f"all three starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
+          f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")

@@ -92,6 +92,9 @@ SPEC = Spec("job", RUN_ARGS, {
 }, required_if=[("action", "start", ("model_path", "dataset"))])
 #: what steers one call, not the run.
 CALL_KEYS = frozenset(SPEC.names(call=True))
+#: recorded parameters a resume may change: what stays on disk beside a run, not what the run makes
+#: (``train --keep-states``)
+RESUME_MAY_CHANGE = ("keep_states",)
 STARTING_GRACE_S = 15.0
 
 
@@ -142,9 +145,8 @@ def start(params: dict) -> dict:
     wanted = job_params(params)
     with _RunsLock(run_dir.parent):
         old = read_json(run_dir / PARAMS_FILE)
-        if old is not None and faults.resumable_as(old) != faults.resumable_as(wanted):
-            changed = sorted(k for k in set(old) | set(wanted)
-                             if faults.resumable_as(old).get(k) != faults.resumable_as(wanted).get(k))
+        if old is not None and _identity(old) != _identity(wanted):
+            changed = sorted(k for k in set(old) | set(wanted) if _identity(old).get(k) != _identity(wanted).get(k))
             raise JobError("job.start", f"run {params['run_id']} exists with different parameters "
                            f"({', '.join(changed)})",
                            "use a new run id, or repeat the original parameters to resume",
@@ -176,7 +178,10 @@ def start(params: dict) -> dict:
                            f"wait for it, abort it (abort --run-id {others[0]}), or force a second run",
                            detail={"running": others})
         resumed = old is not None
-        _prepare_run_dir(run_dir, wanted, resumed)
+        # a resume keeps the recorded parameters but takes this start's value of each RESUME_MAY_CHANGE
+        record = wanted if not resumed else {**{k: v for k, v in old.items() if k not in RESUME_MAY_CHANGE},
+                                             **{k: wanted[k] for k in RESUME_MAY_CHANGE if k in wanted}}
+        _prepare_run_dir(run_dir, record, write_params=record != old)
         if params.get("slurm"):
             job = slurm.submit(run_dir, *_supervisor_command(run_dir, params), params["slurm"], params["run_id"])
             st = current_status(run_dir)
@@ -204,10 +209,15 @@ def _missing_on_disk(run_dir: Path, st: dict, wanted: dict) -> list[int]:
     return [i for i in range(int(bounds[0]), int(bounds[1])) if i not in have]
 
 
-def _prepare_run_dir(run_dir: Path, wanted: dict, resumed: bool) -> None:
+def _identity(params: dict) -> dict:
+    """What a resume compares: the recorded parameters less fault points and :data:`RESUME_MAY_CHANGE`."""
+    return {k: v for k, v in faults.resumable_as(params).items() if k not in RESUME_MAY_CHANGE}
+
+
+def _prepare_run_dir(run_dir: Path, wanted: dict, write_params: bool) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "errors").mkdir(exist_ok=True)
-    if not resumed:
+    if write_params:
         fsutil.write_json(run_dir / PARAMS_FILE, wanted, temp_prefix=fsutil.TEMP_PREFIX)
     StatusFile.of_job(run_dir / STATUS_FILE).restart(wanted["run_id"])
     try:

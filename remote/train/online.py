@@ -8,9 +8,9 @@ speculators 0.9's trainer makes the states of a row it finds no file for itself
 but the token dataset (:func:`remote.train.plan.link_token_dataset`).
 
 The server is the extraction engine's own (:class:`remote.extract.engines.vllm_server.VllmServer`)
-with the states run's parameters and ids (sorted: the file's layer axis, as the trainer reads
-it), loopback only, in the train run's ``server/`` dir; a child of the supervisor that dies with
-it (``die_with_parent``). :class:`OnlineServer` starts it, waits for it, watches it while the
+with the states run's parameters and the layer plan's ids (:func:`capture_ids`: the file's layer
+axis, as the trainer reads it), loopback only, in the train run's ``server/`` dir; a child of the
+supervisor that dies with it (``die_with_parent``). :class:`OnlineServer` starts it, waits for it, watches it while the
 trainer runs (a server that dies stops the trainer and fails the run naming the server), and
 stops it however the run ends.
 """
@@ -40,6 +40,15 @@ def server_params(run_params: dict, params: dict, state_format: str) -> dict:
     return run_defaults(keep, int(keep.get("batch_size") or 1))
 
 
+def capture_ids(plan) -> list[int]:
+    """The ids the run's server captures: the layer plan's file ids (:func:`remote.wire.layers.algorithm_plan`,
+    the trainer's aux ids then the final state), the one source of both halves' ids."""
+    from remote.wire import layers
+
+    layer_plan = plan.layer_plan or layers.algorithm_plan(plan.algorithm, plan.layer_ids, plan.num_layers)
+    return list(layer_plan["file_ids"])
+
+
 class OnlineServer:
     """The extraction server of one online train run."""
 
@@ -53,7 +62,7 @@ class OnlineServer:
         served["server_args"] = [*(served.get("server_args") or []), "--served-model-name", plan.model_path,
                                  SERVED_MODEL_NAME]
         self.server = VllmServer(plan.model_path, tp=int(run_params.get("tp") or 1),
-                                 layer_ids=sorted(plan.layer_ids), work_dir=Path(run_dir) / SERVER_DIR,
+                                 layer_ids=capture_ids(plan), work_dir=Path(run_dir) / SERVER_DIR,
                                  max_model_len=plan.seq_len + 1, params=served,
                                  python=params.get("python") or sys.executable)
         self.died: dict | None = None

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from remote.wire import contract, layers, protocol
+from remote.wire.argspec import TRAIN_ARGS
 
 #: what ``speculators train`` runs (``speculators/train/__main__.py``): one process, one device.
 TRAINER_MODULE = "speculators.train"
@@ -73,6 +74,8 @@ STREAM_CHECK_FLAGS = ("generation_validation_retries", "max_consecutive_generati
 #: an online run's token dataset: the states run's dataset files linked, without its ``hidden_states/``
 #: (what the trainer finds there it reads instead of asking the server)
 ONLINE_DATA = "online-data"
+#: ``train --online --keep-states all``: the module the trainer runs under (the launcher its first argument)
+KEEP_STATES_MODULE = "remote.train.keepstates"
 #: every flag this module may pass (checked against the installed trainer before a run starts).
 USED_FLAGS = ("verifier_name_or_path", "data_path", "target_layer_ids", "hidden_states_backend", "total_seq_len",
               "epochs", "save_path", "dry_run", "speculator_type", *(k for k, _ in FIXED + CPU_FLAGS),
@@ -149,6 +152,8 @@ class TrainPlan:
     vllm_endpoint: str = ""
     #: ``train --online``: speculators' checks of the streamed samples (:data:`STREAM_CHECK_FLAGS`; None: its default)
     stream_checks: dict = field(default_factory=dict)
+    #: ``train --online``: what stays on disk, ``none`` or ``all`` (:mod:`remote.train.keepstates`)
+    keep_states: str = "none"
     #: the draft algorithm (speculators' ``--speculator-type``) and its layer-id plan
     #: (:func:`remote.wire.layers.algorithm_plan`: the config's aux ids, the serving vLLM's own)
     algorithm: str = layers.DEFAULT_ALGORITHM
@@ -186,8 +191,11 @@ class TrainPlan:
         return {k: mine[k] for k in OVERRIDABLE if k in given and k in mine}
 
     def argv(self, python: str, launcher: str = TRAINER_MODULE) -> list[str]:
-        """The trainer's command line (``launcher``: :data:`TRAINER_MODULE` or the CPU shim)."""
+        """The trainer's command line (``launcher``: :data:`TRAINER_MODULE` or the CPU shim; an online run that
+        keeps its states runs it under :data:`KEEP_STATES_MODULE`)."""
         argv = [str(python), "-m", launcher]
+        if self.online and self.keep_states == "all":
+            argv[2:] = [KEEP_STATES_MODULE, launcher]
         for name, value in self.flags():
             argv.append(flag(name))
             if isinstance(value, list):
@@ -209,7 +217,7 @@ class TrainPlan:
         elif nproc <= 1:
             return argv
         return [str(python), "-m", TORCHRUN_MODULE, *where, "--nproc_per_node", str(int(nproc)),
-                "--log-dir", str(rank_logs), "--tee", "3", "-m", launcher, *argv[3:]]
+                "--log-dir", str(rank_logs), "--tee", "3", *argv[1:]]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "overrides": self.overrides()}
@@ -387,23 +395,38 @@ def resolve(params: dict) -> TrainPlan:
         dry_run=bool(params.get("dry_run")), device=str(params.get("device") or ""),
         extra_args=list(params.get("train_args") or []), algorithm=algorithm, layer_plan=layer_plan,
         online=bool(params.get("online")), online_data=str(run_dir / ONLINE_DATA) if params.get("online") else "",
-        stream_checks={k: params[k] for k in STREAM_CHECK_FLAGS if params.get(k) is not None})
+        stream_checks={k: params[k] for k in STREAM_CHECK_FLAGS if params.get(k) is not None},
+        keep_states=str(params.get("keep_states") or TRAIN_ARGS["keep_states"].default) if params.get("online")
+        else "none")
 
 
 def link_token_dataset(plan: TrainPlan) -> Path:
     """``train --online``: the trainer's data path, the states run's token dataset files linked into the
     train run (``hidden_states/`` left out, so the trainer asks the server for every row); made again each
-    start (a resumed run links the same files)."""
+    start (a resumed run links the same files). With ``keep_states`` all, the ``hidden_states/`` the
+    earlier attempts kept stays (validated samples the trainer then reads instead of asking again)."""
     import shutil
 
-    source, out = Path(plan.data_path), Path(plan.online_data)
+    out = Path(plan.online_data)
     states_dir = contract.SAMPLE_FILES[contract.HS][1]
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    kept = out / states_dir
+    if plan.keep_states == "all" and kept.is_dir():
+        for entry in out.iterdir():
+            if entry != kept:
+                entry.unlink() if entry.is_symlink() or entry.is_file() else shutil.rmtree(entry)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    link_dataset_files(Path(plan.data_path), out)
+    return out
+
+
+def link_dataset_files(source: Path, out: Path) -> None:
+    """Link every file of the token dataset at ``source`` (its ``hidden_states/`` left out) into ``out``."""
+    states_dir = contract.SAMPLE_FILES[contract.HS][1]
     for entry in sorted(source.iterdir()):
         if entry.name != states_dir:
             (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-    return out
 
 
 #: speculators' own --total-seq-len default (0.9.0): a step packs this many tokens of several samples

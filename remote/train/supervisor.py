@@ -340,6 +340,12 @@ class TrainSupervisor:
                    if value is not None and self.status.data.get(key) is None}
         step = self.status.data.get("step") or reached.get("step")
         done = {"steps_total": step} if step else {}
+        if plan.online and plan.keep_states == "all":  # the streamed states, kept: an extraction run of their own
+            from remote.train import keepstates
+
+            done["kept_states"] = keepstates.write_kept_run(plan, self.params["work_dir"])
+            print(f"[specops] the streamed states kept as extraction run {done['kept_states']['run_id']} "
+                  f"({done['kept_states']['samples']} samples)", flush=True)
         self.status.finish(eta_s=0, checkpoint=final,
                            wall_s=round(time.monotonic() - t0, 1), **reached, **done)
         return 0

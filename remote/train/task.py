@@ -156,35 +156,46 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
 
 
 def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
-    """``train.online``: what the online run's server captures is what the trainer reads (the states run's ids,
-    sorted as the file's layer axis, the final state last; the trainer's aux ids those minus it).
+    """``train.online``: what the online run's server captures is what the trainer reads, both from the one layer
+    plan (:func:`remote.wire.layers.algorithm_plan` of the run's algorithm: the file's layer axis, the trainer's
+    aux ids and the final state last, the ids the serving vLLM counts).
 
     :raises TrainError: ``--regenerate`` with ``--online`` (not built: the regenerated rows' states would be
-        extracted offline first), or ids that disagree.
+        extracted offline first), or ids that disagree (both lists named).
     """
+    from remote.train.online import capture_ids
+    from remote.wire import layers
+
     if params.get("regenerate"):
         raise TrainError("train.online", "--online with --regenerate is not built: the regenerated text's states "
                          "are extracted offline before training", "drop one of --online and --regenerate")
-    captured = sorted(plan.layer_ids)
-    if captured[:-1] != plan.trainer_layer_ids or captured[-1] != plan.num_layers:
-        raise TrainError("train.online", f"the server would capture ids {captured} (input) but the trainer reads "
-                         f"aux ids {plan.trainer_layer_ids} and the final state {plan.num_layers}",
+    layer_plan = plan.layer_plan or layers.algorithm_plan(plan.algorithm, plan.layer_ids, plan.num_layers)
+    captured, reads = capture_ids(plan), [*plan.trainer_layer_ids, layer_plan["final_state"]]
+    if captured != reads or layer_plan["problems"]:
+        raise TrainError("train.online", f"the server would capture ids {captured} (input) but {plan.algorithm}'s "
+                         f"trainer reads aux ids {plan.trainer_layer_ids} and the final state "
+                         f"{layer_plan['final_state']} ({reads})" + "".join(f"; {p}" for p in layer_plan["problems"]),
                          "extract again with the final state last (specops extract --layer-ids)",
-                         detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids})
+                         detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
+                                 "reads": reads, "algorithm": plan.algorithm, "problems": layer_plan["problems"]})
     disk, cost = online_disk(plan), online_time(plan)
     return protocol.record("train.online", protocol.OK,
                            f"online: run {plan.from_run}'s extraction server captures ids {captured} (input) for "
-                           f"every row; the trainer asks it (--on-missing generate) with aux ids "
-                           f"{plan.trainer_layer_ids}; on disk: offline {disk['offline_bytes'] / 2**20:.1f} MiB "
+                           f"every row; the trainer asks it (--on-missing generate) with {plan.algorithm}'s aux ids "
+                           f"{plan.trainer_layer_ids} (vLLM serves them as {layer_plan['engine_ids']}); on disk: "
+                           f"offline {disk['offline_bytes'] / 2**20:.1f} MiB "
                            f"(states {disk['states_bytes'] / 2**20:.1f} MiB, {disk['bytes_per_sample']} B a sample), "
-                           f"online {disk['online_bytes'] / 2**20:.2f} MiB (the token dataset only); {cost['line']}",
+                           f"online {disk['online_bytes'] / 2**20:.2f} MiB ({disk['online_keeps']}); {cost['line']}",
                            detail={"captured": captured, "trainer_layer_ids": plan.trainer_layer_ids,
-                                   "data_path": plan.online_data, "keep_states": "none", "disk": disk, "time": cost})
+                                   "algorithm": plan.algorithm, "engine_ids": layer_plan["engine_ids"],
+                                   "final_state": layer_plan["final_state"], "data_path": plan.online_data,
+                                   "keep_states": plan.keep_states, "disk": disk, "time": cost})
 
 
 def online_disk(plan: trainplan.TrainPlan) -> dict:
     """What each way keeps on disk for this dataset: offline the states (the manifest's files) and the token
-    dataset, online the token dataset alone (the server's files are deleted once the trainer read them)."""
+    dataset, online the token dataset alone (the server's files are deleted once the trainer read them), or with
+    ``keep_states`` all the states too."""
     from remote.wire import manifest as run_manifest
 
     doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
@@ -193,8 +204,14 @@ def online_disk(plan: trainplan.TrainPlan) -> dict:
     states_dir = Path(plan.data_path) / "hidden_states"
     dataset = sum(f.stat().st_size for f in Path(plan.data_path).rglob("*")
                   if f.is_file() and states_dir not in f.parents)
+    from remote.train.keepstates import kept_run_id
+
+    keep = plan.keep_states == "all"
     return {"states_bytes": states, "token_dataset_bytes": dataset, "offline_bytes": states + dataset,
-            "online_bytes": dataset, "bytes_per_sample": states // max(1, len(entries)), "samples": len(entries)}
+            "online_bytes": dataset + (states if keep else 0), "bytes_per_sample": states // max(1, len(entries)),
+            "samples": len(entries),
+            "online_keeps": (f"--keep-states all: the token dataset and the states, kept as run "
+                             f"{kept_run_id(plan.run_id)}") if keep else "the token dataset only"}
 
 
 def online_time(plan: trainplan.TrainPlan) -> dict:

@@ -554,8 +554,10 @@ TRAIN_ARGS = {
     "max_consecutive_generation_failures": Arg("int", min=1, doc="online: speculators' --max-consecutive-generation-"
                                                "failures, samples in a row given up before the run fails (default "
                                                "its 20)"),
-    "keep_states": Arg("str", "none", choices=("none",), doc="online: which streamed states stay on disk; none (the "
-                       "token dataset only; speculators 0.9 deletes each once read)"),
+    "keep_states": Arg("str", "none", choices=("none", "all"), doc="online: which streamed states stay on disk; none "
+                       "(the token dataset only; speculators 0.9 deletes each once read) or all (each validated "
+                       "sample kept, later epochs read it from disk, and the finished run leaves an extraction run "
+                       "<run-id>-kept: remote.train.keepstates)"),
 }
 
 #: which installed packages a check looks at, and what it checks them for: the drift check, the

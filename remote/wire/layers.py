@@ -250,19 +250,22 @@ def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:
     so aux id 0, the embeddings, has no target layer there).
 
     >>> p = algorithm_plan("dspark", [2, 4, 5, 8], 8)
-    >>> p["trainer_ids"], p["engine_ids"], p["problems"]
-    ([2, 4, 5], [1, 3, 4], [])
+    >>> p["trainer_ids"], p["engine_ids"], p["file_ids"], p["problems"]
+    ([2, 4, 5], [1, 3, 4], [2, 4, 5, 8], [])
     >>> algorithm_plan("dspark", [2, 4, 5], 8)["problems"][0][:60]
     'dspark needs the final state (input:8) last: speculators rea'
     >>> algorithm_plan("dflash", [0, 4, 8], 8)["problems"]
     ['dflash counts target layers as aux - 1 in vLLM: aux id 0 (the embeddings) would be layer -1']
 
-    :returns: ``{"algorithm", "state_ids", "final_state", "trainer_ids", "config_ids_field", "engine_ids",
-        "engine_field", "needs", "problems"}``; ``needs``: the ids this algorithm's default extraction captures.
+    :returns: ``{"algorithm", "state_ids", "final_state", "trainer_ids", "file_ids", "config_ids_field",
+        "engine_ids", "engine_field", "needs", "problems"}``; ``file_ids``: a states file's layer axis as the trainer
+        reads it (its aux ids ascending, the final state last: what an online run's server captures); ``needs``:
+        the ids this algorithm's default extraction captures.
     """
     facts = ALGORITHMS.get(algorithm)
     out = {"algorithm": algorithm, "state_ids": list(state_ids or []), "final_state": num_layers, "trainer_ids": [],
-           "config_ids_field": None, "engine_ids": [], "engine_field": None, "needs": None, "problems": []}
+           "file_ids": [], "config_ids_field": None, "engine_ids": [], "engine_field": None, "needs": None,
+           "problems": []}
     if facts is None:
         out["problems"] = [f"specops has no layer-id plan for algorithm {algorithm!r}; it plans "
                            f"{', '.join(ALGORITHMS)}"]
@@ -270,7 +273,8 @@ def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:
     out["needs"], _ = default_layer_ids(contract.VLLM_SERVER, num_layers)
     ids = [i for i in out["state_ids"] if type(i) is int]
     aux = sorted(i for i in ids if i != num_layers)
-    out.update(trainer_ids=aux, config_ids_field=facts.config_ids, engine_field=facts.engine_field,
+    out.update(trainer_ids=aux, file_ids=[*aux, num_layers], config_ids_field=facts.config_ids,
+               engine_field=facts.engine_field,
                engine_ids=[i + facts.engine_shift for i in aux])
     if num_layers not in ids or max(ids) != num_layers:
         out["problems"].append(
