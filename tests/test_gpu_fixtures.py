@@ -13,6 +13,7 @@ and on DeepSeek-V3 with MLA on the GPU path (the twin keeps the target's MLA hea
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -903,3 +904,82 @@ def test_round13_layer_reference_is_one_layer_of_memory_at_deepseek_v3_width():
     for row in (new, old):
         assert row["nrmse"] < row["floor_nrmse"] and row["flips"] == 0 and row["routed"]
     assert new["nrmse"] == pytest.approx(old["nrmse"], rel=1e-3)
+
+
+def test_round14_layer_reference_stays_one_layer_of_memory_at_8192_tokens():
+    """Issue 43 item 2 at both lengths it asks for (round 14, the H100 host's CPU, 16 threads): one DeepSeek-V3
+    layer in float32 on 4096- and 8192-token samples, the bounded forward at 1.04x and 1.05x one layer + the
+    sample. Its time per token grows by 1.25x for twice the tokens (causal attention's own T^2 share), not
+    the 2x a dense [T, T] forward adds; both below the rounding floor, no router flips."""
+    doc = json.loads(read("round14/layer_reference/layer_reference.json"))
+    rows = {r["tokens"]: r for r in doc["rows"] if r["path"] == "new"}
+    assert sorted(rows) == [4096, 8192] and doc["config"]["hidden_size"] == 7168
+    for row in rows.values():
+        assert row["layer_fp32_bytes"] > 6 * 2**30 and row["threads"] == 16
+        assert row["ratio_to_bound"] <= 1.2, row
+        assert row["nrmse"] < row["floor_nrmse"] and row["flips"] == 0 and row["routed"], row
+    per_token = {t: r["cpu_s"] / t for t, r in rows.items()}
+    assert per_token[8192] / per_token[4096] < 1.5, per_token
+    assert "8192 |" in read("round14/layer_reference/bench.txt")
+
+
+def _log_clock(line: str) -> float | None:
+    """Seconds into the day of a vLLM log line (``INFO 12-06 05:19:34 [...]``)."""
+    m = re.search(r"\b\d\d-\d\d (\d\d):(\d\d):(\d\d) \[", line)
+    return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3)) if m else None
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3_wide", "llama_8b_vocab"])
+def test_round14_the_gpu_peak_above_util_times_total_appears_in_the_engines_warm_up_after_the_kv_cache(model):
+    """Issue 43's open finding (round 13: nvidia-smi's peak 1.12x util x total at DeepSeek-V3 width), sampled per
+    process twice a second in round 14: one process holds the GPU; once the KV cache is allocated the GPU holds
+    less than util x total, and the ~4 GiB above it appears while vLLM captures CUDA graphs (between its
+    "Torch profiler disabled for CUDA graph capture" and "Graph capturing finished" lines, which count only
+    ~0.3 GiB) or right after it, in the engine's warm-up, before any request, and stays. The KV plan itself
+    holds (test_memory_plan); the cause of the ~4 GiB is not found yet."""
+    base = f"round14/memory/{model}"
+    timeline = json.loads(read(f"{base}/smi_timeline.json"))
+    memory = json.loads(read(f"{base}/memory.json"))
+    log = read(f"{base}/server.log").splitlines()
+    budget_mib = memory["compare"]["gpu_used_bytes"]["predicted"] / 2**20
+
+    def clock(pattern):
+        return next(_log_clock(line) for line in log if pattern in line)
+
+    kv_at, capture_at, captured_at = (clock("GPU KV cache size"), clock("CUDA graph capture"),
+                                      clock("Graph capturing finished"))
+    took = float(re.search(r"Graph capturing finished in \d+ secs, took ([\d.]+) GiB",
+                           next(line for line in log if "Graph capturing finished" in line)).group(1))
+    samples = [(s["t"] % 86400, s["used_mib"].get("0")) for s in timeline if s["used_mib"].get("0")]
+    assert {len(s["apps_mib"]) for s in timeline if s["apps_mib"]} == {1}  # one process: the engine core
+    peak = max(used for _, used in samples)
+    # the GPU first goes over the budget in the engine's warm-up after the KV cache is allocated: while the graphs
+    # are captured (DeepSeek-V3 width) or right after (the Llama), before "init engine ... took" and any request
+    init_done = clock("init engine (profile, create kv cache, warmup model) took")
+    over = next(t for t, used in samples if used > budget_mib)
+    assert capture_at <= over <= init_done + 1, (over, capture_at, init_done)
+    # ... ~4 GiB above the KV-allocated level, which was under the budget (the plan's part holds)
+    level = max(used for t, used in samples if kv_at <= t < over)
+    assert 0.9 * budget_mib < level < budget_mib, (level, budget_mib)
+    assert 3 * 1024 < peak - level < 5 * 1024 and took < 0.5, (peak, level, took)
+    assert 1.02 <= peak / budget_mib <= 1.12, peak / budget_mib
+
+
+def test_round14_fp8_speed_the_stock_connector_at_a_third_of_bf16s_rate():
+    """Issue 43 item 3 (round 14, H100, vLLM 0.26, DeepSeek-V3 width, 64 x 4096 tokens, the CLI's step budget and
+    concurrency): hs-connectors' fp8 connector lands 0.29 of plain prefill where bf16 lands 0.84 (manifest done);
+    made durable 0.22 vs 0.29. The fp8_specops kind did not measure specops' own connector: its GPU gate fell
+    back to the stock one (recorded), so both fp8 rows are the stock connector and equal within noise; the
+    script now names specops' connector in ``kv_connector`` for that kind."""
+    doc = json.loads(read("round14/fp8_speed/fp8_speed.json"))
+    ratio, durable = doc["ratio_vs_plain"], doc["durable_ratio_vs_plain"]
+    assert doc["seq_len"] == 4096 and doc["samples"] == 64 and doc["settings"]["max_num_batched_tokens"] == 2048
+    assert ratio["bf16"] > 2.5 * ratio["fp8_stock"] and durable["bf16"] > durable["fp8_stock"], (ratio, durable)
+    fallback = doc["connectors"]["fp8_specops"]
+    assert fallback["connector"] == doc["connectors"]["fp8_stock"]["connector"] and fallback["fp8_connector_fallback"]
+    assert doc["files_equal"]["bytes_equal"] and not doc.get("errors")
+    from remote.extract.engines.vllm_server import SPECOPS_FP8_CONNECTOR_CLASS
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "fp8_speed.py").read_text()
+    # the kind that measures specops' connector now asks for it by name
+    assert f'("fp8_specops", {{"format": "fp8", "kv_connector": SPECOPS_FP8}})' in script
+    assert f'SPECOPS_FP8 = "remote.extract.engines.vllm_server.fp8_connector:{SPECOPS_FP8_CONNECTOR_CLASS}"' in script

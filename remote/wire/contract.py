@@ -139,11 +139,12 @@ STATE_FORMATS = (BF16, FP8)
 FP8_SCALES_KEY = "hidden_states_scales"
 #: the engines that can write fp8 states.
 FP8_ENGINES = (VLLM_SERVER,)
-#: fp8's speed cost, measured (issue 43: the H200 round at real width, vLLM 0.25, a DeepSeek-V3-shaped target,
-#: hidden 7168, 4096-token samples, through the CLI): extraction ran this share of plain prefill in each format;
-#: hs-connectors 0.9.0's fp8 connector, which writes ~0.68 GB/s at every width measured, is the limit.
-FP8_SPEED = {"fp8_of_plain": 0.404, "bf16_of_plain": 0.731, "connector_gb_s": 0.68,
-             "measured": "H200 at DeepSeek-V3 width, vLLM 0.25"}
+#: fp8's speed cost, measured (issue 43: round 14 on an H100 at real width, vLLM 0.26, a DeepSeek-V3-shaped target,
+#: hidden 7168, 64 x 4096-token samples, the CLI's step budget and concurrency; tests/fixtures/gpu/round14/fp8_speed):
+#: extraction landed this share of plain prefill in each format (manifest done); hs-connectors 0.9.0's fp8
+#: connector, which writes ~0.69 GB/s at every width measured, is the limit (round 13 on vLLM 0.25: 0.404 vs 0.731).
+FP8_SPEED = {"fp8_of_plain": 0.294, "bf16_of_plain": 0.836, "connector_gb_s": 0.69,
+             "measured": "H100 at DeepSeek-V3 width, vLLM 0.26"}
 #: the same, in words (preflight's capacity advice)
 FP8_SPEED_COST = (f"slower: {FP8_SPEED['fp8_of_plain']} of plain prefill vs bf16's {FP8_SPEED['bf16_of_plain']} "
                   f"({FP8_SPEED['measured']}; the stock fp8 connector writes ~{FP8_SPEED['connector_gb_s']} GB/s)")

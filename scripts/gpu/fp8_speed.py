@@ -5,8 +5,8 @@
 
 Four vLLM starts, one at a time but the first two: the plain server and the bf16 extraction engine start side
 by side (as ``bench.py`` does), then hs-connectors' stock fp8 connector (``kv_connector`` given: host-side
-quantization after a bf16 copy), then specops' own fp8 connector (the engine's default for ``format: fp8``:
-quantized on the device before the copy). Each engine runs what ``specops extract`` runs
+quantization after a bf16 copy), then specops' own fp8 connector (named too: quantized on the device before
+the copy). Each engine runs what ``specops extract`` runs
 (:func:`bench.engine_params`) and one ``specops`` pass of ``bench.py`` (files landed and digested, manifest
 done, then durable) at the CLI's concurrency, after a warm-up; plain prefill is measured on the same ids.
 
@@ -29,8 +29,11 @@ import bench  # noqa: E402  (scripts/gpu/bench.py: its passes and the CLI's para
 vs = bench.vs
 #: hs-connectors' own fp8 connector, asked for by name (``kv_connector``): the stock fp8 path
 STOCK_FP8 = "hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector"
+#: specops' own fp8 connector, also asked for by name: the engine's default for ``format: fp8`` on a GPU stays the
+#: stock one until this script has measured specops' there (SPECOPS_FP8_ON_GPU), so unnamed it would measure stock twice
+SPECOPS_FP8 = "remote.extract.engines.vllm_server.fp8_connector:SpecopsFP8HiddenStatesConnector"
 KINDS = (("bf16", {"format": "bf16"}), ("fp8_stock", {"format": "fp8", "kv_connector": STOCK_FP8}),
-         ("fp8_specops", {"format": "fp8"}))
+         ("fp8_specops", {"format": "fp8", "kv_connector": SPECOPS_FP8}))
 
 
 def compare_files(stock: Path, ours: Path) -> dict:
