@@ -37,6 +37,15 @@ def keep_streamed_files() -> None:
     from remote.extract.engines.vllm_server.landing import move_into_place
     from remote.wire.contract import HS, sample_name
 
+    # the trainer's own methods this wraps (speculators 0.9): another release without them fails here, named
+    missing = [name for name in ("_get_raw_data", "_generate_hidden_states_once", "_map_to_file_idx")
+               if not callable(getattr(data.ArrowDataset, name, None))]
+    if missing:
+        from importlib.metadata import version
+
+        raise SystemExit(f"--keep-states all: speculators {version('speculators')}'s ArrowDataset has no "
+                         f"{', '.join(missing)} (0.9's streaming path, which keeping the states wraps); train with "
+                         f"--keep-states none, or with speculators 0.9")
     get_raw, once = data.ArrowDataset._get_raw_data, data.ArrowDataset._generate_hidden_states_once
 
     def get_raw_data(self, index):
