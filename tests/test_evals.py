@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from remote.extract.dataset import DatasetError
-from remote.train import evaluate, gate, prompts, specmetrics
+from remote.train import evaluate, gate, prompts, specmetrics, sweep
 from remote.wire import protocol
 from specops import draft_eval, evals
 from specops.errors import UsageError
@@ -134,16 +134,16 @@ def served_cells():
 
 
 def test_a_sweep_gives_acceptance_per_cell_and_category_and_the_gate_judges_the_worst_cell():
-    cells = evaluate.cell_results(served_cells(), k=3)
+    cells = sweep.cell_results(served_cells(), k=3)
     assert [(c["temperature"], c["all"]["mean_acceptance_length"]) for c in cells] == [(0.0, 1.9), (0.7, 1.6)]
     assert cells[0]["categories"]["coding"]["mean_acceptance_length"] == 2.5
     assert cells[0]["categories"]["coding"]["per_position_accepted"] == [8, 5, 2]
     assert cells[1]["categories"]["coding"]["mean_acceptance_length"] == 1.9
-    pooled = evaluate.pooled_categories(served_cells(), k=3)
+    pooled = sweep.pooled_categories(served_cells(), k=3)
     assert pooled["coding"]["accepted"] == 24 and pooled["coding"]["drafts"] == 20
-    lengths = evaluate.gate_lengths(cells)
+    lengths = sweep.gate_lengths(cells)
     assert lengths == {"all": 1.6, "coding": 1.9, "writing": 1.3}
-    record = evaluate.sweep_record(cells)
+    record = sweep.sweep_record(cells)
     assert "t=0.0 c=1: 1.9 (coding 2.5, writing 1.3)" in record["summary"]
 
     passed = gate.judge(lengths, {"*": 1.2})
@@ -277,7 +277,7 @@ def test_a_measured_eval_is_appended_to_the_history_by_its_one_writer(tmp_path, 
 
 def test_the_pictures_show_acceptance_per_position_and_tokens_per_s_against_concurrency(tmp_path):
     pytest.importorskip("matplotlib")
-    cells = evaluate.cell_results(served_cells(), k=3)
+    cells = sweep.cell_results(served_cells(), k=3)
     for cell, plain in zip(cells, (10.0, 12.0)):
         cell["baseline_tokens_per_s"] = plain
     files, why_not = evals.draw({"k": 3, "cells": cells}, tmp_path / "e")

@@ -48,7 +48,7 @@ from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 from remote.train import supervisor as trainrun  # noqa: E402
-from remote.train import evaluate as draft_eval, plan as trainplan
+from remote.train import evaluate as draft_eval, plan as trainplan, sweep
 
 EPOCHS = 20
 #: the dflash draft's tokens per step in eval (its block holds 16; 3 keeps the CPU server's steps short)
@@ -86,8 +86,8 @@ def test_the_trainers_log_lines_and_vllms_metrics_are_read():
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 4.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0'])
-    zero = draft_eval.read_metrics("")
-    acc = draft_eval.acceptance(zero, draft_eval.read_metrics(page), k=3)
+    zero = sweep.read_metrics("")
+    acc = sweep.acceptance(zero, sweep.read_metrics(page), k=3)
     assert acc["mean_acceptance_length"] == 1.6 and acc["acceptance_rate"] == 0.2
     assert acc["per_position"] == [0.4, 0.2, 0.0]
 
