@@ -445,9 +445,11 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
             [2, 4, 5], recs["eval.aux_ids_used"]
         assert recs["eval.prompts"]["detail"]["rows"] == [4, 12]  # the extraction read rows 0..3
         results[draft] = {**recs["eval.acceptance"]["detail"], "wall_s": round(time.monotonic() - t, 1)}
-    # a planted change the history must flag (issue 46): the same draft, target and prompts sampled at temperature 1,
-    # where the tiny random target's flat distribution accepts far fewer of the draft's peaked proposals (64 tokens a
-    # prompt: greedy accepts ~4 % at position 0, enough drafts for the drop to clear the history's z >= 3)
+    # a planted change the history must flag (issue 46): the same draft, target and prompts sampled at temperature 1.
+    # On the tiny random target sampling breaks greedy's chains (greedy, a draft accepted at position 0 is nearly
+    # always accepted at the next ones: 17, 17, 13 of ~460 drafts once), so a position's conditional acceptance
+    # drops (seen: 0 of 44 at position 1; another run, 0 of ~250 at position 0); 64 tokens a prompt give the
+    # history's z >= 3 enough drafts
     planted = specops("eval", "--inventory", inv, "--draft", "draft", "-k", 3, "--max-tokens", 64, "--temperature",
                       "1.0", "--json", env=env)
     assert planted.returncode == 0, planted.stdout[-4000:] + planted.stderr[-4000:]
