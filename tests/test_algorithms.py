@@ -257,6 +257,27 @@ def test_extract_preflight_refuses_ids_the_algorithm_cannot_use_and_says_how_vll
     assert _probe(tmp_path, modern_site, algorithm=None).keys() == {"layers.ids"}, "unset: eagle3's plan unchanged"
 
 
+def test_a_host_without_speculators_extracts_for_an_algorithm_with_a_warn_and_unset_asks_nothing(tmp_path):
+    """A GPU host with vLLM and no speculators (GPU round 14's) extracts: an algorithm asked for is a warn there (the
+    states train where speculators is), and the inventory's default algorithm is not sent as given, so a run that
+    asks for none gets no algorithm checks at all."""
+    from specops.inventory import HostSpec
+    from specops.params import run_params
+
+    bare = tmp_path / "site"  # a site-packages with neither speculators nor vLLM
+    bare.mkdir()
+    recs = _probe(tmp_path, bare, algorithm="dflash")
+    trained = recs["algorithm.trained"]
+    assert trained["status"] == "warn" and "(not installed)" in trained["summary"], trained
+    assert "train where speculators is installed" in trained["summary"] and trained["fix"], trained
+    assert recs["layers.algorithm"]["status"] == "ok"
+    host = {"name": "h", "address": "127.0.0.1", "model_path": "/m", "python": "/p/python", "output_dir": "/o"}
+    spec = HostSpec.model_validate(host)
+    assert "algorithm" not in run_params(spec)
+    assert run_params(spec, algorithm="dflash")["algorithm"] == "dflash"
+    assert run_params(HostSpec.model_validate({**host, "algorithm": "eagle3"}))["algorithm"] == "eagle3"
+
+
 # --------------------------------------------------------------------------- eval, before the load
 
 
