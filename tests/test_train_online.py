@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from remote.extract.engines.vllm_server.process import leftover_pids  # noqa: E402
 from remote.train import plan as trainplan  # noqa: E402
 
-EPOCHS = 3
+EPOCHS = 4
 
 
 # --------------------------------------------------------------------------- light
@@ -310,7 +310,7 @@ def _train_losses(metrics: Path) -> dict[int, float]:
 
 
 #: seconds the CPU launcher pauses after each optimizer step in the first three starts (of 5): the first start's
-#: server is killed once the status shows step 2, with 4 paced steps still to go
+#: server is killed once the status shows step 3, with 5 paced steps still to go
 PACE_S = "2"
 #: the files the third start's server corrupts: the 3rd non-finite, its retry (the 4th) with ids off by one
 STREAM_FAULT = {"3": "nonfinite", "4": "ids"}
@@ -337,8 +337,8 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
     assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
     assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
-    # past epoch 0's checkpoint (2 steps an epoch), 4 paced steps to go: the kill lands while the trainer trains
-    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 2)
+    # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
+    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
     assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
     command = st["command"]  # the stream checks reach the trainer as its own flags
     assert command[command.index("--generation-validation-retries") + 1] == "1", command
