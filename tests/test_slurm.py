@@ -285,8 +285,7 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="t1")
     host["batch_size"] = 1
-    # a sample each 8 s: still extracting when slurmctld next checks time limits (every 30 s). The pause stays
-    # with the run's recorded env when it resumes: a longer one would make the resume slower
+    # a sample each 8 s: still extracting when slurmctld next checks time limits (every 30 s)
     host["env"]["SPECOPS_BATCH_DELAY_S"] = "8"
     inventory = make_inventory(**host)
     argv = ("extract", "--inventory", inventory, "--run-id", "t1", "--skip-preflight", "--skip-smoke", "--detach",
@@ -309,7 +308,11 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert proc.returncode == 100
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
     assert 0 < len(before) < 6, before  # killed mid-run
-    # the same command resumes it
+    # the same command resumes it, unpaced: a resume runs with the env of the call that resumes it (the pause is a
+    # fault point, not part of what the run is), not with the first call's recorded one
+    del host["env"]["SPECOPS_BATCH_DELAY_S"]
+    inventory = make_inventory(**host)
+    argv = (*argv[:2], inventory, *argv[3:])
     again = specops(*argv, env=runs, timeout=120)
     assert "resubmitted (resumes after the last complete sample)" in records(again)["job.start"]["summary"], \
         again.stdout
@@ -323,6 +326,8 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert sorted(p.name for p in out.glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
     # every sample once: what the killed job wrote was kept, not written again
     assert {name: (out / name).stat().st_mtime_ns for name in before} == before
+    log = (run_dir / "logs" / "supervisor.log").read_text()
+    assert log.count("[specops] test pause: 8 s after each batch") == 1, log[-3000:]  # the first job's alone
 
     # verify reads the run on the shared filesystem from a compute node (srun), not on the login node
     checked = specops("verify", "--inventory", inventory, "--run-id", "t1", "--samples", "2", "--json", env=runs,

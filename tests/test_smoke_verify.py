@@ -377,10 +377,11 @@ def test_verify_catches_the_vllm_cpu_rope_bug(tmp_path, testhost, hostenv_python
 
 #: A stand-in engine, run in the host env: the transformers forward verify itself uses,
 #: in ``dtype``, with chosen tokens routed to other experts at the first MoE layer,
-#: written as a finished run (one bf16 sample). argv: model, run dir, dtype, plant:
+#: written as a finished run (one bf16 sample). argv: model, then JSON ``[[run dir, dtype,
+#: plant], ...]`` (several runs, one process: one import of torch), plant:
 #: ``none``; ``near-tie`` (the router's closest call that visibly matters, taken the
 #: other way); ``wide`` (every 3rd token to its runner-up expert where the router wins
-#: by > 10x the near-tie limit: a routing bug).
+#: by > 10x the near-tie limit: a routing bug). One JSON line a run, in order.
 ENGINE_SCRIPT = r"""
 import json, random, sys
 from pathlib import Path
@@ -388,58 +389,85 @@ import torch
 from remote import verify
 from remote.extract import samples
 
-model_path, run_dir, dtype, plant = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-reference = verify.load_reference(model_path, dtype, False)
-model, text = reference.model, reference.text
-assert reference.scaling_by.startswith("specops attention hook"), reference.scaling_by
-recorder = verify.StreamRecorder(model)
-route = verify.RouterControl(recorder.layers)
-rng = random.Random(7)
-ids = [rng.randrange(3, text["vocab_size"]) for _ in range(112)]
-layer_ids = [2, 4, 5, 7]
-natural = recorder.streams(model, ids)
-layer = min(route.routers)
-decisions = route.decisions[layer]
-at = min(i + 1 for i in layer_ids if i >= layer)
-options = sorted((decisions.z(kind, t, verify.BF16_REL), t, kind) for t in range(len(ids))
-                 for kind in decisions.options if decisions.choice(kind, t) is not None)
-planted = {}
-if plant == "near-tie":
-    for z, t, kind in options:
-        if z > 1:
-            break
-        route.forced = {layer: {t: decisions.choice(kind, t)}}
-        moved = recorder.streams(model, ids)[at][t]
-        if float((moved - natural[at][t]).norm() / natural[at][t].norm()) > 0.1:
-            planted = {t: decisions.choice(kind, t)}
-            break
-elif plant == "wide":
-    last = "expert#%d" % (route.routers[layer].top_k - 1)
-    planted = {t: decisions.choice(kind, t) for z, t, kind in options
-               if kind == last and t % 3 == 0 and z > 10 * verify.NEAR_TIE_SIGMAS}
-route.forced = {layer: planted}
-streams = recorder.streams(model, ids)
-out = run_dir / "samples"
-out.mkdir(parents=True)
-path = samples.save_sample(out, 0, torch.tensor(ids), [streams[i + 1].to(torch.bfloat16) for i in layer_ids],
-                           torch.ones(len(ids), dtype=torch.long))
-manifest = {"layer_ids": layer_ids, "layer_convention": "output", "model": {"path": model_path},
-            "params": {"trust_remote_code": False}, "engine": {"name": "transformers " + dtype},
-            "files": [{"path": path.name, "sha256": samples.sha256_file(path), "tokens": len(ids)}]}
-(run_dir / "manifest.json").write_text(json.dumps(manifest))
-(run_dir / "status.json").write_text(json.dumps({"state": "done", "output_dir": str(out)}))
-print(json.dumps({"layer": layer, "tokens": len(ids), "capability": torch.backends.cpu.get_cpu_capability(),
-                  "planted": {str(t): sorted(e.tolist()) for t, e in planted.items()}}))
+def write_run(model_path, run_dir, dtype, plant):
+    reference = verify.load_reference(model_path, dtype, False)
+    model, text = reference.model, reference.text
+    assert reference.scaling_by.startswith("specops attention hook"), reference.scaling_by
+    recorder = verify.StreamRecorder(model)
+    route = verify.RouterControl(recorder.layers)
+    rng = random.Random(7)
+    ids = [rng.randrange(3, text["vocab_size"]) for _ in range(112)]
+    layer_ids = [2, 4, 5, 7]
+    natural = recorder.streams(model, ids)
+    layer = min(route.routers)
+    decisions = route.decisions[layer]
+    at = min(i + 1 for i in layer_ids if i >= layer)
+    options = sorted((decisions.z(kind, t, verify.BF16_REL), t, kind) for t in range(len(ids))
+                     for kind in decisions.options if decisions.choice(kind, t) is not None)
+    planted = {}
+    if plant == "near-tie":
+        for z, t, kind in options:
+            if z > 1:
+                break
+            route.forced = {layer: {t: decisions.choice(kind, t)}}
+            moved = recorder.streams(model, ids)[at][t]
+            if float((moved - natural[at][t]).norm() / natural[at][t].norm()) > 0.1:
+                planted = {t: decisions.choice(kind, t)}
+                break
+    elif plant == "wide":
+        last = "expert#%d" % (route.routers[layer].top_k - 1)
+        planted = {t: decisions.choice(kind, t) for z, t, kind in options
+                   if kind == last and t % 3 == 0 and z > 10 * verify.NEAR_TIE_SIGMAS}
+    route.forced = {layer: planted}
+    streams = recorder.streams(model, ids)
+    out = run_dir / "samples"
+    out.mkdir(parents=True)
+    path = samples.save_sample(out, 0, torch.tensor(ids), [streams[i + 1].to(torch.bfloat16) for i in layer_ids],
+                               torch.ones(len(ids), dtype=torch.long))
+    manifest = {"layer_ids": layer_ids, "layer_convention": "output", "model": {"path": model_path},
+                "params": {"trust_remote_code": False}, "engine": {"name": "transformers " + dtype},
+                "files": [{"path": path.name, "sha256": samples.sha256_file(path), "tokens": len(ids)}]}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    (run_dir / "status.json").write_text(json.dumps({"state": "done", "output_dir": str(out)}))
+    return {"layer": layer, "tokens": len(ids), "capability": torch.backends.cpu.get_cpu_capability(),
+            "planted": {str(t): sorted(e.tolist()) for t, e in planted.items()}}
+
+for run_dir, dtype, plant in json.loads(sys.argv[2]):
+    print(json.dumps(write_run(sys.argv[1], Path(run_dir), dtype, plant)), flush=True)
 """
 
 
-def engine_run(python, model, run_dir: Path, dtype: str = "float32", plant: str = "none", env=None) -> dict:
-    """Write a finished run with :data:`ENGINE_SCRIPT`; returns what it planted."""
-    proc = subprocess.run([str(python), "-c", ENGINE_SCRIPT, str(model), str(run_dir), dtype, plant], cwd=REPO,
+def engine_runs(python, model, runs: list, env=None) -> list[dict]:
+    """Write finished runs (``[(run_dir, dtype, plant), ...]``) with :data:`ENGINE_SCRIPT` in one process;
+    returns what each planted."""
+    jobs = json.dumps([[str(run_dir), dtype, plant] for run_dir, dtype, plant in runs])
+    proc = subprocess.run([str(python), "-c", ENGINE_SCRIPT, str(model), jobs], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO), **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    said = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(runs):]]
+    assert len(said) == len(runs), proc.stdout[-3000:]
+    return said
+
+
+#: the runs the routing tests verify that this CPU's own kernels make: written once for the module
+PLANTED_RUNS = {"near-tie": ("float32", "near-tie"), "wide": ("float32", "wide"), "bf16-native": ("bfloat16", "none")}
+
+
+@pytest.fixture(scope="module")
+def planted_runs(tmp_path_factory, hostenv_python, tiny_models) -> dict:
+    """Name -> (run dir, what it planted) for :data:`PLANTED_RUNS`; a test copies one into its host's runs."""
+    root = tmp_path_factory.mktemp("planted")
+    runs = [(root / name, dtype, plant) for name, (dtype, plant) in PLANTED_RUNS.items()]
+    said = engine_runs(hostenv_python, tiny_models["deepseek_v3"], runs)
+    return {name: (run_dir, info) for (run_dir, _, _), name, info in zip(runs, PLANTED_RUNS, said)}
+
+
+def planted_run(planted_runs: dict, tmp_path: Path, name: str) -> dict:
+    """Copy the module's run ``name`` into this test's host (``tmp_path/work/runs/NAME``); what it planted."""
+    run_dir, info = planted_runs[name]
+    shutil.copytree(run_dir, tmp_path / "work" / "runs" / name)
+    return info
 
 
 @pytest.fixture
@@ -452,11 +480,10 @@ def verify_host(tmp_path, testhost, envs, tiny_models):
 LAYERS = (2, 4, 5, 7)
 
 
-def test_verify_names_an_expert_flip_at_a_router_near_tie(tmp_path, hostenv_python, tiny_models, verify_host):
+def test_verify_names_an_expert_flip_at_a_router_near_tie(tmp_path, planted_runs, verify_host):
     from remote.verify import NEAR_TIE_SIGMAS
 
-    planted = engine_run(hostenv_python, tiny_models["deepseek_v3"], tmp_path / "work" / "runs" / "near-tie",
-                         plant="near-tie")
+    planted = planted_run(planted_runs, tmp_path, "near-tie")
     assert len(planted["planted"]) == 1, planted
     (token, experts), = planted["planted"].items()
     report = verify_step(verify_host, "near-tie", samples=1)
@@ -478,9 +505,8 @@ def test_verify_names_an_expert_flip_at_a_router_near_tie(tmp_path, hostenv_pyth
     assert "not a wrong extraction" in routing.summary
 
 
-def test_verify_fails_experts_swapped_where_the_router_is_sure(tmp_path, hostenv_python, tiny_models, verify_host):
-    planted = engine_run(hostenv_python, tiny_models["deepseek_v3"], tmp_path / "work" / "runs" / "wide",
-                         plant="wide")
+def test_verify_fails_experts_swapped_where_the_router_is_sure(tmp_path, planted_runs, verify_host):
+    planted = planted_run(planted_runs, tmp_path, "wide")
     swapped = {int(t) for t in planted["planted"]}
     assert len(swapped) > 0.1 * planted["tokens"], planted  # enough to fail, not just warn
     report = verify_step(verify_host, "wide", samples=1)
@@ -497,7 +523,8 @@ def test_verify_fails_experts_swapped_where_the_router_is_sure(tmp_path, hostenv
     assert recs["verify.convention"].status == "ok"
 
 
-def test_verify_passes_a_bf16_engine_on_two_cpu_kernel_paths(tmp_path, hostenv_python, tiny_models, verify_host):
+def test_verify_passes_a_bf16_engine_on_two_cpu_kernel_paths(tmp_path, hostenv_python, tiny_models, planted_runs,
+                                                              verify_host):
     """The same bf16 forward with this CPU's best ATen kernels and with the plain ones:
     near-ties go different ways, the verdict stays the same.
 
@@ -510,8 +537,11 @@ def test_verify_passes_a_bf16_engine_on_two_cpu_kernel_paths(tmp_path, hostenv_p
     flipped = {}
     plain = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     for path, env in (("native", {}), ("default", plain)):
-        info = engine_run(hostenv_python, tiny_models["deepseek_v3"], tmp_path / "work" / "runs" / f"bf16-{path}",
-                          dtype="bfloat16", env=env)
+        if path == "native":  # this CPU's own kernels: the module's run
+            info = planted_run(planted_runs, tmp_path, "bf16-native")
+        else:  # the plain kernels are chosen at import: a process of its own
+            info, = engine_runs(hostenv_python, tiny_models["deepseek_v3"],
+                                [(tmp_path / "work" / "runs" / f"bf16-{path}", "bfloat16", "none")], env=env)
         assert path == "native" or info["capability"] == "DEFAULT", info
         report = verify_step(verify_host, f"bf16-{path}", samples=1)
         recs = by_name(report)

@@ -364,6 +364,8 @@ class Supervisor:
 
         batch_size = self.plan.batch_size
         delay = faults.batch_delay_s(p)  # a test's pause after each batch widens the mid-run window
+        if delay:  # said once a start: a resume takes the pause of the call that starts it
+            print(f"[specops] test pause: {delay:g} s after each batch", flush=True)
         progress = {"done": done, "tokens_done": tokens_before, "run_tokens": 0}
         loop_t0 = time.monotonic()
         samples_total = self.status.data["samples_total"]
