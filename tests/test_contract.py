@@ -118,6 +118,9 @@ def test_defaults_agree_inventory_params_and_job():
     params = run_params(spec)
     for key, value in contract.DEFAULTS.items():
         assert getattr(spec, key) == value, key
+        if key == "algorithm":  # unset, it is not sent (no algorithm checks); the host reads the same default
+            assert key not in params and contract.param(params, key) == value
+            continue
         assert params[key] == value, key
     from remote.probes import preflight
 

@@ -192,7 +192,7 @@ def test_job_start_status_and_abort_write_through_the_one_writer(tmp_path):
     assert st["state"] == on_disk["state"] == "failed" and st["alive"] is False and "alive" not in on_disk
     assert on_disk["error"]["type"] == "SupervisorDied" and on_disk["heartbeat_unix"] == 5.0  # not its heartbeat
     schema.check(on_disk, require=schema.FOR_WRITE)
-    job._prepare_run_dir(run_dir, {"run_id": "gone"}, resumed=True)
+    job._prepare_run_dir(run_dir, {"run_id": "gone"}, write_params=False)
     again = json.loads((run_dir / contract.STATUS_FILE).read_text())
     assert (again["state"], again["error"], again["previous_error"]["type"]) == ("pending", None, "SupervisorDied")
     assert time.time() - again["heartbeat_unix"] < 60  # the start's grace counts from now
