@@ -32,7 +32,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
