@@ -40,13 +40,17 @@ def server_params(run_params: dict, params: dict, state_format: str) -> dict:
     return run_defaults(keep, int(keep.get("batch_size") or 1))
 
 
-def capture_ids(plan) -> list[int]:
-    """The ids the run's server captures: the layer plan's file ids (:func:`remote.wire.layers.algorithm_plan`,
-    the trainer's aux ids then the final state), the one source of both halves' ids."""
+def layer_plan(plan) -> dict:
+    """The train plan's layer plan (:func:`remote.wire.layers.algorithm_plan` of its algorithm): the one source of
+    both halves' ids."""
     from remote.wire import layers
 
-    layer_plan = plan.layer_plan or layers.algorithm_plan(plan.algorithm, plan.layer_ids, plan.num_layers)
-    return list(layer_plan["file_ids"])
+    return plan.layer_plan or layers.algorithm_plan(plan.algorithm, plan.layer_ids, plan.num_layers)
+
+
+def capture_ids(plan) -> list[int]:
+    """The ids the run's server captures: the layer plan's file ids (the trainer's aux ids then the final state)."""
+    return list(layer_plan(plan)["file_ids"])
 
 
 class OnlineServer:

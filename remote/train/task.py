@@ -163,14 +163,13 @@ def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:
     :raises TrainError: ``--regenerate`` with ``--online`` (not built: the regenerated rows' states would be
         extracted offline first), or ids that disagree (both lists named).
     """
-    from remote.train.online import capture_ids
-    from remote.wire import layers
+    from remote.train import online
 
     if params.get("regenerate"):
         raise TrainError("train.online", "--online with --regenerate is not built: the regenerated text's states "
                          "are extracted offline before training", "drop one of --online and --regenerate")
-    layer_plan = plan.layer_plan or layers.algorithm_plan(plan.algorithm, plan.layer_ids, plan.num_layers)
-    captured, reads = capture_ids(plan), [*plan.trainer_layer_ids, layer_plan["final_state"]]
+    layer_plan = online.layer_plan(plan)
+    captured, reads = online.capture_ids(plan), [*plan.trainer_layer_ids, layer_plan["final_state"]]
     if captured != reads or layer_plan["problems"]:
         raise TrainError("train.online", f"the server would capture ids {captured} (input) but {plan.algorithm}'s "
                          f"trainer reads aux ids {plan.trainer_layer_ids} and the final state "
