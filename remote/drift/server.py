@@ -217,8 +217,7 @@ def _connector_choice(params: dict) -> tuple[str, str | None]:
     fp8 = params.get("format") == FP8
     cpu = (vllm_server.CPU_FP8_CONNECTOR_CLASS, vllm_server.CPU_FP8_CONNECTOR_MODULE) if fp8 else \
         (vllm_server.CPU_CONNECTOR_CLASS, vllm_server.CPU_CONNECTOR_MODULE)
-    if fp8 and (vllm_server.SPECOPS_FP8_ON_GPU or params.get("device") == "cpu") \
-            and not specops_fp8_problems(search=_search(params)):
+    if fp8 and not specops_fp8_problems(search=_search(params)):
         return vllm_server.SPECOPS_FP8_CONNECTOR_CLASS, vllm_server.SPECOPS_FP8_CONNECTOR_MODULE
     if params.get("device") == "cpu" and _find_module(cpu[1]) is not None:
         return cpu
@@ -395,10 +394,9 @@ def connector_record(index: PackageIndex, params: dict):
         tree, _ = index.tree(KV_TRANSFER)
         if passed.get("kv_role") not in _constants(tree):
             problems.append(f"kv_role {passed.get('kv_role')!r} is not a role of this vLLM")
-    fallback = ((specops_fp8_problems(index, _search(params)) or [vllm_server.SPECOPS_FP8_NOT_ON_GPU_YET])
+    fallback = (specops_fp8_problems(index, _search(params))
                 if fp8 and not params.get("kv_connector") and name != vllm_server.SPECOPS_FP8_CONNECTOR_CLASS else [])
-    not_yet = fallback == [vllm_server.SPECOPS_FP8_NOT_ON_GPU_YET]
-    why = fallback[0] if not_yet else f"specops' fp8 connector cannot run here: {fallback[0] if fallback else ''}"
+    why = f"specops' fp8 connector cannot run here: {fallback[0] if fallback else ''}"
     if fallback and not problems:
         detail["specops_fp8_fallback"] = fallback
         return protocol.record(
@@ -406,9 +404,7 @@ def connector_record(index: PackageIndex, params: dict):
             f"format fp8 falls back to {name}{' (' + module_path + ')' if module_path else ''}, which quantizes on "
             f"the host CPU after a bf16 copy (slower than bf16 at large widths): {why}",
             detail=dict(detail, problems=fallback),
-            fix=(f"kv_connector: {vllm_server.SPECOPS_FP8_CONNECTOR_MODULE}:{vllm_server.SPECOPS_FP8_CONNECTOR_CLASS} "
-                 "tries specops' connector, or set format: bf16 where extraction speed matters") if not_yet else
-                "install the vLLM and hs-connectors specops' fp8 connector was checked against (vLLM 0.25-0.32, "
+            fix="install the vLLM and hs-connectors specops' fp8 connector was checked against (vLLM 0.25-0.32, "
                 "hs-connectors 0.9), or set format: bf16 where extraction speed matters")
     return _record("drift.server-connector", problems,
                    f"{name}{' (' + module_path + ')' if module_path else ''}"

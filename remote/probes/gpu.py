@@ -341,6 +341,15 @@ def engine_batched_tokens(params: dict, config: dict) -> int:
     return command.batched_tokens({**params, "chunked_prefill_on": chunked_on}, max_model_len)
 
 
+def engine_max_num_seqs(params: dict) -> int | None:
+    """The ``--max-num-seqs`` the vllm-server engine will pass (the command builder's own
+    :func:`~remote.extract.engines.vllm_server.command.max_num_seqs`; ``concurrency`` defaults to the
+    run's ``batch_size`` as the supervisor sets it)."""
+    from remote.extract.engines.vllm_server import command
+
+    return command.max_num_seqs({**params, "concurrency": params.get("concurrency") or params.get("batch_size")})
+
+
 def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """The tokens vLLM says its cache holds ("GPU/CPU KV cache size"): the requests of ``max_model_len``
     (``seq_len + 1``) that fit, each in whole blocks of ``block_tokens``, times ``max_model_len``."""
@@ -484,7 +493,7 @@ def _memory_record(ctx) -> dict:
     budget_tokens = engine_batched_tokens(ctx.params, config)
     plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, n_layer_ids=n_ids,
                                    seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"],
-                                   batched_tokens=budget_tokens, max_num_seqs=ctx.params.get("max_num_seqs"),
+                                   batched_tokens=budget_tokens, max_num_seqs=engine_max_num_seqs(ctx.params),
                                    eager=bool(ctx.params.get("enforce_eager"))), index=g["index"])
              for g in gpus]
     worst = min(plans, key=lambda p: p["tokens_fit"])

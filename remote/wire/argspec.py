@@ -490,7 +490,7 @@ RUN_ARGS = {
                   doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only: "
                       "contract.state_format_problem)",
                   help="the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes, "
-                       "slower to write: {fp8_of_plain} vs {bf16_of_plain} of plain prefill on an H200; vllm-server "
+                       "about bf16's rate: {fp8_of_plain} vs {bf16_of_plain} of plain prefill on an H100; vllm-server "
                        "engine; train with --hidden-states-backend fp8)".format(**contract.FP8_SPEED)),
     # the engines' own knobs: read from the run's params (remote/extract/engines, remote/extract/supervisor)
     "writer_threads": Arg("int", min=1, max=256, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -29,8 +30,8 @@ import bench  # noqa: E402  (scripts/gpu/bench.py: its passes and the CLI's para
 vs = bench.vs
 #: hs-connectors' own fp8 connector, asked for by name (``kv_connector``): the stock fp8 path
 STOCK_FP8 = "hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector"
-#: specops' own fp8 connector, also asked for by name: the engine's default for ``format: fp8`` on a GPU stays the
-#: stock one until this script has measured specops' there (SPECOPS_FP8_ON_GPU), so unnamed it would measure stock twice
+#: specops' own fp8 connector (the engine's default for ``format: fp8``), asked for by name: a host where it cannot
+#: run would otherwise fall back to the stock one and measure stock twice
 SPECOPS_FP8 = "remote.extract.engines.vllm_server.fp8_connector:SpecopsFP8HiddenStatesConnector"
 KINDS = (("bf16", {"format": "bf16"}), ("fp8_stock", {"format": "fp8", "kv_connector": STOCK_FP8}),
          ("fp8_specops", {"format": "fp8", "kv_connector": SPECOPS_FP8}))
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
                      ("--budget-s", {"type": float, "default": 540}), ("--kind-s", {"type": float, "default": 110})):
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
+    # the server imports specops' connector by module path, as a job's server does with the bundle on its path
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     if args.kv_gib is None:  # the plain and bf16 servers run side by side: an 80 GB card holds two at 8 GiB of KV
         import torch
         args.kv_gib = 16 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 8

@@ -37,15 +37,6 @@ CPU_FP8_CONNECTOR_CLASS = "CpuFP8HiddenStatesConnector"
 #: the copy to the host and writes the stock connector's file; loaded by vLLM by this name
 SPECOPS_FP8_CONNECTOR_MODULE = "remote.extract.engines.vllm_server.fp8_connector"
 SPECOPS_FP8_CONNECTOR_CLASS = "SpecopsFP8HiddenStatesConnector"
-#: specops' fp8 connector is the default on a CUDA host only once its device path (the quantize on the
-#: GPU, the copy on vLLM's stream) has run there: ``scripts/gpu/round.py main --steps fp8_speed`` compares
-#: its files with the stock connector's and times both. Until then a GPU host gets hs-connectors' own
-#: unless ``kv_connector`` names ours (the CPU path is proven: byte-equal files on the test host).
-SPECOPS_FP8_ON_GPU = False
-#: why a CUDA host's fp8 run loads hs-connectors' connector while ``SPECOPS_FP8_ON_GPU`` is off
-SPECOPS_FP8_NOT_ON_GPU_YET = ("specops' fp8 connector has not run on a GPU yet (scripts/gpu/round.py --steps "
-                              "fp8_speed); name it in kv_connector to use it: "
-                              f"{SPECOPS_FP8_CONNECTOR_MODULE}:{SPECOPS_FP8_CONNECTOR_CLASS}")
 #: what specops' fp8 connector takes from the installed classes: the methods hs-connectors' fp8 connector
 #: may define itself (more means it changed its file or its copy, which ours would not follow), and the
 #: names it imports from each installed module
@@ -191,8 +182,8 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
     ``params["kv_connector"]`` (``"Class"`` or ``"module:Class"``) wins. Otherwise the
     stock connector, except where the CPU connector module is installed and torch sees
     no CUDA device (the test host): there the stock one cannot copy. With ``format: fp8``
-    specops' own connector (:mod:`.fp8_connector`: quantized on the device, the stock fp8 file; on a
-    CUDA host only once ``SPECOPS_FP8_ON_GPU``), unless the installed classes lack what it uses (:func:`fp8_fallback` says why): then
+    specops' own connector (:mod:`.fp8_connector`: quantized on the device, the stock fp8 file; measured
+    on an H100 at bf16's rate, GPU round 15), unless the installed classes lack what it uses (:func:`fp8_fallback` says why): then
     hs-connectors' ``FP8HiddenStatesConnector`` (module read from the installed package),
     or on such a CPU host its CPU variant. ``kv_connector:
     hs_connectors.fp8_hidden_states_connector:FP8HiddenStatesConnector`` asks for the stock one.
@@ -206,7 +197,7 @@ def pick_connector(params: dict) -> tuple[str, str | None]:
     import importlib.util
 
     fp8 = params.get("format") == contract.FP8
-    if fp8 and not fp8_fallback(params) and (SPECOPS_FP8_ON_GPU or not cuda_available()):
+    if fp8 and not fp8_fallback(params):
         return SPECOPS_FP8_CONNECTOR_CLASS, SPECOPS_FP8_CONNECTOR_MODULE
     cpu_module = CPU_FP8_CONNECTOR_MODULE if fp8 else CPU_CONNECTOR_MODULE
     if importlib.util.find_spec(cpu_module) is not None and not cuda_available():
@@ -250,8 +241,6 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         argv.append("--language-model-only")
     if params.get("gpu_memory_utilization"):
         argv += ["--gpu-memory-utilization", str(float(params["gpu_memory_utilization"]))]
-    if params.get("max_num_seqs"):
-        argv += ["--max-num-seqs", str(int(params["max_num_seqs"]))]
     extra = [str(a) for a in params.get("server_args") or []]
     problem = chunking.server_args_problem(extra, plain=bool(params.get("plain")))
     if problem:
@@ -263,6 +252,9 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         argv[argv.index("--no-enable-chunked-prefill")] = "--enable-chunked-prefill"
     if not any(a.startswith("--max-num-batched-tokens") for a in extra):
         argv += ["--max-num-batched-tokens", str(batched_tokens(params, max_model_len))]
+    seqs = max_num_seqs(params)
+    if seqs and not any(a.startswith("--max-num-seqs") for a in extra):
+        argv += ["--max-num-seqs", str(seqs)]
     if params.get("device") == "cpu" and not any(a.startswith("--compilation-config") for a in extra):
         # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
         # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
@@ -330,6 +322,16 @@ def run_defaults(params: dict, batch_size: int) -> dict:
     p["concurrency"] = int(p.get("concurrency") or batch_size)
     p.setdefault("enforce_eager", p.get("device") == "cpu")  # CPU compile costs minutes, gains little
     return p
+
+
+def max_num_seqs(params: dict) -> int | None:
+    """The server's ``--max-num-seqs``: ``max_num_seqs`` when given, else the run's ``concurrency`` (the
+    requests specops keeps in flight; None: vLLM's own default). The server serves specops alone, and
+    vLLM's default (1024 on an 80 GB GPU) sizes its warm-up for that many requests: the sampler's
+    float32 logits over the vocabulary, allocated after the KV cache, ~4 GiB above the memory budget
+    at a 129k vocabulary (GPU round 14)."""
+    given = params.get("max_num_seqs") or params.get("concurrency")
+    return int(given) if given else None
 
 
 def batched_tokens(params: dict, max_model_len: int) -> int:

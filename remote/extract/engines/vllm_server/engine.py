@@ -23,7 +23,7 @@ from remote.wire import contract, layers
 from remote.wire.contract import VLLM_SERVER
 
 from . import chunking
-from .command import (SERVED_MODEL_NAME, SPECOPS_FP8_CONNECTOR_CLASS, SPECOPS_FP8_NOT_ON_GPU_YET, batched_tokens,
+from .command import (SERVED_MODEL_NAME, SPECOPS_FP8_CONNECTOR_CLASS, batched_tokens,
                       connector_options, fp8_fallback, kv_transfer_config, pick_connector, writer_threads)
 from .landing import (THREADS_UP_TO, DigestPool, DigestSlots, SampleRejected, default_digest_workers, land_sample,
                       usable_cores, wait_for_file)
@@ -76,7 +76,7 @@ class VllmServerEngine(Engine):
         #: chunked prefill: on where the installed connector writes once a request is done (chunking.py)
         connector = pick_connector(self.params)  # once: the server loads the one its verdict read
         #: format fp8 on hs-connectors' own connector: why specops' (quantized on the device) could not run
-        self.fp8_fallback = ((fp8_fallback(self.params) or [SPECOPS_FP8_NOT_ON_GPU_YET])
+        self.fp8_fallback = ((fp8_fallback(self.params) or None)
                              if self.params.get("format") == contract.FP8
                              and connector[0] != SPECOPS_FP8_CONNECTOR_CLASS and not self.params.get("kv_connector")
                              else None)
