@@ -144,7 +144,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"memory_width": 420, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480}
@@ -270,6 +270,12 @@ def ssh_up():
                         "seq_len": 4096, "max_samples": 8},
         "gpu-8b-vocab": {"model_path": str(MODELS / "llama_8b_vocab"), "output_dir": "/tmp/specops-out/8b-vocab",
                          "seq_len": 8192, "max_samples": 8},
+        # the same two with prefill unchunked: the step budget is one whole sample (4097 / 8193 tokens, not 2048), a
+        # second point for the plan's per-token terms
+        "gpu-ds-wide-whole": {"model_path": str(MODELS / "deepseek_v3_wide"), "output_dir": "/tmp/specops-out/ds-wide",
+                              "seq_len": 4096, "max_samples": 8, "chunked_prefill": "off"},
+        "gpu-8b-vocab-whole": {"model_path": str(MODELS / "llama_8b_vocab"), "output_dir": "/tmp/specops-out/8b-vocab",
+                               "seq_len": 8192, "max_samples": 8, "chunked_prefill": "off"},
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -778,6 +784,8 @@ def extract_verify(host: str, rid: str, name: str, model: Path):
 #: the memory plan's real-width fixtures: (host, name, model, run id)
 MEMORY_WIDTH_RUNS = (("gpu-ds-wide", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide"),
                      ("gpu-8b-vocab", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab"))
+MEMORY_WHOLE_RUNS = (("gpu-ds-wide-whole", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide-whole"),
+                     ("gpu-8b-vocab-whole", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab-whole"))
 
 
 def preflight_memory(text: str) -> dict | None:
@@ -790,7 +798,7 @@ def preflight_memory(text: str) -> dict | None:
                 None)
 
 
-def memory_width():
+def memory_width(runs=MEMORY_WIDTH_RUNS, folder="memory"):
     """Issue 43: the memory plan at real width, through the CLI's own settings (its step budget, CUDA graphs,
     util 0.5): per model, ``specops preflight`` (its ``gpu.memory`` record: the plan) then ``specops extract``
     of 8 rows (one vLLM start: the server's log says what it used), nvidia-smi sampled meanwhile. Keeps
@@ -800,8 +808,8 @@ def memory_width():
     deepseek_v3_wide,llama_8b_vocab``)."""
     from remote.probes import gpu
     out = {}
-    for host, name, model, rid in MEMORY_WIDTH_RUNS:
-        d = ROOT / "memory" / name
+    for host, name, model, rid in runs:
+        d = ROOT / folder / name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         shutil.copy(MODELS / model / "config.json", d / "config.json")
@@ -1010,6 +1018,7 @@ def main(argv=None) -> int:
             "jobs": run_step("jobs", job_flow),
             "dp": run_step("dp", dp_flow),
             "memory_width": run_step("memory_width", memory_width),
+            "memory_whole": run_step("memory_whole", memory_width, MEMORY_WHOLE_RUNS, "memory_whole"),
             "fp8_speed": run_step("fp8_speed", fp8_speed),
             "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
                                      MODELS / "llama_wide"),
