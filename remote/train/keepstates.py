@@ -121,7 +121,9 @@ def write_kept_run(plan, work_dir) -> dict:
     params = {**(states.get("params") or {}), "run_id": run_id, "output_dir": str(out),
               "work_dir": str(work_dir)}
     kept_from = {"train_run": plan.run_id, "from_run": plan.from_run, "missing": missing}
-    doc = run_manifest.check({**states, "run_id": run_id, "created_at": run_manifest.utc_now(), "files": files,
+    # the states run's canary judged its own server's states, not the online server's these files came from
+    carried = {k: v for k, v in states.items() if k != "canary"}
+    doc = run_manifest.check({**carried, "run_id": run_id, "created_at": run_manifest.utc_now(), "files": files,
                               "tokens": sum(int(e.get("tokens") or 0) for e in files), "params": params,
                               "kept_from": kept_from}, where="the kept run's manifest")
     nbytes = sum(int(e["bytes"]) for e in files)
