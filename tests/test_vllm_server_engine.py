@@ -247,6 +247,31 @@ def test_server_command_binds_loopback_and_turns_chunked_prefill_off(tmp_path):
     assert kv["kv_connector_extra_config"]["num_writer_threads"] == 3
 
 
+def test_server_max_num_seqs_is_the_runs_concurrency_unless_set_and_the_online_server_keeps_vllms(tmp_path):
+    """vLLM's max_num_seqs default (1024 on an 80 GB card) sizes its sampler warm-up for that many requests, after
+    the KV cache (GPU round 14: ~4 GiB past util x total); specops keeps ``concurrency`` in flight, so its server
+    admits that many. A given ``max_num_seqs`` or a ``--max-num-seqs`` in server_args wins; the online train
+    server, whose requests the trainer's client sends, keeps vLLM's own."""
+    from remote.extract.engines.vllm_server.command import run_defaults
+    from remote.probes import gpu
+    from remote.train import online
+
+    def seqs(params):
+        argv = vllm_server.server_command("p", "/m", port=1, tp=1, layer_ids=[2], storage_dir=tmp_path,
+                                          max_model_len=9, connector=(vllm_server.STOCK_CONNECTOR, None),
+                                          params=params)
+        return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--max-num-seqs"]
+
+    run = run_defaults({"device": "cuda"}, 8)
+    assert seqs(run) == ["8"] and seqs({**run, "max_num_seqs": 32}) == ["32"]
+    assert seqs({**run, "server_args": ["--max-num-seqs", "64"]}) == ["64"]
+    assert seqs({}) == []  # no concurrency known: vLLM's default
+    # the preflight's memory plan sizes the warm-up with the same number (batch_size stands for concurrency)
+    assert gpu.engine_max_num_seqs({"batch_size": 8}) == 8 and gpu.engine_max_num_seqs({"concurrency": 4}) == 4
+    served = online.server_params({"batch_size": 8, "device": "cuda"}, {}, "bf16")
+    assert "concurrency" not in served and seqs(served) == []
+
+
 def test_server_command_chunks_prefill_when_the_engine_says_so_and_refuses_prefix_caching(tmp_path):
     """The engine turns chunked prefill on where the connector writes once a request is done
     (``chunked_prefill_on``, remote/extract/engines/vllm_server/chunking.py): the budget is then 2048 whatever

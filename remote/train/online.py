@@ -37,7 +37,10 @@ def server_params(run_params: dict, params: dict, state_format: str) -> dict:
     keep = {k: v for k, v in run_params.items() if k not in ("port", "replica", "replica_sets", "work_dir")}
     keep["device"] = params.get("device") or keep.get("device") or ""
     keep["format"] = state_format  # the connector that writes what the trainer's backend reads
-    return run_defaults(keep, int(keep.get("batch_size") or 1))
+    served = run_defaults(keep, int(keep.get("batch_size") or 1))
+    # the trainer's client keeps the requests in flight, not specops: vLLM's own max_num_seqs, unless the run set one
+    served.pop("concurrency", None)
+    return served
 
 
 def layer_plan(plan) -> dict:

@@ -377,8 +377,13 @@ def engine_params(args, seq_len: int) -> dict:
         params["chunked_prefill"] = args.chunked_prefill
     if args.batched_tokens:
         params["max_num_batched_tokens"] = args.batched_tokens
-    if args.concurrency:
-        params["concurrency"] = int(args.concurrency.split(",")[0])
+    sweep = [int(c) for c in args.concurrency.split(",") if c]
+    once = [int(v.rpartition("@")[2]) for v in getattr(args, "once", "").split(",") if "@" in v]
+    if sweep:
+        params["concurrency"] = sweep[0]
+    if sweep or once:
+        # the server admits the most requests any pass keeps in flight (a run's max_num_seqs is its concurrency)
+        params["max_num_seqs"] = max(sweep + once)
     return vs_command.run_defaults(params, contract.param(params, "batch_size"))
 
 
