@@ -398,9 +398,7 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     env = hosts["a"]["env"]
     for name, info, core in (("c", host_c.info(), "0"), ("d", testhost, "1"), ("e", testhost, "0,1")):
         hosts[name] = host_entry(tmp_path, info, name, core, modern_fixed_python, tiny_models, "llama", env)
-    # the replicas that lose a host pause after each one-sample batch, long enough that both are still
-    # extracting once the later of their heads has a sample (their servers come up some seconds apart);
-    # e runs at speed
+    # the replicas that lose a host pause after each one-sample batch, so each is lost mid-way; e runs at speed
     for name in ("a", "b", "c"):
         hosts[name].update(batch_size=1, env={**hosts[name]["env"], "SPECOPS_BATCH_DELAY_S": "6"})
     for name in hosts:
@@ -417,16 +415,20 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
     assert [(s["hosts"], s["start"], s["stop"]) for s in group_doc["shards"]] == [
         (["a", "b"], 0, 4), (["c", "d"], 4, 8), (["e"], 8, 12)]
     run_dir = {h: tmp_path / h / "work" / "runs" / "grp" for h in hosts}
+    # each replica loses its host once its own head has a sample (their servers come up some seconds apart)
     wait_first_sample(run_dir["a"])
-    wait_first_sample(run_dir["c"])
-    worker_group = os.getpgid(int((run_dir["d"] / "pid").read_text()))  # d's supervisor and its ranks
-    ports = {"b": host_b.port, "c": host_c.port}
+    killed = []  # (sshd, its port): brought back after
     try:
         # the lost worker host: b's sshd, its sessions, the run's supervisor group and its vLLM ranks (a session
-        # of their own); the dead head: host c (sshd, sessions, supervisor, server)
+        # of their own)
+        killed.append((host_b, host_b.port))
         kill_host(host_b, run_dir["b"])
         for pid in run_processes(run_dir["b"]):
             os.kill(pid, signal.SIGKILL)
+        # the dead head: host c (sshd, sessions, supervisor, server)
+        wait_first_sample(run_dir["c"])
+        worker_group = os.getpgid(int((run_dir["d"] / "pid").read_text()))  # d's supervisor and its ranks
+        killed.append((host_c, host_c.port))
         kill_whole_host(host_c, run_dir["c"])
         wait_for(lambda: state_of(run_dir["a"]).get("state") == "failed", timeout=300,
                  what="the head of the replica that lost its worker host to fail")
@@ -447,8 +449,8 @@ def test_a_group_run_of_two_replicas_and_a_plain_host_writes_every_sample_once(t
         assert "host b" in status.stdout, status.stdout[-4000:]
         assert "the head c's supervisor is gone" in status.stdout, status.stdout[-4000:]
     finally:
-        host_b.up(port=ports["b"])
-        host_c.up(port=ports["c"])
+        for sshd, port in killed:
+            sshd.up(port=port)
     kept = sorted(hs_files(tmp_path / "c" / "out"))
     assert kept and kept[0] == 4, kept
     kept_a = sorted(hs_files(tmp_path / "a" / "out"))
