@@ -44,6 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
+from remote.run import faults
 from remote.wire import status
 from remote.wire.contract import RunState
 
@@ -60,6 +61,11 @@ STOPPED_STATES = ("T", "t")
 #: how long a worker host whose ranks died waits for the head's ``end`` before it reports its own
 #: failure (the head stops its server after sending ``end``: those ranks die of that, not of a fault).
 LOSS_GRACE_S = 2.0
+
+
+def stopped_grace_s() -> float:
+    """:data:`STOPPED_GRACE_S`, or the shorter one a test armed in the run's env (:mod:`remote.run.faults`)."""
+    return faults.stopped_grace_s(STOPPED_GRACE_S)
 
 
 def ranks_of(replica: dict, node_rank: int) -> list[int]:
@@ -220,7 +226,7 @@ class HostWatch:
 
     def watch_own_ranks(self, server_of) -> None:
         """Watch the head's own vLLM processes (``server_of()``: its server, None before one starts)
-        for a stop (SIGSTOP, a debugger): held :data:`STOPPED_GRACE_S`, the head is lost as a
+        for a stop (SIGSTOP, a debugger): held :func:`stopped_grace_s`, the head is lost as a
         worker host would be (``RanksStopped``), so the run fails naming it instead of hanging
         in a collective its peers wait on."""
         threading.Thread(target=self._watch_own_ranks, args=(server_of,), daemon=True,
@@ -229,6 +235,7 @@ class HostWatch:
     def _watch_own_ranks(self, server_of) -> None:
         stopped_since: dict[int, float] = {}
         head = host_of(self.replica, 0)
+        grace = stopped_grace_s()
         while not self._closing and self.lost is None:
             time.sleep(1.0)
             server = server_of()
@@ -240,12 +247,12 @@ class HostWatch:
             group = proc.pid if server.params.get("own_session", True) else os.getpgid(0)
             now = time.monotonic()
             stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker, group)}
-            held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
+            held = sorted(pid for pid, since in stopped_since.items() if now - since >= grace)
             if held:
                 ranks = ranks_of(self.replica, 0)
                 self._lose(0, status.error(
                     "RanksStopped", f"process(es) {held} of ranks {ranks} on {head} (the head) are stopped (SIGSTOP or "
-                                    f"a debugger) for {STOPPED_GRACE_S:.0f} s: the replica's requests hang on them",
+                                    f"a debugger) for {grace:.0f} s: the replica's requests hang on them",
                     where=f"host {head}"))
                 return
 
@@ -413,6 +420,7 @@ class NodeSupervisor:
         server = self.engine.server
         died_at = None
         stopped_since: dict[int, float] = {}
+        grace = stopped_grace_s()
         while True:
             messages = lines.read(1.0)
             if messages is None:
@@ -433,10 +441,10 @@ class NodeSupervisor:
             # the ranks' process group: this supervisor's (own_session False, see _engine), else the server's
             group = server.proc.pid if server.params.get("own_session", True) and server.proc else os.getpgid(0)
             stopped_since = {pid: stopped_since.get(pid, now) for pid in stopped_pids(server.marker, group)}
-            held = sorted(pid for pid, since in stopped_since.items() if now - since >= STOPPED_GRACE_S)
+            held = sorted(pid for pid, since in stopped_since.items() if now - since >= grace)
             if held:
                 raise RanksStopped(f"process(es) {held} of ranks {self.ranks} on {self.host} are stopped (SIGSTOP or a "
-                                   f"debugger) for {STOPPED_GRACE_S:.0f} s: the replica's requests hang on them")
+                                   f"debugger) for {grace:.0f} s: the replica's requests hang on them")
             if not server.alive:
                 # the head's end may be on its way (its server stopped first): wait for its word a moment
                 died_at = died_at or time.monotonic()

@@ -2,7 +2,8 @@
 
 A real run arms none. Tests arm them with the declared test-hook parameters
 (:mod:`remote.wire.argspec`, ``hook=True``: ``inject_failure``, ``batch_delay_s``,
-``inject_failure_after``, ``hold_lock_s``, ``swap_sample_states``) or a job's env (``SPECOPS_BATCH_DELAY_S``).
+``inject_failure_after``, ``hold_lock_s``, ``swap_sample_states``) or a job's env (``SPECOPS_BATCH_DELAY_S``,
+``SPECOPS_STOPPED_GRACE_S``).
 What an armed point does lives in ``remote/dev/faults.py``, which no wheel holds: a host
 task sent by an installed program refuses an armed point by name instead of ignoring it.
 
@@ -21,8 +22,11 @@ ENV_BATCH_DELAY = "SPECOPS_BATCH_DELAY_S"
 #: the test host's CPU hidden-states connector corrupts the n-th file it writes (``{"n": "nonfinite"|"ids"}``,
 #: JSON): a streamed sample that fails the online trainer's checks (``specops/testhost/cpu_hidden_states_connector``)
 ENV_STREAM_FAULT = "SPECOPS_STREAM_FAULT"
+#: seconds a replica's stopped rank is held before the run fails, shorter than the product's wait (a test that
+#: stops ranks on purpose need not sit through it): ``remote.extract.replica.STOPPED_GRACE_S``
+ENV_STOPPED_GRACE = "SPECOPS_STOPPED_GRACE_S"
 #: fault points armed in a run's ``env`` that are not part of what the run is
-ENV_FAULTS = (ENV_BATCH_DELAY, ENV_STREAM_FAULT)
+ENV_FAULTS = (ENV_BATCH_DELAY, ENV_STREAM_FAULT, ENV_STOPPED_GRACE)
 
 
 def _behaviour():
@@ -78,6 +82,15 @@ def batch_delay_s(params: dict) -> float:
     if delay:
         _behaviour()
     return delay
+
+
+def stopped_grace_s(default: float) -> float:
+    """Seconds a stopped rank is held before its replica is lost: the job's env's, else ``default``."""
+    raw = os.environ.get(ENV_STOPPED_GRACE)
+    if raw:
+        _behaviour()
+        return float(raw)
+    return default
 
 
 def file_written(count: int, fail_after) -> None:

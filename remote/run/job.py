@@ -92,9 +92,9 @@ SPEC = Spec("job", RUN_ARGS, {
 }, required_if=[("action", "start", ("model_path", "dataset"))])
 #: what steers one call, not the run.
 CALL_KEYS = frozenset(SPEC.names(call=True))
-#: recorded parameters a resume may change: what stays on disk beside a run, not what the run makes
-#: (``train --keep-states``)
-RESUME_MAY_CHANGE = ("keep_states",)
+#: recorded parameters a resume may change: what stays on disk beside a run (``train --keep-states``), or what
+#: the run does when a replica dies (``extract --on-replica-loss``), not what the run makes
+RESUME_MAY_CHANGE = ("keep_states", "on_replica_loss")
 STARTING_GRACE_S = 15.0
 
 
