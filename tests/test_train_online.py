@@ -284,6 +284,8 @@ def _check_kept_run(inv, env, work: Path, states_run: str, st: dict, stream: dic
     found = open_run({"work_dir": str(work), "run_id": "online-kept"})
     states = open_run({"work_dir": str(work), "run_id": states_run})
     assert found.layer_ids == states.layer_ids and found.manifest["kept_from"]["train_run"] == "online"
+    # the states run's canary judged its own server, not the online one these files came from
+    assert "canary" in states.manifest and "canary" not in found.manifest
     for entry in found.manifest["files"]:
         assert run_manifest.file_matches(found.output_dir / entry["path"], entry), entry
     verified = specops("verify", "--inventory", inv, "--run-id", "online-kept", "--samples", 1, "--json", env=env,
