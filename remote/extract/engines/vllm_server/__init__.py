@@ -71,8 +71,7 @@ from remote.wire import layers
 from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECTOR_CLASS, CPU_FP8_CONNECTOR_MODULE,
                       FP8_CONNECTOR_CLASS, FP8_CONNECTOR_PACKAGE, HEADLESS_LAUNCHER, LOOPBACK, MARKER_ENV,
                       MIN_BATCHED_TOKENS, SERVED_MODEL_NAME, SERVER_MODULE, SPECOPS_FP8_CONNECTOR_CLASS,
-                      SPECOPS_FP8_CONNECTOR_MODULE, SPECOPS_FP8_IMPORTS, 
-                      SPECOPS_FP8_STOCK_OWN, STOCK_CONNECTOR,
+                      SPECOPS_FP8_CONNECTOR_MODULE, SPECOPS_FP8_IMPORTS, SPECOPS_FP8_STOCK_OWN, STOCK_CONNECTOR,
                       connector_options, cuda_available, fp8_connector_module, fp8_fallback, free_port, kv_transfer_config, pick_connector,
                       server_command, server_env, speculative_config)
 from .engine import VllmServerEngine
@@ -84,8 +83,7 @@ __all__ = [
     "CPU_CONNECTOR_CLASS", "CPU_CONNECTOR_MODULE", "CPU_FP8_CONNECTOR_CLASS", "CPU_FP8_CONNECTOR_MODULE",
     "DIE_WITH_PARENT", "FP8_CONNECTOR_CLASS", "HEADLESS_LAUNCHER", "FP8_CONNECTOR_PACKAGE", "LOOPBACK", "MARKER_ENV",
     "MIN_BATCHED_TOKENS", "SAMPLE_FILE", "SERVED_MODEL_NAME", "SERVER_LOG", "SERVER_MODULE", "SPECOPS_FP8_CONNECTOR_CLASS",
-    "SPECOPS_FP8_CONNECTOR_MODULE", "SPECOPS_FP8_IMPORTS", 
-    "SPECOPS_FP8_STOCK_OWN", "STOCK_CONNECTOR",
+    "SPECOPS_FP8_CONNECTOR_MODULE", "SPECOPS_FP8_IMPORTS", "SPECOPS_FP8_STOCK_OWN", "STOCK_CONNECTOR",
     "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "connector_options", "cuda_available", "default_digest_workers",
     "die_with_parent", "fp8_connector_module", "fp8_fallback", "free_port", "kv_transfer_config", "land_sample", "layers", "leftover_pids", "log_death",
     "log_failure", "modelconfig", "move_into_place", "pick_connector", "read_tail",
