@@ -30,12 +30,10 @@ from bench_train import REPO, SPECOPS, records, specops  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from remote.wire import layers  # noqa: E402
+from specops.testhost.models import SMALL_DFLASH_TRAINER_ARGS  # noqa: E402
 
-
-#: the DFlash family's trainer defaults are sized for GPUs (5 draft layers, 512 anchors of a 16-token block: ~37 s a
-#: step on 2 CPU cores); one layer and 32 anchors train the tiny target in ~0.1 s a step
-SMALL_DRAFT = {name: ["--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32"]
-               for name in ("dflash", "dflash2", "dspark")}
+#: the trainer flags that size each DFlash-family draft to the tiny target
+SMALL_DRAFT = {name: list(SMALL_DFLASH_TRAINER_ARGS) for name in ("dflash", "dflash2", "dspark")}
 
 
 def main() -> int:

@@ -49,12 +49,12 @@ sys.path.insert(0, str(REPO))
 
 from remote.train import supervisor as trainrun  # noqa: E402
 from remote.train import evaluate as draft_eval, plan as trainplan, sweep
+from specops.testhost.models import SMALL_DFLASH_TRAINER_ARGS
 
 EPOCHS = 20
 #: the dflash draft's tokens per step in eval (its block holds 16; 3 keeps the CPU server's steps short)
 DFLASH_K = 3
-#: the DFlash trainer's defaults are sized for GPUs (5 layers, 512 anchors: ~37 s a step here); these ~0.1 s
-DFLASH_SMALL = ["--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32"]
+DFLASH_SMALL = list(SMALL_DFLASH_TRAINER_ARGS)
 #: enough for the chance bar (8 epochs of the shared 4 samples: 5.6 % accepted, 20 epochs 6.9 %; the bar is 1 %)
 DFLASH_EPOCHS = 8
 

@@ -27,6 +27,9 @@ from specops.transport.assets import asset, asset_root
 LAYOUT = {"llama": "llama", "deepseek_v3": "deepseek_v3", "kimi_k25": "kimi_k25",
           "dataset": "chat.jsonl"}
 COMPLETE_MARKER = ".specops-complete"
+#: the DFlash family's trainer defaults are sized for GPUs (5 draft layers, 512 anchors of a 16-token block: ~37 s a
+#: step on 2 CPU cores); one layer and 32 anchors train the tiny targets in ~0.1 s a step (``specops train`` flags)
+SMALL_DFLASH_TRAINER_ARGS = ("--trainer-arg=--num-layers=1", "--trainer-arg=--max-anchors=32")
 #: the reference set's builder; it runs by path in the host env, with ``remote/`` on its path.
 REFERENCE_BUILDER = Path(__file__).resolve().parent / "reference_models.py"
 #: runs REFERENCE_BUILDER as ``__main__`` without putting its folder first on ``sys.path``
