@@ -498,9 +498,11 @@ def _memory_record(ctx) -> dict:
              for g in gpus]
     worst = min(plans, key=lambda p: p["tokens_fit"])
     ctx.host["gpu_memory_plan"] = plans
-    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len, "max_num_batched_tokens": budget_tokens}
+    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len, "max_num_batched_tokens": budget_tokens,
+              "max_num_seqs": worst["overhead_terms"]["max_num_seqs"]}
     line = (f"per rank: {human_bytes(worst['weight_bytes'])} weights + ~{human_bytes(worst['overhead_bytes'])} "
-            f"overhead at {budget_tokens:,} batched tokens of {human_bytes(worst['budget_bytes'])} "
+            f"overhead at {budget_tokens:,} batched tokens and {worst['overhead_terms']['max_num_seqs']:,} "
+            f"sequences of {human_bytes(worst['budget_bytes'])} "
             f"({util} x {human_bytes(worst['total_bytes'])}); "
             f"KV room {human_bytes(max(worst['kv_room_bytes'], 0))} = ~{worst['tokens_fit']:,} tokens at "
             f"{worst['kv_bytes_per_token'] + worst['hidden_state_bytes_per_token']:,} B/token "
