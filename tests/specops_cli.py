@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def default_sigint() -> None:
+    """(preexec_fn) SIGINT at its default in the child, whatever this process inherited: a test run started as a
+    background job of a script (`make test &`, nohup) has SIGINT ignored, its children inherit that and Python
+    then installs no KeyboardInterrupt handler, so a Ctrl-C a test sends would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def specops(*args, env=None, timeout=1500) -> subprocess.CompletedProcess:

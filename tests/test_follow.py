@@ -27,6 +27,7 @@ from specops.transport.host import Host
 from specops.inventory import load_inventory
 from specops.params import run_params
 from specops.result import RunStatus
+from specops_cli import default_sigint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -95,11 +96,6 @@ def followers_on_host(work_dir: Path) -> list[int]:
         if state != "Z" and params and json.loads(base64.b64decode(params.group(1))).get("action") == "follow":
             found.append(int(cmdline.parent.name))
     return found
-
-
-def default_sigint() -> None:
-    """(preexec_fn) SIGINT at its default in the child, whatever this process inherited."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_until(predicate, timeout: float, what: str):

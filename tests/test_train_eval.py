@@ -43,7 +43,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-from specops_cli import records, specops  # noqa: E402
+from specops_cli import default_sigint, records, specops  # noqa: E402
 from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
@@ -741,7 +741,8 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     earlier = set((work / "evals").glob("*"))  # the module's other test evals in the same work dir
     proc = subprocess.Popen([str(Path(sys.executable).parent / "specops"), "eval", "--inventory", str(inv), "--draft",
                              str(draft), "--from-run", run["run_id"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, **env})
+                            stdin=subprocess.DEVNULL, text=True, cwd=REPO, env={**os.environ, **env},
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 300
     while not (ours := [p.parent.parent.parent for p in (work / "evals").glob("*/spec/logs/*")
                         if p.parent.parent.parent not in earlier]):
