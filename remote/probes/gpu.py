@@ -342,12 +342,13 @@ def engine_batched_tokens(params: dict, config: dict) -> int:
 
 
 def engine_max_num_seqs(params: dict) -> int | None:
-    """The ``--max-num-seqs`` the vllm-server engine will pass (the command builder's own
-    :func:`~remote.extract.engines.vllm_server.command.max_num_seqs`; ``concurrency`` defaults to the
-    run's ``batch_size`` as the supervisor sets it)."""
+    """The ``--max-num-seqs`` the vllm-server engine will pass: the command builder's own
+    :func:`~remote.extract.engines.vllm_server.command.max_num_seqs` of the params the supervisor hands it
+    (:func:`~remote.extract.engines.vllm_server.command.run_defaults`; no batch size: as given)."""
     from remote.extract.engines.vllm_server import command
 
-    return command.max_num_seqs({**params, "concurrency": params.get("concurrency") or params.get("batch_size")})
+    batch = params.get("batch_size")
+    return command.max_num_seqs(command.run_defaults(params, batch) if batch else params)
 
 
 def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
