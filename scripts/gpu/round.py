@@ -863,6 +863,45 @@ def fp8_speed(model="deepseek_v3_wide", ids="64x4096", n=64):
                                      "connectors", "ready_s", "wall_s", "errors", "rc", "tail") if k in got}
 
 
+#: issue 43 item 4: the CLI's step budget and concurrency chosen by measurement at real width (the CLI's: 2048
+#: batched tokens with chunked prefill, concurrency = batch_size)
+SWEEP_BATCHED = (2048, 4096, 8192)
+SWEEP_CONCURRENCY = "4,8,16,32"
+
+
+def defaults_sweep(model="deepseek_v3_wide", ids="64x4096", n=64, budgets=SWEEP_BATCHED, conc=SWEEP_CONCURRENCY):
+    """Plain prefill and a run's extraction (manifest done, durable) at each step budget x concurrency, side by side
+    per budget (``scripts/gpu/bench.py``: the plain and extraction servers start together, one pass each per
+    concurrency, the server's ``max_num_seqs`` the sweep's largest). Keeps ``defaults_sweep/<model>/bt<N>.json``
+    and both servers' logs (vLLM's memory lines at each budget: the memory plan's overhead against the step
+    budget). Two vLLM starts per budget."""
+    d = ROOT / "defaults_sweep" / model
+    d.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for budget in budgets:
+        if left_s(30) < 150:
+            out[budget] = {"skipped": "no time left in this call"}
+            continue
+        tmp = Path(f"/tmp/gpu-sweep-{budget}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        res = sh([PY, "scripts/gpu/bench.py", "--model", str(MODELS / model), "--dataset",
+                  str(MODELS / f"bench_{ids}.jsonl"), "--out", str(tmp), "--n", str(n), "--reps", "1",
+                  "--concurrency", conc, "--kinds", "plain,specops", "--batched-tokens", str(budget),
+                  "--kv-gib", "10"], d / f"bt{budget}_stdout.txt", timeout=min(320, left_s(25)), env=VLLM_ENV)
+        if (tmp / "bench.json").exists():
+            shutil.copy(tmp / "bench.json", d / f"bt{budget}.json")
+        for sub in ("extract_server", "plain_server"):
+            src = tmp / sub / "logs" / "server.log"
+            if src.exists():
+                keep = [ln for ln in src.read_text(errors="replace").splitlines() if "POST /v1/completions" not in ln]
+                (d / f"bt{budget}_{sub}.log").write_text("\n".join(keep)[-300000:])
+        shutil.rmtree(tmp, ignore_errors=True)
+        got = last_json(res["text"]) or {"rc": res["rc"], "tail": res["text"][-3000:]}
+        out[budget] = {k: got.get(k) for k in ("best_tok_per_s", "ratios_same_concurrency", "both_ready_s",
+                                                "settings", "rc", "tail", "errors") if k in got}
+    return out
+
+
 def dp_flow():
     """The host's layout on one GPU: preflight's ``parallel.layout`` (dp default = GPUs // tp = 1), the refusal of
     ``--dp 2`` before any load (one GPU holds one replica), then a run through the layout path and its status."""
@@ -1020,6 +1059,8 @@ def main(argv=None) -> int:
             "memory_width": run_step("memory_width", memory_width),
             "memory_whole": run_step("memory_whole", memory_width, MEMORY_WHOLE_RUNS, "memory_whole"),
             "fp8_speed": run_step("fp8_speed", fp8_speed),
+            "defaults_sweep": run_step("defaults_sweep", defaults_sweep),
+            "defaults_sweep_8b": run_step("defaults_sweep_8b", defaults_sweep, "llama_8b_vocab"),
             "extract_wide": run_step("extract_wide", extract_verify, "gpu-wide", "gpu-wide-3", "wide",
                                      MODELS / "llama_wide"),
             "extract_deepseek": run_step("extract_deepseek", extract_verify, "gpu-deepseek", "gpu-deepseek-3",
