@@ -191,7 +191,7 @@ class HostSpec(BaseModel):
     gpu_memory_utilization: float = DEFAULTS["gpu_memory_utilization"]
     trust_remote_code: bool = False
     #: the states' dtype on disk: ``bf16`` (what the model computes) or ``fp8`` (specops' fp8 connector, about half
-    #: the bytes at about bf16's rate, ``FP8_SPEED``; the vllm-server engine only).
+    #: the bytes, its speed against bf16's in ``FP8_SPEED``; the vllm-server engine only).
     format: str = CONTRACT.BF16
     #: the canary: how many of a run's first samples also ask the engine for their prompt logprobs and
     #: are checked as they land (a fail stops the run); 0: none. The vllm-server engine only.

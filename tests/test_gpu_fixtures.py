@@ -1008,10 +1008,6 @@ def test_round15_specops_fp8_connector_lands_at_bf16s_rate_and_writes_the_stock_
     assert same["dtypes_equal"] and same["shapes_equal"] and same["token_ids_equal"], same
     assert same["keys"][0] == same["keys"][1] == ["hidden_states", "hidden_states_scales", "token_ids"]
     assert same["scales_max_rel"] < 1e-6 and same["within_one_ulp"] > 0.9999, same
-    # what preflight and the README say fp8 costs is this measurement
-    from remote.wire import contract
-    assert (contract.FP8_SPEED["fp8_of_plain"], contract.FP8_SPEED["bf16_of_plain"],
-            contract.FP8_SPEED["stock_fp8_of_plain"]) == (ratio["fp8_specops"], ratio["bf16"], ratio["fp8_stock"])
     # the call before it: the server could not import specops' connector (the script ran its engine without the
     # repo on the server's path, as a job's bundle is); the script now puts it there
     first = json.loads(read("round15/fp8_speed_first/fp8_speed.json"))
@@ -1046,3 +1042,58 @@ def test_round15_max_num_seqs_at_the_runs_concurrency_keeps_the_gpu_at_its_budge
     argv = command.server_command("python", "/m", port=1, tp=1, layer_ids=[1], storage_dir="/s",
                                   connector=("C", None), max_model_len=4097, params={"concurrency": 8})
     assert argv[argv.index("--max-num-seqs") + 1] == "8"
+
+
+def _sweep(model: str) -> dict:
+    """Round 16's sweep of one model: ``{budget: bench.json}`` (plain and a run's extraction side by side per step
+    budget, one pass per concurrency)."""
+    return {budget: json.loads(read(f"round16/defaults_sweep/{model}/bt{budget}.json")) for budget in (2048, 4096, 8192)}
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3_wide", "llama_8b_vocab"])
+def test_round16_the_gpu_step_budget_is_the_sweeps_choice_at_the_clis_concurrency(model):
+    """Issue 43 item 4 (round 16, H100, vLLM 0.26, 64 x 4096-token samples): the step budget a GPU run gets with
+    chunked prefill is the one the sweep found fastest at the CLI's concurrency, landed (manifest done) and on
+    disk. DeepSeek-V3 width: 80.7k tok/s at 4096 vs 71.1k at 2048 (1.14x; faster at every concurrency from 4 to 32);
+    the Llama-8B shape within 3 % at every budget; 8192 no faster at 8 in flight."""
+    from remote.extract.engines.vllm_server import command
+    from remote.wire import contract
+
+    sweep, at = _sweep(model), contract.param({}, "batch_size")
+    chosen = command.batched_tokens({"chunked_prefill_on": True, "device": "cuda"}, 4097)
+    assert chosen == command.GPU_BATCHED_TOKENS == 4096 and at == 8
+    assert command.batched_tokens({"chunked_prefill_on": True, "device": "cpu"}, 4097) == 2048  # not measured there
+    for budget, doc in sweep.items():
+        assert doc["settings"]["max_num_batched_tokens"] == budget and doc["settings"]["concurrency"] == [4, 8, 16, 32]
+        assert doc["seq_len"] == 4096 and doc["samples"] == 64 and doc["settings"]["chunked_prefill_on"]
+    landed = {b: doc["best_tok_per_s"][f"specops@{at}"] for b, doc in sweep.items()}
+    durable = {b: doc["best_tok_per_s"][f"specops_durable@{at}"] for b, doc in sweep.items()}
+    assert landed[chosen] >= 0.95 * max(landed.values()) and landed[chosen] >= landed[2048], landed
+    assert durable[chosen] >= 0.95 * max(durable.values()), durable
+    if model == "deepseek_v3_wide":  # where the budget matters: faster than 2048 at every concurrency swept
+        assert landed[chosen] > 1.1 * landed[2048], landed
+        assert all(sweep[chosen]["best_tok_per_s"][f"specops@{c}"] > sweep[2048]["best_tok_per_s"][f"specops@{c}"]
+                   for c in (4, 8, 16, 32))
+
+
+def test_round16_fp8_at_the_gpu_step_budget_lands_at_0_9_of_bf16_and_reaches_the_disk_1_3x_faster():
+    """Issue 43 item 3 at the new step budget (round 16, H100, DeepSeek-V3 width, 64 x 4096 tokens, 4096 batched
+    tokens, concurrency 8): plain prefill rose to 89.0k tok/s and bf16 with it (0.864 of plain); specops' fp8
+    connector stays at its ~69k (0.78 of plain, 0.90x bf16) landed, and made durable it is 1.31x bf16 (0.391 vs
+    0.298: half the bytes). hs-connectors' own fp8 connector: 0.249. What preflight and ``--format``'s help say is
+    this measurement."""
+    from remote.wire import contract
+
+    doc = json.loads(read("round16/fp8_speed/fp8_speed.json"))
+    ratio, durable = doc["ratio_vs_plain"], doc["durable_ratio_vs_plain"]
+    assert doc["settings"]["max_num_batched_tokens"] == 4096 and doc["concurrency"] == 8 and not doc.get("errors")
+    assert "max_num_batched_tokens" not in doc["settings"]["differs_from_cli"]  # the CLI's own budget now
+    assert 0.85 * ratio["bf16"] <= ratio["fp8_specops"] < ratio["bf16"], ratio
+    assert durable["fp8_specops"] > 1.25 * durable["bf16"], durable
+    assert ratio["fp8_specops"] > 2.5 * ratio["fp8_stock"], ratio
+    same = doc["files_equal"]
+    assert same["dtypes_equal"] and same["shapes_equal"] and same["token_ids_equal"] and same["within_one_ulp"] > 0.9999
+    assert {k: contract.FP8_SPEED[k] for k in ("fp8_of_plain", "bf16_of_plain", "stock_fp8_of_plain",
+                                               "fp8_durable_of_plain", "bf16_durable_of_plain")} == {
+        "fp8_of_plain": ratio["fp8_specops"], "bf16_of_plain": ratio["bf16"], "stock_fp8_of_plain": ratio["fp8_stock"],
+        "fp8_durable_of_plain": durable["fp8_specops"], "bf16_durable_of_plain": durable["bf16"]}

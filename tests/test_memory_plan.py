@@ -197,10 +197,16 @@ def test_probe_budget_is_the_engine_command_builders():
         got = gpu.engine_batched_tokens(params, config)
         assert got == command.batched_tokens({**params, "chunked_prefill_on": False}, min(params["seq_len"] + 1, 4096)) \
             or got == command.batched_tokens({**params, "chunked_prefill_on": True}, params["seq_len"] + 1)
-    # the round-12 run's own params give the budget its server ran with
+    # the round-12 run's own params give the budget its server ran with (2048 then; a GPU run's is 4096 since
+    # round 16's sweep)
     params = json.loads(read("round12/cli/fetched_gpu-llama-3/params.json"))
     used = gpu.parse_engine_memory(read("round12/cli/fetched_gpu-llama-3/logs/server.log"))
-    assert gpu.engine_batched_tokens(params, config) == used["engine"]["max_num_batched_tokens"] == 2048
+    assert used["engine"]["max_num_batched_tokens"] == 2048 and params["device"] == "cuda"
+    assert command.batched_tokens({**params, "chunked_prefill_on": True}, 257) == command.GPU_BATCHED_TOKENS
+    assert gpu.engine_batched_tokens(params, config) in (command.GPU_BATCHED_TOKENS,  # chunked prefill resolved on
+                                                         command.batched_tokens({**params, "chunked_prefill_on": False},
+                                                                                257))  # this box's connector: off
+    assert gpu.engine_batched_tokens({**params, "max_num_batched_tokens": 2048}, config) == 2048
 
 
 def test_real_width_models_keep_deepseek_v3s_layer_and_vocab():

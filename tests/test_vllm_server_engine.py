@@ -332,7 +332,7 @@ def load_gpu_bench():
 
 
 def test_the_gpu_bench_starts_the_server_specops_extract_starts(tmp_path):
-    """The GPU benchmark once ran 16384 batched tokens a step where ``specops extract`` runs 2048: its ratios were
+    """The GPU benchmark once ran 16384 batched tokens a step where ``specops extract`` ran 2048: its ratios were
     not the CLI's. Its engine now gets the run parameters its arguments name, completed by the supervisor's own
     rule, so the one builder gives both the same argv (and the plain baseline the same minus extraction)."""
     from remote.extract import runplan
@@ -359,7 +359,8 @@ def test_the_gpu_bench_starts_the_server_specops_extract_starts(tmp_path):
     for chunked in (True, False):  # the engine's verdict, added by its load in both
         assert argv(bench_params, chunked_prefill_on=chunked) == argv(cli_params, chunked_prefill_on=chunked)
     got = argv(bench_params, chunked_prefill_on=True)
-    assert got[got.index("--max-num-batched-tokens") + 1] == "2048" and got.count("--max-num-batched-tokens") == 1
+    # a GPU run's step budget with chunked prefill (round 16's sweep)
+    assert got[got.index("--max-num-batched-tokens") + 1] == "4096" and got.count("--max-num-batched-tokens") == 1
     plain = argv(bench_params, chunked_prefill_on=True, plain=True)
     assert "--speculative-config" not in plain and "--kv-transfer-config" not in plain
     assert [a for a in got if a not in plain and not a.startswith("{")] == ["--speculative-config",
@@ -369,7 +370,7 @@ def test_the_gpu_bench_starts_the_server_specops_extract_starts(tmp_path):
     chunked = {"on": True, "max_num_batched_tokens": vllm_server.command.batched_tokens(
         {**bench_params, "chunked_prefill_on": True}, 2049)}
     said = bench.settings(bench_params, [bench_params["concurrency"]], chunked, {"where": "processes", "processes": 16})
-    assert (said["max_num_batched_tokens"], said["concurrency"], said["digest_in"]["processes"]) == (2048, [8], 16)
+    assert (said["max_num_batched_tokens"], said["concurrency"], said["digest_in"]["processes"]) == (4096, [8], 16)
     assert sorted(said["differs_from_cli"]) == ["gpu_memory_utilization", "server_args"], said
     # an override is the run parameter's, and the settings line names it
     args = bench.parse_args(["--model", "m", "--dataset", "d", "--out", "o", "--batched-tokens", "16384",

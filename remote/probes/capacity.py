@@ -9,9 +9,9 @@ sample at ``seq_len`` tokens this is an upper bound::
     samples x seq_len x (hidden x layers x dtype_bytes + id_arrays x 8) + samples x overhead
 
 With ``format: fp8`` (vllm-server) each value is one byte (float8_e4m3fn) and each token
-adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure, at
-about bf16's rate through specops' connector (``contract.FP8_SPEED``, and the stock connector's
-third of it where specops' cannot run), which the record says wherever it names fp8.
+adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure, landed at
+0.9x bf16's rate and made durable at 1.3x through specops' connector (``contract.FP8_SPEED``, and the
+stock connector's third of it where specops' cannot run), which the record says wherever it names fp8.
 """
 from __future__ import annotations
 

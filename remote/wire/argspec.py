@@ -489,9 +489,10 @@ RUN_ARGS = {
     "format": Arg("str", choices=contract.STATE_FORMATS,
                   doc="the states' dtype on disk: bf16 (None: what the model computes) or fp8 (vllm-server only: "
                       "contract.state_format_problem)",
-                  help="the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes, "
-                       "about bf16's rate: {fp8_of_plain} vs {bf16_of_plain} of plain prefill on an H100; vllm-server "
-                       "engine; train with --hidden-states-backend fp8)".format(**contract.FP8_SPEED)),
+                  help="the states' dtype on disk: bf16 (default: what the model computes) or fp8 (half the bytes; on an "
+                       "H100 {fp8_of_plain} of plain prefill landed vs bf16's {bf16_of_plain}, {fp8_durable_of_plain} "
+                       "on disk vs {bf16_durable_of_plain}; vllm-server engine; train with --hidden-states-backend "
+                       "fp8)".format(**contract.FP8_SPEED)),
     # the engines' own knobs: read from the run's params (remote/extract/engines, remote/extract/supervisor)
     "writer_threads": Arg("int", min=1, max=256, doc="vllm-server: the connector's num_writer_threads (default: its own 8, "
                                              "capped at the host's usable cores)"),

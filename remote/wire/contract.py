@@ -139,17 +139,20 @@ STATE_FORMATS = (BF16, FP8)
 FP8_SCALES_KEY = "hidden_states_scales"
 #: the engines that can write fp8 states.
 FP8_ENGINES = (VLLM_SERVER,)
-#: fp8's speed, measured (issue 43: round 15 on an H100 at real width, vLLM 0.26, a DeepSeek-V3-shaped target,
-#: hidden 7168, 64 x 4096-token samples, the CLI's step budget and concurrency; tests/fixtures/gpu/round15/fp8_speed):
-#: the share of plain prefill extraction landed (manifest done) with specops' fp8 connector (quantized on the GPU,
-#: the engine's default), with bf16, and with hs-connectors 0.9.0's own fp8 connector (quantized on the host CPU
-#: after a bf16 copy, ~0.69 GB/s: the fallback where specops' cannot run).
-FP8_SPEED = {"fp8_of_plain": 0.835, "bf16_of_plain": 0.863, "stock_fp8_of_plain": 0.284,
+#: fp8's speed, measured (issue 43: round 16 on an H100 at real width, vLLM 0.26, a DeepSeek-V3-shaped target,
+#: hidden 7168, 64 x 4096-token samples, the CLI's step budget (4096 on a GPU) and concurrency;
+#: tests/fixtures/gpu/round16/fp8_speed): the share of plain prefill extraction landed (manifest done) and made
+#: durable with specops' fp8 connector (quantized on the GPU, the engine's default) and with bf16, and landed with
+#: hs-connectors 0.9.0's own fp8 connector (quantized on the host CPU after a bf16 copy, ~0.69 GB/s: the fallback
+#: where specops' cannot run).
+FP8_SPEED = {"fp8_of_plain": 0.78, "bf16_of_plain": 0.864, "stock_fp8_of_plain": 0.249,
+             "fp8_durable_of_plain": 0.391, "bf16_durable_of_plain": 0.298,
              "measured": "H100 at DeepSeek-V3 width, vLLM 0.26"}
 #: the same, in words (preflight's capacity advice)
-FP8_SPEED_COST = (f"about bf16's rate: {FP8_SPEED['fp8_of_plain']} of plain prefill vs bf16's "
-                  f"{FP8_SPEED['bf16_of_plain']} ({FP8_SPEED['measured']}; hs-connectors' own fp8 connector, the "
-                  f"fallback: {FP8_SPEED['stock_fp8_of_plain']})")
+FP8_SPEED_COST = (f"{FP8_SPEED['fp8_of_plain']} of plain prefill landed vs bf16's {FP8_SPEED['bf16_of_plain']}, "
+                  f"{FP8_SPEED['fp8_durable_of_plain']} on disk vs bf16's {FP8_SPEED['bf16_durable_of_plain']} "
+                  f"({FP8_SPEED['measured']}; hs-connectors' own fp8 connector, the fallback: "
+                  f"{FP8_SPEED['stock_fp8_of_plain']} landed)")
 #: format -> the read backend speculators' trainer needs (``--hidden-states-backend``): its default
 #: ``file`` backend reads an fp8 file without its scales, silently wrong.
 READ_BACKENDS = {BF16: "file", FP8: "fp8"}
