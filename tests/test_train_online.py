@@ -201,15 +201,24 @@ def test_online_with_an_algorithm_takes_both_halves_ids_from_its_layer_plan():
     assert "capture ids [0, 4, 8]" in said and "aux id 0 (the embeddings) would be layer -1" in said, said
 
 
-def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
+@pytest.mark.parametrize("args, says", [
+    (["--on", "pair", "--online"], "--online over several --on hosts"),
+    (["--on", "a", "--server-on", "b"], "--server-on b places an online run's extraction server"),
+    (["--on", "a", "--online", "--server-on", "zz"], "--server-on 'zz' is not a host of"),
+    (["--on", "a", "--online", "--server-on", "a"], "--server-on a is the trainer's host too"),
+    (["--on", "pair", "--online", "--server-on", "b"], "a disaggregated online run's trainer runs on one host"),
+    (["--on", "a", "--online", "--server-on", "n"], "set node_address of host n"),
+    (["--on", "a", "--online", "--server-on", "b", "--server-port", "0"], "--server-port"),
+    (["--on", "a", "--server-port", "29700"], "--server-port is the port of a disaggregated online run's server"),
+])
+def test_bad_disaggregated_online_input_names_the_flag_before_connecting(args, says, tmp_path):
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
     inv = tmp_path / "inv.yaml"
-    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"}},
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"},
+                                             "n": {**host, "address": "gpu-n.example"}},
                                    "groups": {"pair": ["a", "b"]}}))
-    proc = specops("train", "--inventory", inv, "--on", "pair", "--run-id", "t", "--from-run", "r", "--online",
-                   timeout=60)
-    assert proc.returncode == 3 and "--online runs the server and the trainer colocated on one host" in proc.stderr, \
-        proc.stdout + proc.stderr
+    proc = specops("train", "--inventory", inv, "--run-id", "t", "--from-run", "r", *args, timeout=60)
+    assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
 
 
 # --------------------------------------------------------------------------- heavy
