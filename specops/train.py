@@ -285,7 +285,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         if refused is not None:
             return refused
     if halves:
-        refused = disagg_preflight(inventory, hosts, halves, step, as_json)
+        refused, checked = disagg_preflight(inventory, hosts, halves, step, as_json)
         if refused is not None:
             return refused
     reports = run_on_hosts(inventory, ",".join(hosts), "train",
@@ -413,14 +413,16 @@ def disagg_blocks(inventory: Inventory, selected: list[str], server_on, server_p
     return {"trainer": {"role": "trainer", **block}, "server": {"role": "server", **block}}
 
 
-def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict, step, as_json: bool) -> ExitCode | None:
+def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict, step,
+                     as_json: bool) -> tuple[ExitCode | None, dict[str, list[Record]]]:
     """A disaggregated online run, before either half starts: the train checks of both hosts at once, so the
     server host holds its address's ports while the trainer's host reaches them (``train.server_address``, as
-    a replica's preflight checks its head's ports). The exit code of a refusal (its reports printed), else None."""
+    a replica's preflight checks its head's ports). The exit code of a refusal (its reports printed), else None;
+    and the address records each half's start report begins with, by host."""
     checks = run_on_hosts(inventory, ",".join(hosts), "train",
                           lambda h: step(hosts[h.name], online_server=halves[h.name], action="check"))
     if not any(r.failed for r in checks):
-        return None
+        return None, {r.host: [x for x in r.records if x.name == "train.server_address"] for r in checks}
     failed = [r.host for r in checks if r.failed]
     for report in checks:
         report.records.append(Record(
@@ -429,7 +431,7 @@ def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict,
                     f"(neither half starts until both can run)",
             fix="fix what the records above name, then run the same command again" if report.failed else None))
     print_reports(checks, as_json=as_json)
-    return max(r.exit_code for r in checks)
+    return max(r.exit_code for r in checks), {}
 
 
 def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, step, run_id: str,

@@ -221,6 +221,54 @@ def test_bad_disaggregated_online_input_names_the_flag_before_connecting(args, s
     assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
 
 
+def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_other():
+    """The two halves of a disaggregated run over real loopback sockets (no server): the trainer's host joins the
+    server host's watch (the replica's HostWatch), ``ready`` brings the endpoint, the server half's ``end`` is the
+    server dead (naming its host), the trainer's ``bye`` its end, and a trainer gone without one is lost."""
+    from remote.extract import replica
+    from remote.train import online
+
+    def halves():
+        port = _free_port_pair()
+        block = {"server_host": "sv", "trainer_host": "th", "address": "127.0.0.1", "port": port,
+                 "watch_port": port + 1}
+        watch = replica.HostWatch(online.watch_block(block), on_lost=lambda error: None)
+        watch.start()
+        trainer = online.RemoteServer({"online_server": {"role": "trainer", **block}})
+        assert trainer.launch()["server_host"] == "sv"
+        _until(lambda: 1 in watch.nodes)
+        assert watch.nodes[1]["host"] == "th"
+        return block, watch, trainer
+
+    block, watch, trainer = halves()
+    watch.broadcast("ready", endpoint=f"http://127.0.0.1:{block['port']}/v1")
+    assert trainer.wait_ready(10) >= 0 and trainer.endpoint == f"http://127.0.0.1:{block['port']}/v1"
+    died: list[dict] = []
+    trainer.watch(died.append)
+    watch.close("failed", "the online extraction server (pid 7) died while the trainer ran: SIGKILL")
+    _until(lambda: died)
+    assert died[0]["type"] == "OnlineServerDied" and died[0]["where"] == "online server on host sv", died
+    assert "on host sv (127.0.0.1:" in died[0]["message"] and "(pid 7)" in died[0]["message"], died
+    # the trainer's end: its bye, with its state, is what the server half ends in
+    block, watch, trainer = halves()
+    trainer.stop("done")
+    _until(lambda: watch.nodes[1].get("bye"))
+    assert watch.nodes[1]["bye"] == "done" and watch.lost is None
+    watch.close("done")
+    # a trainer host gone without a word (its supervisor killed): lost, naming it
+    block, watch, trainer = halves()
+    trainer.sock.close()
+    assert "host th" in watch.wait_lost(10)["message"], watch.lost
+    watch.close("failed")
+
+
+def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 # --------------------------------------------------------------------------- heavy
 
 
@@ -452,3 +500,105 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
           f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
+
+
+def _two_hosts(inv, tmp_path: Path, server_host, states_run: str) -> Path:
+    """The shared inventory's host ``th`` (the trainer's) and ``sv``: a second sshd on loopback with its own work
+    dir, the same modern env, the states run linked into its runs (the server host reads its manifest)."""
+    doc = yaml.safe_load(Path(inv).read_text())
+    th = doc["hosts"]["th"]
+    info = server_host.info()
+    work = tmp_path / "sv" / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "runs" / states_run).symlink_to(Path(th["work_dir"]) / "runs" / states_run)
+    doc["hosts"]["sv"] = {**th, "port": info["port"], "user": info["user"], "key": info["key"],
+                          "known_hosts": info["known_hosts"], "work_dir": str(work)}
+    th["env"] = {**(th.get("env") or {}), "SPECOPS_BATCH_DELAY_S": PACE_S}  # the trainer paced: killed mid-way
+    path = tmp_path / "two-hosts.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _disaggregated(run: dict, tmp_path: Path, offline_losses: dict[int, float]) -> dict:
+    """``train --online --on th --server-on sv``: the server on a second host, the trainer on the first, one run
+    id. Preflight reaches the server's ports from the trainer's host; the first steps' losses equal the offline
+    run's (the same rows, seed and order); the server host's server killed mid-way fails the run naming it, and
+    neither the trainer nor the server is left."""
+    from specops.testhost.sshd import TestHost
+
+    server_host = TestHost(name=f"pytest-disagg-{os.getpid()}", root=tmp_path / "sshd-sv")
+    server_host.up()
+    try:
+        env = run["env"]
+        inv = _two_hosts(run["inventory"], tmp_path, server_host, run["run_id"])
+        trainer_dir = run["run_dir"].parent.parent / "runs" / "disagg"
+        server_dir = tmp_path / "sv" / "work" / "runs" / "disagg"
+        port = _free_port_pair()
+        started = specops("train", "--inventory", inv, "--on", "th", "--server-on", "sv", "--server-port", port,
+                          "--run-id", "disagg", "--from-run", run["run_id"], "--epochs", 2, "--online", "--detach",
+                          "--json", env=env)
+        assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+        by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(started.stdout)["hosts"]}
+        reached = by_host["th"]["train.server_address"]
+        assert reached["status"] == "ok" and reached["detail"]["reach"] == {str(port): None, str(port + 1): None}
+        assert by_host["sv"]["train.server_address"]["detail"]["listen"]["peers"][str(port)] == ["127.0.0.1"]
+        # the trainer past its first steps (paced): their losses, then the server host's server killed
+        deadline = time.monotonic() + 600
+        while True:
+            st = _read_status(trainer_dir)
+            losses = _train_losses(trainer_dir / trainplan.METRICS_FILE) if (
+                trainer_dir / trainplan.METRICS_FILE).exists() else {}
+            if 1 in losses or st.get("state") in ("done", "failed", "aborted"):
+                break
+            assert time.monotonic() < deadline, (st, _read_status(server_dir))
+            time.sleep(0.5)
+        assert st["state"] == "training", (st, _read_status(server_dir))
+        assert [losses[k] for k in (0, 1)] == pytest.approx([offline_losses[k] for k in (0, 1)], rel=0.02), \
+            (losses, offline_losses)
+        served = _read_status(server_dir)
+        server = served["online_server"]
+        assert served["state"] == "extracting" and server["endpoint"] == f"http://127.0.0.1:{port}", served
+        assert st["online_server"]["endpoint"] == server["endpoint"] + "/v1", st["online_server"]
+        os.kill(server["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while _read_status(trainer_dir).get("state") not in ("done", "failed", "aborted"):
+            assert time.monotonic() < deadline, _read_status(trainer_dir)
+            time.sleep(0.5)
+        st = _read_status(trainer_dir)
+        assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
+        assert "on host sv" in st["error"]["message"] and st["error"]["where"] == "online server on host sv", st
+        assert _gone(server["marker"], trainer_dir, timeout=60), (leftover_pids(server["marker"]),
+                                                                  _trainers(trainer_dir))
+        deadline = time.monotonic() + 60
+        while _read_status(server_dir).get("state") not in ("failed", "aborted"):
+            assert time.monotonic() < deadline, _read_status(server_dir)
+            time.sleep(0.5)
+        assert _read_status(server_dir)["error"]["type"] == "OnlineServerDied", _read_status(server_dir)
+        return {"first_losses": losses, "server_ready_s": server.get("ready_s")}
+    finally:
+        server_host.destroy()
+
+
+def _read_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _free_port_pair() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two free consecutive loopback ports")

@@ -253,7 +253,7 @@ class RemoteServer:
                                                             "answered")["message"])
             for msg in messages:
                 if msg.get("event") == "ready":
-                    self._endpoint = f"{msg['endpoint']}/v1"
+                    self._endpoint = str(msg["endpoint"])  # the server half's OnlineServer.endpoint, /v1 included
                     return time.monotonic() - t0
                 if msg.get("event") == "end":
                     raise ServerFailed(server_died(self.disagg, str(msg.get("message")))["message"])
