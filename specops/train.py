@@ -179,6 +179,13 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                       summary=f"run {run_id} done on node {nodes['node_rank']} of {nodes['nnodes']} (headless: the "
                               f"curve and the checkpoints are on {nodes['hosts'][0]}){used}",
                       detail={"nodes": nodes, "wall_s": st.get("wall_s"), "memory": memory})
+    served = st.get("online_server") or {}
+    if state.state == "done" and served.get("trainer_host"):  # the server host's half of a disaggregated run
+        return Record(name="train.run", status="ok",
+                      summary=f"run {run_id} done: served the trainer on {served['trainer_host']} at "
+                              f"{served.get('endpoint')} (ready in {served.get('ready_s')} s); the curve and the "
+                              f"checkpoints are on {served['trainer_host']}",
+                      detail={"online_server": served, "wall_s": st.get("wall_s")})
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
@@ -429,7 +436,8 @@ def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict,
             name="train.online", status="fail" if report.failed else "skipped",
             summary=f"the disaggregated online run was not started: the checks of {', '.join(failed)} failed "
                     f"(neither half starts until both can run)",
-            fix="fix what the records above name, then run the same command again" if report.failed else None))
+            fix=("fix what the records above name (both hosts read the states run --from-run names, and the model), "
+                 "then run the same command again") if report.failed else None))
     print_reports(checks, as_json=as_json)
     return max(r.exit_code for r in checks), {}
 

@@ -5,15 +5,20 @@ at the server's endpoint, the stream checks passed as speculators' own flags), t
 leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
 laptop refuses.
 
-Heavy (marked ``vllm``; four CPU server starts loaded, one launch aborted while it loads): on the
+Heavy (marked ``vllm``; four CPU server starts loaded, the first on a second host, one launch aborted
+while it loads): on the
 session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
 online train run, started five times by the same command:
 
-1. detached, paced (the CPU launcher's pause after each step): once the trainer is past epoch 0's
-   checkpoint (its status), the server's API process is killed; the run fails naming the online
-   server, and neither a server process nor the trainer is left; nothing but the token dataset's
-   links is on disk (``--keep-states none``);
-2. again, paced: once the fresh server answers and the trainer runs, the trainer is killed (SIGKILL):
+1. disaggregated (``--server-on sv``: the server on a second test host, its own sshd and work dir, the
+   trainer here), detached, paced (the CPU launcher's pause after each step): preflight reached the
+   server host's ports from the trainer's host; once the trainer is past epoch 0's checkpoint (its
+   status), the server host's API process is killed; the run fails naming the online server and its
+   host, the server host's half fails too, and neither a server process nor the trainer is left;
+   nothing but the token dataset's links is on disk (``--keep-states none``); its first steps' losses
+   equal an offline train's on the same rows, seed and order;
+2. again, colocated (a resume may move the server), paced: once the fresh server answers and the
+   trainer runs, the trainer is killed (SIGKILL):
    the run fails naming the trainer, and the server is stopped;
 3. again, paced: the supervisor is killed (SIGKILL) while both run: neither is left, the next status
    names the dead supervisor;
@@ -46,6 +51,8 @@ sys.path.insert(0, str(REPO))
 
 from remote.extract.engines.vllm_server.process import leftover_pids  # noqa: E402
 from remote.train import plan as trainplan  # noqa: E402
+from specops.testhost.sshd import TestHost  # noqa: E402
+from test_replica_remote import free_port_pair  # noqa: E402
 
 EPOCHS = 4
 
@@ -232,7 +239,7 @@ def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_othe
     from remote.train import online
 
     def halves():
-        port = _free_port_pair()
+        port = free_port_pair()
         block = {"server_host": "sv", "trainer_host": "th", "address": "127.0.0.1", "port": port,
                  "watch_port": port + 1}
         watch = replica.HostWatch(online.watch_block(block), on_lost=lambda error: None)
@@ -388,31 +395,51 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     faulty = _with_env(inv, tmp_path / "faulty.yaml", SPECOPS_STREAM_FAULT=json.dumps(STREAM_FAULT))
     t0 = time.monotonic()
 
-    # 1. the server dies while the trainer runs: the run fails naming it; nothing of it is left
-    started = specops("train", "--inventory", paced, *args, "--detach", "--json", env=env)
-    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-    recs = records(started)
-    online = recs["train.online"]
-    assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
-    disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
-    assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
-    assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
-    assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
-    # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
-    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
-    assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
-    command = st["command"]  # the stream checks reach the trainer as its own flags
-    assert command[command.index("--generation-validation-retries") + 1] == "1", command
-    assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
-    server = st["online_server"]
-    assert server["layer_ids"] == [2, 4, 5, 8] and server["endpoint"].startswith("http://127.0.0.1:"), server
-    t_first = time.monotonic() - t0
-    os.kill(server["pid"], signal.SIGKILL)
-    st = _wait(inv, "online", env, lambda s: False, timeout=120)
-    assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
-    assert "online extraction server" in st["error"]["message"] and str(server["pid"]) in st["error"]["message"]
-    assert st["error"]["where"] == "online server" and st["error"]["rank"] == 0, st["error"]
-    assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+    # 1. disaggregated: the server on a second host (sv), the trainer here (th), one run id; the server dies while
+    # the trainer runs: the run fails naming it and its host; nothing of it is left on either host
+    server_host = TestHost(name=f"pytest-online-sv-{os.getpid()}", root=tmp_path / "sshd-sv")
+    server_host.up()
+    try:
+        two_hosts = _two_hosts(paced, tmp_path, server_host, run["run_id"])
+        server_dir = tmp_path / "sv" / "work" / "runs" / "online"
+        port = free_port_pair()
+        started = specops("train", "--inventory", two_hosts, "--on", "th", "--server-on", "sv", "--server-port", port,
+                          *args, "--detach", "--json", env=env)
+        assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+        by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(started.stdout)["hosts"]}
+        recs = by_host["th"]
+        # preflight: the trainer's host reached the server host's two ports while it held them
+        reached = recs["train.server_address"]
+        assert reached["status"] == "ok" and reached["detail"]["reach"] == {str(port): None, str(port + 1): None}
+        assert by_host["sv"]["train.server_address"]["detail"]["listen"]["peers"][str(port)] == ["127.0.0.1"]
+        online = recs["train.online"]
+        assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
+        disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
+        assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
+        assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
+        assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
+        # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
+        st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
+        assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
+        command = st["command"]  # the stream checks reach the trainer as its own flags
+        assert command[command.index("--generation-validation-retries") + 1] == "1", command
+        assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
+        served = _read_status(server_dir)
+        server = served["online_server"]
+        assert served["state"] == "extracting" and server["layer_ids"] == [2, 4, 5, 8], served
+        assert server["endpoint"] == st["online_server"]["endpoint"] == f"http://127.0.0.1:{port}/v1", (served, st)
+        t_first = time.monotonic() - t0
+        os.kill(server["pid"], signal.SIGKILL)
+        st = _wait(inv, "online", env, lambda s: False, timeout=120)
+        assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
+        assert "online extraction server on host sv" in st["error"]["message"], st["error"]
+        assert str(server["pid"]) in st["error"]["message"], st["error"]  # the server half's own words
+        assert st["error"]["where"] == "online server on host sv" and st["error"]["rank"] == 0, st["error"]
+        assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+        _until(lambda: _read_status(server_dir).get("state") == "failed", timeout=60)
+        assert _read_status(server_dir)["error"]["type"] == "OnlineServerDied", _read_status(server_dir)
+    finally:
+        server_host.destroy()
     # --keep-states none (the default): the token dataset only, linked; no state file anywhere in the run
     data = run_dir / trainplan.ONLINE_DATA
     assert [p for p in data.rglob("*") if not p.is_symlink()] == [], list(data.rglob("*"))
@@ -500,7 +527,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
     assert leftover_pids(st["online_server"]["marker"]) == []
     _check_kept_run(inv, env, work, run["run_id"], st, stream)
-    print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
+    print(f"\nonline train: first server (disaggregated, on sv) ready {server['ready_s']} s, to training {t_first:.0f} s; "
           f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
 
@@ -516,70 +543,9 @@ def _two_hosts(inv, tmp_path: Path, server_host, states_run: str) -> Path:
     (work / "runs" / states_run).symlink_to(Path(th["work_dir"]) / "runs" / states_run)
     doc["hosts"]["sv"] = {**th, "port": info["port"], "user": info["user"], "key": info["key"],
                           "known_hosts": info["known_hosts"], "work_dir": str(work)}
-    th["env"] = {**(th.get("env") or {}), "SPECOPS_BATCH_DELAY_S": PACE_S}  # the trainer paced: killed mid-way
     path = tmp_path / "two-hosts.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def _disaggregated(run: dict, tmp_path: Path, offline_losses: dict[int, float]) -> dict:
-    """``train --online --on th --server-on sv``: the server on a second host, the trainer on the first, one run
-    id. Preflight reaches the server's ports from the trainer's host; the first steps' losses equal the offline
-    run's (the same rows, seed and order); the server host's server killed mid-way fails the run naming it, and
-    neither the trainer nor the server is left."""
-    from specops.testhost.sshd import TestHost
-
-    server_host = TestHost(name=f"pytest-disagg-{os.getpid()}", root=tmp_path / "sshd-sv")
-    server_host.up()
-    try:
-        env = run["env"]
-        inv = _two_hosts(run["inventory"], tmp_path, server_host, run["run_id"])
-        trainer_dir = run["run_dir"].parent.parent / "runs" / "disagg"
-        server_dir = tmp_path / "sv" / "work" / "runs" / "disagg"
-        port = _free_port_pair()
-        started = specops("train", "--inventory", inv, "--on", "th", "--server-on", "sv", "--server-port", port,
-                          "--run-id", "disagg", "--from-run", run["run_id"], "--epochs", 3, "--online", "--detach",
-                          "--json", env=env)
-        assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-        by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(started.stdout)["hosts"]}
-        reached = by_host["th"]["train.server_address"]
-        assert reached["status"] == "ok" and reached["detail"]["reach"] == {str(port): None, str(port + 1): None}
-        assert by_host["sv"]["train.server_address"]["detail"]["listen"]["peers"][str(port)] == ["127.0.0.1"]
-        # the trainer past its first steps (paced): their losses, then the server host's server killed
-        deadline = time.monotonic() + 600
-        while True:
-            st = _read_status(trainer_dir)
-            losses = _train_losses(trainer_dir / trainplan.METRICS_FILE) if (
-                trainer_dir / trainplan.METRICS_FILE).exists() else {}
-            if 1 in losses or st.get("state") in ("done", "failed", "aborted"):
-                break
-            assert time.monotonic() < deadline, (st, _read_status(server_dir))
-            time.sleep(0.5)
-        assert st["state"] == "training", (st, _read_status(server_dir))
-        assert [losses[k] for k in (0, 1)] == pytest.approx([offline_losses[k] for k in (0, 1)], rel=0.02), \
-            (losses, offline_losses)
-        served = _read_status(server_dir)
-        server = served["online_server"]
-        assert served["state"] == "extracting" and server["endpoint"] == f"http://127.0.0.1:{port}/v1", served
-        assert st["online_server"]["endpoint"] == server["endpoint"], st["online_server"]
-        os.kill(server["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while _read_status(trainer_dir).get("state") not in ("done", "failed", "aborted"):
-            assert time.monotonic() < deadline, _read_status(trainer_dir)
-            time.sleep(0.5)
-        st = _read_status(trainer_dir)
-        assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
-        assert "on host sv" in st["error"]["message"] and st["error"]["where"] == "online server on host sv", st
-        assert _gone(server["marker"], trainer_dir, timeout=60), (leftover_pids(server["marker"]),
-                                                                  _trainers(trainer_dir))
-        deadline = time.monotonic() + 60
-        while _read_status(server_dir).get("state") not in ("failed", "aborted"):
-            assert time.monotonic() < deadline, _read_status(server_dir)
-            time.sleep(0.5)
-        assert _read_status(server_dir)["error"]["type"] == "OnlineServerDied", _read_status(server_dir)
-        return {"first_losses": losses, "server_ready_s": server.get("ready_s")}
-    finally:
-        server_host.destroy()
 
 
 def _read_status(run_dir: Path) -> dict:
@@ -587,21 +553,3 @@ def _read_status(run_dir: Path) -> dict:
         return json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _free_port_pair() -> int:
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two free consecutive loopback ports")
