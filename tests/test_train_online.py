@@ -272,6 +272,17 @@ def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_othe
     watch.close("failed")
 
 
+def test_the_server_halfs_done_record_names_where_the_trainer_ran():
+    from specops.result import RunStatus
+    from specops.train import run_record
+
+    rec = run_record("t", RunStatus(state="done", online_server={"trainer_host": "th", "ready_s": 30.0,
+                                                                  "endpoint": "http://10.0.0.2:29600/v1"}))
+    assert rec.status == "ok" and "served the trainer on th at http://10.0.0.2:29600/v1" in rec.summary, rec
+    trainer = run_record("t", RunStatus(state="done", step=3, loss=0.1, online_server={"server_host": "sv"}))
+    assert "served" not in trainer.summary and "step 3" in trainer.summary, trainer
+
+
 def _until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

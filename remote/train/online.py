@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 #: the train run's dir for the server (``storage/``, ``logs/server.log``)
@@ -184,8 +185,17 @@ class OnlineServerHalf:
         self.watch.broadcast("ready", endpoint=endpoint)
         print(f"[specops] online extraction server ready in {ready:.0f}s at {endpoint} for the trainer on "
               f"{self.disagg['trainer_host']}", flush=True)
+        from remote.extract import replica
+
+        since = time.monotonic()
         while True:
             lost = self.watch.wait_lost(WATCH_S)
+            if 1 not in self.watch.nodes and time.monotonic() - since > replica.CONNECT_TIMEOUT_S:
+                # a trainer half that failed before it joined (and no laptop left to abort this one)
+                return RunState.FAILED.value, wire_status.error(
+                    "TrainerLost", f"the trainer on host {self.disagg['trainer_host']} never joined in "
+                                   f"{replica.CONNECT_TIMEOUT_S:.0f} s; the server was stopped",
+                    where=f"trainer on host {self.disagg['trainer_host']}")
             if lost is not None:
                 return RunState.FAILED.value, wire_status.error(
                     "TrainerLost", f"the trainer on host {self.disagg['trainer_host']} is gone: {lost['message']}; "
@@ -241,8 +251,6 @@ class RemoteServer:
         """Until the server host says ``ready``: seconds it took.
 
         :raises ServerFailed: the server host's run ended, or went away, first."""
-        import time
-
         from remote.extract.engines.vllm_server import ServerFailed
 
         t0 = time.monotonic()
