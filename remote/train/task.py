@@ -130,9 +130,12 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         if why:
             raise TrainError("train.nodes", f"this host's place in the run over several hosts: {why}",
                              "start it with specops train --on <group> (the laptop sends each host its place)")
-    api = trainplan.trainer_api()
-    records.append(trainplan.check_algorithm(params, api))
-    records.append(trainplan.check_extra_args(params.get("train_args"), api))
+    # the server host's half of a disaggregated online run trains nothing: the trainer's own checks are its host's
+    trains = (params.get("online_server") or {}).get("role") != "server"
+    api = trainplan.trainer_api() if trains else None
+    if trains:
+        records.append(trainplan.check_algorithm(params, api))
+        records.append(trainplan.check_extra_args(params.get("train_args"), api))
     plan = trainplan.resolve(params)
     records += [protocol.record(
         "train.plan", protocol.OK,
@@ -150,11 +153,12 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
 
         doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
         records.append(regenerate.check(doc, params, plan.sample_tokens))
-    records.append(trainplan.check_api(plan, api))
-    records.append(check_disk(plan))
-    records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
-    if plan.device == "cpu":
-        records.append(check_cpu_launcher())
+    if trains:
+        records.append(trainplan.check_api(plan, api))
+        records.append(check_disk(plan))
+        records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
+        if plan.device == "cpu":
+            records.append(check_cpu_launcher())
     if params.get("online_server") and params["action"] == "check":
         records.append(check_server_address(params["online_server"]))
     return plan
