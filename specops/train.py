@@ -431,15 +431,20 @@ def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict,
     if not any(r.failed for r in checks):
         return None, {r.host: [x for x in r.records if x.name == "train.server_address"] for r in checks}
     failed = [r.host for r in checks if r.failed]
-    for report in checks:
-        report.records.append(Record(
-            name="train.online", status="fail" if report.failed else "skipped",
-            summary=f"the disaggregated online run was not started: the checks of {', '.join(failed)} failed "
-                    f"(neither half starts until both can run)",
-            fix=("fix what the records above name (both hosts read the states run --from-run names, and the model), "
-                 "then run the same command again") if report.failed else None))
+    _not_started(checks, "train.online", f"the disaggregated online run was not started: the checks of "
+                                         f"{', '.join(failed)} failed (neither half starts until both can run)",
+                 lambda report: "fix what the records above name (both hosts read the states run --from-run names, "
+                                "and the model), then run the same command again")
     print_reports(checks, as_json=as_json)
     return max(r.exit_code for r in checks), {}
+
+
+def _not_started(checks: list[HostReport], name: str, summary: str, fix_of) -> None:
+    """Record ``name`` on every host of a refused start: fail (``fix_of(report)``) where its checks failed,
+    skipped on the others."""
+    for report in checks:
+        report.records.append(Record(name=name, status="fail" if report.failed else "skipped", summary=summary,
+                                     fix=fix_of(report) if report.failed else None))
 
 
 def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, step, run_id: str,
@@ -458,14 +463,11 @@ def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, 
         by_host[names[0]].records += added[names[0]]
     if any(r.failed for r in checks):
         failed = [r.host for r in checks if r.failed]
-        for report in checks:
-            report.records.append(Record(
-                name="train.nodes", status="fail" if report.failed else "skipped",
-                summary=f"train run {run_id} over {', '.join(names)} not started: the checks of "
-                        f"{', '.join(failed)} failed (no node starts until every node can train)",
-                fix=(f"each host trains on the states it reads: give {report.host} the states of the run (an "
-                     f"output_dir every host shares, or the states run copied into its work_dir), or fix what the "
-                     f"records above name" if report.failed else None)))
+        _not_started(checks, "train.nodes", f"train run {run_id} over {', '.join(names)} not started: the checks of "
+                                            f"{', '.join(failed)} failed (no node starts until every node can train)",
+                     lambda report: f"each host trains on the states it reads: give {report.host} the states of the "
+                                    f"run (an output_dir every host shares, or the states run copied into its "
+                                    f"work_dir), or fix what the records above name")
         print_reports(checks, as_json=as_json)
         return max(r.exit_code for r in checks), {}
     for worker in names[1:]:
