@@ -106,9 +106,11 @@ def trainer_argv(values) -> list[str]:
 def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
-               action: str = "start", online: bool | dict = False, algorithm: str | None = None) -> HostReport:
+               action: str = "start", online: bool | dict = False, algorithm: str | None = None,
+               online_server: dict | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
-    preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
+    preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`);
+    ``online_server``: its half of a disaggregated online run (:func:`disagg_blocks`)."""
     from specops.slurm import refuse_not_yet
 
     refuse_not_yet(host.spec, "train")
@@ -117,6 +119,8 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
                           action=action, online=online, algorithm=algorithm)
     if nodes:
         params["nodes"] = nodes
+    if online_server:
+        params["online_server"] = online_server
     payload = host.run_task("train", params)
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
@@ -175,6 +179,13 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                       summary=f"run {run_id} done on node {nodes['node_rank']} of {nodes['nnodes']} (headless: the "
                               f"curve and the checkpoints are on {nodes['hosts'][0]}){used}",
                       detail={"nodes": nodes, "wall_s": st.get("wall_s"), "memory": memory})
+    served = st.get("online_server") or {}
+    if state.state == "done" and served.get("trainer_host"):  # the server host's half of a disaggregated run
+        return Record(name="train.run", status="ok",
+                      summary=f"run {run_id} done: served the trainer on {served['trainer_host']} at "
+                              f"{served.get('endpoint')} (ready in {served.get('ready_s')} s); the curve and the "
+                              f"checkpoints are on {served['trainer_host']}",
+                      detail={"online_server": served, "wall_s": st.get("wall_s")})
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}
         where = ckpt.get("path") or st.get("checkpoints")
@@ -218,6 +229,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
           master_port=None, online: bool = False, stream_checks: dict | None = None, keep_states=None,
+          server_on: str | None = None, server_port=None,
           as_json: bool = False, accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
@@ -248,13 +260,19 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         given = [*stream_checks, *(["keep_states"] if keep_states != TRAIN_ARGS["keep_states"].default else [])]
         raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in given)} set(s) how an online run streams "
                          f"its states", "add --online, or drop them")
-    hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
+    pool = HostPool(inventory, accept_new_host_key)
+    hosts = {host.name: host for host in pool.selected(selector)}
     nodes = {}
-    if len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
+    disagg = disagg_blocks(inventory, list(hosts), server_on, server_port, online=online, regenerate=regen is not None,
+                           master_port=master_port)
+    if disagg:  # the server host joins the run: its half serves, the --on host's trains
+        hosts[disagg["server"]["server_host"]] = pool.host(disagg["server"]["server_host"])
+    elif len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
         if online:
-            raise UsageError("--online runs the server and the trainer colocated on one host (across hosts is not "
-                             "built yet)", "train online on one host (--on HOST), or train over several hosts "
-                             "offline")
+            raise UsageError("--online over several --on hosts: the trainer runs on one host, the server beside it "
+                             "or on the host --server-on names", "train online on one host (--on HOST), with "
+                             "--server-on SERVER_HOST to run the extraction server on another; or train over "
+                             "several hosts offline")
         if regen is not None:
             raise UsageError("--regenerate runs on one host (the target's server writes the replies there)",
                              "regenerate on one host (--on HOST), or train over several hosts without it")
@@ -267,16 +285,22 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                              online=online_params(stream_checks, keep_states) if online else False,
                              algorithm=algorithm)
     checked: dict[str, list[Record]] = {}
+    halves = {block["trainer_host" if role == "trainer" else "server_host"]: block
+              for role, block in disagg.items()}  # host -> its half of a disaggregated run
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)
         if refused is not None:
             return refused
+    if halves:
+        refused, checked = disagg_preflight(inventory, hosts, halves, step, as_json)
+        if refused is not None:
+            return refused
     reports = run_on_hosts(inventory, ",".join(hosts), "train",
-                           lambda h: step(hosts[h.name], nodes=nodes.get(h.name)))
+                           lambda h: step(hosts[h.name], nodes=nodes.get(h.name), online_server=halves.get(h.name)))
     for report in reports:  # the nodes' own checks (rendezvous, a checkpoint copied) before the start's
         report.records[:0] = checked.get(report.host, [])
     started = [r.host for r in reports if not r.failed]
-    if nodes and len(started) < len(hosts):  # a node that did not start: the others would wait for it
+    if (nodes or halves) and len(started) < len(hosts):  # a node or half that did not start: the other waits for it
         trainnodes.abort_nodes([hosts[n] for n in started], run_id)
         started = []
     if detach or not started:
@@ -306,7 +330,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     def on_result(name: str, result) -> None:
         # a node of a run over several hosts that ended without being done: the others go down with it
         ended.append(name)
-        if nodes and getattr(result, "state", None) != "done" and len(ended) == 1:
+        if (nodes or halves) and getattr(result, "state", None) != "done" and len(ended) == 1:
             trainnodes.abort_nodes([hosts[n] for n in started if n != name], run_id)
 
     try:
@@ -351,6 +375,78 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     return max(codes + [r.exit_code for r in fetched], default=ExitCode.SUCCESS)
 
 
+def disagg_blocks(inventory: Inventory, selected: list[str], server_on, server_port, *, online: bool,
+                  regenerate: bool, master_port) -> dict:
+    """``--server-on``: each half's ``online_server`` block of a disaggregated online run (``{"trainer": ...,
+    "server": ...}``, see :data:`remote.train.online.DISAGG_KEYS`); {} without it. The server host is reached at
+    its replica address (``node_address``, else its address when that is an IP), as a replica's head is.
+
+    :raises UsageError: naming the flag (or the inventory field) and the fix; nothing is started.
+    """
+    server_on = _train_flag("server_on", server_on)
+    port = _train_flag("server_port", server_port)
+    if server_on is None:
+        if server_port not in (None, ""):
+            raise UsageError("--server-port is the port of a disaggregated online run's server",
+                             "add --online --server-on SERVER_HOST, or drop it")
+        return {}
+    if not online:
+        raise UsageError(f"--server-on {server_on} places an online run's extraction server",
+                         "add --online, or drop --server-on")
+    if regenerate:
+        raise UsageError("--regenerate runs on one host (the target's server writes the replies there)",
+                         "drop --server-on, or drop --regenerate")
+    if master_port is not None:
+        raise UsageError("--master-port is the rendezvous of a training run over several hosts; a disaggregated "
+                         "online run's trainer runs on one", "drop --master-port (--server-port sets the server's)")
+    if server_on not in inventory.hosts:
+        raise UsageError(f"--server-on {server_on!r} is not a host of {inventory.path}",
+                         f"name one of its hosts: {', '.join(inventory.hosts)}")
+    if len(selected) != 1:
+        raise UsageError(f"--server-on with --on {', '.join(selected)}: a disaggregated online run's trainer runs "
+                         f"on one host", "select the trainer's host alone (--on HOST)")
+    trainer = selected[0]
+    if trainer == server_on:
+        raise UsageError(f"--server-on {server_on} is the trainer's host too",
+                         f"drop --server-on to run both halves on {trainer} (colocated), or name another host")
+    address = inventory.hosts[server_on].replica_address
+    if address is None:
+        raise UsageError(f"--server-on {server_on}: the trainer's host reaches the server at an IP address, and "
+                         f"host {server_on}'s address {inventory.hosts[server_on].address!r} is a name",
+                         f"set node_address of host {server_on} in {inventory.path} to the IP the trainer's host "
+                         f"reaches it on")
+    block = {"server_host": server_on, "trainer_host": trainer, "address": address, "port": int(port),
+             "watch_port": int(port) + 1}
+    return {"trainer": {"role": "trainer", **block}, "server": {"role": "server", **block}}
+
+
+def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict, step,
+                     as_json: bool) -> tuple[ExitCode | None, dict[str, list[Record]]]:
+    """A disaggregated online run, before either half starts: the train checks of both hosts at once, so the
+    server host holds its address's ports while the trainer's host reaches them (``train.server_address``, as
+    a replica's preflight checks its head's ports). The exit code of a refusal (its reports printed), else None;
+    and the address records each half's start report begins with, by host."""
+    checks = run_on_hosts(inventory, ",".join(hosts), "train",
+                          lambda h: step(hosts[h.name], online_server=halves[h.name], action="check"))
+    if not any(r.failed for r in checks):
+        return None, {r.host: [x for x in r.records if x.name == "train.server_address"] for r in checks}
+    failed = [r.host for r in checks if r.failed]
+    _not_started(checks, "train.online", f"the disaggregated online run was not started: the checks of "
+                                         f"{', '.join(failed)} failed (neither half starts until both can run)",
+                 lambda report: "fix what the records above name (both hosts read the states run --from-run names, "
+                                "and the model), then run the same command again")
+    print_reports(checks, as_json=as_json)
+    return max(r.exit_code for r in checks), {}
+
+
+def _not_started(checks: list[HostReport], name: str, summary: str, fix_of) -> None:
+    """Record ``name`` on every host of a refused start: fail (``fix_of(report)``) where its checks failed,
+    skipped on the others."""
+    for report in checks:
+        report.records.append(Record(name=name, status="fail" if report.failed else "skipped", summary=summary,
+                                     fix=fix_of(report) if report.failed else None))
+
+
 def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, step, run_id: str,
                      as_json: bool) -> tuple[ExitCode | None, dict[str, list[Record]]]:
     """A run over several hosts, before any node starts: the train checks on every host, the rendezvous
@@ -367,14 +463,11 @@ def _nodes_preflight(inventory: Inventory, hosts: dict[str, Host], nodes: dict, 
         by_host[names[0]].records += added[names[0]]
     if any(r.failed for r in checks):
         failed = [r.host for r in checks if r.failed]
-        for report in checks:
-            report.records.append(Record(
-                name="train.nodes", status="fail" if report.failed else "skipped",
-                summary=f"train run {run_id} over {', '.join(names)} not started: the checks of "
-                        f"{', '.join(failed)} failed (no node starts until every node can train)",
-                fix=(f"each host trains on the states it reads: give {report.host} the states of the run (an "
-                     f"output_dir every host shares, or the states run copied into its work_dir), or fix what the "
-                     f"records above name" if report.failed else None)))
+        _not_started(checks, "train.nodes", f"train run {run_id} over {', '.join(names)} not started: the checks of "
+                                            f"{', '.join(failed)} failed (no node starts until every node can train)",
+                     lambda report: f"each host trains on the states it reads: give {report.host} the states of the "
+                                    f"run (an output_dir every host shares, or the states run copied into its "
+                                    f"work_dir), or fix what the records above name")
         print_reports(checks, as_json=as_json)
         return max(r.exit_code for r in checks), {}
     for worker in names[1:]:

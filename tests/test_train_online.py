@@ -5,15 +5,20 @@ at the server's endpoint, the stream checks passed as speculators' own flags), t
 leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
 laptop refuses.
 
-Heavy (marked ``vllm``; four CPU server starts loaded, one launch aborted while it loads): on the
+Heavy (marked ``vllm``; four CPU server starts loaded, the first on a second host, one launch aborted
+while it loads): on the
 session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
 online train run, started five times by the same command:
 
-1. detached, paced (the CPU launcher's pause after each step): once the trainer is past epoch 0's
-   checkpoint (its status), the server's API process is killed; the run fails naming the online
-   server, and neither a server process nor the trainer is left; nothing but the token dataset's
-   links is on disk (``--keep-states none``);
-2. again, paced: once the fresh server answers and the trainer runs, the trainer is killed (SIGKILL):
+1. disaggregated (``--server-on sv``: the server on a second test host, its own sshd and work dir, the
+   trainer here), detached, paced (the CPU launcher's pause after each step): preflight reached the
+   server host's ports from the trainer's host; once the trainer is past epoch 0's checkpoint (its
+   status), the server host's API process is killed; the run fails naming the online server and its
+   host, the server host's half fails too, and neither a server process nor the trainer is left;
+   nothing but the token dataset's links is on disk (``--keep-states none``); its first steps' losses
+   equal an offline train's on the same rows, seed and order;
+2. again, colocated (a resume may move the server), paced: once the fresh server answers and the
+   trainer runs, the trainer is killed (SIGKILL):
    the run fails naming the trainer, and the server is stopped;
 3. again, paced: the supervisor is killed (SIGKILL) while both run: neither is left, the next status
    names the dead supervisor;
@@ -46,6 +51,8 @@ sys.path.insert(0, str(REPO))
 
 from remote.extract.engines.vllm_server.process import leftover_pids  # noqa: E402
 from remote.train import plan as trainplan  # noqa: E402
+from specops.testhost.sshd import TestHost  # noqa: E402
+from test_replica_remote import free_port_pair  # noqa: E402
 
 EPOCHS = 4
 
@@ -91,6 +98,9 @@ def test_a_resume_may_change_what_stays_on_disk_and_nothing_else():
 
     started = {"run_id": "t", "from_run": "r", "online": True, "epochs": 4}
     assert job._identity({**started, "keep_states": "all"}) == job._identity(started)
+    # the server may move (colocated <-> another host): stateless, the trainer's checkpoints stay on its host
+    assert job._identity({**started, "online_server": {"role": "trainer", "server_host": "sv"}}) == \
+        job._identity(started)
     assert job._identity({**started, "epochs": 5}) != job._identity(started)
 
 
@@ -201,15 +211,83 @@ def test_online_with_an_algorithm_takes_both_halves_ids_from_its_layer_plan():
     assert "capture ids [0, 4, 8]" in said and "aux id 0 (the embeddings) would be layer -1" in said, said
 
 
-def test_online_over_several_hosts_is_refused_before_connecting(tmp_path):
+@pytest.mark.parametrize("args, says", [
+    (["--on", "pair", "--online"], "--online over several --on hosts"),
+    (["--on", "a", "--server-on", "b"], "--server-on b places an online run's extraction server"),
+    (["--on", "a", "--online", "--server-on", "zz"], "--server-on 'zz' is not a host of"),
+    (["--on", "a", "--online", "--server-on", "a"], "--server-on a is the trainer's host too"),
+    (["--on", "pair", "--online", "--server-on", "b"], "a disaggregated online run's trainer runs on one host"),
+    (["--on", "a", "--online", "--server-on", "n"], "set node_address of host n"),
+    (["--on", "a", "--online", "--server-on", "b", "--server-port", "0"], "--server-port"),
+    (["--on", "a", "--server-port", "29700"], "--server-port is the port of a disaggregated online run's server"),
+])
+def test_bad_disaggregated_online_input_names_the_flag_before_connecting(args, says, tmp_path):
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
     inv = tmp_path / "inv.yaml"
-    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"}},
+    inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"},
+                                             "n": {**host, "address": "gpu-n.example"}},
                                    "groups": {"pair": ["a", "b"]}}))
-    proc = specops("train", "--inventory", inv, "--on", "pair", "--run-id", "t", "--from-run", "r", "--online",
-                   timeout=60)
-    assert proc.returncode == 3 and "--online runs the server and the trainer colocated on one host" in proc.stderr, \
-        proc.stdout + proc.stderr
+    proc = specops("train", "--inventory", inv, "--run-id", "t", "--from-run", "r", *args, timeout=60)
+    assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_other():
+    """The two halves of a disaggregated run over real loopback sockets (no server): the trainer's host joins the
+    server host's watch (the replica's HostWatch), ``ready`` brings the endpoint, the server half's ``end`` is the
+    server dead (naming its host), the trainer's ``bye`` its end, and a trainer gone without one is lost."""
+    from remote.extract import replica
+    from remote.train import online
+
+    def halves():
+        port = free_port_pair()
+        block = {"server_host": "sv", "trainer_host": "th", "address": "127.0.0.1", "port": port,
+                 "watch_port": port + 1}
+        watch = replica.HostWatch(online.watch_block(block), on_lost=lambda error: None)
+        watch.start()
+        trainer = online.RemoteServer({"online_server": {"role": "trainer", **block}})
+        assert trainer.launch()["server_host"] == "sv"
+        _until(lambda: 1 in watch.nodes)
+        assert watch.nodes[1]["host"] == "th"
+        return block, watch, trainer
+
+    block, watch, trainer = halves()
+    watch.broadcast("ready", endpoint=f"http://127.0.0.1:{block['port']}/v1")
+    assert trainer.wait_ready(10) >= 0 and trainer.endpoint == f"http://127.0.0.1:{block['port']}/v1"
+    died: list[dict] = []
+    trainer.watch(died.append)
+    watch.close("failed", "the online extraction server (pid 7) died while the trainer ran: SIGKILL")
+    _until(lambda: died)
+    assert died[0]["type"] == "OnlineServerDied" and died[0]["where"] == "online server on host sv", died
+    assert "on host sv (127.0.0.1:" in died[0]["message"] and "(pid 7)" in died[0]["message"], died
+    # the trainer's end: its bye, with its state, is what the server half ends in
+    block, watch, trainer = halves()
+    trainer.stop("done")
+    _until(lambda: watch.nodes[1].get("bye"))
+    assert watch.nodes[1]["bye"] == "done" and watch.lost is None
+    watch.close("done")
+    # a trainer host gone without a word (its supervisor killed): lost, naming it
+    block, watch, trainer = halves()
+    trainer.sock.close()
+    assert "host th" in watch.wait_lost(10)["message"], watch.lost
+    watch.close("failed")
+
+
+def test_the_server_halfs_done_record_names_where_the_trainer_ran():
+    from specops.result import RunStatus
+    from specops.train import run_record
+
+    rec = run_record("t", RunStatus(state="done", online_server={"trainer_host": "th", "ready_s": 30.0,
+                                                                  "endpoint": "http://10.0.0.2:29600/v1"}))
+    assert rec.status == "ok" and "served the trainer on th at http://10.0.0.2:29600/v1" in rec.summary, rec
+    trainer = run_record("t", RunStatus(state="done", step=3, loss=0.1, online_server={"server_host": "sv"}))
+    assert "served" not in trainer.summary and "step 3" in trainer.summary, trainer
+
+
+def _until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- heavy
@@ -328,31 +406,51 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     faulty = _with_env(inv, tmp_path / "faulty.yaml", SPECOPS_STREAM_FAULT=json.dumps(STREAM_FAULT))
     t0 = time.monotonic()
 
-    # 1. the server dies while the trainer runs: the run fails naming it; nothing of it is left
-    started = specops("train", "--inventory", paced, *args, "--detach", "--json", env=env)
-    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-    recs = records(started)
-    online = recs["train.online"]
-    assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
-    disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
-    assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
-    assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
-    assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
-    # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
-    st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
-    assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
-    command = st["command"]  # the stream checks reach the trainer as its own flags
-    assert command[command.index("--generation-validation-retries") + 1] == "1", command
-    assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
-    server = st["online_server"]
-    assert server["layer_ids"] == [2, 4, 5, 8] and server["endpoint"].startswith("http://127.0.0.1:"), server
-    t_first = time.monotonic() - t0
-    os.kill(server["pid"], signal.SIGKILL)
-    st = _wait(inv, "online", env, lambda s: False, timeout=120)
-    assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
-    assert "online extraction server" in st["error"]["message"] and str(server["pid"]) in st["error"]["message"]
-    assert st["error"]["where"] == "online server" and st["error"]["rank"] == 0, st["error"]
-    assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+    # 1. disaggregated: the server on a second host (sv), the trainer here (th), one run id; the server dies while
+    # the trainer runs: the run fails naming it and its host; nothing of it is left on either host
+    server_host = TestHost(name=f"pytest-online-sv-{os.getpid()}", root=tmp_path / "sshd-sv")
+    server_host.up()
+    try:
+        two_hosts = _two_hosts(paced, tmp_path, server_host, run["run_id"])
+        server_dir = tmp_path / "sv" / "work" / "runs" / "online"
+        port = free_port_pair()
+        started = specops("train", "--inventory", two_hosts, "--on", "th", "--server-on", "sv", "--server-port", port,
+                          *args, "--detach", "--json", env=env)
+        assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+        by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(started.stdout)["hosts"]}
+        recs = by_host["th"]
+        # preflight: the trainer's host reached the server host's two ports while it held them
+        reached = recs["train.server_address"]
+        assert reached["status"] == "ok" and reached["detail"]["reach"] == {str(port): None, str(port + 1): None}
+        assert by_host["sv"]["train.server_address"]["detail"]["listen"]["peers"][str(port)] == ["127.0.0.1"]
+        online = recs["train.online"]
+        assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
+        disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
+        assert disk["samples"] == 4 and disk["states_bytes"] > 0 and disk["online_bytes"] == disk["token_dataset_bytes"]
+        assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
+        assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
+        # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
+        st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
+        assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
+        command = st["command"]  # the stream checks reach the trainer as its own flags
+        assert command[command.index("--generation-validation-retries") + 1] == "1", command
+        assert command[command.index("--max-consecutive-generation-failures") + 1] == "3", command
+        served = _read_status(server_dir)
+        server = served["online_server"]
+        assert served["state"] == "extracting" and server["layer_ids"] == [2, 4, 5, 8], served
+        assert server["endpoint"] == st["online_server"]["endpoint"] == f"http://127.0.0.1:{port}/v1", (served, st)
+        t_first = time.monotonic() - t0
+        os.kill(server["pid"], signal.SIGKILL)
+        st = _wait(inv, "online", env, lambda s: False, timeout=120)
+        assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
+        assert "online extraction server on host sv" in st["error"]["message"], st["error"]
+        assert str(server["pid"]) in st["error"]["message"], st["error"]  # the server half's own words
+        assert st["error"]["where"] == "online server on host sv" and st["error"]["rank"] == 0, st["error"]
+        assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+        _until(lambda: _read_status(server_dir).get("state") == "failed", timeout=60)
+        assert _read_status(server_dir)["error"]["type"] == "OnlineServerDied", _read_status(server_dir)
+    finally:
+        server_host.destroy()
     # --keep-states none (the default): the token dataset only, linked; no state file anywhere in the run
     data = run_dir / trainplan.ONLINE_DATA
     assert [p for p in data.rglob("*") if not p.is_symlink()] == [], list(data.rglob("*"))
@@ -440,6 +538,29 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
     assert leftover_pids(st["online_server"]["marker"]) == []
     _check_kept_run(inv, env, work, run["run_id"], st, stream)
-    print(f"\nonline train: first server ready {server['ready_s']} s, to training {t_first:.0f} s; "
+    print(f"\nonline train: first server (disaggregated, on sv) ready {server['ready_s']} s, to training {t_first:.0f} s; "
           f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
+
+
+def _two_hosts(inv, tmp_path: Path, server_host, states_run: str) -> Path:
+    """The shared inventory's host ``th`` (the trainer's) and ``sv``: a second sshd on loopback with its own work
+    dir, the same modern env, the states run linked into its runs (the server host reads its manifest)."""
+    doc = yaml.safe_load(Path(inv).read_text())
+    th = doc["hosts"]["th"]
+    info = server_host.info()
+    work = tmp_path / "sv" / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "runs" / states_run).symlink_to(Path(th["work_dir"]) / "runs" / states_run)
+    doc["hosts"]["sv"] = {**th, "port": info["port"], "user": info["user"], "key": info["key"],
+                          "known_hosts": info["known_hosts"], "work_dir": str(work)}
+    path = tmp_path / "two-hosts.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _read_status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -92,9 +92,10 @@ SPEC = Spec("job", RUN_ARGS, {
 }, required_if=[("action", "start", ("model_path", "dataset"))])
 #: what steers one call, not the run.
 CALL_KEYS = frozenset(SPEC.names(call=True))
-#: recorded parameters a resume may change: what stays on disk beside a run (``train --keep-states``), or what
-#: the run does when a replica dies (``extract --on-replica-loss``), not what the run makes
-RESUME_MAY_CHANGE = ("keep_states", "on_replica_loss")
+#: recorded parameters a resume may change: what stays on disk beside a run (``train --keep-states``), what
+#: the run does when a replica dies (``extract --on-replica-loss``), or where an online run's stateless server
+#: runs (``train --online --server-on``: the trainer's checkpoints stay where they are), not what the run makes
+RESUME_MAY_CHANGE = ("keep_states", "on_replica_loss", "online_server")
 STARTING_GRACE_S = 15.0
 
 

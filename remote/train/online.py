@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 #: the train run's dir for the server (``storage/``, ``logs/server.log``)
@@ -68,6 +69,8 @@ class OnlineServer:
         # ArrowDataset._setup_client): that path first, the engine's own name beside it (vLLM takes the last flag)
         served["server_args"] = [*(served.get("server_args") or []), "--served-model-name", plan.model_path,
                                  SERVED_MODEL_NAME]
+        if params.get("bind_host"):  # disaggregated: where the trainer's host reaches it (OnlineServerHalf)
+            served.update(bind_host=params["bind_host"], port=int(params["bind_port"]))
         self.server = VllmServer(plan.model_path, tp=int(run_params.get("tp") or 1),
                                  layer_ids=capture_ids(plan), work_dir=Path(run_dir) / SERVER_DIR,
                                  max_model_len=plan.seq_len + 1, params=served,
@@ -116,8 +119,184 @@ class OnlineServer:
                                 f"checkpoint with a fresh server", rank=0, where="online server",
             log=str(self.server.log_path), death=death or None, log_tail=failed.log_tail[-3000:])
 
-    def stop(self) -> list[int]:
+    def stop(self, state: str | None = None) -> list[int]:
         """Stop the server (and its engine and workers); the pids killed outright. A short grace: ``job abort``
         SIGKILLs the supervisor 10 s after its SIGTERM, and the server must be gone before."""
         self._stop.set()
         return self.server.stop(grace_s=STOP_GRACE_S)
+
+
+# --------------------------------------------------------------------------- disaggregated: server and trainer apart
+
+#: ``params["online_server"]`` of a disaggregated online run (the laptop's :func:`specops.train.disagg_blocks`):
+#: ``{"role": "server" | "trainer", "server_host", "trainer_host", "address", "port", "watch_port"}``; the server
+#: host's API listens on ``address:port``, its supervisor's watch (:class:`remote.extract.replica.HostWatch`, the
+#: replica's own) on ``address:watch_port``, which the trainer host's supervisor joins as a replica's worker does
+DISAGG_KEYS = ("role", "server_host", "trainer_host", "address", "port", "watch_port")
+
+
+def watch_block(disagg: dict) -> dict:
+    """The replica watch's view of a disaggregated run: the server host its head, the trainer host its one worker."""
+    return {"name": "online", "hosts": [disagg["server_host"], disagg["trainer_host"]], "nnodes": 2,
+            "ranks_per_node": 1, "node_address": disagg["address"], "master_addr": disagg["address"],
+            "watch_port": int(disagg["watch_port"])}
+
+
+def server_died(disagg: dict, cause: str) -> dict:
+    """The trainer half's error for a server host's server (or its supervisor) gone: names the host and its address."""
+    from remote.wire import status as wire_status
+
+    return wire_status.error(
+        "OnlineServerDied", f"the online extraction server on host {disagg['server_host']} "
+                            f"({disagg['address']}:{disagg['port']}) died while the trainer ran: {cause}; the trainer "
+                            f"was stopped. Read the server host's log (specops logs --on {disagg['server_host']}); the "
+                            f"same train command resumes from the last epoch checkpoint with a fresh server",
+        rank=0, where=f"online server on host {disagg['server_host']}", host=disagg["server_host"])
+
+
+class OnlineServerHalf:
+    """The server host's half of a disaggregated online run: :class:`OnlineServer` listening on the host's address,
+    and the replica's :class:`~remote.extract.replica.HostWatch` the trainer host joins; ``ready`` (with the
+    endpoint) is sent once the server answers, ``end`` when the run ends."""
+
+    def __init__(self, run_dir, plan, run_params: dict, params: dict):
+        from remote.extract import replica
+
+        self.disagg = dict(params["online_server"])
+        bound = {**params, "bind_host": self.disagg["address"], "bind_port": int(self.disagg["port"])}
+        self.online = OnlineServer(run_dir, plan, run_params, bound)
+        self.watch = replica.HostWatch(watch_block(self.disagg), on_lost=lambda error: None)
+
+    def serve(self, status, ready_timeout_s: float) -> tuple[str, dict | None]:
+        """Start both, then hold until the trainer says bye (its state), the trainer host is lost, or the server
+        dies: the run's end state and error (None: done)."""
+        from remote.wire import status as wire_status
+        from remote.wire.contract import RunState
+
+        self.watch.start()
+        status.update(online_server=self.online.launch())
+        ready = self.online.wait_ready(ready_timeout_s)
+        endpoint = self.online.endpoint
+        record = {**status.data.get("online_server", {}), "endpoint": endpoint, "ready_s": round(ready, 1),
+                  "layer_ids": self.online.server.layer_ids, "command": self.online.server.command,
+                  "trainer_host": self.disagg["trainer_host"]}
+        status.update(state=RunState.EXTRACTING.value, phase=f"serving the trainer on {self.disagg['trainer_host']}",
+                      online_server=record)
+        self.watch.broadcast("ready", endpoint=endpoint)
+        print(f"[specops] online extraction server ready in {ready:.0f}s at {endpoint} for the trainer on "
+              f"{self.disagg['trainer_host']}", flush=True)
+        from remote.extract import replica
+
+        since = time.monotonic()
+        while True:
+            lost = self.watch.wait_lost(WATCH_S)
+            if 1 not in self.watch.nodes and time.monotonic() - since > replica.CONNECT_TIMEOUT_S:
+                # a trainer half that failed before it joined (and no laptop left to abort this one)
+                return RunState.FAILED.value, wire_status.error(
+                    "TrainerLost", f"the trainer on host {self.disagg['trainer_host']} never joined in "
+                                   f"{replica.CONNECT_TIMEOUT_S:.0f} s; the server was stopped",
+                    where=f"trainer on host {self.disagg['trainer_host']}")
+            if lost is not None:
+                return RunState.FAILED.value, wire_status.error(
+                    "TrainerLost", f"the trainer on host {self.disagg['trainer_host']} is gone: {lost['message']}; "
+                                   f"the server was stopped", where=f"trainer on host {self.disagg['trainer_host']}")
+            bye = (self.watch.nodes.get(1) or {}).get("bye")
+            if bye:
+                if bye == RunState.DONE.value:
+                    return bye, None
+                return (RunState.ABORTED.value if bye == RunState.ABORTED.value else RunState.FAILED.value,
+                        wire_status.error("TrainerEnded", f"the trainer on host {self.disagg['trainer_host']} ended "
+                                          f"{bye}; the server was stopped",
+                                          where=f"trainer on host {self.disagg['trainer_host']}"))
+            if not self.online.server.alive:
+                error = self.online.error()
+                self.watch.close(RunState.FAILED.value, error["message"])
+                return RunState.FAILED.value, error
+
+    def stop(self, state: str | None = None) -> list[int]:
+        killed = self.online.stop()
+        self.watch.close(state, f"the server host {self.disagg['server_host']}'s run ended {state}")
+        return killed
+
+
+class RemoteServer:
+    """The trainer host's view of a disaggregated run's server: the server host's supervisor joined as a replica's
+    worker joins its head (hello; ``ready`` brings the endpoint; an ``end`` or a closed connection is the server
+    gone), with :class:`OnlineServer`'s interface, so the supervisor runs the trainer the same either way."""
+
+    def __init__(self, params: dict):
+        self.disagg = dict(params["online_server"])
+        self.died: dict | None = None
+        self.sock = None
+        self._endpoint: str | None = None
+        self._lines = None
+        self._stopping = threading.Event()
+
+    def launch(self) -> dict:
+        """Join the server host's watch (it may still be starting: retried up to its connect timeout)."""
+        import os
+
+        from remote.extract import replica
+
+        block = watch_block(self.disagg)
+        worker = replica.NodeSupervisor.__new__(replica.NodeSupervisor)  # its connect, without a worker's run
+        worker.replica = block
+        self.sock = worker._connect(replica.CONNECT_TIMEOUT_S)
+        replica.send(self.sock, "hello", host=self.disagg["trainer_host"], node_rank=1, ranks=[1], pid=os.getpid())
+        self._lines = replica.Lines(self.sock)
+        return {"server_host": self.disagg["server_host"], "address": self.disagg["address"],
+                "port": int(self.disagg["port"]), "watch_port": int(self.disagg["watch_port"])}
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Until the server host says ``ready``: seconds it took.
+
+        :raises ServerFailed: the server host's run ended, or went away, first."""
+        from remote.extract.engines.vllm_server import ServerFailed
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            messages = self._lines.read(1.0)
+            if messages is None:
+                raise ServerFailed(server_died(self.disagg, "its supervisor's connection closed before the server "
+                                                            "answered")["message"])
+            for msg in messages:
+                if msg.get("event") == "ready":
+                    self._endpoint = str(msg["endpoint"])  # the server half's OnlineServer.endpoint, /v1 included
+                    return time.monotonic() - t0
+                if msg.get("event") == "end":
+                    raise ServerFailed(server_died(self.disagg, str(msg.get("message")))["message"])
+        raise ServerFailed(f"the online extraction server on host {self.disagg['server_host']} did not answer in "
+                           f"{timeout_s:.0f} s")
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint or ""
+
+    def watch(self, on_death) -> None:
+        """Call ``on_death(error)`` once if the server host's run ends or goes away before :meth:`stop`."""
+        def loop():
+            while not self._stopping.is_set():
+                messages = self._lines.read(WATCH_S)
+                if self._stopping.is_set():
+                    return
+                end = next((m for m in messages or [] if m.get("event") == "end"), None)
+                if messages is None or end is not None:
+                    cause = (str(end.get("message")) if end else
+                             "its supervisor's connection closed with no word (the host died or its run was killed)")
+                    self.died = server_died(self.disagg, cause)
+                    on_death(self.died)
+                    return
+        threading.Thread(target=loop, daemon=True, name="online-remote-server-watch").start()
+
+    def stop(self, state: str | None = None) -> list[int]:
+        """Say bye with the trainer's state: the server host's run stops its server and ends in it."""
+        from remote.extract import replica
+
+        self._stopping.set()
+        if self.sock is not None:
+            replica.send(self.sock, "bye", state=state or "failed")
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        return []

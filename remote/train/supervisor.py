@@ -204,13 +204,42 @@ class TrainSupervisor:
         if self.params.get("regenerate"):
             plan = self._regenerate(plan)
         try:
+            if (self.params.get("online_server") or {}).get("role") == "server":
+                return self._serve_online(plan)
             if plan.online:
                 self._start_online(plan)
             return self._train(plan)
         finally:
             if self.online is not None:  # however the run ends, its server goes with it
+                ending = self.status.data.get("state")
+                ending = ending if ending in ("done", "failed", "aborted") else (
+                    "aborted" if self.aborted else "failed")
                 self.status.update(online_server={**self.status.data.get("online_server", {}),
-                                                  "stopped": True, "killed": self.online.stop()})
+                                                  "stopped": True, "killed": self.online.stop(ending)})
+
+    def _serve_online(self, plan: trainplan.TrainPlan) -> int:
+        """The server host's half of a disaggregated online run: its extraction server on the host's address, held
+        until the trainer host's half ends; a server that dies fails both halves naming it
+        (:class:`remote.train.online.OnlineServerHalf`)."""
+        from remote.train import online
+        from remote.wire import manifest as run_manifest
+
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        half = online.OnlineServerHalf(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
+        self.status.update(state=RunState.LOADING.value, plan=plan.as_dict(),
+                           phase=f"starting the online extraction server for the trainer on "
+                                 f"{half.disagg['trainer_host']}")
+        self.online = half  # however the run ends from here, _run stops it
+        state, error = half.serve(self.status, float(self.params.get("ready_timeout_s") or 900.0))
+        if state == RunState.DONE.value:
+            self.status.finish(eta_s=0)
+            return 0
+        print(f"[specops] {error['message']}", flush=True)
+        if state == RunState.ABORTED.value:
+            self.status.end(error, aborted=True)
+            return 143
+        self.status.fail(error)
+        return 1
 
     def _start_online(self, plan: trainplan.TrainPlan):
         """``train --online``: the token dataset linked without its states, the extraction server started
@@ -220,7 +249,10 @@ class TrainSupervisor:
 
         trainplan.link_token_dataset(plan)
         doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
-        server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
+        if self.params.get("online_server"):  # disaggregated: the server host's half serves, this host trains
+            server = online.RemoteServer(self.params)
+        else:
+            server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
         self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
                            plan=plan.as_dict())
         self.online = server  # however the run ends from here (an abort while it loads too), _run stops it
@@ -228,11 +260,13 @@ class TrainSupervisor:
         self.status.update(online_server=record)  # its pid and marker while it loads
         ready = server.wait_ready(float(self.params.get("ready_timeout_s") or 900.0))
         plan.vllm_endpoint = server.endpoint
-        record.update(endpoint=server.endpoint, ready_s=round(ready, 1), layer_ids=server.server.layer_ids,
-                      trainer_layer_ids=plan.trainer_layer_ids, command=server.server.command)
+        local = getattr(server, "server", None)  # None: the server host's (its own status has its ids and command)
+        record.update(endpoint=server.endpoint, ready_s=round(ready, 1), trainer_layer_ids=plan.trainer_layer_ids,
+                      **({"layer_ids": local.layer_ids, "command": local.command} if local else {}))
         self.status.update(online_server=record)
         print(f"[specops] online extraction server ready in {ready:.0f}s at {server.endpoint} (ids "
-              f"{server.server.layer_ids}; the trainer's aux ids {plan.trainer_layer_ids})", flush=True)
+              f"{local.layer_ids if local else online.capture_ids(plan)}; the trainer's aux ids "
+              f"{plan.trainer_layer_ids})", flush=True)
 
     def _on_server_death(self, error: dict) -> None:
         """The online server died: the trainer is stopped (its read loop then ends) and the run fails naming it."""

@@ -62,6 +62,9 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "regenerate": Arg("bool", False, doc="the target writes its own replies to the states run's rows, their states "
                                          "are extracted, the draft trains on those (remote.train.regenerate)"),
     "ready_timeout_s": RUN_ARGS["ready_timeout_s"].but(doc="regenerate: how long the target's server may take to start"),
+    "online_server": Arg("dict", doc="a disaggregated online run: this host's half of it (remote.train.online."
+                         "DISAGG_KEYS: its role, server or trainer, both hosts, the server host's address, port "
+                         "and watch_port)"),
     "nodes": Arg("dict", doc="a run over several hosts: this host's place in it (remote.train.plan.NODE_KEYS: the "
                              "hosts, head first, its node_rank, nnodes, the head's master_addr and master_port)"),
     "checkpoint": Arg("path", call=True, doc="files: a checkpoint dir inside the run's save path (or the save path)"),
@@ -127,9 +130,12 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         if why:
             raise TrainError("train.nodes", f"this host's place in the run over several hosts: {why}",
                              "start it with specops train --on <group> (the laptop sends each host its place)")
-    api = trainplan.trainer_api()
-    records.append(trainplan.check_algorithm(params, api))
-    records.append(trainplan.check_extra_args(params.get("train_args"), api))
+    # the server host's half of a disaggregated online run trains nothing: the trainer's own checks are its host's
+    trains = (params.get("online_server") or {}).get("role") != "server"
+    api = trainplan.trainer_api() if trains else None
+    if trains:
+        records.append(trainplan.check_algorithm(params, api))
+        records.append(trainplan.check_extra_args(params.get("train_args"), api))
     plan = trainplan.resolve(params)
     records += [protocol.record(
         "train.plan", protocol.OK,
@@ -147,12 +153,48 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
 
         doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
         records.append(regenerate.check(doc, params, plan.sample_tokens))
-    records.append(trainplan.check_api(plan, api))
-    records.append(check_disk(plan))
-    records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
-    if plan.device == "cpu":
-        records.append(check_cpu_launcher())
+    if trains:
+        records.append(trainplan.check_api(plan, api))
+        records.append(check_disk(plan))
+        records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
+        if plan.device == "cpu":
+            records.append(check_cpu_launcher())
+    if params.get("online_server") and params["action"] == "check":
+        records.append(check_server_address(params["online_server"]))
     return plan
+
+
+#: how long the server host holds its ports open for the trainer host's preflight to reach them (seconds)
+ADDRESS_HOLD_S = 20.0
+
+
+def check_server_address(disagg: dict) -> dict:
+    """``train.server_address``: a disaggregated online run's ports, checked as a replica's are
+    (:mod:`remote.extract.replica_probe`): the server host listens on its address's port and watch port while the
+    trainer host, checked at the same time (:func:`specops.train.disagg_preflight`), connects to both."""
+    from remote.extract import replica_probe
+
+    ports = [int(disagg["port"]), int(disagg["watch_port"])]
+    if disagg.get("role") == "server":
+        held = replica_probe.hold_ports(str(disagg["address"]), ports, ADDRESS_HOLD_S, expect=1)
+        taken = {p: e for p, e in held["bound"].items() if e}
+        return protocol.record("train.server_address", protocol.FAIL if taken else protocol.OK,
+                               f"the server host cannot listen on {disagg['address']} port(s) " + "; ".join(
+                                   f"{p} ({e})" for p, e in taken.items()) if taken else
+                               f"listened on {disagg['address']}:{ports[0]}/{ports[1]} for the trainer host "
+                               f"{disagg['trainer_host']}", detail={"listen": held, **disagg},
+                               fix="pass --server-port P with P and P + 1 free on the server host, or set its "
+                                   "node_address to an address it has" if taken else None)
+    reached = replica_probe.reach(str(disagg["address"]), ports, ADDRESS_HOLD_S)
+    missed = {p: e for p, e in reached.items() if e}
+    return protocol.record("train.server_address", protocol.FAIL if missed else protocol.OK,
+                           f"cannot reach the server host {disagg['server_host']} on " + "; ".join(
+                               f"{disagg['address']}:{p} ({e})" for p, e in missed.items()) if missed else
+                           f"reached the server host {disagg['server_host']} on {disagg['address']}:"
+                           f"{ports[0]}/{ports[1]}", detail={"reach": reached, **disagg},
+                           fix=f"open ports {ports[0]} and {ports[1]} of {disagg['server_host']} to this host "
+                               f"(firewall), and check its node_address: the address the trainer connects to"
+                           if missed else None)
 
 
 def check_online(plan: trainplan.TrainPlan, params: dict) -> dict:

@@ -222,13 +222,15 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
 
     ``params`` may set ``enforce_eager`` (no torch.compile: the CPU start drops from
     minutes to seconds), ``dtype``, ``gpu_memory_utilization``, ``max_num_seqs``,
-    ``max_num_batched_tokens`` (:func:`batched_tokens`), ``chunked_prefill_on`` (the engine's
+    ``max_num_batched_tokens`` (:func:`batched_tokens`), ``bind_host`` (the address it listens on, default
+    loopback: a disaggregated online run's server listens where the trainer's host reaches it),
+    ``chunked_prefill_on`` (the engine's
     verdict, :mod:`.chunking`), ``writer_threads`` (:func:`writer_threads`), ``trust_remote_code``
     and ``server_args`` (a list appended as is; prefix caching refused).
     """
     argv = [str(python), "-m", SERVER_MODULE, "--model", str(model_path),
             "--served-model-name", SERVED_MODEL_NAME,
-            "--host", LOOPBACK, "--port", str(int(port)),
+            "--host", str(params.get("bind_host") or LOOPBACK), "--port", str(int(port)),
             "--tensor-parallel-size", str(int(tp)),
             "--max-model-len", str(int(max_model_len)),
             "--no-enable-chunked-prefill", "--no-enable-prefix-caching",

@@ -91,7 +91,8 @@ class VllmServer:
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        host = str(self.params.get("bind_host") or LOOPBACK)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     @property
     def headless(self) -> bool:
