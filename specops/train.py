@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from specops import trainnodes, wire
+from specops import slurm, trainnodes, wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
@@ -109,14 +109,13 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
                action: str = "start", online: bool | dict = False, algorithm: str | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`)."""
-    from specops.slurm import refuse_not_yet
-
-    refuse_not_yet(host.spec, "train")
+    slurm.refuse_train(host.spec)
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
                           action=action, online=online, algorithm=algorithm)
     if nodes:
         params["nodes"] = nodes
+    params.update(slurm.job_params(host.spec))  # behind Slurm: the start submits the run as a batch job
     payload = host.run_task("train", params)
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
@@ -249,6 +248,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
         raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in given)} set(s) how an online run streams "
                          f"its states", "add --online, or drop them")
     hosts = {host.name: host for host in HostPool(inventory, accept_new_host_key).selected(selector)}
+    for host in hosts.values():  # before any host is reached: a Slurm host trains alone, on one node
+        slurm.refuse_train(host.spec, len(hosts))
     nodes = {}
     if len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
         if online:

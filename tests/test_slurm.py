@@ -114,11 +114,11 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
 
-def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
+def test_what_slurm_does_not_submit_yet_is_refused_by_name_not_run_on_its_login_node(tmp_path):
     from specops.draft_eval import eval_step
     from specops.errors import UsageError
     from specops.inventory import HostSpec, SlurmSpec
-    from specops.train import start_step
+    from specops.train import start_step, train
 
     class Untouched:  # a host no task may reach
         def __init__(self, spec):
@@ -127,12 +127,23 @@ def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
         def run_task(self, *args, **kwargs):
             raise AssertionError("a task reached the login node")
 
-    spec = HostSpec(name="c", address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm",
-                    slurm=SlurmSpec(partition="gpu"))
-    with pytest.raises(UsageError, match="train is not submitted through Slurm yet: it would run on the login node"):
-        start_step(Untouched(spec), "t1", "r1", epochs=1, dry_run=True, force=False)
-    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet"):
-        eval_step(Untouched(spec), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
+    fields = dict(address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm")
+    wide = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu", nodes=2))
+    with pytest.raises(UsageError) as caught:
+        start_step(Untouched(wide), "t1", "r1", epochs=1, dry_run=True, force=False)
+    assert "field 'slurm.nodes' is 2, and a train run over several Slurm nodes is not submitted yet" in \
+        str(caught.value) and "slurm.nodes: 1" in caught.value.fix
+    one = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu"))
+    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet .preflight, extract, verify and "
+                                         "train are.: it would run on the login node"):
+        eval_step(Untouched(one), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
+    # a Slurm host among several selected for one train run: refused before any host is reached
+    inventory = tmp_path / "inv.yaml"
+    base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    inventory.write_text(json.dumps({"hosts": {"c": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu"}},
+                                               "s": base}}))
+    with pytest.raises(UsageError, match="training over several hosts is torchrun's across SSH hosts"):
+        train(load_inventory(inventory), "c,s", run_id="t1", from_run="r1", epochs=1)
 
 
 # --------------------------------------------------------------------------- against the cluster
@@ -338,3 +349,88 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert "verify ran on compute node node" in said["verify.node"]["summary"]
     assert all(r["status"] == "ok" for name, r in said.items() if name.startswith("verify.layer")), checked.stdout
     assert "JobName=specops-verify" in _slurm(cluster, "scontrol", "-o", "show", "job")
+
+
+# --------------------------------------------------------------------------- train (the modern host env)
+
+def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_from_its_checkpoint(
+        cluster, modern_ssh_run, tmp_path):
+    """The session's shared tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs
+    in a batch job on a compute node through the CPU launcher shim."""
+    import shutil
+
+    import yaml
+
+    states = modern_ssh_run("llama", 1)
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    work = tmp_path / "work"
+    shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
+    host = yaml.safe_load(Path(states["inventory"]).read_text())["hosts"]["th"]
+    host.update(scheduler="slurm", slurm={"partition": PARTITION}, work_dir=str(work),
+                env={**host.get("env", {}), **OFFLINE, **cluster.env})
+
+    def inventory(**env) -> Path:
+        path = tmp_path / f"inv-{len(list(tmp_path.glob('inv-*')))}.yaml"
+        path.write_text(yaml.safe_dump({"hosts": {"th": {**host, "env": {**host["env"], **env}}}}))
+        return path
+
+    def status() -> tuple[int, dict, dict]:
+        proc, found = _status("d1", runs, inv)
+        return proc.returncode, found, (json.loads(proc.stdout)["hosts"][0].get("data") or {}).get("status") or {}
+
+    def wait(ready, timeout=120) -> tuple[int, dict, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            code, found, st = status()
+            if ready(found, st) or time.monotonic() > deadline:
+                return code, found, st
+            time.sleep(1)
+
+    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", "3", "--json"]
+    # paced (a pause after each optimizer step): there is a run to abort, and one to kill by its time limit
+    inv = inventory(SPECOPS_BATCH_DELAY_S="2")
+    started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
+    said = records(started)
+    assert started.returncode == 0 and said["job.start"]["status"] == "changed", started.stdout[-3000:]
+    assert "submitted as Slurm job" in said["job.start"]["summary"], said["job.start"]
+    # the training preflight ran on the login node: the trainer's memory is the compute node's, not judged there
+    assert said["train.memory"]["status"] == "skipped" and "this is the login node" in said["train.memory"]["summary"]
+    run_dir = work / "runs" / "d1"
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    assert "remote.train.supervisor" in (run_dir / "slurm.sbatch").read_text()
+    code, found, st = wait(lambda r, st: "RUNNING" in r.get("job.slurm", {}).get("summary", ""))
+    assert f"Slurm job {job_id} RUNNING on node" in found["job.slurm"]["summary"] and code == 101, found
+
+    # abort = scancel: the job ends, the run is aborted, nothing of it is left
+    aborted = specops("abort", "--inventory", inv, "--run-id", "d1", "--json", env=runs, timeout=120)
+    assert f"scancel {job_id}" in records(aborted)["job.abort"]["summary"], aborted.stdout
+    assert _slurm(cluster, "squeue", "-h", "-j", job_id).strip() == ""
+    assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the aborted train run is left"
+    code, found, st = status()
+    assert code == 103 and st["state"] == "aborted" and "CANCELLED" in found["job.slurm"]["summary"], found
+
+    # the same command resubmits it; killed by Slurm's time limit once it has a checkpoint: named, with its fix
+    again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
+    assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1 or st.get("state") not in ("starting", "training"),
+                           timeout=240)
+    assert st["state"] == "training" and st["epoch"] >= 1, st
+    _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
+    code, found, st = wait(lambda r, st: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
+    assert found["job.slurm"]["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in found["job.slurm"]["summary"]
+    assert "slurm.time_limit" in found["job.slurm"]["fix"] and code == 100, found
+    assert st["state"] == "failed" and st["error"]["type"] == "SlurmTimeout", st
+    killed_at = st["step"]
+
+    # the same command (unpaced, followed) resumes it from the trainer's last checkpoint to the end, then fetches
+    inv = inventory()
+    done = specops(argv[0], "--inventory", inv, *argv[1:], env=runs, timeout=300)
+    final = records(done)
+    assert done.returncode == 0 and final["train.run"]["status"] == "ok", done.stdout[-4000:] + done.stderr[-2000:]
+    resumed_from = final["train.run"]["detail"]["resumed_from"]
+    assert resumed_from and resumed_from["global_step"] > 0, final["train.run"]
+    code, found, st = status()
+    assert code == 0 and st["step"] == st["steps_total"] > killed_at and st["epoch"] == 2, st
+    assert "COMPLETED" in found["job.slurm"]["summary"], found
+    assert (tmp_path / "runs" / "th" / "d1" / "metrics.jsonl").read_text().count('"train"') >= st["steps_total"] // 2
