@@ -132,7 +132,7 @@ def test_what_slurm_does_not_submit_yet_is_refused_by_name_not_run_on_its_login_
     with pytest.raises(UsageError) as caught:
         start_step(Untouched(wide), "t1", "r1", epochs=1, dry_run=True, force=False)
     assert "field 'slurm.nodes' is 2, and a train run over several Slurm nodes is not submitted yet" in \
-        str(caught.value) and "slurm.nodes: 1" in caught.value.fix
+        str(caught.value) and "slurm.nodes: 1" in caught.value.hint
     one = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu"))
     with pytest.raises(UsageError, match="eval is not submitted through Slurm yet .preflight, extract, verify and "
                                          "train are.: it would run on the login node"):
@@ -309,6 +309,7 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     proc, found = _wait_status("t1", runs, inventory, lambda r: any(out.glob("data_*.pt")))
     assert "RUNNING" in found["job.slurm"]["summary"] and "extracting" in found["job.status"]["summary"], proc.stdout
     # Slurm's own limit, not ours: a limit the job has already passed makes slurmctld end it as TIMEOUT
+    print(f"epoch 1: {time.monotonic() - t0:.0f} s")
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     proc, found = _wait_status("t1", runs, inventory, lambda r: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
     slurm_said = found["job.slurm"]
@@ -353,7 +354,7 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
 
 # --------------------------------------------------------------------------- train (the modern host env)
 
-def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_from_its_checkpoint(
+def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eval_runs_on_a_compute_node(
         cluster, modern_ssh_run, tmp_path):
     """The session's shared tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs
     in a batch job on a compute node through the CPU launcher shim."""
@@ -362,6 +363,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_fro
     import yaml
 
     states = modern_ssh_run("llama", 1)
+    t0 = time.monotonic()
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     work = tmp_path / "work"
     shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
@@ -401,6 +403,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_fro
     code, found, st = wait(lambda r, st: "RUNNING" in r.get("job.slurm", {}).get("summary", ""))
     assert f"Slurm job {job_id} RUNNING on node" in found["job.slurm"]["summary"] and code == 101, found
 
+    print(f"running: {time.monotonic() - t0:.0f} s")
     # abort = scancel: the job ends, the run is aborted, nothing of it is left
     aborted = specops("abort", "--inventory", inv, "--run-id", "d1", "--json", env=runs, timeout=120)
     assert f"scancel {job_id}" in records(aborted)["job.abort"]["summary"], aborted.stdout
@@ -409,18 +412,21 @@ def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_fro
     code, found, st = status()
     assert code == 103 and st["state"] == "aborted" and "CANCELLED" in found["job.slurm"]["summary"], found
 
+    print(f"aborted: {time.monotonic() - t0:.0f} s")
     # the same command resubmits it; killed by Slurm's time limit once it has a checkpoint: named, with its fix
     again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
     job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
-    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1 or st.get("state") not in ("starting", "training"),
+    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1 or st.get("state") in ("done", "failed", "aborted"),
                            timeout=240)
     assert st["state"] == "training" and st["epoch"] >= 1, st
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     code, found, st = wait(lambda r, st: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
-    assert found["job.slurm"]["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in found["job.slurm"]["summary"]
+    assert found["job.slurm"]["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in found["job.slurm"]["summary"], \
+        (found, st)
     assert "slurm.time_limit" in found["job.slurm"]["fix"] and code == 100, found
     assert st["state"] == "failed" and st["error"]["type"] == "SlurmTimeout", st
+    print(f"timeout: {time.monotonic() - t0:.0f} s")
     killed_at = st["step"]
 
     # the same command (unpaced, followed) resumes it from the trainer's last checkpoint to the end, then fetches
@@ -434,3 +440,14 @@ def test_train_is_a_slurm_job_abort_is_scancel_and_a_time_limit_kill_resumes_fro
     assert code == 0 and st["step"] == st["steps_total"] > killed_at and st["epoch"] == 2, st
     assert "COMPLETED" in found["job.slurm"]["summary"], found
     assert (tmp_path / "runs" / "th" / "d1" / "metrics.jsonl").read_text().count('"train"') >= st["steps_total"] // 2
+
+    print(f"resumed, done: {time.monotonic() - t0:.0f} s")
+    # eval: the target served with the draft and measured on a compute node (srun), never on the login node
+    evaluated = specops("eval", "--inventory", inv, "--draft", "d1", "-k", "2", "--prompts", "2", "--max-tokens", "8",
+                        "--json", env=runs, timeout=600)
+    said = records(evaluated)
+    assert evaluated.returncode == 0, evaluated.stdout[-4000:] + evaluated.stderr[-3000:]
+    assert said["eval.node"]["status"] == "ok" and said["eval.node"]["detail"]["node"] in ("node1", "node2"), said
+    assert "eval ran on compute node node" in said["eval.node"]["summary"]
+    assert said["eval.acceptance"]["detail"]["draft_tokens"] > 0, said["eval.acceptance"]
+    assert "JobName=specops-eval" in _slurm(cluster, "scontrol", "-o", "show", "job")
