@@ -102,18 +102,3 @@ def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
                          f"several Slurm nodes is not submitted yet (one node, its GPUs under torchrun, is)",
                          f"set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
                          f"slurm.gres to the GPUs of one node", host=spec.name)
-
-
-def refuse_not_yet(spec: HostSpec, what: str) -> None:
-    """A task that does not go through Slurm yet must not run on a login node (an eval's servers there would take
-    the login node's CPUs, not a GPU node's): refused by name.
-
-    :raises UsageError: on a host with ``scheduler: slurm``.
-    """
-    if is_slurm(spec):
-        from specops.errors import UsageError
-
-        raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm), and {what} is not submitted "
-                         f"through Slurm yet (preflight, extract, verify and train are): it would run on the login "
-                         f"node", "run it on a host reached over SSH (an inventory entry for a GPU node you hold a "
-                         "job on: salloc, then that node's address)", host=spec.name)

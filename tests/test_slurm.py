@@ -114,8 +114,7 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
 
-def test_what_slurm_does_not_submit_yet_is_refused_by_name_not_run_on_its_login_node(tmp_path):
-    from specops.draft_eval import eval_step
+def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login_node_is_reached(tmp_path):
     from specops.errors import UsageError
     from specops.inventory import HostSpec, SlurmSpec
     from specops.train import start_step, train
@@ -133,10 +132,6 @@ def test_what_slurm_does_not_submit_yet_is_refused_by_name_not_run_on_its_login_
         start_step(Untouched(wide), "t1", "r1", epochs=1, dry_run=True, force=False)
     assert "field 'slurm.nodes' is 2, and a train run over several Slurm nodes is not submitted yet" in \
         str(caught.value) and "slurm.nodes: 1" in caught.value.hint
-    one = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu"))
-    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet .preflight, extract, verify and "
-                                         "train are.: it would run on the login node"):
-        eval_step(Untouched(one), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
     # a Slurm host among several selected for one train run: refused before any host is reached
     inventory = tmp_path / "inv.yaml"
     base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
@@ -309,7 +304,6 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     proc, found = _wait_status("t1", runs, inventory, lambda r: any(out.glob("data_*.pt")))
     assert "RUNNING" in found["job.slurm"]["summary"] and "extracting" in found["job.status"]["summary"], proc.stdout
     # Slurm's own limit, not ours: a limit the job has already passed makes slurmctld end it as TIMEOUT
-    print(f"epoch 1: {time.monotonic() - t0:.0f} s")
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     proc, found = _wait_status("t1", runs, inventory, lambda r: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
     slurm_said = found["job.slurm"]
@@ -388,9 +382,10 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
                 return code, found, st
             time.sleep(1)
 
-    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", "3", "--json"]
-    # paced (a pause after each optimizer step): there is a run to abort, and one to kill by its time limit
-    inv = inventory(SPECOPS_BATCH_DELAY_S="2")
+    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", "4", "--json"]
+    # paced (a pause after each of its 2 optimizer steps an epoch): there is a run to abort, and one still training
+    # when slurmctld next checks time limits (every 30 s) after its first checkpoint
+    inv = inventory(SPECOPS_BATCH_DELAY_S="5")
     started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     said = records(started)
     assert started.returncode == 0 and said["job.start"]["status"] == "changed", started.stdout[-3000:]
@@ -420,6 +415,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1 or st.get("state") in ("done", "failed", "aborted"),
                            timeout=240)
     assert st["state"] == "training" and st["epoch"] >= 1, st
+    print(f"epoch 1: {time.monotonic() - t0:.0f} s")
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     code, found, st = wait(lambda r, st: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
     assert found["job.slurm"]["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in found["job.slurm"]["summary"], \
@@ -437,7 +433,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     resumed_from = final["train.run"]["detail"]["resumed_from"]
     assert resumed_from and resumed_from["global_step"] > 0, final["train.run"]
     code, found, st = status()
-    assert code == 0 and st["step"] == st["steps_total"] > killed_at and st["epoch"] == 2, st
+    assert code == 0 and st["step"] == st["steps_total"] > killed_at and st["epoch"] == 3, st
     assert "COMPLETED" in found["job.slurm"]["summary"], found
     assert (tmp_path / "runs" / "th" / "d1" / "metrics.jsonl").read_text().count('"train"') >= st["steps_total"] // 2
 
