@@ -8,7 +8,9 @@ changes: step, epoch, loss, per-position accuracy, tokens/s, ETA), then the run'
 status, logs and ``metrics.jsonl`` fetched into ``runs/<host>/<run-id>/``. The run is an
 ordinary run dir on the host, so ``specops status / logs / abort --run-id`` act on it;
 Ctrl-C detaches; the same command again re-attaches, or resumes an aborted or failed run
-from its last epoch checkpoint (speculators resumes from its save path).
+from its last epoch checkpoint (speculators resumes from its save path). On a host behind Slurm
+(``scheduler: slurm``) the checks run on the login node and the start submits the supervisor as one
+batch job (:mod:`specops.slurm`); status, abort (scancel) and the resume read Slurm's state the same way.
 
     >>> train(inventory, "modern", run_id="d1", from_run="llama-tp1", epochs=40)
     th  step 88/90  epoch 20/20  loss 0.009  acc 0.46/0.39/0.37  58 tok/s  ETA 2s
