@@ -9,10 +9,10 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
 2. the usual host task (``remote/probes/preflight.py``) on a compute node: the same command
    line, run under ``srun -p PARTITION -N1 -n1 ... --`` (``host.node`` names the node).
 
-A run's start (``job start``, and ``train``'s start, which ends in it) gets the mapping and submits the
-supervisor with ``sbatch`` (:func:`job_params`); status, follow and abort read Slurm's state on the host. ``verify`` runs
-on a compute node under ``srun`` as preflight does (:func:`launcher`), reading the run dir on the
-shared filesystem.
+A run's start (``job start``, and ``train``'s start, which ends in it) gets the mapping and submits
+the supervisor with ``sbatch`` (:func:`job_params`); status, follow and abort read Slurm's state on
+the host. ``verify`` and ``eval`` run on a compute node under ``srun`` as preflight does
+(:func:`launcher`), reading the run dir on the shared filesystem.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = Non
 
 
 def launcher(spec: HostSpec, task: str) -> list[str] | None:
-    """Where a host task that reads a run's files (``verify``) runs: on a compute node through ``srun`` on a host
-    behind Slurm, under the mapping's ``time_limit`` (else the partition's default); None elsewhere (the host)."""
+    """Where a host task that reads a run's files (``verify``, ``eval``) runs: on a compute node through ``srun``
+    on a host behind Slurm, under the mapping's ``time_limit`` (else the partition's default); None elsewhere."""
     return srun_launcher(spec, f"specops-{task}", limit=None) if is_slurm(spec) else None
 
 
