@@ -409,8 +409,8 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
     job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
-    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1 or st.get("state") in ("done", "failed", "aborted"),
-                           timeout=240)
+    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1
+                           or st.get("state") in ("done", "failed", "aborted"), timeout=240)
     assert st["state"] == "training" and st["epoch"] >= 1, st
     _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
     code, found, st = wait(lambda r, st: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
