@@ -2,7 +2,8 @@
 
 One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
 loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
-The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py.
+The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py; the
+train test's states are the module's own vLLM extraction in the modern host env (:func:`modern_states`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,33 @@ def cluster(tmp_path_factory):
     # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
     repo = Path(__file__).resolve().parents[1]
     assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
+
+
+@pytest.fixture(scope="module")
+def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """One ``specops extract`` of the tiny Llama over SSH in the modern host env (the trainer's: speculators 0.9),
+    through its vLLM server (4 samples of up to 128 tokens, the engine's default ids). The reference engine's states
+    are no train input: it writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
+
+    Returns a dict: ``inventory`` (the plain SSH host it ran on), ``run_id`` and ``run_dir`` (on the host).
+    """
+    import yaml
+
+    from specops.testhost.hostenv import cache_root
+
+    tmp = tmp_path_factory.mktemp("slurm-states")
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"th": {
+        "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
+        "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
+        "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
+        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 1, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+        "env": {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
+    run_id = "llama-tp1"
+    proc = specops("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke",
+                   "--json", env={"SPECOPS_RUNS": str(tmp / "runs")}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -349,14 +377,14 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
 # --------------------------------------------------------------------------- train (the modern host env)
 
 def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eval_runs_on_a_compute_node(
-        cluster, modern_ssh_run, tmp_path):
-    """The session's shared tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs
-    in a batch job on a compute node through the CPU launcher shim."""
+        cluster, modern_states, tmp_path):
+    """The module's tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs in a batch
+    job on a compute node through the CPU launcher shim."""
     import shutil
 
     import yaml
 
-    states = modern_ssh_run("llama", 1)
+    states = modern_states
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     work = tmp_path / "work"
     shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
@@ -381,9 +409,11 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
                 return code, found, st
             time.sleep(1)
 
-    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", "4", "--json"]
     # paced (a pause after each of its 2 optimizer steps an epoch): there is a run to abort, and one still training
-    # when slurmctld next checks time limits (every 30 s) after its first checkpoint
+    # when slurmctld next checks time limits (every 30 s) after its first checkpoint: 5 paced epochs (50 s) are left
+    # then, however fast the steps run (the resume runs them unpaced)
+    epochs = 6
+    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", str(epochs), "--json"]
     inv = inventory(SPECOPS_BATCH_DELAY_S="5")
     started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     said = records(started)
@@ -431,7 +461,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     # from the checkpoint, not from the start: no step before it is trained again (the kill may land after the last
     # step, in the last epoch's validation or save)
     assert resumed_from["global_step"] <= killed_at and code == 0 and st["step"] == st["steps_total"] >= killed_at
-    assert st["epoch"] == 3, st
+    assert st["epoch"] == epochs - 1, st
     assert "COMPLETED" in found["job.slurm"]["summary"], found
     assert (tmp_path / "runs" / "th" / "d1" / "metrics.jsonl").read_text().count('"train"') >= st["steps_total"] // 2
 
