@@ -47,10 +47,13 @@ def eval_params(host: Host, draft: str, *, from_run: str | None = None, k: int |
 
 
 def eval_step(host: Host, draft: str, **options) -> HostReport:
-    from specops.slurm import refuse_not_yet
+    """One eval on one host. On a host behind Slurm the task (its servers and the measurement) runs on a compute
+    node through ``srun``, as verify does (``eval.node`` names the node), never on the login node; what it writes
+    lands in the run dir on the shared filesystem."""
+    from specops.slurm import launcher
 
-    refuse_not_yet(host.spec, "eval")
-    payload = host.run_task("draft_eval", eval_params(host, draft, **options), timeout=EVAL_TIMEOUT_S)
+    payload = host.run_task("draft_eval", eval_params(host, draft, **options), timeout=EVAL_TIMEOUT_S,
+                            launcher=launcher(host.spec, "eval"))
     report = report_from_payload(host.name, "eval", payload)
     return report
 

@@ -9,10 +9,10 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
 2. the usual host task (``remote/probes/preflight.py``) on a compute node: the same command
    line, run under ``srun -p PARTITION -N1 -n1 ... --`` (``host.node`` names the node).
 
-A run's start (``job start``) gets the mapping and submits the supervisor with ``sbatch``
-(:func:`job_params`); status, follow and abort read Slurm's state on the host. ``verify`` runs
-on a compute node under ``srun`` as preflight does (:func:`launcher`), reading the run dir on the
-shared filesystem.
+A run's start (``job start``, and ``train``'s start, which ends in it) gets the mapping and submits
+the supervisor with ``sbatch`` (:func:`job_params`); status, follow and abort read Slurm's state on
+the host. ``verify`` and ``eval`` run on a compute node under ``srun`` as preflight does
+(:func:`launcher`), reading the run dir on the shared filesystem.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = Non
 
 
 def launcher(spec: HostSpec, task: str) -> list[str] | None:
-    """Where a host task that reads a run's files (``verify``) runs: on a compute node through ``srun`` on a host
-    behind Slurm, under the mapping's ``time_limit`` (else the partition's default); None elsewhere (the host)."""
+    """Where a host task that reads a run's files (``verify``, ``eval``) runs: on a compute node through ``srun``
+    on a host behind Slurm, under the mapping's ``time_limit`` (else the partition's default); None elsewhere."""
     return srun_launcher(spec, f"specops-{task}", limit=None) if is_slurm(spec) else None
 
 
@@ -81,17 +81,24 @@ def preflight_payload(host, params: dict) -> dict:
     return payload
 
 
-def refuse_not_yet(spec: HostSpec, what: str) -> None:
-    """A task that does not go through Slurm yet must not run on a login node (a trainer there would take the
-    login node's CPUs, not a GPU node's): refused by name.
+def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
+    """``train`` on a host behind Slurm is one batch job on one node (the run's supervisor, the trainer on the
+    GPUs its gres gives): a run over several nodes (the mapping's ``nodes``, or several hosts selected) is not
+    submitted yet, and is refused by name before anything reaches the login node.
 
-    :raises UsageError: on a host with ``scheduler: slurm``.
+    :raises UsageError: naming the field (``slurm.nodes``) or the selection, with the fix.
     """
-    if is_slurm(spec):
-        from specops.errors import UsageError
+    if not is_slurm(spec):
+        return
+    from specops.errors import UsageError
 
-        raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm), and {what} is not submitted "
-                         f"through Slurm yet: it would run on the login node",
-                         "run it on a host reached over SSH (an inventory entry for a GPU node you hold a job on: "
-                         "salloc, then its address), or wait for specops' Slurm support of it (issue 47)",
-                         host=spec.name)
+    if hosts > 1:
+        raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm): training over several hosts is "
+                         f"torchrun's across SSH hosts, and a Slurm host cannot be one of them",
+                         f"train on it alone (--on {spec.name}); a Slurm job over several nodes is not submitted "
+                         f"yet", host=spec.name)
+    if int(spec.slurm.nodes or 1) > 1:
+        raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {spec.slurm.nodes}, and a train run over "
+                         f"several Slurm nodes is not submitted yet (one node, its GPUs under torchrun, is)",
+                         f"set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
+                         f"slurm.gres to the GPUs of one node", host=spec.name)

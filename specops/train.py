@@ -8,7 +8,9 @@ changes: step, epoch, loss, per-position accuracy, tokens/s, ETA), then the run'
 status, logs and ``metrics.jsonl`` fetched into ``runs/<host>/<run-id>/``. The run is an
 ordinary run dir on the host, so ``specops status / logs / abort --run-id`` act on it;
 Ctrl-C detaches; the same command again re-attaches, or resumes an aborted or failed run
-from its last epoch checkpoint (speculators resumes from its save path).
+from its last epoch checkpoint (speculators resumes from its save path). On a host behind Slurm
+(``scheduler: slurm``) the checks run on the login node and the start submits the supervisor as one
+batch job (:mod:`specops.slurm`); status, abort (scancel) and the resume read Slurm's state the same way.
 
     >>> train(inventory, "modern", run_id="d1", from_run="llama-tp1", epochs=40)
     th  step 88/90  epoch 20/20  loss 0.009  acc 0.46/0.39/0.37  58 tok/s  ETA 2s
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from specops import trainnodes, wire
+from specops import slurm, trainnodes, wire
 from specops.errors import SpecopsError, UsageError
 from specops.exit_codes import ExitCode
 from specops.inventory import Inventory
@@ -111,9 +113,7 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`);
     ``online_server``: its half of a disaggregated online run (:func:`disagg_blocks`)."""
-    from specops.slurm import refuse_not_yet
-
-    refuse_not_yet(host.spec, "train")
+    slurm.refuse_train(host.spec)
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
                           action=action, online=online, algorithm=algorithm)
@@ -121,6 +121,7 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
         params["nodes"] = nodes
     if online_server:
         params["online_server"] = online_server
+    params.update(slurm.job_params(host.spec))  # behind Slurm: the start submits the run as a batch job
     payload = host.run_task("train", params)
     report = report_from_payload(host.name, "train", payload)
     report.data.update(payload.get("data") or {})
@@ -262,11 +263,19 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                          f"its states", "add --online, or drop them")
     pool = HostPool(inventory, accept_new_host_key)
     hosts = {host.name: host for host in pool.selected(selector)}
+    for host in hosts.values():  # before any host is reached: a Slurm host trains alone, on one node
+        slurm.refuse_train(host.spec, len(hosts))
     nodes = {}
     disagg = disagg_blocks(inventory, list(hosts), server_on, server_port, online=online, regenerate=regen is not None,
                            master_port=master_port)
     if disagg:  # the server host joins the run: its half serves, the --on host's trains
         hosts[disagg["server"]["server_host"]] = pool.host(disagg["server"]["server_host"])
+        behind = [name for name, host in hosts.items() if slurm.is_slurm(host.spec)]
+        if behind:  # a half started there would run on the login node
+            raise UsageError(f"--server-on: host(s) {', '.join(behind)} are behind Slurm (scheduler: slurm), and a "
+                             f"disaggregated online run's halves are not submitted through Slurm",
+                             "name hosts reached over SSH for both halves, or train online on the Slurm host alone "
+                             "(--online without --server-on)")
     elif len(hosts) > 1:  # one run over every selected host: torchrun's nodes, the first host the head
         if online:
             raise UsageError("--online over several --on hosts: the trainer runs on one host, the server beside it "

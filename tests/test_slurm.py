@@ -2,7 +2,8 @@
 
 One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
 loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
-The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py.
+The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py; the
+train test's states are the module's own vLLM extraction in the modern host env (:func:`modern_states`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,33 @@ def cluster(tmp_path_factory):
     # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
     repo = Path(__file__).resolve().parents[1]
     assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
+
+
+@pytest.fixture(scope="module")
+def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """One ``specops extract`` of the tiny Llama over SSH in the modern host env (the trainer's: speculators 0.9),
+    through its vLLM server (4 samples of up to 128 tokens, the engine's default ids). The reference engine's states
+    are no train input: it writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
+
+    Returns a dict: ``inventory`` (the plain SSH host it ran on), ``run_id`` and ``run_dir`` (on the host).
+    """
+    import yaml
+
+    from specops.testhost.hostenv import cache_root
+
+    tmp = tmp_path_factory.mktemp("slurm-states")
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"th": {
+        "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
+        "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
+        "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
+        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 1, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+        "env": {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
+    run_id = "llama-tp1"
+    proc = specops("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke",
+                   "--json", env={"SPECOPS_RUNS": str(tmp / "runs")}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -114,11 +142,10 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
 
-def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
-    from specops.draft_eval import eval_step
+def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login_node_is_reached(tmp_path):
     from specops.errors import UsageError
     from specops.inventory import HostSpec, SlurmSpec
-    from specops.train import start_step
+    from specops.train import start_step, train
 
     class Untouched:  # a host no task may reach
         def __init__(self, spec):
@@ -127,12 +154,19 @@ def test_train_and_eval_are_refused_on_a_slurm_host_not_run_on_its_login_node():
         def run_task(self, *args, **kwargs):
             raise AssertionError("a task reached the login node")
 
-    spec = HostSpec(name="c", address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm",
-                    slurm=SlurmSpec(partition="gpu"))
-    with pytest.raises(UsageError, match="train is not submitted through Slurm yet: it would run on the login node"):
-        start_step(Untouched(spec), "t1", "r1", epochs=1, dry_run=True, force=False)
-    with pytest.raises(UsageError, match="eval is not submitted through Slurm yet"):
-        eval_step(Untouched(spec), "t1", from_run="r1", k=3, prompts=4, max_tokens=8, baseline=False)
+    fields = dict(address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm")
+    wide = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu", nodes=2))
+    with pytest.raises(UsageError) as caught:
+        start_step(Untouched(wide), "t1", "r1", epochs=1, dry_run=True, force=False)
+    assert "field 'slurm.nodes' is 2, and a train run over several Slurm nodes is not submitted yet" in \
+        str(caught.value) and "slurm.nodes: 1" in caught.value.hint
+    # a Slurm host among several selected for one train run: refused before any host is reached
+    inventory = tmp_path / "inv.yaml"
+    base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    inventory.write_text(json.dumps({"hosts": {"c": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu"}},
+                                               "s": base}}))
+    with pytest.raises(UsageError, match="training over several hosts is torchrun's across SSH hosts"):
+        train(load_inventory(inventory), "c,s", run_id="t1", from_run="r1", epochs=1)
 
 
 # --------------------------------------------------------------------------- against the cluster
@@ -338,3 +372,111 @@ def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compu
     assert "verify ran on compute node node" in said["verify.node"]["summary"]
     assert all(r["status"] == "ok" for name, r in said.items() if name.startswith("verify.layer")), checked.stdout
     assert "JobName=specops-verify" in _slurm(cluster, "scontrol", "-o", "show", "job")
+
+
+# --------------------------------------------------------------------------- train (the modern host env)
+
+def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eval_runs_on_a_compute_node(
+        cluster, modern_states, tmp_path):
+    """The module's tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs in a batch
+    job on a compute node through the CPU launcher shim."""
+    import shutil
+
+    import yaml
+
+    states = modern_states
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    work = tmp_path / "work"
+    shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
+    host = yaml.safe_load(Path(states["inventory"]).read_text())["hosts"]["th"]
+    host.update(scheduler="slurm", slurm={"partition": PARTITION}, work_dir=str(work),
+                env={**host.get("env", {}), **OFFLINE, **cluster.env})
+
+    def inventory(**env) -> Path:
+        path = tmp_path / f"inv-{len(list(tmp_path.glob('inv-*')))}.yaml"
+        path.write_text(yaml.safe_dump({"hosts": {"th": {**host, "env": {**host["env"], **env}}}}))
+        return path
+
+    def status() -> tuple[int, dict, dict]:
+        proc, found = _status("d1", runs, inv)
+        return proc.returncode, found, (json.loads(proc.stdout)["hosts"][0].get("data") or {}).get("status") or {}
+
+    def wait(ready, timeout=120) -> tuple[int, dict, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            code, found, st = status()
+            if ready(found, st) or time.monotonic() > deadline:
+                return code, found, st
+            time.sleep(1)
+
+    # paced (a pause after each of its 2 optimizer steps an epoch): there is a run to abort, and one still training
+    # when slurmctld next checks time limits (every 30 s) after its first checkpoint: 5 paced epochs (50 s) are left
+    # then, however fast the steps run (the resume runs them unpaced)
+    epochs = 6
+    argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", str(epochs), "--json"]
+    inv = inventory(SPECOPS_BATCH_DELAY_S="5")
+    started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
+    said = records(started)
+    assert started.returncode == 0 and said["job.start"]["status"] == "changed", started.stdout[-3000:]
+    assert "submitted as Slurm job" in said["job.start"]["summary"], said["job.start"]
+    # the training preflight ran on the login node: the trainer's memory is the compute node's, not judged there
+    assert said["train.memory"]["status"] == "skipped" and "this is the login node" in said["train.memory"]["summary"]
+    run_dir = work / "runs" / "d1"
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    assert "remote.train.supervisor" in (run_dir / "slurm.sbatch").read_text()
+    code, found, st = wait(lambda r, st: "RUNNING" in r.get("job.slurm", {}).get("summary", ""))
+    assert f"Slurm job {job_id} RUNNING on node" in found["job.slurm"]["summary"] and code == 101, found
+
+    # abort = scancel: the job ends, the run is aborted, nothing of it is left
+    aborted = specops("abort", "--inventory", inv, "--run-id", "d1", "--json", env=runs, timeout=120)
+    assert f"scancel {job_id}" in records(aborted)["job.abort"]["summary"], aborted.stdout
+    assert _slurm(cluster, "squeue", "-h", "-j", job_id).strip() == ""
+    assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the aborted train run is left"
+    code, found, st = status()
+    assert code == 103 and st["state"] == "aborted" and "CANCELLED" in found["job.slurm"]["summary"], found
+
+    # the same command resubmits it; killed by Slurm's time limit once it has a checkpoint: named, with its fix
+    again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
+    assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
+    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    code, found, st = wait(lambda r, st: (st.get("epoch") or 0) >= 1
+                           or st.get("state") in ("done", "failed", "aborted"), timeout=240)
+    assert st["state"] == "training" and st["epoch"] >= 1, st
+    _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
+    code, found, st = wait(lambda r, st: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
+    assert found["job.slurm"]["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in found["job.slurm"]["summary"], \
+        (found, st)
+    assert "slurm.time_limit" in found["job.slurm"]["fix"] and code == 100, found
+    assert st["state"] == "failed" and st["error"]["type"] == "SlurmTimeout", st
+    killed_at = st["step"]
+
+    # the same command (unpaced, followed) resumes it from the trainer's last checkpoint to the end, then fetches
+    inv = inventory()
+    done = specops(argv[0], "--inventory", inv, *argv[1:], env=runs, timeout=300)
+    final = records(done)
+    assert done.returncode == 0 and final["train.run"]["status"] == "ok", done.stdout[-4000:] + done.stderr[-2000:]
+    resumed_from = final["train.run"]["detail"]["resumed_from"]
+    assert resumed_from and resumed_from["global_step"] > 0, final["train.run"]
+    code, found, st = status()
+    # from the checkpoint, not from the start: no step before it is trained again (the kill may land after the last
+    # step, in the last epoch's validation or save)
+    assert resumed_from["global_step"] <= killed_at and code == 0 and st["step"] == st["steps_total"] >= killed_at
+    assert st["epoch"] == epochs - 1, st
+    assert "COMPLETED" in found["job.slurm"]["summary"], found
+    assert (tmp_path / "runs" / "th" / "d1" / "metrics.jsonl").read_text().count('"train"') >= st["steps_total"] // 2
+
+    # eval runs on a compute node (srun), never on the login node: a copy of the draft with its aux ids off by one
+    # is refused there before anything loads (a whole eval is the same task under srun, its servers started on
+    # that node; a CPU server start is over this module's time budget)
+    shifted = tmp_path / "shifted-draft"
+    shutil.copytree(run_dir / "checkpoints" / "checkpoint_best", shifted)
+    config = json.loads((shifted / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(config))
+    refused = specops("eval", "--inventory", inv, "--draft", shifted, "--from-run", states["run_id"], "--json",
+                      env=runs, timeout=300)
+    said = records(refused)
+    assert refused.returncode == 1 and said["eval.draft_layer_ids"]["status"] == "fail", refused.stdout[-3000:]
+    assert said["eval.node"]["status"] == "ok" and said["eval.node"]["detail"]["node"] in ("node1", "node2"), said
+    assert "eval ran on compute node node" in said["eval.node"]["summary"]
+    assert "JobName=specops-eval" in _slurm(cluster, "scontrol", "-o", "show", "job")

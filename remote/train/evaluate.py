@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from remote.extract import samples
+from remote.run import slurm
 from remote.system import modelconfig
 from remote.train import gate
 from remote.train.sweep import acceptance, cell_results, gate_lengths, pooled_categories, read_metrics, sweep_record
@@ -77,11 +78,15 @@ class EvalError(protocol.TaskError):
 @SPEC.task
 def main(params: dict) -> dict:
     try:
-        return protocol.run_in_job_env(evaluate, params)
+        payload = protocol.run_in_job_env(evaluate, params)
     except Stopped as exc:  # nobody may read this (the laptop left): the server is stopped all the same
         return protocol.payload([protocol.record("eval.server", protocol.FAIL, f"stopped by request ({exc}: Ctrl-C "
                                                  f"at the laptop) while serving; the server it started is stopped",
                                                  fix="run the same eval again")])
+    node = slurm.node_record("eval.node", "eval")  # a host behind Slurm serves and measures on a compute node (srun)
+    if node is not None:
+        payload["records"].insert(0, node)
+    return payload
 
 
 # --------------------------------------------------------------------------- the draft

@@ -270,13 +270,14 @@ def plan_estimate(plan, config: dict) -> tuple[dict, str | None]:
     return est, ignored
 
 
-def check(plan, config: dict, env: dict | None = None) -> dict:
-    """``train.memory`` for a :class:`remote.train.plan.TrainPlan` on this host, now."""
+def check(plan, config: dict, env: dict | None = None, free: dict | None = None) -> dict:
+    """``train.memory`` for a :class:`remote.train.plan.TrainPlan` on this host, now (``free``: what is free where
+    the trainer runs, when that is not this host: a ``why`` without ``free_bytes`` says the estimate alone)."""
     try:
         est, ignored = plan_estimate(plan, config)
     except ValueError as exc:
         return record("train.memory", SKIPPED, f"cannot size the draft from {plan.model_path}: {exc}", detail={})
-    rec = judge(est, free_memory("cuda" if plan.device == "cuda" else "cpu", env))
+    rec = judge(est, free or free_memory("cuda" if plan.device == "cuda" else "cpu", env))
     if ignored:
         rec["detail"]["draft_vocab_ignored"] = ignored
         rec["summary"] += f" ({ignored})"

@@ -56,6 +56,8 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "device": RUN_ARGS["device"],
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
+    # a host behind Slurm: the start submits the supervisor as a batch job, as an extraction's does
+    "slurm": job.SPEC.args["slurm"],
     "online": Arg("bool", False, doc="train online: the run starts from_run's extraction server (same model, ids and "
                                      "parameters) and the trainer asks it for every row's states; none stay on disk "
                                      "(remote.train.online)"),
@@ -156,7 +158,10 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
     if trains:
         records.append(trainplan.check_api(plan, api))
         records.append(check_disk(plan))
-        records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env")))
+        # behind Slurm this is the login node: the trainer's memory is that of the compute node the job gets
+        elsewhere = {"where": "the job's compute node", "why": "this is the login node; the trainer runs on a "
+                     "compute node Slurm picks (specops preflight checks one)"} if params.get("slurm") else None
+        records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env"), elsewhere))
         if plan.device == "cpu":
             records.append(check_cpu_launcher())
     if params.get("online_server") and params["action"] == "check":
