@@ -167,6 +167,10 @@ def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login
                                                "s": base}}))
     with pytest.raises(UsageError, match="training over several hosts is torchrun's across SSH hosts"):
         train(load_inventory(inventory), "c,s", run_id="t1", from_run="r1", epochs=1)
+    # a disaggregated online run with a half behind Slurm would start that half on the login node
+    for on, server in (("s", "c"), ("c", "s")):
+        with pytest.raises(UsageError, match=r"--server-on: host\(s\) c are behind Slurm"):
+            train(load_inventory(inventory), on, run_id="t1", from_run="r1", epochs=1, online=True, server_on=server)
 
 
 # --------------------------------------------------------------------------- against the cluster
