@@ -100,5 +100,5 @@ def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
     if int(spec.slurm.nodes or 1) > 1:
         raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {spec.slurm.nodes}, and a train run over "
                          f"several Slurm nodes is not submitted yet (one node, its GPUs under torchrun, is)",
-                         f"set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
-                         f"slurm.gres to the GPUs of one node", host=spec.name)
+                         "set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
+                         "slurm.gres to the GPUs of one node", host=spec.name)
