@@ -288,6 +288,27 @@ class Aborted(BaseException):
     """SIGTERM reached this host's supervisor (``job abort``)."""
 
 
+def connect_to_head(replica: dict, timeout: float) -> socket.socket:
+    """A worker host's connection to the head's :class:`HostWatch` (``master_addr:watch_port``), retried while the
+    head's run may still be starting.
+
+    :raises ConnectionError: no answer within ``timeout`` seconds, naming the head and the address."""
+    addr = (str(replica["master_addr"]), int(replica["watch_port"]))
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            sock = socket.create_connection(addr, timeout=5)
+            sock.settimeout(None)
+            keepalive(sock)
+            return sock
+        except OSError as exc:
+            last = exc
+            time.sleep(1.0)
+    raise ConnectionError(f"the head {host_of(replica, 0)}'s supervisor did not answer on "
+                          f"{addr[0]}:{addr[1]} for {timeout:.0f} s ({last}); is its run started?")
+
+
 class NodeSupervisor:
     """A worker host's run: its headless ranks, joined to the head, watched both ways."""
 
@@ -310,20 +331,7 @@ class NodeSupervisor:
         self.sock: socket.socket | None = None
 
     def _connect(self, timeout: float) -> socket.socket:
-        addr = (str(self.replica["master_addr"]), int(self.replica["watch_port"]))
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            try:
-                sock = socket.create_connection(addr, timeout=5)
-                sock.settimeout(None)
-                keepalive(sock)
-                return sock
-            except OSError as exc:
-                last = exc
-                time.sleep(1.0)
-        raise ConnectionError(f"the head {host_of(self.replica, 0)}'s supervisor did not answer on "
-                              f"{addr[0]}:{addr[1]} for {timeout:.0f} s ({last}); is its run started?")
+        return connect_to_head(self.replica, timeout)
 
     def _engine(self):
         """The same engine the head runs (same plan, same server flags), started headless here."""

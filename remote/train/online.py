@@ -238,10 +238,7 @@ class RemoteServer:
 
         from remote.extract import replica
 
-        block = watch_block(self.disagg)
-        worker = replica.NodeSupervisor.__new__(replica.NodeSupervisor)  # its connect, without a worker's run
-        worker.replica = block
-        self.sock = worker._connect(replica.CONNECT_TIMEOUT_S)
+        self.sock = replica.connect_to_head(watch_block(self.disagg), replica.CONNECT_TIMEOUT_S)
         replica.send(self.sock, "hello", host=self.disagg["trainer_host"], node_rank=1, ranks=[1], pid=os.getpid())
         self._lines = replica.Lines(self.sock)
         return {"server_host": self.disagg["server_host"], "address": self.disagg["address"],
