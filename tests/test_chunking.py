@@ -123,6 +123,10 @@ def test_server_args_are_checked_as_vllm_reads_them_underscores_dotted_keys_and_
         assert "is set by the engine" in server_args_problem([spelling]), spelling
     # a plain server (eval) sets no speculative config of its own: the draft's goes through
     assert refused_flags(["--speculative_config", "{}"], plain=True) == []
+    # the step budget is the user's to give, as a whole number (the memory plan reads it)
+    assert server_args_problem(["--max_num_batched_tokens=8192"]) is None
+    for bad in (["--max-num-batched-tokens", "8k"], ["--max-num-batched-tokens=0"]):
+        assert "--max-num-batched-tokens" in server_args_problem(bad) and "whole number" in server_args_problem(bad)
     # flags that only look alike stay allowed
     assert refused_flags(["--no-enable-prefix-caching", "--max-num-seqs", "4", "--model-impl", "vllm",
                           "--max_num_batched_tokens=512", "-O3"]) == []

@@ -207,6 +207,13 @@ def test_probe_budget_is_the_engine_command_builders():
                                                          command.batched_tokens({**params, "chunked_prefill_on": False},
                                                                                 257))  # this box's connector: off
     assert gpu.engine_batched_tokens({**params, "max_num_batched_tokens": 2048}, config) == 2048
+    # a budget given in server_args is the server's (the engine adds no flag of its own) and the plan's
+    for spelling in (["--max-num-batched-tokens", "8192"], ["--max_num_batched_tokens=8192"]):
+        argv = command.server_command("python3", "/m", port=8000, tp=1, layer_ids=[1, 2], storage_dir="/s",
+                                      connector=(command.STOCK_CONNECTOR, None), max_model_len=257,
+                                      params={**params, "server_args": spelling})
+        assert len([a for a in argv if "batched" in a]) == 1 and argv[-len(spelling):] == spelling
+        assert gpu.engine_batched_tokens({**params, "server_args": spelling}, config) == 8192
 
 
 def test_real_width_models_keep_deepseek_v3s_layer_and_vocab():

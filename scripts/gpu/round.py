@@ -144,7 +144,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "memory_budget": 300, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480}
@@ -276,6 +276,12 @@ def ssh_up():
                               "seq_len": 4096, "max_samples": 8, "chunked_prefill": "off"},
         "gpu-8b-vocab-whole": {"model_path": str(MODELS / "llama_8b_vocab"), "output_dir": "/tmp/specops-out/8b-vocab",
                                "seq_len": 8192, "max_samples": 8, "chunked_prefill": "off"},
+        # round 17: the plan's overhead along the step budget (chunked prefill, the budget from server_args): with
+        # round 15's 2048 / whole-sample points, four budgets per model
+        **{f"gpu-{short}-bt{bt}": {"model_path": str(MODELS / model), "output_dir": f"/tmp/specops-out/{short}-bt{bt}",
+                                   "seq_len": seq_len, "max_samples": 8,
+                                   "server_args": ["--max-num-batched-tokens", str(bt)]}
+           for short, model, seq_len, bt in MEMORY_BUDGET_HOSTS},
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -784,8 +790,21 @@ def extract_verify(host: str, rid: str, name: str, model: Path):
 #: the memory plan's real-width fixtures: (host, name, model, run id)
 MEMORY_WIDTH_RUNS = (("gpu-ds-wide", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide"),
                      ("gpu-8b-vocab", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab"))
+#: round 17: (short name, model, seq_len, step budget) of the memory-plan runs along the step budget
+MEMORY_BUDGET_HOSTS = (("ds-wide", "deepseek_v3_wide", 4096, 8192), ("8b-vocab", "llama_8b_vocab", 8192, 4096),
+                       ("ds-wide", "deepseek_v3_wide", 4096, 16384), ("8b-vocab", "llama_8b_vocab", 8192, 16384))
+MEMORY_BUDGET_RUNS = tuple((f"gpu-{short}-bt{bt}", f"{model}_bt{bt}", model, f"gpu-mem-{short}-bt{bt}")
+                           for short, model, _seq, bt in MEMORY_BUDGET_HOSTS)
 MEMORY_WHOLE_RUNS = (("gpu-ds-wide-whole", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide-whole"),
                      ("gpu-8b-vocab-whole", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab-whole"))
+
+
+def memory_budget_runs():
+    """The ``memory_budget`` runs this call makes (``GPU_ROUND_MEMORY_BUDGETS``, ``<budget>:<short>,...``; all by
+    default)."""
+    wanted = [w.split(":") for w in os.environ.get("GPU_ROUND_MEMORY_BUDGETS", "").split(",") if w]
+    return tuple(r for r, (short, _m, _s, bt) in zip(MEMORY_BUDGET_RUNS, MEMORY_BUDGET_HOSTS)
+                 if not wanted or [str(bt), short] in wanted)
 
 
 def preflight_memory(text: str) -> dict | None:
@@ -1058,6 +1077,8 @@ def main(argv=None) -> int:
             "dp": run_step("dp", dp_flow),
             "memory_width": run_step("memory_width", memory_width),
             "memory_whole": run_step("memory_whole", memory_width, MEMORY_WHOLE_RUNS, "memory_whole"),
+            # GPU_ROUND_MEMORY_BUDGETS="8192:ds-wide,4096:8b-vocab": the runs of this call (two fit one call)
+            "memory_budget": run_step("memory_budget", memory_width, memory_budget_runs(), "memory_budget"),
             "fp8_speed": run_step("fp8_speed", fp8_speed),
             "defaults_sweep": run_step("defaults_sweep", defaults_sweep),
             "defaults_sweep_8b": run_step("defaults_sweep_8b", defaults_sweep, "llama_8b_vocab"),

@@ -170,6 +170,21 @@ def _as_given(arg: str, flag: str) -> str:
     return flag if key == flag else f"{key} (vLLM reads it as {flag})"
 
 
+def flag_value(args, flag: str) -> str | None:
+    """The value ``args`` (an argv list) give ``flag``, read as vLLM's parser reads it (``--flag V``, ``--flag=V``,
+    underscores for dashes, a unique prefix; the last one wins); None when not given."""
+    value = None
+    args = [str(a) for a in args or ()]
+    for i, arg in enumerate(args):
+        if flag_of(arg, (flag,)) != flag:
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
 def server_args_problem(server_args, plain: bool = False) -> str | None:
     """What is wrong with ``server_args`` (None: nothing), naming each refused flag and its fix."""
     given = [str(x) for x in server_args or ()]
@@ -192,4 +207,8 @@ def server_args_problem(server_args, plain: bool = False) -> str | None:
                         + f" (vLLM would take the last one given, and the files would not be what the run "
                         f"records): drop {arg.split('=', 1)[0]} from server_args"
                         + (f" and set {param}" if param else ""))
+    budget = flag_value(given, "--max-num-batched-tokens")
+    if budget is not None and not (budget.isdigit() and int(budget) > 0):
+        problems.append(f"--max-num-batched-tokens {budget!r} is not a positive whole number of tokens: give the "
+                        f"step budget as one, e.g. --max-num-batched-tokens 8192")
     return "server_args: " + "; ".join(problems) if problems else None

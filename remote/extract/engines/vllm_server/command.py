@@ -257,7 +257,7 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
     if params.get("chunked_prefill_on"):
         # the connector writes once a request's last chunk is done (remote/extract/engines/vllm_server/chunking.py)
         argv[argv.index("--no-enable-chunked-prefill")] = "--enable-chunked-prefill"
-    if not any(a.startswith("--max-num-batched-tokens") for a in extra):
+    if chunking.flag_value(extra, "--max-num-batched-tokens") is None:
         argv += ["--max-num-batched-tokens", str(batched_tokens(params, max_model_len))]
     seqs = max_num_seqs(params)
     if seqs and not any(a.startswith("--max-num-seqs") for a in extra):
@@ -349,6 +349,9 @@ def batched_tokens(params: dict, max_model_len: int) -> int:
     2048 on its own, so a plain server needs the same flag to be comparable."""
     if params.get("max_num_batched_tokens"):
         return int(params["max_num_batched_tokens"])
+    given = chunking.flag_value(params.get("server_args") or [], "--max-num-batched-tokens")
+    if given is not None and given.isdigit():  # the user's flag is the server's (build_argv adds none then)
+        return int(given)
     if params.get("chunked_prefill_on"):
         return GPU_BATCHED_TOKENS if params.get("device") == "cuda" else MIN_BATCHED_TOKENS
     return max(MIN_BATCHED_TOKENS, int(max_model_len))
