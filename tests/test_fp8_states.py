@@ -224,12 +224,30 @@ wrong_format2 = samples.digest_hs_file(out / "hs_0.safetensors", ids_sorted, ids
 no_scales = samples.digest_hs_file(out / "hs_2.safetensors", ids_sorted, ids_sorted)
 manifest = {"layer_ids": [2, 4, 5, 8], "file_layer_ids": ids_sorted}
 read = load_sample(out / "hs_0.safetensors", manifest)
+# the digest widens fp8 by bits (sampleread._fp8_widener): every code but NaN's, each sign, subnormals and
+# -0 included, tokens of very different scales, a layer against torch's own float8 cast; a NaN code is named
+codes = torch.arange(256, dtype=torch.uint8)
+finite = codes[(codes & 0x7F) != 0x7F]
+every = finite[torch.randperm(finite.numel())].repeat(3)[:240].view(10, 1, 24).view(torch.float8_e4m3fn)
+every_scale = torch.logspace(-8, 8, 10).view(10, 1, 1)
+for name, states in (("every", every), ("nan", every.view(torch.uint8).clone().index_fill_(2, torch.tensor([3]), 0xFF)
+                                        .view(torch.float8_e4m3fn))):
+    save_file({"hidden_states": states, SCALES_KEY: every_scale, "token_ids": torch.arange(10)},
+              str(out / f"hs_{name}.safetensors"))
+every_digest = samples.digest_hs_file(out / "hs_every.safetensors", [1], [1], token_ids=list(range(10)),
+                                      hidden_size=24, state_format="fp8")
+x64 = every.float().double() * every_scale.double()
+nan_digest = samples.digest_hs_file(out / "hs_nan.safetensors", [1], [1], state_format="fp8")
 print(json.dumps({
     "problems": d["problems"], "tensors": d["tensors"], "bytes": d["bytes"],
     "stats": [[g["mean"], w["mean"], g["std"], w["std"], g["abs_max"], w["abs_max"], g["dtype"]]
               for g, w in zip(got, want)],
     "wrong_format": wrong_format["problems"], "wrong_format2": wrong_format2["problems"],
     "no_scales": no_scales["problems"],
+    "every": {k: every_digest["layers"][0][k] for k in ("count", "total", "total_sq", "abs_max", "nan")},
+    "every_want": {"count": 240, "total": float(x64.sum()), "total_sq": float((x64 * x64).sum()),
+                   "abs_max": float(x64.abs().max()), "nan": 0},
+    "nan_layer": {k: nan_digest["layers"][0][k] for k in ("nan", "count")}, "nan_problems": nan_digest["problems"],
     "present": sorted(samples.present_indices(out.parent, "hs")),
     "read_equal": all(torch.equal(h, deq[:, ids_sorted.index(lid)])
                       for lid, h in zip([2, 4, 5, 8], read["hidden_states"])),
@@ -255,6 +273,13 @@ def test_the_digest_and_verify_read_an_fp8_file_dequantized(modern_hostenv_pytho
     assert any("hidden_states_scales" in p for p in got["no_scales"]), got["no_scales"]
     assert got["present"] == [0, 1, 2]  # whole files by their headers, either format
     assert got["read_equal"] and got["read_format"] == "fp8" and got["read_scales"] == [37, 1]
+    every, want = got["every"], got["every_want"]  # each code widened exactly, summed in float32 block by block
+    assert every["count"] == want["count"] and every["nan"] == 0 and every["abs_max"] == pytest.approx(want["abs_max"],
+                                                                                                    rel=1e-7)
+    assert every["total"] == pytest.approx(want["total"], rel=1e-6, abs=1e-6 * want["abs_max"])
+    assert every["total_sq"] == pytest.approx(want["total_sq"], rel=1e-6)
+    assert got["nan_layer"] == {"nan": 10, "count": 230}, got  # 10 tokens' NaN codes found, not read as 480
+    assert any("NaN" in p for p in got["nan_problems"]), got["nan_problems"]
 
 
 CPU_FP8_CONNECTOR = r"""
