@@ -64,6 +64,25 @@ def fresh_blocks(path, layer_ids):
     finally:
         sampleread._block_buffer = reused
 
+def table_widener(states):
+    # the fp8 widening before: numpy's take of the byte codes from a 256-entry float32 table
+    import numpy as np
+    table = torch.arange(256, dtype=torch.uint8).view(states.dtype).float().numpy()
+    codes = states.view(torch.uint8).numpy()
+    def widen(start, stop, pos, out):
+        np.take(table, codes[start:stop, pos], out=out.numpy(), mode="clip")
+        out.div_(sampleread.FP8_AS_HALF_FACTOR)  # what the bit widener hands back: value / 256 (exact)
+        return out
+    return widen
+
+def fp8_by_table(path, layer_ids):
+    bits = sampleread._fp8_widener
+    sampleread._fp8_widener = table_widener
+    try:
+        return sampleread.digest_hs_file(path, layer_ids, layer_ids)
+    finally:
+        sampleread._fp8_widener = bits
+
 def digest_now(path, layer_ids):
     return sampleread.digest_hs_file(path, layer_ids, layer_ids)
 
@@ -83,12 +102,17 @@ with tempfile.TemporaryDirectory() as tmp:
         ids = torch.arange(tokens, dtype=torch.int64)
         path = f"{tmp}/hs_{tokens}.safetensors"
         tensors = {"token_ids": ids, "hidden_states": states}
+        layer_ids = list(range(args["layers"]))
+        fp8_fns = {}
         if args["format"] == "fp8":  # hs-connectors' layout: fp8 states, one float32 scale per token
+            bf16_path = f"{tmp}/hs_{tokens}_bf16.safetensors"  # the same tokens in bf16, digested side by side
+            save_file(dict(tensors), bf16_path)
             tensors = {"token_ids": ids, "hidden_states": states.to(torch.float8_e4m3fn),
                        "hidden_states_scales": torch.rand(tokens, 1, 1) + 0.5}
             states = tensors["hidden_states"]
+            fp8_fns = {"digest_bf16_s": lambda: sampleread.digest_hs_file(bf16_path, layer_ids, layer_ids),
+                       "digest_table_s": lambda: fp8_by_table(path, layer_ids)}
         save_file(tensors, path)
-        layer_ids = list(range(args["layers"]))
         raw = open(path, "rb").read()  # the page cache holds it, as it does a file the connector just wrote
         size = len(raw)
         cols = [states[:, j] for j in layer_ids]
@@ -96,7 +120,7 @@ with tempfile.TemporaryDirectory() as tmp:
                "digest_fresh_blocks_s": lambda: fresh_blocks(path, layer_ids),
                "sha256_s": lambda: hashlib.sha256(raw).hexdigest(),
                "stats_s": lambda: [sampleread.layer_partial(c) for c in cols],
-               "stats_before_s": lambda: [stats_before(c) for c in cols]}
+               "stats_before_s": lambda: [stats_before(c) for c in cols], **fp8_fns}
         try:  # the hash every vLLM host has (a vLLM dependency): one thread, as a digest worker would run it
             import blake3
             fns["blake3_s"] = lambda: blake3.blake3(raw).hexdigest()
@@ -189,6 +213,11 @@ def main() -> int:
               + (f"; blake3 {gbps(row, 'blake3_s'):5.2f} GB/s" if "blake3_s" in row else ""))
     for tokens, row in rows.items():
         print(f"ratio statistics now / before, {tokens} tokens:        {row['stats_before_s'] / row['stats_s']:.2f}x")
+    for tokens, row in rows.items():
+        if "digest_bf16_s" in row:  # the same tokens: time ratios are tokens-a-second ratios
+            print(f"ratio fp8 digest / bf16 digest of the same tokens, {tokens} tokens, tokens a second: "
+                  f"{row['digest_bf16_s'] / row['digest_s']:.2f}x; fp8 widened by bits / by a 256-entry table "
+                  f"(before): {row['digest_table_s'] / row['digest_s']:.2f}x")
     for tokens, row in rows.items():
         print(f"ratio digest now / fresh blocks (before), {tokens} tokens, one thread: "
               f"{row['digest_fresh_blocks_s'] / row['digest_s']:.2f}x")
