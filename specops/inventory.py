@@ -186,6 +186,9 @@ class HostSpec(BaseModel):
     chunked_prefill: str = CONTRACT.CHUNKED_PREFILL[0]
     #: vllm-server: the connector's ``num_writer_threads`` (None: its own 8, capped at the host's cores).
     writer_threads: int | None = None
+    #: vllm-server: more vLLM server flags, appended as given (e.g. ``["--max-num-batched-tokens", "8192"]``: the
+    #: step budget, which the memory plan then follows); a flag that would make the files wrong is refused.
+    server_args: list[str] | None = None
     max_samples: int = DEFAULTS["max_samples"]
     batch_size: int = DEFAULTS["batch_size"]
     gpu_memory_utilization: float = DEFAULTS["gpu_memory_utilization"]
@@ -255,6 +258,16 @@ class HostSpec(BaseModel):
                     f"{MAX_ARG_STRLEN:,} bytes (MAX_ARG_STRLEN: every program started with it fails "
                     f"with 'Argument list too long')", key, value)
         return env
+
+    @field_validator("server_args")
+    @classmethod
+    def _server_args(cls, value):
+        from remote.extract.engines.vllm_server.chunking import server_args_problem
+
+        problem = server_args_problem(value)
+        if problem:
+            raise ValueError(problem.split(": ", 1)[1])
+        return value
 
     @field_validator("chunked_prefill", mode="before")
     @classmethod

@@ -154,8 +154,9 @@ def run_params(spec: HostSpec, **flags) -> dict:
     state_format = check_state_format(given.get("format"), given.get("engine"), spec)
     params = {name: getattr(spec, name) for name in RUN_FIELDS}
     params.update(given, format=state_format, env=dict(spec.env))
-    if not spec.writer_threads:
-        del params["writer_threads"]
+    for unset in ("writer_threads", "server_args"):  # the engine's own default, and no key in the run's params
+        if not params.get(unset):
+            del params[unset]
     if "algorithm" not in given and "algorithm" not in spec.model_fields_set:
         del params["algorithm"]  # unset: eagle3's plan, and no algorithm checks on the host (its speculators may be absent)
     return params
