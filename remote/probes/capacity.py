@@ -10,8 +10,8 @@ sample at ``seq_len`` tokens this is an upper bound::
 
 With ``format: fp8`` (vllm-server) each value is one byte (float8_e4m3fn) and each token
 adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure, landed at
-0.9x bf16's rate and made durable at 1.3x through specops' connector (``contract.FP8_SPEED``, and the
-stock connector's third of it where specops' cannot run), which the record says wherever it names fp8.
+bf16's rate (0.99x) and made durable at 1.3x through specops' connector (``contract.FP8_SPEED``, and the
+stock connector's half of it where specops' cannot run), which the record says wherever it names fp8.
 """
 from __future__ import annotations
 

@@ -145,8 +145,8 @@ FP8_ENGINES = (VLLM_SERVER,)
 #: durable with specops' fp8 connector (quantized on the GPU, the engine's default) and with bf16, and landed with
 #: hs-connectors 0.9.0's own fp8 connector (quantized on the host CPU after a bf16 copy, ~0.69 GB/s: the fallback
 #: where specops' cannot run).
-FP8_SPEED = {"fp8_of_plain": 0.78, "bf16_of_plain": 0.864, "stock_fp8_of_plain": 0.249,
-             "fp8_durable_of_plain": 0.391, "bf16_durable_of_plain": 0.298,
+FP8_SPEED = {"fp8_of_plain": 0.872, "bf16_of_plain": 0.884, "stock_fp8_of_plain": 0.43,
+             "fp8_durable_of_plain": 0.492, "bf16_durable_of_plain": 0.371,
              "measured": "H100 at DeepSeek-V3 width, vLLM 0.26"}
 #: the same, in words (preflight's capacity advice)
 FP8_SPEED_COST = (f"{FP8_SPEED['fp8_of_plain']} of plain prefill landed vs bf16's {FP8_SPEED['bf16_of_plain']}, "
