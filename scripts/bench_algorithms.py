@@ -38,7 +38,7 @@ SMALL_DRAFT = {name: list(SMALL_DFLASH_TRAINER_ARGS) for name in ("dflash", "dfl
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--algorithms", default="eagle3,dflash,dspark",
+    parser.add_argument("--algorithms", default="eagle3,peagle,dflash,dflash2,dspark",
                         help="comma-separated; each must be one vLLM serves (eval refuses others before the load)")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=20)

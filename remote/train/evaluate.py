@@ -518,7 +518,8 @@ def draft_algorithm(draft: dict, params: dict, where: str, vllm_root=None) -> tu
                         f"evaluate a {given} draft (specops train --algorithm {given})",
                         detail={"given": given, "draft": own})
     algorithm = own or given or layers.DEFAULT_ALGORITHM
-    rec = algorithms.servable_record(algorithm, vllm_root or site_packages({})[1], name="eval.algorithm")
+    rec = algorithms.servable_record(algorithm, vllm_root or site_packages({})[1], name="eval.algorithm",
+                                     architectures=draft.get("architectures"))
     if rec["status"] == protocol.FAIL:
         raise EvalError("eval.algorithm", rec["summary"], rec["fix"], detail=rec["detail"])
     missing = [key for key in rec["detail"].get("requires") or () if draft.get(key) is None]
