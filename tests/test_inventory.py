@@ -267,3 +267,23 @@ def test_replica_host_needs_an_ip_to_be_reached_on(tmp_path):
     (tmp_path / "three").mkdir()
     with pytest.raises(InventoryError, match=r"host 'e': field 'node_address': must be an IP address"):
         load_inventory(replica_inventory(tmp_path / "three", "  big: [a, b]\n", extra + "    node_address: gpu-e\n"))
+
+
+def test_server_args_is_a_field_the_memory_plan_follows_and_a_flag_that_would_make_the_files_wrong_is_refused(tmp_path):
+    """``server_args`` (more vLLM flags): the README's way to set the step budget; it reaches the run's params, the
+    engine's budget is the one given; prefix caching or a non-number budget is refused by field at load."""
+    from remote.extract.engines.vllm_server import command
+    from specops.params import run_params
+
+    assert "server_args" not in run_params(load_inventory(write(tmp_path, host_block())).hosts["gpu-a"])
+    spec = load_inventory(write(tmp_path, host_block('server_args: ["--max-num-batched-tokens", "8192"]\n'
+                                                     'device: cuda\n'))).hosts["gpu-a"]
+    params = run_params(spec)
+    assert params["server_args"] == ["--max-num-batched-tokens", "8192"]
+    assert command.batched_tokens({**params, "chunked_prefill_on": True}, 4097) == 8192
+    for bad, words in (('server_args: ["--enable-prefix-caching"]\n', "would make the extracted files wrong"),
+                       ('server_args: ["--max-num-batched-tokens", "lots"]\n', "not a positive whole number"),
+                       ('server_args: ["--max-model-len", "9"]\n', "is set by the engine")):
+        with pytest.raises(InventoryError) as err:
+            load_inventory(write(tmp_path, host_block(bad)))
+        assert "host 'gpu-a': field 'server_args'" in str(err.value) and words in str(err.value), str(err.value)
