@@ -298,12 +298,14 @@ def modern_params(tmp_path, tiny_models, run_id: str, **extra) -> dict:
 
 
 def server_pid(run_dir: Path, target: str, timeout=600.0) -> int:
-    """The pid of the API server (the process running vLLM's server module) or of TP rank 0's worker."""
+    """The pid of the API server (the process running vLLM's server module), of TP rank 0's worker, or of
+    the engine core that runs rank 0 (``rank0_core``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if target == "worker":
+        if target in ("worker", "rank0_core"):
             text = (run_dir / "logs" / "server.log").read_text(errors="replace")
-            found = re.findall(r"\((?:Vllm)?Worker(?:_TP0)? pid=(\d+)\)", text)
+            found = re.findall(r"\((?:Vllm)?Worker(?:_TP0)? pid=(\d+)\)" if target == "worker"
+                               else r"\(EngineCore(?:_DP0)? pid=(\d+)\)", text)
             if found:
                 return int(found[-1])
         else:
@@ -319,7 +321,7 @@ def server_pid(run_dir: Path, target: str, timeout=600.0) -> int:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("target,sig,process,rank", [("worker", "SIGILL", "VllmWorker-0", 0),
+@pytest.mark.parametrize("target,sig,process,rank", [("rank0_core", "SIGILL", "EngineCore", 0),
                                                       ("api_server", "SIGKILL", "APIServer", None)])
 def test_a_server_process_killed_by_a_signal_is_named_on_the_modern_engine(target, sig, process, rank,
                                                                            modern_vllm_python, tiny_models,
@@ -329,16 +331,18 @@ def test_a_server_process_killed_by_a_signal_is_named_on_the_modern_engine(targe
     first_sample_on_disk(params, timeout=900)
     run_dir = tmp_path / "work" / "runs" / params["run_id"]
     pid = server_pid(run_dir, target)
+    if target == "rank0_core":  # a CPU server at TP=1 on every core runs rank 0 in its engine core: no worker
+        text = (run_dir / "logs" / "server.log").read_text(errors="replace")
+        assert "--distributed-executor-backend uni" in text.splitlines()[0] and "(Worker pid=" not in text, text[:3000]
     os.kill(pid, getattr(signal, sig))
     followed = job(modern_vllm_python, action="follow", until="exited", timeout_s=100, **params)
     st = followed["data"]["status"]
     assert st["state"] == "failed", st
     err = st["error"]
     assert_named(err, rank, process, pid, sig)
-    if target == "worker":  # the engine core's line in server.log, not our child
-        # vLLM's line often says "exit code: None" (read before the worker can be reaped):
-        # the signal then comes from faulthandler's dump just before it
-        assert err["source"] == "logs/server.log" and "died unexpectedly" in err["log_line"], err
+    if target == "rank0_core":  # the API server's line in server.log, not our child
+        # vLLM's line has no exit code: the signal comes from faulthandler's dump just before it
+        assert err["source"] == "logs/server.log" and "engine core exited unexpectedly" in err["log_line"], err
         assert err["type"] == "FatalError" and "Fatal Python error: Illegal instruction" in err["traceback"]
         assert f"[specops] rank 0 ({process}, pid {pid}) was killed by SIGILL" in \
             (run_dir / "logs" / "rank0.log").read_text()

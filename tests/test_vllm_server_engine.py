@@ -402,6 +402,69 @@ REPLICA = {"name": "pair", "hosts": ["a", "b"], "nnodes": 2, "ranks_per_node": 2
            "master_addr": "127.0.0.1", "master_port": 29500, "watch_port": 29501}
 
 
+def test_a_cpu_server_at_tp1_on_every_core_runs_its_rank_in_the_engine_core(tmp_path):
+    """No worker process where its only job, pinning the rank's threads, pins them to every core anyway:
+    vLLM's "uni" executor, which its CPU platform keeps only with V1 multiprocessing off in the env.
+    Anything narrower (TP=2, a replica, a replica's own cores, the host's own binding, an executor in
+    server_args, a GPU) keeps vLLM's worker."""
+    every = vllm_server.server_env({}, marker="m", tp=1, on_cpu=True)
+    cpu = {"device": "cpu"}
+    assert vllm_server.rank_in_engine_core(cpu, every, tp=1, on_cpu=True)
+    assert not vllm_server.rank_in_engine_core(cpu, vllm_server.server_env({}, marker="m", tp=2, on_cpu=True),
+                                               tp=2, on_cpu=True)
+    assert not vllm_server.rank_in_engine_core(cpu, every, tp=1, on_cpu=False)
+    assert not vllm_server.rank_in_engine_core({**cpu, "replica": {"nnodes": 2}}, every, tp=1, on_cpu=True)
+    assert not vllm_server.rank_in_engine_core(cpu, every, tp=1, on_cpu=True, devices=[0])
+    assert not vllm_server.rank_in_engine_core(cpu, {**every, "VLLM_CPU_OMP_THREADS_BIND": "0"}, tp=1, on_cpu=True)
+    assert not vllm_server.rank_in_engine_core({**cpu, "server_args": ["--distributed-executor-backend=mp"]},
+                                               every, tp=1, on_cpu=True)
+    one = dict(model_path="m", port=1, tp=1, layer_ids=[2], storage_dir=tmp_path, connector=("C", None),
+               max_model_len=64)
+    argv = vllm_server.server_command("py", params={**cpu, "rank_in_engine_core": True}, **one)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert "--distributed-executor-backend" not in vllm_server.server_command("py", params=cpu, **one)
+    env = vllm_server.server_env({}, marker="m", tp=1, on_cpu=True, rank_in_engine_core=True)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in every
+
+
+#: the end of a server log whose engine core ran rank 0 and was killed by SIGILL (vLLM 0.32's lines)
+CORE_RANK_DEATH = "\n".join([
+    "(APIServer pid=10) INFO 12-06 14:02:03 [api_utils.py:347] version 0.32.0",
+    "(EngineCore pid=11) INFO 12-06 14:02:13 [core.py:133] Initializing a V1 LLM engine (v0.32.0)",
+    "(EngineCore pid=11) INFO 12-06 14:02:14 [cpu_model_runner.py:68] Starting to load model m...",
+    "Fatal Python error: Illegal instruction",
+    "",
+    "Current thread 0x00007f (most recent call first):",
+    '  File "core.py", line 9 in run_busy_loop',
+    "(APIServer pid=10) INFO 12-06 14:03:00 [core_client.py:818] [shutdown] MPClient: engine core exited "
+    "unexpectedly; starting cleanup",
+])
+
+
+def test_an_engine_core_that_runs_rank_0_is_named_and_logged_as_rank_0(tmp_path):
+    """Where rank 0 runs inside the engine core, the engine core's lines are rank 0's log and its death is
+    rank 0's (with the pid of its lines); elsewhere an engine core stays the engine core."""
+    death = vllm_server.log_death(CORE_RANK_DEATH, rank_in_engine_core=True)
+    assert (death["name"], death["rank"], death["pid"], death["exit_code"]) == ("EngineCore", 0, 11, -4)
+    failed = vllm_server.ServerFailed("server died", None, None, "", death=death)
+    assert failed.rank == 0 and failed.death["message"].startswith("rank 0 (EngineCore, pid 11) was killed by SIGILL")
+    plain = vllm_server.ServerFailed("server died", None, None, "", death=vllm_server.log_death(CORE_RANK_DEATH))
+    assert plain.rank is None and plain.death["message"].startswith("engine core (EngineCore) was killed by SIGILL")
+    log = tmp_path / "server.log"
+    log.write_text(CORE_RANK_DEATH)
+    assert vllm_server.split_rank_logs(log, tmp_path) == []
+    assert vllm_server.split_rank_logs(log, tmp_path, rank_in_engine_core=True) == [tmp_path / "rank0.log"]
+    assert (tmp_path / "rank0.log").read_text().splitlines() == [
+        line for line in CORE_RANK_DEATH.splitlines() if line.startswith("(EngineCore")]
+    raised = CORE_RANK_DEATH.replace("Fatal Python error: Illegal instruction", "\n".join([
+        "(EngineCore pid=11) ERROR 12-06 14:02:15 [core.py:1] Traceback (most recent call last):",
+        '(EngineCore pid=11) ERROR 12-06 14:02:15 [core.py:1]   File "loader.py", line 3, in load',
+        "(EngineCore pid=11) ERROR 12-06 14:02:15 [core.py:1] ValueError: bad checkpoint"]))
+    assert vllm_server.log_failure(raised, rank_in_engine_core=True)["rank"] == 0
+    assert vllm_server.log_failure(raised)["rank"] is None
+
+
 def test_a_replicas_hosts_get_vllms_multi_node_flags():
     """The head runs the API server module with the multi-node flags; a worker host ``vllm serve --headless``
     through the launcher, with the same model and flags (nothing dropped but the module form)."""

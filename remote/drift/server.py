@@ -470,7 +470,7 @@ def server_args_record(index: PackageIndex, params: dict):
         "python", "/model", port=1, tp=1, layer_ids=[0], storage_dir="/tmp", max_model_len=2,
         connector=(vllm_server.STOCK_CONNECTOR, None),
         params={"enforce_eager": True, "trust_remote_code": True, "gpu_memory_utilization": 0.9, "max_num_seqs": 1,
-                "server_args": [a for a in given if a not in refused]})
+                "rank_in_engine_core": True, "server_args": [a for a in given if a not in refused]})
     fields = flag_fields(argv[3:])
     detail["flags"] = fields
     engine = _class_ref(index, *ENGINE_ARGS) or next(iter(index.find_classes(ENGINE_ARGS[1])), None)

@@ -97,7 +97,7 @@ def from_wait_status(status: int) -> int:
 def process_label(name: str | None, rank=None) -> tuple[str, int | None]:
     """``("rank 1", 1)``, ``("engine core", None)`` or ``("API server", None)`` for a vLLM process name."""
     name = name or ""
-    if _ENGINE_CORE.match(name):
+    if _ENGINE_CORE.match(name) and rank is None:  # an engine core that runs a rank (TP=1) is that rank
         return "engine core", None
     if _API_SERVER.match(name):
         return "API server", None

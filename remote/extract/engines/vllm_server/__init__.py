@@ -73,7 +73,7 @@ from .command import (CPU_CONNECTOR_CLASS, CPU_CONNECTOR_MODULE, CPU_FP8_CONNECT
                       MIN_BATCHED_TOKENS, SERVED_MODEL_NAME, SERVER_MODULE, SPECOPS_FP8_CONNECTOR_CLASS,
                       SPECOPS_FP8_CONNECTOR_MODULE, SPECOPS_FP8_IMPORTS, SPECOPS_FP8_STOCK_OWN, STOCK_CONNECTOR,
                       connector_options, cuda_available, fp8_connector_module, fp8_fallback, free_port, kv_transfer_config, pick_connector,
-                      server_command, server_env, speculative_config)
+                      rank_in_engine_core, server_command, server_env, speculative_config)
 from .engine import VllmServerEngine
 from .landing import SAMPLE_FILE, SampleRejected, default_digest_workers, land_sample, move_into_place, wait_for_file
 from .logs import SERVER_LOG, ServerFailed, log_death, log_failure, read_tail, split_rank_logs
@@ -86,6 +86,6 @@ __all__ = [
     "SPECOPS_FP8_CONNECTOR_MODULE", "SPECOPS_FP8_IMPORTS", "SPECOPS_FP8_STOCK_OWN", "STOCK_CONNECTOR",
     "SampleRejected", "ServerFailed", "VllmServer", "VllmServerEngine", "connector_options", "cuda_available", "default_digest_workers",
     "die_with_parent", "fp8_connector_module", "fp8_fallback", "free_port", "kv_transfer_config", "land_sample", "layers", "leftover_pids", "log_death",
-    "log_failure", "modelconfig", "move_into_place", "pick_connector", "read_tail",
+    "log_failure", "modelconfig", "move_into_place", "pick_connector", "rank_in_engine_core", "read_tail",
     "server_command", "server_env", "speculative_config", "split_rank_logs", "wait_for_file",
 ]

@@ -266,6 +266,8 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
         # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
         # attention): 3-4x the bf16 error on every token. The plain PyTorch rotary is right.
         argv += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    if params.get("rank_in_engine_core"):
+        argv += ["--distributed-executor-backend", IN_ENGINE_CORE_BACKEND]
     argv += replica_flags(params.get("replica"))
     if params.get("replica") and int(params["replica"]["node_rank"]) > 0:
         return headless_command(argv + extra)
@@ -357,13 +359,41 @@ def batched_tokens(params: dict, max_model_len: int) -> int:
     return max(MIN_BATCHED_TOKENS, int(max_model_len))
 
 
+#: vLLM's executor that runs the one rank inside the engine core process (no worker process)
+IN_ENGINE_CORE_BACKEND = "uni"
+#: what lets vLLM's CPU platform keep that executor (with it unset, the CPU platform turns "uni" into "mp")
+SINGLE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def rank_in_engine_core(params: dict, env: dict, *, tp: int, on_cpu: bool, devices: list[int] | None = None) -> bool:
+    """Whether this server runs its one rank inside vLLM's engine core process: a CPU server at TP=1 on all
+    the cores this process may use, not a replica's host, and no executor named in ``server_args``.
+
+    vLLM's CPU platform always starts a worker process for rank 0, only so that it can pin that rank's
+    OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND``; where that binding is every core the server may use
+    anyway, the worker is one more import of vLLM (~7-9 s of a CPU server's start) for nothing. The rank
+    then runs as vLLM runs it on a GPU at TP=1 (its "uni" executor), with the same thread count. A
+    binding to fewer cores (the host's env, a data-parallel replica's slice) keeps the worker.
+    """
+    if not on_cpu or int(tp) != 1 or params.get("replica") or devices is not None:
+        return False
+    if any(str(a).startswith("--distributed-executor-backend") for a in params.get("server_args") or []):
+        return False
+    every_core = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    return env.get("VLLM_CPU_OMP_THREADS_BIND") == every_core
+
+
 def server_env(base: dict, *, marker: str, tp: int, on_cpu: bool, replica: dict | None = None,
-               devices: list[int] | None = None) -> dict:
+               devices: list[int] | None = None, rank_in_engine_core: bool = False) -> dict:
     """The server's environment: ``base`` plus the marker and, pinned to its devices, the defaults of a
-    vLLM process (:func:`remote.extract.layout.device_env`; ``devices``: a data-parallel replica's own set).
+    vLLM process (:func:`remote.extract.layout.device_env`; ``devices``: a data-parallel replica's own set);
+    ``rank_in_engine_core``: :func:`rank_in_engine_core`'s verdict (vLLM's CPU platform then keeps the
+    executor the command names).
     """
     env = dict(base)
     env[MARKER_ENV] = marker
+    if rank_in_engine_core:
+        env[SINGLE_PROCESS_ENV] = "0"
     env.setdefault("PYTHONUNBUFFERED", "1")
     if replica:
         # the address this host's ranks bind and are reached on (else vLLM picks the outbound one)

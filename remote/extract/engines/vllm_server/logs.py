@@ -58,7 +58,7 @@ class ServerFailed(RuntimeError):
         self.death = None
         if death:
             self.death = signals.death_record(death.get("name"), death.get("exit_code"), pid=death.get("pid"),
-                                              source=death.get("source") or "logs/server.log",
+                                              rank=death.get("rank"), source=death.get("source") or "logs/server.log",
                                               fatal=death.get("fatal"))
             if death.get("line"):
                 self.death["log_line"] = death["line"]
@@ -84,21 +84,26 @@ def read_tail(path, nbytes: int = 65536) -> str:
         return ""
 
 
-def _rank_of(process: str | None):
+def _rank_of(process: str | None, rank_in_engine_core: bool = False):
+    """The TP rank whose lines carry vLLM's prefix ``process`` (None: the API server, or an engine core
+    that runs no rank); ``rank_in_engine_core``: the server runs rank 0 inside its engine core
+    (:func:`~.command.rank_in_engine_core`)."""
+    if rank_in_engine_core and process and process.startswith("EngineCore"):
+        return 0
     if not process or not process.startswith("Worker"):
         return None
     found = re.search(r"_TP(\d+)", process)
     return int(found.group(1)) if found else 0
 
 
-def log_failure(text: str) -> dict | None:
+def log_failure(text: str, rank_in_engine_core: bool = False) -> dict | None:
     """The last exception in a vLLM server log: which process, which rank, what, and its traceback.
 
     vLLM prefixes the lines of each process it starts with ``(EngineCore pid=..)``,
     ``(Worker_TP1 pid=..)`` (``(Worker pid=..)`` at TP=1); a worker's exception is
     logged there first and re-raised by the engine core and the API server after it,
     so the *first* traceback of the last failure burst is the root cause. None when the
-    log shows no exception at all.
+    log shows no exception at all. ``rank_in_engine_core``: the engine core's lines are rank 0's.
     """
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
@@ -108,7 +113,7 @@ def log_failure(text: str) -> dict | None:
             if found:
                 proc = _PROCESS_PREFIX.search(line)
                 process = proc.group("proc") if proc else None
-                return {"process": process, "rank": _rank_of(process),
+                return {"process": process, "rank": _rank_of(process, rank_in_engine_core),
                         "exception": f"{found.group('type')}: {found.group('msg').strip()}",
                         "traceback": line}
         return None
@@ -126,7 +131,7 @@ def log_failure(text: str) -> dict | None:
         if exc_line:
             found = _EXCEPTION_LINE.search(exc_line)
             exception = f"{found.group('type')}: {found.group('msg').strip()}"
-        blocks.append({"process": process, "rank": _rank_of(process), "exception": exception,
+        blocks.append({"process": process, "rank": _rank_of(process, rank_in_engine_core), "exception": exception,
                        "traceback": "\n".join(block).strip()})
     workers = [b for b in blocks if b["rank"] is not None and b["exception"]]
     if workers:
@@ -142,7 +147,7 @@ def log_failure(text: str) -> dict | None:
 _ENGINE_CORE_GONE = re.compile(r"engine core exited unexpectedly", re.I)
 
 
-def log_death(text: str) -> dict | None:
+def log_death(text: str, rank_in_engine_core: bool = False) -> dict | None:
     """The first process of the server that vLLM logged as dead: ``{name, exit_code, line, pid, fatal}``.
 
     vLLM's engine core logs ``Worker proc VllmWorker-0 died unexpectedly (exit code: -4)``
@@ -168,7 +173,7 @@ def log_death(text: str) -> dict | None:
         # the line names the process, not its pid: the pid is in that rank's own line prefixes
         rank = signals.process_label(death["name"])[1]
         pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:at].splitlines())
-                if m and rank is not None and _rank_of(m.group("proc")) == rank]
+                if m and rank is not None and _rank_of(m.group("proc"), rank_in_engine_core) == rank]
         if pids:
             death["pid"] = int(pids[-1])
         deaths.append(death)
@@ -180,6 +185,10 @@ def log_death(text: str) -> dict | None:
     if gone:
         fatal = last_traceback(text[:text.find(gone)])
         death = {"name": "EngineCore", "exit_code": None, "line": gone}
+        if rank_in_engine_core:  # rank 0 died with it: named as the rank, with the pid of its lines
+            pids = [m.group("pid") for m in map(_PROCESS_PREFIX.search, text[:text.find(gone)].splitlines())
+                    if m and _rank_of(m.group("proc"), True) == 0]
+            death.update(rank=0, **({"pid": int(pids[-1])} if pids else {}))
         if fatal and fatal["type"] == "FatalError":
             death.update(fatal={"message": fatal["message"], "traceback": fatal["traceback"]},
                          exit_code=signals.exit_code_of_fatal(fatal["message"]))
@@ -187,8 +196,9 @@ def log_death(text: str) -> dict | None:
     return None
 
 
-def split_rank_logs(server_log, log_dir) -> list[Path]:
-    """Write ``rank<k>.log`` beside the server log: the lines of TP rank ``k``'s worker.
+def split_rank_logs(server_log, log_dir, rank_in_engine_core: bool = False) -> list[Path]:
+    """Write ``rank<k>.log`` beside the server log: the lines of TP rank ``k``'s worker (rank 0's engine
+    core when ``rank_in_engine_core``).
 
     Lines without a worker prefix (API server, engine core) stay in ``server.log`` only.
     :returns: the files written.
@@ -200,7 +210,7 @@ def split_rank_logs(server_log, log_dir) -> list[Path]:
         return []
     for line in text.splitlines(keepends=True):
         found = _PROCESS_PREFIX.search(line)
-        rank = _rank_of(found.group("proc")) if found else None
+        rank = _rank_of(found.group("proc"), rank_in_engine_core) if found else None
         if rank is not None:
             per_rank.setdefault(rank, []).append(line)
     written = []

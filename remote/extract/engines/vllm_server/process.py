@@ -21,7 +21,8 @@ from pathlib import Path
 
 from remote.system import procscan, signals
 
-from .command import LOOPBACK, MARKER_ENV, cuda_available, free_port, pick_connector, server_command, server_env
+from .command import (LOOPBACK, MARKER_ENV, cuda_available, free_port, pick_connector, rank_in_engine_core,
+                      server_command, server_env)
 from .logs import SERVER_LOG, ServerFailed, log_death, log_failure, read_tail, split_rank_logs
 
 
@@ -87,6 +88,8 @@ class VllmServer:
         self.connector: tuple[str, str | None] | None = None
         self.command: list[str] = []
         self.started_at: float | None = None
+        #: whether rank 0 runs inside the engine core process (:func:`~.command.rank_in_engine_core`)
+        self.rank_in_engine_core = False
         self.ready_after_s: float | None = None
 
     @property
@@ -113,12 +116,16 @@ class VllmServer:
         device = str(self.params.get("device") or "").lower()
         on_cpu = device == "cpu" if device else not cuda_available()
         self.port = int(self.params.get("port") or free_port())
+        pinned = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu,
+                            replica=self.params.get("replica"), devices=self.devices)
+        self.rank_in_engine_core = rank_in_engine_core(self.params, pinned, tp=self.tp, on_cpu=on_cpu,
+                                                       devices=self.devices)
         self.command = server_command(self.python, self.model_path, port=self.port, tp=self.tp,
                                       layer_ids=self.layer_ids, storage_dir=self.storage_dir,
                                       connector=self.connector, max_model_len=self.max_model_len,
-                                      params=self.params)
+                                      params={**self.params, "rank_in_engine_core": self.rank_in_engine_core})
         env = server_env(os.environ, marker=self.marker, tp=self.tp, on_cpu=on_cpu, replica=self.params.get("replica"),
-                         devices=self.devices)
+                         devices=self.devices, rank_in_engine_core=self.rank_in_engine_core)
         with open(self.log_path, "ab") as log:
             log.write(f"# specops: {' '.join(self.command)}\n".encode())
             log.flush()
@@ -141,8 +148,8 @@ class VllmServer:
         process raised anything.
         """
         tail = read_tail(self.log_path)
-        found = log_failure(tail)
-        death = self.own_death() or log_death(tail)
+        found = log_failure(tail, self.rank_in_engine_core)
+        death = self.own_death() or log_death(tail, self.rank_in_engine_core)
         if death and death["exit_code"] is None and found and found.get("exception") \
                 and "EngineDeadError" not in found["exception"]:
             death = None  # the engine core raised before it went: its exception says more
@@ -175,12 +182,12 @@ class VllmServer:
                 text = handle.read().decode("utf-8", "replace")
         except OSError:
             return None
-        found = log_failure(text)
+        found = log_failure(text, self.rank_in_engine_core)
         return found if found and found.get("exception") else None
 
     def death_in_log(self) -> bool:
         """Whether the server's log tells of a process that died (a request may fail first)."""
-        return log_death(read_tail(self.log_path)) is not None
+        return log_death(read_tail(self.log_path), self.rank_in_engine_core) is not None
 
     def wait_ready(self, timeout: float = 900.0, poll_s: float = 0.5) -> float:
         """Poll ``/health`` until it answers 200; return the seconds since :meth:`start`.
@@ -223,7 +230,7 @@ class VllmServer:
                 time.sleep(1.0)  # the dying engine flushes its traceback
                 tail = read_tail(self.log_path)
                 failure = log_failure(tail)
-                if (failure and failure.get("exception")) or log_death(tail) or self.own_death():
+                if (failure and failure.get("exception")) or log_death(tail, self.rank_in_engine_core) or self.own_death():
                     raise self.failure(f"POST {path}: HTTP {exc.code} from the server") from None
             raise RuntimeError(f"POST {path}: HTTP {exc.code}: {text}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout) as exc:
@@ -270,5 +277,5 @@ class VllmServer:
                 except ProcessLookupError:
                     pass
             time.sleep(0.2)
-        split_rank_logs(self.log_path, self.log_dir)
+        split_rank_logs(self.log_path, self.log_dir, self.rank_in_engine_core)
         return sorted(set(killed))
