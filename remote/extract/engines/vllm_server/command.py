@@ -377,7 +377,7 @@ def rank_in_engine_core(params: dict, env: dict, *, tp: int, on_cpu: bool, devic
     """
     if not on_cpu or int(tp) != 1 or params.get("replica") or devices is not None:
         return False
-    if any(str(a).startswith("--distributed-executor-backend") for a in params.get("server_args") or []):
+    if chunking.flag_value(params.get("server_args"), "--distributed-executor-backend") is not None:
         return False
     every_core = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     return env.get("VLLM_CPU_OMP_THREADS_BIND") == every_core
