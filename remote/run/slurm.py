@@ -197,9 +197,9 @@ def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str, array
     record = {"job_id": job_id, "partition": slurm["partition"], "submitted_unix": time.time(),
               "command": words, "env": {k: v for k, v in env.items() if k.startswith(CLIENT_ENV_PREFIX)}}
     if array is not None:
-        record["array"] = list(array)
         for i in array:
             _record_job(task_dir(run_dir, i), {**record, "job_id": f"{job_id}_{i}", "array_job_id": job_id})
+        record["array"] = list(array)
     _record_job(run_dir, record)
     return record
 
