@@ -175,6 +175,22 @@ def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login
             train(load_inventory(inventory), on, run_id="t1", from_run="r1", epochs=1, online=True, server_on=server)
 
 
+def test_a_job_array_host_in_a_group_over_several_hosts_is_refused_by_name_before_any_host_is_reached(tmp_path):
+    from specops.errors import UsageError
+    from specops.runs.run import extract
+
+    inventory = tmp_path / "inv.yaml"
+    base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    inventory.write_text(json.dumps({"hosts": {
+        "c": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "array": 4}}, "s": base}}))
+    for selector, flags in (("c,s", {}), ("c", {"shard_by": "equal"})):
+        with pytest.raises(UsageError) as caught:  # port 1 answers nobody: a reach would fail otherwise
+            extract(load_inventory(inventory), selector, {}, run_id="g1", detach=True, force=False,
+                    skip_preflight=True, as_json=True, **flags)
+        assert "host(s) c: field 'slurm.array' makes a run on that cluster a group plan of its own" in \
+            str(caught.value) and "--on c" in caught.value.hint
+
+
 # --------------------------------------------------------------------------- against the cluster
 
 def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, make_inventory, tiny_models, tmp_path):
@@ -535,6 +551,7 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
 
     # the same command resubmits only the shard not done (paced: there is a task to abort); abort = scancel of the
     # array: the task ends, the run is aborted, nothing of it is left
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "12"  # its last batch may be its only one: still paused at the abort
     paced = make_inventory(**host)
     again = specops(*argv[:2], paced, *argv[3:], "--detach", env=runs, timeout=120)
     said = records(again)["job.start"]
@@ -566,6 +583,12 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
     indices = sorted(int(Path(f["path"]).stem.split("_")[1]) for files in shard_files for f in files)
     assert indices == list(range(7)) == sorted(int(Path(f["path"]).stem.split("_")[1]) for f in manifest["files"])
     assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    # the run's logs are its tasks'
+    logs = json.loads(specops("logs", "--inventory", argv[2], "--run-id", "a1", "--json", env=runs,
+                              timeout=60).stdout)["logs"]["th"]
+    assert {f"tasks/{i}/logs/supervisor.log" for i in range(3)} <= set(logs), sorted(logs)
+    assert "test pause: 4 s" in logs["tasks/1/logs/supervisor.log"], logs["tasks/1/logs/supervisor.log"][-2000:]
+    assert "test pause: 12 s" in logs["tasks/0/logs/supervisor.log"]  # the resubmitted shard's own attempt
 
 
 def test_a_job_array_the_cluster_or_the_dataset_cannot_take_is_refused_by_name_before_submission(

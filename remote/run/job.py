@@ -65,8 +65,8 @@ from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes,
 from remote.system import signals
 from remote.wire import fsutil, protocol, status as wire_status, words
 from remote.wire.argspec import RUN_ARGS, SLURM_ARGS, Arg, Spec
-from remote.wire.contract import (FINAL_STATES, MANIFEST as MANIFEST_FILE, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix,
-                                  run_id_problem)
+from remote.wire.contract import (FINAL_STATES, MANIFEST as MANIFEST_FILE, PARAMS_FILE, STATUS_FILE, RunState,
+                                  run_id_fix, run_id_problem)
 from remote.wire.fsutil import FileLock
 
 VERBS = ("start", "status", "logs", "abort", "follow")
@@ -437,7 +437,9 @@ class LogReader:
                 size = path.stat().st_size
             except FileNotFoundError:
                 continue
-            name = str(path.relative_to(self.paths.logs))  # a replica's: dp1/server.log
+            # a replica's: dp1/server.log; a job array task's: tasks/0/logs/supervisor.log
+            base = self.paths.logs if path.is_relative_to(self.paths.logs) else self.paths.run_dir
+            name = str(path.relative_to(base))
             off = self.offsets.get(name)
             if off is None:
                 off = 0 if self.following else max(0, size - self.tail_bytes)
@@ -713,6 +715,10 @@ def _start_array(params: dict, run_dir: Path, wanted: dict, old: dict | None) ->
     ``i`` the usual supervisor over shard ``i``'s range, every task writing into the run's one output dir; the
     same command again resubmits only the shards that are not done (each resumes after its last sample)."""
     run_id, asked = params["run_id"], int(params["slurm"].get("array") or 1)
+    for given in ("sample_range", "replica"):  # the laptop refuses these first (specops.slurm.refuse_array_in_group)
+        if params.get(given) and asked > 1:
+            raise JobError("job.start", f"field 'slurm.array' shards the whole run; this start also gives {given}",
+                           "extract on the Slurm host alone, or drop slurm.array from its inventory entry")
     layout = read_json(run_dir / slurm.ARRAY_FILE)
     if layout is None and old is not None:
         raise JobError("job.start", f"run {run_id} was started as one Slurm job, not as a job array "
@@ -742,7 +748,7 @@ def _start_array(params: dict, run_dir: Path, wanted: dict, old: dict | None) ->
         what = f"already running (task(s) {running})" if running else "already done"
         return _payload("job.start", protocol.OK, f"run {run_id} is {what}", run_dir, st,
                         already="running" if running else "done")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # the run's logs: its tasks' (RunPaths.log_files)
     if old is None or record != old:
         fsutil.write_json(run_dir / PARAMS_FILE, record, temp_prefix=fsutil.TEMP_PREFIX)
     if not (run_dir / slurm.ARRAY_FILE).exists():
@@ -782,8 +788,9 @@ def _array_status(run_dir: Path) -> dict:
         state = RunState.EXTRACTING if RunState.EXTRACTING in states else alive[0]["state"]
     else:
         state = ended["state"] if ended else RunState.PENDING
-    st = {"run_id": params.get("run_id") or run_dir.name, "kind": "extract", "state": str(getattr(state, "value", state)),
-          "samples_done": sum(t["samples_done"] for t in tasks), "samples_total": layout.get("total"),
+    st = {"run_id": params.get("run_id") or run_dir.name, "kind": "extract",
+          "state": str(getattr(state, "value", state)), "samples_done": sum(t["samples_done"] for t in tasks),
+          "samples_total": layout.get("total"),
           "alive": bool(alive), "output_dir": runplan.output_dir(params, run_dir), "tasks": tasks,
           "array": {"tasks": layout.get("tasks"), "job_id": (slurm.job_of(run_dir) or {}).get("job_id")}}
     if ended and not alive and state != RunState.DONE:
