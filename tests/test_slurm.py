@@ -18,7 +18,7 @@ import pytest
 from specops import wire
 from specops.errors import InventoryError
 from specops.inventory import load_inventory
-from specops.testhost.slurm import MAX_TIME_MIN, PARTITION, SlurmCluster
+from specops.testhost.slurm import MAX_ARRAY_SIZE, MAX_TIME_MIN, PARTITION, SlurmCluster
 from tests.specops_cli import records, specops
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -202,6 +202,7 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
                                                                     "time_limit": "1-00:00:00"}),
         "toomany": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "nodes": 3}),
         "gpus": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "gres": "gpu:8"}),
+        "wide": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "array": MAX_ARRAY_SIZE + 1}),
     })
     proc = specops("preflight", "--inventory", inventory, "--json")
     doc = json.loads(proc.stdout)
@@ -214,7 +215,7 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     assert node["status"] == "ok" and node["detail"]["node"] in ("node1", "node2"), node
     assert f"partition {PARTITION}" in node["summary"] and "compute node node" in node["summary"]
     assert fits["host.python"]["status"] == "ok"  # the usual host checks ran there
-    refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus")}
+    refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus", "wide")}
     assert all(r["status"] == "fail" for r in refused.values()), refused
     assert "partition 'gpu-nope' does not exist" in refused["nopart"]["summary"]
     assert PARTITION in refused["nopart"]["fix"]
@@ -222,6 +223,8 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     assert f"at most {MAX_TIME_MIN}:00" in refused["toolong"]["fix"]
     assert "nodes 3 is more than the partition's 2 node(s)" in refused["toomany"]["summary"]
     assert "asks 8 GPU(s) per node; the partition's nodes have 0" in refused["gpus"]["summary"]
+    assert f"array {MAX_ARRAY_SIZE + 1} is more tasks than the cluster's MaxArraySize {MAX_ARRAY_SIZE}" in \
+        refused["wide"]["summary"] and f"at most {MAX_ARRAY_SIZE}" in refused["wide"]["fix"]
     for name in refused:  # nothing was submitted for them: no host check ran
         assert by_host[name]["host.node"]["status"] == "skipped" and "host.python" not in by_host[name]
     assert proc.returncode != 0
@@ -593,8 +596,6 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
 
 def test_a_job_array_the_cluster_or_the_dataset_cannot_take_is_refused_by_name_before_submission(
         cluster, make_inventory, tiny_models, tmp_path):
-    from specops.testhost.slurm import MAX_ARRAY_SIZE
-
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     for run_id, array, samples, said in (
             ("big", MAX_ARRAY_SIZE + 1, 6, f"field 'slurm.array' is {MAX_ARRAY_SIZE + 1}: this cluster's "

@@ -125,6 +125,11 @@ def partition_records(slurm: dict, env: dict | None, tp: int, device: str) -> li
     elif device == "cuda" and wanted_gpus and tp > wanted_gpus * nodes:
         problems.append((f"tp {tp} needs {tp} GPUs; slurm.gres {slurm.get('gres')} x {nodes} node(s) asks "
                          f"{wanted_gpus * nodes}", f"ask for gpu:{tp} (slurm.gres), or lower tp"))
+    tasks = int(slurm.get("array") or 1)
+    limit = max_array_size(env) if tasks > 1 else None
+    if limit is not None and tasks > limit:
+        problems.append((f"array {tasks} is more tasks than the cluster's MaxArraySize {limit}",
+                         f"set slurm.array to at most {limit}"))
     if "up" not in facts["available"]:
         problems.append((f"partition {slurm['partition']} is {'/'.join(facts['available'])}",
                          "wait for the admins to bring it up, or pick another partition"))
