@@ -95,6 +95,7 @@ class SlurmSpec(BaseModel):
     gres: str | None = None
     time_limit: str | int | None = None
     nodes: int = SLURM_ARGS["nodes"].default
+    array: int | None = None
     setup: str | None = None
 
     @field_validator("*")

@@ -11,8 +11,10 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
 
 A run's start (``job start``, and ``train``'s start, which ends in it) gets the mapping and submits
 the supervisor with ``sbatch`` (:func:`job_params`); status, follow and abort read Slurm's state on
-the host. ``verify`` and ``eval`` run on a compute node under ``srun`` as preflight does
-(:func:`launcher`), reading the run dir on the shared filesystem.
+the host. A mapping with ``array: N`` makes an extraction a group plan of N shards, one job array whose
+task i extracts shard i into the run's one output dir (``remote/run/job.py`` ``_start_array``).
+``verify`` and ``eval`` run on a compute node under ``srun`` as preflight does (:func:`launcher`),
+reading the run dir on the shared filesystem.
 """
 from __future__ import annotations
 
@@ -97,8 +99,28 @@ def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
                          f"torchrun's across SSH hosts, and a Slurm host cannot be one of them",
                          f"train on it alone (--on {spec.name}); a Slurm job over several nodes is not submitted "
                          f"yet", host=spec.name)
+    if int(spec.slurm.array or 1) > 1:
+        raise UsageError(f"host {spec.name!r}: field 'slurm.array' is {spec.slurm.array}: a job array shards an "
+                         f"extraction, and a train run is one job", "train through an inventory entry of its own "
+                         "for this cluster without slurm.array", host=spec.name)
     if int(spec.slurm.nodes or 1) > 1:
         raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {spec.slurm.nodes}, and a train run over "
                          f"several Slurm nodes is not submitted yet (one node, its GPUs under torchrun, is)",
                          "set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
                          "slurm.gres to the GPUs of one node", host=spec.name)
+
+
+def refuse_array_in_group(specs: list[HostSpec], group: bool) -> None:
+    """A host with ``slurm.array`` is a group plan by itself (its shards are its job array's tasks): one shard of a
+    group over several hosts (or a run given ``--shard-by``/``--allow-partial``/``--reassign``) it cannot be.
+
+    :raises UsageError: naming the host and the field, before any host is reached.
+    """
+    from specops.errors import UsageError
+
+    arrays = [s.name for s in specs if is_slurm(s) and int(s.slurm.array or 1) > 1]
+    if arrays and group:
+        raise UsageError(f"host(s) {', '.join(arrays)}: field 'slurm.array' makes a run on that cluster a group plan "
+                         f"of its own (a job array), and it cannot be one shard of a group over several hosts",
+                         f"extract on it alone (--on {arrays[0]}), or drop slurm.array to give it one shard of the "
+                         f"group as one job", host=arrays[0])

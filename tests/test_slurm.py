@@ -18,7 +18,7 @@ import pytest
 from specops import wire
 from specops.errors import InventoryError
 from specops.inventory import load_inventory
-from specops.testhost.slurm import MAX_TIME_MIN, PARTITION, SlurmCluster
+from specops.testhost.slurm import MAX_ARRAY_SIZE, MAX_TIME_MIN, PARTITION, SlurmCluster
 from tests.specops_cli import records, specops
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -127,7 +127,8 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     path.write_text(json.dumps({"hosts": {
         "none": {**base, "scheduler": "slurm"},
         "typo": {**base, "scheduler": "slurm", "slurm": {"partitio": "gpu"}},
-        "time": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "time_limit": "4 hours", "nodes": 0}},
+        "time": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "time_limit": "4 hours", "nodes": 0,
+                                                          "array": 0}},
         "kind": {**base, "scheduler": "pbs"},
         "alone": {**base, "slurm": {"partition": "gpu"}}}}))
     with pytest.raises(InventoryError) as caught:
@@ -138,6 +139,7 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'typo': unknown field 'slurm.partitio' (allowed: partition, account, qos, gres, time_limit" in said
     assert "host 'time': field 'slurm.time_limit': '4 hours' is not a Slurm time: write MINUTES" in said
     assert "host 'time': field 'slurm.nodes': must be at least 1" in said
+    assert "host 'time': field 'slurm.array': must be at least 1" in said
     assert "host 'kind': field 'scheduler': Input should be 'ssh' or 'slurm'" in said
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
@@ -173,6 +175,22 @@ def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login
             train(load_inventory(inventory), on, run_id="t1", from_run="r1", epochs=1, online=True, server_on=server)
 
 
+def test_a_job_array_host_in_a_group_over_several_hosts_is_refused_by_name_before_any_host_is_reached(tmp_path):
+    from specops.errors import UsageError
+    from specops.runs.run import extract
+
+    inventory = tmp_path / "inv.yaml"
+    base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    inventory.write_text(json.dumps({"hosts": {
+        "c": {**base, "scheduler": "slurm", "slurm": {"partition": "gpu", "array": 4}}, "s": base}}))
+    for selector, flags in (("c,s", {}), ("c", {"shard_by": "equal"})):
+        with pytest.raises(UsageError) as caught:  # port 1 answers nobody: a reach would fail otherwise
+            extract(load_inventory(inventory), selector, {}, run_id="g1", detach=True, force=False,
+                    skip_preflight=True, as_json=True, **flags)
+        assert "host(s) c: field 'slurm.array' makes a run on that cluster a group plan of its own" in \
+            str(caught.value) and "--on c" in caught.value.hint
+
+
 # --------------------------------------------------------------------------- against the cluster
 
 def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, make_inventory, tiny_models, tmp_path):
@@ -184,6 +202,7 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
                                                                     "time_limit": "1-00:00:00"}),
         "toomany": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "nodes": 3}),
         "gpus": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "gres": "gpu:8"}),
+        "wide": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION, "array": MAX_ARRAY_SIZE + 1}),
     })
     proc = specops("preflight", "--inventory", inventory, "--json")
     doc = json.loads(proc.stdout)
@@ -196,7 +215,7 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     assert node["status"] == "ok" and node["detail"]["node"] in ("node1", "node2"), node
     assert f"partition {PARTITION}" in node["summary"] and "compute node node" in node["summary"]
     assert fits["host.python"]["status"] == "ok"  # the usual host checks ran there
-    refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus")}
+    refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus", "wide")}
     assert all(r["status"] == "fail" for r in refused.values()), refused
     assert "partition 'gpu-nope' does not exist" in refused["nopart"]["summary"]
     assert PARTITION in refused["nopart"]["fix"]
@@ -204,6 +223,8 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     assert f"at most {MAX_TIME_MIN}:00" in refused["toolong"]["fix"]
     assert "nodes 3 is more than the partition's 2 node(s)" in refused["toomany"]["summary"]
     assert "asks 8 GPU(s) per node; the partition's nodes have 0" in refused["gpus"]["summary"]
+    assert f"array {MAX_ARRAY_SIZE + 1} is more tasks than the cluster's MaxArraySize {MAX_ARRAY_SIZE}" in \
+        refused["wide"]["summary"] and f"at most {MAX_ARRAY_SIZE}" in refused["wide"]["fix"]
     for name in refused:  # nothing was submitted for them: no host check ran
         assert by_host[name]["host.node"]["status"] == "skipped" and "host.python" not in by_host[name]
     assert proc.returncode != 0
@@ -484,3 +505,108 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     assert said["eval.node"]["status"] == "ok" and said["eval.node"]["detail"]["node"] in ("node1", "node2"), said
     assert "eval ran on compute node node" in said["eval.node"]["summary"]
     assert "JobName=specops-eval" in _slurm(cluster, "scontrol", "-o", "show", "job")
+
+
+# --------------------------------------------------------------------------- a group plan as a job array
+
+def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is_scancel_and_every_sample_once(
+        cluster, make_inventory, tiny_models, tmp_path):
+    """``slurm.array: 3`` over 7 samples: one ``sbatch --array=0,1,2`` (two nodes of one CPU: the third task waits),
+    a running task cancelled behind specops' back named by its ``JOBID_i``, the same command resubmitting only that
+    shard, an abort of the array (scancel) leaving nothing, and the resume that merges the shards into one manifest."""
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="a1", array=3)
+    host["max_samples"] = 7
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "4"  # shard 0 (two batches) still extracting when it is cancelled
+    inventory = make_inventory(**host)
+    argv = ("extract", "--inventory", inventory, "--run-id", "a1", "--skip-preflight", "--skip-smoke", "--json")
+    started = specops(*argv, "--detach", env=runs, timeout=120)
+    start = records(started)["job.start"]
+    run_dir = tmp_path / "work" / "runs" / "a1"
+    job = json.loads((run_dir / "slurm.json").read_text())
+    array_id = job["job_id"]
+    assert start["status"] == "changed" and f"3 shards of 7 samples as Slurm job array {array_id}" in \
+        start["summary"], started.stdout
+    # one submission: one sbatch of the whole array; each task's run dir names its task as Slurm does (JOBID_i)
+    assert "--array=0,1,2" in job["command"] and job["command"][0] == "sbatch", job
+    assert json.loads((run_dir / "array.json").read_text())["ranges"] == [[0, 3], [3, 5], [5, 7]]
+    assert [json.loads((run_dir / "tasks" / str(i) / "slurm.json").read_text())["job_id"] for i in range(3)] == [
+        f"{array_id}_{i}" for i in range(3)]
+    proc, found = _wait_status("a1", runs, inventory, lambda r: "extracting" in r["job.task0"]["summary"])
+    assert f"Slurm job {array_id}_0 RUNNING on node" in found["job.task0"]["summary"], proc.stdout
+    assert f"Slurm job {array_id}_2 PENDING" in found["job.task2"]["summary"] and proc.returncode == 101
+    # shard 0's task cancelled behind specops' back (an admin, a preemption): named with its fix; the others go on
+    _slurm(cluster, "scancel", f"{array_id}_0")
+    proc, found = _wait_status("a1", runs, inventory, lambda r: "was aborted" in r["job.status"]["summary"],
+                               timeout=90)
+    assert found["job.task0"]["status"] == "warn" and f"Slurm job {array_id}_0 CANCELLED" in \
+        found["job.task0"]["summary"] and "aborted" in found["job.task0"]["summary"], proc.stdout
+    assert "run the same command again to resume" in found["job.task0"]["fix"]
+    for i, (lo, hi) in ((1, (3, 5)), (2, (5, 7))):
+        assert found[f"job.task{i}"]["status"] == "ok" and f"shard {i} [{lo}, {hi}): done" in \
+            found[f"job.task{i}"]["summary"] and "COMPLETED" in found[f"job.task{i}"]["summary"], proc.stdout
+    said = json.loads(proc.stdout)["hosts"][0]["data"]["status"]
+    assert proc.returncode == 103 and said["state"] == "aborted" and said["error"]["message"].startswith(
+        "shard 0 [0, 3]: "), said
+    out = tmp_path / "out-a1" / "a1"
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
+    assert {f"data_{i}.pt" for i in range(3, 7)} <= set(kept) and len(kept) < 7, kept
+
+    # the same command resubmits only the shard not done (paced: there is a task to abort); abort = scancel of the
+    # array: the task ends, the run is aborted, nothing of it is left
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "12"  # its last batch may be its only one: still paused at the abort
+    paced = make_inventory(**host)
+    again = specops(*argv[:2], paced, *argv[3:], "--detach", env=runs, timeout=120)
+    said = records(again)["job.start"]
+    second = json.loads((run_dir / "slurm.json").read_text())
+    assert "resubmitted shard(s) [0] of 3" in said["summary"] and "--array=0" in second["command"], again.stdout
+    proc, found = _wait_status("a1", runs, paced, lambda r: "extracting" in r["job.task0"]["summary"])
+    assert f"Slurm job {second['job_id']}_0 RUNNING" in found["job.task0"]["summary"], proc.stdout
+    aborted = specops("abort", "--inventory", paced, "--run-id", "a1", "--json", env=runs, timeout=120)
+    said = records(aborted)["job.abort"]
+    assert said["status"] == "changed" and f"scancel {second['job_id']} (the job array" in said["summary"], \
+        aborted.stdout
+    assert _slurm(cluster, "squeue", "-h", "-r", "-j", second["job_id"]).strip() == ""
+    assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the aborted array is left"
+    proc, found = _status("a1", runs, paced)
+    assert proc.returncode == 103 and found["job.task0"]["status"] == "warn" and "aborted" in \
+        found["job.task0"]["summary"], proc.stdout
+
+    del host["env"]["SPECOPS_BATCH_DELAY_S"]
+    argv = (*argv[:2], make_inventory(**host), *argv[3:])
+    # the same command (followed) finishes the shard, merges the shards' manifests into one, and fetches it
+    done = specops(*argv, env=runs, timeout=180)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    manifest = json.loads((tmp_path / "runs" / "th" / "a1" / "manifest.json").read_text())
+    assert manifest["sample_ranges"] == [[0, 3], [3, 5], [5, 7]] and not manifest["missing"], manifest.keys()
+    # every sample once: each of the dataset's first 7 rows in exactly one shard's manifest, none made again
+    rows = [line for line in Path(tiny_models["dataset"]).read_text().splitlines() if line.strip()]
+    assert len(rows) >= 7
+    shard_files = [json.loads(p.read_text())["files"] for p in sorted(out.glob(".specops-shards/*/manifest.json"))]
+    indices = sorted(int(Path(f["path"]).stem.split("_")[1]) for files in shard_files for f in files)
+    assert indices == list(range(7)) == sorted(int(Path(f["path"]).stem.split("_")[1]) for f in manifest["files"])
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    # the run's logs are its tasks'
+    logs = json.loads(specops("logs", "--inventory", argv[2], "--run-id", "a1", "--json", env=runs,
+                              timeout=60).stdout)["logs"]["th"]
+    assert {f"tasks/{i}/logs/supervisor.log" for i in range(3)} <= set(logs), sorted(logs)
+    assert "test pause: 4 s" in logs["tasks/1/logs/supervisor.log"], logs["tasks/1/logs/supervisor.log"][-2000:]
+    assert "test pause: 12 s" in logs["tasks/0/logs/supervisor.log"]  # the resubmitted shard's own attempt
+
+
+def test_a_job_array_the_cluster_or_the_dataset_cannot_take_is_refused_by_name_before_submission(
+        cluster, make_inventory, tiny_models, tmp_path):
+    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
+    for run_id, array, samples, said in (
+            ("big", MAX_ARRAY_SIZE + 1, 6, f"field 'slurm.array' is {MAX_ARRAY_SIZE + 1}: this cluster's "
+                                            f"MaxArraySize is {MAX_ARRAY_SIZE}"),
+            ("thin", 3, 2, "field 'slurm.array' is 3: more shards than the run's 2 sample(s)")):
+        host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name=run_id, array=array)
+        host["max_samples"] = samples
+        proc = specops("extract", "--inventory", make_inventory(**host), "--run-id", run_id, "--skip-preflight",
+                       "--skip-smoke", "--detach", "--json", env=runs, timeout=120)
+        start = records(proc)["job.start"]
+        assert proc.returncode != 0 and start["status"] == "fail" and said in start["summary"], proc.stdout
+        assert "set slurm.array to at most" in start["fix"]
+        assert not (tmp_path / "work" / "runs" / run_id).exists(), "a refused array left a run dir"
+        assert f"specops-{run_id}" not in _slurm(cluster, "squeue", "-h", "-o", "%j")

@@ -65,7 +65,8 @@ from remote.run.rundir import (SUPERVISOR_MODULES, RunPaths, kill_run_processes,
 from remote.system import signals
 from remote.wire import fsutil, protocol, status as wire_status, words
 from remote.wire.argspec import RUN_ARGS, SLURM_ARGS, Arg, Spec
-from remote.wire.contract import FINAL_STATES, PARAMS_FILE, STATUS_FILE, RunState, run_id_fix, run_id_problem
+from remote.wire.contract import (FINAL_STATES, MANIFEST as MANIFEST_FILE, PARAMS_FILE, STATUS_FILE, RunState,
+                                  run_id_fix, run_id_problem)
 from remote.wire.fsutil import FileLock
 
 VERBS = ("start", "status", "logs", "abort", "follow")
@@ -152,6 +153,8 @@ def start(params: dict) -> dict:
                            f"({', '.join(changed)})",
                            "use a new run id, or repeat the original parameters to resume",
                            detail={"changed": changed})
+        if _array_asked(params) or (run_dir / slurm.ARRAY_FILE).exists():
+            return _start_array(params, run_dir, wanted, old)
         if old is not None:
             st = current_status(run_dir)
             # done first: a finished supervisor may still be exiting (closing the engine)
@@ -270,7 +273,10 @@ def _supervisor_of(params: dict) -> str:
 # --------------------------------------------------------------------------- status
 
 def current_status(run_dir: Path) -> dict | None:
-    """status.json with liveness folded in; a dead supervisor of a live state -> failed (persisted)."""
+    """status.json with liveness folded in; a dead supervisor of a live state -> failed (persisted).
+    A job array's run (``array.json``) has no status.json of its own: its tasks' (:func:`_array_status`)."""
+    if (run_dir / slurm.ARRAY_FILE).exists():
+        return _array_status(run_dir)
     st = read_json(run_dir / STATUS_FILE)
     if st is None:
         return None
@@ -354,6 +360,13 @@ def _no_such_run(name: str, params: dict, run_dir: Path) -> JobError:
 
 def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) -> dict:
     """One record that says how the run stands (fail when it failed), and the status itself."""
+    if isinstance(st.get("tasks"), list):  # a job array: the run's state, then each task's with its Slurm state
+        payload = _status_payload(name, run_id, run_dir, {k: v for k, v in st.items() if k != "tasks"}, **extra)
+        payload["data"]["status"] = st
+        payload["records"] += [_task_record(name, task) for task in st["tasks"]]
+        if st.get("merge_record"):
+            payload["records"].append(st["merge_record"])
+        return payload
     if isinstance(st.get("slurm"), dict):  # a run submitted to Slurm: its job's state beside the run's own
         payload = _status_payload(name, run_id, run_dir, {k: v for k, v in st.items() if k != "slurm"}, **extra)
         payload["data"]["status"] = st
@@ -424,7 +437,9 @@ class LogReader:
                 size = path.stat().st_size
             except FileNotFoundError:
                 continue
-            name = str(path.relative_to(self.paths.logs))  # a replica's: dp1/server.log
+            # a replica's: dp1/server.log; a job array task's: tasks/0/logs/supervisor.log
+            base = self.paths.logs if path.is_relative_to(self.paths.logs) else self.paths.run_dir
+            name = str(path.relative_to(base))
             off = self.offsets.get(name)
             if off is None:
                 off = 0 if self.following else max(0, size - self.tail_bytes)
@@ -565,6 +580,8 @@ def abort(params: dict) -> dict:
     supervisor and what else had to be killed.
     """
     run_dir = run_dir_of(params)
+    if (run_dir / slurm.ARRAY_FILE).exists():
+        return _abort_array(params, run_dir)
     st = read_json(run_dir / STATUS_FILE)
     if st is None:
         raise JobError("job.abort", f"no run {params.get('run_id')} on this host ({run_dir})",
@@ -658,6 +675,192 @@ def _leftovers_text(swept: list[int], left: list[int]) -> str:
     if left:
         parts.append(f"{len(left)} process(es) still alive {left}")
     return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- a group plan as a Slurm job array
+
+def _array_asked(params: dict) -> bool:
+    return int((params.get("slurm") or {}).get("array") or 1) > 1
+
+
+def _plan_array(params: dict, tasks: int) -> dict:
+    """``array.json``: the run's samples in ``tasks`` contiguous shards, one per array task (refused by name,
+    nothing written, where the cluster or the dataset cannot take them)."""
+    limit = slurm.max_array_size(params.get("env"))
+    if limit is not None and tasks > limit:
+        raise JobError("job.start", f"field 'slurm.array' is {tasks}: this cluster's MaxArraySize is {limit} (task "
+                       f"indices 0..{limit - 1}); nothing was submitted",
+                       f"set slurm.array to at most {limit} (scontrol show config | grep MaxArraySize)",
+                       detail={"array": tasks, "max_array_size": limit})
+    from remote.extract.shard import count_rows
+
+    try:
+        total, digest = count_rows(params["dataset"], params.get("max_samples"))
+    except (OSError, ValueError) as exc:
+        raise JobError("job.start", f"cannot count the dataset's rows on the login node to shard them: {exc}",
+                       "a job array's shards are planned on the login node: give a dataset path on the shared "
+                       "filesystem") from exc
+    if tasks > total:
+        raise JobError("job.start", f"field 'slurm.array' is {tasks}: more shards than the run's {total} sample(s); "
+                       f"nothing was submitted", f"set slurm.array to at most {total}",
+                       detail={"array": tasks, "samples": total})
+    size, extra = divmod(total, tasks)  # the first shards take one more where it does not divide
+    bounds = [i * size + min(i, extra) for i in range(tasks + 1)]
+    return {"tasks": tasks, "total": total, "dataset_sha256": digest,
+            "ranges": [[bounds[i], bounds[i + 1]] for i in range(tasks)]}
+
+
+def _start_array(params: dict, run_dir: Path, wanted: dict, old: dict | None) -> dict:
+    """A group plan on a host behind Slurm (``slurm.array``): one ``sbatch --array`` of the shards not done, task
+    ``i`` the usual supervisor over shard ``i``'s range, every task writing into the run's one output dir; the
+    same command again resubmits only the shards that are not done (each resumes after its last sample)."""
+    run_id, asked = params["run_id"], int(params["slurm"].get("array") or 1)
+    for given in ("sample_range", "replica"):  # the laptop refuses these first (specops.slurm.refuse_array_in_group)
+        if params.get(given) and asked > 1:
+            raise JobError("job.start", f"field 'slurm.array' shards the whole run; this start also gives {given}",
+                           "extract on the Slurm host alone, or drop slurm.array from its inventory entry")
+    layout = read_json(run_dir / slurm.ARRAY_FILE)
+    if layout is None and old is not None:
+        raise JobError("job.start", f"run {run_id} was started as one Slurm job, not as a job array "
+                       f"(slurm.array {asked})", "resume it without slurm.array, or give the job array a new run id")
+    if layout is not None and asked > 1 and asked != layout["tasks"]:
+        raise JobError("job.start", f"field 'slurm.array' is {asked}, and run {run_id} was planned as "
+                       f"{layout['tasks']} shards ({run_dir / slurm.ARRAY_FILE})",
+                       f"resume it with slurm.array {layout['tasks']}, or start a new run id")
+    if layout is None:
+        layout = _plan_array(params, asked)
+    record = wanted if old is None else {**{k: v for k, v in old.items() if k not in RESUME_MAY_CHANGE},
+                                         **{k: wanted[k] for k in RESUME_MAY_CHANGE if k in wanted}}
+    out_dir = runplan.output_dir(record, run_dir)  # one dir for every shard: the merge makes its one manifest
+    todo, running = [], []
+    for index, (lo, hi) in enumerate(layout["ranges"]):
+        task = slurm.task_dir(run_dir, index)
+        task_params = {**record, "sample_range": [lo, hi], "output_dir": out_dir}
+        st = current_status(task) if (task / STATUS_FILE).exists() else None
+        if st and st.get("state") == RunState.DONE and not _missing_on_disk(task, st, task_params):
+            continue
+        if st and run_busy(task):
+            running.append(index)
+            continue
+        todo.append((index, task, task_params))
+    if not todo:
+        st = current_status(run_dir) if (run_dir / slurm.ARRAY_FILE).exists() else None
+        what = f"already running (task(s) {running})" if running else "already done"
+        return _payload("job.start", protocol.OK, f"run {run_id} is {what}", run_dir, st,
+                        already="running" if running else "done")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # the run's logs: its tasks' (RunPaths.log_files)
+    if old is None or record != old:
+        fsutil.write_json(run_dir / PARAMS_FILE, record, temp_prefix=fsutil.TEMP_PREFIX)
+    if not (run_dir / slurm.ARRAY_FILE).exists():
+        fsutil.write_json(run_dir / slurm.ARRAY_FILE, layout, temp_prefix=fsutil.TEMP_PREFIX)
+    (run_dir / MANIFEST_FILE).unlink(missing_ok=True)  # merged again once every shard is done
+    for _, task, task_params in todo:
+        _prepare_run_dir(task, task_params, write_params=read_json(task / PARAMS_FILE) != task_params)
+        (task / slurm.JOB_FILE).unlink(missing_ok=True)
+    indices = [index for index, _, _ in todo]
+    job = slurm.submit(run_dir, *_supervisor_command(run_dir, params), params["slurm"], run_id, array=indices)
+    resumed = old is not None
+    what = (f"resubmitted shard(s) {indices} of {layout['tasks']} (each resumes after its last complete sample)"
+            if resumed else f"submitted: {layout['tasks']} shards of {layout['total']} samples")
+    return _payload("job.start", protocol.CHANGED, f"run {run_id} {what} as Slurm job array {job['job_id']} "
+                    f"(--array={','.join(str(i) for i in indices)}, partition {job['partition']})", run_dir,
+                    current_status(run_dir), slurm_job=job, resumed=resumed, tasks=indices)
+
+
+def _array_status(run_dir: Path) -> dict:
+    """The run of a job array as one status: its tasks' (each folded with its own Slurm state, ``JOBID_i``),
+    ``tasks`` listing them; once every shard is done, the shards' manifests merged into one."""
+    layout = read_json(run_dir / slurm.ARRAY_FILE) or {}
+    params = read_json(run_dir / PARAMS_FILE) or {}
+    tasks = []
+    for index, (lo, hi) in enumerate(layout.get("ranges") or []):
+        st = current_status(slurm.task_dir(run_dir, index)) or {}
+        tasks.append({"task": index, "sample_range": [lo, hi], "state": st.get("state") or RunState.PENDING,
+                      "samples_done": int(st.get("samples_done") or 0), "samples_total": hi - lo,
+                      "alive": bool(st.get("alive")), "slurm": st.get("slurm"), "error": st.get("error")})
+    alive = [t for t in tasks if t["alive"]]
+    states = {t["state"] for t in tasks}
+    ended = next((t for t in tasks if t["state"] == RunState.FAILED), None) or next(
+        (t for t in tasks if t["state"] == RunState.ABORTED), None)
+    if tasks and states == {RunState.DONE}:
+        state = RunState.DONE
+    elif alive:
+        state = RunState.EXTRACTING if RunState.EXTRACTING in states else alive[0]["state"]
+    else:
+        state = ended["state"] if ended else RunState.PENDING
+    st = {"run_id": params.get("run_id") or run_dir.name, "kind": "extract",
+          "state": str(getattr(state, "value", state)), "samples_done": sum(t["samples_done"] for t in tasks),
+          "samples_total": layout.get("total"),
+          "alive": bool(alive), "output_dir": runplan.output_dir(params, run_dir), "tasks": tasks,
+          "array": {"tasks": layout.get("tasks"), "job_id": (slurm.job_of(run_dir) or {}).get("job_id")}}
+    if ended and not alive and state != RunState.DONE:
+        err = ended["error"] or {}
+        st["error"] = wire_status.error(err.get("type") or "TaskEnded", f"shard {ended['task']} "
+                                        f"{ended['sample_range']}: {err.get('message') or ended['state']}",
+                                        where=err.get("where") or "supervisor")
+    if state == RunState.DONE:
+        st.update(_merge_array(run_dir, st, layout))
+    return st
+
+
+def _merge_array(run_dir: Path, st: dict, layout: dict) -> dict:
+    """Every shard done: their manifests merged into the output dir's one ``manifest.json``
+    (:mod:`remote.extract.merge`), and its copy in the run dir, where a fetch reads a run's manifest."""
+    from remote.extract import merge
+
+    if (run_dir / MANIFEST_FILE).exists():
+        return {}
+    try:
+        merged = merge.merge({"output_dir": st["output_dir"], "run_id": st["run_id"], "ranges": layout["ranges"]})
+    except protocol.TaskError as exc:
+        return {"state": RunState.FAILED.value, "merge_record": exc.record(),
+                "error": wire_status.error("MergeFailed", exc.record()["summary"], where="job.status")}
+    if merged["data"].get("complete"):
+        fsutil.atomic_write(run_dir / MANIFEST_FILE, Path(merged["data"]["path"]).read_bytes())
+    return {"merge_record": merged["records"][0]}
+
+
+def _task_record(name: str, task: dict) -> dict:
+    """``<kind>.task<i>``: one shard of a job array, its run's state and Slurm's word on its task (``JOBID_i``)."""
+    job = task.get("slurm") or {}
+    lo, hi = task["sample_range"]
+    said = f"; {slurm.state_words(job)}: {job['state']}" if job else "; not submitted"
+    summary = f"shard {task['task']} [{lo}, {hi}): {task['state']} {task['samples_done']}/{task['samples_total']}{said}"
+    failed = task["state"] == RunState.FAILED or (job and not job.get("alive") and task["state"] != RunState.DONE
+                                                   and job.get("slurm") not in ("COMPLETED", "CANCELLED"))
+    status_ = (protocol.FAIL if failed else protocol.WARN if task["state"] == RunState.ABORTED
+               or job.get("slurm") == "PENDING" else protocol.OK)
+    fix = (job.get("fix") or (task.get("error") or {}).get("fix") or "run the same command again: it resubmits the "
+           "shards that are not done") if status_ != protocol.OK else None
+    return protocol.record(f"{name.split('.')[0]}.task{task['task']}", status_, summary, detail=task, fix=fix)
+
+
+def _abort_array(params: dict, run_dir: Path) -> dict:
+    """``scancel`` the run's job array (every task of it), wait until Slurm counts each ended, sweep what carries a
+    task's marker here, and record each unfinished shard aborted."""
+    job = slurm.job_of(run_dir) or {}
+    before = _array_status(run_dir)
+    if not before["alive"]:
+        return _payload("job.abort", protocol.SKIPPED, f"run {params['run_id']} is not running ({before['state']})",
+                        run_dir, before)
+    after = slurm.cancel(run_dir, wait_s=params["grace_s"] + 60)
+    swept, left = [], []
+    for index in range(len(before["tasks"])):
+        task = slurm.task_dir(run_dir, index)
+        one_swept, one_left = kill_run_processes(task)
+        swept, left = swept + one_swept, left + one_left
+        if (task / STATUS_FILE).exists():
+            _record_abort(task, f"scancel {job.get('job_id')} (the run's job array)", slurm=after)
+    how = f"scancel {job.get('job_id')} (the job array: {len(before['tasks'])} task(s))"
+    if after.get("alive"):
+        how += f"; Slurm still counts a task alive ({after.get('slurm')})"
+    if swept or left:
+        how += "; " + _leftovers_text(swept, left)
+    st = _array_status(run_dir)
+    failed = left or after.get("alive")
+    return _payload("job.abort", protocol.FAIL if failed else protocol.CHANGED, f"run {params['run_id']} aborted: "
+                    f"{how}", run_dir, st, swept=swept, left=left,
+                    fix=f"scancel {job.get('job_id')} again, or kill the pids left by hand" if failed else None)
 
 
 # --------------------------------------------------------------------------- helpers

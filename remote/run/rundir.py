@@ -68,10 +68,11 @@ class RunPaths:
     def log_files(self) -> list[Path]:
         """Every log of the run, the supervisor's first, then the ranks' by name, then each data-parallel
         replica's (``dp1/server.log``, ``dp1/rank0.log``: :mod:`remote.extract.layout`)."""
+        tasks = sorted(self.run_dir.glob(f"{slurm.TASKS_DIR}/*/logs/*.log"))  # a job array's: tasks/<i>/logs/
         if not self.logs.is_dir():
-            return []
+            return tasks
         return sorted([*self.logs.glob("*.log"), *self.logs.glob("dp*/*.log")],
-                      key=lambda p: (p.parent != self.logs, p.name != "supervisor.log", str(p)))
+                      key=lambda p: (p.parent != self.logs, p.name != "supervisor.log", str(p))) + tasks
 
 
 def read_json(path: Path):

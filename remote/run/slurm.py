@@ -28,6 +28,10 @@ from remote.wire.argspec import RUN_ARGS, SLURM_ARGS, Arg, Spec
 
 #: beside status.json: the Slurm job that runs this run (absent: a run started by ``job start`` over SSH).
 JOB_FILE = "slurm.json"
+#: a group plan's job array (``slurm.array``): ``array.json`` (its shards) beside the run's params, and under
+#: ``tasks/<i>/`` each task's own run dir (params, status, pid, logs, the task's ``slurm.json``)
+ARRAY_FILE = "array.json"
+TASKS_DIR = "tasks"
 #: the Slurm client's own variables (SLURM_CONF ...): a status asked later uses the ones the job was submitted with.
 CLIENT_ENV_PREFIX = "SLURM_"
 #: sinfo's partition line: name, availability, time limit, node count, gres, node list.
@@ -121,6 +125,11 @@ def partition_records(slurm: dict, env: dict | None, tp: int, device: str) -> li
     elif device == "cuda" and wanted_gpus and tp > wanted_gpus * nodes:
         problems.append((f"tp {tp} needs {tp} GPUs; slurm.gres {slurm.get('gres')} x {nodes} node(s) asks "
                          f"{wanted_gpus * nodes}", f"ask for gpu:{tp} (slurm.gres), or lower tp"))
+    tasks = int(slurm.get("array") or 1)
+    limit = max_array_size(env) if tasks > 1 else None
+    if limit is not None and tasks > limit:
+        problems.append((f"array {tasks} is more tasks than the cluster's MaxArraySize {limit}",
+                         f"set slurm.array to at most {limit}"))
     if "up" not in facts["available"]:
         problems.append((f"partition {slurm['partition']} is {'/'.join(facts['available'])}",
                          "wait for the admins to bring it up, or pick another partition"))
@@ -147,33 +156,41 @@ def node_record(name: str, what: str) -> dict | None:
 
 # --------------------------------------------------------------------------- a run as a batch job
 
-def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str) -> dict:
-    """Submit the run's supervisor (``argv``, with ``env``) as one batch job; write and return ``slurm.json``.
+def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str, array: list | None = None) -> dict:
+    """Submit the run's supervisor (``argv``, with ``env``; its last word the run dir) as one batch job; write and
+    return ``slurm.json``.
 
     The script writes the supervisor's pid (it ``exec``s it) where ``job start`` would, so a
-    compute node that is this host too reads it as usual.
+    compute node that is this host too reads it as usual. ``array`` (task indices): one job array
+    instead, task ``i`` running the supervisor of ``run_dir/tasks/i`` (:func:`task_dir`); each
+    of those dirs gets its own ``slurm.json`` naming its task as Slurm does (``JOBID_i``).
     """
     setup = slurm.get("setup")
     python = shlex.quote(str(argv[0]))
+    where = shlex.quote(str(run_dir)) + ("/" + TASKS_DIR + "/$SLURM_ARRAY_TASK_ID" if array is not None else "")
     script = "\n".join([
         "#!/bin/sh",
         f"# specops run {run_id}: its supervisor on the job's first node (remote/run/slurm.py)",
-        "cd " + shlex.quote(str(run_dir)),
+        f"run_dir={where}",
+        'cd "$run_dir"',
+        'export SPECOPS_RUN_DIR="$run_dir"',
         *([setup] if setup else []),
         "# started again by Slurm (requeued after a node failure or a preemption): the run restarts as job start",
         "# restarts it, resuming after its last complete sample; a run done already stays done",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
-        f"  {python} -m remote.run.slurm requeued {shlex.quote(str(run_dir))}",
+        f'  {python} -m remote.run.slurm requeued "$run_dir"',
         f"  rc=$?; [ $rc -eq {ALREADY_DONE_EXIT} ] && exit 0; [ $rc -ne 0 ] && exit $rc",
         "fi",
         "echo $$ > pid",
-        "exec " + " ".join(shlex.quote(str(w)) for w in argv),
+        "exec " + " ".join(shlex.quote(str(w)) for w in argv[:-1]) + ' "$run_dir"',
         "",
     ])
     path = run_dir / "slurm.sbatch"
     path.write_text(script)
+    log = (run_dir / TASKS_DIR / "%a" if array is not None else run_dir) / "logs" / "supervisor.log"
     words = ["sbatch", "--parsable", *wire_slurm.request_options(slurm), "-N", str(int(slurm.get("nodes") or 1)),
-             "-J", f"specops-{run_id}", "-D", str(run_dir), "-o", str(run_dir / "logs" / "supervisor.log"),
+             *([f"--array={','.join(str(i) for i in array)}"] if array is not None else []),
+             "-J", f"specops-{run_id}", "-D", str(run_dir), "-o", str(log),
              "--open-mode=append", "--export=ALL", str(path)]
     proc = _run(words, env)
     if proc.returncode != 0:
@@ -184,9 +201,34 @@ def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str) -> di
     job_id = proc.stdout.strip().split(";")[0]
     record = {"job_id": job_id, "partition": slurm["partition"], "submitted_unix": time.time(),
               "command": words, "env": {k: v for k, v in env.items() if k.startswith(CLIENT_ENV_PREFIX)}}
+    if array is not None:
+        for i in array:
+            _record_job(task_dir(run_dir, i), {**record, "job_id": f"{job_id}_{i}", "array_job_id": job_id})
+        record["array"] = list(array)
+    _record_job(run_dir, record)
+    return record
+
+
+def _record_job(run_dir: Path, record: dict) -> None:
+    """The one writer of a run dir's ``slurm.json``."""
     fsutil.write_json(run_dir / JOB_FILE, record, temp_prefix=fsutil.TEMP_PREFIX)
     _cache.pop(str(run_dir), None)
-    return record
+
+
+def task_dir(run_dir: Path, index: int) -> Path:
+    """The run dir of a job array's task ``index`` (a shard's own status, pid, params and logs)."""
+    return Path(run_dir) / TASKS_DIR / str(int(index))
+
+
+def max_array_size(env: dict | None = None) -> int | None:
+    """The cluster's ``MaxArraySize`` (``scontrol show config``): a job array's task indices stay below it
+    (None: scontrol did not say)."""
+    proc = _run(["scontrol", "show", "config"], env)
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 def job_of(run_dir: Path) -> dict | None:
@@ -209,6 +251,14 @@ def job_state(run_dir: Path, fresh: bool = False) -> dict | None:
     if seen and not fresh and time.monotonic() - seen[0] < STATE_CACHE_S and seen[1]["job_id"] == job["job_id"]:
         return seen[1]
     job_id, env = str(job["job_id"]), job.get("env") or {}
+    if job.get("array") is not None:  # a job array: its tasks' words (scontrol and sacct name them JOBID_i)
+        tasks = {i: job_state(task_dir(run_dir, i), fresh) for i in job["array"]}
+        live = [t for t in tasks.values() if t and t["alive"]]
+        found = dict(live[0] if live else next((t for t in tasks.values() if t), None) or
+                     {"slurm": "UNKNOWN", "state": "gone", "alive": False, "reason": None, "fix": None})
+        found.update(job_id=job_id, alive=bool(live), tasks=tasks)
+        _cache[str(run_dir)] = (time.monotonic(), found)
+        return found
     state, reason, nodes, restarts = _scontrol(job_id, env) or _sacct(job_id, env) or ("", "", "", 0)
     if not state:  # aged out of every record: Slurm no longer knows the job (MinJobAge, no accounting)
         found = {"slurm": "UNKNOWN", "state": "gone", "alive": False, "reason": None, "job_id": job_id,

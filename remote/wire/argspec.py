@@ -595,6 +595,9 @@ SLURM_ARGS = {
     "time_limit": Arg("str", doc="the job's time limit in Slurm's format: MINUTES, HH:MM:SS or D-HH:MM:SS (-t); "
                                  "default: the partition's"),
     "nodes": Arg("int", 1, min=1, doc="nodes per job (-N)"),
+    "array": Arg("int", min=1, doc="extract as a group plan of this many shards, each a task of one job array "
+                                   "(sbatch --array=0-N-1, task i extracts shard i into the run's one output dir); "
+                                   "unset or 1: the run is one job"),
     "setup": Arg("str", doc="a shell line run on the compute node before specops' python (module load ..., "
                             "a container's env)"),
 }

@@ -31,6 +31,8 @@ NODES = ("node1", "node2")
 PARTITION = "debug"
 #: the partition's MaxTime in minutes (a request above it must fail before submission)
 MAX_TIME_MIN = 10
+#: a job array has at most this many tasks (indices 0..MAX_ARRAY_SIZE-1): small, so the tests can pass it
+MAX_ARRAY_SIZE = 4
 
 
 def slurm_conf(root: Path, ctld_port: int, node_ports: dict[str, int], slurmd_port: int) -> str:
@@ -66,6 +68,7 @@ SlurmdTimeout=30
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
+MaxArraySize={MAX_ARRAY_SIZE}
 {nodes}
 PartitionName={PARTITION} Nodes={','.join(node_ports)} Default=YES MaxTime={MAX_TIME_MIN} State=UP
 """
