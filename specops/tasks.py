@@ -325,7 +325,7 @@ def verify(target, run_id=None, samples=3, reference="hf"):
                  "regen-max-tokens": "--regenerate: tokens per reply (default: the states run's seq_len)",
                  "regen-temperature": "--regenerate: sampling temperature (default 0: greedy, as eval)",
                  "gpus": "trainer processes on a CUDA host, one per GPU under torchrun (default: every GPU the "
-                         "host's env sees)",
+                         "host's env sees); on a CPU test host, that many gloo ranks (default 1)",
                  "total-seq-len": "tokens the trainer packs into one step (speculators' --total-seq-len; default: "
                                   "the states' seq_len on a CPU host, at least 8192 on CUDA; not below seq_len)",
                  "master-port": "several hosts selected (--on GROUP): one run over all of them, the first the head; "

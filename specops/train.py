@@ -199,9 +199,14 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                    f"{stream['dropped_rows']}; {stream['failed_round_trips']} failed round trip(s), last: "
                    f"{stream['last']['error']})") if stream.get("dropped") else ""
         kept = st.get("kept_states") or {}
+        # rows a trainer process streamed and kept whose file is not in the kept run: a kept run short of its stream
+        unkept = kept.get("lost") or []
         kept_line = (f"; the streamed states kept as extraction run {kept['run_id']} ({kept['samples']} samples"
-                     + (f", rows {kept['missing']} missing" if kept.get("missing") else "") + ")") if kept else ""
-        return Record(name="train.run", status="warn" if lost or dropped else "ok",
+                     + (f", streamed by ranks {kept['ranks']}" if len(kept.get("ranks") or {}) > 1 else "")
+                     + (f", {kept['tokens_per_s']} tok/s streamed" if kept.get("tokens_per_s") else "")
+                     + (f", rows {kept['missing']} missing" if kept.get("missing") else "")
+                     + (f"; rows {unkept} streamed but not kept" if unkept else "") + ")") if kept else ""
+        return Record(name="train.run", status="warn" if lost or dropped or unkept else "ok",
                       summary=f"run {run_id} done: step {st.get('step')}, epoch {int(st.get('epoch') or 0) + 1}, "
                               f"loss {st.get('loss')}, accuracy {st.get('accuracy')}; checkpoint {where}{used}"
                               + (f"; regenerate: {lost}" if lost else "") + (f"; {dropped}" if dropped else "")

@@ -5,7 +5,7 @@ at the server's endpoint, the stream checks passed as speculators' own flags), t
 leaves the states out, the trainer's lines for a streamed sample that failed its checks, what the
 laptop refuses.
 
-Heavy (marked ``vllm``; four CPU server starts loaded, the first on a second host, one launch aborted
+Heavy (marked ``vllm``; five CPU server starts loaded (one beside another), the first on a second host, one launch aborted
 while it loads): on the
 session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
 online train run, started five times by the same command:
@@ -29,7 +29,12 @@ online train run, started five times by the same command:
    resumed, a curve fetched, a checkpoint whose aux ids are the plan's, every loss finite (the bad
    sample never trained on), the run's record counting and naming it, and the states kept as the
    extraction run ``online-kept`` (its files digest as its manifest says, ``verify`` passes, a train
-   plan reads it) with none left in the train run.
+   plan reads it) with none left in the train run;
+6. beside 5 (``--force``), a second online run ``ranked`` with ``--keep-states all`` and the trainer as two
+   torchrun ranks (``--gpus 2``: the CPU launcher's gloo), each streaming in a spawned dataloader worker: every
+   row the ranks' ledgers say they streamed is in ``ranked-kept`` exactly once, under its own index (token ids
+   equal to the states run's file of that index), none lost; ``verify`` passes; its summary's tok/s is the rate the
+   next train preflight from it prices the offline way with.
 """
 from __future__ import annotations
 
@@ -102,6 +107,7 @@ def test_a_resume_may_change_what_stays_on_disk_and_nothing_else():
     assert job._identity({**started, "online_server": {"role": "trainer", "server_host": "sv"}}) == \
         job._identity(started)
     assert job._identity({**started, "epochs": 5}) != job._identity(started)
+    assert job._identity({**started, "gpus": 2}) != job._identity(started)  # the ranks a checkpoint was made by
 
 
 def test_a_streamed_sample_that_failed_its_checks_is_counted_and_named_from_the_trainers_lines():
@@ -209,6 +215,42 @@ def test_online_with_an_algorithm_takes_both_halves_ids_from_its_layer_plan():
                                      trainer_layer_ids=[0, 4], layer_plan=bad), {})
     said = str(refused.value.__dict__)
     assert "capture ids [0, 4, 8]" in said and "aux id 0 (the embeddings) would be layer -1" in said, said
+
+
+def test_the_ranks_ledgers_give_the_kept_runs_rows_and_its_rate_over_the_servers_busy_seconds(tmp_path):
+    from remote.train import keepstates, supervisor
+    from specops.result import RunStatus
+    from specops.train import run_record
+
+    # two ranks' ledgers (one file per process), a torn last line skipped; spans that overlap count once
+    online_data = tmp_path / "run" / trainplan.ONLINE_DATA
+    ledgers = keepstates.streamed_dir(online_data)
+    ledgers.mkdir(parents=True)
+    (ledgers / "rank0-11.jsonl").write_text('{"row": 0, "rank": 0, "pid": 11, "tokens": 30, "t0": 10.0, "t1": 12.0}\n'
+                                            '{"row": 2, "rank": 0, "pid": 11, "tokens": 10, "t0": 13.0, "t1": 14.0}\n')
+    (ledgers / "rank1-12.jsonl").write_text('{"row": 1, "rank": 1, "pid": 12, "tokens": 20, "t0": 11.0, "t1": 12.5}\n'
+                                            '{"row": 3, "ra')
+    lines = keepstates.read_streamed(online_data)
+    assert sorted(line["row"] for line in lines) == [0, 1, 2]
+    assert keepstates.busy_seconds([(10.0, 12.0), (11.0, 12.5), (13.0, 14.0)]) == 3.5
+    assert keepstates.busy_seconds([]) == 0.0
+    record = keepstates.stream_record(lines, {0, 1, 2})
+    assert record == {"streamed": 3, "ranks": {"0": 2, "1": 1}, "streamed_twice": [], "lost": [], "tokens": 60,
+                      "stream_s": 3.5, "tokens_per_s": 17.1}, record
+    # a row streamed twice (its last file kept) and one streamed whose file is not in the kept run: both named
+    again = keepstates.stream_record([*lines, {**lines[0], "rank": 1, "t0": 20.0, "t1": 21.0}], {0, 1})
+    assert again["streamed_twice"] == [0] and again["lost"] == [2], again
+    assert keepstates.stream_record([], set())["tokens_per_s"] is None  # nothing streamed: no rate made up
+    rec = run_record("t", RunStatus(state="done", step=3, kept_states={
+        "run_id": "t-kept", "samples": 2, "missing": [3], "ranks": {"0": 2, "1": 1}, "lost": [2],
+        "tokens_per_s": 17.1}))
+    assert rec.status == "warn" and "rows [2] streamed but not kept" in rec.summary, rec
+    assert "streamed by ranks {'0': 2, '1': 1}" in rec.summary and "17.1 tok/s streamed" in rec.summary, rec
+    # the CPU test host's launcher: --gpus N is N gloo ranks under torchrun (1 unless given); the trainer's own
+    # module on a CPU device stays one process
+    assert supervisor.trainer_processes({"gpus": 2}, trainplan.CPU_LAUNCHER_MODULE) == 2
+    assert supervisor.trainer_processes({}, trainplan.CPU_LAUNCHER_MODULE) == 1
+    assert supervisor.trainer_processes({"gpus": 2, "device": "cpu"}, trainplan.TRAINER_MODULE) == 1
 
 
 @pytest.mark.parametrize("args, says", [
@@ -505,7 +547,9 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
 
     # 5. the same command to the end, keeping the states this time, two streamed files corrupted: a curve, the
     # plan's aux ids, the states kept as an extraction run of their own
-    done = specops("train", "--inventory", faulty, *args, "--keep-states", "all", "--json", env=env)
+    # beside it (6.), a second online run keeping its states with the trainer as two torchrun ranks
+    _start_ranked(inv, env, run["run_id"])
+    done = specops("train", "--inventory", faulty, *args, "--keep-states", "all", "--force", "--json", env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     fetched = records(done)
     # preflight priced both ways with the rates of the last runs: the extraction's and the offline train's
@@ -538,9 +582,81 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
     assert leftover_pids(st["online_server"]["marker"]) == []
     _check_kept_run(inv, env, work, run["run_id"], st, stream)
+    t_ranked = time.monotonic()
+    ranked = _check_ranked(inv, env, work, run["run_id"])
+    t_ranked = time.monotonic() - t_ranked
     print(f"\nonline train: first server (disaggregated, on sv) ready {server['ready_s']} s, to training {t_first:.0f} s; "
           f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
-          f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}")
+          f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}; two ranks kept "
+          f"{ranked['ranks']} at {ranked['tokens_per_s']} tok/s, its wait and checks after 5. {t_ranked:.0f} s")
+
+
+def _token_ids(path: Path) -> bytes:
+    """A state file's ``token_ids`` tensor, its raw bytes (read by its safetensors header, stdlib only)."""
+    from remote.system.weights import read_header
+
+    begin, end = read_header(str(path))["tensors"]["token_ids"]["data_offsets"]
+    with open(path, "rb") as fh:
+        fh.seek(8 + int.from_bytes(fh.read(8), "little") + begin)
+        return fh.read(end - begin)
+
+
+def _start_ranked(inv, env, states_run: str) -> None:
+    """A second online run, detached, beside the first (``--force``): ``--keep-states all`` with the trainer as two
+    torchrun ranks (the CPU launcher's gloo, ``--gpus 2``), each with a spawned dataloader worker (as on a GPU,
+    where speculators starts 12), 2 epochs."""
+    started = specops("train", "--inventory", inv, "--run-id", "ranked", "--from-run", states_run, "--epochs", 2,
+                      "--online", "--keep-states", "all", "--gpus", 2, "--trainer-arg=--num-workers=1", "--force",
+                      "--detach", "--json", env=env)
+    assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
+
+
+def _check_ranked(inv, env, work: Path, states_run: str) -> dict:
+    """:func:`_start_ranked`'s run, once done: every row a rank streamed is in the kept run once, under its own
+    index (its token ids those of the states run's file of that index); the kept run verifies, a train plan reads
+    it, and its summary's tok/s is what the next preflight prices the offline way with."""
+    from remote.train import keepstates, task
+    from remote.verify.run import open_run
+    from remote.wire import manifest as run_manifest
+
+    run_dir = work / "runs" / "ranked"
+    st = _wait(inv, "ranked", env, lambda s: False, timeout=300)
+    assert st["state"] == "done" and st["processes"] == 2, st
+    assert st["command"][1:3] == ["-m", "torch.distributed.run"], st["command"]
+    kept = st["kept_states"]
+    ledgers = keepstates.read_streamed(run_dir / trainplan.ONLINE_DATA)
+    streamed = [line["row"] for line in ledgers]
+    # both ranks streamed (in their dataloader workers: a patch made in the rank alone would keep nothing), no row
+    # twice, none lost
+    assert {line["rank"] for line in ledgers} == {0, 1}, ledgers
+    assert len(streamed) == len(set(streamed)) and streamed, ledgers
+    found = open_run({"work_dir": str(work), "run_id": "ranked-kept"})
+    states = open_run({"work_dir": str(work), "run_id": states_run})
+    rows = [entry["index"] for entry in found.manifest["files"]]
+    assert sorted(rows) == sorted(streamed) and len(rows) == len(set(rows)), (rows, streamed)
+    assert kept["streamed"] == len(streamed) and kept["lost"] == [] and kept["streamed_twice"] == [], kept
+    assert set(kept["ranks"]) == {"0", "1"} and sum(kept["ranks"].values()) == len(streamed), kept
+    assert sorted(kept["missing"]) == sorted(set(range(4)) - set(streamed)), kept  # never streamed: never kept
+    by_index = {entry["index"]: entry for entry in states.manifest["files"]}
+    for entry in found.manifest["files"]:
+        assert run_manifest.file_matches(found.output_dir / entry["path"], entry), entry
+        assert _token_ids(found.output_dir / entry["path"]) == \
+            _token_ids(states.output_dir / by_index[entry["index"]]["path"]), entry
+    assert not (run_dir / trainplan.ONLINE_DATA / "hidden_states").exists()
+    verified = specops("verify", "--inventory", inv, "--run-id", "ranked-kept", "--samples", 1, "--json", env=env,
+                       timeout=300)
+    assert verified.returncode == 0, verified.stdout[-4000:] + verified.stderr[-4000:]
+    # its tok/s, recorded as an extraction's: the next train preflight from it prices both ways with it
+    summary = json.loads((work / "runs" / "ranked-kept" / "summary.json").read_text())
+    assert summary["tokens_per_s"] == kept["tokens_per_s"] > 0 and summary["ok"] == (not kept["missing"]), summary
+    assert summary["tokens_this_attempt"] == sum(line["tokens"] for line in ledgers), summary
+    plan = trainplan.resolve({"work_dir": str(work), "run_id": "from-kept", "from_run": "ranked-kept",
+                              "online": True, "epochs": 2})
+    assert plan.samples == len(rows) and plan.trainer_layer_ids == [2, 4, 5], plan
+    priced = task.online_time(plan)
+    assert priced["extract_tokens_per_s"] == summary["tokens_per_s"], priced
+    assert f"at {summary['tokens_per_s']:.0f} tok/s" in priced["line"], priced
+    return kept
 
 
 def _two_hosts(inv, tmp_path: Path, server_host, states_run: str) -> Path:
@@ -564,3 +680,4 @@ def _read_status(run_dir: Path) -> dict:
         return json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         return {}
+

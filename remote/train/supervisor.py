@@ -129,7 +129,10 @@ def summarize(metrics: dict) -> dict:
 
 def trainer_processes(params: dict, launcher: str) -> int:
     """Trainer processes to start: one per GPU the job sees (``CUDA_VISIBLE_DEVICES``, the job's env first)
-    when the trainer's own module runs on a CUDA host, else one; ``gpus`` (a train parameter) caps it."""
+    when the trainer's own module runs on a CUDA host, else one; ``gpus`` (a train parameter) caps it. Behind the
+    CPU test host's launcher, ``gpus`` N starts N ranks under torchrun (gloo): how several ranks run with no GPU."""
+    if launcher == trainplan.CPU_LAUNCHER_MODULE:
+        return max(1, int(params.get("gpus") or 1))
     if launcher != trainplan.TRAINER_MODULE or str(params.get("device") or "cuda") != "cuda":
         return 1
     import shutil

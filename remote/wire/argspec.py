@@ -542,7 +542,8 @@ RUN_ARGS = {
 TRAIN_ARGS = {
     "epochs": Arg("int", 1, min=1, doc="speculators' --epochs (its --max-steps does not end a run in 0.9.0)"),
     "gpus": Arg("int", min=1, doc="trainer processes on a CUDA host, one per GPU under torchrun (default: every "
-                                  "GPU the job sees, remote.train.supervisor.trainer_processes)"),
+                                  "GPU the job sees); on a CPU test host (its CPU launcher) that many gloo ranks "
+                                  "(default 1): remote.train.supervisor.trainer_processes"),
     "total_seq_len": Arg("int", min=1, doc="speculators' --total-seq-len: tokens packed into one step (default "
                          "remote.train.plan.default_total_seq_len); not below the states' seq_len"),
     "master_port": Arg("int", min=1, max=65534, doc="a run over several hosts: the port torchrun's rendezvous "
