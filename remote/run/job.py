@@ -704,10 +704,11 @@ def _plan_array(params: dict, tasks: int) -> dict:
         raise JobError("job.start", f"field 'slurm.array' is {tasks}: more shards than the run's {total} sample(s); "
                        f"nothing was submitted", f"set slurm.array to at most {total}",
                        detail={"array": tasks, "samples": total})
-    size, extra = divmod(total, tasks)  # the first shards take one more where it does not divide
-    bounds = [i * size + min(i, extra) for i in range(tasks + 1)]
+    from remote.wire.ranges import split
+
+    shards = split(total, {index: 1 for index in range(tasks)})  # equal: the first shards one more where it leaves some
     return {"tasks": tasks, "total": total, "dataset_sha256": digest,
-            "ranges": [[bounds[i], bounds[i + 1]] for i in range(tasks)]}
+            "ranges": [list(shards[index]) for index in range(tasks)]}
 
 
 def _start_array(params: dict, run_dir: Path, wanted: dict, old: dict | None) -> dict:

@@ -10,6 +10,6 @@ from specops.transport.assets import asset
 
 __path__ = [str(asset("remote") / "wire")]
 
-from . import argspec, contract, fsutil, layers, manifest, protocol, slurm, status, words  # noqa: E402  (after __path__)
+from . import argspec, contract, fsutil, layers, manifest, protocol, ranges, slurm, status, words  # noqa: E402  (after __path__)
 
-__all__ = ["argspec", "contract", "fsutil", "layers", "manifest", "protocol", "slurm", "status", "words"]
+__all__ = ["argspec", "contract", "fsutil", "layers", "manifest", "protocol", "ranges", "slurm", "status", "words"]
