@@ -537,8 +537,10 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
     assert f"Slurm job {array_id}_2 PENDING" in found["job.task2"]["summary"] and proc.returncode == 101
     # shard 0's task cancelled behind specops' back (an admin, a preemption): named with its fix; the others go on
     _slurm(cluster, "scancel", f"{array_id}_0")
-    proc, found = _wait_status("a1", runs, inventory, lambda r: "was aborted" in r["job.status"]["summary"],
-                               timeout=90)
+    # the run is aborted only once no shard still goes (task 2 waited for a node), and Slurm's word on task 0 is
+    # its end once its COMPLETING is over
+    proc, found = _wait_status("a1", runs, inventory, lambda r: "was aborted" in r["job.status"]["summary"]
+                               and "CANCELLED" in r["job.task0"]["summary"], timeout=90)
     assert found["job.task0"]["status"] == "warn" and f"Slurm job {array_id}_0 CANCELLED" in \
         found["job.task0"]["summary"] and "aborted" in found["job.task0"]["summary"], proc.stdout
     assert "run the same command again to resume" in found["job.task0"]["fix"]

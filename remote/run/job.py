@@ -780,13 +780,16 @@ def _array_status(run_dir: Path) -> dict:
                       "samples_done": int(st.get("samples_done") or 0), "samples_total": hi - lo,
                       "alive": bool(st.get("alive")), "slurm": st.get("slurm"), "error": st.get("error")})
     alive = [t for t in tasks if t["alive"]]
+    # a task that recorded its end while Slurm still holds it (COMPLETING) is ended: the run goes on only while a
+    # task that has not ended does, so one shard's abort does not end the run while another still extracts or waits
+    going = [t for t in alive if t["state"] not in FINAL_STATES]
     states = {t["state"] for t in tasks}
     ended = next((t for t in tasks if t["state"] == RunState.FAILED), None) or next(
         (t for t in tasks if t["state"] == RunState.ABORTED), None)
     if tasks and states == {RunState.DONE}:
         state = RunState.DONE
-    elif alive:
-        state = RunState.EXTRACTING if RunState.EXTRACTING in states else alive[0]["state"]
+    elif going:
+        state = RunState.EXTRACTING if any(t["state"] == RunState.EXTRACTING for t in going) else going[0]["state"]
     else:
         state = ended["state"] if ended else RunState.PENDING
     st = {"run_id": params.get("run_id") or run_dir.name, "kind": "extract",
@@ -794,7 +797,7 @@ def _array_status(run_dir: Path) -> dict:
           "samples_total": layout.get("total"),
           "alive": bool(alive), "output_dir": runplan.output_dir(params, run_dir), "tasks": tasks,
           "array": {"tasks": layout.get("tasks"), "job_id": (slurm.job_of(run_dir) or {}).get("job_id")}}
-    if ended and not alive and state != RunState.DONE:
+    if ended and not going and state != RunState.DONE:
         err = ended["error"] or {}
         st["error"] = wire_status.error(err.get("type") or "TaskEnded", f"shard {ended['task']} "
                                         f"{ended['sample_range']}: {err.get('message') or ended['state']}",
