@@ -84,11 +84,11 @@ def preflight_payload(host, params: dict) -> dict:
 
 
 def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
-    """``train`` on a host behind Slurm is one batch job on one node (the run's supervisor, the trainer on the
-    GPUs its gres gives): a run over several nodes (the mapping's ``nodes``, or several hosts selected) is not
-    submitted yet, and is refused by name before anything reaches the login node.
+    """``train`` on a host behind Slurm is one batch job: on one node, or over the mapping's ``slurm.nodes`` as one
+    job step of torchrun a node (:func:`remote.run.slurm.node_step`). Several hosts selected, or a job array, are
+    refused by name before anything reaches the login node.
 
-    :raises UsageError: naming the field (``slurm.nodes``) or the selection, with the fix.
+    :raises UsageError: naming the field (``slurm.array``) or the selection, with the fix.
     """
     if not is_slurm(spec):
         return
@@ -97,17 +97,12 @@ def refuse_train(spec: HostSpec, hosts: int = 1) -> None:
     if hosts > 1:
         raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm): training over several hosts is "
                          f"torchrun's across SSH hosts, and a Slurm host cannot be one of them",
-                         f"train on it alone (--on {spec.name}); a Slurm job over several nodes is not submitted "
-                         f"yet", host=spec.name)
+                         f"train on it alone (--on {spec.name}), with slurm.nodes set to the nodes the job should "
+                         f"span", host=spec.name)
     if int(spec.slurm.array or 1) > 1:
         raise UsageError(f"host {spec.name!r}: field 'slurm.array' is {spec.slurm.array}: a job array shards an "
                          f"extraction, and a train run is one job", "train through an inventory entry of its own "
-                         "for this cluster without slurm.array", host=spec.name)
-    if int(spec.slurm.nodes or 1) > 1:
-        raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {spec.slurm.nodes}, and a train run over "
-                         f"several Slurm nodes is not submitted yet (one node, its GPUs under torchrun, is)",
-                         "set slurm.nodes: 1 for this host (an inventory entry of its own for training), and "
-                         "slurm.gres to the GPUs of one node", host=spec.name)
+                         "for this cluster without slurm.array (slurm.nodes spans several nodes)", host=spec.name)
 
 
 def refuse_array_in_group(specs: list[HostSpec], group: bool) -> None:

@@ -268,7 +268,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
                          f"its states", "add --online, or drop them")
     pool = HostPool(inventory, accept_new_host_key)
     hosts = {host.name: host for host in pool.selected(selector)}
-    for host in hosts.values():  # before any host is reached: a Slurm host trains alone, on one node
+    for host in hosts.values():  # before any host is reached: a Slurm host trains alone (slurm.nodes: its job spans them)
         slurm.refuse_train(host.spec, len(hosts))
     nodes = {}
     disagg = disagg_blocks(inventory, list(hosts), server_on, server_port, online=online, regenerate=regen is not None,

@@ -3,7 +3,8 @@
 One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
 loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
 The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py; the
-train test's states are the module's own vLLM extraction in the modern host env (:func:`modern_states`).
+train test's states are the session's shared vLLM extraction of the tiny Llama in the modern host env
+(``modern_ssh_run``, tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -35,33 +36,6 @@ def cluster(tmp_path_factory):
     # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
     repo = Path(__file__).resolve().parents[1]
     assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
-
-
-@pytest.fixture(scope="module")
-def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
-    """One ``specops extract`` of the tiny Llama over SSH in the modern host env (the trainer's: speculators 0.9),
-    through its vLLM server (4 samples of up to 128 tokens, the engine's default ids). The reference engine's states
-    are no train input: it writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
-
-    Returns a dict: ``inventory`` (the plain SSH host it ran on), ``run_id`` and ``run_dir`` (on the host).
-    """
-    import yaml
-
-    from specops.testhost.hostenv import cache_root
-
-    tmp = tmp_path_factory.mktemp("slurm-states")
-    inventory = tmp / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"th": {
-        "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
-        "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
-        "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
-        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 1, "seq_len": 128, "max_samples": 4, "batch_size": 4,
-        "env": {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
-    run_id = "llama-tp1"
-    proc = specops("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke",
-                   "--json", env={"SPECOPS_RUNS": str(tmp / "runs")}, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -115,6 +89,23 @@ def test_slurm_time_gres_and_states_are_read_as_slurm_writes_them():
     assert "Resources" in wire.slurm.job_state("PENDING", job="7", reason="Resources")["fix"]
 
 
+def test_the_node_a_train_step_lost_is_read_as_srun_names_it():
+    from remote.run.slurm import failed_step_task, node_step
+
+    tail = "[default0]: step 3\nsrun: error: node2: task 1: Exited with exit code 1\nsrun: error: node1: task 0: Killed\n"
+    assert failed_step_task(tail) == {"host": "node2", "rank": 1, "said": "Exited with exit code 1"}
+    # the peer that died of the lost one's end may be named first: the task that exited on its own is the cause
+    assert failed_step_task("srun: error: node1: task 0: Killed\nsrun: error: node2: task 1: Exited with exit code "
+                            "1\n")["host"] == "node2"
+    assert failed_step_task("srun: error: gpu-a12: tasks 2-3: Killed") == {"host": "gpu-a12", "rank": 2,
+                                                                           "said": "Killed"}
+    assert failed_step_task("Traceback (most recent call last):\n") is None
+    # one task a node; a node that fails ends the step; each task's torchrun gets its node rank from Slurm
+    argv = node_step(["/p", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "0", "x"], 2, "/p")
+    assert argv[:8] == ["srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    assert argv[-11:-8] == ["-m", "remote.run.slurm", "node"] and argv[-3:] == ["--node-rank", "0", "x"]
+
+
 def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     base = {"address": "login", "python": "/p", "model_path": "/m", "output_dir": "/o"}
     path = tmp_path / "inv.yaml"
@@ -144,7 +135,7 @@ def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
     assert "host 'alone': field 'slurm' is set but field 'scheduler' is not slurm: add scheduler: slurm" in said
 
 
-def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login_node_is_reached(tmp_path):
+def test_a_train_over_several_hosts_or_as_an_array_is_refused_by_name_before_the_login_node_is_reached(tmp_path):
     from specops.errors import UsageError
     from specops.inventory import HostSpec, SlurmSpec
     from specops.train import start_step, train
@@ -157,11 +148,10 @@ def test_a_train_over_several_nodes_or_hosts_is_refused_by_name_before_the_login
             raise AssertionError("a task reached the login node")
 
     fields = dict(address="login", python="/p", model_path="/m", output_dir="/o", scheduler="slurm")
-    wide = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu", nodes=2))
+    arrayed = HostSpec(name="c", **fields, slurm=SlurmSpec(partition="gpu", nodes=2, array=2))
     with pytest.raises(UsageError) as caught:
-        start_step(Untouched(wide), "t1", "r1", epochs=1, dry_run=True, force=False)
-    assert "field 'slurm.nodes' is 2, and a train run over several Slurm nodes is not submitted yet" in \
-        str(caught.value) and "slurm.nodes: 1" in caught.value.hint
+        start_step(Untouched(arrayed), "t1", "r1", epochs=1, dry_run=True, force=False)
+    assert "field 'slurm.array' is 2: a job array shards an extraction" in str(caught.value), caught.value
     # a Slurm host among several selected for one train run: refused before any host is reached
     inventory = tmp_path / "inv.yaml"
     base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
@@ -339,82 +329,21 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
 
 
-def test_a_job_killed_by_its_time_limit_is_named_resumed_and_verified_on_a_compute_node(
-        cluster, make_inventory, tiny_models, tmp_path):
-    runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
-    host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="t1")
-    host["batch_size"] = 1
-    # a sample each 8 s: still extracting when slurmctld next checks time limits (every 30 s)
-    host["env"]["SPECOPS_BATCH_DELAY_S"] = "8"
-    inventory = make_inventory(**host)
-    argv = ("extract", "--inventory", inventory, "--run-id", "t1", "--skip-preflight", "--skip-smoke", "--detach",
-            "--json")
-    started = specops(*argv, env=runs, timeout=120)
-    assert records(started)["job.start"]["status"] == "changed", started.stdout
-    run_dir = tmp_path / "work" / "runs" / "t1"
-    job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
-    out = tmp_path / "out-t1" / "t1"
-    proc, found = _wait_status("t1", runs, inventory, lambda r: any(out.glob("data_*.pt")))
-    assert "RUNNING" in found["job.slurm"]["summary"] and "extracting" in found["job.status"]["summary"], proc.stdout
-    # Slurm's own limit, not ours: a limit the job has already passed makes slurmctld end it as TIMEOUT
-    _slurm(cluster, "scontrol", "update", f"JobId={job_id}", "TimeLimit=0")
-    proc, found = _wait_status("t1", runs, inventory, lambda r: "TIMEOUT" in r["job.slurm"]["summary"], timeout=60)
-    slurm_said = found["job.slurm"]
-    assert slurm_said["status"] == "fail" and f"Slurm job {job_id} TIMEOUT" in slurm_said["summary"], proc.stdout
-    assert "slurm.time_limit" in slurm_said["fix"] and "MaxTime" in slurm_said["fix"]
-    assert "run the same command again to resume" in slurm_said["fix"]
-    assert found["job.status"]["status"] == "fail" and "SlurmTimeout" in found["job.status"]["summary"]
-    assert proc.returncode == 100
-    before = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
-    assert 0 < len(before) < 6, before  # killed mid-run
-    # the same command resumes it, unpaced: a resume runs with the env of the call that resumes it (the pause is a
-    # fault point, not part of what the run is), not with the first call's recorded one
-    del host["env"]["SPECOPS_BATCH_DELAY_S"]
-    inventory = make_inventory(**host)
-    argv = (*argv[:2], inventory, *argv[3:])
-    again = specops(*argv, env=runs, timeout=120)
-    assert "resubmitted (resumes after the last complete sample)" in records(again)["job.start"]["summary"], \
-        again.stdout
-    proc, found = _wait_status("t1", runs, inventory, lambda r: "done" in r["job.status"]["summary"]
-                               and "COMPLETED" in r["job.slurm"]["summary"], timeout=120)
-    assert proc.returncode == 0, proc.stdout
-    fetched = specops("extract", "--inventory", inventory, "--run-id", "t1", "--json", env=runs, timeout=120)
-    assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
-    manifest = json.loads((tmp_path / "runs" / "th" / "t1" / "manifest.json").read_text())
-    assert manifest["samples"] == 6 and len(manifest["files"]) == 6
-    assert sorted(p.name for p in out.glob("data_*.pt")) == [f"data_{i}.pt" for i in range(6)]
-    # every sample once: what the killed job wrote was kept, not written again
-    assert {name: (out / name).stat().st_mtime_ns for name in before} == before
-    log = (run_dir / "logs" / "supervisor.log").read_text()
-    assert log.count("[specops] test pause: 8 s after each batch") == 1, log[-3000:]  # the first job's alone
-
-    # verify reads the run on the shared filesystem from a compute node (srun), not on the login node
-    checked = specops("verify", "--inventory", inventory, "--run-id", "t1", "--samples", "2", "--json", env=runs,
-                      timeout=300)
-    said = records(checked)
-    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    assert said["verify.node"]["status"] == "ok" and said["verify.node"]["detail"]["node"] in ("node1", "node2")
-    assert "verify ran on compute node node" in said["verify.node"]["summary"]
-    assert all(r["status"] == "ok" for name, r in said.items() if name.startswith("verify.layer")), checked.stdout
-    assert "JobName=specops-verify" in _slurm(cluster, "scontrol", "-o", "show", "job")
-
-
-# --------------------------------------------------------------------------- train (the modern host env)
-
-def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eval_runs_on_a_compute_node(
-        cluster, modern_states, tmp_path):
+def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_a_time_limit_kill_resumes_eval_on_a_node(
+        cluster, modern_ssh_run, tmp_path):
     """The module's tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs in a batch
-    job on a compute node through the CPU launcher shim."""
+    job over both compute nodes (``slurm.nodes: 2``): one job step of torchrun a node (gloo ranks through the CPU
+    launcher shim), node 0 the batch host."""
     import shutil
 
     import yaml
 
-    states = modern_states
+    states = modern_ssh_run("llama", 1)  # the session's shared run: read, copied, never changed
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     work = tmp_path / "work"
     shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
     host = yaml.safe_load(Path(states["inventory"]).read_text())["hosts"]["th"]
-    host.update(scheduler="slurm", slurm={"partition": PARTITION}, work_dir=str(work),
+    host.update(scheduler="slurm", slurm={"partition": PARTITION, "nodes": 2}, work_dir=str(work),
                 env={**host.get("env", {}), **OFFLINE, **cluster.env})
 
     def inventory(**env) -> Path:
@@ -434,12 +363,12 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
                 return code, found, st
             time.sleep(1)
 
-    # paced (a pause after each of its 2 optimizer steps an epoch): there is a run to abort, and one still training
-    # when slurmctld next checks time limits (every 30 s) after its first checkpoint: 5 paced epochs (50 s) are left
-    # then, however fast the steps run (the resume runs them unpaced)
+    # paced (a pause after its one optimizer step an epoch: 4 samples over two ranks): there is a run to abort, and
+    # one still training when slurmctld next checks time limits (every 30 s) after its first checkpoint: 5 paced
+    # epochs (50 s) are left then, however fast the steps run (the resume runs them unpaced)
     epochs = 6
     argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", str(epochs), "--json"]
-    inv = inventory(SPECOPS_BATCH_DELAY_S="5")
+    inv = inventory(SPECOPS_BATCH_DELAY_S="10")
     started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     said = records(started)
     assert started.returncode == 0 and said["job.start"]["status"] == "changed", started.stdout[-3000:]
@@ -460,7 +389,32 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     code, found, st = status()
     assert code == 103 and st["state"] == "aborted" and "CANCELLED" in found["job.slurm"]["summary"], found
 
-    # the same command resubmits it; killed by Slurm's time limit once it has a checkpoint: named, with its fix
+    # the same command resubmits it: one job step over both nodes, torchrun's node rank Slurm's node id, the
+    # rendezvous at node1's NodeAddr; node 1's trainer killed (an OOM kill, a lost GPU): srun ends the step, and
+    # the run fails naming the node
+    again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
+    assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
+    code, found, st = wait(lambda r, st: st.get("state") in ("training", "done", "failed", "aborted"), timeout=240)
+    assert st["state"] == "training", st
+    assert st["nodes"]["hosts"] == ["node1", "node2"] and st["nodes"]["master_addr"] == "127.0.0.1", st["nodes"]
+    assert st["command"][:4] == ["srun", "--nodes", "2", "--ntasks"] and "--kill-on-bad-exit=1" in st["command"]
+    node_ranks = {node: [pid for pid in _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ")
+                         if f"SLURM_NODEID={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
+                         and b"_specops_cpu_train_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                         and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                  for node in (0, 1)}
+    assert len(node_ranks[0]) == len(node_ranks[1]) == 1, node_ranks  # a rank a node
+    os.kill(node_ranks[1][0], 9)
+    code, found, st = wait(lambda r, st: st.get("state") in ("failed", "done"), timeout=120)
+    assert code == 100 and st["state"] == "failed" and st["error"]["node"] == {"rank": 1, "host": "node2"}, st
+    assert st["error"]["message"].startswith("node 1 (node2) of the job's 2: "), st["error"]
+    deadline = time.monotonic() + 60  # the job's own end follows its supervisor's record: then nothing is left
+    while _slurm(cluster, "squeue", "-h", "-j", json.loads((run_dir / "slurm.json").read_text())["job_id"]).strip() \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ"), "a process of the failed train run is left"
+
+    # resubmitted again; killed by Slurm's time limit once it has a checkpoint: named, with its fix
     again = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     assert "resubmitted" in records(again)["job.start"]["summary"], again.stdout[-3000:]
     job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
@@ -494,7 +448,7 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
     # is refused there before anything loads (a whole eval is the same task under srun, its servers started on
     # that node; a CPU server start is over this module's time budget)
     shifted = tmp_path / "shifted-draft"
-    shutil.copytree(run_dir / "checkpoints" / "checkpoint_best", shifted)
+    shutil.copytree(run_dir / "checkpoints" / str(epochs - 1), shifted)  # two ranks of 4 rows: no val, no best link
     config = json.loads((shifted / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
     (shifted / "config.json").write_text(json.dumps(config))
@@ -509,15 +463,18 @@ def test_train_is_a_slurm_job_abort_is_scancel_a_time_limit_kill_resumes_and_eva
 
 # --------------------------------------------------------------------------- a group plan as a job array
 
-def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is_scancel_and_every_sample_once(
+def test_a_group_plan_is_one_job_array_a_task_ended_by_its_time_limit_resumes_alone_abort_is_scancel_every_sample_once(
         cluster, make_inventory, tiny_models, tmp_path):
     """``slurm.array: 3`` over 7 samples: one ``sbatch --array=0,1,2`` (two nodes of one CPU: the third task waits),
-    a running task cancelled behind specops' back named by its ``JOBID_i``, the same command resubmitting only that
-    shard, an abort of the array (scancel) leaving nothing, and the resume that merges the shards into one manifest."""
+    a running task ended by Slurm's time limit named by its ``JOBID_i``, the same command resubmitting only that
+    shard, an abort of the array (scancel) leaving nothing, the resume that merges the shards into one manifest, and
+    verify of the merged run on a compute node."""
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="a1", array=3)
-    host["max_samples"] = 7
-    host["env"]["SPECOPS_BATCH_DELAY_S"] = "4"  # shard 0 (two batches) still extracting when it is cancelled
+    host["max_samples"], host["batch_size"] = 7, 1
+    # a sample each 20 s: shard 0 (3 samples, the second at 20 s, the third at 40 s) still extracting, with at most
+    # two written, when slurmctld next checks time limits (every 30 s)
+    host["env"]["SPECOPS_BATCH_DELAY_S"] = "20"
     inventory = make_inventory(**host)
     argv = ("extract", "--inventory", inventory, "--run-id", "a1", "--skip-preflight", "--skip-smoke", "--json")
     started = specops(*argv, "--detach", env=runs, timeout=120)
@@ -535,29 +492,29 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
     proc, found = _wait_status("a1", runs, inventory, lambda r: "extracting" in r["job.task0"]["summary"])
     assert f"Slurm job {array_id}_0 RUNNING on node" in found["job.task0"]["summary"], proc.stdout
     assert f"Slurm job {array_id}_2 PENDING" in found["job.task2"]["summary"] and proc.returncode == 101
-    # shard 0's task cancelled behind specops' back (an admin, a preemption): named with its fix; the others go on
-    _slurm(cluster, "scancel", f"{array_id}_0")
-    # the run is aborted only once no shard still goes (task 2 waited for a node), and Slurm's word on task 0 is
-    # its end once its COMPLETING is over
-    proc, found = _wait_status("a1", runs, inventory, lambda r: "was aborted" in r["job.status"]["summary"]
-                               and "CANCELLED" in r["job.task0"]["summary"], timeout=90)
-    assert found["job.task0"]["status"] == "warn" and f"Slurm job {array_id}_0 CANCELLED" in \
-        found["job.task0"]["summary"] and "aborted" in found["job.task0"]["summary"], proc.stdout
-    assert "run the same command again to resume" in found["job.task0"]["fix"]
+    # shard 0's task ended by Slurm's own time limit (a limit it has passed: slurmctld ends it as TIMEOUT at its
+    # next check): named by its JOBID_i with its fix; the others go on, and the run fails only once none still goes
+    _slurm(cluster, "scontrol", "update", f"JobId={array_id}_0", "TimeLimit=0")
+    proc, found = _wait_status("a1", runs, inventory, lambda r: " failed" in r["job.status"]["summary"]
+                               and "TIMEOUT" in r["job.task0"]["summary"] and all(
+                                   "COMPLETED" in r[f"job.task{i}"]["summary"] for i in (1, 2)), timeout=120)
+    assert found["job.task0"]["status"] == "fail" and f"Slurm job {array_id}_0 TIMEOUT" in \
+        found["job.task0"]["summary"] and "failed" in found["job.task0"]["summary"], proc.stdout
+    assert "slurm.time_limit" in found["job.task0"]["fix"] and "run the same command again to resume" in \
+        found["job.task0"]["fix"], found["job.task0"]
     for i, (lo, hi) in ((1, (3, 5)), (2, (5, 7))):
         assert found[f"job.task{i}"]["status"] == "ok" and f"shard {i} [{lo}, {hi}): done" in \
             found[f"job.task{i}"]["summary"] and "COMPLETED" in found[f"job.task{i}"]["summary"], proc.stdout
     said = json.loads(proc.stdout)["hosts"][0]["data"]["status"]
-    assert proc.returncode == 103 and said["state"] == "aborted" and said["error"]["message"].startswith(
-        "shard 0 [0, 3]: "), said
+    assert proc.returncode == 100 and said["state"] == "failed" and said["error"]["message"].startswith(
+        "shard 0 [0, 3]: ") and said["error"]["type"] == "SlurmTimeout", said
     out = tmp_path / "out-a1" / "a1"
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("data_*.pt")}
     assert {f"data_{i}.pt" for i in range(3, 7)} <= set(kept) and len(kept) < 7, kept
 
     # the same command resubmits only the shard not done (paced: there is a task to abort); abort = scancel of the
     # array: the task ends, the run is aborted, nothing of it is left
-    host["env"]["SPECOPS_BATCH_DELAY_S"] = "12"  # its last batch may be its only one: still paused at the abort
-    paced = make_inventory(**host)
+    paced = make_inventory(**host)  # still paced: its last sample may be its only one, still paused at the abort
     again = specops(*argv[:2], paced, *argv[3:], "--detach", env=runs, timeout=120)
     said = records(again)["job.start"]
     second = json.loads((run_dir / "slurm.json").read_text())
@@ -592,8 +549,18 @@ def test_a_group_plan_is_one_job_array_a_shard_per_task_status_per_task_abort_is
     logs = json.loads(specops("logs", "--inventory", argv[2], "--run-id", "a1", "--json", env=runs,
                               timeout=60).stdout)["logs"]["th"]
     assert {f"tasks/{i}/logs/supervisor.log" for i in range(3)} <= set(logs), sorted(logs)
-    assert "test pause: 4 s" in logs["tasks/1/logs/supervisor.log"], logs["tasks/1/logs/supervisor.log"][-2000:]
-    assert "test pause: 12 s" in logs["tasks/0/logs/supervisor.log"]  # the resubmitted shard's own attempt
+    assert "test pause: 20 s" in logs["tasks/1/logs/supervisor.log"], logs["tasks/1/logs/supervisor.log"][-2000:]
+    # shard 0's three attempts: the two paced ones paused, the last ran with the env of the call that resumed it
+    assert logs["tasks/0/logs/supervisor.log"].count("[specops] test pause: 20 s after each batch") == 2
+
+    # verify reads the array's run (its merged manifest) on the shared filesystem from a compute node (srun)
+    checked = specops("verify", "--inventory", argv[2], "--run-id", "a1", "--samples", "2", "--json", env=runs,
+                      timeout=300)
+    said = records(checked)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert said["verify.node"]["status"] == "ok" and said["verify.node"]["detail"]["node"] in ("node1", "node2")
+    assert all(r["status"] == "ok" for name, r in said.items() if name.startswith("verify.layer")), checked.stdout
+    assert "JobName=specops-verify" in _slurm(cluster, "scontrol", "-o", "show", "job")
 
 
 def test_a_job_array_the_cluster_or_the_dataset_cannot_take_is_refused_by_name_before_submission(

@@ -311,6 +311,79 @@ def state_words(found: dict) -> str:
     return f"Slurm job {found['job_id']} {found['slurm']}{' (' + '; '.join(why) + ')' if why else ''}{where}"
 
 
+# --------------------------------------------------------------------------- a train run over the job's nodes
+
+#: ``python -m remote.run.slurm node ARGV...``: on each node of a job step, ARGV (torchrun's) run with this node's
+#: rank after its :data:`NODE_RANK_FLAG`; the batch host (Slurm's node 0) is torchrun's node 0.
+NODE_ACTION = "node"
+NODE_RANK_FLAG = "--node-rank"
+
+def job_node_count() -> int:
+    """How many nodes the batch job this process runs in holds (1 outside a Slurm job)."""
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+
+
+def job_nodes_block(env: dict | None = None) -> dict:
+    """A train run over the batch job's nodes: torchrun's static rendezvous at the first node's address (Slurm's
+    node 0, the batch host this supervisor runs on, is torchrun's node 0 and the run's head), a free port there;
+    the ``nodes`` block :func:`remote.train.plan.node_problem` reads, with ``slurm_step: True``.
+
+    :raises RuntimeError: scontrol did not name the job's nodes.
+    """
+    import socket
+
+    listed = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
+    proc = _run(["scontrol", "show", "hostnames", listed], env)
+    names = proc.stdout.split() if proc.returncode == 0 else []
+    if not names:
+        raise RuntimeError(f"scontrol show hostnames {listed!r} named no node: {(proc.stderr or '').strip()[:300]}")
+    with socket.socket() as sock:  # the head is this node: a port free here now
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return {"hosts": names, "node_rank": 0, "nnodes": len(names), "master_addr": node_address(names[0], env),
+            "master_port": port, "slurm_step": True}
+
+
+def node_address(name: str, env: dict | None = None) -> str:
+    """A node's ``NodeAddr`` (``scontrol show node``), else its name (a cluster whose node names resolve)."""
+    proc = _run(["scontrol", "-o", "show", "node", name], env)
+    for word in proc.stdout.split() if proc.returncode == 0 else []:
+        key, _, value = word.partition("=")
+        if key == "NodeAddr" and value:
+            return value
+    return name
+
+
+def node_step(argv: list, nnodes: int, python: str) -> list:
+    """``argv`` (torchrun's, at node rank 0) as one job step over ``nnodes`` nodes, one task a node, each with its
+    own node rank (:func:`exec_node`); a task that fails ends the step (``--kill-on-bad-exit``)."""
+    return ["srun", "--nodes", str(int(nnodes)), "--ntasks", str(int(nnodes)), "--ntasks-per-node", "1",
+            "--kill-on-bad-exit=1", "--export=ALL", str(python), "-m", "remote.run.slurm", NODE_ACTION,
+            *[str(a) for a in argv]]
+
+
+def exec_node(argv: list) -> None:
+    """Run ``argv`` in place of this process with its :data:`NODE_RANK_FLAG` value this node's (``SLURM_NODEID``)."""
+    argv = list(argv)
+    if NODE_RANK_FLAG not in argv or "SLURM_NODEID" not in os.environ:
+        raise SystemExit(f"usage: srun ... python -m remote.run.slurm {NODE_ACTION} ARGV (with {NODE_RANK_FLAG} "
+                         f"N), inside a Slurm job step")
+    argv[argv.index(NODE_RANK_FLAG) + 1] = os.environ["SLURM_NODEID"]
+    os.execvp(argv[0], argv)
+
+
+def failed_step_task(log_text: str) -> dict | None:
+    """The task of a step that ended it, as srun names it (``srun: error: node2: task 1: Exited with exit code 1``):
+    its ``host``, node ``rank`` and srun's ``said``; None when srun named none. A task that exited on its own comes
+    before the ones srun then killed (``Killed``, ``Terminated``), whatever the order of the lines."""
+    import re
+
+    found = [{"host": m.group(1), "rank": int(m.group(2)), "said": m.group(3).strip()}
+             for m in re.finditer(r"srun: error: (\S+): tasks? (\d+)(?:-\d+)?: (.+)", log_text)]
+    own = [task for task in found if task["said"].startswith("Exited with exit code")]
+    return (own or found or [None])[0]
+
+
 def requeued(run_dir: Path) -> int:
     """The batch script of a job Slurm started again: restart the run as ``job start`` would (it resumes after its
     last complete sample). Returns :data:`ALREADY_DONE_EXIT` for a run that is done already."""
@@ -328,9 +401,11 @@ def requeued(run_dir: Path) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the batch script: python -m remote.run.slurm requeued RUN_DIR
+if __name__ == "__main__":  # the batch script: requeued RUN_DIR; a train run's job step: node ARGV...
     import sys
 
+    if sys.argv[1:2] == [NODE_ACTION] and len(sys.argv) > 2:
+        exec_node(sys.argv[2:])
     if sys.argv[1:2] != ["requeued"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m remote.run.slurm requeued RUN_DIR")
+        sys.exit("usage: python -m remote.run.slurm requeued RUN_DIR | node ARGV...")
     sys.exit(requeued(Path(sys.argv[2])))

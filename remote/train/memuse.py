@@ -55,8 +55,9 @@ class MemorySampler:
 
     def __init__(self, pid: int, *, estimate_bytes: int | None = None, smi: str | None = None,
                  gpus: list | None = None, where: str | None = None, on_update=None,
-                 every_s: float = SAMPLE_EVERY_S):
+                 every_s: float = SAMPLE_EVERY_S, pids_of=None):
         self.pid, self.estimate_bytes, self.smi = pid, estimate_bytes, smi
+        self.pids_of = pids_of  # the processes to read, when they are not pid's tree (a Slurm job step's)
         self.gpus = {g["uuid"]: g for g in gpus or []}
         self.where = where or ("GPU" if smi else "RAM")
         self.on_update, self.every_s = on_update, every_s
@@ -102,7 +103,7 @@ class MemorySampler:
         from remote.system import procscan
 
         before = self.peak_bytes()
-        tree = procscan.process_tree(self.pid)
+        tree = self.pids_of() if self.pids_of else procscan.process_tree(self.pid)
         self.pids_seen.update(tree)
         if self.smi:
             from remote.system import devices

@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from remote.extract import samples
+from remote.run import slurm
 from remote.run.lifecycle import StatusFile
 from remote.run.rootcause import last_traceback
 from remote.run.rundir import RunPaths, tail_text
@@ -287,10 +288,16 @@ class TrainSupervisor:
         launcher = pick_launcher()
         nproc = trainer_processes(self.params, launcher)
         nodes = self.params.get("nodes") or None  # a run over several hosts: this host's place in it
+        python = self.params.get("python") or sys.executable
+        if nodes is None and slurm.job_of(self.paths.run_dir) and slurm.job_node_count() > 1:
+            nodes = slurm.job_nodes_block(self.params.get("env"))  # a batch job over several nodes: one step
         head = trainplan.is_head(nodes)
-        argv = plan.launch_argv(self.params.get("python") or sys.executable, launcher, nproc,
+        argv = plan.launch_argv(python, launcher, nproc,
                                 # torchrun's per-rank dir beside logs/, whose plain files a fetch brings
                                 self.paths.run_dir / trainplan.RANK_LOGS, nodes=nodes)
+        step = (nodes or {}).get("slurm_step")
+        if step:  # each node's torchrun, its rank Slurm's node id: the trainer is srun's, node 0 this batch host
+            argv = slurm.node_step(argv, nodes["nnodes"], python)
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
         set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
         for moved in set_aside:
@@ -307,6 +314,7 @@ class TrainSupervisor:
         # faulthandler: a trainer that faults leaves its stacks in train.log
         env = dict(os.environ, COLUMNS=TRAINER_COLUMNS, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         log_path = self.paths.log(trainplan.TRAIN_LOG)
+        attempt_from = log_path.stat().st_size if log_path.exists() else 0  # train.log keeps every attempt's lines
         t0 = time.monotonic()
         with open(log_path, "a", encoding="utf-8") as log, \
                 open(self.paths.run_dir / trainplan.METRICS_FILE if head else os.devnull, "a",
@@ -320,7 +328,7 @@ class TrainSupervisor:
             self.proc = subprocess.Popen(started, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, cwd=str(self.paths.run_dir),
                                          text=True, errors="replace", bufsize=1)
-            sampler = self._memory_sampler(plan, self.proc.pid)
+            sampler = self._memory_sampler(plan, self.proc.pid, by_marker=bool(step))
             if self.online is not None:
                 self.online.watch(self._on_server_death)
             try:
@@ -348,7 +356,14 @@ class TrainSupervisor:
                                       found.get("message") or f"the trainer exited with code {code}", rank=rank or 0,
                                       where="trainer" if nproc == 1 else f"trainer rank {rank} (torchrun)",
                                       traceback=found.get("traceback") or "", exit_code=code)
-            if nodes:  # which host of a run over several this is (the laptop names the lost one)
+            if step:  # the node srun says ended badly (the step's other tasks were killed for it)
+                this_attempt = min(200_000, max(0, log_path.stat().st_size - attempt_from))
+                lost = slurm.failed_step_task(tail_text(log_path, this_attempt))
+                if lost:
+                    error["node"] = {"rank": lost["rank"], "host": lost["host"]}
+                    error["message"] = (f"node {lost['rank']} ({lost['host']}) of the job's {nodes['nnodes']}: "
+                                        f"{lost['said']}; {error['message']}")
+            elif nodes:  # which host of a run over several this is (the laptop names the lost one)
                 error["node"] = {"rank": int(nodes["node_rank"]), "host": nodes["hosts"][int(nodes["node_rank"])]}
             if code < 0:  # killed by a signal (an OOM kill, a preemption, a fault): say which, and what it means
                 error = {**signals.death_record("trainer", code, pid=self.proc.pid, rank=0, source=str(log_path)),
@@ -387,9 +402,10 @@ class TrainSupervisor:
                            wall_s=round(time.monotonic() - t0, 1), **reached, **done)
         return 0
 
-    def _memory_sampler(self, plan: trainplan.TrainPlan, pid: int) -> memuse.MemorySampler:
+    def _memory_sampler(self, plan: trainplan.TrainPlan, pid: int, by_marker: bool = False) -> memuse.MemorySampler:
         """Samples what the trainer's processes hold (GPU memory on a CUDA run, else resident), beside the
-        preflight's estimate; status.json's ``memory`` shows the peak so far."""
+        preflight's estimate; status.json's ``memory`` shows the peak so far. ``by_marker``: the trainer is a
+        job step's (slurmstepd's children, not srun's): the processes here that carry the run's marker."""
         import shutil
 
         from remote.system import devices
@@ -404,8 +420,17 @@ class TrainSupervisor:
             found = devices.query_nvidia_smi(smi)
             gpus = found["gpus"]
             where = trainmem.free_memory("cuda", self.params.get("env"), gpus=gpus).get("where")
+        def marked(run_dir=self.paths.run_dir, me=os.getpid(),
+                   node=f"SLURM_NODEID={os.environ.get('SLURM_NODEID', '0')}".encode()) -> list:
+            from remote.run.rundir import run_processes
+            from remote.system import procscan
+
+            # this node's: where the nodes share a kernel (a test cluster), the other node's ranks are not this one's
+            return [p for p in run_processes(run_dir) if p != me and node in procscan.environ(p)]
+
         sampler = memuse.MemorySampler(pid, estimate_bytes=estimate, smi=smi, gpus=gpus, where=where,
-                                       on_update=lambda memory: self.status.update(memory=memory))
+                                       on_update=lambda memory: self.status.update(memory=memory),
+                                       pids_of=marked if by_marker else None)
         self.status.update(memory=sampler.as_dict())
         return sampler.start()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from remote.extract import runplan, samples
 from remote.extract.sampleread import MAX_NONFINITE_LISTED, non_finite
+from remote.run.slurm import ARRAY_FILE
 from remote.wire import contract, fsutil, manifest as run_manifest, protocol
 from remote.wire.contract import STATUS_FILE, RunState
 
@@ -68,6 +69,10 @@ def locate_run(params: dict) -> dict:
                               "pass --run-id; work_dir comes from the inventory")
         run_dir = Path(params["work_dir"]) / "runs" / str(params["run_id"])
     status = _read_json(run_dir / STATUS_FILE)
+    if status is None and (run_dir / ARRAY_FILE).exists():  # a Slurm job array's run: its tasks' status, merged
+        from remote.run.job import current_status
+
+        status = current_status(run_dir)
     if status is None:
         raise VerifyError("verify.run", f"no run at {run_dir}",
                           "check the run id (specops status --run-id ...)")
