@@ -318,6 +318,7 @@ def state_words(found: dict) -> str:
 NODE_ACTION = "node"
 NODE_RANK_FLAG = "--node-rank"
 
+
 def job_node_count() -> int:
     """How many nodes the batch job this process runs in holds (1 outside a Slurm job)."""
     return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)

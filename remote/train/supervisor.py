@@ -420,6 +420,7 @@ class TrainSupervisor:
             found = devices.query_nvidia_smi(smi)
             gpus = found["gpus"]
             where = trainmem.free_memory("cuda", self.params.get("env"), gpus=gpus).get("where")
+
         def marked(run_dir=self.paths.run_dir, me=os.getpid(),
                    node=f"SLURM_NODEID={os.environ.get('SLURM_NODEID', '0')}".encode()) -> list:
             from remote.run.rundir import run_processes
