@@ -3,8 +3,9 @@
 One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
 loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
 The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py; the
-train test's states are the session's shared vLLM extraction of the tiny Llama in the modern host env
-(``modern_ssh_run``, tests/conftest.py).
+train test's states are the module's own vLLM extraction in the modern host env (:func:`modern_states`): the
+session's shared run would put this module in the one unit of modules that must share a worker
+(tests/conftest.py, SHARED_SESSION_FIXTURES), the suite's longest.
 """
 from __future__ import annotations
 
@@ -36,6 +37,33 @@ def cluster(tmp_path_factory):
     # every job names its output file: sbatch's default slurm-<id>.out would land in the repo (the cwd)
     repo = Path(__file__).resolve().parents[1]
     assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
+
+
+@pytest.fixture(scope="module")
+def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """One ``specops extract`` of the tiny Llama over SSH in the modern host env (the trainer's: speculators 0.9),
+    through its vLLM server (4 samples of up to 128 tokens, the engine's default ids). The reference engine's states
+    are no train input: it writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
+
+    Returns a dict: ``inventory`` (the plain SSH host it ran on), ``run_id`` and ``run_dir`` (on the host).
+    """
+    import yaml
+
+    from specops.testhost.hostenv import cache_root
+
+    tmp = tmp_path_factory.mktemp("slurm-states")
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"th": {
+        "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
+        "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
+        "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
+        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 1, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+        "env": {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
+    run_id = "llama-tp1"
+    proc = specops("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke",
+                   "--json", env={"SPECOPS_RUNS": str(tmp / "runs")}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -330,7 +358,7 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
 
 
 def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_and_resumed_eval_on_a_node(
-        cluster, modern_ssh_run, tmp_path):
+        cluster, modern_states, tmp_path):
     """The module's tiny-Llama states (modern stack), copied into this host's work dir; the trainer runs in a batch
     job over both compute nodes (``slurm.nodes: 2``): one job step of torchrun a node (gloo ranks through the CPU
     launcher shim), node 0 the batch host."""
@@ -338,7 +366,7 @@ def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_a
 
     import yaml
 
-    states = modern_ssh_run("llama", 1)  # the session's shared run: read, copied, never changed
+    states = modern_states
     runs = {"SPECOPS_RUNS": str(tmp_path / "runs")}
     work = tmp_path / "work"
     shutil.copytree(states["run_dir"], work / "runs" / states["run_id"])
