@@ -396,7 +396,8 @@ def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_a
     # (the resume runs them unpaced)
     epochs = 6
     argv = ["train", "--run-id", "d1", "--from-run", states["run_id"], "--epochs", str(epochs), "--json"]
-    inv = inventory(SPECOPS_BATCH_DELAY_S="5")
+    # 10 s: the kill below lands in rank 0's pause (not in a collective, where rank 0 would fail at the same instant)
+    inv = inventory(SPECOPS_BATCH_DELAY_S="10")
     started = specops(argv[0], "--inventory", inv, *argv[1:], "--detach", env=runs, timeout=180)
     said = records(started)
     assert started.returncode == 0 and said["job.start"]["status"] == "changed", started.stdout[-3000:]
