@@ -429,10 +429,16 @@ def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_a
     assert st["state"] == "training" and st["epoch"] >= 1, st
     assert st["nodes"]["hosts"] == ["node1", "node2"] and st["nodes"]["master_addr"] == "127.0.0.1", st["nodes"]
     assert st["command"][:4] == ["srun", "--nodes", "2", "--ntasks"] and "--kill-on-bad-exit=1" in st["command"]
+    def proc_bytes(pid: int, what: str) -> bytes:  # b"" once the process is gone
+        try:
+            return Path(f"/proc/{pid}/{what}").read_bytes()
+        except OSError:
+            return b""
+
     node_ranks = {node: [pid for pid in _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ")
-                         if f"SLURM_NODEID={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes()
-                         and b"_specops_cpu_train_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                         and b"torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                         if f"SLURM_NODEID={node}".encode() in proc_bytes(pid, "environ")
+                         and b"_specops_cpu_train_launcher" in proc_bytes(pid, "cmdline")
+                         and b"torch.distributed.run" not in proc_bytes(pid, "cmdline")]
                   for node in (0, 1)}
     assert len(node_ranks[0]) == len(node_ranks[1]) == 1, node_ranks  # a rank a node
     os.kill(node_ranks[1][0], 9)
