@@ -105,7 +105,10 @@ class Lines:
         self.sock, self.buffer = sock, b""
 
     def read(self, timeout: float | None) -> list[dict] | None:
-        ready, _, _ = select.select([self.sock], [], [], timeout)
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+        except (OSError, ValueError):  # closed under us (the watch stopping): the connection is over
+            return None
         if not ready:
             return []
         try:
