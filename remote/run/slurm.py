@@ -331,18 +331,15 @@ def job_nodes_block(env: dict | None = None) -> dict:
 
     :raises RuntimeError: scontrol did not name the job's nodes.
     """
-    import socket
+    from remote.extract.engines.vllm_server.command import free_port
 
     listed = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or ""
     proc = _run(["scontrol", "show", "hostnames", listed], env)
     names = proc.stdout.split() if proc.returncode == 0 else []
     if not names:
         raise RuntimeError(f"scontrol show hostnames {listed!r} named no node: {(proc.stderr or '').strip()[:300]}")
-    with socket.socket() as sock:  # the head is this node: a port free here now
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
     return {"hosts": names, "node_rank": 0, "nnodes": len(names), "master_addr": node_address(names[0], env),
-            "master_port": port, "slurm_step": True}
+            "master_port": free_port(""), "slurm_step": True}  # the head is this node: a port free on it now
 
 
 def node_address(name: str, env: dict | None = None) -> str:
