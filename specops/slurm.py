@@ -119,3 +119,48 @@ def refuse_array_in_group(specs: list[HostSpec], group: bool) -> None:
                          f"of its own (a job array), and it cannot be one shard of a group over several hosts",
                          f"extract on it alone (--on {arrays[0]}), or drop slurm.array to give it one shard of the "
                          f"group as one job", host=arrays[0])
+
+
+def refuse_job_replica(inventory, specs: list[HostSpec], overrides: dict) -> None:
+    """A host whose ``slurm.nodes`` is above 1 extracts as one vLLM replica over the job's nodes
+    (:class:`remote.extract.replica.JobStep`: the batch host the head, the other nodes a job step of headless ranks;
+    the host's ``tp`` is the replica's whole TP, ``tp / slurm.nodes`` ranks a node). What cannot run so is refused by
+    name before anything reaches the login node: a job array (its tasks are one node each), an SSH replica group
+    holding a Slurm host (Slurm's nodes are the replica's hosts), a tp the nodes do not divide, another engine.
+
+    :raises UsageError: naming the host and the field, with the fix.
+    """
+    from specops.errors import UsageError
+    from specops.params import run_params
+
+    for spec in specs:
+        if not is_slurm(spec):
+            continue
+        replica = inventory.replica_of(spec.name) if inventory is not None else None
+        if replica is not None:
+            raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm) and one host of replica "
+                             f"{replica.name!r} over SSH hosts: a replica on a Slurm cluster spans the nodes of one "
+                             f"job, which Slurm picks", f"drop {spec.name} from replicas.{replica.name}, and set "
+                             f"slurm.nodes on it to the nodes the replica should span", host=spec.name)
+        nodes = int(spec.slurm.nodes or 1)
+        if nodes < 2:
+            continue
+        if int(spec.slurm.array or 1) > 1:
+            raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {nodes} and field 'slurm.array' is "
+                             f"{spec.slurm.array}: an extraction over several nodes is one replica in one job, and "
+                             f"a job array's task extracts its shard on one node", "drop slurm.array (one job, one "
+                             f"replica over {nodes} nodes), or set slurm.nodes: 1 (a job array of one-node tasks)",
+                             host=spec.name)
+        params = run_params(spec, **{k: v for k, v in overrides.items() if v is not None})
+        tp, engine = int(params.get("tp") or 1), params.get("engine") or wire.contract.AUTO_ENGINE
+        engine = wire.contract.ENGINE_ALIASES.get(engine, engine)
+        if tp % nodes:
+            raise UsageError(f"host {spec.name!r}: tp {tp} over field 'slurm.nodes' {nodes}: tp is the replica's "
+                             f"whole TP (ranks a node x slurm.nodes), and {nodes} nodes do not divide it",
+                             f"set tp to a multiple of {nodes} (e.g. {nodes} x the GPUs of a node), or slurm.nodes "
+                             f"to a divisor of {tp}", host=spec.name)
+        if engine not in (wire.contract.AUTO_ENGINE, wire.contract.VLLM_SERVER):
+            raise UsageError(f"host {spec.name!r}: engine {engine} with field 'slurm.nodes' {nodes}: one replica over "
+                             f"several nodes is vLLM's multi-node runtime, the vllm-server engine",
+                             "set engine: vllm-server (vLLM >= 0.18 with speculators >= 0.5 on the nodes), or "
+                             "slurm.nodes: 1", host=spec.name)

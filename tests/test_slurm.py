@@ -40,12 +40,17 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
-    """One ``specops extract`` of the tiny Llama over SSH in the modern host env (the trainer's: speculators 0.9),
-    through its vLLM server (4 samples of up to 128 tokens, the engine's default ids). The reference engine's states
-    are no train input: it writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
+def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
+    """One ``specops extract`` of the tiny Llama in the modern host env (the trainer's: speculators 0.9) on the Slurm
+    host with ``slurm.nodes: 2`` and tp 2: one vLLM replica over the job's two nodes, a rank a node (4 samples of up to
+    128 tokens, the engine's default ids). Its first two attempts end while the replica loads: aborted (scancel), then
+    node2's supervisor killed; the same command then runs it to the end. What each attempt showed is in ``seen``, for
+    :func:`test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_is_scancel` (one extraction
+    for the module: a CPU server start costs a minute or more). The reference engine's states are no train input: it
+    writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
 
-    Returns a dict: ``inventory`` (the plain SSH host it ran on), ``run_id`` and ``run_dir`` (on the host).
+    Returns a dict: ``inventory`` (the Slurm host it ran on), ``run_id``, ``run_dir`` (on the shared filesystem),
+    ``output`` and ``seen``.
     """
     import yaml
 
@@ -56,14 +61,81 @@ def modern_states(testhost, modern_fixed_python, tiny_models, tmp_path_factory) 
     inventory.write_text(yaml.safe_dump({"hosts": {"th": {
         "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
         "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
+        "scheduler": "slurm", "slurm": {"partition": PARTITION, "nodes": 2},
         "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
-        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 1, "seq_len": 128, "max_samples": 4, "batch_size": 4,
-        "env": {**OFFLINE, "VLLM_MLA_DISABLE": "1", "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
-    run_id = "llama-tp1"
-    proc = specops("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke",
-                   "--json", env={"SPECOPS_RUNS": str(tmp / "runs")}, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return {"inventory": inventory, "run_id": run_id, "run_dir": tmp / "work" / "runs" / run_id}
+        "output_dir": str(tmp / "out"), "device": "cpu", "tp": 2, "seq_len": 128, "max_samples": 4, "batch_size": 4,
+        "env": {**OFFLINE, **cluster.env, "VLLM_MLA_DISABLE": "1",
+                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
+    run_id, runs = "llama-2nodes", {"SPECOPS_RUNS": str(tmp / "runs")}
+    run_dir = tmp / "work" / "runs" / run_id
+    argv = ("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke", "--json")
+    seen = {}
+
+    def worker_joined() -> dict:
+        """Start an attempt; once node2's supervisor said hello (its ranks loading): the status then, and its pid."""
+        started = specops(*argv, "--detach", env=runs, timeout=120)
+        assert records(started)["job.start"]["status"] == "changed", started.stdout[-3000:] + started.stderr[-2000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            node = _read_json(run_dir / "nodes" / "1" / "status.json")
+            pids = [p for p in _pids_with("remote.extract.replica") if str(run_dir).encode() in _proc(p, "cmdline")]
+            if node.get("state") == "loading" and pids and "joined" in _text(run_dir / "logs" / "supervisor.log"):
+                proc, found = _status(run_id, runs, inventory)
+                return {"status": found, "node": node, "pids": pids, "job_id": _read_json(run_dir / "slurm.json")[
+                    "job_id"], "head": _read_json(run_dir / "status.json")}
+            time.sleep(0.5)
+        raise AssertionError(f"node2 never joined: {_text(run_dir / 'logs' / 'supervisor.log')[-3000:]}"
+                             f"{_text(run_dir / 'logs' / 'nodes.log')[-3000:]}")
+
+    def gone(job_id) -> dict:
+        deadline = time.monotonic() + 60  # the job's own end follows its supervisor's record
+        while _slurm(cluster, "squeue", "-h", "-j", job_id).strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return {"squeue": _slurm(cluster, "squeue", "-h", "-j", job_id).strip(),
+                "left": _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ") + _pids_with(str(run_dir))}
+
+    # abort while the replica loads: scancel of the one job ends both nodes' processes
+    seen["aborting"] = worker_joined()
+    seen["abort"] = records(specops("abort", "--inventory", inventory, "--run-id", run_id, "--json", env=runs,
+                                    timeout=120))["job.abort"]
+    seen["aborted"] = {**gone(seen["aborting"]["job_id"]), "status": _status(run_id, runs, inventory)[1]}
+    # node2's supervisor killed (the node lost) while its ranks load: the run fails naming it
+    seen["killing"] = worker_joined()
+    for pid in seen["killing"]["pids"]:
+        os.kill(pid, 9)
+    proc, found = _wait_status(run_id, runs, inventory, lambda r: r["job.status"]["status"] == "fail", timeout=120)
+    seen["killed"] = {**gone(seen["killing"]["job_id"]), "status": found,
+                      "error": (json.loads(proc.stdout)["hosts"][0]["data"]["status"] or {}).get("error")}
+    # the same command (followed) runs it to the end, and fetches it
+    done = specops(*argv, env=runs, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    seen["done"] = {"status": _status(run_id, runs, inventory)[1], "head": _read_json(run_dir / "status.json"),
+                    "node": _read_json(run_dir / "nodes" / "1" / "status.json"), **gone(
+                        _read_json(run_dir / "slurm.json")["job_id"])}
+    return {"inventory": inventory, "run_id": run_id, "run_dir": run_dir, "output": tmp / "out" / run_id,
+            "fetched": tmp / "runs" / "th" / run_id, "seen": seen}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _proc(pid: int, what: str) -> bytes:
+    """``/proc/<pid>/<what>`` (b"" once the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/{what}").read_bytes()
+    except OSError:
+        return b""
 
 
 def _pids_with(text: str, where: str = "cmdline") -> list[int]:
@@ -207,6 +279,38 @@ def test_a_job_array_host_in_a_group_over_several_hosts_is_refused_by_name_befor
                     skip_preflight=True, as_json=True, **flags)
         assert "host(s) c: field 'slurm.array' makes a run on that cluster a group plan of its own" in \
             str(caught.value) and "--on c" in caught.value.hint
+
+
+def test_a_replica_over_the_jobs_nodes_that_cannot_run_is_refused_by_name_before_any_host_is_reached(tmp_path):
+    from specops.errors import UsageError
+    from specops.runs.run import extract
+
+    inventory = tmp_path / "inv.yaml"
+    base = {"address": "127.0.0.1", "port": 1, "python": "/p", "model_path": "/m", "output_dir": "/o"}
+    slurm = {**base, "scheduler": "slurm", "tp": 2}
+    inventory.write_text(json.dumps({"hosts": {
+        "arrayed": {**slurm, "slurm": {"partition": "gpu", "nodes": 2, "array": 2}},
+        "odd": {**slurm, "tp": 3, "slurm": {"partition": "gpu", "nodes": 2}},
+        "ref": {**slurm, "engine": "hf-reference", "slurm": {"partition": "gpu", "nodes": 2}},
+        "paired": {**slurm, "slurm": {"partition": "gpu"}}, "s": base},
+        "replicas": {"pair": {"hosts": ["paired", "s"], "tp": 2}}}))
+    for selector, said, fix in (
+            ("arrayed", "field 'slurm.nodes' is 2 and field 'slurm.array' is 2: an extraction over several nodes is "
+                        "one replica in one job", "drop slurm.array"),
+            ("odd", "tp 3 over field 'slurm.nodes' 2: tp is the replica's whole TP", "set tp to a multiple of 2"),
+            ("ref", "engine hf-reference with field 'slurm.nodes' 2: one replica over several nodes is vLLM's "
+                    "multi-node runtime", "set engine: vllm-server"),
+            ("pair", "host 'paired' is behind Slurm (scheduler: slurm) and one host of replica 'pair' over SSH hosts",
+             "drop paired from replicas.pair")):
+        with pytest.raises(UsageError) as caught:  # port 1 answers nobody: a reach would fail otherwise
+            extract(load_inventory(inventory), selector, {}, run_id="r1", detach=True, force=False,
+                    skip_preflight=True, as_json=True)
+        assert said in str(caught.value) and fix in caught.value.hint, (selector, str(caught.value),
+                                                                        caught.value.hint)
+    # --tp on the command line is judged as the inventory's tp is
+    with pytest.raises(UsageError, match="tp 1 over field 'slurm.nodes' 2"):
+        extract(load_inventory(inventory), "ref", {"tp": 1}, run_id="r1", detach=True, force=False,
+                skip_preflight=True, as_json=True)
 
 
 # --------------------------------------------------------------------------- against the cluster
@@ -355,6 +459,50 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
     assert fetched.returncode == 0, fetched.stdout[-3000:] + fetched.stderr[-3000:]
     manifest = json.loads((tmp_path / "runs" / "th" / "s1" / "manifest.json").read_text())
     assert manifest["samples"] == 6 and len(manifest["files"]) == 6
+
+
+def test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_is_scancel(modern_states):
+    """``slurm.nodes: 2``, tp 2 (:func:`modern_states`): one batch job; its batch host (node1) the replica's head with
+    the API server and rank 0, node2 a job step of one headless rank, the nodes, addresses and ports the job's."""
+    seen, run_dir = modern_states["seen"], modern_states["run_dir"]
+    first = seen["aborting"]
+    job, said = first["status"]["job.slurm"]["summary"], first["status"]["job.status"]["summary"]
+    assert f"Slurm job {first['job_id']} RUNNING on node[1-2]" in job, first["status"]
+    assert "one replica over node1, node2 (tp 2)" in said, said
+    replica = first["head"]["replica"]
+    assert replica["hosts"] == ["node1", "node2"] and replica["ranks_per_node"] == 1 and replica["tp"] == 2, replica
+    assert replica["addresses"] == ["127.0.0.1", "127.0.0.1"], replica  # each node's NodeAddr (scontrol show node)
+    step = replica["command"]
+    assert step[:6] == ["srun", "--nodes", "1", "--ntasks", "1", "--ntasks-per-node"] and "--relative=1" in step
+    # node2's task runs the replica's worker supervisor as node 1: the step's first node's rank plus Slurm's node id
+    assert step[-4:] == ["remote.extract.replica", str(run_dir), "--node-rank", "1"], step
+    assert first["node"]["replica"]["host"] == "node2" and first["node"]["replica"]["ranks"] == [1], first["node"]
+
+    # abort = scancel of the one job: both nodes' processes end, nothing of the run is left
+    assert seen["abort"]["status"] == "changed" and f"scancel {first['job_id']}" in seen["abort"]["summary"], \
+        seen["abort"]
+    assert seen["aborted"]["squeue"] == "" and not seen["aborted"]["left"], seen["aborted"]
+    assert "aborted" in seen["aborted"]["status"]["job.status"]["summary"], seen["aborted"]["status"]
+
+    # node2's supervisor killed: the run fails naming the node, and nothing of it is left on either node
+    killed = seen["killed"]
+    assert killed["error"]["host"] == "node2" and killed["error"]["node_rank"] == 1, killed["error"]
+    assert killed["error"]["type"] in ("HostLost", "NodeStepFailed"), killed["error"]
+    assert "node2" in killed["status"]["job.status"]["summary"], killed["status"]
+    assert killed["squeue"] == "" and not killed["left"], killed
+
+    # the same command ran it to the end: every sample once, both nodes' ranks ran it
+    done = seen["done"]
+    assert done["head"]["state"] == "done" and done["node"]["state"] == "done", (done["head"], done["node"])
+    assert "COMPLETED" in done["status"]["job.slurm"]["summary"] and not done["left"], done
+    files = sorted(p.name for p in modern_states["output"].rglob("hs_*.safetensors"))
+    assert files == [f"hs_{i}.safetensors" for i in range(4)], files
+    manifest = json.loads((modern_states["fetched"] / "manifest.json").read_text())
+    assert manifest["samples"] == 4 and sorted(Path(f["path"]).name for f in manifest["files"]) == files
+    nodes_log = (run_dir / "logs" / "nodes.log").read_text()
+    assert "ranks [1] of replica slurm job" in nodes_log and "head node1" in nodes_log, nodes_log[-3000:]
+    head_log = (run_dir / "logs" / "supervisor.log").read_text()
+    assert "replica: node2 (node 1, ranks [1]) joined" in head_log, head_log[-3000:]
 
 
 def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_and_resumed_eval_on_a_node(

@@ -207,6 +207,11 @@ class HostWatch:
                         f"connection closed with no word from it (the host died, its processes were killed, or it "
                         f"dropped off the network)", where=f"host {host}"))
 
+    def lose_node(self, node: int, error: dict) -> None:
+        """Node ``node`` is lost for a cause seen outside its connection (its Slurm job step ended): as a host that
+        said it failed, once."""
+        self._lose(node, error)
+
     def _lose(self, node: int, error: dict) -> None:
         host = host_of(self.replica, node)
         if error.get("rank") is None:  # the host as a whole: its first rank stands for it
@@ -283,6 +288,91 @@ class HostWatch:
             sock.close()
         if self.server is not None:
             self.server.close()
+
+
+# --------------------------------------------------------------------------- a Slurm job's nodes
+
+#: how long the head waits for its job step's worker nodes to stop their ranks after the run's ``end``
+STEP_STOP_S = 30.0
+
+
+class JobStep:
+    """A replica over the nodes of the Slurm batch job its head runs in (``slurm.nodes`` > 1): node 0 (the batch
+    host, this supervisor) is the head; nodes ``1..N-1`` are one ``srun`` job step, a task a node, each a
+    :class:`NodeSupervisor` of ``RUN_DIR/nodes/K`` (:func:`remote.run.slurm.node_dir`), their headless ranks joined
+    to the head's as a worker host's are. The nodes, their addresses and the ports are the job's
+    (:func:`remote.run.slurm.job_replica_block`), asked again at each start (a requeued job may hold other nodes).
+
+    A task that fails ends the step (``--kill-on-bad-exit``): the head's watch loses the node srun names
+    (:func:`remote.run.slurm.failed_step_task`) unless the node's own word came first.
+    """
+
+    def __init__(self, run_dir: Path, params: dict):
+        from remote.run import slurm
+        from remote.wire import fsutil
+        from remote.wire.contract import param
+
+        self.run_dir, self.params = Path(run_dir), params
+        self.replica = slurm.job_replica_block(int(param(params, "tp")), params.get("env"))
+        for node in range(1, int(self.replica["nnodes"])):  # the one writer of the nodes' params
+            where = slurm.node_dir(self.run_dir, node)
+            (where / "logs").mkdir(parents=True, exist_ok=True)
+            (where / "errors").mkdir(exist_ok=True)
+            block = {**self.replica, "node_rank": node, "node_address": self.replica["addresses"][node]}
+            fsutil.write_json(where / "params.json", {**params, "replica": block}, temp_prefix=fsutil.TEMP_PREFIX)
+        self.proc = None
+        self.log = self.run_dir / "logs" / "nodes.log"
+        self._closing = False
+
+    def start(self, watch: HostWatch) -> list[str]:
+        """Start the worker nodes' step; its end before the run's is the loss of the node srun names."""
+        import subprocess
+
+        from remote.run import slurm
+        from remote.run.rundir import SUPERVISOR_MODULES
+
+        python = self.params.get("python") or sys.executable
+        argv = slurm.node_step([python, "-m", SUPERVISOR_MODULES["replica"], str(self.run_dir), slurm.NODE_RANK_FLAG,
+                                "1"], int(self.replica["nnodes"]) - 1, python, first=1)
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:  # srun's own words and the nodes' supervisors' output, every attempt's
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=str(self.run_dir))
+        print(f"[specops] replica over the Slurm job's nodes {', '.join(self.replica['hosts'])}: head "
+              f"{self.replica['hosts'][0]} (here), worker node(s) as one job step: {' '.join(argv)}", flush=True)
+        threading.Thread(target=self._watch, args=(watch, offset), daemon=True, name="specops-job-step").start()
+        return argv
+
+    def _watch(self, watch: HostWatch, offset: int) -> None:
+        from remote.run import slurm
+        from remote.run.rundir import tail_text
+
+        code = self.proc.wait()
+        if code == 0 or self._closing:
+            return
+        time.sleep(LOSS_GRACE_S)  # srun writes its word on the task as the step ends
+        size = self.log.stat().st_size if self.log.exists() else 0
+        task = slurm.failed_step_task(tail_text(self.log, min(200_000, max(0, size - offset))))
+        node = int(task["rank"]) + 1 if task else 1  # the step's task k is the job's node k + 1
+        said = task["said"] if task else f"srun exited with code {code} naming no task"
+        host = host_of(self.replica, node)
+        watch.lose_node(node, status.error(
+            "NodeStepFailed", f"node {node} ({host}) of the job's {self.replica['nnodes']}: {said} (the job step "
+                              f"of the worker nodes ended: {self.log})", where=f"host {host}"))
+
+    def close(self) -> None:
+        """After the run's ``end`` went to the nodes: their step ends by itself, else it is stopped."""
+        self._closing = True
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(STEP_STOP_S)
+        except Exception:  # noqa: BLE001 -- a step that does not end is stopped (srun passes SIGTERM on)
+            self.proc.terminate()
+            try:
+                self.proc.wait(STEP_STOP_S)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
 
 
 # --------------------------------------------------------------------------- a worker host's side
@@ -506,12 +596,20 @@ def _raise_aborted(signum, frame):
     raise Aborted()
 
 
-def main(run_dir: str) -> int:
+def main(argv: list[str]) -> int:
+    """``RUN_DIR`` (a worker host's run, started by ``job start``), or ``RUN_DIR --node-rank K`` (node ``K`` of a
+    Slurm job's replica: its run dir ``RUN_DIR/nodes/K``, written by the head's supervisor; see
+    :func:`remote.run.slurm.job_replica_block`)."""
     import faulthandler
 
     faulthandler.enable()
-    return NodeSupervisor(Path(run_dir)).run()
+    run_dir = Path(argv[0])
+    if len(argv) == 3 and argv[1] == "--node-rank":
+        from remote.run.slurm import node_dir
+
+        run_dir = node_dir(run_dir, int(argv[2]))
+    return NodeSupervisor(run_dir).run()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -121,6 +121,8 @@ class Supervisor:
         #: error of the first one lost, which becomes the run's error
         self.watch = None
         self.lost_host: dict | None = None
+        #: a replica over a Slurm job's nodes: the job step of its worker nodes (remote.extract.replica.JobStep)
+        self.job_step = None
 
     # -- helpers
     def _timed(self, phase: str, seconds: float) -> None:
@@ -197,8 +199,26 @@ class Supervisor:
         self.watch = HostWatch(replica, self._on_host_lost)
         self.watch.start()
         self.watch.watch_own_ranks(lambda: getattr(self.engine, "server", None))
+        step = self.job_step.start(self.watch) if self.job_step is not None else None
         self.status.update(replica={"name": replica.get("name"), "hosts": replica.get("hosts"),
-                                    "ranks_per_node": replica.get("ranks_per_node"), "tp": replica.get("tp")})
+                                    "ranks_per_node": replica.get("ranks_per_node"), "tp": replica.get("tp"),
+                                    **({"addresses": replica["addresses"], "command": step} if step else {})})
+
+    def _job_replica(self, engine_name: str) -> None:
+        """A Slurm batch job over several nodes (``slurm.nodes``): the run is one replica over them, this batch host
+        its head, the others a job step of headless ranks (:class:`remote.extract.replica.JobStep`)."""
+        from remote.run import slurm
+
+        if self.params.get("replica") or slurm.job_of(self.paths.run_dir) is None or slurm.job_node_count() < 2:
+            return
+        if engine_name != "vllm-server":
+            raise ValueError(f"this Slurm job holds {slurm.job_node_count()} nodes (slurm.nodes), and one replica "
+                             f"over several nodes is vLLM's multi-node runtime: the vllm-server engine, not "
+                             f"{engine_name}; set engine: vllm-server, or slurm.nodes: 1")
+        from remote.extract.replica import JobStep
+
+        self.job_step = JobStep(self.paths.run_dir, self.params)
+        self.params["replica"] = self.job_step.replica
 
     def _on_host_lost(self, error: dict) -> None:
         """A worker host failed or vanished: stop this host's server, so the request or the wait
@@ -233,6 +253,8 @@ class Supervisor:
         if self.watch is not None:
             self.watch.close(state, message)
             self.watch_closed, self.watch = self.watch, None
+        if self.job_step is not None:
+            self.job_step.close()
 
     def _deaths(self) -> list[dict]:
         """The engine's processes that ended, as it saw them (an in-process engine is their parent)."""
@@ -346,6 +368,7 @@ class Supervisor:
         tp = int(param(p, "tp"))
         self.status.update(state=RunState.LOADING.value, phase=f"loading model ({engine_name}, tp={tp})")
         cls = engine_class(engine_name)
+        self._job_replica(engine_name)
         self.engine = cls(model_path, tp, layer_ids, self._engine_params(engine_name), plan=self.plan)
         self._watch_replica()
         t = time.monotonic()

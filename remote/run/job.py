@@ -385,7 +385,12 @@ def _status_payload(name: str, run_id: str, run_dir: Path, st: dict, **extra) ->
         return _payload(name, protocol.WARN, f"run {run_id} was aborted at {progress}{used}", run_dir, st, **extra)
     # the states' dtype once the run's plan is made (status.json's plan): bf16 or fp8
     states = f", {st['plan']['state_format']} states" if (st.get("plan") or {}).get("state_format") else ""
-    payload = _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}{used}", run_dir, st, **extra)
+    replica = st.get("replica") if isinstance(st.get("replica"), dict) else {}
+    # a replica's head: the hosts (a Slurm job's nodes) its ranks run on
+    over = (f"; one replica over {', '.join(map(str, replica['hosts']))} (tp {replica.get('tp')})"
+            if replica.get("hosts") else "")
+    payload = _payload(name, protocol.OK, f"run {run_id} {state}: {progress}{states}{over}{used}", run_dir, st,
+                       **extra)
     if isinstance(st.get("canary"), dict):  # what the run's canary found (remote.verify.canary.summarize)
         from remote.verify import canary
 
@@ -720,6 +725,9 @@ def _start_array(params: dict, run_dir: Path, wanted: dict, old: dict | None) ->
         if params.get(given) and asked > 1:
             raise JobError("job.start", f"field 'slurm.array' shards the whole run; this start also gives {given}",
                            "extract on the Slurm host alone, or drop slurm.array from its inventory entry")
+    if asked > 1 and int(params["slurm"].get("nodes") or 1) > 1:  # the laptop refuses it first (refuse_job_replica)
+        raise JobError("job.start", f"field 'slurm.nodes' is {params['slurm']['nodes']} with slurm.array {asked}: a "
+                       f"job array's task extracts on one node", "drop slurm.array, or set slurm.nodes: 1")
     layout = read_json(run_dir / slurm.ARRAY_FILE)
     if layout is None and old is not None:
         raise JobError("job.start", f"run {run_id} was started as one Slurm job, not as a job array "

@@ -352,21 +352,62 @@ def node_address(name: str, env: dict | None = None) -> str:
     return name
 
 
-def node_step(argv: list, nnodes: int, python: str) -> list:
-    """``argv`` (torchrun's, at node rank 0) as one job step over ``nnodes`` nodes, one task a node, each with its
-    own node rank (:func:`exec_node`); a task that fails ends the step (``--kill-on-bad-exit``)."""
+#: under an extraction's run dir: ``nodes/<k>/``, the run dir of the job's node ``k`` > 0 in its replica (params, status,
+#: logs of its headless ranks, :mod:`remote.extract.replica`); the head, node 0, is the run dir itself
+NODES_DIR = "nodes"
+
+
+def job_replica_block(tp: int, env: dict | None = None) -> dict:
+    """An extraction over the batch job's nodes as one vLLM replica (``params["replica"]``, see
+    :mod:`remote.extract.replica`): its hosts Slurm's node names, each reached at its ``NodeAddr``; node 0 (this
+    batch host) the head, holding vLLM's master port and specops' watch port (both free on it now); ``tp`` the
+    replica's whole TP, ``tp / nodes`` ranks a node.
+
+    :raises ValueError: ``tp`` that the job's nodes do not divide.
+    """
+    from remote.extract.engines.vllm_server.command import free_port
+
+    nodes = job_nodes_block(env)
+    count = nodes["nnodes"]
+    if int(tp) % count:
+        raise ValueError(f"tp {tp} over the job's {count} nodes: tp is the replica's whole TP (ranks a node x "
+                         f"slurm.nodes), and {count} does not divide it")
+    addresses = [nodes["master_addr"], *(node_address(name, env) for name in nodes["hosts"][1:])]
+    watch_port = free_port("")
+    while watch_port == nodes["master_port"]:
+        watch_port = free_port("")
+    return {"name": f"slurm job {os.environ.get('SLURM_JOB_ID', '?')}", "hosts": nodes["hosts"], "node_rank": 0,
+            "nnodes": count, "ranks_per_node": int(tp) // count, "tp": int(tp), "master_addr": nodes["master_addr"],
+            "master_port": nodes["master_port"], "watch_port": watch_port, "node_address": addresses[0],
+            "addresses": addresses, "slurm_step": True}
+
+
+def node_dir(run_dir: Path, node_rank: int) -> Path:
+    """The run dir of the job's node ``node_rank`` in an extraction's replica (:data:`NODES_DIR`)."""
+    return Path(run_dir) / NODES_DIR / str(int(node_rank))
+
+
+def node_step(argv: list, nnodes: int, python: str, first: int = 0) -> list:
+    """``argv`` as one job step over ``nnodes`` nodes, one task a node, each with its own node rank (:func:`exec_node`;
+    ``argv``'s :data:`NODE_RANK_FLAG` value is the step's first node's); a task that fails ends the step
+    (``--kill-on-bad-exit``). ``first``: the step starts at the job's node ``first`` (``--relative``), the nodes
+    before it left to the batch host's own processes (an extraction's head)."""
     return ["srun", "--nodes", str(int(nnodes)), "--ntasks", str(int(nnodes)), "--ntasks-per-node", "1",
+            *([f"--relative={int(first)}"] if first else []),
             "--kill-on-bad-exit=1", "--export=ALL", str(python), "-m", "remote.run.slurm", NODE_ACTION,
             *[str(a) for a in argv]]
 
 
 def exec_node(argv: list) -> None:
-    """Run ``argv`` in place of this process with its :data:`NODE_RANK_FLAG` value this node's (``SLURM_NODEID``)."""
+    """Run ``argv`` in place of this process with its :data:`NODE_RANK_FLAG` value this node's rank in the job: the
+    value given (the step's first node's, :func:`node_step`) plus this node's place in the step (``SLURM_NODEID``,
+    which Slurm counts from the step's first node)."""
     argv = list(argv)
     if NODE_RANK_FLAG not in argv or "SLURM_NODEID" not in os.environ:
         raise SystemExit(f"usage: srun ... python -m remote.run.slurm {NODE_ACTION} ARGV (with {NODE_RANK_FLAG} "
                          f"N), inside a Slurm job step")
-    argv[argv.index(NODE_RANK_FLAG) + 1] = os.environ["SLURM_NODEID"]
+    at = argv.index(NODE_RANK_FLAG) + 1
+    argv[at] = str(int(argv[at]) + int(os.environ["SLURM_NODEID"]))
     os.execvp(argv[0], argv)
 
 

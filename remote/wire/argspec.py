@@ -595,7 +595,8 @@ SLURM_ARGS = {
     "gres": Arg("str", doc="generic resources per node, e.g. gpu:8 or gpu:h100:8 (--gres); the GPUs a job asks for"),
     "time_limit": Arg("str", doc="the job's time limit in Slurm's format: MINUTES, HH:MM:SS or D-HH:MM:SS (-t); "
                                  "default: the partition's"),
-    "nodes": Arg("int", 1, min=1, doc="nodes per job (-N); a train run spans them, one torchrun a node"),
+    "nodes": Arg("int", 1, min=1, doc="nodes per job (-N); a train run spans them, one torchrun a node; an extraction "
+                                "is one vLLM replica over them (tp: its whole TP, tp / nodes ranks a node)"),
     "array": Arg("int", min=1, doc="extract as a group plan of this many shards, each a task of one job array "
                                    "(sbatch --array=0-N-1, task i extracts shard i into the run's one output dir); "
                                    "unset or 1: the run is one job"),

@@ -176,12 +176,13 @@ def extract(inventory: Inventory, selector: str | None, overrides: dict, *, run_
     """
     from specops.runid import check_run_id, default_run_id
 
-    from specops.slurm import refuse_array_in_group
+    from specops.slurm import refuse_array_in_group, refuse_job_replica
 
     specs = inventory.select(selector)
     run_id = check_run_id(run_id or default_run_id(overrides.get("model") or specs[0].model_path))
     as_group = len(specs) > 1 or bool(shard_by or allow_partial or reassign)
     refuse_array_in_group(specs, as_group)
+    refuse_job_replica(inventory, specs, overrides)
     run = open_run(inventory, selector, run_id, accept_new_host_key=accept_new_host_key, as_group=as_group)
     return run.extract(overrides, detach=detach, force=force, skip_preflight=skip_preflight, as_json=as_json,
                        tensors=tensors, skip_smoke=skip_smoke, shard_by=shard_by, allow_partial=allow_partial,
