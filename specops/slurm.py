@@ -55,9 +55,7 @@ def srun_launcher(spec: HostSpec, job_name: str, max_minutes: float | None = Non
     words += ["srun", *wire.slurm.request_options(slurm, time_limit=False),
               *(["-t", str(max(1, math.floor(min(limits))))] if limits else []), "-N", "1",
               "-n", "1", "-J", job_name, f"--immediate={SRUN_IMMEDIATE_S}", "--"]
-    if slurm.get("setup"):
-        words += ["sh", "-c", f'{slurm["setup"]}\nexec "$0" "$@"']
-    return words
+    return words + wire.slurm.setup_words(slurm.get("setup"))
 
 
 def launcher(spec: HostSpec, task: str) -> list[str] | None:

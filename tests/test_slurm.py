@@ -61,7 +61,10 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
     inventory.write_text(yaml.safe_dump({"hosts": {"th": {
         "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
         "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
-        "scheduler": "slurm", "slurm": {"partition": PARTITION, "nodes": 2},
+        # each node's rank on a core of its own, as two one-core nodes would have it (the nodes share this machine)
+        "scheduler": "slurm", "slurm": {"partition": PARTITION, "nodes": 2, "setup": (
+            'case "$SLURMD_NODENAME" in node2) core=1;; *) core=0;; esac; '
+            'export VLLM_CPU_OMP_THREADS_BIND=$core OMP_NUM_THREADS=1')},
         "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
         "output_dir": str(tmp / "out"), "device": "cpu", "tp": 2, "seq_len": 128, "max_samples": 4, "batch_size": 4,
         "env": {**OFFLINE, **cluster.env, "VLLM_MLA_DISABLE": "1",
@@ -73,13 +76,15 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
 
     def worker_joined() -> dict:
         """Start an attempt; once node2's supervisor said hello (its ranks loading): the status then, and its pid."""
+        log = run_dir / "logs" / "supervisor.log"
+        before = len(_text(log))  # the run's log keeps every attempt's lines
         started = specops(*argv, "--detach", env=runs, timeout=120)
         assert records(started)["job.start"]["status"] == "changed", started.stdout[-3000:] + started.stderr[-2000:]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             node = _read_json(run_dir / "nodes" / "1" / "status.json")
             pids = [p for p in _pids_with("remote.extract.replica") if str(run_dir).encode() in _proc(p, "cmdline")]
-            if node.get("state") == "loading" and pids and "joined" in _text(run_dir / "logs" / "supervisor.log"):
+            if node.get("state") == "loading" and pids and "joined" in _text(log)[before:]:
                 proc, found = _status(run_id, runs, inventory)
                 return {"status": found, "node": node, "pids": pids, "job_id": _read_json(run_dir / "slurm.json")[
                     "job_id"], "head": _read_json(run_dir / "status.json")}
@@ -397,6 +402,7 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
 
     # a second run asks for both nodes while s1 holds one: Slurm keeps it pending and says why
     second = _slurm_host(make_inventory, cluster, tiny_models, tmp_path, name="s2", nodes=2)
+    second.update(engine="vllm-server", tp=2)  # over two nodes: one vLLM replica (it never starts here)
     inventory2 = make_inventory(**second)
     pending = specops("extract", "--inventory", inventory2, "--run-id", "s2", "--skip-preflight", "--skip-smoke",
                       "--detach", "--json", env=runs, timeout=120)
@@ -503,6 +509,14 @@ def test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_i
     assert "ranks [1] of replica slurm job" in nodes_log and "head node1" in nodes_log, nodes_log[-3000:]
     head_log = (run_dir / "logs" / "supervisor.log").read_text()
     assert "replica: node2 (node 1, ranks [1]) joined" in head_log, head_log[-3000:]
+    # both nodes ran ranks of one world: the head's server rank 0 (and the API server), node2's headless server rank 1
+    assert "world_size=2 rank=0 " in (run_dir / "logs" / "server.log").read_text()
+    assert "world_size=2 rank=1 " in (run_dir / "nodes" / "1" / "logs" / "server.log").read_text()
+    # the run's logs are both nodes'
+    logs = json.loads(specops("logs", "--inventory", modern_states["inventory"], "--run-id", modern_states["run_id"],
+                              "--json", env={"SPECOPS_RUNS": str(modern_states["fetched"].parents[1])},
+                              timeout=60).stdout)["logs"]["th"]
+    assert {"supervisor.log", "nodes.log", "server.log", "nodes/1/logs/server.log"} <= set(logs), sorted(logs)
 
 
 def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_and_resumed_eval_on_a_node(

@@ -326,6 +326,7 @@ class JobStep:
 
     def start(self, watch: HostWatch) -> list[str]:
         """Start the worker nodes' step; its end before the run's is the loss of the node srun names."""
+        import shlex
         import subprocess
 
         from remote.run import slurm
@@ -333,13 +334,14 @@ class JobStep:
 
         python = self.params.get("python") or sys.executable
         argv = slurm.node_step([python, "-m", SUPERVISOR_MODULES["replica"], str(self.run_dir), slurm.NODE_RANK_FLAG,
-                                "1"], int(self.replica["nnodes"]) - 1, python, first=1)
+                                "1"], int(self.replica["nnodes"]) - 1, python, first=1,
+                               setup=(slurm.job_of(self.run_dir) or {}).get("setup"))
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:  # srun's own words and the nodes' supervisors' output, every attempt's
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          cwd=str(self.run_dir))
         print(f"[specops] replica over the Slurm job's nodes {', '.join(self.replica['hosts'])}: head "
-              f"{self.replica['hosts'][0]} (here), worker node(s) as one job step: {' '.join(argv)}", flush=True)
+              f"{self.replica['hosts'][0]} (here), worker node(s) as one job step: {shlex.join(argv)}", flush=True)
         threading.Thread(target=self._watch, args=(watch, offset), daemon=True, name="specops-job-step").start()
         return argv
 

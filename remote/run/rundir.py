@@ -67,8 +67,10 @@ class RunPaths:
 
     def log_files(self) -> list[Path]:
         """Every log of the run, the supervisor's first, then the ranks' by name, then each data-parallel
-        replica's (``dp1/server.log``, ``dp1/rank0.log``: :mod:`remote.extract.layout`)."""
-        tasks = sorted(self.run_dir.glob(f"{slurm.TASKS_DIR}/*/logs/*.log"))  # a job array's: tasks/<i>/logs/
+        replica's (``dp1/server.log``, ``dp1/rank0.log``: :mod:`remote.extract.layout`), then a job array's
+        tasks' (``tasks/<i>/logs/``) and a replica's Slurm nodes' (``nodes/<k>/logs/``)."""
+        tasks = sorted(self.run_dir.glob(f"{slurm.TASKS_DIR}/*/logs/*.log")) + sorted(
+            self.run_dir.glob(f"{slurm.NODES_DIR}/*/logs/*.log"))
         if not self.logs.is_dir():
             return tasks
         return sorted([*self.logs.glob("*.log"), *self.logs.glob("dp*/*.log")],

@@ -200,7 +200,8 @@ def submit(run_dir: Path, argv: list, env: dict, slurm: dict, run_id: str, array
                                  detail={"command": words})
     job_id = proc.stdout.strip().split(";")[0]
     record = {"job_id": job_id, "partition": slurm["partition"], "submitted_unix": time.time(),
-              "command": words, "env": {k: v for k, v in env.items() if k.startswith(CLIENT_ENV_PREFIX)}}
+              "command": words, "env": {k: v for k, v in env.items() if k.startswith(CLIENT_ENV_PREFIX)},
+              "setup": setup}  # a job step over the job's other nodes runs it there too (node_step)
     if array is not None:
         for i in array:
             _record_job(task_dir(run_dir, i), {**record, "job_id": f"{job_id}_{i}", "array_job_id": job_id})
@@ -387,15 +388,16 @@ def node_dir(run_dir: Path, node_rank: int) -> Path:
     return Path(run_dir) / NODES_DIR / str(int(node_rank))
 
 
-def node_step(argv: list, nnodes: int, python: str, first: int = 0) -> list:
+def node_step(argv: list, nnodes: int, python: str, first: int = 0, setup: str | None = None) -> list:
     """``argv`` as one job step over ``nnodes`` nodes, one task a node, each with its own node rank (:func:`exec_node`;
     ``argv``'s :data:`NODE_RANK_FLAG` value is the step's first node's); a task that fails ends the step
     (``--kill-on-bad-exit``). ``first``: the step starts at the job's node ``first`` (``--relative``), the nodes
-    before it left to the batch host's own processes (an extraction's head)."""
+    before it left to the batch host's own processes (an extraction's head). ``setup``: the host's ``slurm.setup``
+    line, run on each node first, as the batch script runs it on the batch host."""
     return ["srun", "--nodes", str(int(nnodes)), "--ntasks", str(int(nnodes)), "--ntasks-per-node", "1",
             *([f"--relative={int(first)}"] if first else []),
-            "--kill-on-bad-exit=1", "--export=ALL", str(python), "-m", "remote.run.slurm", NODE_ACTION,
-            *[str(a) for a in argv]]
+            "--kill-on-bad-exit=1", "--export=ALL", *wire_slurm.setup_words(setup), str(python), "-m",
+            "remote.run.slurm", NODE_ACTION, *[str(a) for a in argv]]
 
 
 def exec_node(argv: list) -> None:

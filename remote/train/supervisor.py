@@ -297,7 +297,8 @@ class TrainSupervisor:
                                 self.paths.run_dir / trainplan.RANK_LOGS, nodes=nodes)
         step = (nodes or {}).get("slurm_step")
         if step:  # each node's torchrun, its rank Slurm's node id: the trainer is srun's, node 0 this batch host
-            argv = slurm.node_step(argv, nodes["nnodes"], python)
+            argv = slurm.node_step(argv, nodes["nnodes"], python,
+                                   setup=(slurm.job_of(self.paths.run_dir) or {}).get("setup"))
         # an epoch dir the last attempt left half written (killed mid-save) would be what speculators resumes from
         set_aside = trainplan.set_aside_partial(plan.save_path) if not plan.dry_run else []
         for moved in set_aside:

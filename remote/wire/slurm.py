@@ -62,6 +62,12 @@ def request_options(slurm: dict, *, time_limit: bool = True) -> list:
     return words
 
 
+def setup_words(setup: str | None) -> list:
+    """What runs a host's ``slurm.setup`` line (``module load ...``, a container's env) on a compute node before the
+    command that follows these words: a shell runs the line, then execs the command in its place (none: no words)."""
+    return ["sh", "-c", f'{setup}\nexec "$0" "$@"'] if setup else []
+
+
 #: Slurm's job states (``squeue -o %T``, ``scontrol show job``'s JobState): what each means for a run,
 #: whether the job is still alive, and what to do. One table: the host names a state with it, status shows it.
 JOB_STATES = {
