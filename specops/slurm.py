@@ -12,7 +12,10 @@ jobs are asked for (``remote/wire/argspec.py`` ``SLURM_ARGS``). Preflight there 
 A run's start (``job start``, and ``train``'s start, which ends in it) gets the mapping and submits
 the supervisor with ``sbatch`` (:func:`job_params`); status, follow and abort read Slurm's state on
 the host. A mapping with ``array: N`` makes an extraction a group plan of N shards, one job array whose
-task i extracts shard i into the run's one output dir (``remote/run/job.py`` ``_start_array``).
+task i extracts shard i into the run's one output dir (``remote/run/job.py`` ``_start_array``). A mapping with
+``nodes: N`` (N > 1) makes an extraction one vLLM replica over the job's N nodes (``tp`` its whole TP), built on the
+batch host from the job's own node list (``remote/extract/replica.py`` ``JobStep``); preflight checks a node's share
+of its ranks, and :func:`refuse_job_replica` refuses what cannot run so.
 ``verify`` and ``eval`` run on a compute node under ``srun`` as preflight does (:func:`launcher`),
 reading the run dir on the shared filesystem.
 """
@@ -75,6 +78,11 @@ def preflight_payload(host, params: dict) -> dict:
                                             "while the request does not fit the partition"))
         return wire.protocol.payload(records, **checked.get("data", {}))
     max_minutes = next((r["detail"].get("max_time_min") for r in records if r["name"] == "slurm.partition"), None)
+    nodes, tp = int(spec.slurm.nodes or 1), int(params.get("tp") or 1)
+    if nodes > 1 and tp % nodes == 0 and not params.get("replica"):
+        # an extraction is one replica over the job's nodes: the node checked holds one node's share of its ranks
+        params = {**params, "replica": {"name": f"{nodes} Slurm nodes", "nnodes": nodes, "node_rank": 0,
+                                        "ranks_per_node": tp // nodes, "tp": tp}}
     payload = host.run_task("preflight", params,
                             launcher=srun_launcher(spec, "specops-preflight", max_minutes))
     payload["records"] = records + payload["records"]

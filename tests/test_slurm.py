@@ -3,9 +3,9 @@
 One cluster for the module (:class:`specops.testhost.slurm.SlurmCluster`); its login node is the
 loopback sshd test host, its compute nodes ``node1``/``node2`` share this machine's filesystem.
 The extraction runs use the reference engine (transformers) on the tiny Llama, as tests/test_extract.py; the
-train test's states are the module's own vLLM extraction in the modern host env (:func:`modern_states`): the
-session's shared run would put this module in the one unit of modules that must share a worker
-(tests/conftest.py, SHARED_SESSION_FIXTURES), the suite's longest.
+module's one vLLM extraction (:func:`modern_states`, in the modern host env) is one replica over both nodes
+(``slurm.nodes: 2``), and its states are the train test's: the session's shared run would put this module in the
+one unit of modules that must share a worker (tests/conftest.py, SHARED_SESSION_FIXTURES), the suite's longest.
 """
 from __future__ import annotations
 
@@ -324,6 +324,7 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path)
     inventory = make_inventory(hosts={
         "fits": make_inventory_host(make_inventory, host),
+        "spans": make_inventory_host(make_inventory, host, tp=2, slurm={"partition": PARTITION, "nodes": 2}),
         "nopart": make_inventory_host(make_inventory, host, slurm={"partition": "gpu-nope"}),
         "toolong": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION,
                                                                     "time_limit": "1-00:00:00"}),
@@ -342,6 +343,10 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     assert node["status"] == "ok" and node["detail"]["node"] in ("node1", "node2"), node
     assert f"partition {PARTITION}" in node["summary"] and "compute node node" in node["summary"]
     assert fits["host.python"]["status"] == "ok"  # the usual host checks ran there
+    # tp 2 over slurm.nodes 2 is one replica, a rank a node: the node checked holds its share, not the whole TP
+    spans = by_host["spans"]
+    assert spans["slurm.partition"]["status"] == "ok" and spans["host.node"]["status"] == "ok", spans
+    assert spans["parallel.devices"]["summary"].startswith("device=cpu: TP 1 over"), spans["parallel.devices"]
     refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus", "wide")}
     assert all(r["status"] == "fail" for r in refused.values()), refused
     assert "partition 'gpu-nope' does not exist" in refused["nopart"]["summary"]
