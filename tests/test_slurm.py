@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -209,6 +210,16 @@ def test_the_node_a_train_step_lost_is_read_as_srun_names_it():
     argv = node_step(["/p", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "0", "x"], 2, "/p")
     assert argv[:8] == ["srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
     assert argv[-11:-8] == ["-m", "remote.run.slurm", "node"] and argv[-3:] == ["--node-rank", "0", "x"]
+    # an extraction's worker nodes: a step from the job's node 1 (the batch host keeps the head), the entry's setup
+    # line run on each node first; a node's rank is the step's first node's plus Slurm's node id in the step
+    argv = node_step(["/p", "-m", "remote.extract.replica", "/run", "--node-rank", "1"], 1, "/p", first=1,
+                     setup="module load cuda")
+    assert "--relative=1" in argv and argv[argv.index("sh"):argv.index("sh") + 3] == [
+        "sh", "-c", 'module load cuda\nexec "$0" "$@"'], argv
+    ran = subprocess.run([sys.executable, "-m", "remote.run.slurm", "node", sys.executable, "-c",
+                          "import sys; print(sys.argv[1:])", "--node-rank", "1"], capture_output=True, text=True,
+                         env={**os.environ, "SLURM_NODEID": "2"}, cwd=Path(__file__).resolve().parents[1], timeout=30)
+    assert ran.stdout.strip() == "['--node-rank', '3']", ran.stdout + ran.stderr
 
 
 def test_slurm_inventory_fields_are_checked_by_name(tmp_path):
