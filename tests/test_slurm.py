@@ -93,24 +93,35 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
         raise AssertionError(f"node2 never joined: {_text(run_dir / 'logs' / 'supervisor.log')[-3000:]}"
                              f"{_text(run_dir / 'logs' / 'nodes.log')[-3000:]}")
 
-    def gone(job_id) -> dict:
+    def gone(job_id, tree=()) -> dict:
+        """Once Slurm no longer holds the job: the processes of the run still alive (``tree``: those of both nodes
+        seen before the end, whatever vLLM retitled them to)."""
         deadline = time.monotonic() + 60  # the job's own end follows its supervisor's record
         while _slurm(cluster, "squeue", "-h", "-j", job_id).strip() and time.monotonic() < deadline:
             time.sleep(0.5)
         return {"squeue": _slurm(cluster, "squeue", "-h", "-j", job_id).strip(),
-                "left": _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ") + _pids_with(str(run_dir))}
+                "left": _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ") + _pids_with(str(run_dir)) + [
+                    pid for pid in tree if _alive(pid)]}
+
+    def tree(attempt) -> list:
+        """Every process of both nodes' supervisors now: the batch host's (its server, srun) and node2's."""
+        head = int(_text(run_dir / "pid").strip() or 0)
+        return _descendants([head, *attempt["pids"]])
 
     # abort while the replica loads: scancel of the one job ends both nodes' processes
     seen["aborting"] = worker_joined()
+    before = tree(seen["aborting"])
     seen["abort"] = records(specops("abort", "--inventory", inventory, "--run-id", run_id, "--json", env=runs,
                                     timeout=120))["job.abort"]
-    seen["aborted"] = {**gone(seen["aborting"]["job_id"]), "status": _status(run_id, runs, inventory)[1]}
+    seen["aborted"] = {**gone(seen["aborting"]["job_id"], before), "status": _status(run_id, runs, inventory)[1],
+                       "tree": before}
     # node2's supervisor killed (the node lost) while its ranks load: the run fails naming it
     seen["killing"] = worker_joined()
+    before = tree(seen["killing"])
     for pid in seen["killing"]["pids"]:
         os.kill(pid, 9)
     proc, found = _wait_status(run_id, runs, inventory, lambda r: r["job.status"]["status"] == "fail", timeout=120)
-    seen["killed"] = {**gone(seen["killing"]["job_id"]), "status": found,
+    seen["killed"] = {**gone(seen["killing"]["job_id"], before), "status": found, "tree": before,
                       "error": (json.loads(proc.stdout)["hosts"][0]["data"]["status"] or {}).get("error")}
     # the same command (followed) runs it to the end, and fetches it
     done = specops(*argv, env=runs, timeout=900)
@@ -134,6 +145,25 @@ def _text(path: Path) -> str:
         return path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` is a live process (not a zombie)."""
+    stat = _proc(pid, "stat")
+    return bool(stat) and stat.rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+
+
+def _descendants(roots: list) -> list:
+    """``roots`` (the live ones) and every live process below them."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        stat = _proc(int(entry.name), "stat") if entry.name.isdigit() else b""
+        if stat:
+            parents[int(entry.name)] = int(stat.rsplit(b")", 1)[1].split()[1])
+    found = [pid for pid in roots if pid in parents]
+    for pid in found:  # grows as it goes: children, then theirs
+        found += [child for child, parent in parents.items() if parent == pid and child not in found]
+    return [pid for pid in found if _alive(pid)]
 
 
 def _proc(pid: int, what: str) -> bytes:
@@ -504,6 +534,7 @@ def test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_i
     assert seen["abort"]["status"] == "changed" and f"scancel {first['job_id']}" in seen["abort"]["summary"], \
         seen["abort"]
     assert seen["aborted"]["squeue"] == "" and not seen["aborted"]["left"], seen["aborted"]
+    assert len(seen["aborted"]["tree"]) >= 4, seen["aborted"]  # at least: the head, its server and srun, node2's
     assert "aborted" in seen["aborted"]["status"]["job.status"]["summary"], seen["aborted"]["status"]
 
     # node2's supervisor killed: the run fails naming the node, and nothing of it is left on either node
