@@ -59,7 +59,7 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
 
     tmp = tmp_path_factory.mktemp("slurm-states")
     inventory = tmp / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({"hosts": {"th": {
+    entry = {
         "address": "127.0.0.1", "port": testhost["port"], "user": testhost["user"], "key": testhost["key"],
         "known_hosts": testhost["known_hosts"], "python": str(modern_fixed_python), "work_dir": str(tmp / "work"),
         # each node's rank on a core of its own, as two one-core nodes would have it (the nodes share this machine)
@@ -69,7 +69,13 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
         "model_path": str(tiny_models["llama"]), "dataset": str(tiny_models["dataset"]),
         "output_dir": str(tmp / "out"), "device": "cpu", "tp": 2, "seq_len": 128, "max_samples": 4, "batch_size": 4,
         "env": {**OFFLINE, **cluster.env, "VLLM_MLA_DISABLE": "1",
-                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}}}))
+                "VLLM_CACHE_ROOT": str(cache_root() / "vllm-cache")}}
+    inventory.write_text(yaml.safe_dump({"hosts": {"th": entry}}))
+    # a node2 whose own start fails (its setup line: a module it lacks, a broken container), before its supervisor
+    # can say a word: srun names it
+    broken = tmp / "inventory-broken.yaml"
+    broken.write_text(yaml.safe_dump({"hosts": {"th": {**entry, "slurm": {**entry["slurm"], "setup": (
+        'if [ "$SLURMD_NODENAME" = node2 ]; then echo "no such module" >&2; exit 3; fi')}}}}))
     run_id, runs = "llama-2nodes", {"SPECOPS_RUNS": str(tmp / "runs")}
     run_dir = tmp / "work" / "runs" / run_id
     argv = ("extract", "--inventory", inventory, "--run-id", run_id, "--skip-preflight", "--skip-smoke", "--json")
@@ -123,6 +129,12 @@ def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_
     proc, found = _wait_status(run_id, runs, inventory, lambda r: r["job.status"]["status"] == "fail", timeout=120)
     seen["killed"] = {**gone(seen["killing"]["job_id"], before), "status": found, "tree": before,
                       "error": (json.loads(proc.stdout)["hosts"][0]["data"]["status"] or {}).get("error")}
+    # node2's task of the job step fails before its supervisor runs: the run fails naming the node srun names
+    started = specops(argv[0], "--inventory", broken, *argv[3:], "--detach", env=runs, timeout=120)
+    assert records(started)["job.start"]["status"] == "changed", started.stdout[-3000:]
+    proc, found = _wait_status(run_id, runs, inventory, lambda r: r["job.status"]["status"] == "fail", timeout=120)
+    seen["step_failed"] = {**gone(_read_json(run_dir / "slurm.json")["job_id"]), "status": found,
+                           "error": (json.loads(proc.stdout)["hosts"][0]["data"]["status"] or {}).get("error")}
     # the same command (followed) runs it to the end, and fetches it
     done = specops(*argv, env=runs, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -543,6 +555,12 @@ def test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_i
     assert killed["error"]["type"] in ("HostLost", "NodeStepFailed"), killed["error"]
     assert "node2" in killed["status"]["job.status"]["summary"], killed["status"]
     assert killed["squeue"] == "" and not killed["left"], killed
+    # node2's task failed before its supervisor ran (its setup line): named as srun names it
+    failed = seen["step_failed"]
+    assert failed["error"]["type"] == "NodeStepFailed" and failed["error"]["host"] == "node2", failed["error"]
+    assert failed["error"]["message"].startswith("node 1 (node2) of the job's 2: Exited with exit code 3"), \
+        failed["error"]
+    assert failed["squeue"] == "" and not failed["left"], failed
 
     # the same command ran it to the end: every sample once, both nodes' ranks ran it
     done = seen["done"]

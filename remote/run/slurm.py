@@ -5,11 +5,14 @@ inventory's, :data:`remote.wire.argspec.SLURM_ARGS`) says how jobs are asked for
 submitted as one batch job whose script runs the run's supervisor on a compute node, in the
 same run dir (a shared filesystem), and ``slurm.json`` beside ``status.json`` names the job::
 
-    {"job_id": "42", "partition": "gpu", "submitted_unix": 1760000000.0, "env": {"SLURM_CONF": "..."}}
+    {"job_id": "42", "partition": "gpu", "submitted_unix": 1760000000.0, "env": {"SLURM_CONF": "..."},
+     "setup": "module load cuda"}
 
 Liveness of such a run is Slurm's word (:func:`job_state`: ``scontrol show job``, then ``sacct``),
 not a pid: the login node cannot see a compute node's processes. A job Slurm starts again (requeued
 after a node failure or a preemption) restarts the run from its batch script (:func:`requeued`).
+A job over several nodes runs the rest of the run on the other nodes as one job step (:func:`node_step`):
+a train run's torchrun a node, an extraction's replica workers (:func:`job_replica_block`).
 
 The task (``main``) answers ``action: partition``: ``sinfo`` on the partition against what
 the run asks (time limit, nodes, GPUs per node), before anything is submitted.
@@ -312,10 +315,11 @@ def state_words(found: dict) -> str:
     return f"Slurm job {found['job_id']} {found['slurm']}{' (' + '; '.join(why) + ')' if why else ''}{where}"
 
 
-# --------------------------------------------------------------------------- a train run over the job's nodes
+# --------------------------------------------------------------------------- a run over the job's nodes
 
-#: ``python -m remote.run.slurm node ARGV...``: on each node of a job step, ARGV (torchrun's) run with this node's
-#: rank after its :data:`NODE_RANK_FLAG`; the batch host (Slurm's node 0) is torchrun's node 0.
+#: ``python -m remote.run.slurm node ARGV...``: on each node of a job step, ARGV (a train run's torchrun, an
+#: extraction's replica worker) run with this node's rank after its :data:`NODE_RANK_FLAG`; the batch host (Slurm's
+#: node 0) is torchrun's node 0, and an extraction replica's head.
 NODE_ACTION = "node"
 NODE_RANK_FLAG = "--node-rank"
 
