@@ -73,13 +73,17 @@ def preflight_payload(host, params: dict) -> dict:
     checked = host.run_task("slurm", {"action": "partition", "slurm": spec.slurm.model_dump(exclude_none=True),
                                       "env": spec.env, "tp": params.get("tp"), "device": params.get("device")})
     records = checked["records"]
+    problem = job_replica_problem(spec, int(params.get("tp") or 1), params.get("engine"),
+                                  (params.get("replica") or {}).get("name"))
+    if problem:  # what extract refuses (refuse_job_replica), named here too
+        records.append(wire.protocol.record("slurm.replica", "fail", problem[0], fix=problem[1]))
     if any(r["status"] == "fail" for r in records):
         records.append(wire.protocol.record("host.node", "skipped", "host checks not run: nothing is submitted "
-                                            "while the request does not fit the partition"))
+                                            "while the request does not fit the partition or its nodes"))
         return wire.protocol.payload(records, **checked.get("data", {}))
     max_minutes = next((r["detail"].get("max_time_min") for r in records if r["name"] == "slurm.partition"), None)
     nodes, tp = int(spec.slurm.nodes or 1), int(params.get("tp") or 1)
-    if nodes > 1 and tp % nodes == 0 and not params.get("replica"):
+    if nodes > 1 and not params.get("replica"):
         # an extraction is one replica over the job's nodes: the node checked holds one node's share of its ranks
         params = {**params, "replica": {"name": f"{nodes} Slurm nodes", "nnodes": nodes, "node_rank": 0,
                                         "ranks_per_node": tp // nodes, "tp": tp}}
@@ -127,12 +131,45 @@ def refuse_array_in_group(specs: list[HostSpec], group: bool) -> None:
                          f"group as one job", host=arrays[0])
 
 
-def refuse_job_replica(inventory, specs: list[HostSpec], overrides: dict) -> None:
-    """A host whose ``slurm.nodes`` is above 1 extracts as one vLLM replica over the job's nodes
+def job_replica_problem(spec: HostSpec, tp: int, engine: str | None, replica: str | None = None) -> tuple | None:
+    """What keeps an extraction on ``spec`` from running as one vLLM replica over its job's nodes, as ``(message,
+    fix)``; None when nothing does (or ``slurm.nodes`` is 1 and no SSH replica group names it).
+
+    A host whose ``slurm.nodes`` is above 1 extracts as one replica over the job's nodes
     (:class:`remote.extract.replica.JobStep`: the batch host the head, the other nodes a job step of headless ranks;
-    the host's ``tp`` is the replica's whole TP, ``tp / slurm.nodes`` ranks a node). What cannot run so is refused by
-    name before anything reaches the login node: a job array (its tasks are one node each), an SSH replica group
-    holding a Slurm host (Slurm's nodes are the replica's hosts), a tp the nodes do not divide, another engine.
+    the host's ``tp`` is the replica's whole TP, ``tp / slurm.nodes`` ranks a node). It cannot with a job array (its
+    tasks are one node each), as a host of an SSH replica group ``replica`` (Slurm's nodes are the replica's hosts),
+    with a tp the nodes do not divide, or with another engine.
+    """
+    if replica is not None:
+        return (f"host {spec.name!r} is behind Slurm (scheduler: slurm) and one host of replica {replica!r} over SSH "
+                f"hosts: a replica on a Slurm cluster spans the nodes of one job, which Slurm picks",
+                f"drop {spec.name} from replicas.{replica}, and set slurm.nodes on it to the nodes the replica should "
+                f"span")
+    nodes = int(spec.slurm.nodes or 1)
+    if nodes < 2:
+        return None
+    if int(spec.slurm.array or 1) > 1:
+        return (f"host {spec.name!r}: field 'slurm.nodes' is {nodes} and field 'slurm.array' is {spec.slurm.array}: an "
+                f"extraction over several nodes is one replica in one job, and a job array's task extracts its shard "
+                f"on one node", f"drop slurm.array (one job, one replica over {nodes} nodes), or set slurm.nodes: 1 "
+                f"(a job array of one-node tasks)")
+    if int(tp) % nodes:
+        return (f"host {spec.name!r}: tp {tp} over field 'slurm.nodes' {nodes}: tp is the replica's whole TP (ranks a "
+                f"node x slurm.nodes), and {nodes} nodes do not divide it",
+                f"set tp to a multiple of {nodes} (e.g. {nodes} x the GPUs of a node), or slurm.nodes to a divisor of "
+                f"{tp}")
+    engine = wire.contract.ENGINE_ALIASES.get(engine or "", engine or wire.contract.AUTO_ENGINE)
+    if engine not in (wire.contract.AUTO_ENGINE, wire.contract.VLLM_SERVER):
+        return (f"host {spec.name!r}: engine {engine} with field 'slurm.nodes' {nodes}: one replica over several nodes "
+                f"is vLLM's multi-node runtime, the vllm-server engine",
+                "set engine: vllm-server (vLLM >= 0.18 with speculators >= 0.5 on the nodes), or slurm.nodes: 1")
+    return None
+
+
+def refuse_job_replica(inventory, specs: list[HostSpec], overrides: dict) -> None:
+    """An extraction on a host behind Slurm that cannot run as :func:`job_replica_problem` asks is refused by name
+    before anything reaches the login node.
 
     :raises UsageError: naming the host and the field, with the fix.
     """
@@ -142,31 +179,9 @@ def refuse_job_replica(inventory, specs: list[HostSpec], overrides: dict) -> Non
     for spec in specs:
         if not is_slurm(spec):
             continue
-        replica = inventory.replica_of(spec.name) if inventory is not None else None
-        if replica is not None:
-            raise UsageError(f"host {spec.name!r} is behind Slurm (scheduler: slurm) and one host of replica "
-                             f"{replica.name!r} over SSH hosts: a replica on a Slurm cluster spans the nodes of one "
-                             f"job, which Slurm picks", f"drop {spec.name} from replicas.{replica.name}, and set "
-                             f"slurm.nodes on it to the nodes the replica should span", host=spec.name)
-        nodes = int(spec.slurm.nodes or 1)
-        if nodes < 2:
-            continue
-        if int(spec.slurm.array or 1) > 1:
-            raise UsageError(f"host {spec.name!r}: field 'slurm.nodes' is {nodes} and field 'slurm.array' is "
-                             f"{spec.slurm.array}: an extraction over several nodes is one replica in one job, and "
-                             f"a job array's task extracts its shard on one node", "drop slurm.array (one job, one "
-                             f"replica over {nodes} nodes), or set slurm.nodes: 1 (a job array of one-node tasks)",
-                             host=spec.name)
         params = run_params(spec, **{k: v for k, v in overrides.items() if v is not None})
-        tp, engine = int(params.get("tp") or 1), params.get("engine") or wire.contract.AUTO_ENGINE
-        engine = wire.contract.ENGINE_ALIASES.get(engine, engine)
-        if tp % nodes:
-            raise UsageError(f"host {spec.name!r}: tp {tp} over field 'slurm.nodes' {nodes}: tp is the replica's "
-                             f"whole TP (ranks a node x slurm.nodes), and {nodes} nodes do not divide it",
-                             f"set tp to a multiple of {nodes} (e.g. {nodes} x the GPUs of a node), or slurm.nodes "
-                             f"to a divisor of {tp}", host=spec.name)
-        if engine not in (wire.contract.AUTO_ENGINE, wire.contract.VLLM_SERVER):
-            raise UsageError(f"host {spec.name!r}: engine {engine} with field 'slurm.nodes' {nodes}: one replica over "
-                             f"several nodes is vLLM's multi-node runtime, the vllm-server engine",
-                             "set engine: vllm-server (vLLM >= 0.18 with speculators >= 0.5 on the nodes), or "
-                             "slurm.nodes: 1", host=spec.name)
+        group = inventory.replica_of(spec.name) if inventory is not None else None
+        problem = job_replica_problem(spec, int(params.get("tp") or 1), params.get("engine"),
+                                      group.name if group is not None else None)
+        if problem:
+            raise UsageError(*problem, host=spec.name)

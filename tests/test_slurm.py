@@ -377,7 +377,9 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     host = _slurm_host(make_inventory, cluster, tiny_models, tmp_path)
     inventory = make_inventory(hosts={
         "fits": make_inventory_host(make_inventory, host),
-        "spans": make_inventory_host(make_inventory, host, tp=2, slurm={"partition": PARTITION, "nodes": 2}),
+        "spans": make_inventory_host(make_inventory, host, tp=2, engine="vllm-server",
+                                     slurm={"partition": PARTITION, "nodes": 2}),
+        "uneven": make_inventory_host(make_inventory, host, tp=3, slurm={"partition": PARTITION, "nodes": 2}),
         "nopart": make_inventory_host(make_inventory, host, slurm={"partition": "gpu-nope"}),
         "toolong": make_inventory_host(make_inventory, host, slurm={"partition": PARTITION,
                                                                     "time_limit": "1-00:00:00"}),
@@ -400,6 +402,11 @@ def test_preflight_checks_the_partition_then_runs_on_a_compute_node(cluster, mak
     spans = by_host["spans"]
     assert spans["slurm.partition"]["status"] == "ok" and spans["host.node"]["status"] == "ok", spans
     assert spans["parallel.devices"]["summary"].startswith("device=cpu: TP 1 over"), spans["parallel.devices"]
+    # what extract refuses for a replica over the job's nodes, preflight names before anything is submitted
+    uneven = by_host["uneven"]
+    assert uneven["slurm.replica"]["status"] == "fail" and "tp 3 over field 'slurm.nodes' 2" in \
+        uneven["slurm.replica"]["summary"] and "set tp to a multiple of 2" in uneven["slurm.replica"]["fix"], uneven
+    assert uneven["host.node"]["status"] == "skipped" and "host.python" not in uneven
     refused = {name: by_host[name]["slurm.partition"] for name in ("nopart", "toolong", "toomany", "gpus", "wide")}
     assert all(r["status"] == "fail" for r in refused.values()), refused
     assert "partition 'gpu-nope' does not exist" in refused["nopart"]["summary"]
