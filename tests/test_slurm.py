@@ -44,8 +44,8 @@ def cluster(tmp_path_factory):
 def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
     """One ``specops extract`` of the tiny Llama in the modern host env (the trainer's: speculators 0.9) on the Slurm
     host with ``slurm.nodes: 2`` and tp 2: one vLLM replica over the job's two nodes, a rank a node (4 samples of up to
-    128 tokens, the engine's default ids). Its first two attempts end while the replica loads: aborted (scancel), then
-    node2's supervisor killed; the same command then runs it to the end. What each attempt showed is in ``seen``, for
+    128 tokens, the engine's default ids). Its first three attempts end while the replica loads: aborted (scancel),
+    node2's supervisor killed, node2's task failing in its setup line; the same command then runs it to the end. What each attempt showed is in ``seen``, for
     :func:`test_extract_over_two_nodes_is_one_vllm_replica_a_lost_node_is_named_abort_is_scancel` (one extraction
     for the module: a CPU server start costs a minute or more). The reference engine's states are no train input: it
     writes ``data_{i}.pt`` files, and train takes only ``hs_{i}.safetensors`` states.
