@@ -65,7 +65,7 @@ def width_fixtures() -> dict:
     (``<round>/memory/<model>/``; ``memory_whole/``: the same with prefill unchunked): planned like the others from their own config, nvidia-smi and the
     checkpoint bytes the preflight measured."""
     found = {}
-    for d in sorted({*FIX.glob("**/memory/*/"), *FIX.glob("**/memory_whole/*/")}):
+    for d in sorted({*FIX.glob("**/memory/*/"), *FIX.glob("**/memory_whole/*/"), *FIX.glob("**/memory_budget/*/")}):
         if all((d / f).exists() for f in ("server.log", "preflight.json", "config.json", "gpus_before.csv")):
             rel = str(d.relative_to(FIX))
             found[rel.replace("/", "_")] = (f"{rel}/server.log", f"{rel}/config.json", f"{rel}/gpus_before.csv",
@@ -89,16 +89,22 @@ LEFT_OUT = {
 }
 #: planned vs used within this on every fixture
 TOLERANCE = 0.10
-#: fixtures the plan's non-KV overhead misses by more (the measured ratio range, used / planned) and why; their KV
-#: room and tokens still hold within TOLERANCE. Round 15 ran the engine's max_num_seqs (the run's concurrency, 8),
-#: at the 2048-token step budget and at one whole sample (4097 / 8193 tokens): vLLM 0.26's profile peak fell by
-#: 2.0 / 2.8 GiB (its sampler warm-up on 8 requests, not 1024), and what is left does not follow the plan's terms:
-#: ~2.0 / 1.0 GiB that do not grow with the step budget (about one bf16 vocabulary x hidden matrix) and a per-token
-#: growth of ~0.35 GiB / ~0.015 GiB per 1000 tokens, well under the per-token terms fitted on vLLM 0.25's fixtures.
-#: With 1024 requests the sampler's term hid both. The next fit needs more points than these four.
-OVERHEAD_OPEN = {"round15_memory_deepseek_v3_wide": (1.6, 1.8), "round15_memory_llama_8b_vocab": (1.8, 2.0),
+#: fixtures the plan's non-KV overhead misses by more (the measured ratio range, used / planned) and why. vLLM
+#: 0.26 at the engine's max_num_seqs (the run's concurrency, 8), real width: the sampler phase (one bf16 vocab x
+#: hidden matrix) is the 8B-shaped target's floor up to 8192 tokens and holds within TOLERANCE there (rounds 15,
+#: 18); the forward phase is what misses. Its per-token growth is below the plan's (DeepSeek-V3 width 0.344 MiB a
+#: token from 2048 to 16384, the plan 0.74; the 8B shape 0.121 above 8192, the plan 0.18), and DeepSeek-V3 width
+#: has ~2.0 GiB at 2048 tokens that do not grow with the step budget. vLLM 0.25's fixtures (tiny widths, 1024
+#: requests) need the plan's per-token terms as they are, so one set of terms cannot hold both; the misses past
+#: 2048 tokens overstate the overhead (KV room understated: the safe side).
+OVERHEAD_OPEN = {"round15_memory_deepseek_v3_wide": (1.4, 1.6),
                  "round15_memory_whole_deepseek_v3_wide": (1.1, 1.2),
-                 "round15_memory_whole_llama_8b_vocab": (0.75, 0.85)}
+                 "round15_memory_whole_llama_8b_vocab": (0.75, 0.85),
+                 "round18_memory_budget_deepseek_v3_wide_bt16384": (0.6, 0.7),
+                 "round18_memory_budget_deepseek_v3_wide_bt8192": (0.8, 0.87),
+                 "round18_memory_budget_llama_8b_vocab_bt16384": (0.7, 0.8)}
+#: the KV room where the overhead's miss is large enough to move it past TOLERANCE (used / planned)
+KV_ROOM_OPEN = {"round18_memory_budget_deepseek_v3_wide_bt16384": (1.2, 1.3)}
 
 
 def read(rel: str) -> str:
@@ -140,8 +146,10 @@ def test_plan_within_ten_percent_of_what_vllm_used(name):
     plan, used, _facts = fixture_plan(name)
     rows = gpu.compare(plan, used)
     for what in ("overhead_bytes", "kv_room_bytes", "tokens_fit"):
-        if what == "overhead_bytes" and name in OVERHEAD_OPEN:
-            low, high = OVERHEAD_OPEN[name]
+        open_range = {"overhead_bytes": OVERHEAD_OPEN, "kv_room_bytes": KV_ROOM_OPEN,
+                      "tokens_fit": KV_ROOM_OPEN}[what].get(name)
+        if open_range:
+            low, high = open_range
             assert low <= rows[what]["ratio"] <= high, (what, rows[what])
             continue
         assert abs(rows[what]["ratio"] - 1) <= TOLERANCE, (what, rows[what])
@@ -159,7 +167,8 @@ def test_vllm_026_breakdown_is_parsed_and_matches_the_plan_terms():
     assert (rank["peak_activation_gib"], rank["non_torch_gib"], rank["graph_estimate_gib"]) == (0.09, 0.23, 0.09)
     terms = plan["overhead_terms"]
     assert terms["batched_tokens"] == 2048 and terms["max_num_seqs"] == 1024  # an 80 GB card: vLLM's 1024
-    planned_rest = (terms["non_torch"] + terms["per_token_buffers"] + terms["activations"] + terms["sampler"]) / GiB
+    assert terms["peak_phase"] == "forward" and terms["peak"] == terms["per_token_buffers"] + terms["activations"]
+    planned_rest = (terms["non_torch"] + terms["peak"]) / GiB
     assert planned_rest == pytest.approx(rank["peak_activation_gib"] + rank["non_torch_gib"], rel=TOLERANCE)
 
 
@@ -182,9 +191,11 @@ def test_real_width_terms_the_fixtures_cannot_show():
     terms = gpu.overhead_terms(ds, tp=1, batched_tokens=2048, max_num_seqs=1024)
     assert terms["total"] / GiB == pytest.approx(5.6, rel=TOLERANCE)
     assert terms["sampler"] > terms["activations"] > terms["per_token_buffers"]
-    # TP splits heads and experts' widths, not the residual stream nor the sampler's logits
+    # TP splits heads, experts' widths and the vocab x hidden matrix, not the residual stream nor the logits
     tp8 = gpu.overhead_terms(ds, tp=8, batched_tokens=2048, max_num_seqs=1024)
-    assert tp8["sampler"] == terms["sampler"] and tp8["activations"] < terms["activations"] / 2
+    matrix = 129280 * 7168 * 2
+    assert terms["sampler"] - tp8["sampler"] == matrix - matrix // 8
+    assert tp8["activations"] < terms["activations"] / 2
 
 
 def test_probe_budget_is_the_engine_command_builders():

@@ -40,9 +40,10 @@ from remote.wire.words import GiB, MiB, human_bytes
 
 #: The non-KV overhead of one rank is what vLLM's profile run takes before it sizes the KV cache
 #: (``gpu_worker.determine_available_memory``: non-torch increase + torch peak + the CUDA graph
-#: estimate). Its terms (:func:`overhead_terms`), fitted to every GPU fixture (tests/fixtures/gpu/:
-#: H200 vLLM 0.25 at 8192 batched tokens, H100 vLLM 0.26 at 2048; dense, GQA, MLA, MoE; hidden
-#: 256-4096): planned / used 0.96-1.08 on each (tests/test_memory_plan.py):
+#: estimate). Its terms (:func:`overhead_terms`), fitted to the GPU fixtures (tests/fixtures/gpu/:
+#: H200 vLLM 0.25 at 8192 batched tokens, H100 vLLM 0.26 at 2048-16384; dense, GQA, MLA, MoE; hidden
+#: 256-7168): planned / used 0.94-1.05 on each but vLLM 0.26's forward phase at real width, where the
+#: plan overstates it past 2048 tokens (tests/test_memory_plan.py ``OVERHEAD_OPEN`` says by how much):
 #:
 #: CUDA context, cuBLAS/NCCL workspaces and loaded kernels outside torch's allocator, per rank.
 NON_TORCH_BYTES = int(0.2 * GiB)
@@ -52,12 +53,14 @@ NON_TORCH_BYTES = int(0.2 * GiB)
 PER_TOKEN_BYTES = 52 * 1024
 #: copies of the widest layer's bf16 activations alive at the profile peak (fitted: 1.06).
 ACTIVATION_COPIES = 1.06
-#: fp32 ``[requests, vocab]`` logits alive at the sampler warm-up's peak: the bf16 logits, their
-#: fp32 copy, softmax probs and the exponential draws of the sampler, then the rejection sampler's
-#: dummy ``[2 x requests, vocab]`` target logits and their fp32 probs (vLLM 0.25
-#: ``_dummy_sampler_run``); the fixtures' vocab of 512 leaves this term unmeasured: at DeepSeek-V3
-#: width (vocab 129280, 1024 requests) it is the 3.4 GiB that issue 43's 5.6 GiB had over the rest.
-SAMPLER_FP32_COPIES = 7
+#: The profile run's peak is the larger of two phases, not their sum (tests/fixtures/gpu/round18: vLLM
+#: 0.26 at 8 requests, 2048-16384 batched tokens): the forward (per-token buffers and activations) and
+#: the sampler warm-up. The warm-up holds fp32 ``[requests, vocab]`` logits, their copies and the
+#: rejection sampler's (vLLM ``_dummy_sampler_run``), beside one bf16 ``vocab x hidden`` matrix (the
+#: rank's share): at 8 requests that matrix alone is the floor the 8B-shaped target's peak stays on
+#: (1.01-1.10 GiB up to 8192 tokens, its matrix 0.98 GiB); at 1024 requests the logits dominate.
+SAMPLER_FP32_COPIES = 6
+VOCAB_MATRIX_COPIES = 1.0
 #: the CUDA graph pool (vLLM's "Estimated CUDA graph memory"): a floor plus the activations of the
 #: largest captured batch (fitted on the fixtures' 0.09-0.19 GiB: 1.3 copies at 512 tokens).
 GRAPH_BASE_BYTES = int(0.09 * GiB)
@@ -307,20 +310,27 @@ def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs
     """The non-KV overhead of one rank, term by term (bytes), as vLLM's profile run makes it: one
     forward of ``batched_tokens`` (the ``--max-num-batched-tokens`` the engine passes) through the
     widest layer, the sampler warm-up on ``min(max_num_seqs, batched_tokens)`` requests' logits, the
-    CUDA graph pool (none when ``eager``) and the memory outside torch. ``total`` is their sum."""
+    CUDA graph pool (none when ``eager``) and the memory outside torch. ``total``: the memory outside
+    torch, the graph pool and the larger of the two phases (``peak``, ``peak_phase``)."""
     tokens = int(batched_tokens)
     act_bytes_per_token = 2 * activation_elements_per_token(text_cfg, tp)
     requests = min(int(max_num_seqs), tokens)
     vocab = int(text_cfg.get("vocab_size") or 0)
     capture = min(GRAPH_MAX_CAPTURE_TOKENS, 2 * int(max_num_seqs), tokens)
+    hidden = int(text_cfg.get("hidden_size") or 0)
     terms = {
         "non_torch": NON_TORCH_BYTES,
         "per_token_buffers": PER_TOKEN_BYTES * tokens,
         "activations": int(ACTIVATION_COPIES * act_bytes_per_token * tokens),
-        "sampler": SAMPLER_FP32_COPIES * requests * vocab * 4,
+        "sampler": SAMPLER_FP32_COPIES * requests * vocab * 4
+                   + int(VOCAB_MATRIX_COPIES * vocab * hidden * 2) // max(int(tp), 1),
         "cuda_graphs": 0 if eager else GRAPH_BASE_BYTES + int(GRAPH_ACTIVATION_COPIES * act_bytes_per_token * capture),
     }
-    return dict(terms, total=sum(terms.values()), batched_tokens=tokens, max_num_seqs=int(max_num_seqs))
+    forward = terms["per_token_buffers"] + terms["activations"]
+    peak = max(forward, terms["sampler"])
+    return dict(terms, peak=peak, peak_phase="forward" if forward >= terms["sampler"] else "sampler",
+                total=terms["non_torch"] + terms["cuda_graphs"] + peak, batched_tokens=tokens,
+                max_num_seqs=int(max_num_seqs))
 
 
 def engine_batched_tokens(params: dict, config: dict) -> int:
