@@ -792,7 +792,11 @@ MEMORY_WIDTH_RUNS = (("gpu-ds-wide", "deepseek_v3_wide", "deepseek_v3_wide", "gp
                      ("gpu-8b-vocab", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab"))
 #: round 17: (short name, model, seq_len, step budget) of the memory-plan runs along the step budget
 MEMORY_BUDGET_HOSTS = (("ds-wide", "deepseek_v3_wide", 4096, 8192), ("8b-vocab", "llama_8b_vocab", 8192, 4096),
-                       ("ds-wide", "deepseek_v3_wide", 4096, 16384), ("8b-vocab", "llama_8b_vocab", 8192, 16384))
+                       ("ds-wide", "deepseek_v3_wide", 4096, 16384), ("8b-vocab", "llama_8b_vocab", 8192, 16384),
+                       # round 19: the tiny DeepSeek-V3 (vLLM 0.25's fixtures' MLA/MoE shape) on vLLM 0.26, and the
+                       # real width at 4096: is the forward phase's per-token growth the version's or the width's?
+                       ("ds-tiny", "deepseek_v3", 256, 2048), ("ds-tiny", "deepseek_v3", 256, 8192),
+                       ("ds-wide", "deepseek_v3_wide", 4096, 4096))
 MEMORY_BUDGET_RUNS = tuple((f"gpu-{short}-bt{bt}", f"{model}_bt{bt}", model, f"gpu-mem-{short}-bt{bt}")
                            for short, model, _seq, bt in MEMORY_BUDGET_HOSTS)
 MEMORY_WHOLE_RUNS = (("gpu-ds-wide-whole", "deepseek_v3_wide", "deepseek_v3_wide", "gpu-mem-ds-wide-whole"),
