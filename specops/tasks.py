@@ -337,7 +337,7 @@ def verify(target, run_id=None, samples=3, reference="hf"):
 def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=False, force=False, trainer_arg=None,
           regenerate=False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
           draft_vocab_size=None, master_port=None, algorithm=None, online=False, generation_validation_retries=None,
-          max_consecutive_generation_failures=None, keep_states=None, server_on=None, server_port=None):
+          max_consecutive_generation_failures=None, keep_states=None, server_on=None, server_port=None, tp=None):
     """Train a draft (EAGLE-3 unless --algorithm) on an extraction run's states, detached; follow it and fetch its
     metrics."""
     from specops.train import train as run
@@ -351,7 +351,7 @@ def train(target, run_id=None, from_run=None, epochs=1, dry_run=False, detach=Fa
                total_seq_len=total_seq_len, master_port=master_port, algorithm=algorithm, online=online,
                stream_checks={"generation_validation_retries": generation_validation_retries,
                               "max_consecutive_generation_failures": max_consecutive_generation_failures},
-               keep_states=keep_states, server_on=server_on, server_port=server_port, as_json=target.as_json,
+               keep_states=keep_states, server_on=server_on, server_port=server_port, tp=tp, as_json=target.as_json,
                accept_new_host_key=target.accept_new_host_key)
 
 

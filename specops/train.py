@@ -45,7 +45,7 @@ PROGRESS_EVERY_S = 5.0
 def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: bool, force: bool,
                  trainer_args: list[str] | None = None, regenerate: dict | None = None,
                  action: str = "start", gpus: int | None = None, total_seq_len: int | None = None,
-                 online: bool | dict = False, algorithm: str | None = None) -> dict:
+                 online: bool | dict = False, algorithm: str | None = None, tp: int | None = None) -> dict:
     """The host task's parameters; ``regenerate``: ``{"regen_max_tokens", "regen_temperature"}`` (None values
     left out) for ``train --regenerate``."""
     params = {"action": action, "run_id": run_id, "work_dir": host.spec.work_dir, "from_run": from_run,
@@ -57,6 +57,8 @@ def train_params(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run
         params["gpus"] = int(gpus)
     if total_seq_len:
         params["total_seq_len"] = int(total_seq_len)
+    if tp:  # only when given (or a replica's): the online server's TP, else the states run's
+        params["tp"] = int(tp)
     if online:  # only when given: an offline run records none (a dict: its stream checks given)
         params["online"] = True
         params.update({k: v for k, v in (online if isinstance(online, dict) else {}).items() if v is not None})
@@ -109,14 +111,14 @@ def start_step(host: Host, run_id: str, from_run: str, *, epochs: int, dry_run: 
                trainer_args: list[str] | None = None, regenerate: dict | None = None,
                gpus: int | None = None, total_seq_len: int | None = None, nodes: dict | None = None,
                action: str = "start", online: bool | dict = False, algorithm: str | None = None,
-               online_server: dict | None = None) -> HostReport:
+               online_server: dict | None = None, tp: int | None = None) -> HostReport:
     """The training preflight and the start (or re-attach, or resume) on one host (``action`` check: the
     preflight alone); ``nodes``: its place in a run over several hosts (:mod:`specops.trainnodes`);
     ``online_server``: its half of a disaggregated online run (:func:`disagg_blocks`)."""
     slurm.refuse_train(host.spec)
     params = train_params(host, run_id, from_run, epochs=epochs, dry_run=dry_run, force=force,
                           trainer_args=trainer_args, regenerate=regenerate, gpus=gpus, total_seq_len=total_seq_len,
-                          action=action, online=online, algorithm=algorithm)
+                          action=action, online=online, algorithm=algorithm, tp=tp)
     if nodes:
         params["nodes"] = nodes
     if online_server:
@@ -235,7 +237,7 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
           dry_run: bool = False, detach: bool = False, force: bool = False, trainer_args: list[str] | None = None,
           regenerate: bool = False, regen_max_tokens=None, regen_temperature=None, gpus=None, total_seq_len=None,
           master_port=None, online: bool = False, stream_checks: dict | None = None, keep_states=None,
-          server_on: str | None = None, server_port=None,
+          server_on: str | None = None, server_port=None, tp=None,
           as_json: bool = False, accept_new_host_key: bool = False, algorithm: str | None = None) -> ExitCode:
     """Start (or resume) the train run, follow it, fetch what it wrote: on one host, or one run over every
     selected host (torchrun's nodes, the first host the head: :mod:`specops.trainnodes`)."""
@@ -271,10 +273,14 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     for host in hosts.values():  # before any host is reached: a Slurm host trains alone (slurm.nodes: its job spans them)
         slurm.refuse_train(host.spec, len(hosts))
     nodes = {}
-    disagg = disagg_blocks(inventory, list(hosts), server_on, server_port, online=online, regenerate=regen is not None,
-                           master_port=master_port)
-    if disagg:  # the server host joins the run: its half serves, the --on host's trains
-        hosts[disagg["server"]["server_host"]] = pool.host(disagg["server"]["server_host"])
+    tp = int(tp) if tp not in (None, "") else None  # checked against RUN_ARGS' tp by the task (specops.params)
+    if tp is not None and not online:
+        raise UsageError(f"--tp {tp} sets the TP of an online run's extraction server", "add --online, or drop --tp")
+    # host -> its half of a disaggregated run (the trainer's host first, then the server's: a replica's every host)
+    halves = disagg_blocks(inventory, list(hosts), server_on, server_port, online=online,
+                           regenerate=regen is not None, master_port=master_port, tp=tp)
+    if halves:  # the server's host(s) join the run: they serve, the --on host trains
+        hosts.update({name: pool.host(name) for name in halves if name not in hosts})
         behind = [name for name, host in hosts.items() if slurm.is_slurm(host.spec)]
         if behind:  # a half started there would run on the login node
             raise UsageError(f"--server-on: host(s) {', '.join(behind)} are behind Slurm (scheduler: slurm), and a "
@@ -297,10 +303,8 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
     step = functools.partial(start_step, run_id=run_id, from_run=from_run, epochs=epochs, dry_run=dry_run, force=force,
                              trainer_args=extra, regenerate=regen, gpus=gpus, total_seq_len=total_seq_len,
                              online=online_params(stream_checks, keep_states) if online else False,
-                             algorithm=algorithm)
+                             algorithm=algorithm, tp=tp)
     checked: dict[str, list[Record]] = {}
-    halves = {block["trainer_host" if role == "trainer" else "server_host"]: block
-              for role, block in disagg.items()}  # host -> its half of a disaggregated run
     if nodes:
         refused, checked = _nodes_preflight(inventory, hosts, nodes, step, run_id, as_json)
         if refused is not None:
@@ -390,13 +394,19 @@ def train(inventory: Inventory, selector: str | None, *, run_id: str | None, fro
 
 
 def disagg_blocks(inventory: Inventory, selected: list[str], server_on, server_port, *, online: bool,
-                  regenerate: bool, master_port) -> dict:
-    """``--server-on``: each half's ``online_server`` block of a disaggregated online run (``{"trainer": ...,
-    "server": ...}``, see :data:`remote.train.online.DISAGG_KEYS`); {} without it. The server host is reached at
-    its replica address (``node_address``, else its address when that is an IP), as a replica's head is.
+                  regenerate: bool, master_port, tp=None) -> dict[str, dict]:
+    """``--server-on``: each host's ``online_server`` block of a disaggregated online run, by host (the trainer's
+    host, then the server's; see :data:`remote.train.online.DISAGG_KEYS`); {} without it. The server host is reached
+    at its replica address (``node_address``, else its address when that is an IP), as a replica's head is.
+
+    ``--server-on`` names a host, or a replica of the inventory (``replicas:``): the server is then that replica,
+    its head the API the trainer streams from, every host its ranks (each block adds its place,
+    :func:`specops.replica.node_block`), at the replica's TP.
 
     :raises UsageError: naming the flag (or the inventory field) and the fix; nothing is started.
     """
+    from specops import replica as replicas
+
     server_on = _train_flag("server_on", server_on)
     port = _train_flag("server_port", server_port)
     if server_on is None:
@@ -413,42 +423,68 @@ def disagg_blocks(inventory: Inventory, selected: list[str], server_on, server_p
     if master_port is not None:
         raise UsageError("--master-port is the rendezvous of a training run over several hosts; a disaggregated "
                          "online run's trainer runs on one", "drop --master-port (--server-port sets the server's)")
-    if server_on not in inventory.hosts:
-        raise UsageError(f"--server-on {server_on!r} is not a host of {inventory.path}",
-                         f"name one of its hosts: {', '.join(inventory.hosts)}")
+    replica = inventory.replicas.get(server_on)
+    if server_on not in inventory.hosts and replica is None:
+        raise UsageError(f"--server-on {server_on!r} is not a host or a replica of {inventory.path}",
+                         f"name one of its hosts ({', '.join(inventory.hosts)})"
+                         + (f" or replicas ({', '.join(inventory.replicas)})" if inventory.replicas else ""))
     if len(selected) != 1:
         raise UsageError(f"--server-on with --on {', '.join(selected)}: a disaggregated online run's trainer runs "
                          f"on one host", "select the trainer's host alone (--on HOST)")
     trainer = selected[0]
-    if trainer == server_on:
-        raise UsageError(f"--server-on {server_on} is the trainer's host too",
-                         f"drop --server-on to run both halves on {trainer} (colocated), or name another host")
-    address = inventory.hosts[server_on].replica_address
+    servers = list(replica.hosts) if replica is not None else [server_on]
+    if trainer in servers:
+        raise UsageError(f"--server-on {server_on} is the trainer's host too" if replica is None else
+                         f"--server-on {server_on}: the trainer's host {trainer} is a host of replica {server_on} "
+                         f"({', '.join(servers)})",
+                         f"drop --server-on to run both halves on {trainer} (colocated), or name another host"
+                         if replica is None else f"train on a host outside replica {server_on} (--on HOST), or "
+                                                 f"name another replica or host")
+    if replica is not None:  # its TP is the replica's (its ranks over its hosts): another --tp is refused
+        tp = replicas.replica_overrides(inventory, replica.head, {"tp": tp})["tp"]
+    address = inventory.hosts[servers[0]].replica_address  # a replica's hosts have theirs (the inventory's check)
     if address is None:
         raise UsageError(f"--server-on {server_on}: the trainer's host reaches the server at an IP address, and "
                          f"host {server_on}'s address {inventory.hosts[server_on].address!r} is a name",
                          f"set node_address of host {server_on} in {inventory.path} to the IP the trainer's host "
                          f"reaches it on")
-    block = {"server_host": server_on, "trainer_host": trainer, "address": address, "port": int(port),
+    block = {"server_host": servers[0], "trainer_host": trainer, "address": address, "port": int(port),
              "watch_port": int(port) + 1}
-    return {"trainer": {"role": "trainer", **block}, "server": {"role": "server", **block}}
+    halves = {trainer: {"role": "trainer", **block}}
+    for host in servers:
+        halves[host] = {"role": "server", **block}
+        if replica is not None:
+            halves[host]["replica"] = replicas.node_block(inventory, replica, host)
+    return halves
 
 
 def disagg_preflight(inventory: Inventory, hosts: dict[str, Host], halves: dict, step,
                      as_json: bool) -> tuple[ExitCode | None, dict[str, list[Record]]]:
-    """A disaggregated online run, before either half starts: the train checks of both hosts at once, so the
+    """A disaggregated online run, before either half starts: the train checks of every host at once, so the
     server host holds its address's ports while the trainer's host reaches them (``train.server_address``, as
-    a replica's preflight checks its head's ports). The exit code of a refusal (its reports printed), else None;
-    and the address records each half's start report begins with, by host."""
+    a replica's preflight checks its head's ports); a server that is a replica then gets the replica's own preflight
+    (:func:`specops.replica.judge`: every host answered, versions, model, devices, its ports, clocks) on its head's
+    report. The exit code of a refusal (its reports printed), else None; and the records each half's start report
+    begins with, by host."""
+    from specops import replica as replicas
+
     checks = run_on_hosts(inventory, ",".join(hosts), "train",
                           lambda h: step(hosts[h.name], online_server=halves[h.name], action="check"))
+    added = {r.host: [x for x in r.records if x.name == "train.server_address"] for r in checks}
+    head = next(iter(halves.values()))["server_host"]
+    replica = inventory.replica_of(head) if any(b.get("replica") for b in halves.values()) else None
+    if replica is not None and not any(r.failed for r in checks):
+        found = replicas.judge(replica, replicas.probe_hosts(inventory, replica, lambda n: hosts[n], {}))
+        report = next(r for r in checks if r.host == head)
+        report.records += found
+        added[head] += found
     if not any(r.failed for r in checks):
-        return None, {r.host: [x for x in r.records if x.name == "train.server_address"] for r in checks}
+        return None, added
     failed = [r.host for r in checks if r.failed]
     _not_started(checks, "train.online", f"the disaggregated online run was not started: the checks of "
-                                         f"{', '.join(failed)} failed (neither half starts until both can run)",
-                 lambda report: "fix what the records above name (both hosts read the states run --from-run names, "
-                                "and the model), then run the same command again")
+                                         f"{', '.join(failed)} failed (no half starts until every host can run)",
+                 lambda report: "fix what the records above name (every host reads the states run --from-run "
+                                "names, and the model), then run the same command again")
     print_reports(checks, as_json=as_json)
     return max(r.exit_code for r in checks), {}
 

@@ -256,7 +256,11 @@ def test_the_ranks_ledgers_give_the_kept_runs_rows_and_its_rate_over_the_servers
 @pytest.mark.parametrize("args, says", [
     (["--on", "pair", "--online"], "--online over several --on hosts"),
     (["--on", "a", "--server-on", "b"], "--server-on b places an online run's extraction server"),
-    (["--on", "a", "--online", "--server-on", "zz"], "--server-on 'zz' is not a host of"),
+    (["--on", "a", "--online", "--server-on", "zz"], "--server-on 'zz' is not a host or a replica of"),
+    # a server that is a replica over several hosts: the trainer outside it, at its TP, every host reachable
+    (["--on", "b", "--online", "--server-on", "duo"], "the trainer's host b is a host of replica duo (b, c)"),
+    (["--on", "a", "--online", "--server-on", "duo", "--tp", "4"], "--tp 4 for replica 'duo', whose tp is 2"),
+    (["--on", "a", "--tp", "2"], "--tp 2 sets the TP of an online run's extraction server"),
     (["--on", "a", "--online", "--server-on", "a"], "--server-on a is the trainer's host too"),
     (["--on", "pair", "--online", "--server-on", "b"], "a disaggregated online run's trainer runs on one host"),
     (["--on", "a", "--online", "--server-on", "n"], "set node_address of host n"),
@@ -267,8 +271,10 @@ def test_bad_disaggregated_online_input_names_the_flag_before_connecting(args, s
     host = {"address": "10.0.0.1", "python": "python3", "work_dir": "/w", "model_path": "/m", "output_dir": "/o"}
     inv = tmp_path / "inv.yaml"
     inv.write_text(yaml.safe_dump({"hosts": {"a": host, "b": {**host, "address": "10.0.0.2"},
+                                             "c": {**host, "address": "10.0.0.3"},
                                              "n": {**host, "address": "gpu-n.example"}},
-                                   "groups": {"pair": ["a", "b"]}}))
+                                   "groups": {"pair": ["a", "b"]},
+                                   "replicas": {"duo": {"hosts": ["b", "c"], "tp": 2}}}))
     proc = specops("train", "--inventory", inv, "--run-id", "t", "--from-run", "r", *args, timeout=60)
     assert proc.returncode == 3 and says in proc.stderr, proc.stdout + proc.stderr
 

@@ -275,11 +275,30 @@ class HostWatch:
         for sock in socks:
             send(sock, event, **fields)
 
-    def close(self, state: str | None, message: str = "") -> None:
-        """Tell every worker host how the run ended, and stop watching."""
+    def cause(self, error: dict, seen_at: float, grace_s: float) -> dict:
+        """The run's error, given the head's own ``error`` seen at ``seen_at`` (monotonic), waiting up to
+        ``grace_s`` for a worker host's word.
+
+        A worker host is the cause when its connection closed (the host died: nothing else closes
+        it), or when its failure reached the watch before the head saw its own (a dead worker fails
+        the head's request within seconds, after its word). A worker whose ranks died after the head
+        failed died of it: its error is kept beside the head's (``other_errors``).
+        """
+        lost = self.wait_lost(grace_s)
+        if lost is None:
+            return error
+        head = {k: error.get(k) for k in ("rank", "type", "message", "where")}
+        # a host that died, or was aborted by request, is the cause whenever the head saw its own failure
+        if lost.get("type") in ("HostLost", "Aborted") or (self.lost_at or 0) <= seen_at:
+            return {**lost, "head_error": head}
+        return {**error, "other_errors": [*(error.get("other_errors") or []), lost]}
+
+    def close(self, state: str | None, message: str = "", **fields) -> None:
+        """Tell every worker host how the run ended (``fields``: more of the ``end`` message, such as the
+        ``host`` that ended it), and stop watching."""
         with self._lock:
             self._closing = True
-        self.broadcast("end", state=state or RunState.FAILED.value, message=message)
+        self.broadcast("end", state=state or RunState.FAILED.value, message=message, **fields)
         for sock in self._socks:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -413,7 +432,7 @@ class NodeSupervisor:
 
         self.paths = RunPaths(run_dir)
         self.params = json.loads(self.paths.params.read_text())
-        self.replica = self.params["replica"]
+        self.replica = self.replica_of(self.params)
         self.node = int(self.replica["node_rank"])
         self.host = host_of(self.replica, self.node)
         self.ranks = ranks_of(self.replica, self.node)
@@ -424,6 +443,11 @@ class NodeSupervisor:
                      "node_rank": self.node, "ranks": self.ranks})
         self.engine = None
         self.sock: socket.socket | None = None
+
+    @staticmethod
+    def replica_of(params: dict) -> dict:
+        """This host's place in its replica (an extraction's ``params["replica"]``)."""
+        return params["replica"]
 
     def _connect(self, timeout: float) -> socket.socket:
         return connect_to_head(self.replica, timeout)

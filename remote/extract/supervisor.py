@@ -230,23 +230,11 @@ class Supervisor:
             server.stop(ABORT_STOP_GRACE_S)
 
     def _lost_host(self, error: dict, seen_at: float) -> dict:
-        """The run's error, given this host's own ``error`` seen at ``seen_at`` (monotonic).
-
-        A worker host is the cause when its connection closed (the host died: nothing else closes
-        it), or when its failure reached the watch before this host saw its own (a dead worker fails
-        the head's request within seconds, after its word). A worker whose ranks died after this
-        host failed died of it: its error is kept beside this one (``other_errors``).
-        """
+        """The run's error, given this host's own ``error`` seen at ``seen_at`` (monotonic): a worker host's
+        when it is the cause (:meth:`remote.extract.replica.HostWatch.cause`)."""
         if self.watch is None:
             return error
-        lost = self.watch.wait_lost(WORKER_LOSS_GRACE_S)
-        if lost is None:
-            return error
-        head = {k: error.get(k) for k in ("rank", "type", "message", "where")}
-        # a host that died, or was aborted by request, is the cause whenever this host saw its own failure
-        if lost.get("type") in ("HostLost", "Aborted") or (self.watch.lost_at or 0) <= seen_at:
-            return {**lost, "head_error": head}
-        return {**error, "other_errors": [*(error.get("other_errors") or []), lost]}
+        return self.watch.cause(error, seen_at, WORKER_LOSS_GRACE_S)
 
     def _release_replica(self, state: str | None, message: str) -> None:
         """Tell the worker hosts how the run ended (they stop their ranks), once."""

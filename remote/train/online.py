@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from remote.extract import replica
+
 #: the train run's dir for the server (``storage/``, ``logs/server.log``)
 SERVER_DIR = "server"
 #: how often the watcher looks at the server while the trainer runs
@@ -71,7 +73,10 @@ class OnlineServer:
                                  SERVED_MODEL_NAME]
         if params.get("bind_host"):  # disaggregated: where the trainer's host reaches it (OnlineServerHalf)
             served.update(bind_host=params["bind_host"], port=int(params["bind_port"]))
-        self.server = VllmServer(plan.model_path, tp=int(run_params.get("tp") or 1),
+        node = params.get("replica")  # a replica over several hosts: this host's ranks of it (OnlineServerNode too)
+        if node:
+            served["replica"] = dict(node)
+        self.server = VllmServer(plan.model_path, tp=int((node or {}).get("tp") or params.get("tp") or run_params.get("tp") or 1),
                                  layer_ids=capture_ids(plan), work_dir=Path(run_dir) / SERVER_DIR,
                                  max_model_len=plan.seq_len + 1, params=served,
                                  python=params.get("python") or sys.executable)
@@ -131,8 +136,17 @@ class OnlineServer:
 #: ``params["online_server"]`` of a disaggregated online run (the laptop's :func:`specops.train.disagg_blocks`):
 #: ``{"role": "server" | "trainer", "server_host", "trainer_host", "address", "port", "watch_port"}``; the server
 #: host's API listens on ``address:port``, its supervisor's watch (:class:`remote.extract.replica.HostWatch`, the
-#: replica's own) on ``address:watch_port``, which the trainer host's supervisor joins as a replica's worker does
-DISAGG_KEYS = ("role", "server_host", "trainer_host", "address", "port", "watch_port")
+#: replica's own) on ``address:watch_port``, which the trainer host's supervisor joins as a replica's worker does.
+#: A server that is a replica over several hosts (``--server-on REPLICA``): ``server_host`` is its head, and each
+#: server host's block adds ``replica``, its place in it (:func:`specops.replica.node_block`): the head runs the API
+#: and ranks ``0..k-1`` and watches the others on the replica's own watch port, each worker host runs its ranks
+#: headless (:class:`OnlineServerNode`)
+DISAGG_KEYS = ("role", "server_host", "trainer_host", "address", "port", "watch_port", "replica")
+
+
+def node_rank(disagg: dict) -> int:
+    """This server host's node in its replica (0: the head, or a server on one host)."""
+    return int((disagg.get("replica") or {}).get("node_rank") or 0)
 
 
 def watch_block(disagg: dict) -> dict:
@@ -142,16 +156,20 @@ def watch_block(disagg: dict) -> dict:
             "watch_port": int(disagg["watch_port"])}
 
 
-def server_died(disagg: dict, cause: str) -> dict:
-    """The trainer half's error for a server host's server (or its supervisor) gone: names the host and its address."""
+def server_died(disagg: dict, cause: str, host: str | None = None) -> dict:
+    """The trainer half's error for a server host's server (or its supervisor) gone: names the host (``host``: the
+    replica's host that ended it, else the head) and the head's address."""
     from remote.wire import status as wire_status
 
+    host = host or disagg["server_host"]
+    node = disagg.get("replica") or {}
+    where = (f"host {host} of replica {node.get('name')} (head {disagg['server_host']}, "
+             if node else f"host {host} (") + f"{disagg['address']}:{disagg['port']})"
     return wire_status.error(
-        "OnlineServerDied", f"the online extraction server on host {disagg['server_host']} "
-                            f"({disagg['address']}:{disagg['port']}) died while the trainer ran: {cause}; the trainer "
-                            f"was stopped. Read the server host's log (specops logs --on {disagg['server_host']}); the "
-                            f"same train command resumes from the last epoch checkpoint with a fresh server",
-        rank=0, where=f"online server on host {disagg['server_host']}", host=disagg["server_host"])
+        "OnlineServerDied", f"the online extraction server on {where} died while the trainer ran: {cause}; the "
+                            f"trainer was stopped. Read the server host's log (specops logs --on {host}); the same "
+                            f"train command resumes from the last epoch checkpoint with a fresh server",
+        rank=0, where=f"online server on host {host}", host=host)
 
 
 class OnlineServerHalf:
@@ -160,22 +178,49 @@ class OnlineServerHalf:
     endpoint) is sent once the server answers, ``end`` when the run ends."""
 
     def __init__(self, run_dir, plan, run_params: dict, params: dict):
-        from remote.extract import replica
-
         self.disagg = dict(params["online_server"])
-        bound = {**params, "bind_host": self.disagg["address"], "bind_port": int(self.disagg["port"])}
+        bound = {**params, "bind_host": self.disagg["address"], "bind_port": int(self.disagg["port"]),
+                 "replica": self.disagg.get("replica")}
         self.online = OnlineServer(run_dir, plan, run_params, bound)
         self.watch = replica.HostWatch(watch_block(self.disagg), on_lost=lambda error: None)
+        #: a replica's head: its worker hosts on the replica's own watch (their ranks join this server)
+        self.hosts = (replica.HostWatch(self.disagg["replica"], on_lost=self._host_lost)
+                      if self.disagg.get("replica") else None)
+        self.ready = False
+
+    def _host_lost(self, error: dict) -> None:
+        """A worker host of the replica failed or vanished while the server loads: stop it, so the wait for it
+        ends now (once it serves, :meth:`serve`'s loop sees the loss)."""
+        if not self.ready:
+            self.online.server.stop(grace_s=STOP_GRACE_S)
+
+    def _ended(self, error: dict) -> tuple[str, dict]:
+        """The run fails with ``error``; the trainer host hears it, naming the host that ended it."""
+        from remote.wire.contract import RunState
+
+        self.watch.close(RunState.FAILED.value, error["message"], host=error.get("host") or self.disagg["server_host"])
+        return RunState.FAILED.value, error
 
     def serve(self, status, ready_timeout_s: float) -> tuple[str, dict | None]:
         """Start both, then hold until the trainer says bye (its state), the trainer host is lost, or the server
         dies: the run's end state and error (None: done)."""
+        from remote.extract.engines.vllm_server import ServerFailed
         from remote.wire import status as wire_status
         from remote.wire.contract import RunState
 
         self.watch.start()
+        if self.hosts is not None:
+            self.hosts.start()
+            node = self.disagg["replica"]
+            status.update(replica={k: node.get(k) for k in ("name", "hosts", "ranks_per_node", "tp")})
         status.update(online_server=self.online.launch())
-        ready = self.online.wait_ready(ready_timeout_s)
+        try:
+            ready = self.online.wait_ready(ready_timeout_s)
+        except ServerFailed as exc:  # a worker host lost while it loaded: that host is the cause
+            if self.hosts is None or self.hosts.lost is None:
+                raise
+            return self._ended(self.hosts.cause(wire_status.error_from(exc), time.monotonic(), 0))
+        self.ready = True
         endpoint = self.online.endpoint
         record = {**status.data.get("online_server", {}), "endpoint": endpoint, "ready_s": round(ready, 1),
                   "layer_ids": self.online.server.layer_ids, "command": self.online.server.command,
@@ -185,8 +230,6 @@ class OnlineServerHalf:
         self.watch.broadcast("ready", endpoint=endpoint)
         print(f"[specops] online extraction server ready in {ready:.0f}s at {endpoint} for the trainer on "
               f"{self.disagg['trainer_host']}", flush=True)
-        from remote.extract import replica
-
         since = time.monotonic()
         while True:
             lost = self.watch.wait_lost(WATCH_S)
@@ -208,14 +251,22 @@ class OnlineServerHalf:
                         wire_status.error("TrainerEnded", f"the trainer on host {self.disagg['trainer_host']} ended "
                                           f"{bye}; the server was stopped",
                                           where=f"trainer on host {self.disagg['trainer_host']}"))
+            if self.hosts is not None and self.hosts.lost is not None:  # a worker host's ranks died, or it did
+                return self._ended(self.hosts.lost)
             if not self.online.server.alive:
                 error = self.online.error()
-                self.watch.close(RunState.FAILED.value, error["message"])
-                return RunState.FAILED.value, error
+                if self.hosts is not None:  # the head's server may have died of a worker host's loss
+                    from remote.extract.supervisor import WORKER_LOSS_GRACE_S
+
+                    error = self.hosts.cause(error, time.monotonic(), WORKER_LOSS_GRACE_S)
+                return self._ended(error)
 
     def stop(self, state: str | None = None) -> list[int]:
         killed = self.online.stop()
-        self.watch.close(state, f"the server host {self.disagg['server_host']}'s run ended {state}")
+        ended = f"the server host {self.disagg['server_host']}'s run ended {state}"
+        if self.hosts is not None:  # the worker hosts stop their ranks and end in this state
+            self.hosts.close(state, ended)
+        self.watch.close(state, ended)
         return killed
 
 
@@ -235,8 +286,6 @@ class RemoteServer:
     def launch(self) -> dict:
         """Join the server host's watch (it may still be starting: retried up to its connect timeout)."""
         import os
-
-        from remote.extract import replica
 
         self.sock = replica.connect_to_head(watch_block(self.disagg), replica.CONNECT_TIMEOUT_S)
         replica.send(self.sock, "hello", host=self.disagg["trainer_host"], node_rank=1, ranks=[1], pid=os.getpid())
@@ -261,7 +310,7 @@ class RemoteServer:
                     self._endpoint = str(msg["endpoint"])  # the server half's OnlineServer.endpoint, /v1 included
                     return time.monotonic() - t0
                 if msg.get("event") == "end":
-                    raise ServerFailed(server_died(self.disagg, str(msg.get("message")))["message"])
+                    raise ServerFailed(server_died(self.disagg, str(msg.get("message")), msg.get("host"))["message"])
         raise ServerFailed(f"the online extraction server on host {self.disagg['server_host']} did not answer in "
                            f"{timeout_s:.0f} s")
 
@@ -280,15 +329,13 @@ class RemoteServer:
                 if messages is None or end is not None:
                     cause = (str(end.get("message")) if end else
                              "its supervisor's connection closed with no word (the host died or its run was killed)")
-                    self.died = server_died(self.disagg, cause)
+                    self.died = server_died(self.disagg, cause, (end or {}).get("host"))
                     on_death(self.died)
                     return
         threading.Thread(target=loop, daemon=True, name="online-remote-server-watch").start()
 
     def stop(self, state: str | None = None) -> list[int]:
         """Say bye with the trainer's state: the server host's run stops its server and ends in it."""
-        from remote.extract import replica
-
         self._stopping.set()
         if self.sock is not None:
             replica.send(self.sock, "bye", state=state or "failed")
@@ -297,3 +344,60 @@ class RemoteServer:
             except OSError:
                 pass
         return []
+
+
+
+class _HeadlessRanks:
+    """A worker host's ranks of the online server replica, as :class:`remote.extract.replica.NodeSupervisor` drives
+    an engine (``load``, ``server``, ``close``, ``error_record``): the run's own :class:`OnlineServer`, headless."""
+
+    def __init__(self, online: OnlineServer, on_launch):
+        self.online, self.server, self.params = online, online.server, {}
+        self._on_launch = on_launch
+
+    def load(self) -> None:
+        self._on_launch(self.online.launch())
+        self.online.wait_ready(0)  # headless: at once, or the exception its log names if it already died
+
+    def close(self) -> None:
+        self.server.stop(grace_s=float(self.params.get("stop_grace_s") or STOP_GRACE_S))
+
+    def error_record(self, exc: BaseException) -> dict | None:
+        """The ranks' own exception from their log, as an extraction's worker host names it."""
+        from remote.extract.engines.vllm_server.engine import VllmServerEngine
+
+        return VllmServerEngine.error_record(self, exc)
+
+
+class OnlineServerNode(replica.NodeSupervisor):
+    """A worker host of a disaggregated online run's server replica: its ranks headless, joined to the head's
+    server, watched both ways exactly as an extraction replica's worker host (a dead head stops them; their death
+    fails the head's run, and so the trainer's, naming this host)."""
+
+    @staticmethod
+    def replica_of(params: dict) -> dict:
+        return params["online_server"]["replica"]
+
+    def _engine(self):
+        from remote.extract import samples
+        from remote.train import plan as trainplan
+        from remote.wire import manifest as run_manifest
+
+        plan = trainplan.resolve(self.params)
+        doc = run_manifest.read(Path(plan.states_run_dir) / samples.MANIFEST)
+        # the ranks stay in this supervisor's process group: an abort's SIGKILL to the group takes them
+        online = OnlineServer(self.paths.run_dir, plan, {**(doc.get("params") or {}), "own_session": False},
+                              {**self.params, "replica": self.replica})
+        disagg = self.params["online_server"]
+        self.status.update(online_server={"server_host": disagg["server_host"], "trainer_host": disagg["trainer_host"],
+                                          "replica": self.replica.get("name"), "ranks": self.ranks})
+
+        def launched(record: dict) -> None:
+            self.status.update(online_server={**self.status.data.get("online_server", {}), **record,
+                                              "command": online.server.command})
+        return _HeadlessRanks(online, launched)
+
+
+def serve_node(run_dir) -> int:
+    """A worker host's run of an online server replica (:class:`OnlineServerNode`)."""
+    return OnlineServerNode(Path(run_dir)).run()

@@ -591,6 +591,11 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         print("usage: python -m remote.train.supervisor RUN_DIR", file=sys.stderr)
         return 2
+    params = json.loads(RunPaths(argv[0]).params.read_text())
+    from remote.train import online
+
+    if online.node_rank(params.get("online_server") or {}) > 0:  # a worker host of the online server's replica
+        return online.serve_node(argv[0])
     sup = TrainSupervisor(argv[0])
     os.environ["SPECOPS_RUN_DIR"] = str(sup.paths.run_dir)
 

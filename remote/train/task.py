@@ -32,7 +32,7 @@ from pathlib import Path
 from remote.extract import samples
 from remote.run import job
 from remote.system import modelconfig
-from remote.train import memory as trainmem, plan as trainplan
+from remote.train import memory as trainmem, online, plan as trainplan
 from remote.train.plan import TrainError
 from remote.wire import fsutil, protocol
 from remote.wire.argspec import RUN_ARGS, TRAIN_ARGS, Arg, Spec
@@ -54,6 +54,8 @@ SPEC = Spec("train", TRAIN_ARGS, {
     "algorithm": RUN_ARGS["algorithm"],
     "python": RUN_ARGS["python"].but(call=True, doc="the trainer's python (default: this one)"),
     "device": RUN_ARGS["device"],
+    "tp": RUN_ARGS["tp"].but(doc="online: the TP of the run's extraction server (default: the states run's; a "
+                                 "replica's own with --server-on REPLICA)"),
     "env": RUN_ARGS["env"],
     "force": Arg("bool", False, call=True, doc="start beside another run of this host"),
     # a host behind Slurm: the start submits the supervisor as a batch job, as an extraction's does
@@ -164,7 +166,9 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         records.append(trainmem.check(plan, modelconfig.read(plan.model_path), params.get("env"), elsewhere))
         if plan.device == "cpu":
             records.append(check_cpu_launcher())
-    if params.get("online_server") and params["action"] == "check":
+    # the server's address is its head's: a replica's worker host neither holds nor reaches it (its ranks reach the
+    # head on the replica's own ports, which the laptop's replica preflight checks)
+    if params.get("online_server") and params["action"] == "check" and not online.node_rank(params["online_server"]):
         records.append(check_server_address(params["online_server"]))
     return plan
 

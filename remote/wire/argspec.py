@@ -556,9 +556,10 @@ TRAIN_ARGS = {
     "max_consecutive_generation_failures": Arg("int", min=1, doc="online: speculators' --max-consecutive-generation-"
                                                "failures, samples in a row given up before the run fails (default "
                                                "its 20)"),
-    "server_on": Arg("str", help="--online, disaggregated: the inventory host that runs the run's extraction server "
-                     "(the trainer runs on --on's host, which reaches it at the server host's node_address, or its "
-                     "address when that is an IP)"),
+    "server_on": Arg("str", help="--online, disaggregated: the inventory host, or replica over several hosts "
+                     "(replicas:), that runs the run's extraction server (the trainer runs on --on's host, which "
+                     "reaches it at the server host's (the replica head's) node_address, or its address when that "
+                     "is an IP)"),
     "server_port": Arg("int", 29600, min=1, max=65534, help="--online --server-on: the port the server's API listens "
                        "on at the server host's address; the next one is its supervisor's watch"),
     "keep_states": Arg("str", "none", choices=("none", "all"), doc="online: which streamed states stay on disk; none "
