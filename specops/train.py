@@ -184,10 +184,12 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                       detail={"nodes": nodes, "wall_s": st.get("wall_s"), "memory": memory})
     served = st.get("online_server") or {}
     if state.state == "done" and served.get("trainer_host"):  # the server host's half of a disaggregated run
+        how = (f"ranks {served['ranks']} of replica {served.get('replica')} (headless) served the trainer on "
+               f"{served['trainer_host']} through the head {served.get('server_host')}" if served.get("ranks") else
+               f"served the trainer on {served['trainer_host']} at {served.get('endpoint')} (ready in "
+               f"{served.get('ready_s')} s)")
         return Record(name="train.run", status="ok",
-                      summary=f"run {run_id} done: served the trainer on {served['trainer_host']} at "
-                              f"{served.get('endpoint')} (ready in {served.get('ready_s')} s); the curve and the "
-                              f"checkpoints are on {served['trainer_host']}",
+                      summary=f"run {run_id} done: {how}; the curve and the checkpoints are on {served['trainer_host']}",
                       detail={"online_server": served, "wall_s": st.get("wall_s")})
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}

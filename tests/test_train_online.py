@@ -286,10 +286,10 @@ def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_othe
     from remote.extract import replica
     from remote.train import online
 
-    def halves():
+    def halves(**more):
         port = free_port_pair()
         block = {"server_host": "sv", "trainer_host": "th", "address": "127.0.0.1", "port": port,
-                 "watch_port": port + 1}
+                 "watch_port": port + 1, **more}
         watch = replica.HostWatch(online.watch_block(block), on_lost=lambda error: None)
         watch.start()
         trainer = online.RemoteServer({"online_server": {"role": "trainer", **block}})
@@ -307,6 +307,14 @@ def test_the_trainer_half_joins_the_server_halfs_watch_each_end_seen_by_the_othe
     _until(lambda: died)
     assert died[0]["type"] == "OnlineServerDied" and died[0]["where"] == "online server on host sv", died
     assert "on host sv (127.0.0.1:" in died[0]["message"] and "(pid 7)" in died[0]["message"], died
+    # a server that is a replica: the head's end names the worker host whose ranks ended it
+    block, watch, trainer = halves(replica={"name": "svr", "hosts": ["sv", "sv2"], "node_rank": 0})
+    died.clear()
+    trainer.watch(died.append)
+    watch.close("failed", "on host sv2 (node 1): the headless ranks (pid 8) died: killed by SIGKILL", host="sv2")
+    _until(lambda: died)
+    assert died[0]["where"] == "online server on host sv2" and died[0]["host"] == "sv2", died
+    assert "on host sv2 of replica svr (head sv, 127.0.0.1:" in died[0]["message"] and "(pid 8)" in died[0]["message"]
     # the trainer's end: its bye, with its state, is what the server half ends in
     block, watch, trainer = halves()
     trainer.stop("done")
@@ -327,6 +335,9 @@ def test_the_server_halfs_done_record_names_where_the_trainer_ran():
     rec = run_record("t", RunStatus(state="done", online_server={"trainer_host": "th", "ready_s": 30.0,
                                                                   "endpoint": "http://10.0.0.2:29600/v1"}))
     assert rec.status == "ok" and "served the trainer on th at http://10.0.0.2:29600/v1" in rec.summary, rec
+    worker = run_record("t", RunStatus(state="done", online_server={"trainer_host": "th", "server_host": "sv",
+                                                                      "replica": "duo", "ranks": [1]}))
+    assert "ranks [1] of replica duo (headless) served the trainer on th through the head sv" in worker.summary, worker
     trainer = run_record("t", RunStatus(state="done", step=3, loss=0.1, online_server={"server_host": "sv"}))
     assert "served" not in trainer.summary and "step 3" in trainer.summary, trainer
 
@@ -454,23 +465,29 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     faulty = _with_env(inv, tmp_path / "faulty.yaml", SPECOPS_STREAM_FAULT=json.dumps(STREAM_FAULT))
     t0 = time.monotonic()
 
-    # 1. disaggregated: the server on a second host (sv), the trainer here (th), one run id; the server dies while
-    # the trainer runs: the run fails naming it and its host; nothing of it is left on either host
-    server_host = TestHost(name=f"pytest-online-sv-{os.getpid()}", root=tmp_path / "sshd-sv")
-    server_host.up()
+    # 1. disaggregated: the server a replica over two more hosts (svr: head sv, worker sv2, TP=2), the trainer here
+    # (th), one run id; the worker host's server dies while the trainer runs: the run fails naming that host;
+    # nothing of it is left on any host
+    server_hosts = [TestHost(name=f"pytest-online-{name}-{os.getpid()}", root=tmp_path / f"sshd-{name}")
+                    for name in ("sv", "sv2")]
     try:
-        two_hosts = _two_hosts(paced, tmp_path, server_host, run["run_id"])
-        server_dir = tmp_path / "sv" / "work" / "runs" / "online"
+        for sshd in server_hosts:
+            sshd.up()
+        three_hosts = _server_replica(paced, tmp_path, server_hosts, run["run_id"])
+        server_dir, worker_dir = (tmp_path / name / "work" / "runs" / "online" for name in ("sv", "sv2"))
         port = free_port_pair()
-        started = specops("train", "--inventory", two_hosts, "--on", "th", "--server-on", "sv", "--server-port", port,
-                          *args, "--detach", "--json", env=env)
+        started = specops("train", "--inventory", three_hosts, "--on", "th", "--server-on", "svr", "--server-port",
+                          port, *args, "--detach", "--json", env=env)
         assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
         by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(started.stdout)["hosts"]}
         recs = by_host["th"]
-        # preflight: the trainer's host reached the server host's two ports while it held them
+        # preflight: the trainer's host reached the head's two ports while it held them; the replica's own checks
         reached = recs["train.server_address"]
         assert reached["status"] == "ok" and reached["detail"]["reach"] == {str(port): None, str(port + 1): None}
         assert by_host["sv"]["train.server_address"]["detail"]["listen"]["peers"][str(port)] == ["127.0.0.1"]
+        assert "train.server_address" not in by_host["sv2"], by_host["sv2"]  # a worker host reaches the replica's
+        for name in ("replica.hosts", "replica.model", "replica.master_port"):
+            assert by_host["sv"][name]["status"] == "ok", by_host["sv"][name]
         online = recs["train.online"]
         assert online["status"] == "ok" and online["detail"]["captured"] == [2, 4, 5, 8], online
         disk = online["detail"]["disk"]  # what each way keeps: online the token dataset alone
@@ -487,18 +504,29 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
         server = served["online_server"]
         assert served["state"] == "extracting" and server["layer_ids"] == [2, 4, 5, 8], served
         assert server["endpoint"] == st["online_server"]["endpoint"] == f"http://127.0.0.1:{port}/v1", (served, st)
+        # both hosts run ranks of the one TP=2 server the trainer streams from: the head 0 with the API, sv2 1 headless
+        assert served["replica"] == {"name": "svr", "hosts": ["sv", "sv2"], "ranks_per_node": 1, "tp": 2}, served
+        assert _flags(server["command"]) >= {("--nnodes", "2"), ("--node-rank", "0"), ("--tensor-parallel-size", "2")}
+        worked = _read_status(worker_dir)
+        worker = worked["online_server"]
+        assert worked["state"] == "extracting" and worker["ranks"] == [1] and "--headless" in worker["command"], worked
+        assert _flags(worker["command"]) >= {("--nnodes", "2"), ("--node-rank", "1")}, worker["command"]
+        assert leftover_pids(server["marker"]) and leftover_pids(worker["marker"]), (server, worker)
         t_first = time.monotonic() - t0
-        os.kill(server["pid"], signal.SIGKILL)
+        os.kill(worker["pid"], signal.SIGKILL)
         st = _wait(inv, "online", env, lambda s: False, timeout=120)
         assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
-        assert "online extraction server on host sv" in st["error"]["message"], st["error"]
-        assert str(server["pid"]) in st["error"]["message"], st["error"]  # the server half's own words
-        assert st["error"]["where"] == "online server on host sv" and st["error"]["rank"] == 0, st["error"]
-        assert leftover_pids(server["marker"]) == [] and _trainers(run_dir) == []
+        assert "online extraction server on host sv2 of replica svr" in st["error"]["message"], st["error"]
+        assert str(worker["pid"]) in st["error"]["message"], st["error"]  # the worker host's own words
+        assert st["error"]["where"] == "online server on host sv2" and st["error"]["rank"] == 0, st["error"]
+        for marker in (server["marker"], worker["marker"]):
+            assert _gone(marker, run_dir), (leftover_pids(marker), _trainers(run_dir))
         _until(lambda: _read_status(server_dir).get("state") == "failed", timeout=60)
-        assert _read_status(server_dir)["error"]["type"] == "OnlineServerDied", _read_status(server_dir)
+        assert _read_status(server_dir)["error"]["host"] == "sv2", _read_status(server_dir)
+        assert _read_status(worker_dir)["state"] == "failed", _read_status(worker_dir)
     finally:
-        server_host.destroy()
+        for sshd in server_hosts:
+            sshd.destroy()
     # --keep-states none (the default): the token dataset only, linked; no state file anywhere in the run
     data = run_dir / trainplan.ONLINE_DATA
     assert [p for p in data.rglob("*") if not p.is_symlink()] == [], list(data.rglob("*"))
@@ -665,20 +693,28 @@ def _check_ranked(inv, env, work: Path, states_run: str) -> dict:
     return kept
 
 
-def _two_hosts(inv, tmp_path: Path, server_host, states_run: str) -> Path:
-    """The shared inventory's host ``th`` (the trainer's) and ``sv``: a second sshd on loopback with its own work
-    dir, the same modern env, the states run linked into its runs (the server host reads its manifest)."""
+def _server_replica(inv, tmp_path: Path, server_hosts, states_run: str) -> Path:
+    """The shared inventory's host ``th`` (the trainer's), and ``sv`` and ``sv2`` as replica ``svr`` (TP=2, head
+    ``sv``, one core each): each a second sshd on loopback with its own work dir, the same modern env, the states
+    run linked into its runs (a server host reads its manifest)."""
     doc = yaml.safe_load(Path(inv).read_text())
     th = doc["hosts"]["th"]
-    info = server_host.info()
-    work = tmp_path / "sv" / "work"
-    (work / "runs").mkdir(parents=True)
-    (work / "runs" / states_run).symlink_to(Path(th["work_dir"]) / "runs" / states_run)
-    doc["hosts"]["sv"] = {**th, "port": info["port"], "user": info["user"], "key": info["key"],
-                          "known_hosts": info["known_hosts"], "work_dir": str(work)}
-    path = tmp_path / "two-hosts.yaml"
+    for core, (name, sshd) in enumerate(zip(("sv", "sv2"), server_hosts)):
+        info, work = sshd.info(), tmp_path / name / "work"
+        (work / "runs").mkdir(parents=True)
+        (work / "runs" / states_run).symlink_to(Path(th["work_dir"]) / "runs" / states_run)
+        doc["hosts"][name] = {**th, "port": info["port"], "user": info["user"], "key": info["key"],
+                              "known_hosts": info["known_hosts"], "work_dir": str(work),
+                              "env": {**(th.get("env") or {}), "VLLM_CPU_OMP_THREADS_BIND": str(core)}}
+    doc["replicas"] = {"svr": {"hosts": ["sv", "sv2"], "tp": 2, "master_port": free_port_pair()}}
+    path = tmp_path / "server-replica.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def _flags(command: list[str]) -> set[tuple[str, str]]:
+    """A command's ``--flag value`` pairs."""
+    return set(zip(command, command[1:]))
 
 
 def _read_status(run_dir: Path) -> dict:

@@ -130,6 +130,12 @@ class Lines:
 
 # --------------------------------------------------------------------------- the head's side
 
+def killed_by_signal(error: dict) -> bool:
+    """Whether a run's error is its server's API process ended by a signal (``waitpid`` said so: the
+    death record of :meth:`remote.extract.engines.vllm_server.process.VllmServer.own_death`)."""
+    return (error.get("death") or {}).get("source") == "waitpid"
+
+
 def names_host(message: str, host: str) -> bool:
     """Whether ``message`` names ``host`` as a whole word (``h1`` is not named by "h10 died")."""
     return re.search(rf"(?<![\w.-]){re.escape(host)}(?![\w-]|\.\w)", message) is not None
@@ -280,16 +286,20 @@ class HostWatch:
         ``grace_s`` for a worker host's word.
 
         A worker host is the cause when its connection closed (the host died: nothing else closes
-        it), or when its failure reached the watch before the head saw its own (a dead worker fails
-        the head's request within seconds, after its word). A worker whose ranks died after the head
-        failed died of it: its error is kept beside the head's (``other_errors``).
+        it), when its server was killed by a signal and the head's was not (a kill is no
+        consequence of a peer's failure, and its ranks' peers on the head may fail in a collective
+        before the worker's word arrives), or when its failure reached the watch before the head saw
+        its own (a dead worker fails the head's request within seconds, after its word). A worker
+        whose ranks died after the head failed died of it: its error is kept beside the head's
+        (``other_errors``).
         """
         lost = self.wait_lost(grace_s)
         if lost is None:
             return error
         head = {k: error.get(k) for k in ("rank", "type", "message", "where")}
+        killed = killed_by_signal(lost) and not killed_by_signal(error)
         # a host that died, or was aborted by request, is the cause whenever the head saw its own failure
-        if lost.get("type") in ("HostLost", "Aborted") or (self.lost_at or 0) <= seen_at:
+        if lost.get("type") in ("HostLost", "Aborted") or killed or (self.lost_at or 0) <= seen_at:
             return {**lost, "head_error": head}
         return {**error, "other_errors": [*(error.get("other_errors") or []), lost]}
 

@@ -363,10 +363,21 @@ class _HeadlessRanks:
         self.server.stop(grace_s=float(self.params.get("stop_grace_s") or STOP_GRACE_S))
 
     def error_record(self, exc: BaseException) -> dict | None:
-        """The ranks' own exception from their log, as an extraction's worker host names it."""
-        from remote.extract.engines.vllm_server.engine import VllmServerEngine
+        """The ranks' server dead (``exc`` its :class:`ServerFailed`): its pid, and what killed it or what it raised,
+        in its log's words (None: another failure, which the node supervisor names itself)."""
+        from remote.extract.engines.vllm_server import ServerFailed
+        from remote.system import signals
+        from remote.wire import status as wire_status
 
-        return VllmServerEngine.error_record(self, exc)
+        if not isinstance(exc, ServerFailed) or self.server.proc is None:
+            return None
+        death = exc.death or {}
+        cause = exc.exception or death.get("message") or signals.describe_exit(self.server.proc.poll())["text"]
+        return wire_status.error("OnlineServerDied", f"the online extraction server's headless ranks (pid "
+                                                     f"{self.server.proc.pid}) died: {cause} (its log: "
+                                                     f"{self.server.log_path})",
+                                 where="online server ranks (headless)", log=str(self.server.log_path),
+                                 death=death or None, log_tail=(exc.log_tail or "")[-3000:])
 
 
 class OnlineServerNode(replica.NodeSupervisor):
