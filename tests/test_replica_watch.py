@@ -69,6 +69,26 @@ def test_a_hosts_own_failure_keeps_its_rank_and_cause(watch):
     assert len(lost) == 1  # one host, one loss: its connection closing after its word adds nothing
 
 
+def test_the_cause_is_the_worker_killed_by_a_signal_even_when_its_word_comes_after_the_heads_failure(watch):
+    """``HostWatch.cause``: a worker host's later word is a consequence of the head's failure, unless its server was
+    killed by a signal and the head's was not (its peers on the head fail in a collective first)."""
+    import time
+
+    w, block, lost, seen = watch
+    head = {"type": "EngineDeadError", "message": "the engine core died", "rank": 0}
+    seen_at = time.monotonic()
+    b = join(block, 1)
+    replica.send(b, "failed", error={"type": "OnlineServerDied", "message": "ranks (pid 8) died: killed by SIGKILL",
+                                     "death": {"name": "APIServer", "pid": 8, "exit_code": -9, "source": "waitpid"}})
+    assert w.wait_lost(30)["host"] == "b"
+    cause = w.cause(head, seen_at, 0)
+    assert cause["host"] == "b" and cause["head_error"]["type"] == "EngineDeadError", cause
+    # the head's own server killed too: the worker's word, later, is kept beside the head's error
+    killed_head = {**head, "death": {"source": "waitpid"}}
+    assert w.cause(killed_head, seen_at, 0)["other_errors"][0]["host"] == "b"
+    b.close()
+
+
 def test_a_host_that_says_bye_is_not_lost(watch):
     w, block, lost, seen = watch
     b = join(block, 1)
