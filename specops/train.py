@@ -189,7 +189,8 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                f"served the trainer on {served['trainer_host']} at {served.get('endpoint')} (ready in "
                f"{served.get('ready_s')} s)")
         return Record(name="train.run", status="ok",
-                      summary=f"run {run_id} done: {how}; the curve and the checkpoints are on {served['trainer_host']}",
+                      summary=f"run {run_id} done: {how}; the curve and the checkpoints are on "
+                              f"{served['trainer_host']}",
                       detail={"online_server": served, "wall_s": st.get("wall_s")})
     if state.state == "done":
         ckpt = st.get("checkpoint") or {}

@@ -10,11 +10,14 @@ while it loads): on the
 session's shared tiny-Llama extraction (``modern_ssh_run("llama", 1)``, ids ``input:2,4,5,8``), one
 online train run, started five times by the same command:
 
-1. disaggregated (``--server-on sv``: the server on a second test host, its own sshd and work dir, the
-   trainer here), detached, paced (the CPU launcher's pause after each step): preflight reached the
-   server host's ports from the trainer's host; once the trainer is past epoch 0's checkpoint (its
-   status), the server host's API process is killed; the run fails naming the online server and its
-   host, the server host's half fails too, and neither a server process nor the trainer is left;
+1. disaggregated, the server a replica over two more test hosts (``--server-on svr``: head ``sv``, worker
+   ``sv2``, TP=2, one rank each, each its own sshd and work dir; the trainer here), detached, paced (the CPU
+   launcher's pause after each step): preflight reached the head's ports from the trainer's host and ran the
+   replica's own checks; both hosts run ranks of the one server (the head's command ``--node-rank 0``, the
+   worker's ``--headless --node-rank 1``, both alive while the trainer streams); once the trainer is past
+   epoch 0's checkpoint (its status), the worker host's server process is killed; the run fails naming the
+   online server and that host, both server hosts' halves fail too, and neither a server process (on either
+   host) nor the trainer is left;
    nothing but the token dataset's links is on disk (``--keep-states none``); its first steps' losses
    equal an offline train's on the same rows, seed and order;
 2. again, colocated (a resume may move the server), paced: once the fresh server answers and the
@@ -619,7 +622,8 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     t_ranked = time.monotonic()
     ranked = _check_ranked(inv, env, work, run["run_id"])
     t_ranked = time.monotonic() - t_ranked
-    print(f"\nonline train: first server (disaggregated, on sv) ready {server['ready_s']} s, to training {t_first:.0f} s; "
+    print(f"\nonline train: first server (disaggregated, replica svr over sv and sv2) ready {server['ready_s']} s, "
+          f"to training {t_first:.0f} s; "
           f"all five starts and the offline train {time.monotonic() - t0:.0f} s; first-step loss online "
           f"{first_losses[0]}, offline {offline_losses[0]}; {fetched['train.online']['summary']}; two ranks kept "
           f"{ranked['ranks']} at {ranked['tokens_per_s']} tok/s, its wait and checks after 5. {t_ranked:.0f} s")

@@ -13,6 +13,11 @@ axis, as the trainer reads it), loopback only, in the train run's ``server/`` di
 supervisor that dies with it (``die_with_parent``). :class:`OnlineServer` starts it, waits for it, watches it while the
 trainer runs (a server that dies stops the trainer and fails the run naming the server), and
 stops it however the run ends.
+
+Disaggregated (``--server-on``), the server runs on another host (:class:`OnlineServerHalf`; the trainer's host
+joins it through :class:`RemoteServer`), or as a replica over several hosts: the head's half serves and watches
+the others, each of which runs its ranks headless (:class:`OnlineServerNode`, the replica's own worker
+supervisor).
 """
 from __future__ import annotations
 
@@ -76,7 +81,8 @@ class OnlineServer:
         node = params.get("replica")  # a replica over several hosts: this host's ranks of it (OnlineServerNode too)
         if node:
             served["replica"] = dict(node)
-        self.server = VllmServer(plan.model_path, tp=int((node or {}).get("tp") or params.get("tp") or run_params.get("tp") or 1),
+        tp = (node or {}).get("tp") or params.get("tp") or run_params.get("tp") or 1  # a replica's, --tp, the states'
+        self.server = VllmServer(plan.model_path, tp=int(tp),
                                  layer_ids=capture_ids(plan), work_dir=Path(run_dir) / SERVER_DIR,
                                  max_model_len=plan.seq_len + 1, params=served,
                                  python=params.get("python") or sys.executable)
@@ -228,6 +234,8 @@ class OnlineServerHalf:
         status.update(state=RunState.EXTRACTING.value, phase=f"serving the trainer on {self.disagg['trainer_host']}",
                       online_server=record)
         self.watch.broadcast("ready", endpoint=endpoint)
+        if self.hosts is not None:  # the worker hosts' ranks now serve (their status says so)
+            self.hosts.broadcast("ready")
         print(f"[specops] online extraction server ready in {ready:.0f}s at {endpoint} for the trainer on "
               f"{self.disagg['trainer_host']}", flush=True)
         since = time.monotonic()
@@ -344,7 +352,6 @@ class RemoteServer:
             except OSError:
                 pass
         return []
-
 
 
 class _HeadlessRanks:
