@@ -453,7 +453,10 @@ def disagg_blocks(inventory: Inventory, selected: list[str], server_on, server_p
                          f"reaches it on")
     block = {"server_host": servers[0], "trainer_host": trainer, "address": address, "port": int(port),
              "watch_port": int(port) + 1}
-    halves = {trainer: {"role": "trainer", **block}}
+    # the trainer's block names the replica (its error then names the host of it that failed); each server host's
+    # block holds its place in it
+    halves = {trainer: {"role": "trainer", **block,
+                        **({"replica": {"name": replica.name, "hosts": servers}} if replica is not None else {})}}
     for host in servers:
         halves[host] = {"role": "server", **block}
         if replica is not None:

@@ -146,7 +146,7 @@ class OnlineServer:
 #: A server that is a replica over several hosts (``--server-on REPLICA``): ``server_host`` is its head, and each
 #: server host's block adds ``replica``, its place in it (:func:`specops.replica.node_block`): the head runs the API
 #: and ranks ``0..k-1`` and watches the others on the replica's own watch port, each worker host runs its ranks
-#: headless (:class:`OnlineServerNode`)
+#: headless (:class:`OnlineServerNode`); the trainer's block names the replica (``{"name", "hosts"}``)
 DISAGG_KEYS = ("role", "server_host", "trainer_host", "address", "port", "watch_port", "replica")
 
 
