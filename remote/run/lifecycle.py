@@ -45,6 +45,9 @@ class StatusFile:
         self.data = dict(initial)
         self.beats = beats
         self.lock = threading.Lock()
+        #: called once, with the final state, before the write that ends the run; the fields it returns are
+        #: written with that state (what the run holds is stopped before anyone reads it ended)
+        self.before_final = None
 
     # -- opening one
     @classmethod
@@ -81,6 +84,10 @@ class StatusFile:
         :param moves: the explicit moves this write takes (``restart``, ``abort_by_request``).
         :raises remote.wire.status.StatusError: a field that does not fit the schema, or a move not allowed.
         """
+        ending = fields.get("state") in wire_status.FINAL_STATES and not self.is_final
+        if ending and self.before_final is not None:
+            hook, self.before_final = self.before_final, None
+            fields = {**hook(fields["state"]), **fields}
         with self.lock:
             if "state" in fields:
                 wire_status.check_move(self.data.get("state"), fields["state"], named=moves, where=self.path)

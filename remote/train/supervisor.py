@@ -214,12 +214,14 @@ class TrainSupervisor:
                 self._start_online(plan)
             return self._train(plan)
         finally:
-            if self.online is not None:  # however the run ends, its server goes with it
-                ending = self.status.data.get("state")
-                ending = ending if ending in ("done", "failed", "aborted") else (
-                    "aborted" if self.aborted else "failed")
-                self.status.update(online_server={**self.status.data.get("online_server", {}),
-                                                  "stopped": True, "killed": self.online.stop(ending)})
+            if self.online is not None and not self.status.is_final:  # however the run ends, its server goes with it
+                self.status.update(**self._stop_online("aborted" if self.aborted else "failed"))
+
+    def _stop_online(self, ending: str) -> dict:
+        """The run's online server stopped, told the run ends ``ending``: the status fields that say so."""
+        self.status.before_final = None
+        return {"online_server": {**self.status.data.get("online_server", {}),
+                                  "stopped": True, "killed": self.online.stop(ending)}}
 
     def _serve_online(self, plan: trainplan.TrainPlan) -> int:
         """The server host's half of a disaggregated online run: its extraction server on the host's address, held
@@ -233,7 +235,8 @@ class TrainSupervisor:
         self.status.update(state=RunState.LOADING.value, plan=plan.as_dict(),
                            phase=f"starting the online extraction server for the trainer on "
                                  f"{half.disagg['trainer_host']}")
-        self.online = half  # however the run ends from here, _run stops it
+        self.online = half  # however the run ends from here, it is stopped before the status says so
+        self.status.before_final = self._stop_online
         state, error = half.serve(self.status, float(self.params.get("ready_timeout_s") or 900.0))
         if state == RunState.DONE.value:
             self.status.finish(eta_s=0)
@@ -259,7 +262,9 @@ class TrainSupervisor:
             server = online.OnlineServer(self.paths.run_dir, plan, doc.get("params") or {}, self.params)
         self.status.update(state=RunState.LOADING.value, phase="starting the online extraction server",
                            plan=plan.as_dict())
-        self.online = server  # however the run ends from here (an abort while it loads too), _run stops it
+        # however the run ends from here (an abort while it loads too), it is stopped before the status says so
+        self.online = server
+        self.status.before_final = self._stop_online
         record = server.launch()
         self.status.update(online_server=record)  # its pid and marker while it loads
         ready = server.wait_ready(float(self.params.get("ready_timeout_s") or 900.0))
