@@ -172,6 +172,29 @@ def test_the_writer_begins_moves_and_refuses_without_changing_the_file(tmp_path)
         status.heartbeat(state="failed")
 
 
+def test_what_the_run_holds_is_stopped_before_its_final_state_is_written(tmp_path):
+    """The supervisor's ``before_final`` (an online run's server stop) runs once, on the write that ends the run,
+    before anyone can read the run ended; what it returns lands in that same write."""
+    path = tmp_path / "r3" / contract.STATUS_FILE
+    status = StatusFile.begin(path, "r3", kind="train")
+    seen = []
+
+    def stop(state):
+        seen.append((state, json.loads(path.read_text())["state"]))  # the file still says the run lives
+        return {"online_server": {"stopped": True}}
+
+    status.before_final = stop
+    status.update(state="loading")
+    status.update(state="training", step=1)
+    assert seen == []
+    status.fail(schema.error("TrainerExited", "the trainer exited with code 1"))
+    on_disk = json.loads(path.read_text())
+    assert seen == [("failed", "training")] and on_disk["state"] == "failed", seen
+    assert on_disk["online_server"] == {"stopped": True}, on_disk
+    status.end(schema.error("X", "a later failure"))  # once: a later final write does not stop it again
+    assert seen == [("failed", "training")]
+
+
 def test_an_odd_old_error_never_stops_a_restart(tmp_path):
     path = tmp_path / "r2" / contract.STATUS_FILE
     path.parent.mkdir()
