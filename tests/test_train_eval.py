@@ -43,7 +43,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-from specops_cli import default_sigint, records, specops  # noqa: E402
+from specops_cli import default_sigint, records, run_status, specops, wait_status  # noqa: E402
 from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
@@ -282,12 +282,6 @@ def test_bad_input_names_the_flag_and_nothing_runs(args, says, tmp_path):
 # --------------------------------------------------------------------------- heavy: over SSH
 
 
-def _status(inventory, run_id, env) -> tuple[int, dict]:
-    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env, timeout=120)
-    doc = json.loads(proc.stdout)
-    return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
-
-
 def _fetch_draft(inv, env) -> dict:
     proc = specops("fetch", "--inventory", inv, "--run-id", "draft", "--tensors", "--json", env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -321,18 +315,12 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     memory = recs["train.memory"]  # the draft's weights, grads, AdamW and one batch against the RAM available
     assert memory["status"] == "ok" and memory["detail"]["free"]["where"] == "RAM (MemAvailable)", memory
     assert memory["detail"]["shape"]["hidden"] == 256 and memory["detail"]["total_seq_len"] == 128
-    deadline = time.monotonic() + 600
-    while True:
-        code, st = _status(inv, "draft", env)
-        if (st.get("epoch") or 0) >= 2 or st.get("state") in ("done", "failed", "aborted"):
-            break
-        assert time.monotonic() < deadline, st
-        time.sleep(2)
+    st = wait_status(inv, "draft", env, lambda s: (s.get("epoch") or 0) >= 2)
     assert st["state"] == "training", st
     aborted_at = st["step"]
     abort = specops("abort", "--inventory", inv, "--run-id", "draft", env=env, timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
-    code, st = _status(inv, "draft", env)
+    code, st = run_status(inv, "draft", env)
     assert code == 103 and st["state"] == "aborted" and "SIGTERM" in st["error"]["message"], st
     # the trainer's measured peak is final in an aborted run's status too
     assert st["memory"]["where"] == "RAM" and st["memory"]["peak_bytes"] > 0 and st["memory"]["samples"] > 0, st
@@ -344,7 +332,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     assert final["status"] == "ok", final
     resumed_from = final["detail"]["resumed_from"]
     assert resumed_from and resumed_from["epoch"] >= 0 and resumed_from["global_step"] > 0, final
-    code, st = _status(inv, "draft", env)
+    code, st = run_status(inv, "draft", env)
     assert code == 0 and st["step"] == st["steps_total"] > aborted_at and st["epoch"] == EPOCHS - 1, st
     metrics = Path(env["SPECOPS_RUNS"]) / "th" / "draft" / "metrics.jsonl"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
@@ -389,15 +377,11 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
                      EPOCHS, "--trainer-arg=--lr=5e-4", "--detach", "--json", env=env)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert records(killed)["train.trainer_args"]["status"] == "ok"
-    deadline = time.monotonic() + 300
-    while (gone := _status(inv, "killed", env)[1]).get("state") != "training":
-        assert time.monotonic() < deadline and gone.get("state") not in ("done", "failed"), gone
-        time.sleep(1)
+    gone = wait_status(inv, "killed", env, lambda s: s.get("state") == "training", timeout=300)
+    assert gone["state"] == "training", gone
     trainer = int(Path(f"/proc/{gone['pid']}/task/{gone['pid']}/children").read_text().split()[0])
     os.kill(trainer, 9)
-    while (gone := _status(inv, "killed", env)[1]).get("state") not in ("failed", "done"):
-        assert time.monotonic() < deadline, gone
-        time.sleep(1)
+    gone = wait_status(inv, "killed", env, lambda s: False, timeout=300)
     error = gone["error"]
     assert gone["state"] == "failed" and error["signal"] == "SIGKILL" and error["rank"] == 0, gone
     assert error["pid"] == trainer and error["message"].startswith(f"rank 0 (trainer, pid {trainer}) was killed by SIGKILL")
@@ -412,7 +396,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     refusal = records(other)["train.trainer_args"]
     assert refusal["status"] == "fail" and "[--lr 5e-4]" in refusal["summary"] and "[--lr 1e-3]" in \
         refusal["summary"], refusal
-    assert _status(inv, "killed", env)[1]["state"] == "failed"
+    assert run_status(inv, "killed", env)[1]["state"] == "failed"
 
     # a copy of the fetched draft (best/, as fetch --tensors left it) with its aux ids off by one: refused before
     # anything loads; forced below, vLLM serves it from that copy
@@ -509,7 +493,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
     states = json.loads((work / "runs" / "regen-states" / "manifest.json").read_text())
     assert states["params"]["dataset"] == regenerated["file"] and states["layer_ids"] == [2, 4, 5, 8], states["params"]
     assert states["tokens"] == sum(min(len(r["input_ids"]), 128) for r in rows), states["tokens"]
-    _, regen_status = _status(inv, "regen", env)
+    _, regen_status = run_status(inv, "regen", env)
     assert regen_status["plan"]["data_path"] == str(work / "runs" / "regen-states" / "samples"), regen_status["plan"]
     t_regen = time.monotonic() - t
     proc = specops("eval", "--inventory", inv, "--draft", "regen", "-k", 3, "--min-acceptance-length", "1.0",
@@ -726,11 +710,8 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     refusal = recs["train.start"]
     assert code == 1 and refusal["status"] == "fail" and f"--epochs {EPOCHS} (this call: 5)" in refusal["summary"], recs
     assert f"--epochs {EPOCHS}" in refusal["fix"], refusal
-    deadline = time.monotonic() + 300  # its first epoch checkpoint: the draft eval is interrupted with below
-    while (st := _status(inv, "busy", env)[1]).get("epoch", 0) < 1 and st.get("state") in ("pending", "loading",
-                                                                                              "training"):
-        assert time.monotonic() < deadline, st
-        time.sleep(2)
+    # its first epoch checkpoint: the draft eval is interrupted with below
+    wait_status(inv, "busy", env, lambda s: s.get("epoch", 0) >= 1, timeout=300)
     abort = specops("abort", "--inventory", inv, "--run-id", "busy", env=env, timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
 
@@ -767,5 +748,5 @@ def test_train_refuses_data_not_bound_to_its_states_and_fails_a_draft_that_learn
     error = ended["detail"]["error"]
     assert f"at step {error['step']}" in error["message"] and "--lr" in error["message"], error
     assert "new --run-id" in ended["fix"], ended
-    st = _status(inv, "diverged", env)[1]
+    st = run_status(inv, "diverged", env)[1]
     assert "--on-missing raise" in " ".join(st["command"]), st["command"]

@@ -53,7 +53,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-from specops_cli import records, specops  # noqa: E402
+from specops_cli import records, run_status, specops, wait_status  # noqa: E402
 from trainplans import train_plan  # noqa: E402
 sys.path.insert(0, str(REPO))
 
@@ -355,24 +355,6 @@ def _until(predicate, timeout: float = 10.0) -> None:
 # --------------------------------------------------------------------------- heavy
 
 
-def _status(inventory, run_id, env) -> tuple[int, dict]:
-    proc = specops("status", "--inventory", inventory, "--run-id", run_id, "--json", env=env, timeout=120)
-    doc = json.loads(proc.stdout)
-    return proc.returncode, (doc["hosts"][0].get("data") or {}).get("status") or {}
-
-
-def _wait(inv, run_id, env, until, timeout=600, after_attempt=0) -> dict:
-    """The run's status once ``until`` holds or it ended (an attempt after ``after_attempt``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        _, st = _status(inv, run_id, env)
-        if (st.get("attempt") or 0) > after_attempt and (until(st) or st.get("state") in ("done", "failed",
-                                                                                          "aborted")):
-            return st
-        assert time.monotonic() < deadline, st
-        time.sleep(1)
-
-
 def _trainers(run_dir: Path) -> list[int]:
     """The pids of this train run's trainer processes still alive (their command names its online dataset; read
     from /proc, whole: ``ps`` may cut a long command line)."""
@@ -392,14 +374,10 @@ def _trainer_running(inventory, args, env, attempt: int, run_dir: Path) -> tuple
     trainer's pid and the run's status."""
     started = specops("train", "--inventory", inventory, *args, "--detach", "--json", env=env)
     assert started.returncode == 0, started.stdout[-4000:] + started.stderr[-4000:]
-    deadline = time.monotonic() + 300
-    while True:
-        _, st = _status(inventory, "online", env)
-        trainers = _trainers(run_dir)
-        if (st.get("attempt") or 0) > attempt and (st.get("online_server") or {}).get("endpoint") and trainers:
-            return trainers[0], st
-        assert time.monotonic() < deadline and st.get("state") not in ("done", "failed", "aborted"), st
-        time.sleep(0.5)
+    st = wait_status(inventory, "online", env, lambda s: (s.get("online_server") or {}).get("endpoint"),
+                     also=lambda: bool(_trainers(run_dir)), timeout=300, after_attempt=attempt)
+    assert st.get("state") not in ("done", "failed", "aborted"), st
+    return _trainers(run_dir)[0], st
 
 
 def _gone(marker: str, run_dir: Path, timeout: float = 30) -> bool:
@@ -498,7 +476,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
         assert disk["offline_bytes"] == disk["states_bytes"] + disk["online_bytes"], disk
         assert online["detail"]["trainer_layer_ids"] == recs["train.plan"]["detail"]["trainer_layer_ids"] == [2, 4, 5]
         # past epoch 0's checkpoint (2 steps an epoch), 5 paced steps to go: the kill lands while the trainer trains
-        st = _wait(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
+        st = wait_status(inv, "online", env, lambda s: (s.get("step") or 0) >= 3)
         assert st["state"] == "training" and (run_dir / "checkpoints" / "0").is_dir(), st
         command = st["command"]  # the stream checks reach the trainer as its own flags
         assert command[command.index("--generation-validation-retries") + 1] == "1", command
@@ -517,7 +495,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
         assert leftover_pids(server["marker"]) and leftover_pids(worker["marker"]), (server, worker)
         t_first = time.monotonic() - t0
         os.kill(worker["pid"], signal.SIGKILL)
-        st = _wait(inv, "online", env, lambda s: False, timeout=120)
+        st = wait_status(inv, "online", env, lambda s: False, timeout=120)
         assert st["state"] == "failed" and st["error"]["type"] == "OnlineServerDied", st
         assert "online extraction server on host sv2 of replica svr" in st["error"]["message"], st["error"]
         assert str(worker["pid"]) in st["error"]["message"], st["error"]  # the worker host's own words
@@ -542,7 +520,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     offline = specops("train", "--inventory", inv, "--run-id", "offline", "--from-run", run["run_id"], "--epochs", 1,
                       "--detach", "--json", env=env)
     assert offline.returncode == 0, offline.stdout[-4000:] + offline.stderr[-4000:]
-    st_off = _wait(inv, "offline", env, lambda s: False)
+    st_off = wait_status(inv, "offline", env, lambda s: False)
     assert st_off["state"] == "done", st_off
     offline_losses = _train_losses(work / "runs" / "offline" / trainplan.METRICS_FILE)
     assert [offline_losses[k] for k in (0, 1)] == pytest.approx([first_losses[k] for k in (0, 1)], rel=0.02), \
@@ -551,7 +529,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     # 2. the same command, a fresh server: the trainer dies (SIGKILL) -> the run fails naming it, the server stopped
     killed, st = _trainer_running(paced, args, env, st["attempt"], run_dir)
     os.kill(killed, signal.SIGKILL)
-    st = _wait(inv, "online", env, lambda s: False, timeout=120)
+    st = wait_status(inv, "online", env, lambda s: False, timeout=120)
     assert st["state"] == "failed" and st["error"]["where"] == "trainer", st["error"]
     assert st["error"]["pid"] == killed and "SIGKILL" in st["error"]["message"], st["error"]
     assert _gone(st["online_server"]["marker"], run_dir), (leftover_pids(st["online_server"]["marker"]),
@@ -563,20 +541,21 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     os.kill(st["pid"], signal.SIGKILL)
     assert _gone(st["online_server"]["marker"], run_dir, timeout=90), (leftover_pids(st["online_server"]["marker"]),
                                                                        _trainers(run_dir))
-    code, st = _status(inv, "online", env)
+    code, st = run_status(inv, "online", env)
     assert st["state"] == "failed" and st["error"]["type"] == "SupervisorDied", st
     server = st["online_server"]
 
     # 4. the same command resumes it with a fresh server; an abort as it loads leaves nothing
     resumed = specops("train", "--inventory", inv, *args, "--detach", "--json", env=env)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    st = _wait(inv, "online", env, lambda s: (s.get("online_server") or {}).get("marker") not in (None, server["marker"]),
-               after_attempt=st["attempt"])
+    st = wait_status(inv, "online", env,
+                     lambda s: (s.get("online_server") or {}).get("marker") not in (None, server["marker"]),
+                     after_attempt=st["attempt"])
     assert st["state"] in ("loading", "training"), st
     second = st["online_server"]
     abort = specops("abort", "--inventory", inv, "--run-id", "online", env=env, timeout=120)
     assert abort.returncode == 0, abort.stdout + abort.stderr
-    code, st = _status(inv, "online", env)
+    code, st = run_status(inv, "online", env)
     assert code == 103 and st["state"] == "aborted", st
     assert leftover_pids(second["marker"]) == [] and _trainers(run_dir) == [], (leftover_pids(second["marker"]),
                                                                                  _trainers(run_dir))
@@ -594,7 +573,7 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     assert priced["train_rate_from"] == "offline" and priced["online_s"] > priced["offline_s"] > 0, priced
     assert "offline ~" in fetched["train.online"]["summary"], fetched["train.online"]["summary"]
     final = fetched["train.run"]
-    code, st = _status(inv, "online", env)
+    code, st = run_status(inv, "online", env)
     assert code == 0 and st["state"] == "done" and st["epoch"] == EPOCHS - 1, st
     assert st["resumed_from"]["epoch"] >= 0 and st["resumed_from"]["global_step"] >= 2, st["resumed_from"]
     # the corrupted sample: tried twice (non-finite, then ids off), counted, named, never trained on
@@ -658,7 +637,7 @@ def _check_ranked(inv, env, work: Path, states_run: str) -> dict:
     from remote.wire import manifest as run_manifest
 
     run_dir = work / "runs" / "ranked"
-    st = _wait(inv, "ranked", env, lambda s: False, timeout=300)
+    st = wait_status(inv, "ranked", env, lambda s: False, timeout=300)
     assert st["state"] == "done" and st["processes"] == 2, st
     assert st["command"][1:3] == ["-m", "torch.distributed.run"], st["command"]
     kept = st["kept_states"]
