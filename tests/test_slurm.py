@@ -436,13 +436,18 @@ def _status(run_id, runs, inventory):
     return proc, records(proc)
 
 
+#: seconds between two ``specops status`` calls of a wait: a call costs a second of CPU (the CLI, the host's entry,
+#: Slurm's own queries), which the suite's other worker needs; every state waited for here lasts longer
+STATUS_POLL_S = 2.0
+
+
 def _wait_status(run_id, runs, inventory, ready, timeout=90):
     deadline = time.monotonic() + timeout
     while True:
         proc, found = _status(run_id, runs, inventory)
         if ready(found) or time.monotonic() > deadline:
             return proc, found
-        time.sleep(1)
+        time.sleep(STATUS_POLL_S)
 
 
 def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster, make_inventory, tiny_models,
@@ -623,7 +628,7 @@ def test_train_over_two_nodes_is_one_job_abort_is_scancel_a_lost_node_is_named_a
             code, found, st = status()
             if ready(found, st) or time.monotonic() > deadline:
                 return code, found, st
-            time.sleep(1)
+            time.sleep(STATUS_POLL_S)
 
     # paced (a pause after its one optimizer step an epoch: 4 samples over two ranks): there is a run to abort, and
     # one still training once it has its first checkpoint: 5 paced epochs are left then, however fast the steps run
