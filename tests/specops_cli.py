@@ -32,8 +32,6 @@ def records(proc) -> dict:
 
 # --------------------------------------------------------------------------- a run's status, waited for
 
-FINAL_STATES = ("done", "failed", "aborted")
-
 
 def run_status(inventory, run_id, env) -> tuple[int, dict]:
     """``specops status --json`` of ``run_id`` on the inventory's one host: (exit code, the run's status)."""
@@ -53,6 +51,8 @@ def wait_status(inventory, run_id, env, until, *, timeout: float = 600, after_at
     import time
 
     import yaml
+
+    from remote.wire.contract import FINAL_STATES
 
     hosts = yaml.safe_load(Path(inventory).read_text())["hosts"]
     path = Path(next(iter(hosts.values()))["work_dir"]) / "runs" / run_id / "status.json"
