@@ -530,8 +530,12 @@ def test_online_train_a_dead_server_fails_it_abort_leaves_nothing_the_same_comma
     killed, st = _trainer_running(paced, args, env, st["attempt"], run_dir)
     os.kill(killed, signal.SIGKILL)
     st = wait_status(inv, "online", env, lambda s: False, timeout=120)
-    assert st["state"] == "failed" and st["error"]["where"] == "trainer", st["error"]
-    assert st["error"]["pid"] == killed and "SIGKILL" in st["error"]["message"], st["error"]
+    # named with its rank and what to do (an OOM kill, a preemption)
+    error = st["error"]
+    assert st["state"] == "failed" and error["where"] == "trainer", error
+    assert error["signal"] == "SIGKILL" and error["rank"] == 0 and error["pid"] == killed, error
+    assert error["message"].startswith(f"rank 0 (trainer, pid {killed}) was killed by SIGKILL"), error
+    assert "resumes from the last epoch checkpoint" in error["message"], error
     assert _gone(st["online_server"]["marker"], run_dir), (leftover_pids(st["online_server"]["marker"]),
                                                           _trainers(run_dir))
     assert st["online_server"]["stopped"] is True
