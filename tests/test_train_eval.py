@@ -374,7 +374,7 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
                         "--dry-run", "--trainer-arg=--lr=5e-4", "--json", env=env)
     assert untrained.returncode == 0, untrained.stdout[-3000:] + untrained.stderr[-3000:]
     assert records(untrained)["train.trainer_args"]["status"] == "ok"
-    code, done = run_status(inv, "untrained", env)
+    _, done = run_status(inv, "untrained", env)
     assert done["command"][-2:] == ["--lr", "5e-4"] and done["plan"]["extra_args"] == ["--lr", "5e-4"], done
     run_yaml = (work / "runs" / "untrained" / "checkpoints" / "run.yaml").read_text()
     assert "lr: 0.0005" in run_yaml, run_yaml
