@@ -265,6 +265,10 @@ def ssh_up():
         "gpu-8b-draft": {"model_path": str(MODELS / DRAFT_MODEL), "output_dir": "/tmp/specops-out/8b-draft",
                          "dataset": str(MODELS / "chat_4600.jsonl"), "batch_size": 32,
                          "max_samples": int(os.environ.get("GPU_ROUND_DRAFT_ROWS", "4096"))},  # fewer: a CPU rehearsal
+        # issues 44-46: every draft (eagle3 offline and online, dspark, dflash2) from the same 512 rows of the target
+        # a draft can learn (round 11's), the rest of chat_4600 held out for eval
+        "gpu-8b-drafts": {"model_path": str(MODELS / DRAFT_MODEL), "output_dir": "/tmp/specops-out/8b-drafts",
+                          "dataset": str(MODELS / "chat_4600.jsonl"), "batch_size": 32, "max_samples": 512},
         # the memory plan at real width (issue 43): the CLI's own settings, 8 short chat rows each (the profile
         # peak is the step budget's, not the samples'): DeepSeek-V3's layer at 4096-token samples, the 8B at 8192
         "gpu-ds-wide": {"model_path": str(MODELS / "deepseek_v3_wide"), "output_dir": "/tmp/specops-out/ds-wide",
@@ -727,9 +731,9 @@ def train_eval():
     return out
 
 
-#: issues 44-46 at real width: the 8B shape's 16 extracted chat rows (the rest held out for eval) serve every draft
+#: issues 44-46 at real width: the 8B shape's 512 extracted chat rows (the rest held out for eval) serve every draft
 #: (eagle3 offline and online, dspark, dflash2), each trained 4 epochs and served by the staged vLLM
-DRAFTS_HOST, DRAFTS_STATES = "gpu-8b-train", "gpu-8b-x"
+DRAFTS_HOST, DRAFTS_STATES = "gpu-8b-drafts", "gpu-8b-x"
 #: MT-Bench question.jsonl rows (two categories, a two-turn question): eval's prompt file at real width (#46)
 MT_BENCH_ROWS = (
     {"question_id": 81, "category": "writing", "turns": ["Write a short travel blog post about a trip to Hawaii.",
