@@ -167,6 +167,8 @@ def test_dp2_abort_a_killed_replica_and_the_continue_policy_on_one_run(modern_ss
     st = state_of(run_dir)
     assert st["state"] == "failed" and "dp1" in json.dumps(st["error"]), st.get("error")
     assert st["error"]["message"].startswith("dp1: ") and st["error"]["where"].startswith("dp1/"), st["error"]
+    # written once the run's servers are stopped: the same command run now starts no second server beside one
+    assert not replica_server_pids(run_dir, "dp0"), "the run says failed while dp0's server still runs"
     print(f"\nthe killed replica's error: {st['error'].get('where')}: {st['error']['message'][:300]}")
     wait_for(lambda: not run_processes(run_dir), timeout=120, what="the failed run's processes to end")
 

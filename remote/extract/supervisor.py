@@ -166,8 +166,7 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if self.engine is not None:
                 self.engine.params["stop_grace_s"] = ABORT_STOP_GRACE_S
-            return self.status.end(wire_status.error("Aborted", "aborted by request (SIGTERM)"), aborted=True,
-                                   phase_seconds=dict(self.phase_seconds))
+            return self._end(wire_status.error("Aborted", "aborted by request (SIGTERM)"), aborted=True)
         except BaseException as exc:  # every failure ends in status.json, with its root cause
             seen_at = time.monotonic()
             traceback.print_exc()
@@ -178,8 +177,7 @@ class Supervisor:
                 error = wire_status.error_from(exc, detail=getattr(exc, "detail", None))
             error = self._lost_host(error, seen_at)
             # a replica's worker host aborted (the head unreachable from the laptop): the replica is aborted
-            return self.status.end(error, aborted=error.get("type") == "Aborted",
-                                   phase_seconds=dict(self.phase_seconds))
+            return self._end(error, aborted=error.get("type") == "Aborted")
         finally:
             self._stop.set()
             self._release_replica(self.status.data.get("state"),
@@ -187,6 +185,14 @@ class Supervisor:
             self._close_engine()
             # after the engine is closed: a server engine writes the rank logs as it stops
             note_in_rank_log(self.paths, self.status.data.get("error"))
+
+    def _end(self, error: dict, *, aborted: bool) -> int:
+        """The run's last word, written once what it holds is stopped: a status that says failed or aborted
+        never stands beside a server still holding the devices (the same command run again would start a second)."""
+        state = (RunState.ABORTED if aborted else RunState.FAILED).value
+        self._release_replica(state, str(error.get("message") or ""))
+        self._close_engine()
+        return self.status.end(error, aborted=aborted, phase_seconds=dict(self.phase_seconds))
 
     # -- a replica over several hosts (remote.extract.replica)
     def _watch_replica(self) -> None:
