@@ -757,7 +757,12 @@ def drafts_train():
     (``--online``, colocated: the run's own extraction server and the trainer on the one GPU, nothing but the
     token dataset on disk), both fetched: their curves side by side (``fetched_gpu-8b-t``, ``fetched_gpu-8b-on``)."""
     out = {"states": drafts_states()}
+    # the online server's start is a memory-plan point too (tests/test_memory_plan.py): its model's config and
+    # the GPU before it
+    shutil.copy(MODELS / DRAFT_MODEL / "config.json", ROOT / "cli" / "config_online_server.json")
     for rid, extra, name in (("gpu-8b-t", [], "train_8b.json"), ("gpu-8b-on", ["--online"], "train_8b_online.json")):
+        if extra:
+            gpus_now(ROOT / "cli" / "gpus_before_online.csv")
         out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES, "--epochs", "4",
                             *extra, "--json"], name, timeout=420)
         out[f"fetch_{rid}"] = specops(["fetch", "--on", DRAFTS_HOST, "--run-id", rid], f"fetch_{rid}.txt", timeout=120)
