@@ -759,6 +759,7 @@ def drafts_train():
     out = {"states": drafts_states()}
     # the online server's start is a memory-plan point too (tests/test_memory_plan.py): its model's config and
     # the GPU before it
+    (ROOT / "cli").mkdir(parents=True, exist_ok=True)
     shutil.copy(MODELS / DRAFT_MODEL / "config.json", ROOT / "cli" / "config_online_server.json")
     for rid, extra, name in (("gpu-8b-t", [], "train_8b.json"), ("gpu-8b-on", ["--online"], "train_8b_online.json")):
         if extra:
