@@ -609,16 +609,25 @@ def draft_train():
     return out
 
 
+def wait_run(run_id: str, margin: float = 60) -> dict:
+    """The status of run ``run_id`` on this machine once it is final, or as it stands when the call's time (less
+    ``margin``) is up; {} when it has none."""
+    from remote.wire.contract import FINAL_STATES
+
+    path = WORK / "runs" / run_id / "status.json"
+    deadline = time.monotonic() + left_s(margin)
+    while True:
+        st = json.loads(path.read_text()) if path.exists() else {}
+        if not st or st.get("state") in FINAL_STATES or time.monotonic() >= deadline:
+            return st
+        time.sleep(3)
+
+
 def wait_train():
     """The draft's train run, left running by a call that ran out (its follower was cut, not the run): wait
     for it to end, then keep its status, metrics and what regenerate recorded."""
     run = WORK / "runs" / DRAFT_RUN
-    deadline = time.monotonic() + left_s(60)
-    while time.monotonic() < deadline:
-        st = json.loads((run / "status.json").read_text())
-        if st.get("state") in ("done", "failed", "aborted"):
-            break
-        time.sleep(3)
+    st = wait_run(DRAFT_RUN)
     dest = ROOT / "train"
     dest.mkdir(parents=True, exist_ok=True)
     for rel in ("status.json", "metrics.jsonl", "regenerate/regenerated.json", "regenerate/responses.errors.jsonl"):
@@ -769,13 +778,7 @@ def drafts_train():
     out["gpu-8b-on"] = specops([*base, "--run-id", "gpu-8b-on", "--online", "--detach"], "train_8b_online.json",
                                timeout=120)
     out["gpu-8b-t"] = specops([*base, "--run-id", "gpu-8b-t"], "train_8b.json", timeout=420)
-    status = WORK / "runs" / "gpu-8b-on" / "status.json"
-    deadline = time.monotonic() + left_s(60)
-    while time.monotonic() < deadline and status.exists():
-        if json.loads(status.read_text()).get("state") in ("done", "failed", "aborted"):
-            break
-        time.sleep(3)
-    out["online_state"] = json.loads(status.read_text()).get("state") if status.exists() else None
+    out["online_state"] = wait_run("gpu-8b-on").get("state")
     for rid in ("gpu-8b-t", "gpu-8b-on"):
         out[f"fetch_{rid}"] = specops(["fetch", "--on", DRAFTS_HOST, "--run-id", rid], f"fetch_{rid}.txt", timeout=120)
         keep_run(DRAFTS_HOST, rid, rid)
