@@ -35,6 +35,20 @@ def cli_json(rel: str) -> dict:
     return json.loads(text[text.index("{"):text.rindex("}") + 1])
 
 
+def test_no_fixture_is_ignored_by_git():
+    """A fixture under a name .gitignore matches (``runs/``, ``build/``) reads here and is missing from every clone:
+    caught on the machine that recorded it, not by CI's clean checkout."""
+    import shutil
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    if not shutil.which("git") or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--", "tests/fixtures"],
+                             cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    ignored = [p for p in ignored if "__pycache__" not in p]
+    assert not ignored, f"fixtures git ignores (rename their dir or add a '!' rule to .gitignore): {ignored[:10]}"
+
+
 def records(rel: str) -> dict:
     doc = cli_json(rel)
     return {r["name"]: r for h in doc["hosts"] for r in h["records"]}
@@ -1122,7 +1136,7 @@ def test_round17_fp8_with_the_digests_bit_widening_lands_with_bf16_and_reaches_t
 
 def _train_rows(run: str) -> tuple[dict, list[dict]]:
     """A round-19 train run's training steps (by step) and its validation rows, from its own metrics.jsonl."""
-    rows = [json.loads(line) for line in read(f"round19/runs/{run}/metrics.jsonl").splitlines()]
+    rows = [json.loads(line) for line in read(f"round19/on_host/{run}/metrics.jsonl").splitlines()]
     return {r["step"]: r for r in rows if r["kind"] == "train"}, [r for r in rows if r["kind"] == "val"]
 
 
@@ -1132,17 +1146,17 @@ def test_round19_online_training_on_the_gpu_follows_the_offline_curve_step_by_st
     run's own extraction server and the trainer on the one GPU, ``--keep-states none``). The call's time ended with
     the online run in its third epoch (12 of 16 steps, kept as it stood); on every step both reached, the loss and
     the per-position accuracy agree to the trainer's rounding, and the validation of each epoch too."""
-    offline = json.loads(read("round19/runs/gpu-8b-t/status.json"))
-    online = json.loads(read("round19/runs/gpu-8b-on/status.json"))
+    offline = json.loads(read("round19/on_host/gpu-8b-t/status.json"))
+    online = json.loads(read("round19/on_host/gpu-8b-on/status.json"))
     assert offline["state"] == "done" and offline["step"] == offline["steps_total"] == 16, offline["state"]
     assert online["state"] == "training" and online["steps_total"] == 16 and online["error"] is None
-    params = json.loads(read("round19/runs/gpu-8b-on/params.json"))
+    params = json.loads(read("round19/on_host/gpu-8b-on/params.json"))
     assert params["online"] is True and params["keep_states"] == "none"
     # the server the run started extracts the offline run's ids; the trainer reads all but the last
     server = online["online_server"]
     assert server["layer_ids"] == offline["plan"]["layer_ids"] == [2, 16, 29, 32]
     assert server["trainer_layer_ids"] == offline["plan"]["trainer_layer_ids"] == [2, 16, 29]
-    assert "--on-missing generate" in read("round19/runs/gpu-8b-on/checkpoints/train_command.txt")
+    assert "--on-missing generate" in read("round19/on_host/gpu-8b-on/checkpoints/train_command.txt")
 
     steps_off, val_off = _train_rows("gpu-8b-t")
     steps_on, val_on = _train_rows("gpu-8b-on")

@@ -86,7 +86,7 @@ LEFT_OUT = {
     "jobs/round3/logs_llama.txt": "`specops logs` printing r3_llama's server log (the same start)",
     "jobs/logs_ds_before_abort.txt": "`specops logs` printing r2_deepseek_abort's server log (the same start)",
     "round12/cli/logs_llama.txt": "`specops logs` printing r12_llama_h100's server log (the same start)",
-    "round19/runs/gpu-8b-on/logs/server.log": "round 19's online server (train --online): neither the model's config "
+    "round19/on_host/gpu-8b-on/logs/server.log": "round 19's online server (train --online): neither the model's config "
                                               "nor nvidia-smi before its start was kept (the call's time ran out)",
 }
 #: planned vs used within this on every fixture

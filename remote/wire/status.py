@@ -118,6 +118,10 @@ FIELDS = {
     "states_run": Field("text", "--regenerate: the extraction run of the regenerated text", "train"),
     "regenerated": Field("object", "--regenerate: what was regenerated", "train"),
     "data_check": Field("object", "--regenerate: the regenerated states' data check", "train"),
+    "online_server": Field("object", "train --online: its extraction server (command, endpoint, pid, log, ready_s, "
+                                     "layer ids; a disaggregated run: server and trainer hosts)", "train"),
+    "nodes": Field("object", "a run over several hosts: this host's place in it (remote.train.plan.NODE_KEYS); "
+                             "null on one host", "train"),
     "alive": Field("flag", "job status: whether the supervisor runs (never written to the file)", "job"),
 }
 #: the fields of ``error`` (and ``previous_error``); ``type`` and ``message`` are always there.
