@@ -25,9 +25,12 @@ def _offline_and_hermetic():
     from remote.system.cpu import IDLE_SLEEP_ENV
 
     os.environ.setdefault(IDLE_SLEEP_ENV, "1")
-    # and their OpenMP threads sleep at a barrier rather than spin: two xdist workers' servers share
-    # 2 cores (the test hosts' sshd sets the same for what runs over SSH: templates/sshd_config.j2)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # and they run as the test hosts' processes do over SSH (OpenMP threads sleep at a barrier, no
+    # torch.compile of vLLM's helpers): two xdist workers' servers share 2 cores
+    from specops.testhost.sshd import HOST_PROCESS_ENV
+
+    for name, value in HOST_PROCESS_ENV.items():
+        os.environ.setdefault(name, value)
     yield
 
 

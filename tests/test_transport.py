@@ -36,6 +36,19 @@ def test_facts_round_trip(make_inventory, delivery, hostenv_python):
     assert {r.name for r in report.records} >= {"facts.python", "facts.packages", "facts.devices"}
 
 
+def test_a_test_hosts_processes_run_with_its_process_env(make_inventory):
+    """What runs over SSH on a test host gets HOST_PROCESS_ENV from its sshd (the 2-core box's settings),
+    and so do the host processes the tests start themselves (tests/conftest.py)."""
+    import os
+
+    from specops.testhost.sshd import HOST_PROCESS_ENV
+
+    result = host_for(make_inventory()).run("env")
+    seen = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    assert {k: seen.get(k) for k in HOST_PROCESS_ENV} == HOST_PROCESS_ENV, result.stdout
+    assert {k: os.environ.get(k) for k in HOST_PROCESS_ENV} == HOST_PROCESS_ENV
+
+
 def hostile_values(tmp_path):
     marker = tmp_path / "pwned"
     bomb = f"$(touch {marker})"

@@ -29,6 +29,20 @@ from specops.errors import SpecopsError
 from specops.testhost.hostenv import cache_root
 from specops.transport.render import render
 
+#: What every process of a test host runs with (sshd's ``SetEnv``; tests/conftest.py sets the same for the
+#: host processes the tests start themselves). One small box runs every test host's processes side by side:
+#:
+#: - OpenMP threads that spin at each barrier (the default) burn the cores the other processes wait for.
+#:   Measured here, two tiny-Llama vLLM CPU servers generating at once on 2 cores: 56 s each spinning,
+#:   29-31 s with PASSIVE.
+#: - vLLM compiles small helpers with torch's inductor on CPU, eager or not (the sampler's random sample,
+#:   the logprob ranks; speculators' DFlash block mask): dynamo traces them and inductor checks each vector
+#:   ISA the CPU flags name by building and dlopening a probe library in a child python (~1.4 s of CPU each
+#:   under the seed stack's torch). A CPU test host runs the model eager (``enforce_eager``) for the same
+#:   reason: off, the helpers run as plain torch ops with the same results, and no child python probes.
+#:   ``TORCHINDUCTOR_VEC_ISA_OK`` (trust the flags) stays for a probe that runs outside a compile.
+HOST_PROCESS_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TORCHDYNAMO_DISABLE": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
+
 SSHD = Path("/usr/sbin/sshd")
 ALIAS = "specops-testhost"
 
@@ -109,7 +123,7 @@ class TestHost:
         config.write_text(render(
             "sshd_config.j2", listen="127.0.0.1", port=port, host_key=host_key, pid_file=self.pid_file,
             authorized_keys=self.root / "authorized_keys", user=self.user, log_level="ERROR",
-            sftp_subsystem="internal-sftp"))
+            sftp_subsystem="internal-sftp", set_env=" ".join(f"{k}={v}" for k, v in HOST_PROCESS_ENV.items())))
         log = self.root / "sshd.log"
         with open(log, "ab") as log_fh:
             proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
