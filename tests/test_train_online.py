@@ -190,6 +190,12 @@ def test_preflight_prices_offline_against_online_from_the_last_runs_rates(tmp_pa
     measured = task.online_time(plan)
     assert measured["online_s"] == 150.0 and measured["online_rate_from"] == "t2" and measured["offline_s"] == 70.0
     assert "online ~150 s (20 tok/s measured in run t2)" in measured["line"], measured["line"]
+    assert measured["load_s"] == 0.0 and "loads the target" not in measured["line"]  # a summary without its load
+    # the states run's load (its summary's phase_seconds): paid once by either way, in both totals
+    (states / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0, "phase_seconds": {"load": 12.04}}))
+    loaded = task.online_time(plan)
+    assert loaded["load_s"] == 12.0 and loaded["offline_s"] == 82.0 and loaded["online_s"] == 162.0, loaded
+    assert loaded["line"].endswith("; each way loads the target once (~12 s in run r1), in both"), loaded["line"]
 
 
 def test_online_with_an_algorithm_takes_both_halves_ids_from_its_layer_plan():

@@ -271,14 +271,21 @@ def online_time(plan: trainplan.TrainPlan) -> dict:
 
     Offline extracts once and trains ``epochs`` times from disk; online (colocated, one request at a time) has
     the server make every row's states again each epoch, as the trainer deletes them once read: without an
-    online rate measured, the states' time each epoch plus the training's."""
+    online rate measured, the states' time each epoch plus the training's. Either way loads the target once
+    (the states run's own load, where its summary has it): counted in both, so a small dataset's figures are
+    not a fraction of what the runs take, and the difference between the ways stays the states' time."""
     import json
 
     tokens, epochs = int(plan.tokens or 0), int(plan.epochs or 1)
     try:
-        extract_tps = float(json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())["tokens_per_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        extract_tps = None
+        summary = json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())
+        extract_tps = float(summary["tokens_per_s"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        summary, extract_tps = {}, None
+    try:
+        load_s = round(float(((summary.get("phase_seconds") or {}).get("load")) or 0), 1)
+    except (TypeError, ValueError, AttributeError):
+        load_s = 0.0
     rates: dict[bool, tuple[float, str]] = {}  # online? -> (tok/s, run id) of the newest such train run
     statuses = [d / "status.json" for d in Path(plan.states_run_dir).parent.iterdir() if (d / "status.json").is_file()]
     for path in sorted(statuses, key=lambda f: f.stat().st_mtime, reverse=True):
@@ -293,30 +300,32 @@ def online_time(plan: trainplan.TrainPlan) -> dict:
     online_tps, online_run = rates.get(True, (None, None))
     out = {"tokens": tokens, "epochs": epochs, "extract_tokens_per_s": extract_tps, "train_tokens_per_s": train_tps,
            "train_rate_from": train_run, "online_tokens_per_s": online_tps, "online_rate_from": online_run,
-           "offline_s": None, "online_s": None}
+           "load_s": load_s, "offline_s": None, "online_s": None}
     if not tokens or not extract_tps:
         out["line"] = "time: no extraction rate known for this dataset"
         return out
     extract_s = tokens / extract_tps
     out.update(offline_extract_s=round(extract_s, 1), online_extract_s=round(epochs * extract_s, 1))
+    load = f"; each way loads the target once (~{load_s:.0f} s in run {plan.from_run})" if load_s else ""
     if online_tps:  # measured: the trainer's own rate while streaming
-        out["online_s"] = round(epochs * tokens / online_tps, 1)
+        out["online_s"] = round(load_s + epochs * tokens / online_tps, 1)
     if train_tps is None:
         out["line"] = (f"time: states {extract_s:.0f} s once offline at {extract_tps:.0f} tok/s, "
                        + (f"online ~{out['online_s']:.0f} s ({online_tps:.0f} tok/s in run {online_run}); "
                           if online_tps else f"{epochs * extract_s:.0f} s online (made again each of {epochs} "
                                              f"epoch(s)); ")
-                       + f"training's offline rate not known yet (no earlier offline train run of {plan.from_run})")
+                       + f"training's offline rate not known yet (no earlier offline train run of {plan.from_run})"
+                       + load)
         return out
     train_s = epochs * tokens / train_tps
-    out["offline_s"] = round(extract_s + train_s, 1)
+    out["offline_s"] = round(load_s + extract_s + train_s, 1)
     if not online_tps:
-        out["online_s"] = round(epochs * extract_s + train_s, 1)
+        out["online_s"] = round(load_s + epochs * extract_s + train_s, 1)
     how = (f"{online_tps:.0f} tok/s measured in run {online_run}" if online_tps
            else "the states made again each epoch, estimated")
     out["line"] = (f"time: offline ~{out['offline_s']:.0f} s (states once at {extract_tps:.0f} tok/s, then "
                    f"{epochs} epoch(s) at {train_tps:.0f} tok/s, run {train_run}), online ~{out['online_s']:.0f} s "
-                   f"({how})")
+                   f"({how}){load + ', in both' if load else ''}")
     return out
 
 
