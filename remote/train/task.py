@@ -274,24 +274,22 @@ def online_time(plan: trainplan.TrainPlan) -> dict:
     online rate measured, the states' time each epoch plus the training's. Either way loads the target once
     (the states run's own load, where its summary has it): counted in both, so a small dataset's figures are
     not a fraction of what the runs take, and the difference between the ways stays the states' time."""
-    import json
-
     tokens, epochs = int(plan.tokens or 0), int(plan.epochs or 1)
+    summary = samples.read_json_quietly(Path(plan.states_run_dir) / samples.SUMMARY)
+    summary = summary if isinstance(summary, dict) else {}
     try:
-        summary = json.loads((Path(plan.states_run_dir) / samples.SUMMARY).read_text())
         extract_tps = float(summary["tokens_per_s"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        summary, extract_tps = {}, None
+    except (KeyError, TypeError, ValueError):
+        extract_tps = None
     try:
-        load_s = round(float(((summary.get("phase_seconds") or {}).get("load")) or 0), 1)
+        load_s = round(float((summary.get("phase_seconds") or {}).get("load") or 0), 1)
     except (TypeError, ValueError, AttributeError):
         load_s = 0.0
     rates: dict[bool, tuple[float, str]] = {}  # online? -> (tok/s, run id) of the newest such train run
     statuses = [d / "status.json" for d in Path(plan.states_run_dir).parent.iterdir() if (d / "status.json").is_file()]
     for path in sorted(statuses, key=lambda f: f.stat().st_mtime, reverse=True):
-        try:
-            st = json.loads(path.read_text())
-        except (OSError, ValueError):
+        st = samples.read_json_quietly(path)
+        if not isinstance(st, dict):
             continue
         run_plan = st.get("plan") or {}
         if st.get("kind") == "train" and run_plan.get("from_run") == plan.from_run and st.get("tokens_per_s"):
