@@ -451,6 +451,12 @@ def test_train_abort_resume_then_eval_trained_above_untrained_and_off_by_one_ref
             cell["all"]["drafts"], cell["all"]
     engine = recs["eval.acceptance"]["detail"]["engine"]
     assert engine["vllm"] == "0.32.0" and engine["per_request"]["available"], engine
+    # the server is sized for the sweep's largest concurrency, not vLLM's default sequences (GPU round 20)
+    step = recs["eval.acceptance"]["detail"]["server_step"]
+    assert step == {"max_num_seqs": 2, "max_num_batched_tokens": step["max_num_batched_tokens"], "draft_slots": 0,
+                    "room": step["max_num_batched_tokens"]}, step
+    argv = (Path(recs["eval.acceptance"]["detail"]["eval_dir"]) / "spec" / "logs" / "server.log").read_text()
+    assert "--max-num-seqs 2 " in argv.splitlines()[0] + " ", argv[:2000]
     print(f"\nsweep of the forced draft: {recs['eval.sweep']['summary']}")
     assert recs["eval.draft_layer_ids"]["status"] == "warn" and recs["eval.draft_layer_ids"]["summary"].startswith(
         "forced: "), recs["eval.draft_layer_ids"]
@@ -571,6 +577,11 @@ def test_dflash_extract_train_eval_with_the_plans_ids_end_to_end_and_accepted_ab
     assert used["status"] == "ok" and used["detail"]["used"] == plan["trainer_ids"], used
     logs = "".join(log.read_text(errors="replace") for log in Path(got["eval_dir"]).rglob("*.log"))
     assert "Resolved architecture: DFlashDraftModel" in logs, logs[-3000:]
+    # dflash drafts k positions at once: up to k extra slots a request in a step, within the step eval passed
+    step = got["server_step"]
+    assert step["draft_slots"] == got["k"] and step["max_num_seqs"] == 1, step
+    argv = (Path(got["eval_dir"]) / "spec" / "logs" / "server.log").read_text().splitlines()[0]
+    assert "--max-num-seqs 1 " in argv + " " and f"--max-num-batched-tokens {step['max_num_batched_tokens']}" in argv
     print(f"\ndflash: train {t_train:.0f} s, eval {time.monotonic() - t0 - t_train:.0f} s; {got['accepted']} of "
           f"{got['draft_tokens']} accepted, mean length {got['mean_acceptance_length']}, per position "
           f"{got['per_position']}")

