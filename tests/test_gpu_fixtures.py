@@ -1178,3 +1178,117 @@ def test_round19_online_training_on_the_gpu_follows_the_offline_curve_step_by_st
     online_bytes = json.loads(read("round19/summary-r19a.json"))["steps"]["drafts_train"]["result"]["online_disk_bytes"]
     assert tokens == offline["plan"]["tokens"] == 29291 and states_bytes > 900e6
     assert online_bytes < 1e6 and online_bytes < states_bytes / 1000, online_bytes
+
+
+def _round20_rows(run: str) -> tuple[dict, list[dict]]:
+    """A round-20 train run's training steps (by step) and validation rows, from the metrics fetch brought back."""
+    rows = [json.loads(line) for line in read(f"round20/cli/fetched_{run}/metrics.jsonl").splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}, [r for r in rows if r["kind"] == "val"]
+
+
+def test_round20_online_and_offline_drafts_train_the_same_curve_and_accept_alike_on_the_gpu():
+    """Issue 44 on an H100 (round 20, vLLM 0.26, the 8B shape at std 0.01, 512 chat rows, seed 42, 4 epochs): the
+    online run (colocated, ``--keep-states none``) to its end this time, then the offline run, both served with the
+    target on the same 8 held-out rows (``round.py`` ``drafts_pair``). The curves agree step by step over all 16
+    steps, the validation of every epoch too, and the two drafts' acceptance is the same within its noise."""
+    online = json.loads(read("round20/cli/fetched_gpu-8b-on/status.json"))
+    offline = json.loads(read("round20/cli/fetched_gpu-8b-t/status.json"))
+    for st in (online, offline):
+        assert st["state"] == "done" and st["step"] == st["steps_total"] == 16 and st["error"] is None
+        assert st["memory"]["peak_over_estimate"] <= 1.0
+    assert json.loads(read("round20/cli/fetched_gpu-8b-on/params.json"))["keep_states"] == "none"
+    assert online["online_server"]["layer_ids"] == offline["plan"]["layer_ids"] == [2, 16, 29, 32]
+
+    steps_on, val_on = _round20_rows("gpu-8b-on")
+    steps_off, val_off = _round20_rows("gpu-8b-t")
+    assert sorted(steps_on) == sorted(steps_off) == list(range(16))
+    assert max(abs(steps_on[s]["loss"] - steps_off[s]["loss"]) for s in steps_on) <= 0.002
+    assert all(abs(a - b) <= 0.011 for s in steps_on for a, b in zip(steps_on[s]["accuracy"], steps_off[s]["accuracy"]))
+    assert steps_on[15]["loss"] < steps_on[0]["loss"] / 5  # it learned: 1.28 -> 0.185 both ways
+    assert len(val_on) == len(val_off) == 4
+    assert all(abs(a - b) <= 0.006 for on, off in zip(val_on, val_off) for a, b in zip(on["accuracy"], off["accuracy"]))
+
+    served = {}
+    for name in ("online", "offline"):
+        doc = cli_json(f"round20/cli/eval_8b_{name}.json")
+        assert doc["exit_code"] == 0
+        host = doc["hosts"][0]
+        status = {r["name"]: r["status"] for r in host["records"]}
+        assert status["eval.aux_ids_used"] == status["eval.draft_layer_ids"] == status["eval.acceptance"] == "ok"
+        served[name] = host["data"]
+    assert served["online"]["rows"] == served["offline"]["rows"] == [512, 520]  # rows no train step read
+    # acceptance: a binomial count each; the two rates within two standard errors of their difference
+    p_on = served["online"]["accepted"] / served["online"]["draft_tokens"]
+    p_off = served["offline"]["accepted"] / served["offline"]["draft_tokens"]
+    pooled = (p_on + p_off) / 2
+    se = (pooled * (1 - pooled) * (1 / served["online"]["draft_tokens"] + 1 / served["offline"]["draft_tokens"])) ** 0.5
+    assert abs(p_on - p_off) <= 2 * se, (p_on, p_off, se)
+    assert (served["online"]["accepted"], served["offline"]["accepted"]) == (72, 70)
+
+    # what the online run left beside its checkpoints against the offline states
+    online_bytes = json.loads(read("round20/summary-r20b.json"))["steps"]["drafts_train"]["result"]["online_disk_bytes"]
+    assert online_bytes < 1e6 and offline["plan"]["tokens"] * 4 * 4096 * 2 > 900e6
+
+
+def test_round20_a_second_train_beside_a_running_one_is_refused_and_a_full_disk_before_the_load():
+    """Round 20's first try trained offline while the online run held the GPU: ``train`` refused it by name (the
+    round now runs them one after the other); the dflash2 draft asked for 11.2 GiB of checkpoints on a disk with 8.3
+    free and was refused before anything loaded, naming both numbers."""
+    beside = {r["name"]: r for r in cli_json("round20/cli/train_8b_beside_online.json")["hosts"][0]["records"]}
+    assert beside["train.start"]["status"] == "fail" and "already running gpu-8b-on" in beside["train.start"]["summary"]
+    assert "specops abort --run-id gpu-8b-on" in beside["train.start"]["fix"]
+    disk = {r["name"]: r for r in cli_json("round20/cli/train_8b_dflash2.json")["hosts"][0]["records"]}["train.disk"]
+    assert disk["status"] == "fail" and disk["detail"]["need_bytes"] > disk["detail"]["free_bytes"]
+    assert "8.3 GiB free" in disk["summary"] and "11.2 GiB" in disk["summary"]
+
+
+def test_round20_the_sweep_at_real_width_two_temperatures_two_concurrencies_a_gate_and_the_history():
+    """Issue 46 on an H100 (round 20): the offline draft on an MT-Bench file (two categories, a two-turn question),
+    temperature 0 and 0.8 x concurrency 1 and 4, the plain target measured in the same run, gated at 1.0."""
+    doc = cli_json("round20/cli/eval_8b_sweep.json")
+    assert doc["exit_code"] == 0
+    host = doc["hosts"][0]
+    status = {r["name"]: r["status"] for r in host["records"]}
+    assert all(status[n] == "ok" for n in ("eval.prompts", "eval.sweep", "eval.baseline", "eval.gate", "eval.files"))
+    data = host["data"]
+    assert data["prompt_set"]["format"] == "mt_bench"
+    assert data["prompt_set"]["categories"] == {"writing": 2, "coding": 2}
+    cells = {(c["temperature"], c["concurrency"]): c for c in data["cells"]}
+    assert set(cells) == {(0.0, 1), (0.0, 4), (0.8, 1), (0.8, 4)}
+    for (temperature, _), cell in cells.items():
+        assert cell["baseline_tokens_per_s"] > 0 and cell["speedup"] == pytest.approx(
+            cell["tokens_per_s"] / cell["baseline_tokens_per_s"], abs=0.001)
+    # four requests in flight give more tokens a second than one, with the draft and without
+    assert cells[(0.0, 4)]["tokens_per_s"] > 1.4 * cells[(0.0, 1)]["tokens_per_s"]
+    assert cells[(0.0, 4)]["baseline_tokens_per_s"] > 1.4 * cells[(0.0, 1)]["baseline_tokens_per_s"]
+    # greedy drafts are accepted more often than sampled ones at 0.8 (the draft was trained on greedy states)
+    assert cells[(0.0, 1)]["all"]["accepted"] > cells[(0.8, 1)]["all"]["accepted"]
+    assert data["engine"]["vllm"] == "0.26.0" and data["engine"]["per_request"]["available"] is False
+    history = cli_json("round20/cli/evals.json")
+    assert [e["draft"] for e in history["evals"]] == ["gpu-8b-on", "gpu-8b-t", "gpu-8b-t"]
+
+
+def test_round20_vllm_refused_a_dspark_draft_at_its_default_sequences_and_eval_now_sizes_the_step():
+    """Round 20: the dspark draft (k = its block size, 8) served at vLLM's default ``max_num_seqs`` (1024 on an 80 GB
+    card) and the eval's 2048-token step: vLLM refused to start, ``max_num_scheduled_tokens`` -5120. The eval's own
+    arithmetic gives vLLM's number from the same flags, and the flags it now passes leave a whole prompt a step."""
+    from remote.train import evaluate
+
+    log = read("round20/cli/eval_8b_dspark_server.log")
+    argv = log.splitlines()[0]
+    spec = json.loads(argv[argv.index("--speculative-config ") + len("--speculative-config "):])
+    assert spec["method"] == "dspark" and spec["num_speculative_tokens"] == 8 and "--max-num-seqs" not in argv
+    refused = int(re.search(r"max_num_scheduled_tokens is set to (-?\d+)", log).group(1))
+    budget = int(re.search(r"--max-num-batched-tokens (\d+)", argv).group(1))
+    # vLLM 0.26's arithmetic: k - 1 slots a sequence for a parallel draft, at its default sequences
+    assert budget - (spec["num_speculative_tokens"] - 1) * gpu.MAX_NUM_SEQS_BIG_GPU == refused == -5120
+    max_len = int(re.search(r"--max-model-len (\d+)", argv).group(1))
+    step = evaluate.server_step({"device": "cuda", "concurrency": [1, 8]}, spec, max_len, "dspark")
+    assert step["max_num_seqs"] == 8 and step["draft_slots"] == 8 * 8  # k a sequence: the most any release takes
+    assert step["max_num_batched_tokens"] == budget and step["room"] >= max_len
+    # a sweep so wide that its slots would leave less than a prompt: the budget is raised, not refused by vLLM
+    wide = evaluate.server_step({"device": "cuda", "concurrency": [512]}, spec, max_len, "dspark")
+    assert wide["room"] == max_len and wide["max_num_batched_tokens"] == 8 * 512 + max_len
+    # serial eagle3 takes no extra slots; P-EAGLE (served as eagle3, drafting in parallel) does
+    eagle = {"method": "eagle3", "num_speculative_tokens": 8}
+    assert evaluate.draft_slots(eagle, "eagle3") == 0 and evaluate.draft_slots(eagle, "peagle") == 8

@@ -98,13 +98,21 @@ TOLERANCE = 0.10
 #: token from 2048 to 16384, the plan 0.74; the 8B shape 0.121 above 8192, the plan 0.18), and DeepSeek-V3 width
 #: has ~2.0 GiB at 2048 tokens that do not grow with the step budget. vLLM 0.25's fixtures (tiny widths, 1024
 #: requests) need the plan's per-token terms as they are, so one set of terms cannot hold both; the misses past
-#: 2048 tokens overstate the overhead (KV room understated: the safe side).
+#: 2048 tokens overstate the overhead (KV room understated: the safe side). Round 20 ran the tiny DeepSeek-V3 (hidden
+#: 2048; vLLM 0.25's fixtures hold it within TOLERANCE at 1024 requests) on vLLM 0.26 at 8: its forward grows 72 KB a
+#: token from 2048 to 8192 tokens against the plan's 168, so the low growth is the version's (or the request
+#: count's), not the width's. The growth a token over the plan's bf16 activation bytes a token: 0.67 (tiny MLA/MoE),
+#: 0.97 (8B dense), 0.54 (DeepSeek-V3 width): no one factor for vLLM 0.26 holds all three within TOLERANCE.
 OVERHEAD_OPEN = {"round15_memory_deepseek_v3_wide": (1.4, 1.6),
                  "round15_memory_whole_deepseek_v3_wide": (1.1, 1.2),
                  "round15_memory_whole_llama_8b_vocab": (0.75, 0.85),
                  "round18_memory_budget_deepseek_v3_wide_bt16384": (0.6, 0.7),
                  "round18_memory_budget_deepseek_v3_wide_bt8192": (0.8, 0.87),
-                 "round18_memory_budget_llama_8b_vocab_bt16384": (0.7, 0.8)}
+                 "round18_memory_budget_llama_8b_vocab_bt16384": (0.7, 0.8),
+                 "round20_memory_budget_deepseek_v3_bt2048": (0.8, 0.9),
+                 "round20_memory_budget_deepseek_v3_bt8192": (0.55, 0.65),
+                 # the same start as round15_memory_whole_deepseek_v3_wide's (4096 tokens a step), the same miss
+                 "round20_memory_budget_deepseek_v3_wide_bt4096": (1.1, 1.2)}
 #: the KV room where the overhead's miss is large enough to move it past TOLERANCE (used / planned)
 KV_ROOM_OPEN = {"round18_memory_budget_deepseek_v3_wide_bt16384": (1.2, 1.3)}
 
