@@ -102,7 +102,9 @@ TOLERANCE = 0.10
 #: 2048; vLLM 0.25's fixtures hold it within TOLERANCE at 1024 requests) on vLLM 0.26 at 8: its forward grows 72 KB a
 #: token from 2048 to 8192 tokens against the plan's 168, so the low growth is the version's (or the request
 #: count's), not the width's. The growth a token over the plan's bf16 activation bytes a token: 0.67 (tiny MLA/MoE),
-#: 0.97 (8B dense), 0.54 (DeepSeek-V3 width): no one factor for vLLM 0.26 holds all three within TOLERANCE.
+#: 0.97 (8B dense), 0.54 (DeepSeek-V3 width): no one factor for vLLM 0.26 holds all three within TOLERANCE. The two
+#: releases' profile paths read alike (stop 58), so the request count is the likelier cause: ``round.py main --steps
+#: ssh,memory_seqs`` starts the tiny model on 0.26 at vLLM's default 1024 sequences to tell.
 OVERHEAD_OPEN = {"round15_memory_deepseek_v3_wide": (1.4, 1.6),
                  "round15_memory_whole_deepseek_v3_wide": (1.1, 1.2),
                  "round15_memory_whole_llama_8b_vocab": (0.75, 0.85),

@@ -144,7 +144,7 @@ class SmiSampler:
 
 #: about how long each step of ``main`` takes on the H200 (rounds 1-2): a step starts only if it
 #: can end before ``HARD_END_S``, so a call never kills one halfway (a later call runs it instead).
-EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "memory_budget": 300, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
+EXPECTED_S = {"memory_width": 420, "memory_whole": 420, "memory_budget": 300, "memory_seqs": 200, "fp8_speed": 500, "dp": 200, "canary_swapped": 120, "draft_train": 400, "wait_train": 60, "draft_eval": 260, "draft_shifted": 150,
               "draft_untrained": 170, "canary": 300, "canary_shifted": 150, "digest_cpu": 150, "train_eval": 420, "bench_8b_fp8": 200, "bench": 330, "bench_wide": 250, "bench_8b_4ids": 270, "bench_8b_8ids": 270, "jobs": 160, "mla_diag": 90, "smoke_wide": 130, "smoke_deepseek": 140,
               "extract_wide": 220, "extract_deepseek": 190, "preflight": 60, "abort": 140, "engine_llama": 140,
               "engine_deepseek": 140, "engine_dense": 130, "engine_wide": 150, "layer_reference": 480,
@@ -287,6 +287,12 @@ def ssh_up():
                                    "seq_len": seq_len, "max_samples": 8,
                                    "server_args": ["--max-num-batched-tokens", str(bt)]}
            for short, model, seq_len, bt in MEMORY_BUDGET_HOSTS},
+        # round 20 found the tiny DeepSeek-V3's forward on vLLM 0.26 at 8 sequences far below vLLM 0.25's at 1024:
+        # the same model and step at vLLM's default sequences tells the request count's share from the version's
+        **{f"gpu-ds-tiny-bt{bt}-seqs1024": {"model_path": str(MODELS / "deepseek_v3"), "seq_len": 256, "max_samples": 8,
+                                            "output_dir": f"/tmp/specops-out/ds-tiny-bt{bt}-seqs1024",
+                                            "server_args": ["--max-num-batched-tokens", str(bt), "--max-num-seqs", "1024"]}
+           for bt in (2048, 8192)},
         # the abort rehearsal: a pause after each batch keeps the run extracting long enough to abort it
         "gpu-deepseek-slow": {"model_path": str(MODELS / "deepseek_v3"), "output_dir": "/tmp/specops-out/ds-slow",
                               "batch_size": 2, "env": dict(VLLM_ENV, SPECOPS_BATCH_DELAY_S="3")},
@@ -912,6 +918,11 @@ MEMORY_WHOLE_RUNS = (("gpu-ds-wide-whole", "deepseek_v3_wide", "deepseek_v3_wide
                      ("gpu-8b-vocab-whole", "llama_8b_vocab", "llama_8b_vocab", "gpu-mem-8b-vocab-whole"))
 
 
+#: the same, at vLLM's default sequences (1024 on an 80 GB card): ``round.py main --steps ssh,memory_seqs``
+MEMORY_SEQS_RUNS = tuple((f"gpu-ds-tiny-bt{bt}-seqs1024", f"deepseek_v3_bt{bt}_seqs1024", "deepseek_v3",
+                          f"gpu-mem-ds-tiny-bt{bt}-seqs1024") for bt in (2048, 8192))
+
+
 def memory_budget_runs():
     """The ``memory_budget`` runs this call makes (``GPU_ROUND_MEMORY_BUDGETS``, ``<budget>:<short>,...``; all by
     default)."""
@@ -1192,6 +1203,7 @@ def main(argv=None) -> int:
             "memory_whole": run_step("memory_whole", memory_width, MEMORY_WHOLE_RUNS, "memory_whole"),
             # GPU_ROUND_MEMORY_BUDGETS="8192:ds-wide,4096:8b-vocab": the runs of this call (two fit one call)
             "memory_budget": run_step("memory_budget", memory_width, memory_budget_runs(), "memory_budget"),
+            "memory_seqs": run_step("memory_seqs", memory_width, MEMORY_SEQS_RUNS, "memory_budget"),
             "fp8_speed": run_step("fp8_speed", fp8_speed),
             "defaults_sweep": run_step("defaults_sweep", defaults_sweep),
             "defaults_sweep_8b": run_step("defaults_sweep_8b", defaults_sweep, "llama_8b_vocab"),
