@@ -828,12 +828,22 @@ def drafts_algorithms(algorithms=tuple(a for a in os.environ.get("GPU_ROUND_ALGO
     out = {"states": drafts_states()}
     for algorithm in algorithms:
         rid = f"gpu-8b-{algorithm}"
-        out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES, "--algorithm",
-                            algorithm, "--epochs", "4", "--json"], f"train_8b_{algorithm}.json",
-                           timeout=420)  # round 20: dspark 228 s on an H100, dflash2 past 300
+        state = json.loads((WORK / "runs" / rid / "status.json").read_text()).get("state") \
+            if (WORK / "runs" / rid / "status.json").exists() else None
+        if state is None:  # detached, so a train that outlasts this call runs on and the next call waits for it
+            out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES,
+                                "--algorithm", algorithm, "--epochs", "4", "--detach", "--json"],
+                               f"train_{algorithm}_start.json", timeout=120)
+        # round 20: dspark trained in 228 s on an H100, dflash2 past 300; eval then needs ~90 s
+        out[f"{rid}_state"] = state = wait_run(rid, margin=110).get("state")
+        if state != "done":
+            continue
+        out[f"status_{rid}"] = specops(["status", "--on", DRAFTS_HOST, "--run-id", rid, "--json"],
+                                       f"train_8b_{algorithm}.json", timeout=60)
         out[f"eval_{rid}"] = specops(["eval", "--on", DRAFTS_HOST, "--draft", rid, "--algorithm", algorithm,
                                       "--prompts", "8", "--max-tokens", "64", "--json"], f"eval_8b_{algorithm}.json",
                                      timeout=240)
+        out[f"fetch_{rid}"] = specops(["fetch", "--on", DRAFTS_HOST, "--run-id", rid], f"fetch_{rid}.txt", timeout=120)
         keep_run(DRAFTS_HOST, rid, rid)
         # each draft keeps ~11 GiB of checkpoints (4 epochs of the 8B-width layer): round 20's second draft found 8.3
         # GiB free on the 64 GiB disk and train refused it; served and kept, the next one needs the room
