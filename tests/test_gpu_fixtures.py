@@ -183,6 +183,8 @@ def test_gpu_probe_records_from_the_h200_facts(monkeypatch, tmp_path):
     assert 1.0 < memory["detail"]["ranks"][0]["tokens_fit"] / 2_678_287 < 1.03
     # no batch size known: vLLM's own max_num_seqs on this card; a run's batch size is what its server admits
     assert memory["detail"]["max_num_seqs"] == 1024 and "1,024 sequences" in memory["summary"]
+    # what binds is named: MLA's profile workspace, 64 Ki tokens wide at 1,024 sequences
+    assert "(its peak: the attention call)" in memory["summary"]
     ctx.params["batch_size"] = 8
     assert gpu.probe(ctx)[1]["detail"]["max_num_seqs"] == 8
     # the same GPU with seq_len far beyond what fits: fail, with the fix

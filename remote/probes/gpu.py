@@ -35,32 +35,37 @@ import shutil
 
 from remote.probes import Context
 from remote.system import modelconfig
+from remote.wire.layers import OUTPUT, default_layer_ids
 from remote.wire.protocol import FAIL, OK, SKIPPED, WARN, record
 from remote.wire.words import GiB, MiB, human_bytes
 
 #: The non-KV overhead of one rank is what vLLM's profile run takes before it sizes the KV cache
 #: (``gpu_worker.determine_available_memory``: non-torch increase + torch peak + the CUDA graph
-#: estimate). Its terms (:func:`overhead_terms`), fitted to the GPU fixtures (tests/fixtures/gpu/:
-#: H200 vLLM 0.25 at 8192 batched tokens, H100 vLLM 0.26 at 2048-16384; dense, GQA, MLA, MoE; hidden
-#: 256-7168): planned / used 0.94-1.05 on each but vLLM 0.26's forward phase at real width, where the
-#: plan overstates it past 2048 tokens (tests/test_memory_plan.py ``OVERHEAD_OPEN`` says by how much):
+#: estimate). The torch peak is the allocator's largest moment of ``profile_run`` (one forward of
+#: ``max_num_batched_tokens`` over ``min(tokens, max_num_seqs)`` requests with no attention metadata,
+#: then the sampler warm-up on one row a request; torch.compile's first compile runs inside it), and
+#: :func:`profile_moments` names the moments that can be it, read in vLLM 0.25.1 and 0.26.0 (the same
+#: code on this path). Checked against every GPU fixture (tests/test_memory_plan.py).
 #:
-#: CUDA context, cuBLAS/NCCL workspaces and loaded kernels outside torch's allocator, per rank.
-NON_TORCH_BYTES = int(0.2 * GiB)
-#: per batched token whatever the width: the step's persistent input/position/slot buffers, the
-#: attention metadata and sampler inputs sized by ``max_num_batched_tokens`` (fitted: 52 KiB; the
-#: tiny models' 0.31 GiB at 2048 tokens and 0.65 GiB at 8192 pin it).
-PER_TOKEN_BYTES = 52 * 1024
-#: copies of the widest layer's bf16 activations alive at the profile peak (fitted: 1.06).
-ACTIVATION_COPIES = 1.06
-#: The profile run's peak is the larger of two phases, not their sum (tests/fixtures/gpu/round18: vLLM
-#: 0.26 at 8 requests, 2048-16384 batched tokens): the forward (per-token buffers and activations) and
-#: the sampler warm-up. The warm-up holds fp32 ``[requests, vocab]`` logits, their copies and the
-#: rejection sampler's (vLLM ``_dummy_sampler_run``), beside one bf16 ``vocab x hidden`` matrix (the
-#: rank's share): at 8 requests that matrix alone is the floor the 8B-shaped target's peak stays on
-#: (1.01-1.10 GiB up to 8192 tokens, its matrix 0.98 GiB); at 1024 requests the logits dominate.
-SAMPLER_FP32_COPIES = 6
-VOCAB_MATRIX_COPIES = 1.0
+#: CUDA context, cuBLAS/NCCL workspaces and loaded kernels outside torch's allocator, per rank (vLLM 0.26
+#: logs 0.23 GiB "for non-torch memory" at every width the fixtures have)
+NON_TORCH_BYTES = int(0.23 * GiB)
+#: what the profile's first GEMMs allocate and keep (cuBLAS(Lt) workspaces; fitted 0.028-0.035 GiB)
+PROFILE_CONSTANT_BYTES = int(0.03 * GiB)
+#: Inductor's L2-flush buffer while a compiled reduction autotunes at its first call (the L2 of an
+#: H100/H200); only with CUDA graphs (compiled) on a cold compile cache
+AUTOTUNE_FLUSH_BYTES = 50 * MiB
+#: MLA's profile-time prefill workspace (``mla_attention.determine_chunked_prefill_workspace_size``):
+#: ``max(min(max(8 x max_model_len, 4 x requests x block), 64 Ki), requests x block)`` tokens of
+#: ``heads x (qk_nope + v_head)`` bf16, allocated and dropped where attention is skipped
+MLA_WORKSPACE_MODEL_LENS, MLA_WORKSPACE_CAP_TOKENS = 8, 64 * 1024
+#: bytes a logit of the sampler warm-up holds at its peak (``_dummy_sampler_run``): 30 with a speculative
+#: config (the rejection sampler's bf16 and float32 copies, its probabilities and their reciprocal), 14
+#: without (the sampler's logits, probabilities and exponential draws, run twice)
+SAMPLER_BYTES_PER_LOGIT = {True: 30, False: 14}
+#: the Triton top-k/top-p buffer's rows: the next power of two of the requests, at most the SMs of an
+#: H100/H200 (132)
+SAMPLER_TOPK_ROWS = 132
 #: the CUDA graph pool (vLLM's "Estimated CUDA graph memory"): a floor plus the activations of the
 #: largest captured batch (fitted on the fixtures' 0.09-0.19 GiB: 1.3 copies at 512 tokens).
 GRAPH_BASE_BYTES = int(0.09 * GiB)
@@ -306,30 +311,116 @@ def default_max_num_seqs(total_bytes: int, name: str = "") -> int:
     return MAX_NUM_SEQS_BIG_GPU if total_bytes >= BIG_GPU_BYTES and "A100" not in (name or "") else MAX_NUM_SEQS
 
 
-def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, eager: bool = False) -> dict:
-    """The non-KV overhead of one rank, term by term (bytes), as vLLM's profile run makes it: one
-    forward of ``batched_tokens`` (the ``--max-num-batched-tokens`` the engine passes) through the
-    widest layer, the sampler warm-up on ``min(max_num_seqs, batched_tokens)`` requests' logits, the
-    CUDA graph pool (none when ``eager``) and the memory outside torch. ``total``: the memory outside
-    torch, the graph pool and the larger of the two phases (``peak``, ``peak_phase``)."""
+#: :func:`profile_moments`' names in the preflight's words
+PEAK_WORDS = {"attention": "the attention call", "dense_mlp": "a dense MLP", "norm_autotune": "a norm's autotune",
+              "moe_exit": "a MoE layer's end", "sampler": "the sampler warm-up",
+              "compile": "the compile's embedding benchmark"}
+
+
+def _aux_before(layer_ids, layer: int) -> int:
+    """Captured states alive when decoder layer ``layer`` (0-based) runs: the aux ids at or below it (vLLM
+    captures id ``a`` before layer ``a``; the final state, id = num_layers, comes after the last)."""
+    return sum(1 for a in layer_ids if int(a) <= layer)
+
+
+def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                    layer_ids, eager: bool = False, speculative: bool = True) -> dict:
+    """The torch allocator's candidate peaks of one rank's profile run (bytes), by moment.
+
+    Read in vLLM 0.26.0 (0.25.1 is the same code here): ``gpu_model_runner.profile_run`` runs ``_dummy_run``
+    with no attention metadata, so attention computes nothing (MLA allocates its prefill workspace and drops
+    it), then ``_dummy_sampler_run`` on one row a request. The fused-MoE workspaces
+    (``workspace13 + workspace2``, ``[T, top_k, max(moe_inter, hidden)]`` and ``[T, top_k, max(2 x moe_inter,
+    hidden)]``) come from a manager that never shrinks; a compiled piece keeps its inputs (the attention's
+    output, the old residual) for the whole piece; Inductor's first compile benchmarks the embedding gather's
+    kernel on inputs of its own (``vocab x hidden`` and two ``[T, hidden]``) on a cold cache. ``T``: the step
+    budget; heads, intermediates and the vocab split over ``tp``, the logits not (each rank samples).
+
+    * ``attention``: the last layer's attention call: MLA's workspace, the MoE workspace, q, the output, the
+      latents, the residual and the states captured so far (GQA: q, k, v, the output, residual, states);
+    * ``dense_mlp``: a dense layer's gate/up and activated halves beside the piece's held inputs, the new
+      residual and the states captured so far (the last dense layer's);
+    * ``norm_autotune``: a compiled add + RMSNorm autotuning at its first call (dense layers);
+    * ``moe_exit``: a MoE layer's end: the workspace, the held inputs, five ``[T, hidden]`` (residuals, the
+      shared and routed outputs, the next norm's input) and the captured states, while the next norm tunes;
+    * ``sampler``: the warm-up's logits (:data:`SAMPLER_BYTES_PER_LOGIT`), the top-k buffer, the forward's
+      ``[T, hidden]`` output and the MoE workspace;
+    * ``compile``: the embedding kernel's benchmark inputs (compiled only).
+    """
+    tp = max(int(tp), 1)
     tokens = int(batched_tokens)
-    act_bytes_per_token = 2 * activation_elements_per_token(text_cfg, tp)
     requests = min(int(max_num_seqs), tokens)
-    vocab = int(text_cfg.get("vocab_size") or 0)
-    capture = min(GRAPH_MAX_CAPTURE_TOKENS, 2 * int(max_num_seqs), tokens)
     hidden = int(text_cfg.get("hidden_size") or 0)
+    vocab = int(text_cfg.get("vocab_size") or 0)
+    layers = int(modelconfig.num_layers(text_cfg) or 0)
+    all_heads = int(text_cfg.get("num_attention_heads") or 1)
+    heads = max(1, all_heads // tp)
+    compiled = not eager
+    flush = AUTOTUNE_FLUSH_BYTES if compiled else 0
+    const = PROFILE_CONSTANT_BYTES
+    last = max(layers - 1, 0)
+    captured = _aux_before(layer_ids, last)
+    experts = int(text_cfg.get("n_routed_experts") or text_cfg.get("num_experts") or text_cfg.get("num_local_experts")
+                  or 0)
+    first_dense = int(text_cfg.get("first_k_dense_replace") or 0) if experts else layers
+    moe_workspace = 0
+    if experts and first_dense < layers:
+        top_k = int(text_cfg.get("num_experts_per_tok") or 1)
+        moe_width = int(text_cfg.get("moe_intermediate_size") or text_cfg.get("intermediate_size") or 0) // tp
+        moe_workspace = 2 * (max(tokens * top_k * max(moe_width, hidden), tokens * hidden)
+                             + tokens * top_k * max(2 * moe_width, hidden))
+    moments = {}
+    if text_cfg.get("kv_lora_rank") is not None:
+        nope = int(text_cfg.get("qk_nope_head_dim") or 0)
+        rope = int(text_cfg.get("qk_rope_head_dim") or 0)
+        v_dim = int(text_cfg.get("v_head_dim") or nope)
+        window = max(min(max(MLA_WORKSPACE_MODEL_LENS * int(max_model_len), 4 * requests * KV_BLOCK_TOKENS),
+                         MLA_WORKSPACE_CAP_TOKENS), requests * KV_BLOCK_TOKENS)
+        per_token = heads * (nope + rope) + heads * v_dim + int(text_cfg["kv_lora_rank"]) + rope \
+            + hidden * (1 + captured)
+        moments["attention"] = (2 * window * heads * (nope + v_dim) + (moe_workspace if first_dense < last else 0)
+                                + 2 * tokens * per_token + const)
+        attention_out = heads * v_dim
+    else:
+        head_dim = int(text_cfg.get("head_dim") or (hidden // all_heads))
+        kv_heads = max(1, -(-int(text_cfg.get("num_key_value_heads") or all_heads) // tp))
+        moments["attention"] = 2 * tokens * (2 * heads * head_dim + 2 * kv_heads * head_dim + hidden * (1 + captured)) \
+            + const
+        attention_out = heads * head_dim
+    held = attention_out + hidden if compiled else 0
+    if first_dense > 0:
+        captured_dense = _aux_before(layer_ids, first_dense - 1 if experts else last)
+        intermediate = int(text_cfg.get("intermediate_size") or 0) // tp
+        moments["dense_mlp"] = 2 * tokens * (held + hidden + 3 * intermediate + captured_dense * hidden) + const
+        moments["norm_autotune"] = 2 * tokens * (held + 2 * hidden + captured_dense * hidden) + flush + const
+    if moe_workspace:
+        moments["moe_exit"] = moe_workspace + 2 * tokens * (held + 5 * hidden + captured * hidden) + flush + const
+    topk_rows = min(1 << max(min(SAMPLER_TOPK_ROWS, requests) - 1, 0).bit_length(), SAMPLER_TOPK_ROWS)
+    moments["sampler"] = (SAMPLER_BYTES_PER_LOGIT[bool(speculative)] * requests * vocab + 4 * topk_rows * vocab
+                          + 2 * tokens * hidden + 4 * requests * hidden + moe_workspace + const)
+    if compiled:
+        moments["compile"] = 2 * (vocab // tp) * hidden + 4 * tokens * hidden
+    return moments
+
+
+def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                   layer_ids, eager: bool = False) -> dict:
+    """The non-KV overhead of one rank, term by term (bytes), as vLLM's profile run makes it: the largest of
+    :func:`profile_moments` (``peak``, ``peak_phase`` names it; ``moments`` all of them) at ``batched_tokens``
+    (the ``--max-num-batched-tokens`` the engine passes) and ``max_num_seqs``, the CUDA graph pool (none when
+    ``eager``) and the memory outside torch. ``total``: the three together."""
+    tokens = int(batched_tokens)
+    moments = profile_moments(text_cfg, tp=tp, batched_tokens=tokens, max_num_seqs=max_num_seqs,
+                              max_model_len=max_model_len, layer_ids=layer_ids, eager=eager)
+    phase = max(moments, key=moments.get)
+    capture = min(GRAPH_MAX_CAPTURE_TOKENS, 2 * int(max_num_seqs), tokens)
+    act_bytes_per_token = 2 * activation_elements_per_token(text_cfg, tp)
     terms = {
         "non_torch": NON_TORCH_BYTES,
-        "per_token_buffers": PER_TOKEN_BYTES * tokens,
-        "activations": int(ACTIVATION_COPIES * act_bytes_per_token * tokens),
-        "sampler": SAMPLER_FP32_COPIES * requests * vocab * 4
-                   + int(VOCAB_MATRIX_COPIES * vocab * hidden * 2) // max(int(tp), 1),
         "cuda_graphs": 0 if eager else GRAPH_BASE_BYTES + int(GRAPH_ACTIVATION_COPIES * act_bytes_per_token * capture),
     }
-    forward = terms["per_token_buffers"] + terms["activations"]
-    peak = max(forward, terms["sampler"])
-    return dict(terms, peak=peak, peak_phase="forward" if forward >= terms["sampler"] else "sampler",
-                total=terms["non_torch"] + terms["cuda_graphs"] + peak, batched_tokens=tokens,
+    return dict(terms, moments=moments, peak=moments[phase], peak_phase=phase,
+                total=terms["non_torch"] + terms["cuda_graphs"] + moments[phase], batched_tokens=tokens,
                 max_num_seqs=int(max_num_seqs))
 
 
@@ -392,21 +483,35 @@ def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_b
             "fits_budget": free_bytes >= budget, "fits_weights": kv_room > 0}
 
 
-def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, n_layer_ids: int,
+def cuda_total_bytes(gpu: dict) -> int:
+    """The device's memory as CUDA counts it, which vLLM's budget is ``gpu_memory_utilization`` of: nvidia-smi's
+    ``memory.total`` less what the driver reserves (``used + free``; 480 MiB of an H100's 81,559, 615 of an
+    H200's 143,771: vLLM 0.26 logs 79.18 GiB on the H100); ``memory.total`` where nvidia-smi gave no more."""
+    used, free = gpu.get("memory_used_mib"), gpu.get("memory_free_mib")
+    if isinstance(used, int) and isinstance(free, int):
+        return (used + free) * MiB
+    return (gpu.get("memory_total_mib") or 0) * MiB
+
+
+def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, layer_ids,
                      seq_len: int, batched_tokens: int, dtype_bytes: int = 2, max_num_seqs: int | None = None,
                      eager: bool = False) -> dict:
     """:func:`plan_rank_memory` for a model config (``text_config`` unwrapped) and one GPU
     as :func:`remote.system.devices.parse_gpus` gives it, at the engine's ``batched_tokens``
-    (:func:`engine_batched_tokens`) and ``max_num_seqs`` (None: vLLM's default for this GPU)."""
+    (:func:`engine_batched_tokens`) and ``max_num_seqs`` (None: vLLM's default for this GPU), capturing
+    ``layer_ids`` (vLLM's ids: the final state is ``num_layers``)."""
     text = modelconfig.text_config(config)
     hidden = int(text.get("hidden_size") or 0)
-    total = (gpu.get("memory_total_mib") or 0) * MiB
+    total = cuda_total_bytes(gpu)
     seqs = int(max_num_seqs or default_max_num_seqs(total, gpu.get("name") or ""))
-    overhead = overhead_terms(text, tp=tp, batched_tokens=batched_tokens, max_num_seqs=seqs, eager=eager)
+    limit = text.get("max_position_embeddings")
+    max_model_len = min(int(seq_len) + 1, int(limit)) if limit else int(seq_len) + 1  # the engine's
+    overhead = overhead_terms(text, tp=tp, batched_tokens=batched_tokens, max_num_seqs=seqs,
+                              max_model_len=max_model_len, layer_ids=list(layer_ids), eager=eager)
     return plan_rank_memory(
         total_bytes=total, free_bytes=(gpu.get("memory_free_mib") or 0) * MiB,
         util=util, weight_bytes=weight_bytes, tp=tp, kv_per_token=kv_bytes_per_token(text, tp, dtype_bytes),
-        hs_per_token=hidden_state_bytes_per_token(hidden, n_layer_ids, dtype_bytes), seq_len=seq_len,
+        hs_per_token=hidden_state_bytes_per_token(hidden, len(layer_ids), dtype_bytes), seq_len=seq_len,
         overhead=overhead)
 
 
@@ -497,23 +602,27 @@ def _memory_record(ctx) -> dict:
         config = modelconfig.read(ctx.params["model_path"])
     except modelconfig.ConfigError as exc:
         return record("gpu.memory", SKIPPED, f"model config unreadable: {exc.summary}", detail={})
-    n_ids = len(ctx.layers.get("ids") or []) or 4
+    # vLLM's ids (input convention: id k is the state after k layers); no plan from the layer check: its default
+    layer_ids = [int(i) + (1 if ctx.layers.get("convention") == OUTPUT else 0)
+                 for i in ctx.layers.get("ids") or [] if isinstance(i, int)] \
+        or default_layer_ids("vllm-server", int(modelconfig.num_layers(modelconfig.text_config(config)) or 4))[0]
     seq_len = ctx.params["seq_len"]
     util = ctx.params["gpu_memory_utilization"]
     tp = ctx.params["tp"]
     budget_tokens = engine_batched_tokens(ctx.params, config)
-    plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, n_layer_ids=n_ids,
+    plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, layer_ids=layer_ids,
                                    seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"],
                                    batched_tokens=budget_tokens, max_num_seqs=engine_max_num_seqs(ctx.params),
                                    eager=bool(ctx.params.get("enforce_eager"))), index=g["index"])
              for g in gpus]
     worst = min(plans, key=lambda p: p["tokens_fit"])
     ctx.host["gpu_memory_plan"] = plans
-    detail = {"ranks": plans, "layer_ids": n_ids, "seq_len": seq_len, "max_num_batched_tokens": budget_tokens,
+    detail = {"ranks": plans, "layer_ids": len(layer_ids), "seq_len": seq_len, "max_num_batched_tokens": budget_tokens,
               "max_num_seqs": worst["overhead_terms"]["max_num_seqs"]}
     line = (f"per rank: {human_bytes(worst['weight_bytes'])} weights + ~{human_bytes(worst['overhead_bytes'])} "
             f"overhead at {budget_tokens:,} batched tokens and {worst['overhead_terms']['max_num_seqs']:,} "
-            f"sequences of {human_bytes(worst['budget_bytes'])} "
+            f"sequences (its peak: {PEAK_WORDS[worst['overhead_terms']['peak_phase']]}) "
+            f"of {human_bytes(worst['budget_bytes'])} "
             f"({util} x {human_bytes(worst['total_bytes'])}); "
             f"KV room {human_bytes(max(worst['kv_room_bytes'], 0))} = ~{worst['tokens_fit']:,} tokens at "
             f"{worst['kv_bytes_per_token'] + worst['hidden_state_bytes_per_token']:,} B/token "

@@ -343,17 +343,17 @@ def gpus_now(out: Path) -> list:
 
 
 def memory_report(model: Path, log_text: str, gpus_before: list, smi_peak: dict, util: float, seq_len: int,
-                  n_ids: int | None = None) -> dict:
+                  layer_ids: list | None = None) -> dict:
     """The preflight's memory plan for one rank against what vLLM's log and nvidia-smi's peak then said."""
     from remote.wire import layers
     from remote.system import modelconfig
     from remote.probes import gpu
     config = modelconfig.read(str(model))
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    n_ids = n_ids or len(layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0])
+    layer_ids = layer_ids or layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0]
     budget = gpu.engine_batched_tokens({"seq_len": seq_len, "device": DEVICE}, config)
     plan = gpu.plan_from_config(config, gpu=gpus_before[0], util=util, weight_bytes=weight_bytes, tp=1,
-                                n_layer_ids=n_ids, seq_len=seq_len, batched_tokens=budget)
+                                layer_ids=layer_ids, seq_len=seq_len, batched_tokens=budget)
     used = gpu.parse_engine_memory(log_text)
     return {"plan": plan, "engine": used, "smi_peak_used_mib": smi_peak,
             "compare": gpu.compare(plan, used, smi_peak.get(0))}
@@ -400,9 +400,9 @@ def engine_run(name: str, model: Path, util=0.5, extra=None, compare=True, n=24,
         if (d / "server" / "logs" / "server.log").exists() else ""
     config = modelconfig.read(str(model))
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    n_ids = len(result.get("layer_ids") or layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0])
+    ids = result.get("layer_ids") or layers.default_layer_ids("vllm-server", modelconfig.num_layers(config))[0]
     plan = gpu.plan_from_config(config, gpu=gpus_before[0], util=util, weight_bytes=weight_bytes, tp=1,
-                                n_layer_ids=n_ids, seq_len=seq_len, batched_tokens=gpu.engine_batched_tokens(params, config),
+                                layer_ids=ids, seq_len=seq_len, batched_tokens=gpu.engine_batched_tokens(params, config),
                                 eager=bool(params.get("enforce_eager")))
     used = gpu.parse_engine_memory(log_text)
     memory = {"plan": plan, "engine": used, "smi_peak_used_mib": smi.peak, "smi_samples": smi.samples,
