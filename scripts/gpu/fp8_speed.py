@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                      ("--kv-gib", {"type": float, "default": None}), ("--device", {"default": "cuda"}),
                      ("--layer-ids", {"default": ""}), ("--reps", {"type": int, "default": 3}),
                      # a kind starts only with this much time left of the caller's budget (a start + a pass)
-                     ("--budget-s", {"type": float, "default": 540}), ("--kind-s", {"type": float, "default": 110})):
+                     ("--budget-s", {"type": float, "default": 540}), ("--kind-s", {"type": float, "default": 150})):
         parser.add_argument(flag, **kw)
     args = parser.parse_args(argv)
     # the server imports specops' connector by module path, as a job's server does with the bundle on its path
