@@ -170,6 +170,37 @@ def test_the_fixtures_peak_at_every_moment_the_plan_names():
     assert (wide1024 - wide8) / GiB == pytest.approx(2.0, abs=0.01)
 
 
+def test_round21_the_request_count_moves_the_peak_as_planned_before_it_ran():
+    """GPU round 21 started the tiny DeepSeek-V3 of round 20 (8 sequences: 0.22 GiB, a MoE layer's end) at 1,024
+    sequences and the same 2,048-token step; the plan said 0.645 GiB (MLA's profile workspace, 4 x 1,024 x 16
+    tokens wide) before the run, vLLM logged 0.65."""
+    few, many = (fixture_plan(n) for n in ("round20_memory_budget_deepseek_v3_bt2048",
+                                            "round21_memory_budget_deepseek_v3_bt2048_seqs1024"))
+    assert (few[1]["ranks"][0]["peak_activation_gib"], many[1]["ranks"][0]["peak_activation_gib"]) == (0.22, 0.65)
+    assert (few[0]["overhead_terms"]["peak_phase"], many[0]["overhead_terms"]["peak_phase"]) == ("moe_exit",
+                                                                                                 "attention")
+    assert round(many[0]["overhead_terms"]["peak"] / GiB, 3) == 0.645
+
+
+def test_max_num_seqs_in_server_args_is_the_plans_and_the_servers_one():
+    """Round 21's runs passed ``--max-num-seqs 1024`` in server_args: the server ran 1,024 while preflight
+    planned 8 (the run's concurrency; its record kept). The flag given there is now the plan's too, in every
+    spelling vLLM's parser takes, and the command carries it once."""
+    from remote.extract.engines.vllm_server import command
+
+    rel = "round21/memory_budget/deepseek_v3_bt2048_seqs1024"
+    assert preflight_detail(f"{rel}/preflight.json")["max_num_seqs"] == 8  # before the fix
+    assert "'max_num_seqs': 1024" in read(f"{rel}/server.log")
+    for spelling in (["--max-num-seqs", "1024"], ["--max_num_seqs=1024"]):
+        params = {"seq_len": 256, "device": "cuda", "batch_size": 8, "server_args": spelling}
+        assert gpu.engine_max_num_seqs(params) == 1024
+        argv = command.server_command("python3", "/m", port=8000, tp=1, layer_ids=[1, 2], storage_dir="/s",
+                                      connector=(command.STOCK_CONNECTOR, None), max_model_len=257,
+                                      params={**params, "concurrency": 8})
+        assert len([a for a in argv if "num-seqs" in a or "num_seqs" in a]) == 1
+    assert gpu.engine_max_num_seqs({"seq_len": 256, "batch_size": 8}) == 8
+
+
 def test_vllm_026_breakdown_is_parsed_and_matches_the_plan_terms():
     """vLLM 0.26 says the overhead's parts itself (round 12, H100): the plan's terms against them."""
     plan, used, _ = fixture_plan("r12_llama_h100")

@@ -260,7 +260,7 @@ def server_command(python, model_path, *, port: int, tp: int, layer_ids, storage
     if chunking.flag_value(extra, "--max-num-batched-tokens") is None:
         argv += ["--max-num-batched-tokens", str(batched_tokens(params, max_model_len))]
     seqs = max_num_seqs(params)
-    if seqs and not any(a.startswith("--max-num-seqs") for a in extra):
+    if seqs and chunking.flag_value(extra, "--max-num-seqs") is None:
         argv += ["--max-num-seqs", str(seqs)]
     if params.get("device") == "cpu" and not any(a.startswith("--compilation-config") for a in extra):
         # vLLM's CPU rotary custom op (on in eager mode) mis-rotates a 3-D query (DeepSeek-family
@@ -334,11 +334,15 @@ def run_defaults(params: dict, batch_size: int) -> dict:
 
 
 def max_num_seqs(params: dict) -> int | None:
-    """The server's ``--max-num-seqs``: ``max_num_seqs`` when given, else the run's ``concurrency`` (the
+    """The server's ``--max-num-seqs``: the one in ``server_args`` when given there (the server's, and the
+    memory plan's: build_argv adds none then), else ``max_num_seqs``, else the run's ``concurrency`` (the
     requests specops keeps in flight; None: vLLM's own default). The server serves specops alone, and
     vLLM's default (1024 on an 80 GB GPU) sizes its warm-up for that many requests: the sampler's
     float32 logits over the vocabulary, allocated after the KV cache, ~4 GiB above the memory budget
     at a 129k vocabulary (GPU round 14)."""
+    flag = chunking.flag_value(params.get("server_args") or [], "--max-num-seqs")
+    if flag is not None and flag.isdigit():
+        return int(flag)
     given = params.get("max_num_seqs") or params.get("concurrency")
     return int(given) if given else None
 
