@@ -374,8 +374,9 @@ def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seq
         nope = int(text_cfg.get("qk_nope_head_dim") or 0)
         rope = int(text_cfg.get("qk_rope_head_dim") or 0)
         v_dim = int(text_cfg.get("v_head_dim") or nope)
-        window = max(min(max(MLA_WORKSPACE_MODEL_LENS * int(max_model_len), 4 * requests * KV_BLOCK_TOKENS),
-                         MLA_WORKSPACE_CAP_TOKENS), requests * KV_BLOCK_TOKENS)
+        seqs = int(max_num_seqs)  # the scheduler's, not the dummy run's requests
+        window = max(min(max(MLA_WORKSPACE_MODEL_LENS * int(max_model_len), 4 * seqs * KV_BLOCK_TOKENS),
+                         MLA_WORKSPACE_CAP_TOKENS), seqs * KV_BLOCK_TOKENS)
         per_token = heads * (nope + rope) + heads * v_dim + int(text_cfg["kv_lora_rank"]) + rope \
             + hidden * (1 + captured)
         moments["attention"] = (2 * window * heads * (nope + v_dim) + (moe_workspace if first_dense < last else 0)
