@@ -56,7 +56,7 @@ PROFILE_CONSTANT_BYTES = int(0.03 * GiB)
 #: H100/H200); only with CUDA graphs (compiled) on a cold compile cache
 AUTOTUNE_FLUSH_BYTES = 50 * MiB
 #: MLA's profile-time prefill workspace (``mla_attention.determine_chunked_prefill_workspace_size``):
-#: ``max(min(max(8 x max_model_len, 4 x requests x block), 64 Ki), requests x block)`` tokens of
+#: ``max(min(max(8 x max_model_len, 4 x max_num_seqs x block), 64 Ki), max_num_seqs x block)`` tokens of
 #: ``heads x (qk_nope + v_head)`` bf16, allocated and dropped where attention is skipped
 MLA_WORKSPACE_MODEL_LENS, MLA_WORKSPACE_CAP_TOKENS = 8, 64 * 1024
 #: bytes a logit of the sampler warm-up holds at its peak (``_dummy_sampler_run``): 30 with a speculative
