@@ -59,10 +59,10 @@ AUTOTUNE_FLUSH_BYTES = 50 * MiB
 #: ``max(min(max(8 x max_model_len, 4 x max_num_seqs x block), 64 Ki), max_num_seqs x block)`` tokens of
 #: ``heads x (qk_nope + v_head)`` bf16, allocated and dropped where attention is skipped
 MLA_WORKSPACE_MODEL_LENS, MLA_WORKSPACE_CAP_TOKENS = 8, 64 * 1024
-#: bytes a logit of the sampler warm-up holds at its peak (``_dummy_sampler_run``): 30 with a speculative
-#: config (the rejection sampler's bf16 and float32 copies, its probabilities and their reciprocal), 14
-#: without (the sampler's logits, probabilities and exponential draws, run twice)
-SAMPLER_BYTES_PER_LOGIT = {True: 30, False: 14}
+#: bytes a logit of the sampler warm-up holds at its peak (``_dummy_sampler_run``) with a speculative config, as
+#: every server specops plans has (extraction's ``extract_hidden_states``, a draft's): the rejection sampler's
+#: bf16 and float32 copies, its probabilities and their reciprocal (14 without one)
+SAMPLER_BYTES_PER_LOGIT = 30
 #: the Triton top-k/top-p buffer's rows: the next power of two of the requests, at most the SMs of an
 #: H100/H200 (132)
 SAMPLER_TOPK_ROWS = 132
@@ -324,7 +324,7 @@ def _aux_before(layer_ids, layer: int) -> int:
 
 
 def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                    layer_ids, eager: bool = False, speculative: bool = True) -> dict:
+                    layer_ids, eager: bool = False) -> dict:
     """The torch allocator's candidate peaks of one rank's profile run (bytes), by moment.
 
     Read in vLLM 0.26.0 (0.25.1 is the same code here): ``gpu_model_runner.profile_run`` runs ``_dummy_run``
@@ -397,7 +397,7 @@ def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seq
     if moe_workspace:
         moments["moe_exit"] = moe_workspace + 2 * tokens * (held + 5 * hidden + captured * hidden) + flush + const
     topk_rows = min(1 << max(min(SAMPLER_TOPK_ROWS, requests) - 1, 0).bit_length(), SAMPLER_TOPK_ROWS)
-    moments["sampler"] = (SAMPLER_BYTES_PER_LOGIT[bool(speculative)] * requests * vocab + 4 * topk_rows * vocab
+    moments["sampler"] = (SAMPLER_BYTES_PER_LOGIT * requests * vocab + 4 * topk_rows * vocab
                           + 2 * tokens * hidden + 4 * requests * hidden + moe_workspace + const)
     if compiled:
         moments["compile"] = 2 * (vocab // tp) * hidden + 4 * tokens * hidden
