@@ -263,11 +263,13 @@ def hidden_state_bytes_per_token(hidden: int, captured_layers: int, dtype_bytes:
 
 
 def activation_elements_per_token(text_cfg: dict, tp: int = 1) -> int:
-    """bf16 elements per batched token of the widest layer's forward on one rank.
+    """bf16 elements per batched token of the widest layer's forward on one rank: the size the CUDA graph
+    pool's estimate scales with (:data:`GRAPH_ACTIVATION_COPIES`, fitted); the profile's peak is
+    :func:`profile_moments`'.
 
     * the residual stream, the norm's output and the layer's output: ``3 x hidden`` (not split by TP);
     * attention: grouped-query q, k, v and the output, ``(heads + 2 x kv_heads) x head_dim + heads x
-      head_dim``; MLA's prefill (what the profile run takes) the q/kv latents (``q_lora_rank``,
+      head_dim``; MLA's prefill the q/kv latents (``q_lora_rank``,
       ``kv_lora_rank + qk_rope_head_dim``), q, ``kv_b``'s output ``heads x (qk_nope + v_head)``, k and v
       padded to the qk head dim and the padded output (3 x ``heads x (qk_nope + qk_rope)``), the output;
     * a dense MLP's gate/up and activated halves, ``3 x intermediate``, where any layer is dense;
