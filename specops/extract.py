@@ -155,8 +155,8 @@ def extract_on(inventory: Inventory, hosts: dict[str, Host], overrides: dict, *,
                 name="extract.run", status="fail",
                 summary=f"run {run_id} {result.state}: " + (err.headline() if err else "no error recorded"),
                 detail={"error": err.model_dump() if err else None},
-                fix="read the traceback below and runs/<host>/<run-id>/logs; fix the cause, then start the "
-                    "same run id again to resume"))
+                fix=(f"{err.fix}; then " if err and err.fix else "read the traceback below and "
+                     "runs/<host>/<run-id>/logs; fix the cause, then ") + "start the same run id again to resume"))
             if err and err.traceback and not as_json:
                 console.print(Text(f"{report.host} traceback (rank {err.rank}):", style="bold red")
                               + Text(f"\n{err.traceback}"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from specops.errors import UsageError
-from specops.inventory import Inventory, ReplicaSpec
+from specops.inventory import DEFAULT_MASTER_PORT, Inventory, ReplicaSpec
 from specops.result import Record
 
 
@@ -257,6 +257,7 @@ def _ports(name: str, replica: ReplicaSpec, data: dict, silent: dict) -> list[Re
                                   f"port {p} ({e})" for p, e in taken.items()),
                               fix=f"set master_port of replica {replica.name} to a free port P (P and P + 1 are used)"))
         return records
+    records.append(_port_range(name, replica, head.get("ephemeral_ports")))
     unreached = {h: {p: e for p, e in (d.get("reach") or {}).items() if e}
                  for h, d in data.items() if h != replica.head}
     unreached = {h: bad for h, bad in unreached.items() if bad}
@@ -273,6 +274,27 @@ def _ports(name: str, replica: ReplicaSpec, data: dict, silent: dict) -> list[Re
         fix=("open the master port and the next one on the head to the other hosts (firewall), and check "
              "node_address of the head: it is the address vLLM's ranks connect to") if unreached else None))
     return records
+
+
+def _port_range(name: str, replica: ReplicaSpec, span: list[int] | None) -> Record:
+    """The master port and the watch against the head's ephemeral range: the kernel hands those ports to outgoing
+    connections, one of which may hold the pair between this check and the run's start (the run waits out one
+    that closes, but not one that stays)."""
+    pair = f"{replica.master_port}/{replica.watch_port}"
+    if span is None:
+        return Record(name="replica.port_range", status="skipped",
+                      summary=f"{name}: the head {replica.head} did not say its ephemeral port range")
+    detail = {"ports": [replica.master_port, replica.watch_port], "ephemeral_range": span}
+    if any(span[0] <= port <= span[1] for port in (replica.master_port, replica.watch_port)):
+        return Record(name="replica.port_range", status="warn",
+                      summary=f"{name}: ports {pair} lie in {replica.head}'s ephemeral range {span[0]}-{span[1]}, "
+                              f"which the kernel hands to outgoing connections: one may hold them when the run "
+                              f"starts", detail=detail,
+                      fix=f"set master_port of replica {replica.name} below {span[0]} (the default is "
+                          f"{DEFAULT_MASTER_PORT})")
+    return Record(name="replica.port_range", status="ok",
+                  summary=f"{name}: ports {pair} lie outside {replica.head}'s ephemeral range {span[0]}-{span[1]}",
+                  detail=detail)
 
 
 def preflight_replicas(inventory: Inventory, heads: list[str], host_of, overrides: dict) -> dict[str, list[Record]]:

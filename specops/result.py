@@ -109,10 +109,14 @@ class RunError(BaseModel):
     message: str | None = None
     traceback: str = ""
     where: str | None = None
+    #: what to do, where the failed check knew it
+    fix: str | None = None
 
     def headline(self) -> str:
-        """``rank 1: ValueError: bad layer`` -- the one line a person reads first."""
-        return f"rank {self.rank}: {self.type}: {self.message}"
+        """``rank 1: ValueError: bad layer`` (``supervisor: ...`` for an error of no rank) -- the one line a
+        person reads first."""
+        return f"{'rank ' + str(self.rank) if self.rank is not None else self.where or 'supervisor'}: " \
+               f"{self.type}: {self.message}"
 
 
 class RunStatus(BaseModel):

@@ -56,7 +56,7 @@ def test_a_sound_replica_passes_every_check(tmp_path):
     model = model_dir(tmp_path / "m")
     records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model})))
     for name in ("replica.versions", "replica.model", "replica.devices", "replica.master_port",
-                 "replica.network", "replica.clock"):
+                 "replica.port_range", "replica.network", "replica.clock"):
         assert records[name].status == "ok", (name, records[name].summary)
     assert "NCCL_SOCKET_IFNAME=lo" in records["replica.network"].summary
     assert records["replica.hosts"].status == "ok" and records["replica.hosts"].detail["overlap_s"] > 0
@@ -70,6 +70,34 @@ def test_another_copy_of_the_model_is_named(tmp_path):
     record = by_name(judge(replica, probe_replica(replica, models)))["replica.model"]
     assert record.status == "fail" and record.detail["differ"] == ["b"]
     assert "b differ(s) from the head a" in record.summary and record.fix
+
+
+def ephemeral_port_pair() -> int:
+    """A port P with P and P + 1 free that the kernel hands to outgoing connections (bind to port 0 draws there)."""
+    for _ in range(50):
+        with socket.socket() as one:
+            one.bind(("127.0.0.1", 0))
+            port = one.getsockname()[1]
+            try:
+                with socket.socket() as two:
+                    two.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two free consecutive ephemeral ports")
+
+
+def test_a_master_port_in_the_ephemeral_range_is_a_warn_with_a_port_below_it(tmp_path):
+    """A pair the kernel may give an outgoing connection at any time (the head's ip_local_port_range) passes the
+    port check now, and is a warn naming the range and a port below it."""
+    replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=ephemeral_port_pair())
+    model = model_dir(tmp_path / "m")
+    records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model}, listen_s=2.0)))
+    low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert records["replica.master_port"].status == "ok", records["replica.master_port"].summary
+    rng = records["replica.port_range"]
+    assert rng.status == "warn" and rng.detail["ephemeral_range"] == [low, high], rng
+    assert f"ephemeral range {low}-{high}" in rng.summary and f"below {low}" in rng.fix
 
 
 def test_a_taken_master_port_and_too_many_ranks_fail(tmp_path):

@@ -148,6 +148,9 @@ class HostWatch:
         worker host that failed or vanished.
     """
 
+    #: how long :meth:`start` waits for a taken watch port (a closed connection holds it up to 60 s)
+    bind_wait_s = 65.0
+
     def __init__(self, replica: dict, on_lost):
         self.replica, self.on_lost = replica, on_lost
         self.nodes: dict[int, dict] = {}
@@ -160,17 +163,30 @@ class HostWatch:
         self.server: socket.socket | None = None
 
     def start(self) -> None:
-        """Listen on the head's ``node_address``:``watch_port``.
+        """Listen on the head's ``node_address``:``watch_port``, waiting out a connection that still holds it.
 
-        :raises OSError: the port is taken (preflight checks it first).
+        :raises ports.PortTaken: the port stayed taken (preflight checks it first, but anything may take it
+            after); it names the holders and carries the fix.
         """
-        addr = str(self.replica["node_address"])
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        self.server = socket.socket(family, socket.SOCK_STREAM)
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind((addr, int(self.replica["watch_port"])))
-        self.server.listen(16)
+        from remote.system import ports
+
+        addr, port = str(self.replica["node_address"]), int(self.replica["watch_port"])
+        try:
+            self.server = ports.bind_listening(addr, port, what="the replica's watch port", wait_s=self.bind_wait_s,
+                                               on_wait=self._told_taken)
+        except ports.PortTaken as exc:
+            how = self.replica.get("port_setting") or \
+                f"set master_port of replica {self.replica.get('name')} in the inventory"
+            exc.fix = ports.fix_for(how, port - 1, exc)
+            raise
         threading.Thread(target=self._accept, daemon=True, name="specops-host-watch").start()
+
+    def _told_taken(self, users: list[dict]) -> None:
+        from remote.system import ports
+
+        held = "; ".join(map(ports.describe, users)) or "holder unknown"
+        print(f"[specops] replica: the watch port {self.replica['node_address']}:{self.replica['watch_port']} is "
+              f"taken ({held}); waiting for it", flush=True)
 
     def missing(self) -> list[str]:
         """The worker hosts that have not said hello."""

@@ -54,6 +54,9 @@ def main(params: dict) -> dict:
             "node_address": replica["node_address"], "address_here": address_here(str(replica["node_address"]))}
     ports = [int(replica["master_port"]), int(replica["watch_port"])]
     if node == 0:
+        from remote.system import ports as system_ports
+
+        data["ephemeral_ports"] = system_ports.ephemeral_range()
         data["listen"] = hold_ports(str(replica["node_address"]), ports, float(params["listen_s"]),
                                     expect=int(replica["nnodes"]) - 1)
     else:

@@ -174,7 +174,7 @@ class Supervisor:
             error = (self.engine.error_record(exc) if self.engine is not None else None) or \
                 root_cause(self.paths, exc, exc_rank=0 if in_engine else None, deaths=self._deaths())
             if isinstance(exc, NonFiniteStates):
-                error = wire_status.error_from(exc, detail=getattr(exc, "detail", None))
+                error = wire_status.error_from(exc)
             error = self._lost_host(error, seen_at)
             # a replica's worker host aborted (the head unreachable from the laptop): the replica is aborted
             return self._end(error, aborted=error.get("type") == "Aborted")

@@ -159,7 +159,7 @@ def watch_block(disagg: dict) -> dict:
     """The replica watch's view of a disaggregated run: the server host its head, the trainer host its one worker."""
     return {"name": "online", "hosts": [disagg["server_host"], disagg["trainer_host"]], "nnodes": 2,
             "ranks_per_node": 1, "node_address": disagg["address"], "master_addr": disagg["address"],
-            "watch_port": int(disagg["watch_port"])}
+            "watch_port": int(disagg["watch_port"]), "port_setting": "pass train --server-port"}
 
 
 def server_died(disagg: dict, cause: str, host: str | None = None) -> dict:

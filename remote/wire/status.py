@@ -232,7 +232,12 @@ def error(type: str, message: str, *, rank=None, where: str = "supervisor", trac
 
 
 def error_from(exc: BaseException, rank=None, where: str = "supervisor", **extra) -> dict:
-    """``exc`` as the run's ``error``: its type, message and full traceback."""
+    """``exc`` as the run's ``error``: its type, message and full traceback, and the ``fix`` and ``detail`` the
+    exception carries (a check that knows what to do says it where it raises)."""
+    for name, kinds in (("fix", str), ("detail", dict)):
+        carried = getattr(exc, name, None)
+        if extra.get(name) is None and isinstance(carried, kinds):
+            extra[name] = carried
     return error(type(exc).__name__, str(exc) or repr(exc), rank=rank, where=where,
                  traceback="".join(_traceback.format_exception(type(exc), exc, exc.__traceback__)), **extra)
 

@@ -198,8 +198,8 @@ def _conclude(manifest: GroupMap, conns: HostPool, final: dict, *, tensors: bool
                 summary=f"{shard.run_id} on {shard.head} {result.state}: "
                         + (err.headline() if err else "no error recorded"),
                 detail={"error": err.model_dump() if err else None},
-                fix=f"read the traceback (specops logs --run-id {manifest.run_id}); fix the cause, then run the "
-                    f"same command again to resume the shard"))
+                fix=(f"{err.fix}; then " if err and err.fix else f"read the traceback (specops logs --run-id "
+                     f"{manifest.run_id}); fix the cause, then ") + "run the same command again to resume the shard"))
             codes.append(result.exit_code)
         reports.append(report)
     fetched = {r.host: r for r in fetch(manifest, conns, tensors=tensors)}
