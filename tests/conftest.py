@@ -6,6 +6,8 @@ Everything heavy is built once and cached outside the repo by content hash
 from __future__ import annotations
 
 import os
+import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -363,3 +365,22 @@ def modern_ssh_run(testhost, modern_fixed_python, tiny_models, tmp_path_factory)
         return run
 
     return get
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free, below the kernel's ephemeral range as a real master port is (29500): a port
+    in that range may be handed to any outgoing connection between this pick and the run's bind."""
+    from remote.system.ports import ephemeral_range
+
+    low = (ephemeral_range() or [32768])[0]
+    pick = random.Random()
+    for _ in range(200):
+        port = pick.randrange(20000, low - 2)
+        try:
+            with socket.socket() as one, socket.socket() as two:
+                one.bind(("127.0.0.1", port))
+                two.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free consecutive loopback ports")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from remote.extract.replica import HostWatch
 from specops.result import RunError
-from test_replica_remote import free_port_pair
+from conftest import free_port_pair
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

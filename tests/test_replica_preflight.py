@@ -12,7 +12,7 @@ import pytest
 from remote.extract import replica_probe
 from specops.inventory import ReplicaSpec
 from specops.replica import judge
-from test_replica_remote import free_port_pair  # P and P + 1 free: the master port and the watch
+from conftest import free_port_pair  # P and P + 1 free: the master port and the watch
 
 MODEL_FILES = {"config.json": b'{"model_type": "llama", "num_hidden_layers": 2}',
                "model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a": 1}        ' + b"\x00" * 64}

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from remote.system.ports import ephemeral_range
+from conftest import free_port_pair
 from specops.testhost.sshd import TestHost
 from test_group_remote import kill_host, wait_for
 
@@ -36,23 +34,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.vllm
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free, below the kernel's ephemeral range as a real master port is (29500): a port
-    in that range may be handed to any outgoing connection between this pick and the run's bind."""
-    low = (ephemeral_range() or [32768])[0]
-    pick = random.Random()
-    for _ in range(200):
-        port = pick.randrange(20000, low - 2)
-        try:
-            with socket.socket() as one, socket.socket() as two:
-                one.bind(("127.0.0.1", port))
-                two.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no two free consecutive loopback ports")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+from conftest import free_port_pair  # noqa: E402
 from specops_cli import specops  # noqa: E402
 sys.path.insert(0, str(REPO))
 
@@ -77,22 +77,6 @@ def test_a_head_without_an_ip_address_and_a_master_port_on_one_host_are_refused_
 # --------------------------------------------------------------------------- heavy: two hosts over SSH
 
 
-def _free_port() -> int:
-    """A port P with P + 1 free too (the nodes' preflight holds both)."""
-    for _ in range(50):
-        with socket.socket() as one:
-            one.bind(("127.0.0.1", 0))
-            port = one.getsockname()[1]
-        if port < 65534:
-            try:
-                with socket.socket() as two:
-                    two.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
-
 def _two_hosts(run, tmp_path, name: str, env: dict | None = None) -> Path:
     """An inventory of hosts ``a`` (the shared run's host, the head) and ``b`` (its own work_dir, the head's
     states run linked into it: a shared output_dir) in group ``pair``."""
@@ -119,7 +103,7 @@ def test_two_hosts_train_one_draft_the_head_holds_the_curve_and_the_checkpoints(
     run = modern_ssh_run("llama", 1)
     env, head_work = run["env"], run["run_dir"].parent.parent
     inv = _two_hosts(run, tmp_path, "pair")
-    proc = specops(*_train(inv, run, "nodes-2", 2, _free_port(), env), "--json", env=env, timeout=900)
+    proc = specops(*_train(inv, run, "nodes-2", 2, free_port_pair(), env), "--json", env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     by_host = {h["host"]: {r["name"]: r for r in h["records"]} for h in doc["hosts"]}
@@ -148,7 +132,7 @@ def test_a_killed_node_fails_the_run_naming_its_host_abort_stops_every_node_and_
     env, head_work = run["env"], run["run_dir"].parent.parent
     # a pause after each optimizer step (the CPU launcher's fault point): the kill lands mid-training
     inv = _two_hosts(run, tmp_path, "slow", env={"SPECOPS_BATCH_DELAY_S": "1.0"})
-    args = _train(inv, run, "nodes-lost", 4, _free_port(), env)
+    args = _train(inv, run, "nodes-lost", 4, free_port_pair(), env)
     head_dir, node_dir = head_work / "runs" / "nodes-lost", tmp_path / "slow" / "work-b" / "runs" / "nodes-lost"
     first = subprocess.Popen([str(Path(sys.executable).parent / "specops"), *map(str, args), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -200,7 +184,7 @@ def test_a_host_without_the_states_stops_every_node_before_one_starts_naming_it(
     env = run["env"]
     inv = _two_hosts(run, tmp_path, "apart")
     (tmp_path / "apart" / "work-b" / "runs" / run["run_id"]).unlink()  # b's storage is its own: no states there
-    proc = specops(*_train(inv, run, "nodes-apart", 1, _free_port(), env), "--json", env=env, timeout=300)
+    proc = specops(*_train(inv, run, "nodes-apart", 1, free_port_pair(), env), "--json", env=env, timeout=300)
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = {h["host"]: {r["name"]: r for r in h["records"]} for h in json.loads(proc.stdout)["hosts"]}
     assert recs["b"]["train.nodes"]["status"] == "fail" and "the checks of b failed" in recs["b"]["train.nodes"][
