@@ -127,6 +127,12 @@ def test_server_args_are_checked_as_vllm_reads_them_underscores_dotted_keys_and_
     assert server_args_problem(["--max_num_batched_tokens=8192"]) is None
     for bad in (["--max-num-batched-tokens", "8k"], ["--max-num-batched-tokens=0"]):
         assert "--max-num-batched-tokens" in server_args_problem(bad) and "whole number" in server_args_problem(bad)
+    # so is the request count (the plan's sampler and MLA moments read it): a value vLLM would refuse, refused first
+    assert server_args_problem(["--max_num_seqs=64"]) is None
+    for bad in (["--max-num-seqs", "many"], ["--max-num-seqs=0"], ["--max_num_seqs", "-4"]):
+        problem = server_args_problem(bad)
+        assert f"--max-num-seqs {bad[-1].split('=')[-1]!r} is not a positive whole number of requests" in problem, problem
+        assert "e.g. --max-num-seqs 256" in problem
     # flags that only look alike stay allowed
     assert refused_flags(["--no-enable-prefix-caching", "--max-num-seqs", "4", "--model-impl", "vllm",
                           "--max_num_batched_tokens=512", "-O3"]) == []

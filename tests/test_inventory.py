@@ -283,6 +283,7 @@ def test_server_args_is_a_field_the_memory_plan_follows_and_a_flag_that_would_ma
     assert command.batched_tokens({**params, "chunked_prefill_on": True}, 4097) == 8192
     for bad, words in (('server_args: ["--enable-prefix-caching"]\n', "would make the extracted files wrong"),
                        ('server_args: ["--max-num-batched-tokens", "lots"]\n', "not a positive whole number"),
+                       ('server_args: ["--max-num-seqs", "lots"]\n', "not a positive whole number of requests"),
                        ('server_args: ["--max-model-len", "9"]\n', "is set by the engine")):
         with pytest.raises(InventoryError) as err:
             load_inventory(write(tmp_path, host_block(bad)))
