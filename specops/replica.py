@@ -250,14 +250,13 @@ def _ports(name: str, replica: ReplicaSpec, data: dict, silent: dict) -> list[Re
     head = data.get(replica.head) or {}
     listen = head.get("listen") or {}
     taken = {p: e for p, e in (listen.get("bound") or {}).items() if e}
-    records = []
+    records = [_port_range(name, replica, head.get("ephemeral_ports"))]
     if taken:
         records.append(Record(name="replica.master_port", status="fail",
                               summary=f"{name}: the head {replica.head} cannot listen on " + "; ".join(
                                   f"port {p} ({e})" for p, e in taken.items()),
                               fix=f"set master_port of replica {replica.name} to a free port P (P and P + 1 are used)"))
         return records
-    records.append(_port_range(name, replica, head.get("ephemeral_ports")))
     unreached = {h: {p: e for p, e in (d.get("reach") or {}).items() if e}
                  for h, d in data.items() if h != replica.head}
     unreached = {h: bad for h, bad in unreached.items() if bad}

@@ -88,14 +88,13 @@ def ephemeral_port_pair() -> int:
 
 
 def test_a_master_port_in_the_ephemeral_range_is_a_warn_with_a_port_below_it(tmp_path):
-    """A pair the kernel may give an outgoing connection at any time (the head's ip_local_port_range) passes the
-    port check now, and is a warn naming the range and a port below it."""
+    """A pair the kernel may give an outgoing connection at any time (the head's ip_local_port_range) is a warn
+    naming the range and a port below it."""
     replica = ReplicaSpec(name="pair", hosts=["a", "b"], tp=2, master_port=ephemeral_port_pair())
     model = model_dir(tmp_path / "m")
     records = by_name(judge(replica, probe_replica(replica, {"a": model, "b": model}, listen_s=2.0)))
     low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert records["replica.master_port"].status == "ok", records["replica.master_port"].summary
-    rng = records["replica.port_range"]
+    rng = records["replica.port_range"]  # judged whether or not an outgoing connection took the pair meanwhile
     assert rng.status == "warn" and rng.detail["ephemeral_range"] == [low, high], rng
     assert f"ephemeral range {low}-{high}" in rng.summary and f"below {low}" in rng.fix
 
