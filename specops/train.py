@@ -226,8 +226,9 @@ def run_record(run_id: str, state: RunStatus) -> Record:
                               "online_stream": st.get("online_stream"), "kept_states": st.get("kept_states")})
     err = state.error
     status = "warn" if state.state == "aborted" else "fail"
-    fix = None if status == "warn" else ("read the traceback (specops logs --run-id "
-                                         f"{run_id}); fix the cause, then run the same train command again to resume")
+    fix = None if status == "warn" else ((f"{err.fix}; then " if err and err.fix else "read the traceback (specops "
+                                          f"logs --run-id {run_id}); fix the cause, then ") +
+                                         "run the same train command again to resume")
     if err and err.type in NOTHING_LEARNED:  # a resume would go on from a useless draft
         fix = f"fix what the summary names, then train under a new --run-id (specops logs --run-id {run_id})"
     return Record(name="train.run", status=status,

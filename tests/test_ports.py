@@ -81,3 +81,33 @@ def test_a_watch_port_that_stays_taken_names_its_holder_and_the_fix(hostenv_pyth
     seen = RunError.model_validate(error)
     assert seen.headline().startswith("supervisor: PortTaken: the replica's watch port"), seen.headline()
     assert seen.fix == error["fix"]
+
+
+def test_a_master_port_torch_could_not_listen_on_fails_the_run_with_the_fix(hostenv_python, tmp_path):
+    """torch's own TCPStore (what vLLM's ranks and torchrun listen with) refused a port this process holds: the
+    failed run's status carries a fix that names the port and where to set another."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    script = (
+        "import datetime, json, sys\n"
+        "import torch.distributed as dist\n"
+        "from remote.run.lifecycle import StatusFile\n"
+        "from remote.wire import status\n"
+        f"run = StatusFile(__import__('pathlib').Path({str(tmp_path / 'status.json')!r}), "
+        "{'run_id': 'r', 'state': 'loading', 'kind': 'extract'}, beats=False)\n"
+        "try:\n"
+        f"    dist.TCPStore('127.0.0.1', {port}, 2, True, timeout=datetime.timedelta(seconds=3))\n"
+        "except Exception as exc:\n"
+        "    run.fail(status.error_from(exc))\n")
+    try:
+        out = subprocess.run([str(hostenv_python), "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    finally:
+        holder.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    error = json.loads((tmp_path / "status.json").read_text())["error"]
+    assert "EADDRINUSE" in error["message"] and f"port: {port}" in error["message"], error["message"]
+    assert error["fix"].startswith(f"port {port} of that host is taken") and "master_port in the inventory" in \
+        error["fix"] and "--master-port" in error["fix"], error["fix"]

@@ -119,7 +119,7 @@ class StatusFile:
     def fail(self, error: dict, *, ended_by_slurm: bool = False, **fields) -> dict:
         """``failed``, with ``error`` saying why. ``ended_by_slurm``: Slurm's state of the run's job, which replaces
         an abort its supervisor recorded for Slurm's SIGTERM (a time limit is no user's abort)."""
-        return self.update(state=RunState.FAILED.value, phase="failed", error=error,
+        return self.update(state=RunState.FAILED.value, phase="failed", error=wire_status.with_known_fix(error),
                            moves=("ended_by_slurm",) if ended_by_slurm else (), **fields)
 
     def abort(self, error: dict, *, by_request: bool = False, **fields) -> dict:

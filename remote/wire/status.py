@@ -22,6 +22,7 @@ The laptop imports this very module as ``specops.wire.status``.
 """
 from __future__ import annotations
 
+import re
 import traceback as _traceback
 from typing import NamedTuple
 
@@ -229,6 +230,28 @@ def error(type: str, message: str, *, rank=None, where: str = "supervisor", trac
     """
     record = {"rank": rank, "type": type, "message": message, "traceback": traceback, "where": where, **extra}
     return check_error(record, where="the built error")
+
+
+#: a port a process could not listen on, as torch's TCPStore says it (vLLM's ranks, torchrun):
+#: "... port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+PORT_TAKEN_RE = re.compile(r"port: (\d+)\b[^\n]*EADDRINUSE")
+
+
+def with_known_fix(error: dict) -> dict:
+    """``error`` with the fix of a cause its message names that has one wherever it comes from (a rank's own
+    exception, a server log's line); a fix it carries already is kept."""
+    if error.get("fix"):
+        return error
+    taken = PORT_TAKEN_RE.search(str(error.get("message") or ""))
+    if taken:
+        port = taken.group(1)
+        return {**error, "fix": f"port {port} of that host is taken (a process listens on it, or a connection "
+                                f"holds it: ss -tanp 'sport = :{port}' names it). If it is the run's master port "
+                                f"(replicas: master_port in the inventory; train over nodes: --master-port), give a "
+                                f"port P with P + 1 free below the kernel's ephemeral range (cat "
+                                f"/proc/sys/net/ipv4/ip_local_port_range), or stop what holds it; if vLLM chose it, "
+                                f"run the same command again"}
+    return error
 
 
 def error_from(exc: BaseException, rank=None, where: str = "supervisor", **extra) -> dict:
