@@ -133,6 +133,7 @@ def test_server_args_are_checked_as_vllm_reads_them_underscores_dotted_keys_and_
         problem = server_args_problem(bad)
         assert f"--max-num-seqs {bad[-1].split('=')[-1]!r} is not a positive whole number of requests" in problem, problem
         assert "e.g. --max-num-seqs 256" in problem
+    assert "--block-size 'big' is not a positive whole number of tokens" in server_args_problem(["--block-size", "big"])
     # flags that only look alike stay allowed
     assert refused_flags(["--no-enable-prefix-caching", "--max-num-seqs", "4", "--model-impl", "vllm",
                           "--max_num_batched_tokens=512", "-O3"]) == []

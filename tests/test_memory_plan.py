@@ -246,6 +246,31 @@ def test_real_width_terms_the_fixtures_cannot_show():
     assert (terms["peak"] - few["peak"]) / GiB == pytest.approx(2.0, abs=0.01)
 
 
+def test_a_block_size_in_server_args_is_the_plans_kv_block():
+    """``--block-size 64`` (FlashMLA's block) in server_args: MLA's profile workspace spans ``4 x seqs x block``
+    tokens up to its 64 Ki cap, so at 256 sequences it reaches the cap that 16-token blocks reach only at 1,024; and
+    each request of the KV cache holds whole 64-token blocks."""
+    ds = {"hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+          "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
+          "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+          "first_k_dense_replace": 3, "num_hidden_layers": 61, "vocab_size": 129280}
+    for spelling in (["--block-size", "64"], ["--block_size=64"]):
+        assert gpu.engine_block_tokens({"server_args": spelling}) == 64
+    assert gpu.engine_block_tokens({}) == gpu.KV_BLOCK_TOKENS == 16
+    args = dict(tp=1, batched_tokens=2048, max_model_len=4097, layer_ids=[2, 30, 58, 61])
+    default = gpu.overhead_terms(ds, max_num_seqs=256, **args)
+    flash_mla = gpu.overhead_terms(ds, max_num_seqs=256, block_tokens=64, **args)
+    workspace_bytes_per_token = 2 * 128 * (128 + 128)  # bf16, heads x (qk_nope + v_head)
+    assert flash_mla["moments"]["attention"] - default["moments"]["attention"] == \
+        (65536 - 8 * 4097) * workspace_bytes_per_token  # the cap against 8 x max_model_len
+    assert flash_mla["block_tokens"] == 64
+    at_cap = [gpu.overhead_terms(ds, max_num_seqs=1024, block_tokens=b, **args)["moments"]["attention"] for b in (16, 64)]
+    assert at_cap[0] == at_cap[1]  # both at the cap
+    # the KV cache: a 4,097-token request holds 65 blocks of 64 (4,160 tokens), 257 of 16 (4,112)
+    assert gpu.cache_tokens(4160 * 100, 1, 4096, 64) == 100 * 4097
+    assert gpu.cache_tokens(4160 * 100, 1, 4096, 16) == 4160 * 100 * 4097 // 4112
+
+
 def test_probe_budget_is_the_engine_command_builders():
     """One source: the plan's batched tokens are :func:`command.batched_tokens`' for the run's params."""
     from remote.extract.engines.vllm_server import command

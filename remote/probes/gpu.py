@@ -326,7 +326,7 @@ def _aux_before(layer_ids, layer: int) -> int:
 
 
 def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                    layer_ids, eager: bool = False) -> dict:
+                    layer_ids, eager: bool = False, block_tokens: int = KV_BLOCK_TOKENS) -> dict:
     """The torch allocator's candidate peaks of one rank's profile run (bytes), by moment.
 
     Read in vLLM 0.26.0 (0.25.1 is the same code here): ``gpu_model_runner.profile_run`` runs ``_dummy_run``
@@ -348,6 +348,8 @@ def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seq
     * ``sampler``: the warm-up's logits (:data:`SAMPLER_BYTES_PER_LOGIT`), the top-k buffer, the forward's
       ``[T, hidden]`` output and the MoE workspace;
     * ``compile``: the embedding kernel's benchmark inputs (compiled only).
+
+    ``block_tokens``: the KV block (``--block-size``), which MLA's workspace is a multiple of.
     """
     tp = max(int(tp), 1)
     tokens = int(batched_tokens)
@@ -377,8 +379,9 @@ def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seq
         rope = int(text_cfg.get("qk_rope_head_dim") or 0)
         v_dim = int(text_cfg.get("v_head_dim") or nope)
         seqs = int(max_num_seqs)  # the scheduler's, not the dummy run's requests
-        window = max(min(max(MLA_WORKSPACE_MODEL_LENS * int(max_model_len), 4 * seqs * KV_BLOCK_TOKENS),
-                         MLA_WORKSPACE_CAP_TOKENS), seqs * KV_BLOCK_TOKENS)
+        block = int(block_tokens)
+        window = max(min(max(MLA_WORKSPACE_MODEL_LENS * int(max_model_len), 4 * seqs * block),
+                         MLA_WORKSPACE_CAP_TOKENS), seqs * block)
         per_token = heads * (nope + rope) + heads * v_dim + int(text_cfg["kv_lora_rank"]) + rope \
             + hidden * (1 + captured)
         moments["attention"] = (2 * window * heads * (nope + v_dim) + (moe_workspace if first_dense < last else 0)
@@ -407,14 +410,15 @@ def profile_moments(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seq
 
 
 def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                   layer_ids, eager: bool = False) -> dict:
+                   layer_ids, eager: bool = False, block_tokens: int = KV_BLOCK_TOKENS) -> dict:
     """The non-KV overhead of one rank, term by term (bytes), as vLLM's profile run makes it: the largest of
     :func:`profile_moments` (``peak``, ``peak_phase`` names it; ``moments`` all of them) at ``batched_tokens``
     (the ``--max-num-batched-tokens`` the engine passes) and ``max_num_seqs``, the CUDA graph pool (none when
     ``eager``) and the memory outside torch. ``total``: the three together."""
     tokens = int(batched_tokens)
     moments = profile_moments(text_cfg, tp=tp, batched_tokens=tokens, max_num_seqs=max_num_seqs,
-                              max_model_len=max_model_len, layer_ids=layer_ids, eager=eager)
+                              max_model_len=max_model_len, layer_ids=layer_ids, eager=eager,
+                              block_tokens=block_tokens)
     phase = max(moments, key=moments.get)
     capture = min(GRAPH_MAX_CAPTURE_TOKENS, 2 * int(max_num_seqs), tokens)
     act_bytes_per_token = 2 * activation_elements_per_token(text_cfg, tp)
@@ -424,7 +428,7 @@ def overhead_terms(text_cfg: dict, *, tp: int, batched_tokens: int, max_num_seqs
     }
     return dict(terms, moments=moments, peak=moments[phase], peak_phase=phase,
                 total=terms["non_torch"] + terms["cuda_graphs"] + moments[phase], batched_tokens=tokens,
-                max_num_seqs=int(max_num_seqs))
+                max_num_seqs=int(max_num_seqs), block_tokens=int(block_tokens))
 
 
 def engine_batched_tokens(params: dict, config: dict) -> int:
@@ -455,6 +459,15 @@ def engine_max_num_seqs(params: dict) -> int | None:
     return command.max_num_seqs(command.run_defaults(params, batch) if batch else params)
 
 
+def engine_block_tokens(params: dict) -> int:
+    """The KV block the server will use: a ``--block-size`` in ``server_args`` (the inventory's check holds it to
+    a positive whole number), else vLLM's default on a GPU (:data:`KV_BLOCK_TOKENS`)."""
+    from remote.extract.engines.vllm_server import chunking
+
+    given = chunking.flag_value(params.get("server_args") or [], "--block-size")
+    return int(given) if given is not None and given.isdigit() and int(given) > 0 else KV_BLOCK_TOKENS
+
+
 def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """The tokens vLLM says its cache holds ("GPU/CPU KV cache size"): the requests of ``max_model_len``
     (``seq_len + 1``) that fit, each in whole blocks of ``block_tokens``, times ``max_model_len``."""
@@ -466,7 +479,8 @@ def cache_tokens(kv_room: int, per_token: int, seq_len: int, block_tokens: int =
 
 
 def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_bytes: int, tp: int,
-                     kv_per_token: int, hs_per_token: int, seq_len: int, overhead: dict) -> dict:
+                     kv_per_token: int, hs_per_token: int, seq_len: int, overhead: dict,
+                     block_tokens: int = KV_BLOCK_TOKENS) -> dict:
     """What vLLM will make of one GPU at ``util``: weights, overhead, KV room, tokens that fit.
 
     vLLM refuses to start when the GPU has less free memory than ``util x total``; the
@@ -477,7 +491,7 @@ def plan_rank_memory(*, total_bytes: int, free_bytes: int, util: float, weight_b
     weights = int(weight_bytes) // max(int(tp), 1)
     kv_room = budget - weights - overhead["total"]
     per_token = kv_per_token + hs_per_token
-    tokens = cache_tokens(kv_room, per_token, seq_len)
+    tokens = cache_tokens(kv_room, per_token, seq_len, block_tokens)
     return {"total_bytes": int(total_bytes), "free_bytes": int(free_bytes), "gpu_memory_utilization": util,
             "budget_bytes": budget, "weight_bytes": weights, "overhead_bytes": overhead["total"],
             "overhead_terms": overhead, "kv_room_bytes": kv_room,
@@ -498,11 +512,11 @@ def cuda_total_bytes(gpu: dict) -> int:
 
 def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int, tp: int, layer_ids,
                      seq_len: int, batched_tokens: int, dtype_bytes: int = 2, max_num_seqs: int | None = None,
-                     eager: bool = False) -> dict:
+                     eager: bool = False, block_tokens: int = KV_BLOCK_TOKENS) -> dict:
     """:func:`plan_rank_memory` for a model config (``text_config`` unwrapped) and one GPU
     as :func:`remote.system.devices.parse_gpus` gives it, at the engine's ``batched_tokens``
     (:func:`engine_batched_tokens`) and ``max_num_seqs`` (None: vLLM's default for this GPU), capturing
-    ``layer_ids`` (vLLM's ids: the final state is ``num_layers``)."""
+    ``layer_ids`` (vLLM's ids: the final state is ``num_layers``), in KV blocks of ``block_tokens``."""
     text = modelconfig.text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     total = cuda_total_bytes(gpu)
@@ -510,12 +524,13 @@ def plan_from_config(config: dict, *, gpu: dict, util: float, weight_bytes: int,
     limit = text.get("max_position_embeddings")
     max_model_len = min(int(seq_len) + 1, int(limit)) if limit else int(seq_len) + 1  # the engine's
     overhead = overhead_terms(text, tp=tp, batched_tokens=batched_tokens, max_num_seqs=seqs,
-                              max_model_len=max_model_len, layer_ids=list(layer_ids), eager=eager)
+                              max_model_len=max_model_len, layer_ids=list(layer_ids), eager=eager,
+                              block_tokens=block_tokens)
     return plan_rank_memory(
         total_bytes=total, free_bytes=(gpu.get("memory_free_mib") or 0) * MiB,
         util=util, weight_bytes=weight_bytes, tp=tp, kv_per_token=kv_bytes_per_token(text, tp, dtype_bytes),
         hs_per_token=hidden_state_bytes_per_token(hidden, len(layer_ids), dtype_bytes), seq_len=seq_len,
-        overhead=overhead)
+        overhead=overhead, block_tokens=block_tokens)
 
 
 def compare(plan: dict, engine_memory: dict, smi_used_mib=None, rank: int = 0) -> dict:
@@ -616,7 +631,8 @@ def _memory_record(ctx) -> dict:
     plans = [dict(plan_from_config(config, gpu=g, util=util, weight_bytes=weight_bytes, tp=tp, layer_ids=layer_ids,
                                    seq_len=seq_len, dtype_bytes=ctx.params["hidden_dtype_bytes"],
                                    batched_tokens=budget_tokens, max_num_seqs=engine_max_num_seqs(ctx.params),
-                                   eager=bool(ctx.params.get("enforce_eager"))), index=g["index"])
+                                   eager=bool(ctx.params.get("enforce_eager")),
+                                   block_tokens=engine_block_tokens(ctx.params)), index=g["index"])
              for g in gpus]
     worst = min(plans, key=lambda p: p["tokens_fit"])
     ctx.host["gpu_memory_plan"] = plans

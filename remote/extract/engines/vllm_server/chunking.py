@@ -207,9 +207,10 @@ def server_args_problem(server_args, plain: bool = False) -> str | None:
                         + f" (vLLM would take the last one given, and the files would not be what the run "
                         f"records): drop {arg.split('=', 1)[0]} from server_args"
                         + (f" and set {param}" if param else ""))
-    # the memory plan reads these two (a value vLLM's parser would refuse at the start is refused here first)
+    # the memory plan reads these (a value vLLM's parser would refuse at the start is refused here first)
     for flag, what, example in (("--max-num-batched-tokens", "tokens: give the step budget", 8192),
-                                ("--max-num-seqs", "requests: give the sequences a step holds", 256)):
+                                ("--max-num-seqs", "requests: give the sequences a step holds", 256),
+                                ("--block-size", "tokens: give the KV block", 64)):
         value = flag_value(given, flag)
         if value is not None and not (value.isdigit() and int(value) > 0):
             problems.append(f"{flag} {value!r} is not a positive whole number of {what} as one, e.g. "
