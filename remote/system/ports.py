@@ -13,7 +13,7 @@ import socket
 import time
 from pathlib import Path
 
-#: Linux keeps a closed connection's port in TIME_WAIT for 60 s; a bind waits a little longer.
+#: Linux keeps a closed connection's port in TIME_WAIT for 60 s.
 TIME_WAIT_S = 60.0
 RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
@@ -46,7 +46,8 @@ def ephemeral_range(path: Path = RANGE_FILE) -> list[int] | None:
 
 
 def port_users(port: int) -> list[dict]:
-    """The TCP sockets bound to local ``port``: ``{"status", "pid", "cmd"}`` each (pid None: not ours to see).
+    """The TCP sockets bound to local ``port``: ``{"status", "pid", "cmd", "remote"}`` each (pid None: not ours to
+    see; remote None: not connected).
     Read through psutil, which vLLM's env always has; without it, nothing is found."""
     try:
         import psutil
@@ -71,7 +72,8 @@ def port_users(port: int) -> list[dict]:
 
 
 def describe(user: dict) -> str:
-    """One holder in words: ``LISTEN by pid 12 (python3 -m vllm ...)``, ``TIME_WAIT (frees within 60 s)``."""
+    """One holder in words: ``LISTEN by pid 12 (python3 -m vllm ...)``,
+    ``TIME_WAIT to 127.0.0.1:22 (a closed connection's; frees within 60 s)``."""
     words = str(user.get("status"))
     if user.get("remote"):
         words += f" to {user['remote']}"
