@@ -40,6 +40,19 @@ def cluster(tmp_path_factory):
     assert not [p.name for p in repo.glob("slurm-*.out")], "a Slurm job wrote its output into the repo"
 
 
+@pytest.fixture(autouse=True)
+def _nodes_back_up(request):
+    """After a test on the cluster, a node it left down or drained (a failed launch drains one) is resumed: one
+    test's failure is not the next ones' cause."""
+    yield
+    if "cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("cluster")
+        left = _slurm(cluster, "sinfo", "-h", "-t", "down,drain,fail", "-o", "%N").strip()
+        if left:
+            print(f"\nnodes left down or drained: {left}; resumed")
+            _slurm(cluster, "scontrol", "update", f"nodename={left}", "state=resume")
+
+
 @pytest.fixture(scope="module")
 def modern_states(cluster, testhost, modern_fixed_python, tiny_models, tmp_path_factory) -> dict:
     """One ``specops extract`` of the tiny Llama in the modern host env (the trainer's: speculators 0.9) on the Slurm
@@ -235,6 +248,11 @@ def test_slurm_time_gres_and_states_are_read_as_slurm_writes_them():
     assert wire.slurm.job_state("CANCELLED by 0", job="7")["slurm"] == "CANCELLED"
     assert "time limit" in wire.slurm.job_state("TIMEOUT", job="7")["fix"]
     assert "Resources" in wire.slurm.job_state("PENDING", job="7", reason="Resources")["fix"]
+    # a pending job Slurm holds (a launch that failed on a node, a user's or an admin's hold) never starts by itself
+    for reason in ("launch_failed_requeued_held", "JobHeldUser", "JobHeldAdmin"):
+        held = wire.slurm.job_state("PENDING", job="7", reason=reason)
+        assert held["state"] == "held" and held["alive"] and "scontrol release 7" in held["fix"], held
+        assert f"({reason})" in held["fix"] and "it does not start by itself" in held["fix"]
 
 
 def test_the_node_a_train_step_lost_is_read_as_srun_names_it():
@@ -521,6 +539,11 @@ def test_extract_is_a_slurm_job_status_names_its_state_abort_is_scancel(cluster,
                                    timeout=30)
         assert f"Slurm job {job_id} PENDING" in found["job.slurm"]["summary"], proc.stdout
         assert "after a node failure or a preemption" in found["job.slurm"]["summary"]
+        # the killed instance ends first (KillWait): a relaunch of the same job on a node still cleaning up after it
+        # can fail there, and Slurm then holds the job (launch_failed_requeued_held)
+        deadline = time.monotonic() + 60
+        while _pids_with(f"SPECOPS_RUN_DIR={run_dir}", "environ") and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         _slurm(cluster, "scontrol", "update", f"nodename={node}", "state=resume")
     _slurm(cluster, "scontrol", "update", f"jobid={job_id}", "StartTime=now")  # Slurm holds a requeue back ~2 min

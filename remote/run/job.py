@@ -404,7 +404,8 @@ def _slurm_record(name: str, st: dict) -> dict:
     words = slurm.state_words(job)
     summary = f"{words}: {job['state']}"
     if job["alive"] or job["slurm"] == "COMPLETED" or st.get("state") in (RunState.DONE, RunState.ABORTED):
-        bad = job["slurm"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "CANCELLED")
+        bad = job["state"] == "held" or \
+            job["slurm"] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "CANCELLED")
         return protocol.record(f"{name.split('.')[0]}.slurm", protocol.WARN if bad else protocol.OK, summary,
                                detail=job, fix=job["fix"] if bad or job["slurm"] == "PENDING" else None)
     return protocol.record(f"{name.split('.')[0]}.slurm", protocol.FAIL, summary, detail=job,

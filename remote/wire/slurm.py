@@ -99,11 +99,20 @@ JOB_STATES = {
 }
 
 
+#: a pending job that Slurm holds (its reason: JobHeldUser, JobHeldAdmin, launch_failed_requeued_held, ...) never
+#: starts by itself, whatever the nodes
+HELD_PENDING = ("held", True, "Slurm holds the job ({reason}): it does not start by itself; release it with "
+                              "scontrol release {job} (a launch that failed on a node: sinfo -R names the node and "
+                              "why)")
+
+
 def job_state(state: str, *, job: str = "", reason: str = "") -> dict:
     """``{"slurm": "TIMEOUT", "state": "timed out", "alive": False, "fix": ...}`` for a Slurm state word."""
     word = str(state or "").split()[0].rstrip("+") if state else "UNKNOWN"
     named, alive, fix = JOB_STATES.get(word, (word.lower() or "unknown", False,
                                               "Slurm reports a state specops does not know: scontrol show job "
                                               "{job}"))
+    if word == "PENDING" and "held" in str(reason or "").lower():
+        named, alive, fix = HELD_PENDING
     return {"slurm": word, "state": named, "alive": alive, "reason": reason or None, "job_id": job or None,
             "fix": fix.format(job=job, reason=reason or "no reason given") if fix else None}
