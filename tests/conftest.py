@@ -372,10 +372,12 @@ def free_port_pair() -> int:
     in that range may be handed to any outgoing connection between this pick and the run's bind."""
     from remote.system.ports import ephemeral_range
 
-    low = (ephemeral_range() or [32768])[0]
+    low, high = ephemeral_range() or [32768, 60999]
+    # below the range where it leaves room (the kernel's default starts at 32768), else above it
+    span = (20000, low - 2) if low > 21000 else (high + 1, 65534)
     pick = random.Random()
     for _ in range(200):
-        port = pick.randrange(20000, low - 2)
+        port = pick.randrange(*span) if span[1] > span[0] else pick.randrange(1025, 65534)
         try:
             with socket.socket() as one, socket.socket() as two:
                 one.bind(("127.0.0.1", port))
