@@ -10,7 +10,7 @@ sample at ``seq_len`` tokens this is an upper bound::
 
 With ``format: fp8`` (vllm-server) each value is one byte (float8_e4m3fn) and each token
 adds its float32 scale (``hidden_states_scales`` [T, 1, 1]): about half the bf16 figure, landed at
-bf16's rate (0.99x) and made durable at 1.3x through specops' connector (``contract.FP8_SPEED``, and the
+bf16's rate (0.99x) and made durable at 1.4x through specops' connector (``contract.FP8_SPEED``, and the
 stock connector's half of it where specops' cannot run), which the record says wherever it names fp8.
 """
 from __future__ import annotations

@@ -139,14 +139,14 @@ STATE_FORMATS = (BF16, FP8)
 FP8_SCALES_KEY = "hidden_states_scales"
 #: the engines that can write fp8 states.
 FP8_ENGINES = (VLLM_SERVER,)
-#: fp8's speed, measured (issue 43: round 16 on an H100 at real width, vLLM 0.26, a DeepSeek-V3-shaped target,
-#: hidden 7168, 64 x 4096-token samples, the CLI's step budget (4096 on a GPU) and concurrency;
-#: tests/fixtures/gpu/round16/fp8_speed): the share of plain prefill extraction landed (manifest done) and made
-#: durable with specops' fp8 connector (quantized on the GPU, the engine's default) and with bf16, and landed with
-#: hs-connectors 0.9.0's own fp8 connector (quantized on the host CPU after a bf16 copy, ~0.69 GB/s: the fallback
-#: where specops' cannot run).
-FP8_SPEED = {"fp8_of_plain": 0.872, "bf16_of_plain": 0.884, "stock_fp8_of_plain": 0.43,
-             "fp8_durable_of_plain": 0.492, "bf16_durable_of_plain": 0.371,
+#: fp8's speed, measured (issue 43: GPU round 22 on an H100 at real width, vLLM 0.26, a DeepSeek-V3-shaped target,
+#: hidden 7168, 64 x 4096-token samples, the CLI's step budget (4096 on a GPU) and concurrency, the median of three
+#: passes each; tests/fixtures/gpu/round22/fp8_speed): the share of plain prefill extraction landed (manifest done)
+#: and made durable with specops' fp8 connector (quantized on the GPU by vLLM's fused per-token kernel, the
+#: engine's default) and with bf16, and landed with hs-connectors 0.9.0's own fp8 connector (quantized on the host
+#: CPU after a bf16 copy: the fallback where specops' cannot run).
+FP8_SPEED = {"fp8_of_plain": 0.869, "bf16_of_plain": 0.875, "stock_fp8_of_plain": 0.293,
+             "fp8_durable_of_plain": 0.426, "bf16_durable_of_plain": 0.306,
              "measured": "H100 at DeepSeek-V3 width, vLLM 0.26"}
 #: the same, in words (preflight's capacity advice)
 FP8_SPEED_COST = (f"{FP8_SPEED['fp8_of_plain']} of plain prefill landed vs bf16's {FP8_SPEED['bf16_of_plain']}, "
