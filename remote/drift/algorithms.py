@@ -120,6 +120,39 @@ def served(vllm_root) -> dict[str, dict]:
             for name, fn in _registered(tree, "register_speculator").items()}
 
 
+def converter_nests_ids(vllm_root, algorithm: str) -> bool | None:
+    """Whether vLLM's converter for ``algorithm`` drafts writes the shifted ids into the draft config's
+    ``dflash_config`` (``pre_trained_config["dflash_config"] = {"target_layer_ids": ...}``: True, dflash and
+    dflash2, which calls it) or only at its top level (``pre_trained_config["target_layer_ids"] = ...``: False,
+    dspark); None where it writes neither or vLLM converts no such draft."""
+    algos = Path(vllm_root) / "vllm" / Path(*VLLM_ALGOS)
+    if not algos.is_file():
+        return None
+    tree = parse(algos)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    converter = _registered(tree, "register_speculator").get(algorithm)
+    seen, todo, top_level = set(), [converter] if converter is not None else [], False
+    while todo:
+        fn = todo.pop()
+        seen.add(fn.name)
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) \
+                    and any(_is_key(t, "dflash_config") for t in node.targets) \
+                    and any(isinstance(k, ast.Constant) and k.value == "target_layer_ids" for k in node.value.keys):
+                return True
+            if isinstance(node, ast.Assign) and any(_is_key(t, "target_layer_ids") and isinstance(t.value, ast.Name)
+                                                    for t in node.targets):
+                top_level = True
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions \
+                    and node.func.id not in seen:
+                todo.append(functions[node.func.id])
+    return False if top_level else None
+
+
+def _is_key(expr, key: str) -> bool:
+    return isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == key
+
+
 def v1_runner_refuses(vllm_root) -> list[str]:
     """Speculative methods vLLM's V1 model runner refuses at config time (``if self.speculative_config.method ==
     "dspark": unsupported.append(...)`` in :data:`VLLM_CONFIG`: vLLM 0.32 runs DSpark on its V2 GPU runner only)."""

@@ -655,7 +655,7 @@ def draft_loadable_record(draft: dict, where: str, vllm_root=None) -> dict:
     from remote.drift.source import site_packages
 
     root = vllm_root or site_packages({})[1]
-    problem = known_bad.draft_aux_count_problem(PackageIndex(root), draft, where) if root else None
+    problem = known_bad.draft_config_problem(PackageIndex(root), draft, where) if root else None
     if problem is None:
         return protocol.record("eval.draft_loadable", protocol.OK,
                                "no known-bad draft config form for this vLLM" + ("" if root else " (no vLLM found)"))

@@ -159,6 +159,7 @@ def check(params: dict, records: list[dict]) -> trainplan.TrainPlan:
         records.append(regenerate.check(doc, params, plan.sample_tokens))
     if trains:
         records.append(trainplan.check_api(plan, api))
+        records.append(trainplan.check_served(plan))
         records.append(check_disk(plan))
         # behind Slurm this is the login node: the trainer's memory is that of the compute node the job gets
         elsewhere = {"where": "the job's compute node", "why": "this is the login node; the trainer runs on a "

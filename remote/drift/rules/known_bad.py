@@ -24,6 +24,10 @@ mla-memory-admission   DeepSeek-V4 / hybrid-MLA targets: the server's     versio
 draft-aux-count        an eagle3 draft whose config lists other than 3    source (the draft
                        aux ids at top level cannot load (vLLM #54526,     class's reader)
                        fix #54598 unreleased)
+dflash-fc-count        a DSpark draft whose aux ids count differs from    source (the DFlash
+                       its draft layers cannot load: the DFlash model     model's fc sizing and
+                       sizes its fc from its layers (vLLM PR 48524, in    the converter)
+                       0.27)
 =====================  =================================================  ================
 """
 from __future__ import annotations
@@ -93,7 +97,16 @@ RULES = {r.id: r for r in (
              "add \"num_aux_hidden_states\": <count> to transformer_layer_config in the draft's config.json "
              "(the draft class reads it), or train the draft on 3 aux ids",
              "<=0.34", "source"),
+    KnownBad("dflash-fc-count", "vLLM PR 48524, first in 0.27",
+             "a DSpark draft whose aux ids count differs from its draft layers does not load: the DFlash model "
+             "sizes its fc from dflash_config's target_layer_ids, else the draft's num_hidden_layers, and the "
+             "dspark converter writes target_layer_ids at the config's top level",
+             "train the draft with as many layers as aux ids (--trainer-arg=--num-layers=<count>), or serve it "
+             "with vLLM >= 0.27 (its fc follows the aux ids)",
+             "<0.27", "source"),
 )}
+#: the rules about a draft's own config (eval), not the extraction run's vLLM x model pair
+DRAFT_RULES = ("draft-aux-count", "dflash-fc-count")
 
 
 def in_range(rule: KnownBad, version: str | None) -> bool | None:
@@ -266,7 +279,7 @@ def record(index: PackageIndex, targets: list, params: dict, version: str | None
     detail = {"checked": checked, "fired": fired}
     if not fired:
         return protocol.record("drift.server-known-bad", protocol.OK,
-                               f"none of {len(RULES) - 1} known-bad vLLM x model pairs applies "
+                               f"none of {len(RULES) - len(DRAFT_RULES)} known-bad vLLM x model pairs applies "
                                f"({', '.join(sorted(set(c['id'] for c in checked)))})", detail=detail)
     worst = protocol.FAIL if any(f["level"] == protocol.FAIL for f in fired) else protocol.WARN
     first = fired[0]
@@ -307,6 +320,57 @@ def draft_aux_count_problem(index: PackageIndex, draft: dict, where: str) -> dic
                        f"({rule.issue}): the load would fail",
             "fix": f"add \"num_aux_hidden_states\": {len(ids)} to transformer_layer_config in {where}/config.json, "
                    f"or train the draft on 3 aux ids"}
+
+
+#: the DFlash draft model every DFlash-family method loads (DSpark's ``Qwen3DSparkModel`` subclasses it)
+DFLASH_MODEL = "DFlashQwen3Model"
+#: vLLM 0.27+'s reader of the speculative config's aux ids (PR 48524 sizes the DFlash fc with it)
+AUX_IDS_READER = "get_eagle3_aux_layers_from_config"
+
+
+def draft_fc_count_problem(index: PackageIndex, draft: dict, where: str) -> dict | None:
+    """Why vLLM cannot load this DFlash-family draft's fc, read from source; None when it can.
+
+    vLLM 0.25-0.26 size the DFlash model's fc from ``target_layer_ids`` in the draft's ``dflash_config`` (or
+    ``eagle_config``), else from the draft's ``num_hidden_layers``. The dflash converter writes the ids there; the
+    dspark one writes them at the config's top level, so a DSpark draft of 3 aux ids and speculators' default 5
+    draft layers gets an fc for 5 states and its 3-state weights do not load (GPU round 22: "Tried to load weights
+    of size [4096, 12288] to a parameter of size [4096, 20480]"). 0.27 reads the aux ids themselves (PR 48524)."""
+    from remote.drift import algorithms
+
+    algorithm = draft.get("speculators_model_type")
+    facts = layers.ALGORITHMS.get(algorithm)
+    ids = draft.get(facts.config_ids) if facts and facts.config_ids else None
+    draft_layers = (draft.get("transformer_layer_config") or {}).get("num_hidden_layers")
+    if not isinstance(ids, list) or not isinstance(draft_layers, int) or len(ids) == draft_layers:
+        return None
+    classes = index.find_classes(DFLASH_MODEL, "vllm.model_executor.models")
+    if not classes:
+        return None
+    cls = classes[0]
+    module = _parse(index.module_file(cls.module))
+    if any(isinstance(n, ast.Name) and n.id == AUX_IDS_READER for n in ast.walk(module)):
+        return None
+    reads_nested = any(isinstance(n, ast.Compare) and isinstance(n.left, ast.Constant)
+                       and n.left.value == "target_layer_ids" and isinstance(n.ops[0], ast.In)
+                       for n in ast.walk(cls.node))
+    if not reads_nested or algorithms.converter_nests_ids(index.root, algorithm) is not False:
+        return None
+    rule = RULES["dflash-fc-count"]
+    return {"rule": rule.id, "issue": rule.issue, "ids": ids, "draft_layers": draft_layers, "class": cls.where,
+            "summary": f"the {algorithm} draft has {len(ids)} aux layer ids {ids} and {draft_layers} draft layers; "
+                       f"vLLM's {cls.name} ({cls.where}) sizes its fc from dflash_config's target_layer_ids, else "
+                       f"its {draft_layers} layers, and this vLLM's {algorithm} converter writes target_layer_ids "
+                       f"at the top level ({'/'.join(algorithms.VLLM_ALGOS)}): an fc for {draft_layers} states, "
+                       f"so the load would fail (fixed by {rule.issue})",
+            "fix": f"train the draft with {len(ids)} layers (specops train --algorithm {algorithm} "
+                   f"--trainer-arg=--num-layers={len(ids)}), or serve {where} with vLLM >= 0.27 (its fc follows "
+                   f"the aux ids)"}
+
+
+def draft_config_problem(index: PackageIndex, draft: dict, where: str) -> dict | None:
+    """The first known-bad form of the draft's config for this vLLM (:data:`DRAFT_RULES`), or None."""
+    return draft_aux_count_problem(index, draft, where) or draft_fc_count_problem(index, draft, where)
 
 
 def _reads_top_level(index: PackageIndex, path, where: str) -> bool:
