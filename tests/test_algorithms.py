@@ -432,3 +432,17 @@ def test_the_draft_config_train_writes_is_what_vllms_converter_needs_with_the_pl
     if algorithm == "dspark":
         assert converted["mask_token_id"] == draft["mask_token_id"] is not None
         assert converted["architectures"] == ["Qwen3DSparkModel"] and converted["block_size"] == draft["block_size"]
+
+
+def test_extract_preflight_warns_where_its_vllm_could_not_load_speculators_default_dspark_draft(tmp_path):
+    """vLLM 0.26.0's source (GPU round 22): a dspark draft of speculators' default 5 layers on the plan's 3 aux ids
+    gets an fc for 5 states; extract's algorithm.served says so before the states are made, naming --num-layers.
+    0.27.1 sizes the fc from the aux ids."""
+    from specops.testhost.sourcetree import source_of
+
+    old = _probe(tmp_path, source_of("vllm", "0.26.0"), algorithm="dspark")["algorithm.served"]
+    assert old["status"] == "warn" and old["detail"]["draft_problem"]["rule"] == "dflash-fc-count", old
+    assert "but not speculators' default draft on these ids" in old["summary"] and "5 draft layers" in old["summary"]
+    assert "--trainer-arg=--num-layers=3" in old["fix"]
+    new = _probe(tmp_path, source_of("vllm", "0.27.1"), algorithm="dspark")["algorithm.served"]
+    assert "draft_problem" not in new["detail"], new

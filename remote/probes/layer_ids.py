@@ -121,4 +121,21 @@ def algorithm_records(ctx: Context, ids: list, convention: str, num_layers: int)
     served = algorithms.servable_record(algorithm, vllm_root)
     if served["status"] == FAIL:  # the states still train here; serving needs another vLLM
         served = dict(served, status=WARN, summary=f"{served['summary']}: eval on this host would refuse the draft")
+    elif not plan["problems"] and vllm_root:
+        served = _default_draft_loads(served, algorithm, plan["trainer_ids"], vllm_root)
     return out + [served]
+
+
+def _default_draft_loads(served: dict, algorithm: str, aux_ids, vllm_root) -> dict:
+    """``served`` turned a warn where this vLLM could not load the draft speculators trains by default on these ids
+    (:func:`remote.drift.rules.known_bad.planned_draft_problem`: a DSpark draft's 5 layers on 3 aux ids, vLLM
+    0.25-0.26)."""
+    from remote.drift.pyindex import PackageIndex
+    from remote.drift.rules import known_bad
+
+    draft_layers = layers.default_draft_layers(algorithm)
+    problem = known_bad.planned_draft_problem(PackageIndex(vllm_root), algorithm, aux_ids, draft_layers)
+    if problem is None:
+        return served
+    return dict(served, status=WARN, fix=problem["fix"], detail={**served["detail"], "draft_problem": problem},
+                summary=f"{served['summary']}, but not speculators' default draft on these ids: {problem['summary']}")

@@ -637,11 +637,6 @@ def check_algorithm(params: dict, api: dict) -> dict:
     return rec
 
 
-#: speculators 0.9's draft layers when ``--num-layers`` is not given (``speculators/train/config/schema.py``:
-#: ``num_layers = 5 if is_dflash_family else 1``)
-DEFAULT_DRAFT_LAYERS = {"dflash": 5, "dflash2": 5, "dspark": 5, "xpress": 5}
-
-
 def check_served(plan: TrainPlan, vllm_root=None) -> dict:
     """The ``train.served`` record: whether this host's vLLM could load the draft this run trains, read from its
     source before the trainer starts (:func:`remote.drift.rules.known_bad.draft_config_problem`: a DSpark draft of
@@ -652,15 +647,11 @@ def check_served(plan: TrainPlan, vllm_root=None) -> dict:
     from remote.drift.source import site_packages
     from remote.train.memory import flag_value
 
-    facts = layers.ALGORITHMS.get(plan.algorithm)
-    draft_layers = flag_value(plan.extra_args, "--num-layers") or DEFAULT_DRAFT_LAYERS.get(plan.algorithm, 1)
+    draft_layers = flag_value(plan.extra_args, "--num-layers") or layers.default_draft_layers(plan.algorithm)
     root = vllm_root or site_packages({})[1]
-    if root is None or facts is None or not facts.config_ids:
-        return protocol.record("train.served", protocol.SKIPPED, "no vLLM on this host to read" if root is None else
-                               f"no aux ids in a {plan.algorithm} draft's config to check")
-    draft = {"speculators_model_type": plan.algorithm, facts.config_ids: list(plan.trainer_layer_ids),
-             "transformer_layer_config": {"num_hidden_layers": draft_layers}}
-    problem = known_bad.draft_config_problem(PackageIndex(root), draft, "the draft")
+    if root is None:
+        return protocol.record("train.served", protocol.SKIPPED, "no vLLM on this host to read")
+    problem = known_bad.planned_draft_problem(PackageIndex(root), plan.algorithm, plan.trainer_layer_ids, draft_layers)
     if problem:
         return protocol.record("train.served", protocol.WARN, f"this host's vLLM could not serve the draft: "
                                f"{problem['summary']}", fix=problem["fix"], detail=problem)

@@ -238,6 +238,14 @@ ALGORITHMS = {a.name: a for a in (
     Algorithm("mtp", None, 0, None, False, "0.6", None),
 )}
 DEFAULT_ALGORITHM = contract.DEFAULTS["algorithm"]
+#: speculators 0.9's draft layers where ``--num-layers`` is not given (``speculators/train/config/schema.py``:
+#: ``num_layers = 5 if is_dflash_family else 1``)
+DFLASH_FAMILY_DRAFT_LAYERS = {"dflash": 5, "dflash2": 5, "dspark": 5, "xpress": 5}
+
+
+def default_draft_layers(algorithm: str) -> int:
+    """The draft layers speculators trains for ``algorithm`` unless told otherwise."""
+    return DFLASH_FAMILY_DRAFT_LAYERS.get(algorithm, 1)
 
 
 def algorithm_plan(algorithm: str, state_ids, num_layers: int) -> dict:

@@ -373,6 +373,18 @@ def draft_config_problem(index: PackageIndex, draft: dict, where: str) -> dict |
     return draft_aux_count_problem(index, draft, where) or draft_fc_count_problem(index, draft, where)
 
 
+def planned_draft_problem(index: PackageIndex, algorithm: str, aux_ids, draft_layers: int,
+                          where: str = "the draft") -> dict | None:
+    """:func:`draft_config_problem` for a draft not trained yet: the config speculators would write for
+    ``algorithm`` with these aux ids and draft layers (train's and extract's preflight)."""
+    facts = layers.ALGORITHMS.get(algorithm)
+    if facts is None or not facts.config_ids:
+        return None
+    draft = {"speculators_model_type": algorithm, facts.config_ids: list(aux_ids),
+             "transformer_layer_config": {"num_hidden_layers": int(draft_layers)}}
+    return draft_config_problem(index, draft, where)
+
+
 def _reads_top_level(index: PackageIndex, path, where: str) -> bool:
     """Whether the read at ``where`` is ``getattr(self.config, KEY...)`` (the draft's own top level)."""
     line = int(where.rsplit(":", 1)[1])
