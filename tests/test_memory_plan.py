@@ -88,6 +88,9 @@ LEFT_OUT = {
     "round12/cli/logs_llama.txt": "`specops logs` printing r12_llama_h100's server log (the same start)",
     "round19/on_host/gpu-8b-on/logs/server.log": "round 19's online server (train --online): neither the model's config "
                                               "nor nvidia-smi before its start was kept (the call's time ran out)",
+    "round22/drafts/dspark3/server_spec.log": "round 22's eval server (the target serving a dspark draft, no "
+                                              "extraction): the plan sizes extraction servers; nvidia-smi before its "
+                                              "start was not kept",
 }
 #: planned vs used within this on every fixture
 TOLERANCE = 0.10
