@@ -749,7 +749,6 @@ def train_eval():
 #: issues 44-46 at real width: the 8B shape's 512 extracted chat rows (the rest held out for eval) serve every draft
 #: (eagle3 offline and online, dspark, dflash2), each trained 4 epochs and served by the staged vLLM
 DRAFTS_HOST, DRAFTS_STATES = "gpu-8b-drafts", "gpu-8b-x"
-DFLASH_FAMILY = ("dflash", "dflash2", "dspark")
 #: MT-Bench question.jsonl rows (two categories, a two-turn question): eval's prompt file at real width (#46)
 MT_BENCH_ROWS = (
     {"question_id": 81, "category": "writing", "turns": ["Write a short travel blog post about a trip to Hawaii.",
@@ -844,7 +843,9 @@ def drafts_algorithms(algorithms=tuple(a for a in os.environ.get("GPU_ROUND_ALGO
             # detached, so a train that outlasts this call runs on and the next call waits for it
             # as many draft layers as the states' 3 aux ids: vLLM 0.25-0.26 size a DFlash-family fc from the
             # layers (round 22; specops' train.served warns of it)
-            layers = ["--trainer-arg=--num-layers=3"] if algorithm in DFLASH_FAMILY else []
+            from remote.wire.layers import DFLASH_FAMILY_DRAFT_LAYERS
+
+            layers = ["--trainer-arg=--num-layers=3"] if algorithm in DFLASH_FAMILY_DRAFT_LAYERS else []
             out[rid] = specops(["train", "--on", DRAFTS_HOST, "--run-id", rid, "--from-run", DRAFTS_STATES,
                                 "--algorithm", algorithm, "--epochs", str(ALGORITHM_EPOCHS.get(algorithm, 4)),
                                 *layers, "--detach", "--json"],
